@@ -1,0 +1,62 @@
+"""Typed errors raised by the client library. Each carries a stable ``code``."""
+
+from __future__ import annotations
+
+from client_lib.protocol import ErrorCode
+
+
+class NodeAgentError(Exception):
+    """Base of every client-library error; ``code`` is an :class:`ErrorCode` string."""
+
+    code = "E_CLIENT"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class DaemonError(NodeAgentError):
+    """The daemon refused a request; ``code`` says why."""
+
+
+class ProtocolMismatchError(DaemonError):
+    code = ErrorCode.PROTOCOL
+
+
+class NoSessionError(DaemonError):
+    code = ErrorCode.NO_SESSION
+
+
+class DaemonUnavailableError(NodeAgentError):
+    """No answer from the daemon at ``endpoint`` (not running, restarted, or hung)."""
+
+    code = "E_UNAVAILABLE"
+
+    def __init__(self, endpoint: str, detail: str) -> None:
+        super().__init__(f"nodeagent daemon at {endpoint} is unavailable: {detail}")
+        self.endpoint = endpoint
+
+
+class HandshakeTimeoutError(DaemonUnavailableError):
+    """No ``welcome`` within the handshake deadline."""
+
+    code = "E_TIMEOUT"
+
+
+class GrantTimeoutError(NodeAgentError):
+    """The token was not granted within the caller's timeout."""
+
+    code = "E_TIMEOUT"
+
+
+_BY_CODE = {
+    ErrorCode.PROTOCOL: ProtocolMismatchError,
+    ErrorCode.NO_SESSION: NoSessionError,
+}
+
+
+def from_reply(code: str, message: str) -> DaemonError:
+    """The exception for an ``error`` reply."""
+    cls = _BY_CODE.get(code, DaemonError)
+    return cls(f"{code}: {message}", code)

@@ -1,0 +1,206 @@
+"""Wire types of the nodeagent protocol: the one definition both sides import.
+
+Every frame is one MessagePack map with an ``op`` tag. Requests go client ->
+daemon and carry a request ``id`` (a positive integer chosen by the client);
+the daemon answers each with exactly one reply echoing that ``id``: ``ok``,
+``error``, or a reply that carries a body (``welcome``, ``status_reply``).
+Notices (``grant``, ``yield``, ``revoke``) are pushed by the daemon at any
+time on the same connection and carry ``id = 0``.
+
+Compatibility rules (the protocol version is separate from the package
+version): a new field goes at the end of its struct with a default, which is a
+minor bump; anything else is a major bump. A daemon answers a ``hello`` with a
+major it cannot speak with ``E_PROTOCOL`` naming both versions. Encoding and
+decoding live in :mod:`client_lib.codec`; nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+"""(major, minor) of the wire protocol spoken by this copy of client_lib."""
+
+Workload = Literal["inference", "training", "best-effort"]
+WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
+"""Workload classes, highest priority first."""
+
+
+class ErrorCode:
+    """Stable error codes. Clients match on these strings; never rename one."""
+
+    BAD_REQUEST = "E_BAD_REQUEST"  # not MessagePack, wrong shape or types, unknown op, oversized
+    PROTOCOL = "E_PROTOCOL"  # protocol major version the daemon cannot speak
+    NO_SESSION = "E_NO_SESSION"  # request needs a session and this peer has none (or it was lost)
+    NOT_HOLDER = "E_NOT_HOLDER"  # release of a grant this session does not hold
+    DEVICE = "E_DEVICE"  # no such device, or the device cannot take the session
+    INVALID = "E_INVALID"  # well-formed request with a value out of range (weight <= 0, ...)
+    SHUTTING_DOWN = "E_SHUTTING_DOWN"  # the daemon is stopping and takes no new work
+    INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
+
+
+# --------------------------------------------------------------------------
+# Client -> daemon requests
+# --------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
+    """Base of every request: ``id`` is echoed in the reply."""
+
+    id: int
+
+
+class Hello(Request, tag="hello"):
+    """Opens a session. ``pid`` is a claim only; the daemon verifies it from
+    the connection's peer credentials where the transport allows."""
+
+    protocol: tuple[int, int]
+    name: str
+    pid: int
+    workload: Workload = "training"
+    weight: float = 1.0
+    device: Optional[int] = None  # None: the daemon picks the least loaded device
+    memory_mb: int = 0
+    resume_session: Optional[str] = None  # reattach to this session id if it still exists
+    resume_key: Optional[str] = None  # the key the welcome carried for that session
+
+
+class Heartbeat(Request, tag="heartbeat"):
+    """Keeps a session alive. May come from a different connection than the
+    session's own (the client's heartbeat thread), so it names the session
+    and proves it with the session key."""
+
+    session: str
+    key: str
+
+
+class Acquire(Request, tag="acquire"):
+    """Ask for the device token. Replied ``ok`` at once; the token itself
+    arrives later as a ``grant`` notice. Idempotent while waiting or holding."""
+
+
+class Release(Request, tag="release"):
+    """Give the token of ``grant`` back. With ``requeue`` the session is put
+    back in the queue in the same step (a yield that wants the GPU again)."""
+
+    grant: int
+    requeue: bool = False
+
+
+class Cancel(Request, tag="cancel"):
+    """Withdraw a pending ``acquire`` (no-op when not waiting)."""
+
+
+class StatusRequest(Request, tag="status"):
+    """Snapshot of devices and sessions. Needs no session."""
+
+
+class Goodbye(Request, tag="bye"):
+    """Close the session: its token, if held, passes on at once."""
+
+
+ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye]
+
+
+# --------------------------------------------------------------------------
+# Daemon -> client replies and notices
+# --------------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
+    """Base of every daemon -> client message. Notices carry ``id = 0``."""
+
+    id: int = 0
+
+
+class Ok(Reply, tag="ok"):
+    """Request done; nothing to return."""
+
+
+class Error(Reply, tag="error"):
+    """Request refused; it changed nothing. ``code`` is an :class:`ErrorCode`."""
+
+    code: str
+    message: str
+
+
+class Welcome(Reply, tag="welcome"):
+    """Reply to ``hello``: the session and the settings the client must follow."""
+
+    protocol: tuple[int, int]
+    session: str
+    key: str  # secret proving ownership of the session (heartbeats, resume)
+    device: int
+    backend: str
+    slice_ms: float  # quantum of this session's workload class
+    grace_ms: float  # time between a yield request and enforcement
+    heartbeat_ms: float  # send a heartbeat at least this often
+    resumed: bool = False
+
+
+class SessionInfo(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    pid: int
+    pid_verified: bool
+    workload: str
+    weight: float
+    state: str  # idle | waiting | holding | yielding
+    gpu_time_s: float
+    grants: int
+    memory_mb: int
+
+
+class DeviceInfo(msgspec.Struct, kw_only=True):
+    index: int
+    backend: str
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: Optional[int]
+    utilization_percent: Optional[float]
+    holder: Optional[str]  # session id holding the token, if any
+    queue: list[str]  # session ids waiting, in grant order
+    sessions: list[SessionInfo]
+
+
+class StatusReply(Reply, tag="status_reply"):
+    protocol: tuple[int, int]
+    daemon_pid: int
+    backend: str
+    uptime_s: float
+    devices: list[DeviceInfo]
+
+
+class Grant(Reply, tag="grant"):
+    """Notice: you hold the token of ``device`` under ``grant`` (pass it back
+    in ``release``). Keep it as long as nobody is waiting; expect a ``yield``
+    once ``slice_ms`` has passed and somebody is."""
+
+    grant: int
+    device: int
+    slice_ms: float
+
+
+class YieldRequest(Reply, tag="yield"):
+    """Notice: give the token of ``grant`` back within ``deadline_ms``."""
+
+    grant: int
+    deadline_ms: float
+    reason: str  # "preempted" (a higher class waits) | "quantum" (slice over, others wait)
+
+
+class Revoke(Reply, tag="revoke"):
+    """Notice: the token of ``grant`` was taken away; do not use the device
+    until the next ``grant``."""
+
+    grant: int
+    reason: str  # "overrun" | "shutdown" | "session_lost"
+
+
+DaemonMessage = Union[Ok, Error, Welcome, StatusReply, Grant, YieldRequest, Revoke]
+
+MAX_REQUEST_BYTES = 64 * 1024
+"""Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""
