@@ -1,0 +1,152 @@
+"""Every NVML call in the daemon goes through `Nvml.query`.
+
+One place decides how NVML starts (lazily, once, under a lock), which errors
+mean "this GPU cannot answer that" (the `NA` sentinel, logged once) and which
+are real failures (`NvmlError`). The library object is injected so tests can
+script a fake one; the default is `pynvml` from the nvidia-ml-py package.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Any, Final
+
+log = logging.getLogger("nodeagent.nvml")
+
+# NVML error codes that mean "this device or driver cannot answer this query",
+# not "something broke". Looked up by name on the injected library so a fake
+# only needs the constants it uses.
+_NOT_AVAILABLE_ERRORS: Final = (
+    "NVML_ERROR_NOT_SUPPORTED",
+    "NVML_ERROR_NO_PERMISSION",
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_FUNCTION_NOT_FOUND",
+    "NVML_ERROR_NOT_FOUND",
+    "NVML_ERROR_NO_DATA",
+)
+
+
+class _NotAvailable(enum.Enum):
+    """Type of the `NA` sentinel: an enum member so it stays one object, even across pickling."""
+
+    NA = "NA"
+
+    def __repr__(self) -> str:
+        return "NA"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NA: Final = _NotAvailable.NA
+"""Returned by `Nvml.query` when NVML says the query is unsupported, forbidden or the GPU is gone."""
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot start here: no driver, no library, or no nvidia-ml-py; the message says which."""
+
+
+class NvmlError(Exception):
+    """An NVML call failed for a reason other than "not available" (see `NA`)."""
+
+    def __init__(self, func_name: str, code: int | None, message: str) -> None:
+        super().__init__(f"{func_name} failed: {message} (NVML error {code})")
+        self.func_name = func_name
+        self.code = code
+
+
+class Nvml:
+    """A lazily initialised handle on the NVML library.
+
+    `lib` is the module (or a scripted fake) exposing `nvmlInit`, `nvmlShutdown`,
+    `NVMLError` and the `nvml*` functions; None imports `pynvml` on first use.
+    NVML reference-counts init/shutdown, so several instances may coexist.
+    """
+
+    def __init__(self, lib: Any = None) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._not_available_codes: frozenset[int] = frozenset()
+        self._logged_not_available: set[tuple[str, object]] = set()
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    def init(self) -> None:
+        """Start NVML if not yet started; raise NvmlUnavailable with NVML's reason if it cannot."""
+        if self._initialized:
+            return
+        # The lock makes concurrent first queries call nvmlInit exactly once.
+        with self._lock:
+            if self._initialized:
+                return
+            lib = self._load_lib()
+            try:
+                lib.nvmlInit()
+            except (lib.NVMLError, OSError) as exc:
+                raise NvmlUnavailable(f"nvmlInit failed: {exc}") from exc
+            self._not_available_codes = frozenset(
+                code for name in _NOT_AVAILABLE_ERRORS if (code := getattr(lib, name, None)) is not None
+            )
+            self._initialized = True
+            log.debug("[nvml] initialised lib=%s", getattr(lib, "__name__", type(lib).__name__))
+
+    def shutdown(self) -> None:
+        """Release NVML; a later query initialises it again."""
+        with self._lock:
+            if not self._initialized:
+                return
+            self._initialized = False
+            try:
+                self._lib.nvmlShutdown()
+            except self._lib.NVMLError as exc:
+                log.warning("[nvml] shutdown failed error=%s", exc)
+
+    def query(self, func_name: str, *args: Any) -> Any:
+        """Return `lib.<func_name>(*args)`, with bytes decoded to str, or `NA` if NVML cannot answer.
+
+        Raises NvmlUnavailable if NVML cannot start, NvmlError for any other NVML failure.
+        """
+        self.init()
+        lib = self._lib
+        func = getattr(lib, func_name, None)
+        if func is None:
+            # An older nvidia-ml-py without this function: the same as the driver lacking it.
+            self._log_not_available_once(func_name, "not in library")
+            return NA
+        try:
+            result = func(*args)
+        except lib.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code in self._not_available_codes:
+                self._log_not_available_once(func_name, exc)
+                return NA
+            raise NvmlError(func_name, code, str(exc)) from exc
+        if isinstance(result, bytes):
+            return result.decode("utf-8", errors="replace")
+        return result
+
+    def _load_lib(self) -> Any:
+        if self._lib is None:
+            try:
+                import pynvml
+            except ImportError as exc:
+                raise NvmlUnavailable(f"pynvml is not importable ({exc}); pip install nvidia-ml-py") from exc
+            self._lib = pynvml
+        return self._lib
+
+    def _log_not_available_once(self, func_name: str, error: object) -> None:
+        key = (func_name, getattr(error, "value", str(error)))
+        with self._lock:
+            if key in self._logged_not_available:
+                return
+            self._logged_not_available.add(key)
+        log.debug("[nvml] not available func=%s error=%s", func_name, error)
+
+
+default_nvml: Final = Nvml()
+"""Shared instance for callers that need no injection; nothing is loaded until its first query."""
