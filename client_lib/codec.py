@@ -54,8 +54,6 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
         raise BadFrame(f"invalid request: {exc}", _salvage_id(frame)) from None
     except msgspec.DecodeError as exc:
         raise BadFrame(f"not a MessagePack map: {exc}", 0) from None
-    if msg.id < 0:
-        raise BadFrame(f"request id must be >= 0, got {msg.id}", 0)
     return msg
 
 

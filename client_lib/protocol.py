@@ -16,7 +16,7 @@ decoding live in :mod:`client_lib.codec`; nothing here touches a socket.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
@@ -26,6 +26,9 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 Workload = Literal["inference", "training", "best-effort"]
 WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
 """Workload classes, highest priority first."""
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""Request ids fit a signed 64-bit integer so every peer can hold them."""
 
 
 class ErrorCode:
@@ -49,7 +52,7 @@ class ErrorCode:
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
     """Base of every request: ``id`` is echoed in the reply."""
 
-    id: int
+    id: RequestId
 
 
 class Hello(Request, tag="hello"):

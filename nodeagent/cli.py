@@ -1,0 +1,197 @@
+"""Command line: ``nodeagent serve | status | demo | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import msgspec
+
+EPILOG = """\
+environment:
+  NODEAGENT_ENDPOINT   endpoint for both daemon and clients (overrides the default
+                       ipc:///run/nodeagent/agent.sock for root, else a socket under
+                       $XDG_RUNTIME_DIR/nodeagent or the temp dir)
+
+examples:
+  nodeagent serve --backend cpu --cpu-devices 2
+  nodeagent status --json
+  nodeagent demo --seconds 5
+"""
+
+
+def _quantum(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected CLASS=MS (e.g. training=200), got {text!r}")
+    try:
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"quantum for {name!r} is not a number: {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nodeagent",
+        description="Per-node GPU sharing daemon: processes take turns holding each device's "
+                    "token in time slices; inference outranks training; weighted fair shares.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground",
+                           description="Run the daemon until SIGTERM or SIGINT.")
+    serve.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto",
+                       help="device backend; auto picks cuda when NVML initialises, else cpu (default: auto)")
+    serve.add_argument("--cpu-devices", type=int, default=1, metavar="N",
+                       help="logical devices the cpu backend exposes (default: 1)")
+    serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to listen on")
+    serve.add_argument("--state-dir", metavar="DIR", help="where state is kept")
+    serve.add_argument("--metrics-port", type=int, metavar="P",
+                       help="serve Prometheus metrics on this port (off unless given; 0 picks one)")
+    serve.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                       help="address for the metrics server (default: 127.0.0.1)")
+    serve.add_argument("--quantum-ms", type=_quantum, action="append", default=[], metavar="CLASS=MS",
+                       help="time slice of a workload class, repeatable "
+                            "(defaults: inference=50 training=200 best-effort=200)")
+    serve.add_argument("--grace-ms", type=float, help="time a holder has to yield before enforcement (default: 100)")
+    serve.add_argument("--heartbeat-ms", type=float, help="client heartbeat interval (default: 1000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    status = sub.add_parser("status", help="show devices, sessions, token holders and queues",
+                            description="Ask the daemon for a snapshot of devices and sessions.")
+    status.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
+
+    demo = sub.add_parser("demo", help="an inference and a training client sharing one device",
+                          description="Start a daemon on the cpu backend (or use the one at "
+                                      "NODEAGENT_ENDPOINT) and run an inference client and a training "
+                                      "client that share device 0, printing who holds the token.")
+    demo.add_argument("--seconds", type=float, default=6.0, help="how long the clients run (default: 6)")
+
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, fairness, preempt)",
+                           description="Equivalent to python -m bench.NAME ARGS.")
+    bench.add_argument("name", choices=["handoff", "fairness", "preempt"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "demo":
+        from nodeagent.demo import run_demo
+        return run_demo(args.seconds)
+    if args.command == "bench":
+        return subprocess.call([sys.executable, "-m", f"bench.{args.name}", *args.args])
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from nodeagent.config import ConfigError, ServeConfig
+    from nodeagent.devices import DeviceError, open_backend
+    from nodeagent.runtime import AlreadyRunningError, notify_systemd
+    from nodeagent.server import AgentServer
+
+    config = ServeConfig(backend=args.backend, cpu_devices=args.cpu_devices)
+    if args.endpoint:
+        config.endpoint = args.endpoint
+    if args.state_dir:
+        config.state_dir = args.state_dir
+    config.metrics_port = args.metrics_port
+    config.metrics_addr = args.metrics_addr
+    for name, ms in args.quantum_ms:
+        config.quantum_ms[name] = ms
+    if args.grace_ms is not None:
+        config.grace_ms = args.grace_ms
+    if args.heartbeat_ms is not None:
+        config.heartbeat_ms = args.heartbeat_ms
+    try:
+        config.validate()
+    except ConfigError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
+    except DeviceError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        return 1
+    logging.getLogger("nodeagent.cli").info("[serve] backend=%s (%s)", backend.name, reason)
+    os.makedirs(config.state_dir, mode=0o750, exist_ok=True)
+    server = AgentServer(config, backend)
+    try:
+        endpoint = server.bind()
+    except (AlreadyRunningError, OSError) as exc:
+        print(f"nodeagent: error: cannot listen on {config.endpoint}: {exc}", file=sys.stderr)
+        backend.close()
+        return 1
+    if config.metrics_port is not None:
+        server.metrics.serve_http(config.metrics_port, config.metrics_addr)
+    # Handlers only record the request and wake the loop (the wakeup fd does the waking).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda s, _f: server.request_stop(signal.Signals(s).name))
+    signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
+    print(f"nodeagent: ready endpoint={endpoint} backend={backend.name} devices={backend.count()} "
+          f"pid={os.getpid()}", file=sys.stderr, flush=True)
+    notify_systemd("READY=1")
+    try:
+        reason = server.serve_forever()
+    finally:
+        signal.set_wakeup_fd(-1)
+        backend.close()
+    notify_systemd("STOPPING=1")
+    logging.getLogger("nodeagent.cli").info("[serve] stopped reason=%s", reason)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from client_lib import NodeAgentError, query_status
+    try:
+        status = query_status(args.endpoint, timeout=args.timeout)
+    except NodeAgentError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(status), indent=2))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status) -> str:
+    gib = 1024 ** 3
+    lines = [f"nodeagent pid {status.daemon_pid}  backend {status.backend}  up {status.uptime_s:.0f} s  "
+             f"protocol {status.protocol[0]}.{status.protocol[1]}"]
+    for d in status.devices:
+        used = "?" if d.memory_used_bytes is None else f"{d.memory_used_bytes / gib:.1f}"
+        util = "" if d.utilization_percent is None else f"  util {d.utilization_percent:.0f}%"
+        names = {s.id: s.name for s in d.sessions}
+        holder = f"{d.holder} ({names.get(d.holder, '?')})" if d.holder else "-"
+        queue = ", ".join(f"{sid} ({names.get(sid, '?')})" for sid in d.queue) or "-"
+        lines.append("")
+        lines.append(f"device {d.index}  {d.name}  memory {used}/{d.memory_total_bytes / gib:.1f} GiB{util}")
+        lines.append(f"  holder {holder}   queue {queue}")
+        if d.sessions:
+            lines.append(f"  {'SESSION':<16}{'NAME':<20}{'WORKLOAD':<13}{'WEIGHT':>7}  {'STATE':<9}"
+                         f"{'GPU-TIME':>10}{'GRANTS':>8}{'PID':>9}")
+            for s in d.sessions:
+                pid = f"{s.pid}" + ("" if s.pid_verified else "?")
+                lines.append(f"  {s.id:<16}{s.name[:19]:<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
+                             f"{s.gpu_time_s:>9.2f}s{s.grants:>8}{pid:>9}")
+        else:
+            lines.append("  no sessions")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""Prometheus metrics of the daemon.
+
+The registry is injected so tests use a fresh one. Gauges that describe the
+current state (sessions per device, workload and state) are read at scrape
+time by a custom collector instead of being kept in step by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("nodeagent.metrics")
+
+# Token waits span sub-millisecond handoffs to multi-second queues.
+_WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_HANDOFF_BUCKETS_S = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+
+SessionRow = tuple[str, str, str]  # (device, workload, state)
+
+
+class _SessionCollector(Collector):
+    def __init__(self, rows: Callable[[], Iterable[SessionRow]]) -> None:
+        self._rows = rows
+
+    def collect(self):
+        family = GaugeMetricFamily("nodeagent_sessions", "Sessions by device, workload and state",
+                                   labels=["device", "workload", "state"])
+        counts: dict[SessionRow, int] = {}
+        for row in self._rows():
+            counts[row] = counts.get(row, 0) + 1
+        for row, n in sorted(counts.items()):
+            family.add_metric(list(row), n)
+        yield family
+
+
+class Metrics:
+    """All metrics of one daemon, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.token_wait = Histogram(
+            "nodeagent_token_wait_seconds", "Time from asking for a device token to its grant",
+            ["device", "workload"], buckets=_WAIT_BUCKETS_S, registry=r)
+        self.token_handoff = Histogram(
+            "nodeagent_token_handoff_seconds",
+            "Time inside the daemon from a token's release to the next grant being sent",
+            ["device"], buckets=_HANDOFF_BUCKETS_S, registry=r)
+        self.slice_seconds = Counter(
+            "nodeagent_slice_seconds", "Time a session held its device token", ["session"], registry=r)
+        self.yield_requests = Counter(
+            "nodeagent_yield_requests", "Requests to a token holder to yield", ["device", "reason"], registry=r)
+        self.enforcements = Counter(
+            "nodeagent_enforcements", "Holders that overran their yield deadline, by action taken",
+            ["kind"], registry=r)
+        self.bad_requests = Counter(
+            "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
+        self.sessions_lost = Counter(
+            "nodeagent_sessions_lost", "Sessions dropped because their client vanished", ["reason"], registry=r)
+        self._session_collector: _SessionCollector | None = None
+
+    def watch_sessions(self, rows: Callable[[], Iterable[SessionRow]]) -> None:
+        """Expose ``nodeagent_sessions`` from ``rows`` at scrape time."""
+        self._session_collector = _SessionCollector(rows)
+        self.registry.register(self._session_collector)
+
+    def forget_session(self, session: str) -> None:
+        """Drop the label sets of a departed session."""
+        try:
+            self.slice_seconds.remove(session)
+        except KeyError:
+            pass
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1"):
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        log.info("[metrics] serving http://%s:%d/metrics", addr, server.server_port)
+        return server, thread

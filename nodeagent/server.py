@@ -1,0 +1,549 @@
+"""The daemon's ZeroMQ loop: wraps one :class:`sharing.TokenScheduler` per
+device and turns its actions into notices to clients.
+
+Only this module touches the sockets. The loop waits on the ROUTER socket, a
+wake-up socket (signals and :meth:`AgentServer.request_stop`) and one pidfd
+per verified client process; the poll timeout is the schedulers' next
+deadline, so quantum ends and yield deadlines are acted on without polling.
+
+Bad input never crashes the loop and never changes state: every frame that is
+not a valid request is answered ``E_BAD_REQUEST`` and counted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import os
+import socket
+import time
+from typing import Callable
+
+import zmq
+
+from client_lib import codec
+from client_lib import protocol as p
+from client_lib.endpoint import ipc_path
+from nodeagent import procwatch, runtime
+from nodeagent.config import ServeConfig
+from nodeagent.devices import DeviceBackend
+from nodeagent.metrics import Metrics
+from nodeagent.sessions import Session, new_session_id, new_session_key
+from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
+
+log = logging.getLogger("nodeagent.server")
+
+MAX_NAME_CHARS = 128
+MAX_WEIGHT = 1e6
+_HARD_FRAME_LIMIT_BYTES = 16 * 1024 * 1024  # libzmq drops a peer past this; smaller ones get E_BAD_REQUEST
+_MAX_BATCH = 512  # frames handled before timers get a turn
+
+
+class AgentServer:
+    """One daemon instance. ``bind()``, then ``serve_forever()`` until
+    :meth:`request_stop` (thread- and signal-safe) is called."""
+
+    def __init__(self, config: ServeConfig, backend: DeviceBackend, *,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 context: zmq.Context | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.backend = backend
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._clock = clock
+        self._ctx = context if context is not None else zmq.Context()
+        self._own_ctx = context is None
+        policy = config.policy()
+        self._schedulers = [TokenScheduler(i, policy) for i in range(backend.count())]
+        self._sessions: dict[str, Session] = {}
+        self._by_route: dict[bytes, Session] = {}
+        self._by_pidfd: dict[int, Session] = {}
+        self._unreachable: list[bytes] = []
+        self._router: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stop_reason: str | None = None
+        self._lock: runtime.SocketLock | None = None
+        self._started = clock()
+        self._next_liveness_check = 0.0
+        self._wait_hist: dict[tuple[int, Workload], object] = {}
+        self._handlers = {
+            p.Hello: self._on_hello,
+            p.Heartbeat: self._on_heartbeat,
+            p.Acquire: self._on_acquire,
+            p.Release: self._on_release,
+            p.Cancel: self._on_cancel,
+            p.StatusRequest: self._on_status,
+            p.Goodbye: self._on_bye,
+        }
+        self.metrics.watch_sessions(self._session_rows)
+
+    # ------------------------------------------------------------------ life
+
+    def bind(self) -> str:
+        """Bind the endpoint; returns it. Refuses if another daemon serves it."""
+        endpoint = self.config.endpoint
+        path = ipc_path(endpoint)
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises, not drops
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        router.setsockopt(zmq.RCVHWM, 100_000)
+        router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_LIMIT_BYTES)
+        router.setsockopt(zmq.LINGER, 0)
+        try:
+            if path is not None:
+                runtime.prepare_socket_dir(path)
+                self._lock = runtime.SocketLock(path)
+                self._lock.acquire()
+                runtime.remove_stale_socket(path)
+                old_umask = os.umask(0o117)  # the socket is born 0660: no window with looser modes
+                try:
+                    router.bind(endpoint)
+                finally:
+                    os.umask(old_umask)
+                runtime.secure_socket(path)
+            else:
+                router.bind(endpoint)
+        except BaseException:
+            router.close(0)
+            if self._lock is not None:
+                self._lock.release()
+            raise
+        self._router = router
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d",
+                 endpoint, self.backend.name, len(self._schedulers), os.getpid())
+        return endpoint
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Ask the loop to shut down. Safe from signal handlers and other threads."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or we are closing
+
+    @property
+    def wake_fd(self) -> int:
+        """Write end of the wake-up socket, for ``signal.set_wakeup_fd``."""
+        return self._wake_w.fileno()
+
+    def serve_forever(self) -> str:
+        """Run until stopped; returns the stop reason."""
+        if self._router is None:
+            raise RuntimeError("bind() before serve_forever()")
+        router = self._router
+        wake_fd = self._wake_r.fileno()
+        try:
+            while self._stop_reason is None:
+                events = self._poller.poll(self._poll_timeout_ms())
+                for target, _ in events:
+                    if target is router:
+                        self._drain_router()
+                    elif target == wake_fd:
+                        self._drain_wakeups()
+                    else:
+                        session = self._by_pidfd.get(target)
+                        if session is not None:
+                            self._drop(session, "process_exited", self._clock())
+                self._flush_unreachable()
+                self._on_timers(self._clock())
+        finally:
+            self._shutdown()
+        return self._stop_reason or "requested"
+
+    def _shutdown(self) -> None:
+        reason = self._stop_reason or "error"
+        revoked = 0
+        for s in list(self._sessions.values()):
+            if s.grant is not None:
+                self._send(s.route, p.Revoke(grant=s.grant, reason="shutdown"))
+                revoked += 1
+        log.info("[shutdown] reason=%s step=revoke tokens=%d sessions=%d", reason, revoked, len(self._sessions))
+        for s in list(self._sessions.values()):
+            self._close_pidfd(s)
+        if self._router is not None:
+            self._router.close(linger=200)  # give the revoke notices a moment to leave
+            self._router = None
+        path = ipc_path(self.config.endpoint)
+        if path is not None and self._lock is not None:
+            runtime.remove_stale_socket(path)
+            self._lock.release()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self._ctx.term()
+        log.info("[shutdown] step=done")
+
+    # ---------------------------------------------------------------- input
+
+    def _drain_router(self) -> None:
+        router = self._router
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list) -> None:
+        now = self._clock()
+        route = frames[0].bytes
+        if len(frames) != 2:
+            self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
+            return
+        frame = frames[1]
+        try:
+            msg = codec.decode_request(frame.bytes)
+        except codec.BadFrame as exc:
+            self._bad(route, exc.request_id, str(exc))
+            return
+        try:
+            self._handlers[type(msg)](route, msg, frame, now)
+        except Exception:  # a bug must cost one request, not the daemon
+            log.exception("[serve] handler failed op=%s id=%d", type(msg).__name__, msg.id)
+            self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    # ------------------------------------------------------------- handlers
+
+    def _on_hello(self, route: bytes, msg: p.Hello, frame, now: float) -> None:
+        if msg.protocol[0] != p.PROTOCOL_VERSION[0]:
+            ours = "%d.%d" % p.PROTOCOL_VERSION
+            theirs = "%d.%d" % tuple(msg.protocol)
+            self._error(route, msg.id, p.ErrorCode.PROTOCOL,
+                        f"client speaks protocol {theirs}, daemon speaks {ours}; majors must match "
+                        "(upgrade the older of client_lib and nodeagent)")
+            return
+        if self._stop_reason is not None:
+            self._error(route, msg.id, p.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+            return
+        existing = self._by_route.get(route)
+        if existing is not None:
+            self._error(route, msg.id, p.ErrorCode.INVALID,
+                        f"this connection already has session {existing.id}; send bye first")
+            return
+        problem = _check_hello(msg)
+        if problem:
+            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
+            return
+        creds = procwatch.peer_credentials(frame)
+        resumed = self._try_resume(route, msg, creds, now)
+        if resumed is not None:
+            self._welcome(route, msg.id, resumed, resumed=True)
+            return
+        device = self._pick_device(msg.device)
+        if device is None:
+            self._error(route, msg.id, p.ErrorCode.DEVICE,
+                        f"no device {msg.device}; this node has devices 0..{len(self._schedulers) - 1} "
+                        f"(backend {self.backend.name})")
+            return
+        workload = Workload.parse(msg.workload)
+        verified_pid = creds.pid if creds is not None else None
+        session = Session(
+            id=new_session_id(), key=new_session_key(), route=route, name=msg.name,
+            claimed_pid=msg.pid, verified_pid=verified_pid,
+            start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
+            uid=creds.uid if creds is not None else None,
+            workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
+            created=now, last_seen=now)
+        self._schedulers[device].add_session(session.id, workload, session.weight, now)
+        self._sessions[session.id] = session
+        self._by_route[route] = session
+        if verified_pid is not None:
+            session.pidfd = procwatch.open_pidfd(verified_pid)
+            if session.pidfd is not None:
+                self._by_pidfd[session.pidfd] = session
+                self._poller.register(session.pidfd, zmq.POLLIN)
+            if verified_pid != msg.pid:
+                log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
+                            session.id, msg.pid, verified_pid)
+        log.info("[session] open session=%s name=%s pid=%d verified=%s workload=%s weight=%g device=%d",
+                 session.id, session.name, session.pid, verified_pid is not None,
+                 msg.workload, session.weight, device)
+        self._welcome(route, msg.id, session, resumed=False)
+
+    def _try_resume(self, route: bytes, msg: p.Hello, creds, now: float) -> Session | None:
+        """Reattach a live session to a new connection of the same client."""
+        if not msg.resume_session or not msg.resume_key:
+            return None
+        session = self._sessions.get(msg.resume_session)
+        if session is None or not hmac.compare_digest(session.key, msg.resume_key):
+            return None
+        if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
+            return None
+        self._by_route.pop(session.route, None)
+        session.route = route
+        session.last_seen = now
+        self._by_route[route] = session
+        log.info("[session] resumed session=%s", session.id)
+        return session
+
+    def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
+        policy = self._schedulers[s.device].policy
+        self._send(route, p.Welcome(
+            id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
+            backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
+            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed))
+        if resumed and s.grant is not None:
+            self._send(route, p.Grant(grant=s.grant, device=s.device,
+                                      slice_ms=policy.quantum_s(s.workload) * 1000.0))
+
+    def _pick_device(self, wanted: int | None) -> int | None:
+        if wanted is not None:
+            return wanted if 0 <= wanted < len(self._schedulers) else None
+        return min(range(len(self._schedulers)), key=lambda i: (len(self._schedulers[i]), i))
+
+    def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
+        session = self._sessions.get(msg.session)
+        if session is None or not hmac.compare_digest(session.key, msg.key):
+            self._error(route, msg.id, p.ErrorCode.NO_SESSION,
+                        f"no session {msg.session} (it was closed, timed out, or the daemon restarted)")
+            return
+        session.last_seen = now
+        self._send(route, p.Ok(id=msg.id))
+
+    def _session_for(self, route: bytes, request_id: int, now: float) -> Session | None:
+        session = self._by_route.get(route)
+        if session is None:
+            self._error(route, request_id, p.ErrorCode.NO_SESSION,
+                        "this connection has no session; send hello first")
+            return None
+        session.last_seen = now
+        return session
+
+    def _on_acquire(self, route: bytes, msg: p.Acquire, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None:
+            return
+        if s.grant is None and s.wait_started is None:
+            s.wait_started = now
+        actions = self._schedulers[s.device].request(s.id, now)
+        self._send(route, p.Ok(id=msg.id))
+        self._apply(actions, now)
+
+    def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None:
+            return
+        try:
+            actions = self._schedulers[s.device].release(s.id, msg.grant, now, requeue=msg.requeue)
+        except NotHolderError as exc:
+            self._error(route, msg.id, p.ErrorCode.NOT_HOLDER, str(exc))
+            return
+        self._end_slice(s, now)
+        if msg.requeue:
+            s.wait_started = now
+        # The next holder hears first: the releaser is not waiting on this reply.
+        self._apply(actions, now, handoff_from=now)
+        self._send(route, p.Ok(id=msg.id))
+
+    def _on_cancel(self, route: bytes, msg: p.Cancel, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None:
+            return
+        actions = self._schedulers[s.device].cancel(s.id, now)
+        if s.grant is None:
+            s.wait_started = None
+        self._send(route, p.Ok(id=msg.id))
+        self._apply(actions, now)
+
+    def _on_bye(self, route: bytes, msg: p.Goodbye, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None:
+            return
+        self._send(route, p.Ok(id=msg.id))
+        self._drop(s, "bye", now)
+
+    def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
+        self._send(route, self.status(now, msg.id))
+
+    # ------------------------------------------------------------ scheduler
+
+    def _apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
+        """Carry out scheduler actions: notices to clients, metrics, enforcement."""
+        for action in actions:
+            kind = type(action)
+            if kind is Grant:
+                s = self._sessions[action.session]
+                s.grant = action.grant
+                s.granted_at = now
+                s.grants += 1
+                self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
+                self._observe_wait(s, now)
+                if handoff_from is not None:
+                    self.metrics.token_handoff.labels(str(s.device)).observe(self._clock() - handoff_from)
+            elif kind is AskYield:
+                s = self._sessions[action.session]
+                self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
+                                                   reason=action.reason))
+                self.metrics.yield_requests.labels(str(s.device), action.reason).inc()
+                log.debug("[token] ask-yield session=%s grant=%d reason=%s", s.id, action.grant, action.reason)
+            elif kind is Enforce:
+                self._enforce(action, now)
+            elif kind is Revoked:
+                s = self._sessions[action.session]
+                self._end_slice(s, now)
+                self._send(s.route, p.Revoke(grant=action.grant, reason=action.reason))
+
+    def _enforce(self, action: Enforce, now: float) -> None:
+        # Until process enforcement exists, an overrunning holder loses the token.
+        s = self._sessions[action.session]
+        log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke",
+                    s.id, action.grant, action.overrun_ms)
+        self.metrics.enforcements.labels("revoke").inc()
+        self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
+
+    def _observe_wait(self, s: Session, now: float) -> None:
+        if s.wait_started is None:
+            return
+        key = (s.device, s.workload)
+        hist = self._wait_hist.get(key)
+        if hist is None:
+            hist = self.metrics.token_wait.labels(str(s.device), s.workload.wire)
+            self._wait_hist[key] = hist
+        hist.observe(now - s.wait_started)
+        s.wait_started = None
+
+    def _end_slice(self, s: Session, now: float) -> None:
+        if s.granted_at is not None:
+            self.metrics.slice_seconds.labels(s.id).inc(max(0.0, now - s.granted_at))
+        s.grant = None
+        s.granted_at = None
+
+    def _on_timers(self, now: float) -> None:
+        for scheduler in self._schedulers:
+            deadline = scheduler.next_deadline()
+            if deadline is not None and deadline <= now:
+                self._apply(scheduler.tick(now), now)
+        if now >= self._next_liveness_check:
+            self._check_heartbeats(now)
+            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
+
+    def _poll_timeout_ms(self) -> int:
+        wake_at = self._next_liveness_check
+        for scheduler in self._schedulers:
+            deadline = scheduler.next_deadline()
+            if deadline is not None and deadline < wake_at:
+                wake_at = deadline
+        # Round up: waking early would spin until the deadline.
+        return max(0, math.ceil((wake_at - self._clock()) * 1000.0))
+
+    def _check_heartbeats(self, now: float) -> None:
+        limit = self.config.heartbeat_timeout_s
+        for s in [s for s in self._sessions.values() if now - s.last_seen > limit]:
+            self._drop(s, "heartbeat", now)
+
+    # ------------------------------------------------------------- sessions
+
+    def _drop(self, s: Session, reason: str, now: float) -> None:
+        """End a session; a token it held passes on at once."""
+        if self._sessions.pop(s.id, None) is None:
+            return
+        if self._by_route.get(s.route) is s:
+            del self._by_route[s.route]
+        self._close_pidfd(s)
+        self._end_slice(s, now)
+        actions = self._schedulers[s.device].remove_session(s.id, now)
+        self.metrics.forget_session(s.id)
+        if reason == "bye":
+            log.info("[session] close session=%s name=%s", s.id, s.name)
+        else:
+            self.metrics.sessions_lost.labels(reason).inc()
+            log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
+        self._apply(actions, now, handoff_from=now)
+
+    def _close_pidfd(self, s: Session) -> None:
+        if s.pidfd is None:
+            return
+        self._by_pidfd.pop(s.pidfd, None)
+        try:
+            self._poller.unregister(s.pidfd)
+        except KeyError:
+            pass
+        os.close(s.pidfd)
+        s.pidfd = None
+
+    def _flush_unreachable(self) -> None:
+        while self._unreachable:
+            route = self._unreachable.pop()
+            s = self._by_route.get(route)
+            if s is not None:
+                self._drop(s, "unreachable", self._clock())
+
+    # -------------------------------------------------------------- output
+
+    def _send(self, route: bytes, msg) -> None:
+        try:
+            self._router.send_multipart([route, codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._unreachable.append(route)
+            elif exc.errno == zmq.EAGAIN:
+                log.warning("[serve] dropped %s to a peer that is not reading", type(msg).__name__)
+            else:
+                raise
+
+    def _error(self, route: bytes, request_id: int, code: str, message: str) -> None:
+        self._send(route, p.Error(id=request_id, code=code, message=message))
+
+    def _bad(self, route: bytes, request_id: int, message: str) -> None:
+        self.metrics.bad_requests.inc()
+        log.debug("[serve] bad request: %s", message)
+        self._error(route, request_id, p.ErrorCode.BAD_REQUEST, message)
+
+    # -------------------------------------------------------------- status
+
+    def status(self, now: float | None = None, request_id: int = 0) -> p.StatusReply:
+        now = self._clock() if now is None else now
+        devices = []
+        for info, scheduler in zip(self.backend.devices(), self._schedulers):
+            snap = scheduler.snapshot(now)
+            sessions = []
+            for view in snap.sessions:
+                s = self._sessions[view.session]
+                sessions.append(p.SessionInfo(
+                    id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
+                    workload=s.workload.wire, weight=s.weight, state=view.state.value,
+                    gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb))
+            devices.append(p.DeviceInfo(
+                index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
+                memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
+                utilization_percent=info.utilization_percent, holder=snap.holder,
+                queue=list(snap.queue), sessions=sessions))
+        return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
+                             backend=self.backend.name, uptime_s=now - self._started, devices=devices)
+
+    def _session_rows(self):
+        rows = []
+        for s in list(self._sessions.values()):
+            try:
+                state = self._schedulers[s.device].state(s.id).value
+            except KeyError:
+                continue  # removed while we were reading (scrapes run on another thread)
+            rows.append((str(s.device), s.workload.wire, state))
+        return rows
+
+
+def _check_hello(msg: p.Hello) -> str | None:
+    """Why a hello's values are unacceptable, or None."""
+    if not msg.name or len(msg.name) > MAX_NAME_CHARS:
+        return f"name must be 1..{MAX_NAME_CHARS} characters"
+    if not (math.isfinite(msg.weight) and 0 < msg.weight <= MAX_WEIGHT):
+        return f"weight must be in (0, {MAX_WEIGHT:g}], got {msg.weight}"
+    if msg.memory_mb < 0:
+        return f"memory_mb must be >= 0, got {msg.memory_mb}"
+    if msg.pid <= 0:
+        return f"pid must be > 0, got {msg.pid}"
+    return None

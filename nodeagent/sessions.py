@@ -1,0 +1,49 @@
+"""Sessions as the daemon sees them: who the client is and how to reach it.
+
+Token state (idle, waiting, holding, yielding) is owned by the device's
+:class:`sharing.TokenScheduler`; this record holds the rest. A session lives
+from a ``welcome`` until one of: ``bye``, its process exiting (pidfd), its
+heartbeats stopping, its connection becoming unreachable, or daemon shutdown.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from sharing import Workload
+
+
+def new_session_id() -> str:
+    return "s-" + secrets.token_hex(6)
+
+
+def new_session_key() -> str:
+    return secrets.token_urlsafe(18)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: str
+    key: str
+    route: bytes  # ZeroMQ routing id of the session's main connection
+    name: str
+    claimed_pid: int  # what hello said: never used to signal anything
+    verified_pid: int | None  # from the kernel (SO_PEERCRED); None over tcp
+    start_ticks: int | None  # with verified_pid, identifies the process across pid reuse
+    uid: int | None
+    workload: Workload
+    weight: float
+    device: int
+    memory_mb: int
+    created: float
+    last_seen: float
+    pidfd: int | None = None
+    grant: int | None = None  # grant id while holding the token
+    granted_at: float | None = None
+    wait_started: float | None = None  # when it last asked for the token
+    grants: int = field(default=0)
+
+    @property
+    def pid(self) -> int:
+        return self.verified_pid if self.verified_pid is not None else self.claimed_pid
