@@ -1,0 +1,65 @@
+"""A client process that behaves as told, for tests that need a real, separate,
+killable process. Prints one line per event: ``EVENT <monotonic_s> <detail>``
+(CLOCK_MONOTONIC is shared by all processes, so times compare across them).
+
+Modes:
+  loop   hold slices back to back, doing real work and calling yield_point()
+         after each unit; prints GRANT on each (re-)grant and a final DONE line
+  hold   acquire once, print GRANT, then hold the token (sleeping) until killed
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+from client_lib import Client
+
+
+def emit(event: str, detail: str = "") -> None:
+    sys.stdout.write(f"{event} {time.monotonic():.6f} {detail}\n")
+    sys.stdout.flush()
+
+
+def work_unit(blob: bytes, rounds: int) -> None:
+    for _ in range(rounds):
+        hashlib.sha256(blob).digest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["loop", "hold"])
+    ap.add_argument("--name", default="child")
+    ap.add_argument("--workload", default="training")
+    ap.add_argument("--weight", type=float, default=1.0)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=8, help="sha256 rounds of 64 KiB per work unit")
+    args = ap.parse_args()
+    client = Client(args.name, workload=args.workload, weight=args.weight,
+                    endpoint=os.environ["NODEAGENT_ENDPOINT"])
+    emit("SESSION", client.session_id)
+    blob = os.urandom(1 << 16)
+    if args.mode == "hold":
+        client.acquire()
+        emit("GRANT")
+        while True:
+            time.sleep(1)
+    units = 0
+    stop_at = time.monotonic() + args.seconds
+    with client.slice():
+        emit("GRANT")
+        while time.monotonic() < stop_at:
+            work_unit(blob, args.rounds)
+            units += 1
+            if client.yield_point():
+                emit("GRANT")
+    emit("DONE", str(units))
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Fixtures that run the real daemon as a subprocess on a private ipc socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from client_lib import DaemonUnavailableError, query_status
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    """A ``nodeagent serve`` process started for one test."""
+
+    def __init__(self, workdir: str, extra_args: list[str]) -> None:
+        self.workdir = workdir
+        self.socket_path = os.path.join(workdir, "agent.sock")
+        self.endpoint = f"ipc://{self.socket_path}"
+        self.extra_args = extra_args
+        self.log_path = os.path.join(workdir, "daemon.log")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 15.0) -> "Daemon":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", self.endpoint,
+             "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug", *self.extra_args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                query_status(self.endpoint, timeout=0.2)
+                return self
+            except DaemonUnavailableError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start:\n{self.log()}")
+
+    def status(self):
+        return query_status(self.endpoint, timeout=5)
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def workdir():
+    # ipc socket paths must stay under 107 bytes: pytest's tmp_path can be longer.
+    path = tempfile.mkdtemp(prefix="na-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(workdir):
+    """Factory: ``start_daemon("--quantum-ms", "training=20")`` -> running :class:`Daemon`."""
+    started: list[Daemon] = []
+
+    def start(*extra_args: str) -> Daemon:
+        d = Daemon(workdir, list(extra_args)).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc is not None and d.proc.poll() is None:
+            code = d.stop()
+            assert code == 0, f"daemon exited {code} on SIGTERM:\n{d.log()}"
+
+
+@pytest.fixture
+def daemon(start_daemon) -> Daemon:
+    return start_daemon()
+
+
+class Child:
+    """A ``tests/child_client.py`` process; read its event lines with :meth:`expect`."""
+
+    def __init__(self, endpoint: str, *args: str) -> None:
+        env = dict(os.environ, NODEAGENT_ENDPOINT=endpoint, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.child_client", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[tuple[str, float, str]] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            event, _, rest = line.rstrip("\n").partition(" ")
+            t, _, detail = rest.partition(" ")
+            with self._cond:
+                self.lines.append((event, float(t), detail))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def expect(self, event: str, count: int = 1, timeout: float = 10.0) -> tuple[str, float, str]:
+        """Wait for the ``count``-th line of ``event``; returns it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                hits = [line for line in self.lines if line[0] == event]
+                if len(hits) >= count:
+                    return hits[count - 1]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+                    raise AssertionError(f"no {event} #{count} from child; lines={self.lines} stderr={err}")
+                self._cond.wait(left)
+
+    def events(self, event: str) -> list[tuple[str, float, str]]:
+        with self._cond:
+            return [line for line in self.lines if line[0] == event]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def spawn():
+    children: list[Child] = []
+
+    def make(endpoint: str, *args: str) -> Child:
+        child = Child(endpoint, *args)
+        children.append(child)
+        return child
+
+    yield make
+    for child in children:
+        child.kill()

@@ -1,0 +1,66 @@
+"""The wire types and the codec, without a daemon."""
+
+import msgspec
+import pytest
+
+from client_lib import codec
+from client_lib import protocol as p
+
+
+def test_every_request_round_trips():
+    msgs = [
+        p.Hello(id=1, protocol=(1, 0), name="n", pid=42, workload="inference", weight=2.5, device=1,
+                memory_mb=512, resume_session="s-1", resume_key="k"),
+        p.Heartbeat(id=2, session="s-1", key="k"),
+        p.Acquire(id=3), p.Release(id=4, grant=7, requeue=True), p.Cancel(id=5),
+        p.StatusRequest(id=6), p.Goodbye(id=7),
+    ]
+    for msg in msgs:
+        assert codec.decode_request(codec.encode(msg)) == msg
+
+
+def test_every_daemon_message_round_trips():
+    msgs = [
+        p.Ok(id=1), p.Error(id=2, code=p.ErrorCode.NOT_HOLDER, message="m"),
+        p.Welcome(id=3, protocol=(1, 0), session="s", key="k", device=0, backend="cpu", slice_ms=50.0,
+                  grace_ms=100.0, heartbeat_ms=1000.0),
+        p.Grant(grant=1, device=0, slice_ms=200.0), p.YieldRequest(grant=1, deadline_ms=100.0, reason="quantum"),
+        p.Revoke(grant=1, reason="overrun"),
+    ]
+    for msg in msgs:
+        assert codec.decode_reply(codec.encode(msg)) == msg
+
+
+def test_wire_form_is_a_plain_map_with_op_and_id():
+    raw = msgspec.msgpack.decode(codec.encode(p.Release(id=9, grant=3)))
+    assert raw == {"op": "release", "id": 9, "grant": 3, "requeue": False}
+
+
+@pytest.mark.parametrize("frame, rid, fragment", [
+    (b"\xc1", 0, "not a MessagePack"),                                  # never-used byte
+    (msgspec.msgpack.encode([1, 2, 3]), 0, "invalid request"),          # not a map
+    (msgspec.msgpack.encode({"op": "nope", "id": 5}), 5, "invalid request"),   # unknown op, id salvaged
+    (msgspec.msgpack.encode({"op": "release", "id": 6}), 6, "grant"),   # missing field named
+    (msgspec.msgpack.encode({"op": "release", "id": 7, "grant": "x"}), 7, "grant"),  # wrong type
+    (msgspec.msgpack.encode({"op": "hello", "id": 8, "protocol": [1, 0], "name": "n", "pid": 1,
+                             "workload": "gaming"}), 8, "workload"),    # not a workload class
+    (msgspec.msgpack.encode({"op": "acquire", "id": -3}), 0, "id"),     # negative id
+    (b"\x80" * 10, 0, ""),                                              # trailing garbage
+])
+def test_bad_frames_raise_badframe_with_salvaged_id(frame, rid, fragment):
+    with pytest.raises(codec.BadFrame) as info:
+        codec.decode_request(frame)
+    assert info.value.request_id == rid
+    assert fragment in str(info.value)
+
+
+def test_oversized_frame_is_refused_before_decoding():
+    big = codec.encode(p.Hello(id=1, protocol=(1, 0), name="x" * (p.MAX_REQUEST_BYTES + 1), pid=1))
+    with pytest.raises(codec.BadFrame, match="exceeds"):
+        codec.decode_request(big)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    # A newer minor version may add fields at the end; an older peer must accept them.
+    frame = msgspec.msgpack.encode({"op": "acquire", "id": 3, "priority_hint": 7})
+    assert codec.decode_request(frame) == p.Acquire(id=3)
