@@ -113,8 +113,12 @@ class Client:
         if self._grant is not None:
             return self._grant
         self._send_async(p.Acquire(id=self._take_id()))
+        asked_in = self.welcome.session
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._grant is None:
+            if self.welcome.session != asked_in:  # reconnected: the new session must ask again
+                asked_in = self.welcome.session
+                self._send_async(p.Acquire(id=self._take_id()))
             remaining_ms = _POLL_SLICE_MS
             if deadline is not None:
                 remaining = deadline - time.monotonic()

@@ -1,0 +1,90 @@
+"""The nodeagent command line: help, flag validation, backend choice, metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client_lib import Client
+from tests.conftest import REPO
+from tests.rawpeer import RawPeer
+
+
+def nodeagent(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    ([], ["serve", "status", "demo", "bench", "NODEAGENT_ENDPOINT"]),
+    (["serve"], ["--backend", "--cpu-devices", "--endpoint", "--state-dir", "--metrics-port", "--quantum-ms",
+                 "--grace-ms"]),
+    (["status"], ["--json", "--endpoint"]),
+    (["demo"], ["--seconds"]),
+])
+def test_help_explains_each_command(args, fragments):
+    out = nodeagent(*args, "--help")
+    assert out.returncode == 0
+    for fragment in fragments:
+        assert fragment in out.stdout
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--quantum-ms", "training=-5"], "quantum_ms[training]"),
+    (["--quantum-ms", "gaming=5"], "gaming"),
+    (["--cpu-devices", "0"], "cpu_devices"),
+    (["--grace-ms", "0"], "grace_ms"),
+    (["--endpoint", "udp://x"], "endpoint"),
+])
+def test_bad_settings_are_refused_at_start_naming_the_setting(flags, fragment, workdir):
+    out = nodeagent("serve", "--backend", "cpu", "--state-dir", workdir, *flags)
+    assert out.returncode == 2, out.stderr
+    assert fragment in out.stderr
+
+
+def test_explicit_cuda_backend_without_a_driver_fails_clearly(workdir):
+    pytest.importorskip("pynvml")
+    from nodeagent.nvml import Nvml, NvmlUnavailable
+    try:
+        Nvml().init()
+        pytest.skip("NVML works here: this test is for machines without a GPU")
+    except NvmlUnavailable:
+        pass
+    out = nodeagent("serve", "--backend", "cuda", "--endpoint", f"ipc://{workdir}/a.sock", "--state-dir", workdir)
+    assert out.returncode == 1
+    assert "NVML" in out.stderr and "--backend cpu" in out.stderr
+
+
+def test_auto_backend_says_what_it_picked_and_why(start_daemon):
+    d = start_daemon("--backend", "auto")
+    assert "backend=cpu" in d.log() and "auto:" in d.log()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_serves_parseable_prometheus_text(start_daemon):
+    port = _free_port()
+    d = start_daemon("--metrics-port", str(port))
+    bad = RawPeer(d.endpoint)
+    bad.send(b"\xc1")
+    bad.recv()
+    with Client("m", workload="inference", endpoint=d.endpoint) as client:
+        with client.slice():
+            pass
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["nodeagent_bad_requests"].samples[0].value == 1
+    sessions = families["nodeagent_sessions"].samples
+    assert [(s.labels["workload"], s.labels["state"], s.value) for s in sessions] == [("inference", "idle", 1)]
+    waits = [s for s in families["nodeagent_token_wait_seconds"].samples if s.name.endswith("_count")]
+    assert waits and waits[0].value == 1 and waits[0].labels == {"device": "0", "workload": "inference"}
+    bad.close()

@@ -1,0 +1,116 @@
+"""Client library behaviour against a real daemon, including the daemon going away."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from client_lib import (Client, DaemonUnavailableError, GrantTimeoutError, HandshakeTimeoutError,
+                        NodeAgentError)
+from tests.conftest import REPO
+
+
+def test_yield_point_without_a_request_keeps_the_token(daemon):
+    with Client("solo", endpoint=daemon.endpoint) as client:
+        with client.slice() as grant:
+            for _ in range(100):
+                assert client.yield_point() is False
+            assert client.holding
+            assert daemon.status().devices[0].holder == client.session_id
+        assert not client.holding
+        assert grant >= 1
+
+
+def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_daemon):
+    d = start_daemon("--quantum-ms", "training=20")
+    with Client("a", endpoint=d.endpoint) as a, Client("b", endpoint=d.endpoint) as b:
+        a.acquire()
+        b_granted = []
+        # b is used only from this thread from here on (a Client is single-threaded).
+        t = threading.Thread(target=lambda: (b.acquire(timeout=5), b_granted.append(time.monotonic()),
+                                             b.release()))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not a.yield_point():  # False until the 20 ms quantum ends with b waiting
+            assert time.monotonic() < deadline, "never asked to yield"
+        back = time.monotonic()
+        t.join()
+        assert b_granted and b_granted[0] <= back  # b ran in between
+        assert a.holding
+
+
+def test_acquire_timeout_withdraws_the_request(daemon):
+    with Client("holder", endpoint=daemon.endpoint) as holder, Client("late", endpoint=daemon.endpoint) as late:
+        holder.acquire()
+        with pytest.raises(GrantTimeoutError):
+            late.acquire(timeout=0.2)
+        time.sleep(0.05)
+        dev = daemon.status().devices[0]
+        states = {s.name: s.state for s in dev.sessions}
+        assert states["late"] == "idle" and dev.queue == []
+        assert dev.holder == holder.session_id
+
+
+def test_no_daemon_gives_a_handshake_timeout_naming_endpoint_and_setting(workdir):
+    endpoint = f"ipc://{workdir}/nobody.sock"
+    started = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError) as info:
+        Client("lonely", endpoint=endpoint, handshake_timeout_s=0.3)
+    assert time.monotonic() - started < 2
+    assert endpoint in str(info.value) and "handshake_timeout_s" in str(info.value)
+    assert info.value.endpoint == endpoint
+
+
+def test_daemon_killed_while_waiting_raises_unavailable(start_daemon):
+    d = start_daemon("--heartbeat-ms", "100")
+    with Client("holder", endpoint=d.endpoint) as holder, Client("waiter", endpoint=d.endpoint) as waiter:
+        holder.acquire()
+        d.kill()
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailableError) as info:
+            waiter.acquire(timeout=10)
+        assert time.monotonic() - started < 2.0  # ~3 missed heartbeats of 100 ms
+        assert d.endpoint in str(info.value)
+        with pytest.raises(DaemonUnavailableError):
+            holder.yield_point()
+
+
+def test_reconnecting_client_carries_on_after_a_daemon_restart(start_daemon):
+    d = start_daemon("--heartbeat-ms", "100")
+    client = Client("phoenix", endpoint=d.endpoint, reconnect=True, reconnect_timeout_s=20)
+    first_session = client.session_id
+    with client.slice():
+        pass
+    d.kill()
+    d2 = start_daemon("--heartbeat-ms", "100")
+    time.sleep(0.5)  # the heartbeat thread notices the old daemon is gone
+    with client.slice(timeout=10):
+        assert d2.status().devices[0].holder == client.session_id
+    assert client.session_id != first_session  # a new daemon: a new session
+    client.close()
+
+
+def test_closed_client_refuses_work(daemon):
+    client = Client("done", endpoint=daemon.endpoint)
+    client.close()
+    with pytest.raises(NodeAgentError, match="closed"):
+        client.acquire()
+    # bye reached the daemon: the session is gone at once, not after heartbeats.
+    deadline = time.monotonic() + 2
+    while daemon.status().devices[0].sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.status().devices[0].sessions == []
+
+
+def test_bad_workload_is_refused_before_connecting():
+    with pytest.raises(ValueError, match="inference, training, best-effort"):
+        Client("x", workload="gaming", endpoint="ipc:///nonexistent")
+
+
+def test_client_lib_does_not_import_torch():
+    code = "import sys, client_lib, client_lib.client; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
