@@ -66,8 +66,8 @@ class Client:
         self._sock: zmq.Socket | None = None
         self._next_id = 1
         self._replies: dict[int, p.DaemonMessage] = {}
-        self._async_ids: set[int] = set()  # requests whose reply nobody waits for
-        self._async_error: DaemonError | None = None
+        self._awaiting: set[int] = set()  # ids of requests a _call() is waiting on
+        self._async_error: DaemonError | None = None  # error reply to a fire-and-forget request
         self._grant: int | None = None
         self._yield_requested = False
         self._in_slice = False
@@ -112,18 +112,21 @@ class Client:
         self._pump(0)
         if self._grant is not None:
             return self._grant
-        self._send_async(p.Acquire(id=self._take_id()))
+        self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
+        return self._wait_for_grant(timeout)
+
+    def _wait_for_grant(self, timeout: float | None) -> int:
         asked_in = self.welcome.session
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._grant is None:
             if self.welcome.session != asked_in:  # reconnected: the new session must ask again
                 asked_in = self.welcome.session
-                self._send_async(p.Acquire(id=self._take_id()))
+                self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
             remaining_ms = _POLL_SLICE_MS
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._send_async(p.Cancel(id=self._take_id()))
+                    self._send_quiet(p.Cancel(id=self._take_id()))
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
             if not self._pump(remaining_ms):
@@ -132,12 +135,13 @@ class Client:
 
     def release(self) -> None:
         """Give the token back (no-op when not holding). Does not wait for the daemon."""
-        self._pump(0)
         if self._grant is None:
             return
-        self._send_async(p.Release(id=self._take_id(), grant=self._grant))
+        # Send before reading anything: the next holder is waiting on this frame.
+        self._send_quiet(p.Release(id=self._take_id(), grant=self._grant, quiet=True))
         self._grant = None
         self._yield_requested = False
+        self._pump(0)
 
     @contextmanager
     def slice(self, timeout: float | None = None) -> Iterator[int]:
@@ -157,10 +161,11 @@ class Client:
         waits for the next grant, and returns True."""
         self._pump(0)
         if self._yield_requested and self._grant is not None:
-            self._send_async(p.Release(id=self._take_id(), grant=self._grant, requeue=True))
+            # requeue: released and waiting again in one step, so no acquire to send.
+            self._send_quiet(p.Release(id=self._take_id(), grant=self._grant, requeue=True, quiet=True))
             self._grant = None
             self._yield_requested = False
-            self.acquire()
+            self._wait_for_grant(None)
             return True
         if self._in_slice and self._grant is None:  # revoked: wait for our turn again
             self.acquire()
@@ -179,15 +184,18 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._sock is not None:
+            # Wait for the bye's answer: a process that exits at once (os._exit)
+            # would otherwise take the unsent frame with it, and look crashed.
+            if self._heartbeat is None or self._heartbeat.healthy():
+                try:
+                    self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+                except NodeAgentError:
+                    pass
+            self._sock.close(linger=0)
+            self._sock = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        if self._sock is not None:
-            try:
-                self._sock.send(codec.encode(p.Goodbye(id=self._take_id())), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._sock.close(linger=200)  # let the bye leave
-            self._sock = None
         self._grant = None
 
     def __enter__(self) -> "Client":
@@ -240,7 +248,7 @@ class Client:
         self._grant = None
         self._yield_requested = False
         self._replies.clear()
-        self._async_ids.clear()
+        self._awaiting.clear()
         self._async_error = None
         deadline = time.monotonic() + self.reconnect_timeout_s
         while True:
@@ -261,12 +269,19 @@ class Client:
         if self._closed:
             raise NodeAgentError("client is closed")
 
-    def _send_async(self, req: p.ClientMessage) -> None:
-        self._async_ids.add(req.id)
+    def _send_quiet(self, req: p.ClientMessage) -> None:
+        """Send without waiting: only an error reply matters, and it is raised later."""
         self._sock.send(codec.encode(req))
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
+        self._awaiting.add(req.id)
+        try:
+            return self._wait_reply(req, timeout, handshake)
+        finally:
+            self._awaiting.discard(req.id)
+
+    def _wait_reply(self, req: p.ClientMessage, timeout: float, handshake: bool) -> p.DaemonMessage:
         self._sock.send(codec.encode(req))
         deadline = time.monotonic() + timeout
         while req.id not in self._replies:
@@ -324,13 +339,12 @@ class Client:
                 self._yield_requested = False
                 self.revocations += 1
                 log.warning("[client] token revoked grant=%d reason=%s", msg.grant, msg.reason)
-        elif msg.id in self._async_ids:
-            self._async_ids.discard(msg.id)
-            # A release that raced a revoke is harmless; anything else is not.
-            if kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
-                self._async_error = from_reply(msg.code, msg.message)
-        else:
+        elif msg.id in self._awaiting:
             self._replies[msg.id] = msg
+        elif kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
+            # Error to a request sent without waiting. A release that raced a
+            # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
+            self._async_error = from_reply(msg.code, msg.message)
 
     def _check_daemon(self) -> None:
         hb = self._heartbeat

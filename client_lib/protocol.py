@@ -81,7 +81,10 @@ class Heartbeat(Request, tag="heartbeat"):
 
 class Acquire(Request, tag="acquire"):
     """Ask for the device token. Replied ``ok`` at once; the token itself
-    arrives later as a ``grant`` notice. Idempotent while waiting or holding."""
+    arrives later as a ``grant`` notice. Idempotent while waiting or holding.
+    With ``quiet`` the daemon replies only on error (the grant is the answer)."""
+
+    quiet: bool = False
 
 
 class Release(Request, tag="release"):
@@ -90,6 +93,7 @@ class Release(Request, tag="release"):
 
     grant: int
     requeue: bool = False
+    quiet: bool = False  # reply only on error: the releaser is not waiting for it
 
 
 class Cancel(Request, tag="cancel"):

@@ -16,6 +16,7 @@ import hmac
 import logging
 import math
 import os
+import select
 import socket
 import time
 from typing import Callable
@@ -70,6 +71,9 @@ class AgentServer:
         self._started = clock()
         self._next_liveness_check = 0.0
         self._wait_hist: dict[tuple[int, Workload], object] = {}
+        self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
+        # All client pidfds live in one epoll set, so the zmq poll stays O(1) in sessions.
+        self._pidfds = select.epoll()
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -115,6 +119,7 @@ class AgentServer:
         self._router = router
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d",
                  endpoint, self.backend.name, len(self._schedulers), os.getpid())
         return endpoint
@@ -139,18 +144,17 @@ class AgentServer:
             raise RuntimeError("bind() before serve_forever()")
         router = self._router
         wake_fd = self._wake_r.fileno()
+        pidfds_fd = self._pidfds.fileno()
         try:
             while self._stop_reason is None:
                 events = self._poller.poll(self._poll_timeout_ms())
                 for target, _ in events:
                     if target is router:
                         self._drain_router()
+                    elif target == pidfds_fd:
+                        self._reap_exited()
                     elif target == wake_fd:
                         self._drain_wakeups()
-                    else:
-                        session = self._by_pidfd.get(target)
-                        if session is not None:
-                            self._drop(session, "process_exited", self._clock())
                 self._flush_unreachable()
                 self._on_timers(self._clock())
         finally:
@@ -176,6 +180,7 @@ class AgentServer:
             self._lock.release()
         self._wake_r.close()
         self._wake_w.close()
+        self._pidfds.close()
         if self._own_ctx:
             self._ctx.term()
         log.info("[shutdown] step=done")
@@ -185,11 +190,9 @@ class AgentServer:
     def _drain_router(self) -> None:
         router = self._router
         for _ in range(_MAX_BATCH):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            self._on_frames(frames)
+            self._on_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_frames(self, frames: list) -> None:
         now = self._clock()
@@ -265,7 +268,7 @@ class AgentServer:
             session.pidfd = procwatch.open_pidfd(verified_pid)
             if session.pidfd is not None:
                 self._by_pidfd[session.pidfd] = session
-                self._poller.register(session.pidfd, zmq.POLLIN)
+                self._pidfds.register(session.pidfd, select.EPOLLIN)
             if verified_pid != msg.pid:
                 log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
                             session.id, msg.pid, verified_pid)
@@ -330,7 +333,8 @@ class AgentServer:
         if s.grant is None and s.wait_started is None:
             s.wait_started = now
         actions = self._schedulers[s.device].request(s.id, now)
-        self._send(route, p.Ok(id=msg.id))
+        if not msg.quiet:
+            self._send(route, p.Ok(id=msg.id))
         self._apply(actions, now)
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
@@ -342,12 +346,15 @@ class AgentServer:
         except NotHolderError as exc:
             self._error(route, msg.id, p.ErrorCode.NOT_HOLDER, str(exc))
             return
-        self._end_slice(s, now)
+        held_since = s.granted_at
+        s.grant = s.granted_at = None
         if msg.requeue:
             s.wait_started = now
-        # The next holder hears first: the releaser is not waiting on this reply.
+        # The next holder hears first; bookkeeping and the releaser's reply wait.
         self._apply(actions, now, handoff_from=now)
-        self._send(route, p.Ok(id=msg.id))
+        self._count_slice(s, held_since, now)
+        if not msg.quiet:
+            self._send(route, p.Ok(id=msg.id))
 
     def _on_cancel(self, route: bytes, msg: p.Cancel, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -383,7 +390,7 @@ class AgentServer:
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self._observe_wait(s, now)
                 if handoff_from is not None:
-                    self.metrics.token_handoff.labels(str(s.device)).observe(self._clock() - handoff_from)
+                    self._handoff_hist[s.device].observe(self._clock() - handoff_from)
             elif kind is AskYield:
                 s = self._sessions[action.session]
                 self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
@@ -417,10 +424,13 @@ class AgentServer:
         s.wait_started = None
 
     def _end_slice(self, s: Session, now: float) -> None:
-        if s.granted_at is not None:
-            self.metrics.slice_seconds.labels(s.id).inc(max(0.0, now - s.granted_at))
-        s.grant = None
-        s.granted_at = None
+        held_since = s.granted_at
+        s.grant = s.granted_at = None
+        self._count_slice(s, held_since, now)
+
+    def _count_slice(self, s: Session, held_since: float | None, now: float) -> None:
+        if held_since is not None and s.id in self._sessions:
+            self.metrics.slice_seconds.labels(s.id).inc(max(0.0, now - held_since))
 
     def _on_timers(self, now: float) -> None:
         for scheduler in self._schedulers:
@@ -469,11 +479,18 @@ class AgentServer:
             return
         self._by_pidfd.pop(s.pidfd, None)
         try:
-            self._poller.unregister(s.pidfd)
-        except KeyError:
+            self._pidfds.unregister(s.pidfd)
+        except (KeyError, OSError):
             pass
         os.close(s.pidfd)
         s.pidfd = None
+
+    def _reap_exited(self) -> None:
+        """Sessions whose process exited (their pidfd became readable)."""
+        for fd, _ in self._pidfds.poll(0):
+            session = self._by_pidfd.get(fd)
+            if session is not None:
+                self._drop(session, "process_exited", self._clock())
 
     def _flush_unreachable(self) -> None:
         while self._unreachable:

@@ -114,3 +114,14 @@ def test_bad_workload_is_refused_before_connecting():
 def test_client_lib_does_not_import_torch():
     code = "import sys, client_lib, client_lib.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_close_then_immediate_exit_is_a_clean_close_not_a_lost_session(daemon):
+    # multiprocessing children leave through os._exit: nothing unsent survives it.
+    code = ("import os, sys; from client_lib import Client; "
+            "c = Client('brief', endpoint=sys.argv[1]); c.close(); os._exit(0)")
+    for _ in range(10):
+        subprocess.run([sys.executable, "-c", code, daemon.endpoint], check=True, cwd=REPO, timeout=30)
+    log = daemon.log()
+    assert log.count("[session] close") == 10
+    assert "lost session" not in log

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -95,13 +96,14 @@ def test_holder_killed_with_sigkill_hands_token_on_at_once(daemon, spawn):
     holder = spawn(daemon.endpoint, "hold", "--name", "victim")
     holder.expect("GRANT")
     with Client("waiter", endpoint=daemon.endpoint) as waiter:
-        waiter._send_async(p.Acquire(id=waiter._take_id()))
-        waiter._pump(50)
-        assert not waiter.holding
+        granted_at = []
+        t = threading.Thread(target=lambda: (waiter.acquire(timeout=10), granted_at.append(time.monotonic())))
+        t.start()
+        wait_for(lambda: daemon.status().devices[0].queue == [waiter.session_id])
         killed_at = time.monotonic()
         holder.proc.send_signal(signal.SIGKILL)
-        waiter.acquire(timeout=5)
-        latency = time.monotonic() - killed_at
+        t.join()
+        latency = granted_at[0] - killed_at
     assert latency < 0.5, f"waiter granted {latency * 1000:.1f} ms after the holder died"
     assert "reason=process_exited" in daemon.log()
     assert "victim" not in sessions_by_name(daemon.status())
@@ -233,6 +235,21 @@ def test_requests_without_a_session_get_e_no_session(daemon):
                 p.Heartbeat(id=5, session="s-nope", key="k")):
         reply = peer.call(msg)
         assert isinstance(reply, p.Error) and reply.code == ErrorCode.NO_SESSION, msg
+    peer.close()
+
+
+def test_quiet_requests_answer_only_errors(daemon):
+    peer = RawPeer(daemon.endpoint)
+    refused = peer.call(p.Acquire(id=1, quiet=True))  # no session yet: an error still comes
+    assert refused.code == ErrorCode.NO_SESSION
+    peer.hello("quiet")
+    peer.send(p.Acquire(id=peer.take_id(), quiet=True))
+    grant = peer.recv()
+    assert isinstance(grant, p.Grant)  # the grant, and no ok before or after it
+    peer.send(p.Release(id=peer.take_id(), grant=grant.grant, quiet=True))
+    stale = peer.call(p.Release(id=peer.take_id(), grant=grant.grant, quiet=True))
+    assert stale.code == ErrorCode.NOT_HOLDER  # the first release was silent; the second is refused
+    assert peer.notices == []
     peer.close()
 
 
