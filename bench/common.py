@@ -1,0 +1,411 @@
+"""What every benchmark shares: the daemon it runs against, real work, stats, output.
+
+A benchmark uses the daemon at ``NODEAGENT_ENDPOINT`` when that is set
+("external") and otherwise starts its own ``nodeagent serve --backend cpu`` on a
+private socket ("own daemon"), stopped with SIGTERM when the run ends. Clients
+are forked processes that each open their own :class:`client_lib.Client`.
+Times taken in different processes come from ``time.monotonic_ns()``
+(CLOCK_MONOTONIC on Linux), so they compare across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import zmq
+
+from client_lib import Client, DaemonUnavailableError, query_status
+from client_lib.endpoint import ENV_ENDPOINT
+
+OWN = "own daemon"
+EXTERNAL = "external"
+_START_TIMEOUT_S = 15.0
+_STOP_TIMEOUT_S = 10.0
+
+# fork: client_lib needs no torch, so a forked child starts in milliseconds.
+# Every Client (and its zmq context) is created inside the child.
+mp_context = mp.get_context("fork")
+
+
+def log(message: str) -> None:
+    """Progress for people: always stderr, so stdout stays one JSON object."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- daemon
+
+
+@dataclass
+class DaemonHandle:
+    """The daemon a benchmark talks to."""
+
+    endpoint: str
+    kind: str  # OWN or EXTERNAL
+    proc: subprocess.Popen | None = None
+    workdir: str | None = None
+    args: list[str] = field(default_factory=list)
+    metrics_port: int | None = None
+
+    @property
+    def log_path(self) -> str | None:
+        return os.path.join(self.workdir, "daemon.log") if self.workdir else None
+
+
+def free_tcp_port() -> int:
+    """A port that was free a moment ago (for the own daemon's metrics server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_daemon(endpoint: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Return once ``query_status`` answers; raise if the daemon exits or never does."""
+    deadline = time.monotonic() + timeout_s
+    ctx = zmq.Context()  # private: no live global context is inherited by forked clients
+    try:
+        while True:
+            try:
+                query_status(endpoint, timeout=0.5, context=ctx)
+                return
+            except DaemonUnavailableError:
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"the daemon exited with status {proc.returncode}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no daemon answered at {endpoint} within {timeout_s:.0f} s") from None
+    finally:
+        ctx.term()
+
+
+@contextmanager
+def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False) -> Iterator[DaemonHandle]:
+    """The external daemon if ``NODEAGENT_ENDPOINT`` is set, else a private one.
+
+    ``extra_args`` (e.g. ``--quantum-ms training=50``) and ``metrics`` only
+    apply to a daemon started here; an external one is used as it is.
+    """
+    endpoint = os.environ.get(ENV_ENDPOINT)
+    if endpoint:
+        wait_for_daemon(endpoint, 5.0)
+        log(f"[bench] using the external daemon at {endpoint}")
+        yield DaemonHandle(endpoint, EXTERNAL)
+        return
+    workdir = tempfile.mkdtemp(prefix="nodeagent-bench-")
+    handle = DaemonHandle(f"ipc://{workdir}/agent.sock", OWN, workdir=workdir)
+    handle.args = [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu",
+                   "--endpoint", handle.endpoint, "--state-dir", os.path.join(workdir, "state"),
+                   "--log-level", "warning", *extra_args]
+    if metrics:
+        handle.metrics_port = free_tcp_port()
+        handle.args += ["--metrics-port", str(handle.metrics_port)]
+    failed = True
+    try:
+        with open(handle.log_path, "wb") as daemon_log:
+            handle.proc = subprocess.Popen(handle.args, stdout=daemon_log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)
+        wait_for_daemon(handle.endpoint, _START_TIMEOUT_S, handle.proc)
+        log(f"[bench] started nodeagent pid={handle.proc.pid} on {handle.endpoint} (backend cpu)")
+        yield handle
+        failed = False
+    finally:
+        _stop_daemon(handle)
+        _relay_daemon_log(handle, everything=failed)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def daemon_status(endpoint: str, timeout_s: float = 5.0):
+    """The daemon's status snapshot, over a private zmq context (safe to fork after)."""
+    ctx = zmq.Context()
+    try:
+        return query_status(endpoint, timeout=timeout_s, context=ctx)
+    finally:
+        ctx.term()
+
+
+def _stop_daemon(handle: DaemonHandle) -> None:
+    proc = handle.proc
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log(f"[bench] the daemon ignored SIGTERM for {_STOP_TIMEOUT_S:.0f} s; killing it")
+        proc.kill()
+        proc.wait()
+
+
+def _relay_daemon_log(handle: DaemonHandle, everything: bool = False) -> None:
+    """Pass on what the daemon logged (it runs at --log-level warning; all of it on failure)."""
+    if not handle.log_path or not os.path.exists(handle.log_path):
+        return
+    with open(handle.log_path, errors="replace") as f:
+        lines = [line.rstrip() for line in f if everything or "nodeagent: ready" not in line]
+    for line in lines[-40:]:
+        log(f"[daemon] {line}")
+
+
+def scrape_metrics(port: int, timeout_s: float = 2.0) -> dict[str, float]:
+    """The own daemon's Prometheus samples as {"name{labels}": value}."""
+    from urllib.request import urlopen
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                samples[name] = float(value)
+            except ValueError:
+                pass
+    return samples
+
+
+# ----------------------------------------------------------------------- work
+
+
+class Work:
+    """A real unit of CPU work: ``rounds`` SHA-256 digests of a 64 KiB buffer."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = max(1, int(rounds))
+        self._blob = os.urandom(1 << 16)
+
+    def __call__(self) -> bytes:
+        digest = b""
+        for _ in range(self.rounds):
+            digest = hashlib.sha256(self._blob).digest()
+        return digest
+
+    @classmethod
+    def calibrated(cls, target_ms: float) -> "Work":
+        """Rounds that take about ``target_ms`` on this machine now (median of a few tries)."""
+        probe = cls(20)
+        probe()  # warm caches
+        tries = []
+        for _ in range(7):
+            t0 = time.perf_counter_ns()
+            probe()
+            tries.append((time.perf_counter_ns() - t0) / 20)
+        ns_per_round = sorted(tries)[len(tries) // 2]
+        return cls(round(target_ms * 1e6 / ns_per_round))
+
+
+def clipped_ns(begin_ns: int, end_ns: int, window: tuple[int, int]) -> int:
+    """Length of [begin, end] inside ``window``."""
+    return max(0, min(end_ns, window[1]) - max(begin_ns, window[0]))
+
+
+def train_until(client: Client, work: Work, window: tuple[int, int]) -> dict:
+    """Hold the token back to back until ``window`` ends, one work unit then a
+    ``yield_point()`` at a time, like a training loop.
+
+    Held time is measured by the client: from a grant observed to the
+    yield_point() that gave the token back (it releases first thing), clipped
+    to ``window`` (monotonic ns). Waits inside yield_point() are not held time.
+    """
+    now = time.monotonic_ns
+    held_ns = units = 0
+    with client.slice():
+        grants, t_grant = 1, now()
+        while t_grant < window[1]:
+            work()
+            units += 1
+            t_yield = now()
+            if t_yield >= window[1]:
+                break
+            if client.yield_point():
+                held_ns += clipped_ns(t_grant, t_yield, window)
+                grants += 1
+                t_grant = now()
+        held_ns += clipped_ns(t_grant, now(), window)
+    return {"held_ns": held_ns, "grants": grants, "units": units}
+
+
+def sleep_until_ns(t_ns: int) -> None:
+    """Idle until a monotonic time (a start line, never a stand-in for work)."""
+    delay = (t_ns - time.monotonic_ns()) / 1e9
+    if delay > 0:
+        time.sleep(delay)
+
+
+# ---------------------------------------------------------------------- stats
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def rounded(value: float, digits: int = 3) -> float | None:
+    """JSON-safe rounding (NaN becomes null)."""
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+# --------------------------------------------------------------- arguments/IO
+
+
+def parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has."""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m bench.{prog}", description=description,
+        epilog=(epilog + "\n\n" if epilog else "") + (
+            "environment:\n  NODEAGENT_ENDPOINT  use the daemon listening there instead of starting "
+            "a private\n                      `nodeagent serve --backend cpu` (its own settings apply)"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true",
+                    help="print exactly one JSON object on stdout (progress still goes to stderr)")
+    return ap
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def emit(result: dict, as_json: bool) -> None:
+    """The result: one JSON line on stdout with ``--json``, else ``key: value`` lines."""
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        width = max(len(k) for k in result)
+        for key, value in result.items():
+            print(f"{key:<{width}}  {value}")
+
+
+# -------------------------------------------------------------------- workers
+
+
+class WorkerControl:
+    """A worker's side of the start and end barriers (see :class:`Workers`)."""
+
+    def __init__(self, index: int, queue, go, close, start_ns) -> None:
+        self.index = index
+        self._queue, self._go, self._close, self._start_ns = queue, go, close, start_ns
+
+    def ready(self, info=None) -> int:
+        """Report ``info`` (e.g. a session id), wait for the start; returns its monotonic ns."""
+        self._queue.put(("ready", self.index, info))
+        self._go.wait()
+        return self._start_ns.value
+
+    def result(self, value) -> None:
+        """Hand the results over, then wait until the parent says to close sessions."""
+        self._queue.put(("result", self.index, value))
+        self._close.wait()
+
+
+def _worker_main(index, queue, go, close, start_ns, fn, args) -> None:
+    try:
+        fn(WorkerControl(index, queue, go, close, start_ns), *args)
+    except BaseException:
+        queue.put(("error", index, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class Workers:
+    """Forked client processes with a start barrier and an end barrier.
+
+    Each worker runs ``fn(control, *args)``: it opens its Client, calls
+    ``control.ready(...)`` (everyone starts together once all are connected, so
+    start-up skew is not measured), works, then ``control.result(...)``, which
+    returns once the parent has read the results (and, say, the daemon's
+    status while the sessions still exist).
+    """
+
+    def __init__(self) -> None:
+        self._queue = mp_context.Queue()
+        self._go = mp_context.Event()
+        self._close = mp_context.Event()
+        self._start_ns = mp_context.Value("q", 0, lock=False)
+        self.procs: list[mp.process.BaseProcess] = []
+
+    def start(self, fn, *args) -> None:
+        proc = mp_context.Process(target=_worker_main, daemon=True, args=(
+            len(self.procs), self._queue, self._go, self._close, self._start_ns, fn, args))
+        proc.start()
+        self.procs.append(proc)
+
+    def wait_ready(self, timeout_s: float) -> list:
+        """What each worker passed to ``ready()``, in start order, once all have."""
+        return self._gather("ready", timeout_s)
+
+    def go(self, delay_s: float = 0.0) -> int:
+        """Start every worker at ``now + delay_s``; returns that time in monotonic ns."""
+        self._start_ns.value = time.monotonic_ns() + int(delay_s * 1e9)
+        self._go.set()
+        return self._start_ns.value
+
+    def results(self, timeout_s: float) -> list:
+        """What each worker passed to ``result()``, in start order."""
+        return self._gather("result", timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Let the workers close their sessions and exit; kill any that hang."""
+        self._close.set()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                log(f"[bench] worker pid={proc.pid} did not exit; killing it")
+                proc.kill()
+                proc.join()
+
+    def _gather(self, kind: str, timeout_s: float) -> list:
+        items: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(items) < len(self.procs):
+            try:
+                got, index, value = self._queue.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"worker(s) died with exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {len(items)} of {len(self.procs)} workers reported "
+                                       f"{kind!r} within {timeout_s:.0f} s") from None
+                continue
+            if got == "error":
+                raise RuntimeError(f"worker {index} failed:\n{value}")
+            if got != kind:
+                raise RuntimeError(f"expected {kind!r} from worker {index}, got {got!r}")
+            items[index] = value
+        return [items[i] for i in range(len(self.procs))]
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(timeout_s=10.0 if exc[0] is None else 2.0)
