@@ -12,6 +12,8 @@ import sys
 
 import msgspec
 
+from nodeagent.config import DEFAULT_CONFIG_PATH
+
 EPILOG = """\
 environment:
   NODEAGENT_ENDPOINT   endpoint for both daemon and clients (overrides the default
@@ -45,22 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Run the daemon until SIGTERM or SIGINT.")
-    serve.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto",
+    serve.add_argument("--config", metavar="FILE",
+                       help=f"TOML settings file (default: {DEFAULT_CONFIG_PATH} if it exists); "
+                            "flags override it; `nodeagent config-example` prints a commented one")
+    serve.add_argument("--backend", choices=["auto", "cuda", "cpu"],
                        help="device backend; auto picks cuda when NVML initialises, else cpu (default: auto)")
-    serve.add_argument("--cpu-devices", type=int, default=1, metavar="N",
+    serve.add_argument("--cpu-devices", type=int, metavar="N",
                        help="logical devices the cpu backend exposes (default: 1)")
     serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to listen on")
     serve.add_argument("--state-dir", metavar="DIR", help="where state is kept")
     serve.add_argument("--metrics-port", type=int, metavar="P",
                        help="serve Prometheus metrics on this port (off unless given; 0 picks one)")
-    serve.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+    serve.add_argument("--metrics-addr", metavar="ADDR",
                        help="address for the metrics server (default: 127.0.0.1)")
     serve.add_argument("--quantum-ms", type=_quantum, action="append", default=[], metavar="CLASS=MS",
                        help="time slice of a workload class, repeatable "
                             "(defaults: inference=50 training=200 best-effort=200)")
     serve.add_argument("--grace-ms", type=float, help="time a holder has to yield before enforcement (default: 100)")
     serve.add_argument("--heartbeat-ms", type=float, help="client heartbeat interval (default: 1000)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--enforce", choices=["stop", "revoke"],
+                       help="a holder past its yield deadline: stop (SIGSTOP it if its identity is verified, "
+                            "else revoke) or revoke (never signal) (default: stop)")
+    serve.add_argument("--memory-policy", choices=["warn", "revoke", "stop"],
+                       help="a session using more device memory than it declared (default: warn)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
+
+    sub.add_parser("config-example", help="print a commented config file with the defaults",
+                   description="Print a commented nodeagent.toml holding every setting and its default.")
 
     status = sub.add_parser("status", help="show devices, sessions, token holders and queues",
                             description="Ask the daemon for a snapshot of devices and sessions.")
@@ -85,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "config-example":
+        from nodeagent.config import EXAMPLE_TOML
+        print(EXAMPLE_TOML, end="")
+        return 0
     if args.command == "status":
         return _status(args)
     if args.command == "demo":
@@ -95,32 +112,38 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _config_from(args: argparse.Namespace):
+    """Defaults, then the config file, then flags. Raises ConfigError."""
+    from nodeagent.config import ServeConfig, load_file
+    config = ServeConfig()
+    load_file(config, args.config or DEFAULT_CONFIG_PATH, required=args.config is not None)
+    for flag, attr in (("backend", "backend"), ("cpu_devices", "cpu_devices"), ("endpoint", "endpoint"),
+                       ("state_dir", "state_dir"), ("metrics_port", "metrics_port"),
+                       ("metrics_addr", "metrics_addr"), ("grace_ms", "grace_ms"),
+                       ("heartbeat_ms", "heartbeat_ms"), ("enforce", "enforce"),
+                       ("memory_policy", "memory_policy"), ("log_level", "log_level")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(config, attr, value)
+    for name, ms in args.quantum_ms:
+        config.quantum_ms[name] = ms
+    config.validate()
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from nodeagent.config import ConfigError, ServeConfig
+    from nodeagent.config import ConfigError
     from nodeagent.devices import DeviceError, open_backend
     from nodeagent.runtime import AlreadyRunningError, notify_systemd
     from nodeagent.server import AgentServer
 
-    config = ServeConfig(backend=args.backend, cpu_devices=args.cpu_devices)
-    if args.endpoint:
-        config.endpoint = args.endpoint
-    if args.state_dir:
-        config.state_dir = args.state_dir
-    config.metrics_port = args.metrics_port
-    config.metrics_addr = args.metrics_addr
-    for name, ms in args.quantum_ms:
-        config.quantum_ms[name] = ms
-    if args.grace_ms is not None:
-        config.grace_ms = args.grace_ms
-    if args.heartbeat_ms is not None:
-        config.heartbeat_ms = args.heartbeat_ms
     try:
-        config.validate()
+        config = _config_from(args)
     except ConfigError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
     except DeviceError as exc:

@@ -1,13 +1,58 @@
-"""Daemon settings: defaults, overridden by command-line flags."""
+"""Daemon settings: defaults, then the TOML config file, then command-line flags.
+
+The file mirrors :data:`EXAMPLE_TOML`. Unknown keys and bad values stop the
+daemon at start-up with an error naming the key, so a typo never silently
+leaves a default in force.
+"""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from client_lib.endpoint import daemon_endpoint
 from sharing import SchedulerPolicy, Workload
+
+DEFAULT_CONFIG_PATH = "/etc/nodeagent/nodeagent.toml"
+MEMORY_POLICIES = ("warn", "revoke", "stop")
+
+EXAMPLE_TOML = """\
+# /etc/nodeagent/nodeagent.toml: every key is optional; these are the defaults.
+backend = "auto"            # auto | cuda | cpu
+cpu_devices = 1             # logical devices of the cpu backend
+# endpoint = "ipc:///run/nodeagent/agent.sock"
+# state_dir = "/var/lib/nodeagent"
+log_level = "info"          # debug | info | warning | error
+
+[scheduler]
+grace_ms = 100.0            # a holder asked to yield has this long before enforcement
+enforce = "stop"            # stop: SIGSTOP verified processes (else revoke) | revoke: never signal
+
+[scheduler.quantum_ms]
+inference = 50.0
+training = 200.0
+best-effort = 200.0
+
+[heartbeat]
+interval_ms = 1000.0        # clients send a heartbeat at least this often
+misses = 3                  # silent for this many intervals: the session is lost
+
+[memory]
+policy = "warn"             # a session over its declared memory: warn | revoke | stop
+watch_interval_ms = 1000.0  # how often per-process device memory is read (cuda)
+reserve_mb = 0              # device memory kept out of admission
+
+[metrics]
+# port = 9400               # off unless set
+addr = "127.0.0.1"
+"""
 
 
 def default_state_dir() -> str:
@@ -27,13 +72,18 @@ class ServeConfig:
     cpu_devices: int = 1
     endpoint: str = field(default_factory=daemon_endpoint)
     state_dir: str = field(default_factory=default_state_dir)
+    log_level: str = "info"
     metrics_port: int | None = None  # None: no metrics HTTP server
     metrics_addr: str = "127.0.0.1"
     quantum_ms: dict[str, float] = field(
         default_factory=lambda: {"inference": 50.0, "training": 200.0, "best-effort": 200.0})
     grace_ms: float = 100.0
+    enforce: str = "stop"  # stop | revoke
     heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
+    memory_policy: str = "warn"  # warn | revoke | stop
+    memory_watch_ms: float = 1000.0
+    memory_reserve_mb: int = 0
 
     def validate(self) -> None:
         if self.backend not in ("auto", "cuda", "cpu"):
@@ -42,26 +92,108 @@ class ServeConfig:
             raise ConfigError(f"cpu_devices must be >= 1, got {self.cpu_devices}")
         if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://")):
             raise ConfigError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        for name, value in (("grace_ms", self.grace_ms), ("heartbeat_ms", self.heartbeat_ms)):
+            raise ConfigError(f"metrics.port must be in 0..65535, got {self.metrics_port}")
+        for name, value in (("scheduler.grace_ms", self.grace_ms), ("heartbeat.interval_ms", self.heartbeat_ms),
+                            ("memory.watch_interval_ms", self.memory_watch_ms)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number, got {value}")
         if self.heartbeat_misses < 1:
-            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+            raise ConfigError(f"heartbeat.misses must be >= 1, got {self.heartbeat_misses}")
+        if self.enforce not in ("stop", "revoke"):
+            raise ConfigError(f"scheduler.enforce must be stop or revoke, got {self.enforce!r}")
+        if self.memory_policy not in MEMORY_POLICIES:
+            raise ConfigError(f"memory.policy must be one of {', '.join(MEMORY_POLICIES)}, "
+                              f"got {self.memory_policy!r}")
+        if self.memory_reserve_mb < 0:
+            raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
         try:
             self.policy()
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ConfigError(str(exc).replace("quantum_ms", "scheduler.quantum_ms")) from None
 
     def policy(self) -> SchedulerPolicy:
         unknown = set(self.quantum_ms) - {w.wire for w in Workload}
         if unknown:
-            raise ConfigError(f"quantum_ms has unknown workload(s) {sorted(unknown)}; "
+            raise ConfigError(f"scheduler.quantum_ms has unknown workload(s) {sorted(unknown)}; "
                               "valid: inference, training, best-effort")
-        quanta = {Workload.parse(name): float(ms) for name, ms in self.quantum_ms.items()}
+        quanta = {Workload.parse(name): ms for name, ms in self.quantum_ms.items()}
         return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms)
 
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.heartbeat_ms * self.heartbeat_misses / 1000.0
+
+
+# (dotted key in the file, attribute, accepted types)
+_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "backend": ("backend", (str,)),
+    "cpu_devices": ("cpu_devices", (int,)),
+    "endpoint": ("endpoint", (str,)),
+    "state_dir": ("state_dir", (str,)),
+    "log_level": ("log_level", (str,)),
+    "scheduler.grace_ms": ("grace_ms", (int, float)),
+    "scheduler.enforce": ("enforce", (str,)),
+    "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
+    "heartbeat.misses": ("heartbeat_misses", (int,)),
+    "memory.policy": ("memory_policy", (str,)),
+    "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),
+    "memory.reserve_mb": ("memory_reserve_mb", (int,)),
+    "metrics.port": ("metrics_port", (int,)),
+    "metrics.addr": ("metrics_addr", (str,)),
+}
+_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics"}
+
+
+def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
+    """Apply the TOML file at ``path`` to ``config``. Returns False if it is absent
+    and not ``required``; raises :class:`ConfigError` naming the key otherwise."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"config file {path} does not exist") from None
+        return False
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    for key, value in _flatten(doc, path):
+        if key.startswith("scheduler.quantum_ms."):
+            workload = key.rsplit(".", 1)[1]
+            if workload not in {w.wire for w in Workload}:
+                raise ConfigError(f"{path}: unknown key {key!r} (workloads: inference, training, best-effort)")
+            _check_type(path, key, value, (int, float))
+            config.quantum_ms[workload] = float(value)
+            continue
+        spec = _KEYS.get(key)
+        if spec is None:
+            raise ConfigError(f"{path}: unknown key {key!r}; valid keys: "
+                              f"{', '.join(sorted(_KEYS) + ['scheduler.quantum_ms.<workload>'])}")
+        attr, types = spec
+        _check_type(path, key, value, types)
+        setattr(config, attr, float(value) if float in types else value)
+    return True
+
+
+def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
+    for name, value in doc.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            if key not in _SECTIONS:
+                raise ConfigError(f"{path}: unknown section [{key}]; valid sections: "
+                                  f"{', '.join(sorted(_SECTIONS))}")
+            yield from _flatten(value, path, key + ".")
+        else:
+            yield key, value
+
+
+def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
+    # bool is an int subclass in Python; a TOML true is never a number here.
+    if isinstance(value, bool) or not isinstance(value, types):
+        expected = " or ".join("number" if t is float else {int: "integer", str: "string"}[t] for t in types
+                               if not (t is int and float in types))
+        raise ConfigError(f"{path}: {key} must be a {expected}, got {value!r}")

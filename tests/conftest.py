@@ -32,8 +32,12 @@ class Daemon:
 
     def start(self, timeout: float = 15.0) -> "Daemon":
         log = open(self.log_path, "ab")
+        config = os.path.join(self.workdir, "nodeagent.toml")
+        if not os.path.exists(config):
+            open(config, "w").close()  # hermetic: never the host's /etc/nodeagent/nodeagent.toml
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", self.endpoint,
+            [sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", "cpu",
+             "--endpoint", self.endpoint,
              "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         log.close()
