@@ -8,8 +8,15 @@
 
 A :class:`Client` is used from one thread (like the ZeroMQ socket it owns).
 A small background thread with its own socket sends heartbeats, so a long
-step never looks like a dead client, and notices when the daemon goes away.
-No torch here: :mod:`client_lib.torch` holds the torch helpers.
+step never looks like a dead client, and notices when the daemon goes away or
+restarts. No torch here: :mod:`client_lib.torch` holds the torch helpers.
+
+When the daemon goes away (``reconnect=True``, the default), a client that
+holds the token keeps it for one more slice (its lease); after that it waits
+for the daemon to come back (fail-closed, the default) or carries on without
+it (``fail_open=True``) and reattaches when it returns. A restarted daemon that
+restored the session from its journal takes the client back under the same
+session id, and a slice in progress completes.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import zmq
 
@@ -33,22 +40,24 @@ log = logging.getLogger("client_lib.client")
 
 ENV_HANDSHAKE_TIMEOUT = "NODEAGENT_HANDSHAKE_TIMEOUT_S"
 _POLL_SLICE_MS = 50  # longest blind wait: how soon a lost daemon is noticed while blocked
+_UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
+_UNMANAGED_HANDSHAKE_S = 0.2
 
 
 class Client:
     """One session with the local nodeagent daemon.
 
-    ``reconnect``: when the daemon goes away (restart, crash), wait up to
-    ``reconnect_timeout_s`` for it to come back and open a new session instead
-    of raising :class:`DaemonUnavailableError`. A token held at that moment is
-    lost either way.
+    ``reconnect``: when the daemon goes away, wait up to ``reconnect_timeout_s``
+    for it to come back (resuming the session) instead of raising
+    :class:`DaemonUnavailableError`. ``fail_open``: while it is away and the
+    lease is over, run without the token rather than wait.
     """
 
     def __init__(self, name: str, workload: str = "training", weight: float = 1.0,
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
-                 reconnect: bool = False, reconnect_timeout_s: float = 30.0,
-                 context: zmq.Context | None = None) -> None:
+                 reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
+                 managed_pgid: int | None = None, context: zmq.Context | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -58,6 +67,8 @@ class Client:
         self.endpoint = endpoint or client_endpoint()
         self.reconnect = reconnect
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.fail_open = fail_open
+        self.managed_pgid = managed_pgid
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
@@ -73,9 +84,13 @@ class Client:
         self._in_slice = False
         self._closed = False
         self._heartbeat: _HeartbeatThread | None = None
+        self._generation = 0  # connections made so far; a new one forgets what the old one asked
+        self._lost_at: float | None = None  # when the daemon was found gone (None: it is there)
+        self._unmanaged = False  # fail-open: running without the daemon
+        self._next_retry = 0.0
         self.welcome: p.Welcome | None = None
         self.revocations = 0
-        self._connect()
+        self._connect(claim=None)
 
     # ------------------------------------------------------------ properties
 
@@ -102,45 +117,46 @@ class Client:
         self._pump(0)
         return self._yield_requested
 
+    @property
+    def unmanaged(self) -> bool:
+        """True while running fail-open without the daemon."""
+        return self._unmanaged
+
     # ---------------------------------------------------------------- token
 
     def acquire(self, timeout: float | None = None) -> int:
-        """Block until this session holds the token; returns the grant id.
+        """Block until this session holds the token; returns the grant id
+        (0 while running unmanaged, fail-open).
 
         ``GrantTimeoutError`` after ``timeout`` seconds (the request is withdrawn)."""
         self._check_open()
         self._pump(0)
+        self._check_daemon()
         if self._grant is not None:
             return self._grant
-        self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
+        if self._unmanaged:
+            return 0
+        self.request()
         return self._wait_for_grant(timeout)
 
-    def _wait_for_grant(self, timeout: float | None) -> int:
-        asked_in = self.welcome.session
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._grant is None:
-            if self.welcome.session != asked_in:  # reconnected: the new session must ask again
-                asked_in = self.welcome.session
-                self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
-            remaining_ms = _POLL_SLICE_MS
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._send_quiet(p.Cancel(id=self._take_id()))
-                    raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
-                remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
-            if not self._pump(remaining_ms):
-                self._check_daemon()
-        return self._grant
+    def request(self) -> None:
+        """Ask for the token without waiting; the grant arrives as a notice
+        (see :attr:`holding`, :meth:`wait_event`)."""
+        self._check_open()
+        if self._grant is None and self._sock is not None:
+            self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
 
-    def release(self) -> None:
-        """Give the token back (no-op when not holding). Does not wait for the daemon."""
+    def release(self, requeue: bool = False) -> None:
+        """Give the token back (no-op when not holding). Does not wait for the
+        daemon. ``requeue`` asks for it again in the same step."""
         if self._grant is None:
             return
-        # Send before reading anything: the next holder is waiting on this frame.
-        self._send_quiet(p.Release(id=self._take_id(), grant=self._grant, quiet=True))
-        self._grant = None
+        grant, self._grant = self._grant, None
         self._yield_requested = False
+        if self._sock is None:
+            return
+        # Send before reading anything: the next holder is waiting on this frame.
+        self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True))
         self._pump(0)
 
     @contextmanager
@@ -160,24 +176,61 @@ class Client:
         this client to yield or took its token: then it gives the token back,
         waits for the next grant, and returns True."""
         self._pump(0)
+        self._check_daemon()
         if self._yield_requested and self._grant is not None:
             # requeue: released and waiting again in one step, so no acquire to send.
-            self._send_quiet(p.Release(id=self._take_id(), grant=self._grant, requeue=True, quiet=True))
-            self._grant = None
-            self._yield_requested = False
+            self.release(requeue=True)
             self._wait_for_grant(None)
             return True
-        if self._in_slice and self._grant is None:  # revoked: wait for our turn again
-            self.acquire()
+        if self._in_slice and self._grant is None and not self._unmanaged:
+            # Revoked, or back from a daemon restart without the token: wait our turn.
+            if not self._waiting_since_connect():
+                self.request()
+            self._wait_for_grant(None)
             return True
-        self._check_daemon()
         return False
+
+    def wait_event(self, timeout: float | None, fds: Sequence[int] = ()) -> list[int]:
+        """Handle daemon messages until one arrives, one of ``fds`` becomes
+        readable, or ``timeout`` seconds pass; returns the readable ``fds``.
+        For event loops (``nodeagent run``) that watch other things too."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = zmq.Poller()
+        if self._sock is not None:
+            poller.register(self._sock, zmq.POLLIN)
+        for fd in fds:
+            poller.register(fd, zmq.POLLIN)
+        while True:
+            wait_ms = _POLL_SLICE_MS
+            if deadline is not None:
+                wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000)))
+            events = dict(poller.poll(wait_ms))
+            if self._sock is not None and self._sock in events:
+                self._pump(0)
+            ready = [fd for fd in fds if fd in events]
+            if events or (deadline is not None and time.monotonic() >= deadline):
+                return ready
+            if self._heartbeat is not None and not self._heartbeat.healthy():
+                return ready  # let the caller see the daemon is gone
 
     # --------------------------------------------------------------- others
 
     def status(self, timeout: float = 5.0) -> p.StatusReply:
         """The daemon's status snapshot."""
         return self._call(p.StatusRequest(id=self._take_id()), timeout)
+
+    def daemon_healthy(self) -> bool:
+        """False once the heartbeat thread has lost the daemon or seen it restart."""
+        return self._heartbeat is not None and self._heartbeat.healthy() and not self._heartbeat.restarted
+
+    def try_resume(self, handshake_timeout_s: float = _UNMANAGED_HANDSHAKE_S) -> bool:
+        """One attempt to reattach to the daemon (resuming the session); True on success."""
+        try:
+            self._reattach("resume requested", handshake_timeout_s)
+            return True
+        except DaemonUnavailableError:
+            return False
 
     def close(self) -> None:
         """End the session (the token, if held, passes on) and close sockets."""
@@ -187,7 +240,7 @@ class Client:
         if self._sock is not None:
             # Wait for the bye's answer: a process that exits at once (os._exit)
             # would otherwise take the unsent frame with it, and look crashed.
-            if self._heartbeat is None or self._heartbeat.healthy():
+            if self.daemon_healthy():
                 try:
                     self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
                 except NodeAgentError:
@@ -210,9 +263,81 @@ class Client:
         except Exception:
             pass
 
+    # ------------------------------------------------------- daemon away
+
+    def _check_daemon(self) -> None:
+        """React to the daemon going away or restarting (see the module docstring)."""
+        if self._closed:
+            return
+        hb = self._heartbeat
+        now = time.monotonic()
+        if self._unmanaged:
+            if now >= self._next_retry:
+                self._next_retry = now + _UNMANAGED_RETRY_S
+                if self.try_resume():
+                    log.warning("[client] daemon at %s is back; managed again", self.endpoint)
+            return
+        if hb is None or (hb.healthy() and not hb.restarted):
+            return
+        if hb.restarted:  # a daemon answers that is not ours: reattach now, claiming our slice
+            if not self.reconnect:
+                raise DaemonUnavailableError(self.endpoint, hb.failure())
+            self._reattach(hb.failure(), self.handshake_timeout_s)
+            return
+        if not self.reconnect:
+            raise DaemonUnavailableError(self.endpoint, hb.failure())
+        if self._lost_at is None:
+            self._lost_at = now
+            log.warning("[client] daemon at %s lost (%s)", self.endpoint, hb.failure())
+        lease_end = self._lost_at + self.welcome.slice_ms / 1000.0
+        if self._grant is not None and now < lease_end:
+            return  # finish the slice we were given
+        if self.fail_open:
+            log.warning("[client] running unmanaged (fail-open) until the daemon returns")
+            self._unmanaged = True
+            self._next_retry = now + _UNMANAGED_RETRY_S
+            return
+        self._reattach_blocking(hb.failure())
+
+    def _reattach_blocking(self, cause: str) -> None:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                self._reattach(cause, min(self.handshake_timeout_s, 1.0))
+                return
+            except DaemonUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise DaemonUnavailableError(
+                        self.endpoint, f"did not come back within reconnect_timeout_s={self.reconnect_timeout_s}"
+                    ) from None
+
+    def _reattach(self, cause: str, handshake_timeout_s: float) -> None:
+        """New sockets and a hello that resumes the session, claiming the slice we hold."""
+        log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        claim, self._grant = self._grant, None
+        self._yield_requested = False
+        self._replies.clear()
+        self._awaiting.clear()
+        self._async_error = None
+        try:
+            self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
+        except DaemonUnavailableError:
+            self._grant = claim  # still ours for the rest of the lease
+            raise
+        self._lost_at = None
+        self._unmanaged = False
+        if claim is not None:
+            self._pump(100)  # the daemon answers a claim with a grant right after the welcome
+
     # ------------------------------------------------------------ internals
 
-    def _connect(self) -> None:
+    def _connect(self, claim: int | None, handshake_timeout_s: float | None = None) -> None:
         """Open the socket and handshake (resuming the old session if any)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -223,42 +348,48 @@ class Client:
             id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
-            resume_key=old.key if old else None)
+            resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim)
         try:
-            welcome = self._call(hello, self.handshake_timeout_s, handshake=True)
+            welcome = self._call(hello, handshake_timeout_s or self.handshake_timeout_s, handshake=True)
         except BaseException:
             sock.close(0)
             self._sock = None
             raise
         if not isinstance(welcome, p.Welcome):
             raise NodeAgentError(f"expected welcome from {self.endpoint}, got {type(welcome).__name__}")
+        if old is not None and not welcome.resumed:
+            log.warning("[client] daemon at %s did not know session %s; now session %s",
+                        self.endpoint, old.session, welcome.session)
         self.welcome = welcome
+        self._generation += 1
+        self._asked_in = None
         self._heartbeat = _HeartbeatThread(self._ctx, self.endpoint, welcome)
         self._heartbeat.start()
-        log.debug("[client] session=%s device=%d slice_ms=%.0f", welcome.session, welcome.device,
-                  welcome.slice_ms)
+        log.debug("[client] session=%s device=%d slice_ms=%.0f resumed=%s", welcome.session, welcome.device,
+                  welcome.slice_ms, welcome.resumed)
 
-    def _reconnect(self, cause: str) -> None:
-        log.warning("[client] daemon at %s lost (%s); reconnecting", self.endpoint, cause)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if self._sock is not None:
-            self._sock.close(0)
-        self._sock = None
-        self._grant = None
-        self._yield_requested = False
-        self._replies.clear()
-        self._awaiting.clear()
-        self._async_error = None
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        while True:
-            try:
-                self._connect()
-                return
-            except DaemonUnavailableError:
-                if time.monotonic() >= deadline:
-                    raise DaemonUnavailableError(
-                        self.endpoint, f"did not come back within reconnect_timeout_s={self.reconnect_timeout_s}")
+    def _waiting_since_connect(self) -> bool:
+        return self._asked_in == self._generation
+
+    def _wait_for_grant(self, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._asked_in = self._generation
+        while self._grant is None:
+            if self._unmanaged:
+                return 0
+            if self._asked_in != self._generation:  # a new connection: it must be asked again
+                self._asked_in = self._generation
+                self.request()
+            remaining_ms = _POLL_SLICE_MS
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._send_quiet(p.Cancel(id=self._take_id()))
+                    raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
+                remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
+            if not self._pump(remaining_ms):
+                self._check_daemon()
+        return self._grant
 
     def _take_id(self) -> int:
         rid = self._next_id
@@ -292,19 +423,16 @@ class Client:
                         self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
                         f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
                 raise DaemonUnavailableError(self.endpoint, f"no reply to {type(req).__name__} within {timeout} s")
-            if not self._pump(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))) and not handshake:
-                self._check_daemon()
+            self._pump(min(_POLL_SLICE_MS, max(1, int(remaining * 1000))), raise_async=False)
         reply = self._replies.pop(req.id)
         if isinstance(reply, p.Error):
             raise from_reply(reply.code, reply.message)
         return reply
 
-    def _pump(self, timeout_ms: int) -> bool:
+    def _pump(self, timeout_ms: int, raise_async: bool = True) -> bool:
         """Handle every message that arrives within ``timeout_ms``; True if any did."""
         sock = self._sock
-        if sock is None:
-            return False
-        if not sock.poll(timeout_ms, zmq.POLLIN):
+        if sock is None or not sock.poll(timeout_ms, zmq.POLLIN):
             return False
         while True:
             try:
@@ -317,10 +445,10 @@ class Client:
                 log.warning("[client] ignoring a frame from the daemon: %s", exc)
                 continue
             self._handle(msg)
-        if self._async_error is not None:
+        if raise_async and self._async_error is not None:
             err, self._async_error = self._async_error, None
             if isinstance(err, NoSessionError) and self.reconnect:
-                self._reconnect(str(err))
+                self._reattach(str(err), self.handshake_timeout_s)  # e.g. a restarted daemon
             else:
                 raise err
         return True
@@ -346,19 +474,12 @@ class Client:
             # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
             self._async_error = from_reply(msg.code, msg.message)
 
-    def _check_daemon(self) -> None:
-        hb = self._heartbeat
-        if hb is None or hb.healthy():
-            return
-        cause = hb.failure()
-        if self.reconnect and not self._closed:
-            self._reconnect(cause)
-        else:
-            raise DaemonUnavailableError(self.endpoint, cause)
-
 
 class _HeartbeatThread(threading.Thread):
-    """Sends ``heartbeat`` on its own socket and tells when the daemon stops answering."""
+    """Sends ``heartbeat`` on its own socket and keeps doing so through an
+    outage. It tells when the daemon stops answering (:meth:`healthy`), and
+    when a daemon answers that is not the one that welcomed us (a new ``boot``,
+    or one that no longer knows the session): :attr:`restarted`."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, welcome: p.Welcome, misses: int = 3) -> None:
         super().__init__(name=f"nodeagent-heartbeat-{welcome.session}", daemon=True)
@@ -366,21 +487,19 @@ class _HeartbeatThread(threading.Thread):
         self._endpoint = endpoint
         self._session = welcome.session
         self._key = welcome.key
+        self._boot = welcome.boot
         self._interval_s = welcome.heartbeat_ms / 1000.0
         self._limit_s = self._interval_s * misses
         self._stop_event = threading.Event()
         self._last_ok = time.monotonic()
-        self._failure: str | None = None
+        self.restarted = False
+        self.detail = ""
 
     def healthy(self) -> bool:
-        if self._failure is not None:
-            return False
-        if time.monotonic() - self._last_ok > self._limit_s + self._interval_s:
-            return False  # the thread itself is stuck: treat like no answer
-        return True
+        return time.monotonic() - self._last_ok <= self._limit_s
 
     def failure(self) -> str:
-        return self._failure or f"no heartbeat reply for {self._limit_s:.1f} s"
+        return self.detail or f"no heartbeat reply for {self._limit_s:.1f} s"
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -393,7 +512,7 @@ class _HeartbeatThread(threading.Thread):
         sock.connect(self._endpoint)
         rid = 0
         try:
-            while not self._stop_event.is_set():
+            while not self._stop_event.is_set() and not self.restarted:
                 rid += 1
                 sock.send(codec.encode(p.Heartbeat(id=rid, session=self._session, key=self._key)))
                 sent = time.monotonic()
@@ -408,13 +527,14 @@ class _HeartbeatThread(threading.Thread):
                     if reply.id != rid:
                         continue
                     if isinstance(reply, p.Error):
-                        self._failure = f"daemon dropped the session: {reply.code}: {reply.message}"
-                        return
-                    self._last_ok = time.monotonic()
+                        self.detail = f"daemon no longer knows the session: {reply.code}: {reply.message}"
+                        self.restarted = True
+                    elif isinstance(reply, p.HeartbeatAck) and reply.boot != self._boot:
+                        self.detail = f"daemon restarted (boot {self._boot} -> {reply.boot})"
+                        self.restarted = True
+                    else:
+                        self._last_ok = time.monotonic()
                     break
-                if time.monotonic() - self._last_ok > self._limit_s:
-                    self._failure = f"no heartbeat reply for {self._limit_s:.1f} s"
-                    return
                 self._stop_event.wait(max(0.0, sent + self._interval_s - time.monotonic()))
         finally:
             sock.close(0)

@@ -41,6 +41,7 @@ class ErrorCode:
     DEVICE = "E_DEVICE"  # no such device, or the device cannot take the session
     INVALID = "E_INVALID"  # well-formed request with a value out of range (weight <= 0, ...)
     SHUTTING_DOWN = "E_SHUTTING_DOWN"  # the daemon is stopping and takes no new work
+    NO_MEMORY = "E_NO_MEMORY"  # declared memory does not fit the device
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
 
 
@@ -68,6 +69,8 @@ class Hello(Request, tag="hello"):
     memory_mb: int = 0
     resume_session: Optional[str] = None  # reattach to this session id if it still exists
     resume_key: Optional[str] = None  # the key the welcome carried for that session
+    managed_pgid: Optional[int] = None  # process group of a child the client launched (nodeagent run)
+    holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
 
 
 class Heartbeat(Request, tag="heartbeat"):
@@ -145,6 +148,13 @@ class Welcome(Reply, tag="welcome"):
     grace_ms: float  # time between a yield request and enforcement
     heartbeat_ms: float  # send a heartbeat at least this often
     resumed: bool = False
+    boot: int = 0  # the daemon's incarnation; a heartbeat_ack with another means it restarted
+
+
+class HeartbeatAck(Reply, tag="heartbeat_ack"):
+    """Reply to ``heartbeat``; ``boot`` tells a restarted daemon from the one that welcomed us."""
+
+    boot: int
 
 
 class SessionInfo(msgspec.Struct, kw_only=True):
@@ -158,6 +168,9 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     gpu_time_s: float
     grants: int
     memory_mb: int
+    stopped: bool = False  # SIGSTOPped by the daemon until its next grant
+    memory_used_bytes: Optional[int] = None  # measured (cuda); None where not measurable
+    managed_pgid: Optional[int] = None
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):
@@ -171,6 +184,8 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     holder: Optional[str]  # session id holding the token, if any
     queue: list[str]  # session ids waiting, in grant order
     sessions: list[SessionInfo]
+    memory_declared_mb: int = 0  # sum of the sessions' declarations
+    memory_capacity_mb: int = 0  # what admission lets sessions declare in all
 
 
 class StatusReply(Reply, tag="status_reply"):
@@ -179,6 +194,7 @@ class StatusReply(Reply, tag="status_reply"):
     backend: str
     uptime_s: float
     devices: list[DeviceInfo]
+    boot: int = 0
 
 
 class Grant(Reply, tag="grant"):
@@ -204,10 +220,10 @@ class Revoke(Reply, tag="revoke"):
     until the next ``grant``."""
 
     grant: int
-    reason: str  # "overrun" | "shutdown" | "session_lost"
+    reason: str  # "overrun" | "shutdown" | "memory"
 
 
-DaemonMessage = Union[Ok, Error, Welcome, StatusReply, Grant, YieldRequest, Revoke]
+DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke]
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""

@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent serve | status | demo | bench``."""
+"""Command line: ``nodeagent serve | status | run | demo | bench``."""
 
 from __future__ import annotations
 
@@ -23,8 +23,37 @@ environment:
 examples:
   nodeagent serve --backend cpu --cpu-devices 2
   nodeagent status --json
+  nodeagent run --workload training -- python train.py
   nodeagent demo --seconds 5
 """
+
+
+RUN_DESCRIPTION = """\
+Run CMD as a session of the daemon, time-sliced with no change to its code. CMD
+starts stopped, in its own process group; it is continued (SIGCONT to the group)
+when the session is granted the device token and stopped (SIGSTOP) before the
+token is given up or when it is taken away.
+
+signals: SIGINT (Ctrl-C), SIGTERM and SIGHUP are forwarded to CMD's process group,
+  followed by SIGCONT so that a stopped CMD can act on them; CMD then runs
+  unmanaged until it exits (its session is closed and the token passes on).
+daemon gone: by default (fail-open) CMD is continued and runs unmanaged, and the
+  launcher looks for the daemon every second; once it is back, CMD waits for a
+  grant again. With --fail-closed CMD stays stopped until the daemon returns.
+exit status: CMD's, or 128+N if CMD died of signal N; 127 if CMD is not found,
+  126 if it cannot be executed, 2 for a usage error, 1 if the daemon refused
+  the session.
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def _quantum(text: str) -> tuple[str, float]:
@@ -81,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
 
+    run = sub.add_parser("run", help="run an unmodified program time-sliced by the daemon",
+                         usage="nodeagent run [OPTIONS] -- CMD [ARGS...]", description=RUN_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--workload", choices=["inference", "training", "best-effort"], default="training",
+                     help="workload class of the session (default: training)")
+    run.add_argument("--weight", type=_positive_float, default=1.0, help="fair-share weight (default: 1)")
+    run.add_argument("--device", type=int, metavar="D", help="device index (default: the daemon picks)")
+    run.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
+    run.add_argument("--name", help="session name shown by `nodeagent status` (default: CMD's name)")
+    run.add_argument("--fail-closed", action="store_true",
+                     help="keep CMD stopped while the daemon is away (default: fail-open, CMD runs)")
+    run.add_argument("-v", "--verbose", action="store_true", help="log each grant and stop to stderr")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD [ARGS...]", help="the program to run")
+
     demo = sub.add_parser("demo", help="an inference and a training client sharing one device",
                           description="Start a daemon on the cpu backend (or use the one at "
                                       "NODEAGENT_ENDPOINT) and run an inference client and a training "
@@ -104,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "status":
         return _status(args)
+    if args.command == "run":
+        from nodeagent.launcher import main as run_main
+        return run_main(args)
     if args.command == "demo":
         from nodeagent.demo import run_demo
         return run_demo(args.seconds)
@@ -134,7 +180,7 @@ def _config_from(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     from nodeagent.config import ConfigError
     from nodeagent.devices import DeviceError, open_backend
-    from nodeagent.runtime import AlreadyRunningError, notify_systemd
+    from nodeagent.runtime import AlreadyRunningError, InstanceLock, notify_systemd
     from nodeagent.server import AgentServer
 
     try:
@@ -150,8 +196,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1
     logging.getLogger("nodeagent.cli").info("[serve] backend=%s (%s)", backend.name, reason)
-    os.makedirs(config.state_dir, mode=0o750, exist_ok=True)
-    server = AgentServer(config, backend)
+    from nodeagent.journal import Journal, JournalError
+    try:
+        os.makedirs(config.state_dir, mode=0o750, exist_ok=True)
+        state_lock = InstanceLock(os.path.join(config.state_dir, "nodeagent.lock"), "state dir")
+        state_lock.acquire()
+        journal = Journal(os.path.join(config.state_dir, "state.db"))
+    except (AlreadyRunningError, JournalError, OSError) as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        backend.close()
+        return 1
+    server = AgentServer(config, backend, journal=journal)
     try:
         endpoint = server.bind()
     except (AlreadyRunningError, OSError) as exc:

@@ -62,6 +62,7 @@ class DeviceBackend(abc.ABC):
     """Devices of one kind, numbered 0..count()-1 for the life of the backend."""
 
     name: str  # "cuda" | "cpu"
+    measures_process_memory: bool = False  # processes() reports per-process device memory
 
     @abc.abstractmethod
     def count(self) -> int:
@@ -259,6 +260,7 @@ class CudaBackend(DeviceBackend):
     """
 
     name = "cuda"
+    measures_process_memory = True
 
     def __init__(self, nvml: Nvml | None = None) -> None:
         self._owns_nvml = nvml is None

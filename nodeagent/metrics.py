@@ -8,7 +8,7 @@ time by a custom collector instead of being kept in step by hand.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -20,22 +20,35 @@ log = logging.getLogger("nodeagent.metrics")
 _WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _HANDOFF_BUCKETS_S = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
 
-SessionRow = tuple[str, str, str]  # (device, workload, state)
+class SessionRow(NamedTuple):
+    device: str
+    workload: str
+    state: str  # idle | waiting | holding | yielding | stopped
+    session: str
+    memory_bytes: int  # measured where the backend can (cuda), else declared
 
 
 class _SessionCollector(Collector):
+    """State gauges computed at scrape time from the daemon's sessions."""
+
     def __init__(self, rows: Callable[[], Iterable[SessionRow]]) -> None:
         self._rows = rows
 
     def collect(self):
-        family = GaugeMetricFamily("nodeagent_sessions", "Sessions by device, workload and state",
-                                   labels=["device", "workload", "state"])
-        counts: dict[SessionRow, int] = {}
+        sessions = GaugeMetricFamily("nodeagent_sessions", "Sessions by device, workload and state",
+                                     labels=["device", "workload", "state"])
+        memory = GaugeMetricFamily("nodeagent_device_memory_bytes",
+                                   "Device memory per session: measured on cuda, declared on cpu",
+                                   labels=["device", "session"])
+        counts: dict[tuple[str, str, str], int] = {}
         for row in self._rows():
-            counts[row] = counts.get(row, 0) + 1
-        for row, n in sorted(counts.items()):
-            family.add_metric(list(row), n)
-        yield family
+            key = (row.device, row.workload, row.state)
+            counts[key] = counts.get(key, 0) + 1
+            memory.add_metric([row.device, row.session], row.memory_bytes)
+        for key, n in sorted(counts.items()):
+            sessions.add_metric(list(key), n)
+        yield sessions
+        yield memory
 
 
 class Metrics:
@@ -60,6 +73,9 @@ class Metrics:
             ["kind"], registry=r)
         self.bad_requests = Counter(
             "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
+        self.memory_violations = Counter(
+            "nodeagent_memory_violations", "Sessions found using more device memory than they declared",
+            ["device", "policy"], registry=r)
         self.sessions_lost = Counter(
             "nodeagent_sessions_lost", "Sessions dropped because their client vanished", ["reason"], registry=r)
         self._session_collector: _SessionCollector | None = None

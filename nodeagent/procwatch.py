@@ -44,10 +44,16 @@ def peer_credentials(frame: zmq.Frame) -> PeerCredentials | None:
     return PeerCredentials(uid=uid, gid=gid, pid=pid)
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat).
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    state: str
+    ppid: int
+    pgrp: int
+    start_ticks: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
 
-    With the pid it identifies a process across pid reuse."""
+
+def read_stat(pid: int) -> ProcStat | None:
+    """The fields of /proc/PID/stat the daemon uses, or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -56,9 +62,16 @@ def process_start_ticks(pid: int) -> int | None:
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2:].split()
     try:
-        return int(fields[19])
+        return ProcStat(state=fields[0].decode(), ppid=int(fields[1]), pgrp=int(fields[2]),
+                        start_ticks=int(fields[19]))
     except (IndexError, ValueError):
         return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    stat = read_stat(pid)
+    return stat.start_ticks if stat is not None else None
 
 
 def open_pidfd(pid: int) -> int | None:

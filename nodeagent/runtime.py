@@ -20,14 +20,16 @@ class AlreadyRunningError(RuntimeError):
     """Another daemon holds the lock of this endpoint."""
 
 
-class SocketLock:
-    """An flock on ``<socket>.lock`` held for the daemon's lifetime.
+class InstanceLock:
+    """An flock held for the daemon's lifetime on ``path``.
 
-    It tells a stale socket file (left by a crash: safe to remove) from a live
-    one (another daemon serves it: refuse to start)."""
+    On ``<socket>.lock`` it tells a stale socket file (left by a crash: safe to
+    remove) from a live one (another daemon serves it: refuse to start); on the
+    state dir it keeps two daemons from sharing one journal."""
 
-    def __init__(self, socket_path: str) -> None:
-        self.path = socket_path + ".lock"
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -39,8 +41,8 @@ class SocketLock:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
                 raise AlreadyRunningError(
-                    f"another nodeagent (pid {holder}) is serving {self.path[:-5]}; "
-                    "stop it first or pass a different --endpoint") from None
+                    f"another nodeagent (pid {holder}) holds the {self.what} lock {self.path}; "
+                    "stop it first, or give this one its own --endpoint and --state-dir") from None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -77,9 +79,14 @@ def remove_stale_socket(socket_path: str) -> None:
 def secure_socket(socket_path: str) -> None:
     """Mode 0660 and, where the group exists and we may, group nodeagent."""
     os.chmod(socket_path, SOCKET_MODE)
-    gid = _socket_gid() if os.geteuid() == 0 else None
-    if gid is not None:
-        os.chown(socket_path, 0, gid)
+    if os.geteuid() != 0:
+        return
+    gid = _socket_gid()
+    if gid is None:
+        log.warning("[runtime] group %s does not exist: only root can use %s (create it with "
+                    "systemd-sysusers or groupadd, and add client users to it)", SOCKET_GROUP, socket_path)
+        return
+    os.chown(socket_path, 0, gid)
 
 
 def _socket_gid() -> int | None:
@@ -90,13 +97,19 @@ def _socket_gid() -> int | None:
 
 
 def notify_systemd(state: str) -> bool:
-    """Send ``state`` (e.g. "READY=1") to systemd when run as Type=notify."""
+    """Send ``state`` (e.g. "READY=1") to systemd when run as Type=notify.
+
+    Like sd_notify(3), a notification that cannot be delivered is logged, not fatal."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
     if address.startswith("@"):
         address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        log.warning("[runtime] cannot notify systemd at %s: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+        return False
     return True

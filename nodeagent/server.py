@@ -16,8 +16,11 @@ import hmac
 import logging
 import math
 import os
+import queue
 import select
+import signal
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -26,10 +29,11 @@ import zmq
 from client_lib import codec
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
-from nodeagent import procwatch, runtime
+from nodeagent import enforce, memory, procwatch, runtime
 from nodeagent.config import ServeConfig
-from nodeagent.devices import DeviceBackend
-from nodeagent.metrics import Metrics
+from nodeagent.devices import DeviceBackend, DeviceError
+from nodeagent.journal import Journal, SessionRecord
+from nodeagent.metrics import Metrics, SessionRow
 from nodeagent.sessions import Session, new_session_id, new_session_key
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
 
@@ -46,17 +50,20 @@ class AgentServer:
     :meth:`request_stop` (thread- and signal-safe) is called."""
 
     def __init__(self, config: ServeConfig, backend: DeviceBackend, *,
-                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 context: zmq.Context | None = None) -> None:
+                 metrics: Metrics | None = None, journal: Journal | None = None,
+                 clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
         config.validate()
         self.config = config
         self.backend = backend
         self.metrics = metrics if metrics is not None else Metrics()
+        self.journal = journal
+        self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
-        policy = config.policy()
-        self._schedulers = [TokenScheduler(i, policy) for i in range(backend.count())]
+        self._policy = config.policy()
+        self._schedulers = [TokenScheduler(i, self._policy) for i in range(backend.count())]
+        self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._sessions: dict[str, Session] = {}
         self._by_route: dict[bytes, Session] = {}
         self._by_pidfd: dict[int, Session] = {}
@@ -67,13 +74,20 @@ class AgentServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stop_reason: str | None = None
-        self._lock: runtime.SocketLock | None = None
+        self._lock: runtime.InstanceLock | None = None
         self._started = clock()
         self._next_liveness_check = 0.0
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
         # All client pidfds live in one epoll set, so the zmq poll stays O(1) in sessions.
         self._pidfds = select.epoll()
+        # After a restart: devices whose restored sessions have not all reattached yet.
+        # Only the slice in progress may be granted there; other requests wait (parked).
+        self._restoring: dict[int, set[str]] = {}
+        self._parked: dict[int, list[str]] = {}
+        self._restore_deadline = 0.0
+        self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
+        self._memory_watcher: _MemoryWatcher | None = None
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -84,6 +98,8 @@ class AgentServer:
             p.Goodbye: self._on_bye,
         }
         self.metrics.watch_sessions(self._session_rows)
+        if journal is not None:
+            self._restore(self._clock())
 
     # ------------------------------------------------------------------ life
 
@@ -100,7 +116,7 @@ class AgentServer:
         try:
             if path is not None:
                 runtime.prepare_socket_dir(path)
-                self._lock = runtime.SocketLock(path)
+                self._lock = runtime.InstanceLock(path + ".lock", "socket")
                 self._lock.acquire()
                 runtime.remove_stale_socket(path)
                 old_umask = os.umask(0o117)  # the socket is born 0660: no window with looser modes
@@ -120,14 +136,21 @@ class AgentServer:
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
-        log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d",
-                 endpoint, self.backend.name, len(self._schedulers), os.getpid())
+        if self.backend.measures_process_memory:  # cuda: NVML reads it per process
+            self._memory_watcher = _MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
+                                                  self._memory_readings, self._wake)
+            self._memory_watcher.start()
+        log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
+                 endpoint, self.backend.name, len(self._schedulers), os.getpid(), self.boot)
         return endpoint
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to shut down. Safe from signal handlers and other threads."""
         if self._stop_reason is None:
             self._stop_reason = reason
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):
@@ -155,6 +178,7 @@ class AgentServer:
                         self._reap_exited()
                     elif target == wake_fd:
                         self._drain_wakeups()
+                        self._apply_memory_readings()
                 self._flush_unreachable()
                 self._on_timers(self._clock())
         finally:
@@ -169,6 +193,11 @@ class AgentServer:
                 self._send(s.route, p.Revoke(grant=s.grant, reason="shutdown"))
                 revoked += 1
         log.info("[shutdown] reason=%s step=revoke tokens=%d sessions=%d", reason, revoked, len(self._sessions))
+        continued = sum(1 for s in self._sessions.values() if s.stopped and self._continue(s))
+        if continued:
+            log.info("[shutdown] step=continue stopped=%d", continued)
+        if self._memory_watcher is not None:
+            self._memory_watcher.stop()
         for s in list(self._sessions.values()):
             self._close_pidfd(s)
         if self._router is not None:
@@ -181,6 +210,8 @@ class AgentServer:
         self._wake_r.close()
         self._wake_w.close()
         self._pidfds.close()
+        if self.journal is not None:
+            self.journal.close()
         if self._own_ctx:
             self._ctx.term()
         log.info("[shutdown] step=done")
@@ -245,40 +276,53 @@ class AgentServer:
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
             self._welcome(route, msg.id, resumed, resumed=True)
+            self._honour_claim(resumed, msg.holding_grant, now)
             return
-        device = self._pick_device(msg.device)
+        device, code, problem = self._pick_device(msg.device, msg.memory_mb)
         if device is None:
-            self._error(route, msg.id, p.ErrorCode.DEVICE,
-                        f"no device {msg.device}; this node has devices 0..{len(self._schedulers) - 1} "
-                        f"(backend {self.backend.name})")
+            self._error(route, msg.id, code, problem)
             return
-        workload = Workload.parse(msg.workload)
         verified_pid = creds.pid if creds is not None else None
+        managed_pidfd = None
+        if msg.managed_pgid is not None:
+            why = ("the connection's process cannot be verified" if verified_pid is None
+                   else enforce.verify_managed_pgid(msg.managed_pgid, verified_pid))
+            if why is not None:
+                self._error(route, msg.id, p.ErrorCode.INVALID, f"managed_pgid {msg.managed_pgid} refused: {why}")
+                return
+            managed_pidfd = procwatch.open_pidfd(msg.managed_pgid)
+        workload = Workload.parse(msg.workload)
         session = Session(
             id=new_session_id(), key=new_session_key(), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
             uid=creds.uid if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
-            created=now, last_seen=now)
-        self._schedulers[device].add_session(session.id, workload, session.weight, now)
+            created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
+            managed_pidfd=managed_pidfd)
+        self._add_session(session, now)
+        if verified_pid is not None and verified_pid != msg.pid:
+            log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
+                        session.id, msg.pid, verified_pid)
+        log.info("[session] open session=%s name=%s pid=%d verified=%s workload=%s weight=%g device=%d "
+                 "memory_mb=%d managed_pgid=%s", session.id, session.name, session.pid, verified_pid is not None,
+                 msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
+        self._journal_put(session)
+        self._welcome(route, msg.id, session, resumed=False)
+
+    def _add_session(self, session: Session, now: float) -> None:
+        self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
         self._sessions[session.id] = session
-        self._by_route[route] = session
-        if verified_pid is not None:
-            session.pidfd = procwatch.open_pidfd(verified_pid)
+        if session.route is not None:
+            self._by_route[session.route] = session
+        if session.verified_pid is not None:
+            session.pidfd = procwatch.open_pidfd(session.verified_pid)
             if session.pidfd is not None:
                 self._by_pidfd[session.pidfd] = session
                 self._pidfds.register(session.pidfd, select.EPOLLIN)
-            if verified_pid != msg.pid:
-                log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
-                            session.id, msg.pid, verified_pid)
-        log.info("[session] open session=%s name=%s pid=%d verified=%s workload=%s weight=%g device=%d",
-                 session.id, session.name, session.pid, verified_pid is not None,
-                 msg.workload, session.weight, device)
-        self._welcome(route, msg.id, session, resumed=False)
 
     def _try_resume(self, route: bytes, msg: p.Hello, creds, now: float) -> Session | None:
-        """Reattach a live session to a new connection of the same client."""
+        """Reattach a live or restored session to a new connection of the same client."""
         if not msg.resume_session or not msg.resume_key:
             return None
         session = self._sessions.get(msg.resume_session)
@@ -286,27 +330,50 @@ class AgentServer:
             return None
         if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
             return None
-        self._by_route.pop(session.route, None)
+        if session.route is not None:
+            self._by_route.pop(session.route, None)
         session.route = route
         session.last_seen = now
         self._by_route[route] = session
-        log.info("[session] resumed session=%s", session.id)
+        log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
         return session
+
+    def _honour_claim(self, s: Session, claim: int | None, now: float) -> None:
+        """A resumed client that was using the device when it lost us gets the
+        token back first, so its slice in progress completes."""
+        restoring = self._restoring.get(s.device)
+        if restoring is not None:
+            restoring.discard(s.id)
+        if claim is not None and s.grant is None:
+            self._apply(self._schedulers[s.device].request(s.id, now), now)
+        if restoring is not None and not restoring:
+            self._end_restore(s.device, now)
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
         policy = self._schedulers[s.device].policy
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
-            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed))
+            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed, boot=self.boot))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
 
-    def _pick_device(self, wanted: int | None) -> int | None:
-        if wanted is not None:
-            return wanted if 0 <= wanted < len(self._schedulers) else None
-        return min(range(len(self._schedulers)), key=lambda i: (len(self._schedulers[i]), i))
+    def _pick_device(self, wanted: int | None, memory_mb: int) -> tuple[int | None, str, str]:
+        """(device, "", "") for a new session (the least loaded that fits), or (None, code, why)."""
+        count = len(self._schedulers)
+        if wanted is not None and not 0 <= wanted < count:
+            return None, p.ErrorCode.DEVICE, (f"no device {wanted}; this node has devices 0..{count - 1} "
+                                              f"(backend {self.backend.name})")
+        candidates = [wanted] if wanted is not None else sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
+        problems = []
+        for i in candidates:
+            declared = memory.declared_mb(self._sessions.values(), i)
+            problem = memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb, declared, memory_mb)
+            if problem is None:
+                return i, "", ""
+            problems.append(problem)
+        return None, p.ErrorCode.NO_MEMORY, "; ".join(problems)
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
         session = self._sessions.get(msg.session)
@@ -315,7 +382,7 @@ class AgentServer:
                         f"no session {msg.session} (it was closed, timed out, or the daemon restarted)")
             return
         session.last_seen = now
-        self._send(route, p.Ok(id=msg.id))
+        self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot))
 
     def _session_for(self, route: bytes, request_id: int, now: float) -> Session | None:
         session = self._by_route.get(route)
@@ -332,10 +399,14 @@ class AgentServer:
             return
         if s.grant is None and s.wait_started is None:
             s.wait_started = now
-        actions = self._schedulers[s.device].request(s.id, now)
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
-        self._apply(actions, now)
+        parked = self._parked.get(s.device)
+        if parked is not None:  # restoring: the slice that was running goes first
+            if s.id not in parked:
+                parked.append(s.id)
+            return
+        self._apply(self._schedulers[s.device].request(s.id, now), now)
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -387,6 +458,9 @@ class AgentServer:
                 s.grant = action.grant
                 s.granted_at = now
                 s.grants += 1
+                if s.stopped:  # its turn again: it runs before it hears it may
+                    self._continue(s)
+                    s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self._observe_wait(s, now)
                 if handoff_from is not None:
@@ -405,12 +479,38 @@ class AgentServer:
                 self._send(s.route, p.Revoke(grant=action.grant, reason=action.reason))
 
     def _enforce(self, action: Enforce, now: float) -> None:
-        # Until process enforcement exists, an overrunning holder loses the token.
+        """A holder overran its yield deadline: stop it if its identity is
+        verified (and policy allows), else take the token away."""
         s = self._sessions[action.session]
-        log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke",
-                    s.id, action.grant, action.overrun_ms)
+        if self.config.enforce == "stop" and self._stop(s):
+            log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop",
+                        s.id, action.grant, action.overrun_ms)
+            self.metrics.enforcements.labels("stop").inc()
+            self._end_slice(s, now)
+            self._apply(self._schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
+            return
+        log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
+                    s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
         self.metrics.enforcements.labels("revoke").inc()
         self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
+
+    def _stop(self, s: Session) -> bool:
+        """SIGSTOP a verified session's process; False if it cannot be (or is gone)."""
+        if not enforce.can_signal(s) or not enforce.send(s, signal.SIGSTOP):
+            return False
+        s.stopped = True
+        self._journal(lambda j: j.set_stopped(s.id, True))
+        return True
+
+    def _continue(self, s: Session) -> bool:
+        """SIGCONT a session the daemon stopped. Never leaves a process stopped it can reach."""
+        if not s.stopped:
+            return False
+        sent = enforce.send(s, signal.SIGCONT)
+        s.stopped = False
+        if s.id in self._sessions:
+            self._journal(lambda j: j.set_stopped(s.id, False))
+        return sent
 
     def _observe_wait(self, s: Session, now: float) -> None:
         if s.wait_started is None:
@@ -440,6 +540,9 @@ class AgentServer:
         if now >= self._next_liveness_check:
             self._check_heartbeats(now)
             self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
+        if self._restoring and now >= self._restore_deadline:
+            for device in list(self._restoring):
+                self._end_restore(device, now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
@@ -452,7 +555,8 @@ class AgentServer:
 
     def _check_heartbeats(self, now: float) -> None:
         limit = self.config.heartbeat_timeout_s
-        for s in [s for s in self._sessions.values() if now - s.last_seen > limit]:
+        # A stopped process cannot heartbeat: its pidfd says whether it lives.
+        for s in [s for s in self._sessions.values() if now - s.last_seen > limit and not s.stopped]:
             self._drop(s, "heartbeat", now)
 
     # ------------------------------------------------------------- sessions
@@ -461,12 +565,23 @@ class AgentServer:
         """End a session; a token it held passes on at once."""
         if self._sessions.pop(s.id, None) is None:
             return
-        if self._by_route.get(s.route) is s:
+        if s.route is not None and self._by_route.get(s.route) is s:
             del self._by_route[s.route]
+        if s.stopped and reason != "process_exited":
+            self._continue(s)
         self._close_pidfd(s)
         self._end_slice(s, now)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
+        self._journal(lambda j: j.delete_session(s.id))
+        for parked in self._parked.values():
+            if s.id in parked:
+                parked.remove(s.id)
+        restoring = self._restoring.get(s.device)
+        if restoring is not None:
+            restoring.discard(s.id)
+            if not restoring:
+                self._end_restore(s.device, now)
         if reason == "bye":
             log.info("[session] close session=%s name=%s", s.id, s.name)
         else:
@@ -475,6 +590,9 @@ class AgentServer:
         self._apply(actions, now, handoff_from=now)
 
     def _close_pidfd(self, s: Session) -> None:
+        if s.managed_pidfd is not None:
+            os.close(s.managed_pidfd)
+            s.managed_pidfd = None
         if s.pidfd is None:
             return
         self._by_pidfd.pop(s.pidfd, None)
@@ -499,9 +617,107 @@ class AgentServer:
             if s is not None:
                 self._drop(s, "unreachable", self._clock())
 
+    # -------------------------------------------------------------- journal
+
+    def _journal(self, write) -> None:
+        """Run one journal write; a failing journal is logged, never fatal to the loop."""
+        if self.journal is None:
+            return
+        try:
+            write(self.journal)
+        except Exception as exc:  # JournalError, or a bug: the session state in memory stays right
+            log.error("[journal] write failed: %s", exc)
+
+    def _journal_put(self, s: Session) -> None:
+        self._journal(lambda j: j.put_session(SessionRecord(
+            id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
+            start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
+            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped)))
+
+    def _restore(self, now: float) -> None:
+        """Take back the sessions a previous daemon journalled whose processes still live.
+
+        Grant ids continue above the old ones (boot << 32). Devices with restored
+        sessions enter a restore window: the client that was using the device may
+        claim its slice back; other requests wait until every restored session
+        has reattached or ``heartbeat_timeout_s`` has passed."""
+        self.boot = self.journal.next_boot()
+        self._schedulers = [TokenScheduler(i, self._policy, first_grant=(self.boot << 32) + 1)
+                            for i in range(len(self._schedulers))]
+        restored = dropped = 0
+        for rec in self.journal.sessions():
+            why = _unrestorable(rec, len(self._schedulers))
+            if why:
+                log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
+                self._journal(lambda j: j.delete_session(rec.id))
+                dropped += 1
+                continue
+            session = Session(
+                id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
+                verified_pid=rec.verified_pid, start_ticks=rec.start_ticks, uid=rec.uid,
+                workload=Workload.parse(rec.workload), weight=rec.weight, device=rec.device,
+                memory_mb=rec.memory_mb, created=now, last_seen=now, stopped=rec.stopped)
+            if rec.managed_pgid is not None and rec.verified_pid is not None and \
+                    enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
+                session.managed_pgid = rec.managed_pgid
+                session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
+            self._add_session(session, now)
+            if session.stopped:  # the old daemon died holding it stopped: let it run
+                self._continue(session)
+            self._restoring.setdefault(rec.device, set()).add(rec.id)
+            self._parked.setdefault(rec.device, [])
+            restored += 1
+        self._restore_deadline = now + self.config.heartbeat_timeout_s
+        log.info("[restore] boot=%d restored=%d dropped=%d", self.boot, restored, dropped)
+
+    def _end_restore(self, device: int, now: float) -> None:
+        """Close a device's restore window and hand its parked requests to the scheduler."""
+        self._restoring.pop(device, None)
+        parked = self._parked.pop(device, [])
+        log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
+        scheduler = self._schedulers[device]
+        for sid in parked:
+            if sid in self._sessions:
+                self._apply(scheduler.request(sid, now), now)
+
+    # --------------------------------------------------------------- memory
+
+    def _apply_memory_readings(self) -> None:
+        """Act on what the memory watcher measured (it runs on its own thread)."""
+        while True:
+            try:
+                readings = self._memory_readings.get_nowait()
+            except queue.Empty:
+                return
+            now = self._clock()
+            for device, processes in readings.items():
+                sessions = [s for s in self._sessions.values() if s.device == device]
+                over = {o.session.id: o for o in memory.measure(sessions, processes)}
+                for s in sessions:
+                    if s.id in over and not s.over_memory:
+                        self._on_overuse(s, over[s.id].used_bytes, now)
+                    s.over_memory = s.id in over
+
+    def _on_overuse(self, s: Session, used_bytes: int, now: float) -> None:
+        policy = self.config.memory_policy
+        log.warning("[memory] over session=%s name=%s device=%d used_mb=%d declared_mb=%d policy=%s",
+                    s.id, s.name, s.device, used_bytes // memory.MiB, s.memory_mb, policy)
+        self.metrics.memory_violations.labels(str(s.device), policy).inc()
+        if s.grant is None or policy == "warn":
+            return
+        if policy == "stop" and self._stop(s):
+            self.metrics.enforcements.labels("stop").inc()
+            self._end_slice(s, now)
+            self._apply(self._schedulers[s.device].preempt(s.id, now), now)
+        else:
+            self.metrics.enforcements.labels("revoke").inc()
+            self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)
+
     # -------------------------------------------------------------- output
 
-    def _send(self, route: bytes, msg) -> None:
+    def _send(self, route: bytes | None, msg) -> None:
+        if route is None:  # a restored session that has not reattached yet
+            return
         try:
             self._router.send_multipart([route, codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -525,7 +741,11 @@ class AgentServer:
     def status(self, now: float | None = None, request_id: int = 0) -> p.StatusReply:
         now = self._clock() if now is None else now
         devices = []
-        for info, scheduler in zip(self.backend.devices(), self._schedulers):
+        try:
+            self._device_info = self.backend.devices()
+        except DeviceError as exc:
+            log.warning("[devices] live query failed, using the last values: %s", exc)
+        for info, scheduler in zip(self._device_info, self._schedulers):
             snap = scheduler.snapshot(now)
             sessions = []
             for view in snap.sessions:
@@ -533,24 +753,68 @@ class AgentServer:
                 sessions.append(p.SessionInfo(
                     id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
-                    gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb))
+                    gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
+                    memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
                 utilization_percent=info.utilization_percent, holder=snap.holder,
-                queue=list(snap.queue), sessions=sessions))
+                queue=list(snap.queue), sessions=sessions,
+                memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
+                memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb)))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
-                             backend=self.backend.name, uptime_s=now - self._started, devices=devices)
+                             backend=self.backend.name, uptime_s=now - self._started, devices=devices,
+                             boot=self.boot)
 
-    def _session_rows(self):
+    def _session_rows(self) -> list[SessionRow]:
         rows = []
         for s in list(self._sessions.values()):
             try:
                 state = self._schedulers[s.device].state(s.id).value
             except KeyError:
                 continue  # removed while we were reading (scrapes run on another thread)
-            rows.append((str(s.device), s.workload.wire, state))
+            used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
+            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, s.id, used))
         return rows
+
+
+def _unrestorable(rec: SessionRecord, devices: int) -> str | None:
+    """Why a journalled session cannot be restored, or None."""
+    if not 0 <= rec.device < devices:
+        return f"device {rec.device} no longer exists"
+    if rec.verified_pid is not None:
+        stat = procwatch.read_stat(rec.verified_pid)
+        if stat is None or stat.start_ticks != rec.start_ticks:
+            return f"process {rec.verified_pid} is gone"
+    return None
+
+
+class _MemoryWatcher(threading.Thread):
+    """Reads per-process device memory every ``interval_s`` off the loop thread
+    (an NVML call can take milliseconds) and hands the readings to the loop."""
+
+    def __init__(self, backend: DeviceBackend, interval_s: float, out: queue.SimpleQueue,
+                 wake: Callable[[], None]) -> None:
+        super().__init__(name="nodeagent-memory-watch", daemon=True)
+        self._backend = backend
+        self._interval_s = interval_s
+        self._out = out
+        self._wake = wake
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._interval_s):
+            try:
+                readings = {i: self._backend.processes(i) for i in range(self._backend.count())}
+            except DeviceError as exc:
+                log.warning("[memory] reading device memory failed: %s", exc)
+                continue
+            self._out.put(readings)
+            self._wake()
 
 
 def _check_hello(msg: p.Hello) -> str | None:

@@ -26,7 +26,7 @@ def new_session_key() -> str:
 class Session:
     id: str
     key: str
-    route: bytes  # ZeroMQ routing id of the session's main connection
+    route: bytes | None  # ZeroMQ routing id of the main connection; None until a restored session reattaches
     name: str
     claimed_pid: int  # what hello said: never used to signal anything
     verified_pid: int | None  # from the kernel (SO_PEERCRED); None over tcp
@@ -39,6 +39,11 @@ class Session:
     created: float
     last_seen: float
     pidfd: int | None = None
+    managed_pgid: int | None = None  # verified process group of a program launched by nodeagent run
+    managed_pidfd: int | None = None  # pidfd of that group's leader
+    stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
+    memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
+    over_memory: bool = False  # flagged by the watcher; cleared when back under
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token

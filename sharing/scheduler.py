@@ -145,6 +145,7 @@ class SessionState(enum.Enum):
             │                          └──────────────── ┌──────────┐
             └─────────────────────────────────────────── │ YIELDING │
                  release() / revoke(), from HOLDING too  └──────────┘
+                                          preempt() (daemon stopped it): HOLDING/YIELDING -> WAITING
 
     ``add_session`` starts a session in IDLE; ``remove_session`` drops it from any
     state. A YIELDING holder past its deadline gets one ``Enforce`` and stays
@@ -427,6 +428,19 @@ class TokenScheduler:
         grant = self._take_token(s, now)
         return self._grant_next(now, [Revoked(session, grant, reason)])
 
+    def preempt(self, session: str, now: float) -> list[Action]:
+        """Put the holder back in line without its consent (the daemon stopped it)
+        and grant the next waiter. It is charged for its time and queued by the
+        usual fair order, so it runs again when its turn comes."""
+        s = self._get(session)
+        self._check_holder(s)
+        self._advance(now)
+        self._take_token(s, now)
+        s.state = SessionState.WAITING
+        s.waiting_since = now
+        self._waiting[s.workload][session] = s
+        return self._grant_next(now, [])
+
     def set_weight(self, session: str, weight: float, now: float) -> None:
         """Change a session's share; a holder's time so far is charged at the old weight."""
         s = self._get(session)
@@ -463,10 +477,20 @@ class TokenScheduler:
                 return [self._ask_yield(h, now, "quantum")]
             return []
         if not self._enforced and now >= self._yield_deadline:
+            if not self._owed_the_device(h.workload):
+                # Whoever the holder was asked to yield to has left: nobody to enforce for.
+                h.state = SessionState.HOLDING
+                self._slice_end = now + self._quantum_s[h.workload]
+                return []
             self._enforced = True
             overrun_ms = (now - self._yield_deadline) * 1000.0
             return [Enforce(h.id, self._grant, overrun_ms)]
         return []
+
+    def _owed_the_device(self, workload: Workload) -> bool:
+        """True if a session of this class or a higher one waits."""
+        waiting = self._waiting
+        return any(waiting[w] for w in range(workload + 1))
 
     # --------------------------------------------------------------- queries
 

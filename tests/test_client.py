@@ -67,7 +67,8 @@ def test_no_daemon_gives_a_handshake_timeout_naming_endpoint_and_setting(workdir
 
 def test_daemon_killed_while_waiting_raises_unavailable(start_daemon):
     d = start_daemon("--heartbeat-ms", "100")
-    with Client("holder", endpoint=d.endpoint) as holder, Client("waiter", endpoint=d.endpoint) as waiter:
+    with Client("holder", endpoint=d.endpoint, reconnect=False) as holder, \
+            Client("waiter", endpoint=d.endpoint, reconnect=False) as waiter:
         holder.acquire()
         d.kill()
         started = time.monotonic()

@@ -126,7 +126,8 @@ def test_silent_session_is_dropped_after_missed_heartbeats(start_daemon):
 
 
 def test_holder_that_ignores_yield_is_revoked_after_grace(start_daemon):
-    d = start_daemon("--grace-ms", "150")
+    # enforce=revoke: the stubborn peer lives in this test process, which must not be stopped.
+    d = start_daemon("--grace-ms", "150", "--enforce", "revoke")
     stubborn = RawPeer(d.endpoint)
     stubborn.hello("stubborn")
     stubborn.call(p.Acquire(id=stubborn.take_id()))
@@ -258,7 +259,7 @@ def test_heartbeat_with_wrong_key_is_refused(daemon):
     welcome = owner.hello("owner")
     other = RawPeer(daemon.endpoint)
     assert other.call(p.Heartbeat(id=1, session=welcome.session, key="guess")).code == ErrorCode.NO_SESSION
-    assert isinstance(other.call(p.Heartbeat(id=2, session=welcome.session, key=welcome.key)), p.Ok)
+    assert isinstance(other.call(p.Heartbeat(id=2, session=welcome.session, key=welcome.key)), p.HeartbeatAck)
     owner.close()
     other.close()
 

@@ -746,3 +746,57 @@ def test_invariants_hold_under_random_events(events):
             elif isinstance(action, AskYield):
                 assert action.session == snap.holder and action.grant == snap.grant
         assert sum(v.gpu_time_s for v in snap.sessions) + removed_gpu_s <= now + 1e-9
+
+
+# ------------------------------------------------------------------ preempt
+
+def test_preempt_requeues_the_holder_and_grants_the_next():
+    s = TokenScheduler(0, SchedulerPolicy(grace_ms=10.0))
+    s.add_session("hog", Workload.TRAINING, 1.0, 0.0)
+    s.add_session("inf", Workload.INFERENCE, 1.0, 0.0)
+    [g1] = s.request("hog", 0.0)
+    [ask] = s.request("inf", 1.0)
+    assert ask.reason == "preempted"
+    [enforce] = s.tick(1.010)
+    assert isinstance(enforce, Enforce) and enforce.session == "hog"
+    [g2] = s.preempt("hog", 1.010)
+    assert isinstance(g2, Grant) and g2.session == "inf" and g2.grant > g1.grant
+    assert s.state("hog") is SessionState.WAITING
+    snap = s.snapshot(1.010)
+    hog = next(v for v in snap.sessions if v.session == "hog")
+    assert hog.gpu_time_s == pytest.approx(1.010)  # charged for the time it held
+    # When inference leaves, the stopped trainer is next in line: no request needed.
+    [g3] = s.release("inf", g2.grant, 1.5)
+    assert g3.session == "hog" and g3.waited_s == pytest.approx(0.49)
+
+
+def test_preempt_of_a_non_holder_is_refused_and_changes_nothing():
+    s = TokenScheduler(0)
+    s.add_session("a", Workload.TRAINING, 1.0, 0.0)
+    s.add_session("b", Workload.TRAINING, 1.0, 0.0)
+    s.request("a", 0.0)
+    s.request("b", 0.0)
+    before = s.snapshot(0.0)
+    with pytest.raises(NotHolderError):
+        s.preempt("b", 0.0)
+    assert s.snapshot(0.0) == before
+
+
+def test_no_enforce_when_the_waiter_that_caused_the_yield_has_left():
+    s = TokenScheduler(0, SchedulerPolicy(quantum_ms={"inference": 50, "training": 100, "best-effort": 100},
+                                          grace_ms=10.0))
+    s.add_session("a", Workload.TRAINING, 1.0, 0.0)
+    s.add_session("b", Workload.TRAINING, 1.0, 0.0)
+    [g] = s.request("a", 0.0)
+    s.request("b", 0.05)
+    [ask] = s.tick(0.1)
+    assert ask.reason == "quantum"
+    s.cancel("b", 0.105)
+    assert s.tick(0.2) == []  # past the deadline, but nobody is owed the device
+    assert s.state("a") is SessionState.HOLDING
+    assert s.next_deadline() is None
+    # A new waiter starts a new quantum ask, and then enforcement applies again.
+    s.request("b", 0.25)
+    assert s.tick(0.25) == []  # the renewed quantum runs from 0.2
+    assert [type(x) for x in s.tick(0.31)] == [AskYield]
+    assert [type(x) for x in s.tick(0.33)] == [Enforce]

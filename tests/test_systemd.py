@@ -277,9 +277,6 @@ def test_a_daemon_that_cannot_bind_never_reports_ready(workdir, start_daemon):
         listener.close()
 
 
-@pytest.mark.xfail(strict=True, reason="notify_systemd raises when $NOTIFY_SOCKET cannot be reached "
-                                       "and the daemon exits 1 right after binding; sd_notify(3) "
-                                       "ignores such errors. Remove this mark once it does.")
 def test_an_unreachable_notify_socket_does_not_stop_the_daemon(workdir):
     proc, endpoint = serve(workdir, os.path.join(workdir, "nobody-listens.sock"))
     try:
