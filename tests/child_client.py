@@ -3,9 +3,13 @@ killable process. Prints one line per event: ``EVENT <monotonic_s> <detail>``
 (CLOCK_MONOTONIC is shared by all processes, so times compare across them).
 
 Modes:
-  loop   hold slices back to back, doing real work and calling yield_point()
-         after each unit; prints GRANT on each (re-)grant and a final DONE line
-  hold   acquire once, print GRANT, then hold the token (sleeping) until killed
+  loop      hold slices back to back, doing real work and calling yield_point()
+            after each unit; prints GRANT on each (re-)grant and a final DONE line
+  hold      acquire once, print GRANT, then hold the token (sleeping) until killed
+  stubborn  acquire once, print GRANT, then compute forever without ever yielding,
+            printing TICK every ~20 ms (the daemon must stop it)
+  spoof     like stubborn, but speaks the protocol by hand and claims --claim-pid
+            in its hello; prints REVOKE if the daemon takes the token away
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ def work_unit(blob: bytes, rounds: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["loop", "hold"])
+    ap.add_argument("mode", choices=["loop", "hold", "stubborn", "spoof"])
+    ap.add_argument("--claim-pid", type=int, help="spoof: the pid to claim in hello")
     ap.add_argument("--name", default="child")
     ap.add_argument("--workload", default="training")
     ap.add_argument("--weight", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=8, help="sha256 rounds of 64 KiB per work unit")
     args = ap.parse_args()
+    if args.mode == "spoof":
+        return spoof(args)
     client = Client(args.name, workload=args.workload, weight=args.weight,
                     endpoint=os.environ["NODEAGENT_ENDPOINT"])
     emit("SESSION", client.session_id)
@@ -47,6 +54,10 @@ def main() -> int:
         emit("GRANT")
         while True:
             time.sleep(1)
+    if args.mode == "stubborn":
+        client.acquire()
+        emit("GRANT")
+        compute_forever(blob, lambda: None)
     units = 0
     stop_at = time.monotonic() + args.seconds
     with client.slice():
@@ -58,6 +69,35 @@ def main() -> int:
                 emit("GRANT")
     emit("DONE", str(units))
     client.close()
+    return 0
+
+
+def compute_forever(blob: bytes, poll) -> None:
+    n, next_tick = 0, time.monotonic()
+    while True:
+        work_unit(blob, 1)
+        poll()
+        if time.monotonic() >= next_tick:
+            n += 1
+            emit("TICK", str(n))
+            next_tick += 0.02
+
+
+def spoof(args) -> int:
+    from client_lib import protocol as p
+    from tests.rawpeer import RawPeer
+    peer = RawPeer(os.environ["NODEAGENT_ENDPOINT"])
+    peer.hello(args.name, pid=args.claim_pid)
+    emit("SESSION")
+    peer.send(p.Acquire(id=peer.take_id(), quiet=True))
+    peer.next_notice(p.Grant, timeout=10)
+    emit("GRANT")
+
+    def poll() -> None:
+        while peer.sock.poll(0):
+            if isinstance(peer.recv(), p.Revoke):
+                emit("REVOKE")
+    compute_forever(os.urandom(1 << 16), poll)
     return 0
 
 

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 class Daemon:
     """A ``nodeagent serve`` process started for one test."""
 
-    def __init__(self, workdir: str, extra_args: list[str]) -> None:
+    def __init__(self, workdir: str, extra_args: list[str], endpoint: str | None = None) -> None:
         self.workdir = workdir
         self.socket_path = os.path.join(workdir, "agent.sock")
-        self.endpoint = f"ipc://{self.socket_path}"
+        self.endpoint = endpoint or f"ipc://{self.socket_path}"
         self.extra_args = extra_args
         self.log_path = os.path.join(workdir, "daemon.log")
         self.proc: subprocess.Popen | None = None
@@ -86,11 +86,12 @@ def workdir():
 
 @pytest.fixture
 def start_daemon(workdir):
-    """Factory: ``start_daemon("--quantum-ms", "training=20")`` -> running :class:`Daemon`."""
+    """Factory: ``start_daemon("--quantum-ms", "training=20")`` -> running :class:`Daemon`.
+    Started again in the same test, it reuses the endpoint and state dir (a restart)."""
     started: list[Daemon] = []
 
-    def start(*extra_args: str) -> Daemon:
-        d = Daemon(workdir, list(extra_args)).start()
+    def start(*extra_args: str, endpoint: str | None = None) -> Daemon:
+        d = Daemon(workdir, list(extra_args), endpoint).start()
         started.append(d)
         return d
 

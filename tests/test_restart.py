@@ -1,0 +1,110 @@
+"""The daemon killed with SIGKILL and started again: sessions come back from the
+journal and clients carry on without their programs noticing."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+from client_lib import Client
+from tests.test_daemon import wait_for
+
+
+def test_clients_carry_on_across_a_sigkilled_daemon_and_status_matches(start_daemon, spawn):
+    args = ("--heartbeat-ms", "200", "--quantum-ms", "training=50")
+    d = start_daemon(*args)
+    kids = [spawn(d.endpoint, "loop", "--name", f"k{i}", "--seconds", "5") for i in range(2)]
+    for kid in kids:
+        kid.expect("GRANT", count=2)
+    before = d.status().devices[0]
+    holder = before.holder
+    assert holder is not None
+    d.kill()
+    time.sleep(0.3)
+    d2 = start_daemon(*args)
+
+    def same_sessions_granted_again():
+        dev = d2.status().devices[0]
+        return {s.id for s in dev.sessions} == {s.id for s in before.sessions} and \
+            all(s.grants > 0 for s in dev.sessions)
+    wait_for(same_sessions_granted_again, timeout=10)
+    after = d2.status().devices[0]
+    assert {(s.id, s.name, s.pid, s.workload) for s in after.sessions} == \
+        {(s.id, s.name, s.pid, s.workload) for s in before.sessions}
+    assert d2.status().boot == 2
+    # The session that was using the device claimed its slice back first.
+    claim = re.search(rf"resumed session={holder} claim=(\d+)", d2.log())
+    assert claim, d2.log()
+    for kid in kids:
+        done = kid.expect("DONE", timeout=20)
+        assert int(done[2]) > 0
+        assert kid.proc.wait(timeout=10) == 0  # no exception reached the program
+    assert "[restore] boot=2 restored=2 dropped=0" in d2.log()
+
+
+def test_sessions_of_dead_processes_are_not_restored(start_daemon, spawn):
+    d = start_daemon()
+    kid = spawn(d.endpoint, "hold", "--name", "doomed")
+    kid.expect("GRANT")
+    d.kill()
+    kid.kill()
+    d2 = start_daemon()
+    assert d2.status().devices[0].sessions == []
+    assert "process" in d2.log() and "is gone" in d2.log()
+
+
+def test_grant_ids_of_a_restarted_daemon_never_repeat_old_ones(start_daemon):
+    d = start_daemon()
+    with Client("a", endpoint=d.endpoint) as a:
+        first = a.acquire()
+    d.stop()
+    d2 = start_daemon()
+    with Client("b", endpoint=d2.endpoint) as b:
+        second = b.acquire()
+    assert second > first and second >> 32 == d2.status().boot == 2
+
+
+def test_fail_open_client_runs_unmanaged_while_the_daemon_is_away_then_reattaches(start_daemon):
+    args = ("--heartbeat-ms", "100", "--quantum-ms", "training=50")
+    d = start_daemon(*args)
+    client = Client("open", endpoint=d.endpoint, fail_open=True)
+    with client.slice():
+        d.kill()
+        deadline = time.monotonic() + 5
+        while not client.unmanaged:  # lost after 3 heartbeats, then one slice of lease
+            assert time.monotonic() < deadline
+            started = time.monotonic()
+            assert client.yield_point() is False
+            assert time.monotonic() - started < 0.5  # never blocks on the absent daemon
+            time.sleep(0.01)
+        start_daemon(*args)
+        deadline = time.monotonic() + 10
+        while client.unmanaged:
+            assert time.monotonic() < deadline, "never reattached"
+            client.yield_point()
+            time.sleep(0.05)
+    client.close()
+
+
+def test_fail_closed_client_waits_for_the_daemon_then_continues(start_daemon):
+    args = ("--heartbeat-ms", "100", "--quantum-ms", "training=50")
+    d = start_daemon(*args)
+    client = Client("closed", endpoint=d.endpoint)
+    with client.slice():
+        d.kill()
+        restarted = []
+
+        def restart_later():
+            time.sleep(1.0)
+            restarted.append(time.monotonic())
+            start_daemon(*args)
+        t = threading.Thread(target=restart_later)  # noqa: the fixture is used from one thread at a time
+        t.start()
+        deadline = time.monotonic() + 10
+        while not restarted and time.monotonic() < deadline:
+            client.yield_point()  # blocks once the lease is over, until the daemon is back
+        t.join()
+        client.yield_point()
+        assert client.holding
+    client.close()
