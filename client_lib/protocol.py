@@ -171,6 +171,7 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     stopped: bool = False  # SIGSTOPped by the daemon until its next grant
     memory_used_bytes: Optional[int] = None  # measured (cuda); None where not measurable
     managed_pgid: Optional[int] = None
+    attached: bool = True  # False: restored from the journal, its client has not reattached yet
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):

@@ -754,7 +754,8 @@ class AgentServer:
                     id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
                     gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
-                    memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid))
+                    memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
+                    attached=s.route is not None))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,

@@ -27,7 +27,7 @@ def test_clients_carry_on_across_a_sigkilled_daemon_and_status_matches(start_dae
     def same_sessions_granted_again():
         dev = d2.status().devices[0]
         return {s.id for s in dev.sessions} == {s.id for s in before.sessions} and \
-            all(s.grants > 0 for s in dev.sessions)
+            all(s.grants > 0 and s.attached for s in dev.sessions)
     wait_for(same_sessions_granted_again, timeout=10)
     after = d2.status().devices[0]
     assert {(s.id, s.name, s.pid, s.workload) for s in after.sessions} == \
