@@ -567,7 +567,12 @@ class AgentServer:
             return
         if s.route is not None and self._by_route.get(s.route) is s:
             del self._by_route[s.route]
-        if s.stopped and reason != "process_exited":
+        if s.managed_pidfd is not None:
+            # The group outlives its launcher, and may have been stopped by it
+            # rather than by us: continue it whatever the reason (harmless if running).
+            s.stopped = True
+            self._continue(s)
+        elif s.stopped and reason != "process_exited":
             self._continue(s)
         self._close_pidfd(s)
         self._end_slice(s, now)

@@ -1,0 +1,432 @@
+"""``nodeagent run``: time-slice an unmodified program as a session of the daemon.
+
+The launcher starts CMD in a new session and process group (its pgid is its
+pid), stopped before it executes anything, opens a daemon session whose hello
+names that group (``managed_pgid``), and from then on lets CMD run only while
+the session holds its device's token:
+
+    grant              -> SIGCONT the group
+    yield requested    -> SIGSTOP the group, then release and queue again
+    token revoked      -> SIGSTOP the group, ask again
+
+The group is always stopped before the token is given away, so CMD never runs
+without it. The launcher complies by itself; the daemon, which can verify that
+the group is led by a child of this process, may also stop it should the
+launcher fail to.
+
+One loop in one thread owns everything, in one of three modes::
+
+    MANAGED --daemon lost--> AWAY --daemon back--> MANAGED
+       |                      |
+       +----------------------+--SIGINT/TERM/HUP forwarded, internal error--> UNMANAGED
+
+    AWAY       fail-open (default): CMD runs; fail-closed: CMD stays stopped.
+               Reattaching is tried every second (every half second fail-closed).
+    UNMANAGED  CMD runs, the session is closed (the token passes on); the
+               launcher only forwards signals and waits for CMD to exit.
+
+Signal handlers only wake the loop (``signal.set_wakeup_fd``); CMD's exit is
+an event (a pidfd). The launcher exits with CMD's status, 128+N if CMD died of
+signal N, and never leaves CMD stopped behind it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import time
+import types
+from typing import Callable, NoReturn, Sequence
+
+from client_lib import Client, DaemonUnavailableError, NodeAgentError
+
+log = logging.getLogger("nodeagent.launcher")
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_REFUSED = 1  # the daemon refused the session (bad device, protocol, ...)
+EXIT_CANNOT_EXECUTE = 126  # as a shell: found but not executable
+EXIT_NOT_FOUND = 127  # as a shell: command not found
+
+_RETRY_OPEN_S = 1.0  # fail-open: how often to look for a lost daemon
+_RETRY_CLOSED_S = 0.5  # fail-closed: CMD is waiting on it, so look more often
+_REATTACH_HANDSHAKE_S = 0.3
+_TICK_S = 0.25  # longest wait between looks at the daemon's health
+_CHILD_POLL_S = 0.05  # without a pidfd: how often to look for CMD's exit
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class Mode(enum.Enum):
+    """What the loop is doing; the transitions are drawn in the module docstring."""
+
+    MANAGED = "managed"
+    AWAY = "away"
+    UNMANAGED = "unmanaged"
+
+
+class Launcher:
+    """Runs ``argv`` time-sliced by the daemon at ``endpoint``; :meth:`run` returns its exit code.
+
+    It forks and installs signal handlers, so it must run in the main thread of
+    a process that has no other threads yet (the client's heartbeat thread is
+    started after the fork).
+    """
+
+    def __init__(self, argv: Sequence[str], *, name: str | None = None, workload: str = "training",
+                 weight: float = 1.0, device: int | None = None, endpoint: str | None = None,
+                 fail_closed: bool = False) -> None:
+        if not argv:
+            raise ValueError("no command to run")
+        self.argv = list(argv)
+        self.name = name or os.path.basename(self.argv[0])
+        self.workload = workload
+        self.weight = weight
+        self.device = device
+        self.endpoint = endpoint
+        self.fail_closed = fail_closed
+        self.mode = Mode.MANAGED
+        self.pid: int | None = None  # CMD's pid, which is also its process group id
+        self.exit_code: int | None = None  # set once CMD has been reaped
+        self.client: Client | None = None
+        self._cmd_running = False  # False while the launcher holds the group stopped
+        self._pidfd: int | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._saved_wakeup_fd = -1
+        self._saved_handlers: dict[int, object] = {}
+        self._next_attach = 0.0
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        """Launch CMD, manage it until it exits, and return its exit code."""
+        problem = check_program(self.argv[0])
+        if problem is not None:
+            code, message = problem
+            log.error("%s", message)
+            return code
+        try:
+            self._install_signal_handlers()
+            self._spawn_stopped()
+            if self.exit_code is None:
+                self._open_session()
+            while self.exit_code is None:
+                try:
+                    self._loop()
+                except Exception:
+                    if self.mode is Mode.UNMANAGED:
+                        raise
+                    log.exception("internal error; CMD (pid %d) continues unmanaged", self.pid)
+                    self._go_unmanaged()
+            return self.exit_code
+        except Exception:
+            log.exception("internal error; exiting")
+            return 1
+        finally:
+            self._clean_up()
+
+    def _loop(self) -> None:
+        """Wait for something to happen and react, until CMD has exited."""
+        while self.exit_code is None:
+            ready = self._wait()
+            if self._pidfd is None or self._pidfd in ready:
+                self._reap(block=False)
+                if self.exit_code is not None:
+                    return
+            if self._wake_r.fileno() in ready:
+                self._on_signals()
+            if self.mode is Mode.MANAGED:
+                self._step_managed()
+            elif self.mode is Mode.AWAY:
+                self._step_away()
+
+    def _wait(self) -> list[int]:
+        """Block until a daemon message, a signal, CMD's exit, or the next timer; the ready fds."""
+        fds = [self._wake_r.fileno()]
+        if self._pidfd is not None:
+            fds.append(self._pidfd)
+        timeout = _TICK_S if self._pidfd is not None else _CHILD_POLL_S
+        if self.mode is Mode.MANAGED:
+            try:
+                return self.client.wait_event(timeout, fds)
+            except NodeAgentError as exc:
+                self._daemon_lost(str(exc))
+                return []
+        if self.mode is Mode.AWAY:
+            timeout = max(0.0, min(timeout, self._next_attach - time.monotonic()))
+        ready, _, _ = select.select(fds, [], [], timeout)
+        return ready
+
+    # ------------------------------------------------------------- managed
+
+    def _open_session(self) -> None:
+        """First hello. A daemon that is not there is one that went away;
+        a daemon that refuses the session ends the launch (CMD never ran)."""
+        try:
+            self.client = self._new_client(handshake_timeout_s=None)
+        except DaemonUnavailableError as exc:
+            self._daemon_lost(str(exc))
+            return
+        except NodeAgentError as exc:
+            log.error("the daemon refused the session: %s; CMD was not started", exc)
+            self._killpg(signal.SIGKILL)
+            self._reap(block=True)
+            self.exit_code = EXIT_REFUSED
+            return
+        log.info("session %s on device %d (pid %d, slice %.0f ms)", self.client.session_id,
+                 self.client.device, self.pid, self.client.slice_ms)
+        self.client.request()
+
+    def _new_client(self, handshake_timeout_s: float | None) -> Client:
+        # reconnect=False: losing the daemon must surface here at once, so
+        # that CMD is continued (fail-open) or held (fail-closed) by us.
+        return Client(self.name, workload=self.workload, weight=self.weight, device=self.device,
+                      endpoint=self.endpoint, handshake_timeout_s=handshake_timeout_s,
+                      managed_pgid=self.pid, reconnect=False)
+
+    def _step_managed(self) -> None:
+        """Make CMD's state follow the token: running iff held and not asked to yield."""
+        client = self.client
+        try:
+            if not client.daemon_healthy():
+                self._daemon_lost("it stopped answering heartbeats, or restarted")
+                return
+            if client.holding:
+                if client.yield_requested:
+                    self._stop_cmd("yield requested")  # before the token goes, never after
+                    client.release(requeue=True)
+                elif not self._cmd_running:
+                    self._continue_cmd("granted")
+            elif self._cmd_running:
+                self._stop_cmd("token revoked")
+                client.request()
+        except NodeAgentError as exc:
+            self._daemon_lost(str(exc))
+
+    # ---------------------------------------------------------------- away
+
+    def _daemon_lost(self, reason: str) -> None:
+        """Enter AWAY: continue CMD (fail-open) or keep it stopped (fail-closed)."""
+        self.mode = Mode.AWAY
+        self._next_attach = time.monotonic() + self._retry_s()
+        if self.fail_closed:
+            log.warning("daemon lost (%s); CMD stays stopped until it returns (--fail-closed)", reason)
+            self._stop_cmd("daemon lost, fail-closed")
+        else:
+            log.warning("daemon lost (%s); CMD runs unmanaged until it returns (fail-open)", reason)
+            self._continue_cmd("daemon lost, fail-open")
+
+    def _step_away(self) -> None:
+        """Try to reattach when due; once back, CMD waits for a grant again."""
+        now = time.monotonic()
+        if now < self._next_attach:
+            return
+        self._next_attach = now + self._retry_s()
+        try:
+            if self.client is None:
+                self.client = self._new_client(_REATTACH_HANDSHAKE_S)
+            elif not self.client.try_resume(_REATTACH_HANDSHAKE_S):
+                return
+            holding = self.client.holding
+        except NodeAgentError:
+            return
+        self.mode = Mode.MANAGED
+        log.warning("daemon is back (session %s); CMD is managed again", self.client.session_id)
+        if not holding:
+            self._stop_cmd("waiting for a grant")
+            self.client.request()
+
+    def _retry_s(self) -> float:
+        return _RETRY_CLOSED_S if self.fail_closed else _RETRY_OPEN_S
+
+    # ----------------------------------------------------------- unmanaged
+
+    def _go_unmanaged(self) -> None:
+        """CMD runs until it exits; the session is closed so the token passes on."""
+        self.mode = Mode.UNMANAGED
+        self._continue_cmd("unmanaged")
+        self._close_client()
+
+    def _on_signals(self) -> None:
+        """Forward each signal the handlers noted to CMD's group, with a SIGCONT
+        so that a stopped CMD acts on it; CMD then runs unmanaged until it
+        exits, so that its shutdown never waits on another session's slice."""
+        try:
+            received = self._wake_r.recv(64)
+        except BlockingIOError:
+            return
+        for signum in received:
+            if signum not in self._saved_handlers:
+                continue
+            log.info("forwarding %s to CMD", signal.Signals(signum).name)
+            self._killpg(signum)
+            self._killpg(signal.SIGCONT)
+            self._cmd_running = True
+            if self.mode is not Mode.UNMANAGED:
+                self._go_unmanaged()
+
+    # --------------------------------------------------------------- child
+
+    def _spawn_stopped(self) -> None:
+        """Fork CMD into its own session, stopped before exec; wait until it is stopped.
+
+        Not subprocess: Popen waits for the exec to succeed, which a child that
+        stops itself before exec never reports."""
+        set_pdeathsig = _pdeathsig_setter()  # resolved before the fork
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._exec_child(parent, set_pdeathsig)
+        self.pid = pid
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):  # it died before it could stop
+            self._record_exit(status)
+            return
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # older kernel: _loop polls waitpid instead
+            self._pidfd = None
+
+    def _exec_child(self, parent: int, set_pdeathsig: Callable[[int], None]) -> NoReturn:
+        """In the child: new session, shell-like signal dispositions, stop, exec."""
+        code = EXIT_NOT_FOUND
+        try:
+            os.setsid()
+            signal.set_wakeup_fd(-1)
+            for signum in (*self._saved_handlers, signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(signum, signal.SIG_DFL)  # Python ignores PIPE and XFSZ; CMD must not
+            # Should the launcher be killed outright, the kernel continues CMD.
+            set_pdeathsig(signal.SIGCONT)
+            if os.getppid() != parent:  # the launcher is already gone: nobody would continue us
+                os._exit(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            os.execvp(self.argv[0], self.argv)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                code = EXIT_CANNOT_EXECUTE
+            os.write(2, f"nodeagent run: cannot run {self.argv[0]}: {exc.strerror}\n".encode())
+        finally:
+            os._exit(code)
+
+    def _reap(self, block: bool) -> None:
+        """Collect CMD's exit status if it has exited (exactly once)."""
+        pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        if pid == self.pid:
+            self._record_exit(status)
+
+    def _record_exit(self, status: int) -> None:
+        code = os.waitstatus_to_exitcode(status)
+        self.exit_code = 128 - code if code < 0 else code
+        log.info("CMD exited with status %d", self.exit_code)
+
+    def _stop_cmd(self, why: str) -> None:
+        if self._cmd_running and self.exit_code is None:
+            self._killpg(signal.SIGSTOP)
+            self._cmd_running = False
+            log.info("CMD stopped (%s)", why)
+
+    def _continue_cmd(self, why: str) -> None:
+        if not self._cmd_running and self.exit_code is None:
+            self._killpg(signal.SIGCONT)
+            self._cmd_running = True
+            log.info("CMD continued (%s)", why)
+
+    def _killpg(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:  # the whole group has exited
+            pass
+
+    # ---------------------------------------------------- signals, clean-up
+
+    def _install_signal_handlers(self) -> None:
+        """Handlers that only wake the loop: the C-level handler writes the
+        signal number to the wakeup socket, which the loop reads. A signal
+        ignored when we started stays ignored, for CMD too (as in a shell)."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._saved_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        for signum in FORWARDED_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:
+                continue
+            self._saved_handlers[signum] = previous
+            signal.signal(signum, _wake_only)
+
+    def _clean_up(self) -> None:
+        """Never leave CMD (or what remains of its group) stopped; end the session."""
+        if self.pid is not None:
+            if self.exit_code is None:
+                self._killpg(signal.SIGCONT)
+                log.warning("exiting while CMD (pid %d) still runs; it continues without the launcher",
+                            self.pid)
+            elif not self._cmd_running:
+                self._killpg(signal.SIGCONT)  # CMD is gone; what it left in its group must not stay stopped
+        self._close_client()
+        for signum, handler in self._saved_handlers.items():
+            signal.signal(signum, handler)
+        self._saved_handlers.clear()
+        if self._wake_w is not None:
+            signal.set_wakeup_fd(self._saved_wakeup_fd)
+            self._wake_r.close()
+            self._wake_w.close()
+            self._wake_r = self._wake_w = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _close_client(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # the session dies with our connection anyway
+                log.debug("closing the session failed", exc_info=True)
+
+
+def check_program(program: str) -> tuple[int, str] | None:
+    """Why ``program`` cannot be run, as (shell-like exit code, message); None if it can."""
+    if "/" not in program:
+        if shutil.which(program) is None:
+            return EXIT_NOT_FOUND, f"{program}: command not found"
+        return None
+    if not os.path.exists(program):
+        return EXIT_NOT_FOUND, f"{program}: no such file"
+    if os.path.isdir(program) or not os.access(program, os.X_OK):
+        return EXIT_CANNOT_EXECUTE, f"{program}: not an executable file"
+    return None
+
+
+def _wake_only(signum: int, frame: types.FrameType | None) -> None:
+    """Python-level handler: nothing to do, the wakeup fd already woke the loop."""
+
+
+def _pdeathsig_setter() -> Callable[[int], None]:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` from libc, or a no-op where there is none."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda signum: None
+    return lambda signum: prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def main(args) -> int:
+    """``nodeagent run`` after argument parsing (see :mod:`nodeagent.cli`)."""
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="nodeagent run: %(message)s")
+    argv = list(args.cmd)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        log.error("no command to run; usage: nodeagent run [OPTIONS] -- CMD [ARGS...]")
+        return 2
+    launcher = Launcher(argv, name=args.name, workload=args.workload, weight=args.weight,
+                        device=args.device, endpoint=args.endpoint, fail_closed=args.fail_closed)
+    return launcher.run()

@@ -1,0 +1,261 @@
+"""``nodeagent run``: an unmodified program time-sliced by SIGSTOP/SIGCONT, over a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from client_lib import Client
+from tests.conftest import REPO
+
+# CMD for most tests: busy, writes its pid once and a counter about every 1 ms
+# (atomically, so a read never sees half a number). With argv[2], a SIGTERM
+# handler writes that marker file and exits 0.
+COUNTER = r"""
+import os, signal, sys, time
+path = sys.argv[1]
+if len(sys.argv) > 2:
+    def on_term(signum, frame):
+        open(sys.argv[2], "w").write("term")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+open(path + ".pid", "w").write(str(os.getpid()))
+n, next_write = 0, 0.0
+while True:
+    n += 1
+    now = time.monotonic()
+    if now >= next_write:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(n))
+        os.replace(path + ".tmp", path)
+        next_write = now + 0.001
+"""
+
+
+def wait_for(predicate, timeout=5.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class Counter:
+    """Reads what the COUNTER program writes under ``workdir``."""
+
+    def __init__(self, workdir: str) -> None:
+        self.path = os.path.join(workdir, "counter")
+        self.marker = os.path.join(workdir, "terminated")
+
+    def value(self) -> int:
+        try:
+            with open(self.path) as f:
+                return int(f.read() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def pid(self) -> int:
+        return int(wait_for(lambda: os.path.exists(self.path + ".pid") and open(self.path + ".pid").read()))
+
+    def wait_advancing(self, timeout: float = 5.0) -> int:
+        start = self.value()
+        return wait_for(lambda: self.value() > start + 20 and self.value(), timeout)
+
+    def frozen_for(self, seconds: float) -> tuple[int, int]:
+        before = self.value()
+        time.sleep(seconds)
+        return before, self.value()
+
+
+@pytest.fixture
+def launch(workdir):
+    """Factory: ``launch(endpoint, *run_flags, cmd=[...])`` -> the ``nodeagent run`` Popen.
+    Without ``cmd`` it runs COUNTER. Launchers and their CMDs are killed at the end."""
+    procs: list[subprocess.Popen] = []
+    counter = Counter(workdir)
+
+    def start(endpoint: str, *flags: str, cmd: list[str] | None = None, term_marker: bool = False):
+        if cmd is None:
+            cmd = [sys.executable, "-c", COUNTER, counter.path] + ([counter.marker] if term_marker else [])
+        proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "run", "--endpoint", endpoint, *flags,
+                                 "--", *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        return proc
+
+    start.counter = counter
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if os.path.exists(counter.path + ".pid"):
+        try:
+            os.killpg(counter.pid(), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def test_cmd_makes_no_progress_while_another_session_holds_the_token(start_daemon, launch):
+    d = start_daemon("--quantum-ms", "training=50")
+    proc = launch(d.endpoint, "--name", "hog")
+    counter = launch.counter
+    counter.wait_advancing()
+
+    out = subprocess.run([sys.executable, "-m", "nodeagent", "status", "--json", "--endpoint", d.endpoint],
+                         capture_output=True, text=True, cwd=REPO, timeout=10)
+    sessions = [s for dev in json.loads(out.stdout)["devices"] for s in dev["sessions"]]
+    assert [(s["name"], s["pid"], s["workload"]) for s in sessions] == [("hog", proc.pid, "training")]
+    assert sessions[0]["managed_pgid"] == counter.pid()  # the daemon accepted CMD's group as the launcher's child
+
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=5):
+            time.sleep(0.05)  # the launcher stopped CMD before releasing; let a last write land
+            before, after = counter.frozen_for(0.8)
+    assert before > 0 and after == before, "CMD ran while the inference session held the token"
+    counter.wait_advancing(timeout=2)  # and runs again once the token is back
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("raise SystemExit(7)", 7),
+    ("import signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL),
+])
+def test_exit_code_of_cmd_propagates_and_nothing_is_left(daemon, launch, workdir, code, expected):
+    pid_file = os.path.join(workdir, "pid")
+    cmd = [sys.executable, "-c", f"import os; open({pid_file!r}, 'w').write(str(os.getpid())); {code}"]
+    proc = launch(daemon.endpoint, cmd=cmd)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == expected, err
+    assert not alive(int(open(pid_file).read()))
+    assert daemon.status().devices[0].sessions == []
+    assert "[session] close" in daemon.log() and "[session] lost" not in daemon.log()  # a bye, not a crash
+
+
+def test_sigterm_reaches_cmd_even_while_it_is_stopped(start_daemon, launch):
+    d = start_daemon("--quantum-ms", "training=50")
+    proc = launch(d.endpoint, term_marker=True)
+    counter = launch.counter
+    counter.wait_advancing()
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=5):
+            time.sleep(0.05)
+            before, after = counter.frozen_for(0.2)
+            assert after == before  # CMD is stopped right now
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=5)
+            assert client.holding  # CMD acted on the signal without waiting for the token
+    assert proc.returncode == 0, err
+    assert open(counter.marker).read() == "term"
+
+
+def test_daemon_killed_fail_open_continues_cmd(start_daemon, launch):
+    d = start_daemon("--quantum-ms", "training=50", "--heartbeat-ms", "100")
+    proc = launch(d.endpoint)
+    counter = launch.counter
+    counter.wait_advancing()
+    client = Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False)
+    client.acquire(timeout=5)
+    time.sleep(0.05)
+    before, after = counter.frozen_for(0.2)
+    assert after == before
+    d.kill()
+    counter.wait_advancing(timeout=1.5)  # 3 missed heartbeats of 100 ms, then continued
+    client.close()
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)  # no handler in CMD: it dies of it, and so do we, shell-style
+    _, err = proc.communicate(timeout=5)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "fail-open" in err
+
+
+def test_daemon_killed_fail_closed_holds_cmd_until_it_returns(start_daemon, launch):
+    d = start_daemon("--quantum-ms", "training=50", "--heartbeat-ms", "100")
+    proc = launch(d.endpoint, "--fail-closed")
+    counter = launch.counter
+    counter.wait_advancing()  # CMD holds the token and runs when the daemon dies
+    d.kill()
+    time.sleep(0.6)  # 3 missed heartbeats of 100 ms and a little
+    before, after = counter.frozen_for(0.8)
+    assert after == before, "CMD ran while the daemon was away under --fail-closed"
+    assert proc.poll() is None
+    d2 = start_daemon("--quantum-ms", "training=50", "--heartbeat-ms", "100")
+    counter.wait_advancing(timeout=3)
+    sessions = d2.status().devices[0].sessions
+    assert [(s.name, s.pid) for s in sessions] == [(os.path.basename(sys.executable), proc.pid)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=5)
+    assert "--fail-closed" in err and "back" in err
+
+
+def test_launcher_killed_outright_leaves_cmd_running(start_daemon, launch):
+    d = start_daemon("--quantum-ms", "training=50")
+    proc = launch(d.endpoint)
+    counter = launch.counter
+    counter.wait_advancing()
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=5):
+            time.sleep(0.05)
+            before, after = counter.frozen_for(0.2)
+            assert after == before
+            proc.kill()  # no clean-up in the launcher: the kernel's parent-death signal continues CMD
+            proc.wait()
+            counter.wait_advancing(timeout=2)
+    os.kill(counter.pid(), signal.SIGKILL)
+
+
+def test_whole_group_is_continued_when_the_launcher_dies(start_daemon, launch):
+    # The counting is done by a grandchild in CMD's process group: the kernel's
+    # parent-death signal reaches only the leader, so only the daemon (which
+    # continues the group when the launcher's session ends) can free it.
+    d = start_daemon("--quantum-ms", "training=50")
+    counter = launch.counter
+    nested = ["-c", "import subprocess, sys; subprocess.call([sys.executable, '-c', sys.argv[1], sys.argv[2]])",
+              COUNTER, counter.path]
+    proc = launch(d.endpoint, cmd=[sys.executable, *nested])
+    counter.wait_advancing()
+    writer_group = os.getpgid(counter.pid())
+    try:
+        with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+            with client.slice(timeout=5):
+                time.sleep(0.05)
+                before, after = counter.frozen_for(0.2)
+                assert after == before
+                proc.kill()
+                proc.wait()
+                counter.wait_advancing(timeout=3)
+    finally:
+        os.killpg(writer_group, signal.SIGKILL)
+
+
+def test_usage_errors_exit_like_a_shell(workdir):
+    endpoint = f"ipc://{workdir}/nobody.sock"  # never reached: these fail before any hello
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "nodeagent", "run", "--endpoint", endpoint, *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=10)
+
+    missing = run("--", "no-such-program-xyz", "arg")
+    assert missing.returncode == 127
+    assert "nodeagent run: no-such-program-xyz: command not found" in missing.stderr
+    no_cmd = run()
+    assert no_cmd.returncode == 2 and "no command" in no_cmd.stderr
+    helped = run("--help")
+    assert helped.returncode == 0
+    for fragment in ("SIGSTOP", "SIGTERM", "--fail-closed", "fail-open", "128+N", "127"):
+        assert fragment in helped.stdout
