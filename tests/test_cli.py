@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import subprocess
 import sys
 import urllib.request
@@ -88,3 +90,37 @@ def test_metrics_endpoint_serves_parseable_prometheus_text(start_daemon):
     waits = [s for s in families["nodeagent_token_wait_seconds"].samples if s.name.endswith("_count")]
     assert waits and waits[0].value == 1 and waits[0].labels == {"device": "0", "workload": "inference"}
     bad.close()
+
+
+def test_metrics_cover_the_documented_names_and_forget_departed_sessions(start_daemon):
+    port = _free_port()
+    d = start_daemon("--metrics-port", str(port), "--quantum-ms", "training=20")
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def scrape():
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    with Client("a", endpoint=d.endpoint) as a, Client("b", endpoint=d.endpoint) as b:
+        a.acquire()
+        t = threading.Thread(target=lambda: (b.acquire(timeout=5), b.release()))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not a.yield_point():  # a quantum ask, a handoff, and back
+            assert time.monotonic() < deadline
+        t.join()
+        a.release()
+        families = scrape()
+        for name in ("nodeagent_token_wait_seconds", "nodeagent_token_handoff_seconds", "nodeagent_slice_seconds",
+                     "nodeagent_yield_requests", "nodeagent_enforcements", "nodeagent_sessions",
+                     "nodeagent_device_memory_bytes", "nodeagent_bad_requests"):
+            assert name in families, name
+        sliced = {s.labels["session"] for s in families["nodeagent_slice_seconds"].samples
+                  if s.name.endswith("_total")}
+        assert sliced == {a.session_id, b.session_id}
+        yields = [s for s in families["nodeagent_yield_requests"].samples if s.name.endswith("_total")]
+        assert yields and yields[0].labels == {"device": "0", "reason": "quantum"} and yields[0].value >= 1
+        gone = b.session_id
+    families = scrape()  # both sessions closed: their label sets are gone
+    for family in ("nodeagent_slice_seconds", "nodeagent_device_memory_bytes"):
+        assert all(s.labels.get("session") != gone for s in families[family].samples), family
