@@ -33,7 +33,9 @@ def client_endpoint() -> str:
     env = os.environ.get(ENV_ENDPOINT)
     if env:
         return env
-    if os.geteuid() == 0 or os.path.exists(SYSTEM_SOCKET):
+    # The directory, not the socket: a user outside group nodeagent cannot see
+    # into it, and should get a permission error, not a silent per-user socket.
+    if os.geteuid() == 0 or os.path.isdir(os.path.dirname(SYSTEM_SOCKET)):
         return "ipc://" + SYSTEM_SOCKET
     return "ipc://" + user_socket_path()
 

@@ -158,6 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+class _JournaldFormatter(logging.Formatter):
+    """``<N>`` syslog priority prefixes, so ``journalctl -p warning`` filters; journald adds the time."""
+
+    _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self._PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):  # stderr goes to journald (systemd sets this)
+        handler.setFormatter(_JournaldFormatter("%(name)s %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
 def _config_from(args: argparse.Namespace):
     """Defaults, then the config file, then flags. Raises ConfigError."""
     from nodeagent.config import ServeConfig, load_file
@@ -188,8 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _setup_logging(config.log_level)
     try:
         backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
     except DeviceError as exc:

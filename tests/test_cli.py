@@ -124,3 +124,24 @@ def test_metrics_cover_the_documented_names_and_forget_departed_sessions(start_d
     families = scrape()  # both sessions closed: their label sets are gone
     for family in ("nodeagent_slice_seconds", "nodeagent_device_memory_bytes"):
         assert all(s.labels.get("session") != gone for s in families[family].samples), family
+
+
+def test_under_journald_log_lines_carry_syslog_priorities(workdir):
+    import os
+    import signal
+    env = dict(os.environ, JOURNAL_STREAM="8:12345")
+    proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--config", "/dev/null",
+                             "--endpoint", f"ipc://{workdir}/j.sock", "--state-dir", workdir],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    from client_lib import query_status
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            query_status(f"ipc://{workdir}/j.sock", timeout=0.2)
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0
+    assert "<6>nodeagent.server [serve] listening" in err
