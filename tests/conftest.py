@@ -19,6 +19,17 @@ from client_lib import DaemonUnavailableError, query_status
 REPO = Path(__file__).resolve().parent.parent
 
 
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005):
+    """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
 class Daemon:
     """A ``nodeagent serve`` process started for one test."""
 

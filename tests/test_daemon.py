@@ -17,18 +17,10 @@ import pytest
 
 from client_lib import Client, DaemonUnavailableError, ErrorCode
 from client_lib import protocol as p
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
 
 
-def wait_for(predicate, timeout=5.0, interval=0.005):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def sessions_by_name(status):

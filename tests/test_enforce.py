@@ -19,7 +19,7 @@ from nodeagent.devices import CpuBackend, DeviceProcess
 from nodeagent.memory import MiB
 from nodeagent.metrics import Metrics
 from nodeagent.server import AgentServer
-from tests.test_daemon import wait_for
+from tests.conftest import wait_for
 
 
 def proc_state(pid: int) -> str:

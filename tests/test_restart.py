@@ -8,7 +8,7 @@ import threading
 import time
 
 from client_lib import Client
-from tests.test_daemon import wait_for
+from tests.conftest import wait_for
 
 
 def test_clients_carry_on_across_a_sigkilled_daemon_and_status_matches(start_daemon, spawn):

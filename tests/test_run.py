@@ -12,7 +12,7 @@ import time
 import pytest
 
 from client_lib import Client
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 # CMD for most tests: busy, writes its pid once and a counter about every 1 ms
 # (atomically, so a read never sees half a number). With argv[2], a SIGTERM
@@ -38,14 +38,6 @@ while True:
 """
 
 
-def wait_for(predicate, timeout=5.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def alive(pid: int) -> bool:
