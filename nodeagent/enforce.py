@@ -49,7 +49,8 @@ def send(s: Session, sig: int) -> bool:
             raise PermissionError(f"session {s.id} has no verified process; refusing to signal")
     except ProcessLookupError:
         return False
-    log.info("[enforce] %s session=%s %s=%d", signal.Signals(sig).name, s.id,
-             "pgid" if s.managed_pidfd is not None else "pid",
-             s.managed_pgid if s.managed_pidfd is not None else s.pid)
+    # debug only: this runs on the handoff path; the daemon logs the decision after the grant.
+    log.debug("[enforce] %s session=%s %s=%d", signal.Signals(sig).name, s.id,
+              "pgid" if s.managed_pidfd is not None else "pid",
+              s.managed_pgid if s.managed_pidfd is not None else s.pid)
     return True

@@ -10,6 +10,8 @@ import logging
 import os
 import socket
 
+from client_lib.endpoint import SYSTEM_SOCKET
+
 log = logging.getLogger("nodeagent.runtime")
 
 SOCKET_MODE = 0o660
@@ -82,11 +84,12 @@ def secure_socket(socket_path: str) -> None:
     if os.geteuid() != 0:
         return
     gid = _socket_gid()
-    if gid is None:
+    if gid is None and os.path.dirname(socket_path) == os.path.dirname(SYSTEM_SOCKET):
         log.warning("[runtime] group %s does not exist: only root can use %s (create it with "
                     "systemd-sysusers or groupadd, and add client users to it)", SOCKET_GROUP, socket_path)
         return
-    os.chown(socket_path, 0, gid)
+    if gid is not None:
+        os.chown(socket_path, 0, gid)
 
 
 def _socket_gid() -> int | None:

@@ -458,10 +458,14 @@ class AgentServer:
                 s.grant = action.grant
                 s.granted_at = now
                 s.grants += 1
-                if s.stopped:  # its turn again: it runs before it hears it may
-                    self._continue(s)
+                was_stopped = s.stopped
+                if was_stopped:  # its turn again: it runs before it hears it may
+                    enforce.send(s, signal.SIGCONT)
+                    s.stopped = False
                     s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
+                if was_stopped:
+                    self._journal(lambda j, sid=s.id: j.set_stopped(sid, False))
                 self._observe_wait(s, now)
                 if handoff_from is not None:
                     self._handoff_hist[s.device].observe(self._clock() - handoff_from)
@@ -480,26 +484,28 @@ class AgentServer:
 
     def _enforce(self, action: Enforce, now: float) -> None:
         """A holder overran its yield deadline: stop it if its identity is
-        verified (and policy allows), else take the token away."""
+        verified (and policy allows), else take the token away. Either way the
+        waiter is granted before anything slow (journal fsync, logging)."""
         s = self._sessions[action.session]
         if self.config.enforce == "stop" and self._stop(s):
-            log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop",
-                        s.id, action.grant, action.overrun_ms)
-            self.metrics.enforcements.labels("stop").inc()
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
+            self._journal(lambda j: j.set_stopped(s.id, True))
+            self.metrics.enforcements.labels("stop").inc()
+            log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
+                        s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
             return
+        self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
+        self.metrics.enforcements.labels("revoke").inc()
         log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
                     s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
-        self.metrics.enforcements.labels("revoke").inc()
-        self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
 
     def _stop(self, s: Session) -> bool:
-        """SIGSTOP a verified session's process; False if it cannot be (or is gone)."""
+        """SIGSTOP a verified session's process; False if it cannot be (or is gone).
+        The caller journals the stop once the token has moved on."""
         if not enforce.can_signal(s) or not enforce.send(s, signal.SIGSTOP):
             return False
         s.stopped = True
-        self._journal(lambda j: j.set_stopped(s.id, True))
         return True
 
     def _continue(self, s: Session) -> bool:
@@ -682,8 +688,9 @@ class AgentServer:
         log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
         scheduler = self._schedulers[device]
         for sid in parked:
-            if sid in self._sessions:
-                self._apply(scheduler.request(sid, now), now)
+            s = self._sessions.get(sid)
+            if s is not None:  # waited through the window: keeps its wait, no sleeper clamp
+                self._apply(scheduler.request(sid, now, waiting_since=s.wait_started), now)
 
     # --------------------------------------------------------------- memory
 
@@ -711,9 +718,10 @@ class AgentServer:
         if s.grant is None or policy == "warn":
             return
         if policy == "stop" and self._stop(s):
-            self.metrics.enforcements.labels("stop").inc()
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now)
+            self._journal(lambda j: j.set_stopped(s.id, True))
+            self.metrics.enforcements.labels("stop").inc()
         else:
             self.metrics.enforcements.labels("revoke").inc()
             self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)

@@ -377,15 +377,22 @@ class TokenScheduler:
             return self._grant_next(now, [])
         return []
 
-    def request(self, session: str, now: float) -> list[Action]:
-        """IDLE -> WAITING (a no-op in any other state); grants at once if the token is free."""
+    def request(self, session: str, now: float, waiting_since: float | None = None) -> list[Action]:
+        """IDLE -> WAITING (a no-op in any other state); grants at once if the token is free.
+
+        ``waiting_since``: the request was made earlier and held back by the
+        caller (a restart's restore window). It keeps its place in line and,
+        having waited rather than slept, gets no sleeper clamp."""
         s = self._get(session)
         self._advance(now)
         if s.state is not SessionState.IDLE:
             return []
-        self._clamp_sleeper(s, now)
+        if waiting_since is None:
+            self._clamp_sleeper(s, now)
+        elif not waiting_since <= now:
+            raise ValueError(f"waiting_since={waiting_since!r} is after now={now!r}")
         s.state = SessionState.WAITING
-        s.waiting_since = now
+        s.waiting_since = now if waiting_since is None else waiting_since
         self._waiting[s.workload][session] = s
         holder = self._holder
         if holder is None:

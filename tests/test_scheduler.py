@@ -800,3 +800,21 @@ def test_no_enforce_when_the_waiter_that_caused_the_yield_has_left():
     assert s.tick(0.25) == []  # the renewed quantum runs from 0.2
     assert [type(x) for x in s.tick(0.31)] == [AskYield]
     assert [type(x) for x in s.tick(0.33)] == [Enforce]
+
+
+def test_a_request_held_back_by_the_caller_keeps_its_wait_and_gets_no_clamp():
+    s = TokenScheduler(0, SchedulerPolicy(quantum_ms={"inference": 50, "training": 20, "best-effort": 20}))
+    for sid in ("claimer", "parked", "fresh"):
+        s.add_session(sid, Workload.TRAINING, 1.0, 0.0)
+    s.request("claimer", 0.0)
+    # At 0.05 the restore window closes; "parked" asked at 0.01, "fresh" asks now.
+    s.request("fresh", 0.05)
+    s.request("parked", 0.05, waiting_since=0.01)
+    views = {v.session: v for v in s.snapshot(0.05).sessions}
+    assert views["parked"].vtime_s == 0.0 and views["parked"].waiting_since == 0.01
+    assert views["fresh"].vtime_s == pytest.approx(0.05 - 0.02)  # clamped: a quantum behind the claimer
+    assert s.snapshot(0.05).queue == ("parked", "fresh")
+    s.add_session("late", Workload.TRAINING, 1.0, 0.06)
+    with pytest.raises(ValueError):
+        s.request("late", 0.06, waiting_since=0.07)  # cannot have waited since the future
+    assert s.state("late") is SessionState.IDLE
