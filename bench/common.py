@@ -11,6 +11,7 @@ Times taken in different processes come from ``time.monotonic_ns()``
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import math
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -94,11 +96,12 @@ def wait_for_daemon(endpoint: str, timeout_s: float, proc: subprocess.Popen | No
 
 
 @contextmanager
-def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False) -> Iterator[DaemonHandle]:
+def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=None) -> Iterator[DaemonHandle]:
     """The external daemon if ``NODEAGENT_ENDPOINT`` is set, else a private one.
 
     ``extra_args`` (e.g. ``--quantum-ms training=50``) and ``metrics`` only
     apply to a daemon started here; an external one is used as it is.
+    ``log_keep(line)`` picks the lines of its log relayed at the end (see :func:`relay_log`).
     """
     endpoint = os.environ.get(ENV_ENDPOINT)
     if endpoint:
@@ -108,25 +111,35 @@ def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False) -> Iterator
         return
     workdir = tempfile.mkdtemp(prefix="nodeagent-bench-")
     handle = DaemonHandle(f"ipc://{workdir}/agent.sock", OWN, workdir=workdir)
-    handle.args = [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu",
-                   "--endpoint", handle.endpoint, "--state-dir", os.path.join(workdir, "state"),
-                   "--log-level", "warning", *extra_args]
+    handle.args = serve_args(handle.endpoint, os.path.join(workdir, "state"), extra_args)
     if metrics:
         handle.metrics_port = free_tcp_port()
         handle.args += ["--metrics-port", str(handle.metrics_port)]
     failed = True
     try:
-        with open(handle.log_path, "wb") as daemon_log:
-            handle.proc = subprocess.Popen(handle.args, stdout=daemon_log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL)
+        handle.proc = spawn_daemon(handle.args, handle.log_path)
         wait_for_daemon(handle.endpoint, _START_TIMEOUT_S, handle.proc)
         log(f"[bench] started nodeagent pid={handle.proc.pid} on {handle.endpoint} (backend cpu)")
         yield handle
         failed = False
     finally:
         _stop_daemon(handle)
-        _relay_daemon_log(handle, everything=failed)
+        relay_log(handle.log_path, everything=failed, keep=log_keep)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def serve_args(endpoint: str, state_dir: str, extra_args: Sequence[str] = (),
+               log_level: str = "warning") -> list[str]:
+    """The command line of a private ``nodeagent serve --backend cpu``."""
+    return [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", endpoint,
+            "--state-dir", state_dir, "--log-level", log_level, *extra_args]
+
+
+def spawn_daemon(args: Sequence[str], log_path: str) -> subprocess.Popen:
+    """Start ``args`` (see :func:`serve_args`) with stdout and stderr appended to ``log_path``."""
+    with open(log_path, "ab") as daemon_log:
+        return subprocess.Popen(list(args), stdout=daemon_log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
 
 
 def daemon_status(endpoint: str, timeout_s: float = 5.0):
@@ -139,26 +152,36 @@ def daemon_status(endpoint: str, timeout_s: float = 5.0):
 
 
 def _stop_daemon(handle: DaemonHandle) -> None:
-    proc = handle.proc
+    stop_process(handle.proc)
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+    """SIGTERM, then SIGKILL if it is still there after ``timeout_s``."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=_STOP_TIMEOUT_S)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        log(f"[bench] the daemon ignored SIGTERM for {_STOP_TIMEOUT_S:.0f} s; killing it")
+        log(f"[bench] pid={proc.pid} ({os.path.basename(str(proc.args[0]))}) ignored SIGTERM for "
+            f"{timeout_s:.0f} s; killing it")
         proc.kill()
         proc.wait()
 
 
-def _relay_daemon_log(handle: DaemonHandle, everything: bool = False) -> None:
-    """Pass on what the daemon logged (it runs at --log-level warning; all of it on failure)."""
-    if not handle.log_path or not os.path.exists(handle.log_path):
+def relay_log(path: str | None, everything: bool = False, keep=None, prefix: str = "[daemon]",
+              last: int = 40) -> None:
+    """Pass on what a daemon logged (the own one runs at --log-level warning):
+    the last ``last`` lines, all of them on failure
+    (``everything``), else those ``keep(line)`` accepts (default: all but the ready line)."""
+    if not path or not os.path.exists(path):
         return
-    with open(handle.log_path, errors="replace") as f:
-        lines = [line.rstrip() for line in f if everything or "nodeagent: ready" not in line]
-    for line in lines[-40:]:
-        log(f"[daemon] {line}")
+    if keep is None:
+        keep = lambda line: "nodeagent: ready" not in line  # noqa: E731
+    with open(path, errors="replace") as f:
+        lines = [line.rstrip() for line in f if everything or keep(line)]
+    for line in lines[-last:]:
+        log(f"{prefix} {line}")
 
 
 def scrape_metrics(port: int, timeout_s: float = 2.0) -> dict[str, float]:
@@ -245,6 +268,96 @@ def sleep_until_ns(t_ns: int) -> None:
         time.sleep(delay)
 
 
+@dataclass
+class Requests:
+    """Requests made by :func:`timed_requests`, one entry per request (monotonic ns)."""
+
+    asked_ns: list[int] = field(default_factory=list)  # acquire called
+    granted_ns: list[int] = field(default_factory=list)  # grant observed
+    done_ns: list[int] = field(default_factory=list)  # work done, just before the release
+
+    @property
+    def waits_ns(self) -> list[int]:
+        return [g - a for a, g in zip(self.asked_ns, self.granted_ns)]
+
+    def as_dict(self) -> dict:
+        return {"asked_ns": self.asked_ns, "granted_ns": self.granted_ns, "done_ns": self.done_ns}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Requests":
+        return cls(list(d["asked_ns"]), list(d["granted_ns"]), list(d["done_ns"]))
+
+
+def timed_requests(client: Client, work: Work, first_ns: int, period_ns: int, until_ns: int) -> Requests:
+    """``with client.slice(): work()`` once per period from ``first_ns`` until
+    ``until_ns``, like an inference server; when each was asked, granted, done.
+
+    A request that comes due late is made at once and the schedule moves on
+    from there (no burst to catch up)."""
+    now = time.monotonic_ns
+    out = Requests()
+    due = first_ns
+    while due < until_ns:
+        sleep_until_ns(due)
+        asked = now()
+        with client.slice():
+            out.granted_ns.append(now())
+            work()
+            out.done_ns.append(now())
+        out.asked_ns.append(asked)
+        due = max(due + period_ns, now())
+    return out
+
+
+class ProgressLog(threading.Thread):
+    """Reads a worker's progress lines, ``<units> <monotonic_ns>``, from a pipe
+    until it closes (or :meth:`close`), and keeps them as (ns, units) in order.
+
+    The worker stamps each line itself, so a reader that lags changes nothing."""
+
+    def __init__(self, stream, name: str = "progress") -> None:
+        super().__init__(name=f"bench-{name}", daemon=True)
+        self._stream = stream
+        self.points: list[tuple[int, int]] = []
+        self.first = threading.Event()
+        self.bad_lines = 0
+
+    def run(self) -> None:
+        try:
+            for raw in self._stream:
+                try:
+                    units, t_ns = raw.split()
+                    self.points.append((int(t_ns), int(units)))
+                except ValueError:
+                    self.bad_lines += 1
+                    continue
+                self.first.set()
+        except (OSError, ValueError):  # closed under us
+            pass
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        except OSError:
+            pass
+        self.join(2.0)
+
+    def units_between(self, begin_ns: int, end_ns: int) -> int:
+        """Units completed in [begin_ns, end_ns)."""
+        return sum(1 for t, _ in self.points if begin_ns <= t < end_ns)
+
+    def units_in(self, windows: Sequence[tuple[int, int]]) -> int:
+        """Units completed inside any of the (sorted, disjoint) ``windows``."""
+        times = [t for t, _ in self.points]
+        return sum(bisect.bisect_left(times, e) - bisect.bisect_left(times, b) for b, e in windows)
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """One sample of :func:`scrape_metrics`' output (0 if the series does not exist yet)."""
+    key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    return samples.get(key, 0.0)
+
+
 # ---------------------------------------------------------------------- stats
 
 
@@ -267,13 +380,17 @@ def rounded(value: float, digits: int = 3) -> float | None:
 # --------------------------------------------------------------- arguments/IO
 
 
-def parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark has."""
+_ENDPOINT_HELP = ("use the daemon listening there instead of starting a private\n"
+                  "                      `nodeagent serve --backend cpu` (its own settings apply)")
+
+
+def parser(prog: str, description: str, epilog: str = "", endpoint_help: str = _ENDPOINT_HELP
+           ) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has (``endpoint_help``:
+    what NODEAGENT_ENDPOINT does to this one)."""
     ap = argparse.ArgumentParser(
         prog=f"python -m bench.{prog}", description=description,
-        epilog=(epilog + "\n\n" if epilog else "") + (
-            "environment:\n  NODEAGENT_ENDPOINT  use the daemon listening there instead of starting "
-            "a private\n                      `nodeagent serve --backend cpu` (its own settings apply)"),
+        epilog=(epilog + "\n\n" if epilog else "") + "environment:\n  NODEAGENT_ENDPOINT  " + endpoint_help,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true",
                     help="print exactly one JSON object on stdout (progress still goes to stderr)")

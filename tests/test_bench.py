@@ -39,3 +39,31 @@ def test_preempt_bench_reports_inference_waits():
     r = run_bench("bench.preempt", "--seconds", "2")
     assert r["requests"] > 10 and r["training_units"] > 0
     assert 0 < r["inference_wait_p50_ms"] <= r["inference_wait_p99_ms"]
+
+
+@pytest.mark.slow
+def test_enforce_bench_reports_both_hogs():
+    r = run_bench("bench.enforce", "--seconds", "2")
+    assert r["grace_ms"] == 100
+    for name in ("launched", "library"):
+        s = r[name]
+        assert s["requests"] > 5, name
+        assert 0 < s["inference_wait_p50_ms"] <= s["inference_wait_p99_ms"] <= s["inference_wait_max_ms"], name
+        assert s["hog_progress"] > 0, name  # the hog ran between requests
+        assert s["hog_units_while_inference_held"] == 0, name  # and never while inference held the token
+    assert r["inference_wait_p99_ms"] == r["launched"]["inference_wait_p99_ms"]
+    assert r["launched"]["inference_wait_p99_ms"] < r["grace_ms"]  # the launcher stops the hog itself
+    assert r["library"]["inference_wait_p50_ms"] >= r["grace_ms"]  # the daemon waits out the grace period
+    assert r["library"]["stops"] >= r["library"]["requests"] - 1
+    assert r["library"]["p99_minus_grace_ms"] == pytest.approx(
+        r["library"]["inference_wait_p99_ms"] - r["grace_ms"], abs=0.002)
+    assert r["idle_wait_p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_recovery_bench_reattaches_every_session():
+    r = run_bench("bench.recovery", "--sessions", "8")
+    assert r["sessions"] == r["sessions_kept"] == r["restored"] == 8
+    assert r["client_errors"] == 0
+    assert 0 < r["ready_s"] <= r["reattach_s"]
+    assert r["reattach_after_ready_s"] == pytest.approx(r["reattach_s"] - r["ready_s"], abs=0.001)
