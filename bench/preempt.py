@@ -29,22 +29,6 @@ _IDLE_PERIOD_S = 0.005
 _SETTLE_S = 0.2  # the trainer gets going before requests are measured
 
 
-def _timed_requests(client: Client, work: common.Work, first_ns: int, period_ns: int,
-                    until_ns: int) -> list[int]:
-    """One request per period from ``first_ns`` until ``until_ns``; each one's wait (ns)."""
-    waits = []
-    due = first_ns
-    while due < until_ns:
-        common.sleep_until_ns(due)
-        asked = time.monotonic_ns()
-        with client.slice():
-            waits.append(time.monotonic_ns() - asked)
-            work()
-        due += period_ns
-        due = max(due, time.monotonic_ns())  # a late request does not cause a burst
-    return waits
-
-
 def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_ms: float,
                rounds: int) -> None:
     ctx = zmq.Context()
@@ -54,9 +38,9 @@ def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_
     try:
         start = ctl.ready(client.slice_ms)
         trainer_start = start + int(_IDLE_PHASE_S * 1e9)
-        idle = _timed_requests(client, work, start, int(_IDLE_PERIOD_S * 1e9), trainer_start)
-        contended = _timed_requests(client, work, trainer_start + int(_SETTLE_S * 1e9),
-                                    int(period_ms * 1e6), trainer_start + int(seconds * 1e9))
+        idle = common.timed_requests(client, work, start, int(_IDLE_PERIOD_S * 1e9), trainer_start).waits_ns
+        contended = common.timed_requests(client, work, trainer_start + int(_SETTLE_S * 1e9), int(period_ms * 1e6),
+                                          trainer_start + int(seconds * 1e9)).waits_ns
         ctl.result({"idle_waits_ns": idle, "waits_ns": contended})
     finally:
         client.close()
