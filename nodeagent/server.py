@@ -484,13 +484,12 @@ class AgentServer:
 
     def _enforce(self, action: Enforce, now: float) -> None:
         """A holder overran its yield deadline: stop it if its identity is
-        verified (and policy allows), else take the token away. Either way the
-        waiter is granted before anything slow (journal fsync, logging)."""
+        verified (and policy allows), else take the token away. The waiter is
+        granted before the log line; the journal write stays ahead of SIGSTOP."""
         s = self._sessions[action.session]
         if self.config.enforce == "stop" and self._stop(s):
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
-            self._journal(lambda j: j.set_stopped(s.id, True))
             self.metrics.enforcements.labels("stop").inc()
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
                         s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
@@ -502,9 +501,15 @@ class AgentServer:
 
     def _stop(self, s: Session) -> bool:
         """SIGSTOP a verified session's process; False if it cannot be (or is gone).
-        The caller journals the stop once the token has moved on."""
-        if not enforce.can_signal(s) or not enforce.send(s, signal.SIGSTOP):
+
+        Write-ahead: the journal says "stopped" before the signal is sent, so a
+        daemon killed at any moment after leaves a record that makes its
+        successor continue the process (continuing a running one is harmless)."""
+        if not enforce.can_signal(s):
             return False
+        self._journal(lambda j: j.set_stopped(s.id, True))
+        if not enforce.send(s, signal.SIGSTOP):
+            return False  # gone: its session ends, and with it the record
         s.stopped = True
         return True
 
@@ -720,7 +725,6 @@ class AgentServer:
         if policy == "stop" and self._stop(s):
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now)
-            self._journal(lambda j: j.set_stopped(s.id, True))
             self.metrics.enforcements.labels("stop").inc()
         else:
             self.metrics.enforcements.labels("revoke").inc()
