@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import zmq
 
@@ -88,6 +88,11 @@ class Client:
         self._lost_at: float | None = None  # when the daemon was found gone (None: it is there)
         self._unmanaged = False  # fail-open: running without the daemon
         self._next_retry = 0.0
+        self._suspend_requested = False
+        self._resume_received = False
+        self._park: Callable[[], int] | None = None
+        self._unpark: Callable[[], None] | None = None
+        self.last_suspend: tuple[int, float, float] | None = None  # (bytes_parked, suspend_ms, resume_ms)
         self.welcome: p.Welcome | None = None
         self.revocations = 0
         self._connect(claim=None)
@@ -118,6 +123,20 @@ class Client:
         return self._yield_requested
 
     @property
+    def suspend_requested(self) -> bool:
+        """True once the daemon asked this client to give up the whole device."""
+        self._pump(0)
+        return self._suspend_requested
+
+    def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None) -> None:
+        """What to do when the daemon asks for the whole device: ``park()`` moves
+        the state to host memory, frees device memory and returns the bytes
+        parked; ``unpark()`` brings it back. (:class:`client_lib.torch.Yielder`
+        registers these for modules and optimizers.)"""
+        self._park = park
+        self._unpark = unpark
+
+    @property
     def unmanaged(self) -> bool:
         """True while running fail-open without the daemon."""
         return self._unmanaged
@@ -132,6 +151,8 @@ class Client:
         self._check_open()
         self._pump(0)
         self._check_daemon()
+        if self._suspend_requested:
+            self._suspend_in_place()
         if self._grant is not None:
             return self._grant
         if self._unmanaged:
@@ -177,6 +198,9 @@ class Client:
         waits for the next grant, and returns True."""
         self._pump(0)
         self._check_daemon()
+        if self._suspend_requested:
+            self._suspend_in_place()
+            return True
         if self._yield_requested and self._grant is not None:
             # requeue: released and waiting again in one step, so no acquire to send.
             self.release(requeue=True)
@@ -262,6 +286,37 @@ class Client:
             self.close()
         except Exception:
             pass
+
+    # ------------------------------------------------------- whole device
+
+    def _suspend_in_place(self) -> None:
+        """Park state, free the device, tell the daemon, wait for resume, restore,
+        and (if we were in a slice) wait for the token again."""
+        was_in_slice = self._in_slice or self._grant is not None
+        started = time.perf_counter()
+        bytes_parked = self._park() if self._park is not None else 0
+        suspend_ms = (time.perf_counter() - started) * 1000.0
+        self.release()
+        self._suspend_requested = False  # a resume that already came stays noted: no wait then
+        self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms))
+        log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f", bytes_parked, suspend_ms)
+        generation = self._generation
+        while not self._resume_received and self._generation == generation:
+            # A daemon that restarted meanwhile knows nothing of the suspension: carry on.
+            if not self._pump(_POLL_SLICE_MS):
+                self._check_daemon()
+        started = time.perf_counter()
+        if self._unpark is not None:
+            self._unpark()
+        resume_ms = (time.perf_counter() - started) * 1000.0
+        self._resume_received = False
+        self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
+        if self._sock is not None:
+            self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms))
+        log.info("[client] resumed resume_ms=%.1f", resume_ms)
+        if was_in_slice and not self._unmanaged:
+            self.request()
+            self._wait_for_grant(None)
 
     # ------------------------------------------------------- daemon away
 
@@ -377,6 +432,9 @@ class Client:
         while self._grant is None:
             if self._unmanaged:
                 return 0
+            if self._suspend_requested:  # the daemon dropped our request: suspend, then ask again
+                self._suspend_in_place()
+                self._asked_in = None
             if self._asked_in != self._generation:  # a new connection: it must be asked again
                 self._asked_in = self._generation
                 self.request()
@@ -461,6 +519,11 @@ class Client:
         elif kind is p.YieldRequest:
             if msg.grant == self._grant:
                 self._yield_requested = True
+        elif kind is p.SuspendNotice:
+            self._suspend_requested = True
+            self._resume_received = False
+        elif kind is p.ResumeNotice:
+            self._resume_received = True
         elif kind is p.Revoke:
             if msg.grant == self._grant:
                 self._grant = None
@@ -540,24 +603,44 @@ class _HeartbeatThread(threading.Thread):
             sock.close(0)
 
 
-def query_status(endpoint: str | None = None, timeout: float = 5.0,
-                 context: zmq.Context | None = None) -> p.StatusReply:
-    """One status request without opening a session (what ``nodeagent status`` does)."""
+def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float,
+              context: zmq.Context | None, what: str):
+    """Send one request without a session and return its typed reply."""
     endpoint = endpoint or client_endpoint()
     ctx = context if context is not None else zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        sock.send(codec.encode(p.StatusRequest(id=1)))
+        sock.send(codec.encode(request))
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise DaemonUnavailableError(endpoint, f"no status reply within {timeout} s "
+            raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s "
                                          "(is `nodeagent serve` running there?)")
         reply = codec.decode_reply(sock.recv())
     finally:
         sock.close(0)
     if isinstance(reply, p.Error):
         raise from_reply(reply.code, reply.message)
-    if not isinstance(reply, p.StatusReply):
-        raise NodeAgentError(f"expected status_reply, got {type(reply).__name__}")
+    if not isinstance(reply, expected):
+        raise NodeAgentError(f"expected {expected.__name__}, got {type(reply).__name__}")
     return reply
+
+
+def query_status(endpoint: str | None = None, timeout: float = 5.0,
+                 context: zmq.Context | None = None) -> p.StatusReply:
+    """One status request without opening a session (what ``nodeagent status`` does)."""
+    return _one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, context, "status")
+
+
+def suspend_session(session: str, deadline_ms: float = 5000.0, endpoint: str | None = None,
+                    timeout: float | None = None, context: zmq.Context | None = None) -> p.SuspendResult:
+    """Ask ``session`` to give up its whole device; returns once the device is free."""
+    timeout = timeout if timeout is not None else deadline_ms / 1000.0 + 5.0
+    return _one_shot(p.SuspendSession(id=1, session=session, deadline_ms=deadline_ms), p.SuspendResult,
+                     endpoint, timeout, context, "suspend")
+
+
+def resume_session(session: str, endpoint: str | None = None, timeout: float = 5.0,
+                   context: zmq.Context | None = None) -> None:
+    """Let a suspended session come back."""
+    _one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, context, "resume")

@@ -42,6 +42,7 @@ class ErrorCode:
     INVALID = "E_INVALID"  # well-formed request with a value out of range (weight <= 0, ...)
     SHUTTING_DOWN = "E_SHUTTING_DOWN"  # the daemon is stopping and takes no new work
     NO_MEMORY = "E_NO_MEMORY"  # declared memory does not fit the device
+    FORBIDDEN = "E_FORBIDDEN"  # the peer may not act on that session (another user's, or unverifiable)
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
 
 
@@ -111,7 +112,38 @@ class Goodbye(Request, tag="bye"):
     """Close the session: its token, if held, passes on at once."""
 
 
-ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye]
+class SuspendSession(Request, tag="suspend_session"):
+    """Operator/placement request: have ``session`` give up the whole device,
+    memory included, within ``deadline_ms``. Needs no session of its own; the
+    peer must be root or the session's owner. Answered with ``suspend_result``
+    once the device is free (or the deadline forced it)."""
+
+    session: str
+    deadline_ms: float = 5000.0
+
+
+class ResumeSession(Request, tag="resume_session"):
+    """Let a suspended session come back. Answered ``ok`` once it was told (or continued)."""
+
+    session: str
+
+
+class Suspended(Request, tag="suspended"):
+    """From the suspended client: its state is parked in host memory and its
+    device memory freed; it waits for ``resume``."""
+
+    bytes_parked: int
+    suspend_ms: float
+
+
+class Resumed(Request, tag="resumed"):
+    """From the client: its state is back on the device."""
+
+    resume_ms: float
+
+
+ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
+                      SuspendSession, ResumeSession, Suspended, Resumed]
 
 
 # --------------------------------------------------------------------------
@@ -172,6 +204,8 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     memory_used_bytes: Optional[int] = None  # measured (cuda); None where not measurable
     managed_pgid: Optional[int] = None
     attached: bool = True  # False: restored from the journal, its client has not reattached yet
+    suspended: Optional[str] = None  # requested | suspended | stopped, while a suspend is in force
+    bytes_parked: int = 0
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):
@@ -224,7 +258,32 @@ class Revoke(Reply, tag="revoke"):
     reason: str  # "overrun" | "shutdown" | "memory"
 
 
-DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke]
+class SuspendNotice(Reply, tag="suspend"):
+    """Notice: at your next yield point park your state in host memory, free
+    the device, report ``suspended`` and wait for ``resume``."""
+
+    deadline_ms: float
+    reason: str = "requested"
+
+
+class ResumeNotice(Reply, tag="resume"):
+    """Notice: bring your state back and carry on."""
+
+
+class SuspendResult(Reply, tag="suspend_result"):
+    """Reply to ``suspend_session``. ``outcome``: suspended (the client parked
+    its state), stopped (it missed the deadline and was SIGSTOPped), timeout
+    (missed it and could not be stopped: unverified), gone (it left)."""
+
+    session: str
+    outcome: str
+    elapsed_ms: float  # from the request to the device being free
+    bytes_parked: int = 0
+    suspend_ms: float = 0.0  # as the client measured its own parking
+
+
+DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke,
+                      SuspendNotice, ResumeNotice, SuspendResult]
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""

@@ -73,6 +73,18 @@ class Metrics:
             ["kind"], registry=r)
         self.bad_requests = Counter(
             "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
+        self.suspends = Counter(
+            "nodeagent_suspends", "Whole-device suspensions, by outcome (suspended, stopped, timeout, gone)",
+            ["outcome"], registry=r)
+        self.resumes = Counter("nodeagent_resumes", "Suspended sessions resumed", registry=r)
+        self.parked_bytes = Counter(
+            "nodeagent_parked_bytes", "Bytes of state clients parked in host memory when suspended", registry=r)
+        self.suspend_seconds = Histogram(
+            "nodeagent_suspend_seconds", "Time clients took to park their state (their measurement)",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.resume_seconds = Histogram(
+            "nodeagent_resume_seconds", "Time clients took to bring their state back (their measurement)",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.memory_violations = Counter(
             "nodeagent_memory_violations", "Sessions found using more device memory than they declared",
             ["device", "policy"], registry=r)

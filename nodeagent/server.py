@@ -86,6 +86,7 @@ class AgentServer:
         self._restoring: dict[int, set[str]] = {}
         self._parked: dict[int, list[str]] = {}
         self._restore_deadline = 0.0
+        self._suspending: set[Session] = set()  # suspend requested, deadline pending
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
         self._memory_watcher: _MemoryWatcher | None = None
         self._handlers = {
@@ -96,6 +97,10 @@ class AgentServer:
             p.Cancel: self._on_cancel,
             p.StatusRequest: self._on_status,
             p.Goodbye: self._on_bye,
+            p.SuspendSession: self._on_suspend_session,
+            p.ResumeSession: self._on_resume_session,
+            p.Suspended: self._on_suspended,
+            p.Resumed: self._on_resumed,
         }
         self.metrics.watch_sessions(self._session_rows)
         if journal is not None:
@@ -397,10 +402,12 @@ class AgentServer:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
-        if s.grant is None and s.wait_started is None:
-            s.wait_started = now
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
+        if s.suspend_state is not None:
+            return  # it asks again once resumed
+        if s.grant is None and s.wait_started is None:
+            s.wait_started = now
         parked = self._parked.get(s.device)
         if parked is not None:  # restoring: the slice that was running goes first
             if s.id not in parked:
@@ -443,6 +450,110 @@ class AgentServer:
             return
         self._send(route, p.Ok(id=msg.id))
         self._drop(s, "bye", now)
+
+    # ------------------------------------------------------- whole device
+    #
+    # A suspension moves through: None -> requested (suspend notice sent)
+    # -> suspended (the client parked its state and released the device)
+    # or -> stopped (deadline missed; a verified process is SIGSTOPped)
+    # -> None again on resume (a stopped one is continued first).
+
+    def _authorize(self, route: bytes, request_id: int, frame, target_id: str) -> Session | None:
+        """The target session if the peer may act on it (root, or the session's own user)."""
+        target = self._sessions.get(target_id)
+        if target is None:
+            self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
+            return None
+        creds = procwatch.peer_credentials(frame)
+        if creds is None or (creds.uid != 0 and creds.uid != target.uid):
+            who = "an unverifiable peer" if creds is None else f"uid {creds.uid}"
+            self._error(route, request_id, p.ErrorCode.FORBIDDEN,
+                        f"{who} may not suspend or resume session {target_id} (root or its owner only)")
+            return None
+        return target
+
+    def _on_suspend_session(self, route: bytes, msg: p.SuspendSession, frame, now: float) -> None:
+        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= 3_600_000):
+            self._error(route, msg.id, p.ErrorCode.INVALID, f"deadline_ms must be in (0, 3600000], got {msg.deadline_ms}")
+            return
+        s = self._authorize(route, msg.id, frame, msg.session)
+        if s is None:
+            return
+        if s.suspend_state in ("suspended", "stopped"):
+            self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=s.suspend_state, elapsed_ms=0.0,
+                                              bytes_parked=s.bytes_parked))
+            return
+        s.suspend_waiters.append((route, msg.id))
+        if s.suspend_state == "requested":
+            return  # already under way: this caller hears the same result
+        s.suspend_state = "requested"
+        s.suspend_started = now
+        s.suspend_deadline = now + msg.deadline_ms / 1000.0
+        self._suspending.add(s)
+        self._send(s.route, p.SuspendNotice(deadline_ms=msg.deadline_ms))
+        self._apply(self._schedulers[s.device].cancel(s.id, now), now)  # a waiter stops waiting
+        s.wait_started = None
+        log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s",
+                 s.id, s.name, msg.deadline_ms, s.grant is not None)
+
+    def _on_suspended(self, route: bytes, msg: p.Suspended, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None or s.suspend_state != "requested":
+            return  # resumed (or stopped) meanwhile: its resume notice is already on the way
+        if s.grant is not None:  # it should have released; make sure the device is free
+            self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
+        s.suspend_state = "suspended"
+        s.bytes_parked = msg.bytes_parked
+        self.metrics.parked_bytes.inc(max(0, msg.bytes_parked))
+        self.metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
+        self._finish_suspend(s, "suspended", now, suspend_ms=msg.suspend_ms)
+
+    def _finish_suspend(self, s: Session, outcome: str, now: float, suspend_ms: float = 0.0) -> None:
+        self._suspending.discard(s)
+        elapsed_ms = (now - s.suspend_started) * 1000.0
+        for route, request_id in s.suspend_waiters:
+            self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
+                                              bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
+        s.suspend_waiters.clear()
+        self.metrics.suspends.labels(outcome).inc()
+        log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
+                 s.bytes_parked)
+
+    def _on_resume_session(self, route: bytes, msg: p.ResumeSession, frame, now: float) -> None:
+        s = self._authorize(route, msg.id, frame, msg.session)
+        if s is None:
+            return
+        state = s.suspend_state
+        if state is not None:
+            if state == "stopped":
+                self._continue(s)
+                s.last_seen = now
+            elif state == "requested":
+                self._finish_suspend(s, "cancelled", now)
+            s.suspend_state = None
+            s.bytes_parked = 0
+            self._send(s.route, p.ResumeNotice())
+            self.metrics.resumes.inc()
+            log.info("[suspend] resume session=%s was=%s", s.id, state)
+        self._send(route, p.Ok(id=msg.id))
+
+    def _on_resumed(self, route: bytes, msg: p.Resumed, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is not None:
+            self.metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+
+    def _check_suspend_deadlines(self, now: float) -> None:
+        for s in [s for s in self._suspending if now >= s.suspend_deadline]:
+            self._suspending.discard(s)
+            if self._stop(s):
+                scheduler = self._schedulers[s.device]
+                if s.grant is not None:
+                    self._end_slice(s, now)
+                    self._apply(scheduler.revoke(s.id, now, "suspended"), now, handoff_from=now)
+                s.suspend_state = "stopped"
+                self._finish_suspend(s, "stopped", now)
+            else:  # reported once; it may still suspend later
+                self._finish_suspend(s, "timeout", now)
 
     def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
         self._send(route, self.status(now, msg.id))
@@ -551,12 +662,17 @@ class AgentServer:
         if now >= self._next_liveness_check:
             self._check_heartbeats(now)
             self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
+        if self._suspending:
+            self._check_suspend_deadlines(now)
         if self._restoring and now >= self._restore_deadline:
             for device in list(self._restoring):
                 self._end_restore(device, now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
+        for s in self._suspending:
+            if s.suspend_deadline < wake_at:
+                wake_at = s.suspend_deadline
         for scheduler in self._schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and deadline < wake_at:
@@ -587,6 +703,8 @@ class AgentServer:
             self._continue(s)
         self._close_pidfd(s)
         self._end_slice(s, now)
+        if s.suspend_waiters or s in self._suspending:
+            self._finish_suspend(s, "gone", now)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
         self._journal(lambda j: j.delete_session(s.id))
@@ -772,7 +890,7 @@ class AgentServer:
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
                     gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
-                    attached=s.route is not None))
+                    attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,

@@ -44,6 +44,11 @@ class Session:
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
     over_memory: bool = False  # flagged by the watcher; cleared when back under
+    suspend_state: str | None = None  # requested | suspended | stopped (see nodeagent.server)
+    suspend_started: float = 0.0
+    suspend_deadline: float = 0.0
+    suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
+    bytes_parked: int = 0
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token

@@ -37,6 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["loop", "hold", "stubborn", "spoof"])
     ap.add_argument("--claim-pid", type=int, help="spoof: the pid to claim in hello")
+    ap.add_argument("--park-bytes", type=int, default=0,
+                    help="loop: on suspend, report this many bytes parked (prints PARKED / UNPARKED)")
     ap.add_argument("--name", default="child")
     ap.add_argument("--workload", default="training")
     ap.add_argument("--weight", type=float, default=1.0)
@@ -49,6 +51,11 @@ def main() -> int:
                     endpoint=os.environ["NODEAGENT_ENDPOINT"])
     emit("SESSION", client.session_id)
     blob = os.urandom(1 << 16)
+    if args.park_bytes:
+        def park() -> int:
+            emit("PARKED")
+            return args.park_bytes
+        client.set_suspend_handlers(park, lambda: emit("UNPARKED"))
     if args.mode == "hold":
         client.acquire()
         emit("GRANT")

@@ -1,0 +1,109 @@
+"""Whole-device suspend and resume through the daemon, over real processes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from client_lib import Client, DaemonError, ErrorCode, resume_session, suspend_session
+from tests.conftest import wait_for
+from tests.test_enforce import proc_state
+
+
+def session_by_name(daemon, name):
+    return next(s for d in daemon.status().devices for s in d.sessions if s.name == name)
+
+
+def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, spawn):
+    d = start_daemon("--quantum-ms", "training=1000")
+    trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "6", "--park-bytes", "123456")
+    sid = trainer.expect("SESSION")[2]
+    trainer.expect("GRANT")
+    result = suspend_session(sid, deadline_ms=2000, endpoint=d.endpoint)
+    assert (result.outcome, result.bytes_parked) == ("suspended", 123456)
+    assert 0 < result.elapsed_ms < 1000
+    trainer.expect("PARKED")
+    info = session_by_name(d, "trainer")
+    assert (info.suspended, info.state, info.bytes_parked) == ("suspended", "idle", 123456)
+    # The device is free: another session gets it at once, for as long as it likes.
+    with Client("other", endpoint=d.endpoint) as other:
+        other.acquire(timeout=1)
+        time.sleep(0.3)
+        assert not trainer.events("UNPARKED")  # still parked: it waits for resume
+    resumed_at = time.monotonic()
+    resume_session(sid, endpoint=d.endpoint)
+    unparked = trainer.expect("UNPARKED")
+    assert unparked[1] >= resumed_at - 0.01
+    assert session_by_name(d, "trainer").suspended is None
+    assert int(trainer.expect("DONE", timeout=20)[2]) > 0
+
+
+def test_a_trainer_that_never_yields_is_stopped_at_the_deadline_and_continued_on_resume(start_daemon, spawn):
+    d = start_daemon()
+    hog = spawn(d.endpoint, "stubborn", "--name", "hog")
+    sid = hog.expect("SESSION")[2]
+    hog.expect("TICK", count=2)
+    result = suspend_session(sid, deadline_ms=200, endpoint=d.endpoint)
+    assert result.outcome == "stopped" and 190 <= result.elapsed_ms < 1000
+    assert proc_state(hog.proc.pid) == "T"
+    info = session_by_name(d, "hog")
+    assert info.suspended == "stopped" and d.status().devices[0].holder is None  # the device is free
+    resume_session(sid, endpoint=d.endpoint)
+    wait_for(lambda: proc_state(hog.proc.pid) != "T")
+    count = len(hog.events("TICK"))
+    hog.expect("TICK", count=count + 3)
+
+
+def test_a_second_suspend_of_a_suspended_session_answers_at_once(start_daemon, spawn):
+    d = start_daemon()
+    trainer = spawn(d.endpoint, "loop", "--name", "t", "--seconds", "5", "--park-bytes", "10")
+    sid = trainer.expect("SESSION")[2]
+    trainer.expect("GRANT")
+    assert suspend_session(sid, endpoint=d.endpoint).outcome == "suspended"
+    again = suspend_session(sid, endpoint=d.endpoint)
+    assert (again.outcome, again.elapsed_ms, again.bytes_parked) == ("suspended", 0.0, 10)
+    resume_session(sid, endpoint=d.endpoint)
+    resume_session(sid, endpoint=d.endpoint)  # idempotent
+    trainer.expect("DONE", timeout=20)
+
+
+def test_the_requester_hears_gone_if_the_session_leaves(start_daemon, spawn):
+    d = start_daemon()
+    hog = spawn(d.endpoint, "hold", "--name", "leaver")
+    sid = hog.expect("SESSION")[2]
+    hog.expect("GRANT")
+    results = []
+    t = threading.Thread(target=lambda: results.append(suspend_session(sid, deadline_ms=60_000, endpoint=d.endpoint)))
+    t.start()
+    wait_for(lambda: session_by_name(d, "leaver").suspended == "requested")
+    hog.kill()
+    t.join(timeout=10)
+    assert results and results[0].outcome == "gone"
+
+
+def test_suspend_requests_are_validated(start_daemon):
+    d = start_daemon()
+    with pytest.raises(DaemonError) as info:
+        suspend_session("s-nobody", endpoint=d.endpoint)
+    assert info.value.code == ErrorCode.NO_SESSION
+    with Client("target", endpoint=d.endpoint) as target:
+        with pytest.raises(DaemonError) as info:
+            suspend_session(target.session_id, deadline_ms=-1, endpoint=d.endpoint)
+        assert info.value.code == ErrorCode.INVALID
+
+
+def test_an_unverifiable_peer_may_not_suspend(start_daemon, workdir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(endpoint=f"tcp://127.0.0.1:{port}")
+    with Client("target", endpoint=d.endpoint) as target:
+        with pytest.raises(DaemonError) as info:
+            suspend_session(target.session_id, endpoint=d.endpoint)
+        assert info.value.code == ErrorCode.FORBIDDEN and "unverifiable" in str(info.value)
+        with pytest.raises(DaemonError) as info:
+            resume_session(target.session_id, endpoint=d.endpoint)
+        assert info.value.code == ErrorCode.FORBIDDEN
