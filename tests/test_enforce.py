@@ -29,6 +29,12 @@ def proc_state(pid: int) -> str:
     return stat[stat.rfind(b")") + 2:].split()[0].decode()
 
 
+def assert_stopped(pid: int) -> None:
+    """SIGSTOP takes effect when the target next runs: a runnable process shows R
+    until it is scheduled, then T. Wait for it (it cannot run user code meanwhile)."""
+    wait_for(lambda: proc_state(pid) == "T", timeout=2)
+
+
 def ticks(child) -> int:
     return len(child.events("TICK"))
 
@@ -53,7 +59,7 @@ def test_library_client_that_ignores_yields_is_stopped_then_continued(start_daem
         infer.acquire(timeout=5)
         waited = time.monotonic() - asked
         assert 0.09 < waited < 1.0, waited  # the grace period, then the stop
-        assert proc_state(hog.proc.pid) == "T"
+        assert_stopped(hog.proc.pid)
         assert session_named(d, "hog").stopped
         assert_frozen(hog)
         infer.release()
@@ -73,7 +79,7 @@ def test_a_claimed_pid_is_never_signalled(start_daemon, spawn):
         with Client("infer", workload="inference", endpoint=d.endpoint) as infer:
             infer.acquire(timeout=5)
             # The daemon stopped the process it verified (the liar), not the one claimed.
-            assert proc_state(liar.proc.pid) == "T"
+            assert_stopped(liar.proc.pid)
             assert proc_state(victim.pid) != "T"
             assert session_named(d, "liar").pid == liar.proc.pid
     finally:
@@ -110,7 +116,7 @@ def test_a_stopped_client_is_continued_when_its_session_is_lost(start_daemon, sp
     hog.expect("TICK", count=2)
     infer = Client("infer", workload="inference", endpoint=d.endpoint)
     infer.acquire(timeout=5)
-    assert proc_state(hog.proc.pid) == "T"
+    assert_stopped(hog.proc.pid)
     d.stop()  # shutdown continues every process it stopped
     wait_for(lambda: proc_state(hog.proc.pid) != "T", timeout=5)
     assert "step=continue stopped=1" in d.log()
@@ -123,9 +129,9 @@ def test_a_restarted_daemon_continues_what_a_killed_one_left_stopped(start_daemo
     hog.expect("TICK", count=2)
     with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as infer:
         infer.acquire(timeout=5)
-        assert proc_state(hog.proc.pid) == "T"
+        assert_stopped(hog.proc.pid)
         d.kill()  # SIGKILL: no chance to continue anyone
-    assert proc_state(hog.proc.pid) == "T"
+    assert_stopped(hog.proc.pid)
     start_daemon("--grace-ms", "50")
     wait_for(lambda: proc_state(hog.proc.pid) != "T", timeout=5)
 

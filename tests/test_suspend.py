@@ -10,7 +10,7 @@ import pytest
 
 from client_lib import Client, DaemonError, ErrorCode, resume_session, suspend_session
 from tests.conftest import wait_for
-from tests.test_enforce import proc_state
+from tests.test_enforce import assert_stopped, proc_state
 
 
 def session_by_name(daemon, name):
@@ -48,7 +48,7 @@ def test_a_trainer_that_never_yields_is_stopped_at_the_deadline_and_continued_on
     hog.expect("TICK", count=2)
     result = suspend_session(sid, deadline_ms=200, endpoint=d.endpoint)
     assert result.outcome == "stopped" and 190 <= result.elapsed_ms < 1000
-    assert proc_state(hog.proc.pid) == "T"
+    assert_stopped(hog.proc.pid)
     info = session_by_name(d, "hog")
     assert info.suspended == "stopped" and d.status().devices[0].holder is None  # the device is free
     resume_session(sid, endpoint=d.endpoint)
