@@ -1,0 +1,479 @@
+"""MPS manager: one ``nvidia-cuda-mps-control`` daemon per GPU, started, spoken to and supervised.
+
+What the real program does, and what this module relies on (NVIDIA's MPS
+docs, "Appendix: Tools and Interface Reference" / "Legacy MPS v2 Interface",
+and ``man nvidia-cuda-mps-control``):
+
+* ``nvidia-cuda-mps-control -d`` starts the control daemon in the background;
+  the process we launch returns once the daemon is detached, so the daemon is
+  not our child. It writes its pid to
+  ``$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid``.
+* It listens on the UNIX socket ``$CUDA_MPS_PIPE_DIRECTORY/control`` (its log
+  says "Starting control daemon using socket <pipe>/control") and logs to
+  ``$CUDA_MPS_LOG_DIRECTORY/control.log``. The socket file outlives a killed
+  daemon, so liveness is never judged by files: by the pid (a pidfd) and by a
+  command answered.
+* A command is sent by running the program without ``-d``, with the same pipe
+  and log directory variables, and writing the command line to its stdin
+  (``echo quit | nvidia-cuda-mps-control``). Answers come on stdout:
+  ``get_server_list`` prints one server pid per line (nothing when no server
+  runs), ``get_default_active_thread_percentage`` prints e.g. ``100.0``. With
+  no daemon it prints "Cannot find MPS control daemon process".
+* ``set_default_*`` values apply to MPS servers started afterwards and are
+  lost when the daemon exits; this manager re-applies them after a restart.
+* One daemon per GPU: each gets its own pipe and log directories and is
+  started with ``CUDA_VISIBLE_DEVICES=<GPU UUID>`` (the docs recommend UUIDs:
+  the MPS server remaps indices). Device ordinals in commands and in a client's
+  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` are then as that daemon sees the GPU,
+  i.e. 0 (NVIDIA's k8s device plugin sets limits by index for this reason:
+  the daemon did not apply limits given by UUID, NVIDIA/k8s-device-plugin#572).
+
+Never changed here: the compute mode, clocks or any other GPU setting. NVIDIA
+recommends EXCLUSIVE_PROCESS compute mode under MPS; setting it
+(``nvidia-smi -c EXCLUSIVE_PROCESS``) is left to the operator.
+
+An :class:`MpsControl` is not thread-safe: one owner (the daemon loop) calls it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+
+from nodeagent import procwatch
+
+log = logging.getLogger("nodeagent.mps")
+
+PID_FILE = "nvidia-cuda-mps-control.pid"
+CONTROL_SOCKET = "control"
+LAUNCH_LOG = "nodeagent-launch.log"  # stdout/stderr of `<binary> -d`, beside the daemon's control.log
+NO_DAEMON = "Cannot find MPS control daemon process"
+# Client settings that must not leak from our environment into the control daemon's.
+_CLIENT_ONLY_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+_POLL_S = 0.02
+_MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+class MpsError(RuntimeError):
+    """A control daemon that cannot be started, reached or stopped; the message says which and why."""
+
+    code = "E_MPS"
+
+
+class MpsStartError(MpsError):
+    """The control daemon did not start, or did not answer before the deadline."""
+
+
+class MpsRestartBudgetError(MpsError):
+    """The control daemon died more often than the restart budget allows; supervision gave up."""
+
+
+class MpsState(enum.Enum):
+    """Lifecycle of one device's control daemon, as this manager keeps it.
+
+    ::
+
+                 start()                 quit()
+        STOPPED ─────────► RUNNING ─────────────► STOPPED
+                            │   ▲
+          ensure_running(): │   │ restarted (counted)
+          died / no answer  └───┘
+                            │ more than `restart_budget` restarts in `restart_window_s`
+                            ▼
+                          FAILED ── quit() ──► STOPPED
+
+    A failed restart attempt leaves it RUNNING (the next ``ensure_running``
+    tries again, and counts again).
+    """
+
+    STOPPED = "stopped"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+class QuitStep(str, enum.Enum):
+    """How far :meth:`MpsControl.quit` had to escalate."""
+
+    NOT_RUNNING = "not-running"  # nothing to stop
+    QUIT = "quit"  # the daemon obeyed the quit command
+    SIGTERM = "sigterm"  # it ignored quit and exited on SIGTERM
+    SIGKILL = "sigkill"  # it needed SIGKILL
+
+
+class _DaemonProcess:
+    """The control daemon, which is not our child: watched and signalled through a pidfd,
+    so that a signal can reach only it, never a later process given its pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.pidfd = procwatch.open_pidfd(pid)
+        self._start_ticks = procwatch.process_start_ticks(pid)
+
+    def alive(self) -> bool:
+        if self.pidfd is not None:
+            return not select.select([self.pidfd], [], [], 0)[0]  # readable once it has exited
+        stat = procwatch.read_stat(self.pid)
+        return stat is not None and stat.state != "Z" and stat.start_ticks == self._start_ticks
+
+    def signal(self, sig: int) -> bool:
+        if not self.alive():
+            return False
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once the process has exited, False if it still runs after ``timeout_s``."""
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], max(timeout_s, 0.0))[0])
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+class MpsControl:
+    """The MPS control daemon of one GPU: start, commands, supervision, quit.
+
+    Its pipe and log directories are ``<runtime_dir>/mps/<device_index>/{pipe,log}``,
+    created with ``dir_mode`` (0700: only this daemon's user; a system daemon
+    whose clients run as other users must give them a mode that lets them in).
+    ``env`` is the base environment of the control program (default: ours).
+    """
+
+    def __init__(self, device_index: int, device_uuid: str, runtime_dir: str,
+                 control_binary: str = "nvidia-cuda-mps-control", env: Mapping[str, str] | None = None, *,
+                 dir_mode: int = 0o700, restart_budget: int = 5, restart_window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if restart_budget < 1 or restart_window_s <= 0:
+            raise ValueError("restart_budget must be >= 1 and restart_window_s > 0")
+        self.device_index = device_index
+        self.device_uuid = device_uuid
+        self.control_binary = control_binary
+        self.base_dir = os.path.join(runtime_dir, "mps", str(device_index))
+        self.pipe_dir = os.path.join(self.base_dir, "pipe")
+        self.log_dir = os.path.join(self.base_dir, "log")
+        control = os.path.join(self.pipe_dir, CONTROL_SOCKET)
+        if len(control.encode()) > _MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"MPS control socket path {control} is longer than a UNIX socket allows "
+                             f"({_MAX_SOCKET_PATH_BYTES} bytes); use a shorter runtime_dir")
+        self.dir_mode = dir_mode
+        self.restart_budget = restart_budget
+        self.restart_window_s = restart_window_s
+        self.restarts = 0
+        self.adopted = False  # start() found a daemon of an earlier run answering in our pipe dir
+        self._clock = clock
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._state = MpsState.STOPPED
+        self._failure = ""
+        self._proc: _DaemonProcess | None = None
+        self._defaults: dict[str, str] = {}  # setting -> command, re-sent after a restart
+        base = dict(os.environ if env is None else env)
+        for name in _CLIENT_ONLY_VARS:
+            base.pop(name, None)
+        self._env = {**base, **self.client_env()}
+
+    # ------------------------------------------------------------- lifecycle
+
+    @property
+    def state(self) -> MpsState:
+        return self._state
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the control daemon, if known."""
+        return self._proc.pid if self._proc is not None else None
+
+    def watch_fd(self) -> int | None:
+        """A pidfd that becomes readable when the control daemon exits: poll it, then call
+        :meth:`ensure_running`. It changes on every restart; None where pidfds are unavailable."""
+        return self._proc.pidfd if self._proc is not None else None
+
+    def client_env(self) -> dict[str, str]:
+        """What a client needs in its environment to reach this daemon (set before CUDA starts).
+
+        ``CUDA_VISIBLE_DEVICES`` names the GPU by UUID, which the docs allow on both
+        sides; an inherited index would be remapped by the MPS server and fail.
+        """
+        return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir,
+                "CUDA_VISIBLE_DEVICES": self.device_uuid}
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the control daemon (or adopt one of an earlier run still answering in our
+        pipe dir) and return once it answers a command; :class:`MpsStartError` otherwise."""
+        if self._state is MpsState.RUNNING and self.alive():
+            return
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
+        self._restart_times.clear()  # an explicit start also clears a FAILED supervisor's record
+        self._make_dirs()
+        self.adopted = self._adopt()
+        if not self.adopted:
+            self._launch(timeout_s)
+        self._state, self._failure = MpsState.RUNNING, ""
+        self._replay_defaults()
+        log.info("[mps] %s device=%d pid=%s pipe=%s", "adopt" if self.adopted else "start",
+                 self.device_index, self.pid, self.pipe_dir)
+
+    def alive(self) -> bool:
+        """Whether the control daemon runs (by its pidfd; by a command if its pid is unknown)."""
+        if self._state is not MpsState.RUNNING:
+            return False
+        if self._proc is not None:
+            return self._proc.alive()
+        return self._answers()
+
+    def ensure_running(self, *, probe_timeout_s: float | None = None, start_timeout_s: float = 10.0) -> bool:
+        """The supervisor's step: restart a daemon that died (or, given ``probe_timeout_s``,
+        one that does not answer a command within it). Returns True if it restarted it.
+
+        Raises :class:`MpsRestartBudgetError` once it died more than ``restart_budget``
+        times in ``restart_window_s``, and :class:`MpsStartError` if a restart failed.
+        """
+        if self._state is MpsState.STOPPED:
+            return False
+        if self._state is MpsState.FAILED:
+            raise MpsRestartBudgetError(self._failure)
+        reason = None
+        if not self.alive():
+            reason = "exited"
+        elif probe_timeout_s is not None:
+            try:
+                self.command("get_server_list", timeout_s=probe_timeout_s)
+            except MpsError as exc:
+                reason = f"unresponsive ({exc})"
+        if reason is None:
+            return False
+        self._restart(reason, start_timeout_s)
+        return True
+
+    def quit(self, timeout_s: float = 5.0) -> QuitStep:
+        """Stop the daemon: ``quit`` command, then SIGTERM, then SIGKILL, with half, a
+        third and the rest of ``timeout_s``. Returns the step that stopped it."""
+        proc, self._proc = self._proc, None
+        self._state = MpsState.STOPPED
+        if proc is None or not proc.alive():
+            step = QuitStep.NOT_RUNNING
+            if proc is None and self._answers():  # running, but its pid is unknown: ask only
+                self._try_command("quit", timeout_s)
+                step = QuitStep.QUIT
+        else:
+            step = self._escalate(proc, timeout_s)
+        if proc is not None:
+            proc.close()
+        log.info("[mps] quit device=%d step=%s", self.device_index, step.value)
+        return step
+
+    # -------------------------------------------------------------- commands
+
+    def command(self, text: str, timeout_s: float = 5.0) -> str:
+        """Send one command line to the daemon and return what it printed."""
+        if not text.strip() or "\n" in text or "\r" in text:
+            raise ValueError(f"an MPS command is one non-empty line, got {text!r}")
+        try:
+            done = subprocess.run([self.control_binary], input=text + "\n", capture_output=True, text=True,
+                                  env=self._env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"MPS control daemon of device {self.device_index} did not answer {text!r} "
+                           f"within {timeout_s:g} s (pipe dir {self.pipe_dir})") from None
+        except OSError as exc:
+            raise MpsError(f"cannot run {self.control_binary}: {exc}") from None
+        # The front end may report a missing daemon with exit status 0: check its words too.
+        if done.returncode != 0 or NO_DAEMON in done.stdout or NO_DAEMON in done.stderr:
+            detail = (done.stderr.strip() or done.stdout.strip() or "no output")
+            raise MpsError(f"MPS command {text!r} for device {self.device_index} failed "
+                           f"(exit {done.returncode}): {detail}")
+        return done.stdout
+
+    def server_list(self) -> list[int]:
+        """Pids of the MPS servers this daemon runs (one per line; none when idle)."""
+        out = self.command("get_server_list")
+        try:
+            return [int(word) for word in out.split()]
+        except ValueError:
+            raise MpsError(f"unexpected get_server_list answer from device {self.device_index}: {out!r}") from None
+
+    def set_default_active_thread_percentage(self, percent: int) -> None:
+        """SM share (1..100) of clients of MPS servers started from now on."""
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
+            raise ValueError(f"active thread percentage must be an integer in 1..100, got {percent!r}")
+        self._set_default("active_thread_percentage", f"set_default_active_thread_percentage {percent}")
+
+    def default_active_thread_percentage(self) -> float:
+        out = self.command("get_default_active_thread_percentage").split()
+        try:
+            return float(out[-1])
+        except (IndexError, ValueError):
+            raise MpsError(f"unexpected get_default_active_thread_percentage answer: {out!r}") from None
+
+    def set_default_device_pinned_mem_limit(self, limit_mb: int, *, device_ordinal: int = 0) -> None:
+        """Device memory limit (MiB) per client of MPS servers started from now on.
+
+        ``device_ordinal`` is the GPU as the daemon sees it: 0 for our one-GPU daemons.
+        """
+        if isinstance(limit_mb, bool) or not isinstance(limit_mb, int) or limit_mb < 1:
+            raise ValueError(f"pinned memory limit must be an integer number of MiB >= 1, got {limit_mb!r}")
+        self._set_default(f"pinned_mem_limit {device_ordinal}",
+                          f"set_default_device_pinned_mem_limit {device_ordinal} {limit_mb}M")
+
+    # -------------------------------------------------------------- internals
+
+    def _set_default(self, key: str, command: str) -> None:
+        self.command(command)
+        self._defaults[key] = command
+
+    def _replay_defaults(self) -> None:
+        for command in self._defaults.values():
+            self.command(command)
+
+    def _make_dirs(self) -> None:
+        for path in (os.path.dirname(self.base_dir), self.base_dir, self.pipe_dir, self.log_dir):
+            os.makedirs(path, mode=self.dir_mode, exist_ok=True)
+            os.chmod(path, self.dir_mode)  # makedirs' mode is filtered by the umask
+
+    def _answers(self, timeout_s: float = 2.0) -> bool:
+        try:
+            self.command("get_server_list", timeout_s=timeout_s)
+            return True
+        except MpsError:
+            return False
+
+    def _try_command(self, text: str, timeout_s: float) -> None:
+        try:
+            self.command(text, timeout_s=timeout_s)
+        except MpsError as exc:
+            log.debug("[mps] device=%d %s failed: %s", self.device_index, text, exc)
+
+    def _read_pid(self) -> _DaemonProcess | None:
+        try:
+            with open(os.path.join(self.pipe_dir, PID_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+        return _DaemonProcess(pid) if pid > 0 else None
+
+    def _adopt(self) -> bool:
+        """Take over a daemon that an earlier nodeagent started here and left running."""
+        if not os.path.exists(os.path.join(self.pipe_dir, CONTROL_SOCKET)) or not self._answers():
+            return False
+        self._proc = self._read_pid()
+        return True
+
+    def _launch(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pid_file = os.path.join(self.pipe_dir, PID_FILE)
+        try:
+            os.unlink(pid_file)  # a stale one would name a dead (or reused) pid
+        except FileNotFoundError:
+            pass
+        # Output goes to a file, never a pipe: a daemonized grandchild holding a pipe open
+        # would keep us waiting for EOF.
+        launch_log = os.path.join(self.log_dir, LAUNCH_LOG)
+        with open(launch_log, "wb") as out:
+            try:
+                launcher = subprocess.Popen([self.control_binary, "-d"], env=self._env, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as exc:
+                raise MpsStartError(f"cannot run {self.control_binary} -d for device {self.device_index}: {exc} "
+                                    "(is the NVIDIA driver's MPS component installed?)") from None
+        try:
+            code = launcher.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+            raise MpsStartError(self._start_failure(f"{self.control_binary} -d did not return in {timeout_s:g} s"))
+        if code != 0:
+            raise MpsStartError(self._start_failure(f"{self.control_binary} -d exited {code}"))
+        proc: _DaemonProcess | None = None
+        while time.monotonic() < deadline:
+            if proc is None:
+                proc = self._read_pid()
+            if proc is not None and not proc.alive():
+                proc.close()
+                raise MpsStartError(self._start_failure(f"control daemon pid {proc.pid} exited during start-up"))
+            if self._answers(timeout_s=max(min(1.0, deadline - time.monotonic()), 0.05)):
+                if proc is None:
+                    proc = self._read_pid()
+                if proc is None:
+                    log.warning("[mps] device=%d no %s in %s: liveness by command only",
+                                self.device_index, PID_FILE, self.pipe_dir)
+                self._proc = proc
+                return
+            time.sleep(_POLL_S)
+        if proc is not None:  # half started and silent: do not leave it holding the pipe dir
+            proc.signal(signal.SIGKILL)
+            proc.wait(1.0)
+            proc.close()
+        raise MpsStartError(self._start_failure(
+            f"control daemon did not answer within {timeout_s:g} s "
+            f"({'pid ' + str(proc.pid) if proc else 'no pid file'})"))
+
+    def _start_failure(self, what: str) -> str:
+        tail = []
+        for name in (LAUNCH_LOG, "control.log"):
+            try:
+                with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                    tail += [f"{name}: {line.rstrip()}" for line in f.readlines()[-3:]]
+            except OSError:
+                pass
+        detail = ("; last log lines: " + " | ".join(tail)) if tail else ""
+        return f"MPS for device {self.device_index}: {what}; see the logs in {self.log_dir}{detail}"
+
+    def _restart(self, reason: str, timeout_s: float) -> None:
+        now = self._clock()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.restart_budget:
+            self._state = MpsState.FAILED
+            self._failure = (f"MPS control daemon of device {self.device_index} needed more than "
+                             f"{self.restart_budget} restarts in {self.restart_window_s:g} s (last: {reason}); "
+                             f"gave up; see the logs in {self.log_dir}")
+            log.error("[mps] give-up device=%d restarts=%d reason=%s", self.device_index, self.restarts, reason)
+            raise MpsRestartBudgetError(self._failure)
+        self._restart_times.append(now)
+        self.restarts += 1
+        log.warning("[mps] restart device=%d reason=%s restarts=%d", self.device_index, reason, self.restarts)
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.signal(signal.SIGKILL):  # alive but not answering
+                proc.wait(1.0)
+            proc.close()
+        self._launch(timeout_s)
+        self._replay_defaults()
+
+    def _escalate(self, proc: _DaemonProcess, timeout_s: float) -> QuitStep:
+        quit_s, term_s = timeout_s / 2, timeout_s / 3
+        started = time.monotonic()
+        self._try_command("quit", quit_s)
+        if proc.wait(quit_s - (time.monotonic() - started)):
+            return QuitStep.QUIT
+        log.warning("[mps] device=%d ignored quit for %.1f s: SIGTERM pid=%d", self.device_index, quit_s, proc.pid)
+        if not proc.signal(signal.SIGTERM):
+            return QuitStep.QUIT  # it exited between the wait and the signal: the quit worked, late
+        if proc.wait(term_s):
+            return QuitStep.SIGTERM
+        log.warning("[mps] device=%d ignored SIGTERM for %.1f s: SIGKILL pid=%d", self.device_index, term_s, proc.pid)
+        proc.signal(signal.SIGKILL)
+        if not proc.wait(max(timeout_s - quit_s - term_s, 1.0)):
+            log.error("[mps] device=%d pid=%d still runs after SIGKILL", self.device_index, proc.pid)
+        return QuitStep.SIGKILL

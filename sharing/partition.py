@@ -1,0 +1,301 @@
+"""MPS partition planning: which share of a GPU's SMs and memory each session gets.
+
+Pure logic: no I/O. The daemon hands the result to clients as environment
+variables that the CUDA driver reads when a client creates its context:
+
+* ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: an integer percent of the SMs (1..100);
+* ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``"<ordinal>=<N>M"``, e.g. ``"0=2048M"``
+  (comma-separated pairs, suffix M or G, per NVIDIA's MPS docs, "Appendix:
+  Environment Variables"; GKE's device plugin writes ``0=%dM`` with MiB).
+
+Rules of a plan (:func:`plan_partition`):
+
+* a session with an explicit request gets that percent; sessions without one
+  share what the explicit requests leave, equally;
+* every share is an integer >= ``min_percent`` and the shares sum to at most
+  ``total``; fractions are rounded by the largest-remainder method, ties to
+  the smaller session id, so the same input always gives the same plan;
+* memory works the same way when the device's memory is known: explicit
+  limits first, the rest split equally among sessions without one;
+* anything that does not fit raises :class:`PartitionError` naming the
+  sessions and numbers.
+
+A share is a cap, not a reservation: MPS never gives a client more than its
+percent, so shares that sum to <= 100 keep every client's cap clear of the
+others'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = [
+    "ACTIVE_THREAD_PERCENTAGE_ENV",
+    "PINNED_MEM_LIMIT_ENV",
+    "PartitionError",
+    "PartitionPlan",
+    "PartitionTable",
+    "plan_partition",
+    "replan",
+]
+
+ACTIVE_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PINNED_MEM_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+_EPS = 1e-9  # float slack when flooring exact shares such as 100/3 * 3
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be planned; the message names the sessions and numbers."""
+
+    code = "E_PARTITION"
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Integer SM shares and memory limits (MiB) per session, for one device.
+
+    ``memory_limits_mb`` holds only sessions that have a limit. Both mappings
+    are read-only.
+    """
+
+    shares: Mapping[str, int]
+    memory_limits_mb: Mapping[str, int] = field(default_factory=dict)
+    total: int = 100
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shares", MappingProxyType(dict(self.shares)))
+        object.__setattr__(self, "memory_limits_mb", MappingProxyType(dict(self.memory_limits_mb)))
+
+    @property
+    def free_percent(self) -> int:
+        """Percent of ``total`` that no session holds."""
+        return self.total - sum(self.shares.values())
+
+    def env_for(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
+        """The variables ``session`` must have set before it initialises CUDA.
+
+        ``device_ordinal`` is the device as the client enumerates it. Under a
+        per-GPU control daemon started with ``CUDA_VISIBLE_DEVICES=<uuid>`` the
+        client sees that one GPU as ordinal 0, which is the default.
+        """
+        if session not in self.shares:
+            raise KeyError(f"session {session!r} has no share in this plan")
+        if isinstance(device_ordinal, bool) or not isinstance(device_ordinal, int) or device_ordinal < 0:
+            raise ValueError(f"device_ordinal must be an integer >= 0, got {device_ordinal!r}")
+        env = {ACTIVE_THREAD_PERCENTAGE_ENV: str(self.shares[session])}
+        limit_mb = self.memory_limits_mb.get(session)
+        if limit_mb is not None:
+            env[PINNED_MEM_LIMIT_ENV] = f"{device_ordinal}={limit_mb}M"
+        return env
+
+
+def plan_partition(
+    requested: Mapping[str, float | None],
+    *,
+    min_percent: int = 5,
+    total: int = 100,
+    memory_total_mb: int | None = None,
+    memory_requests_mb: Mapping[str, int] | None = None,
+) -> PartitionPlan:
+    """Plan shares for every session in ``requested`` (``None``: no explicit request).
+
+    ``memory_total_mb`` is the memory the device has for MPS clients; when it is
+    None only explicit memory requests become limits and their sum is not checked.
+    """
+    total = _int_in_range("total", total, 1, 100)
+    min_percent = _int_in_range("min_percent", min_percent, 1, total)
+    explicit: dict[str, float] = {}
+    open_sessions: list[str] = []
+    for session, percent in requested.items():
+        if not isinstance(session, str) or not session:
+            raise PartitionError(f"session ids must be non-empty strings, got {session!r}")
+        if percent is None:
+            open_sessions.append(session)
+            continue
+        value = _number(f"percent of session {session!r}", percent)
+        if value < min_percent:
+            raise PartitionError(f"session {session!r} asks for {_pct(value)} of the SMs; "
+                                 f"the minimum share is {min_percent}%")
+        explicit[session] = value
+
+    asked = sum(explicit.values())
+    if asked > total + _EPS:
+        listing = ", ".join(f"{s}={_pct(v)}" for s, v in sorted(explicit.items()))
+        raise PartitionError(f"SM requests sum to {_pct(asked)} ({listing}), over the {total}% available")
+    exact = dict(explicit)
+    if open_sessions:
+        left = total - asked
+        each = left / len(open_sessions)
+        if each < min_percent - _EPS:
+            names = ", ".join(repr(s) for s in sorted(open_sessions))
+            raise PartitionError(f"session(s) {names} without a request would share the {_pct(left)} "
+                                 f"left by explicit requests, {_pct(each)} each, below the "
+                                 f"{min_percent}% minimum")
+        exact.update((s, each) for s in open_sessions)
+
+    shares = _largest_remainder(exact)
+    limits = _plan_memory(list(requested), memory_total_mb, memory_requests_mb or {})
+    return PartitionPlan(shares, limits, total)
+
+
+def replan(
+    requests: Mapping[str, float | None],
+    sessions_present: Iterable[str],
+    *,
+    memory_requests_mb: Mapping[str, int] | None = None,
+    **options,
+) -> PartitionPlan:
+    """The plan for the sessions present now.
+
+    Requests of sessions that left drop out; a present session without a
+    request shares the remainder. ``options`` are those of :func:`plan_partition`.
+    """
+    present = list(dict.fromkeys(sessions_present))
+    memory = {s: mb for s, mb in (memory_requests_mb or {}).items() if s in present}
+    return plan_partition({s: requests.get(s) for s in present}, memory_requests_mb=memory, **options)
+
+
+class PartitionTable:
+    """The partition of one MPS device as sessions come and go. Pure: no I/O.
+
+    Every change re-plans all present sessions and is atomic: an infeasible
+    change raises :class:`PartitionError` and leaves the table as it was.
+
+    A client reads its share once, when it creates its CUDA context (the MPS
+    docs: the variables are read at context creation), so a share handed out
+    with :meth:`issue` stays with that process. :meth:`stale` lists sessions
+    whose issued share differs from the plan now that others came or went; they
+    get the new share only by creating their context again.
+    """
+
+    def __init__(self, device: int, *, min_percent: int = 5, total: int = 100,
+                 memory_total_mb: int | None = None) -> None:
+        self.device = device
+        self._options = {"min_percent": min_percent, "total": total, "memory_total_mb": memory_total_mb}
+        self._percent: dict[str, float | None] = {}
+        self._memory_mb: dict[str, int] = {}
+        self._issued: dict[str, tuple[int, dict[str, str]]] = {}  # session -> (ordinal, env)
+        self._plan = plan_partition({}, **self._options)  # also validates the options
+
+    @property
+    def plan(self) -> PartitionPlan:
+        return self._plan
+
+    def sessions(self) -> list[str]:
+        return list(self._percent)
+
+    def join(self, session: str, percent: float | None = None, memory_mb: int | None = None) -> PartitionPlan:
+        """Add ``session`` with its own request (None: share the remainder)."""
+        if session in self._percent:
+            raise PartitionError(f"session {session!r} is already in the partition of device {self.device}")
+        percent_by = {**self._percent, session: percent}
+        memory_by = dict(self._memory_mb)
+        if memory_mb is not None:
+            memory_by[session] = memory_mb
+        return self._commit(percent_by, memory_by)
+
+    def leave(self, session: str) -> PartitionPlan:
+        """Drop ``session`` (its share returns to the others); unknown sessions are ignored."""
+        if session not in self._percent:
+            return self._plan
+        percent_by = {s: p for s, p in self._percent.items() if s != session}
+        memory_by = {s: m for s, m in self._memory_mb.items() if s != session}
+        plan = self._commit(percent_by, memory_by)
+        self._issued.pop(session, None)
+        return plan
+
+    def partition(self, percents: Mapping[str, float | None],
+                  memory_mb: Mapping[str, int] | None = None) -> PartitionPlan:
+        """Set the whole partition: named sessions get their percent, the others none.
+
+        ``memory_mb``, if given, replaces every memory request the same way.
+        Every named session must be present.
+        """
+        unknown = sorted(set(percents) - set(self._percent)) + sorted(set(memory_mb or {}) - set(self._percent))
+        if unknown:
+            raise PartitionError(f"no session(s) {', '.join(map(repr, dict.fromkeys(unknown)))} "
+                                 f"on device {self.device}")
+        percent_by = {s: percents.get(s) for s in self._percent}
+        memory_by = dict(memory_mb) if memory_mb is not None else dict(self._memory_mb)
+        return self._commit(percent_by, memory_by)
+
+    def issue(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
+        """The environment to give ``session`` now; remembered as what it runs with."""
+        env = self._plan.env_for(session, device_ordinal)
+        self._issued[session] = (device_ordinal, env)
+        return dict(env)
+
+    def stale(self) -> list[str]:
+        """Sessions whose issued environment differs from what the plan gives them now."""
+        return sorted(s for s, (ordinal, env) in self._issued.items() if self._plan.env_for(s, ordinal) != env)
+
+    def _commit(self, percent_by: dict[str, float | None], memory_by: dict[str, int]) -> PartitionPlan:
+        plan = plan_partition(percent_by, memory_requests_mb=memory_by, **self._options)
+        self._percent, self._memory_mb, self._plan = percent_by, memory_by, plan
+        return plan
+
+
+# --------------------------------------------------------------------------
+# internals
+# --------------------------------------------------------------------------
+
+
+def _largest_remainder(exact: Mapping[str, float]) -> dict[str, int]:
+    """Integers that sum to floor(sum(exact)); each is its value rounded down or up.
+
+    Units left after flooring go to the largest fractional parts, ties to the
+    smaller session id (Hamilton's method), so the result is deterministic.
+    """
+    floors = {s: math.floor(v + _EPS) for s, v in exact.items()}
+    target = math.floor(sum(exact.values()) + _EPS)
+    spare = target - sum(floors.values())
+    by_remainder = sorted(exact, key=lambda s: (-(exact[s] - floors[s]), s))
+    for session in by_remainder[:max(spare, 0)]:
+        floors[session] += 1
+    return {s: floors[s] for s in exact}
+
+
+def _plan_memory(sessions: list[str], total_mb: int | None, requests_mb: Mapping[str, int]) -> dict[str, int]:
+    unknown = sorted(set(requests_mb) - set(sessions))
+    if unknown:
+        raise PartitionError(f"memory requested for session(s) {', '.join(map(repr, unknown))} "
+                             "that have no SM request entry")
+    limits = {s: _int_in_range(f"memory of session {s!r} (MiB)", mb, 1, None) for s, mb in requests_mb.items()}
+    if total_mb is None:
+        return limits
+    total_mb = _int_in_range("memory_total_mb", total_mb, 1, None)
+    asked = sum(limits.values())
+    if asked > total_mb:
+        listing = ", ".join(f"{s}={mb} MiB" for s, mb in sorted(limits.items()))
+        raise PartitionError(f"memory requests sum to {asked} MiB ({listing}), over the {total_mb} MiB "
+                             "the device has")
+    open_sessions = [s for s in sessions if s not in limits]
+    if open_sessions:
+        each = (total_mb - asked) // len(open_sessions)
+        if each < 1:
+            names = ", ".join(repr(s) for s in sorted(open_sessions))
+            raise PartitionError(f"session(s) {names} without a memory request would share the "
+                                 f"{total_mb - asked} MiB left, less than 1 MiB each")
+        limits.update((s, each) for s in open_sessions)
+    return limits
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PartitionError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _int_in_range(name: str, value: object, low: int, high: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise PartitionError(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _pct(value: float) -> str:
+    return f"{value:g}%" if value == int(value) else f"{value:.4g}%"
