@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -415,6 +416,8 @@ class Client:
         if old is not None and not welcome.resumed:
             log.warning("[client] daemon at %s did not know session %s; now session %s",
                         self.endpoint, old.session, welcome.session)
+        if old is None and welcome.env:
+            _apply_env(welcome.env)
         self.welcome = welcome
         self._generation += 1
         self._asked_in = None
@@ -603,6 +606,16 @@ class _HeartbeatThread(threading.Thread):
             sock.close(0)
 
 
+def _apply_env(env: dict[str, str]) -> None:
+    """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the
+    environment, where CUDA reads them when it creates its context."""
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch.cuda, "is_initialized", lambda: False)():
+        log.warning("[client] CUDA was initialised before the session opened: %s take effect only in "
+                    "a new process (create the Client before touching the GPU)", ", ".join(sorted(env)))
+
+
 def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float,
               context: zmq.Context | None, what: str):
     """Send one request without a session and return its typed reply."""
@@ -644,3 +657,11 @@ def resume_session(session: str, endpoint: str | None = None, timeout: float = 5
                    context: zmq.Context | None = None) -> None:
     """Let a suspended session come back."""
     _one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, context, "resume")
+
+
+def set_partition(device: int, shares: dict[str, float | None], memory_mb: dict[str, int] | None = None,
+                  endpoint: str | None = None, timeout: float = 5.0,
+                  context: zmq.Context | None = None) -> p.PartitionReply:
+    """Set the MPS partition of ``device`` (root only): SM percent per session, None for an equal share."""
+    return _one_shot(p.Partition(id=1, device=device, shares=shares, memory_mb=memory_mb), p.PartitionReply,
+                     endpoint, timeout, context, "partition")

@@ -42,6 +42,7 @@ class ErrorCode:
     INVALID = "E_INVALID"  # well-formed request with a value out of range (weight <= 0, ...)
     SHUTTING_DOWN = "E_SHUTTING_DOWN"  # the daemon is stopping and takes no new work
     NO_MEMORY = "E_NO_MEMORY"  # declared memory does not fit the device
+    PARTITION = "E_PARTITION"  # an MPS partition that cannot be planned (shares over 100, below the minimum)
     FORBIDDEN = "E_FORBIDDEN"  # the peer may not act on that session (another user's, or unverifiable)
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
 
@@ -128,6 +129,16 @@ class ResumeSession(Request, tag="resume_session"):
     session: str
 
 
+class Partition(Request, tag="partition"):
+    """Set the MPS partition of ``device``: an SM percentage per session (None:
+    share what is left) and optional memory limits. Root only. Running clients
+    get their new share when they next create a CUDA context (``stale``)."""
+
+    device: int
+    shares: dict[str, Optional[float]]
+    memory_mb: Optional[dict[str, int]] = None
+
+
 class Suspended(Request, tag="suspended"):
     """From the suspended client: its state is parked in host memory and its
     device memory freed; it waits for ``resume``."""
@@ -143,7 +154,7 @@ class Resumed(Request, tag="resumed"):
 
 
 ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
-                      SuspendSession, ResumeSession, Suspended, Resumed]
+                      SuspendSession, ResumeSession, Partition, Suspended, Resumed]
 
 
 # --------------------------------------------------------------------------
@@ -181,6 +192,7 @@ class Welcome(Reply, tag="welcome"):
     heartbeat_ms: float  # send a heartbeat at least this often
     resumed: bool = False
     boot: int = 0  # the daemon's incarnation; a heartbeat_ack with another means it restarted
+    env: dict[str, str] = {}  # set in the environment before CUDA initialises (MPS pipe dir, SM share, memory limit)
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):
@@ -221,6 +233,8 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     sessions: list[SessionInfo]
     memory_declared_mb: int = 0  # sum of the sessions' declarations
     memory_capacity_mb: int = 0  # what admission lets sessions declare in all
+    mps: bool = False
+    partition: dict[str, int] = {}  # SM percent per session, on an MPS device
 
 
 class StatusReply(Reply, tag="status_reply"):
@@ -282,8 +296,15 @@ class SuspendResult(Reply, tag="suspend_result"):
     suspend_ms: float = 0.0  # as the client measured its own parking
 
 
+class PartitionReply(Reply, tag="partition_reply"):
+    device: int
+    shares: dict[str, int]
+    memory_limits_mb: dict[str, int]
+    stale: list[str]  # sessions running with an older share until they recreate their CUDA context
+
+
 DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke,
-                      SuspendNotice, ResumeNotice, SuspendResult]
+                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply]
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""

@@ -223,10 +223,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         backend.close()
         return 1
-    server = AgentServer(config, backend, journal=journal)
+    from nodeagent.mps import MpsError
+    try:
+        server = AgentServer(config, backend, journal=journal)
+    except ConfigError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        backend.close()
+        return 2
     try:
         endpoint = server.bind()
-    except (AlreadyRunningError, OSError) as exc:
+    except (AlreadyRunningError, MpsError, OSError) as exc:
         print(f"nodeagent: error: cannot listen on {config.endpoint}: {exc}", file=sys.stderr)
         backend.close()
         return 1

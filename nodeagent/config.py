@@ -52,6 +52,11 @@ reserve_mb = 0              # device memory kept out of admission
 [metrics]
 # port = 9400               # off unless set
 addr = "127.0.0.1"
+
+[mps]
+devices = []                # device indices that get an MPS control daemon; empty: MPS off
+control_binary = "nvidia-cuda-mps-control"
+min_percent = 5             # smallest SM share a partition may give a session
 """
 
 
@@ -84,6 +89,9 @@ class ServeConfig:
     memory_policy: str = "warn"  # warn | revoke | stop
     memory_watch_ms: float = 1000.0
     memory_reserve_mb: int = 0
+    mps_devices: list[int] = field(default_factory=list)
+    mps_control_binary: str = "nvidia-cuda-mps-control"
+    mps_min_percent: int = 5
 
     def validate(self) -> None:
         if self.backend not in ("auto", "cuda", "cpu"):
@@ -107,6 +115,10 @@ class ServeConfig:
         if self.memory_policy not in MEMORY_POLICIES:
             raise ConfigError(f"memory.policy must be one of {', '.join(MEMORY_POLICIES)}, "
                               f"got {self.memory_policy!r}")
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices):
+            raise ConfigError(f"mps.devices must be a list of device indices, got {self.mps_devices!r}")
+        if not 1 <= self.mps_min_percent <= 100:
+            raise ConfigError(f"mps.min_percent must be in 1..100, got {self.mps_min_percent}")
         if self.memory_reserve_mb < 0:
             raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
         try:
@@ -143,8 +155,11 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory.reserve_mb": ("memory_reserve_mb", (int,)),
     "metrics.port": ("metrics_port", (int,)),
     "metrics.addr": ("metrics_addr", (str,)),
+    "mps.devices": ("mps_devices", (list,)),
+    "mps.control_binary": ("mps_control_binary", (str,)),
+    "mps.min_percent": ("mps_min_percent", (int,)),
 }
-_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics"}
+_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics", "mps"}
 
 
 def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
@@ -194,6 +209,6 @@ def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
 def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass in Python; a TOML true is never a number here.
     if isinstance(value, bool) or not isinstance(value, types):
-        expected = " or ".join("number" if t is float else {int: "integer", str: "string"}[t] for t in types
+        expected = " or ".join("number" if t is float else {int: "integer", str: "string", list: "list"}[t] for t in types
                                if not (t is int and float in types))
         raise ConfigError(f"{path}: {key} must be a {expected}, got {value!r}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import json
 import logging
 import os
 import select
@@ -101,6 +102,7 @@ class Launcher:
         self._saved_wakeup_fd = -1
         self._saved_handlers: dict[int, object] = {}
         self._next_attach = 0.0
+        self._env_w: int | None = None  # write end of the pipe CMD reads its extra environment from
 
     # ------------------------------------------------------------------ run
 
@@ -116,6 +118,7 @@ class Launcher:
             self._spawn_stopped()
             if self.exit_code is None:
                 self._open_session()
+            self._hand_over_env()
             while self.exit_code is None:
                 try:
                     self._loop()
@@ -182,6 +185,19 @@ class Launcher:
         log.info("session %s on device %d (pid %d, slice %.0f ms)", self.client.session_id,
                  self.client.device, self.pid, self.client.slice_ms)
         self.client.request()
+
+    def _hand_over_env(self) -> None:
+        """Give CMD the daemon's environment (or nothing, if there is no session);
+        CMD reads it when first continued, before it execs."""
+        if self._env_w is None:
+            return
+        env = self.client.welcome.env if self.client is not None and self.client.welcome else {}
+        try:
+            os.write(self._env_w, json.dumps(env).encode())
+        except OSError:
+            pass  # CMD is gone already
+        os.close(self._env_w)
+        self._env_w = None
 
     def _new_client(self, handshake_timeout_s: float | None) -> Client:
         # reconnect=False: losing the daemon must surface here at once, so
@@ -280,9 +296,14 @@ class Launcher:
         stops itself before exec never reports."""
         set_pdeathsig = _pdeathsig_setter()  # resolved before the fork
         parent = os.getpid()
+        # CMD's extra environment (the daemon's welcome.env: MPS settings) comes
+        # through this pipe after the hello, which needs CMD's pid: so after the fork.
+        env_r, self._env_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            self._exec_child(parent, set_pdeathsig)
+            os.close(self._env_w)
+            self._exec_child(parent, set_pdeathsig, env_r)
+        os.close(env_r)
         self.pid = pid
         _, status = os.waitpid(pid, os.WUNTRACED)
         if not os.WIFSTOPPED(status):  # it died before it could stop
@@ -293,7 +314,7 @@ class Launcher:
         except (AttributeError, OSError):  # older kernel: _loop polls waitpid instead
             self._pidfd = None
 
-    def _exec_child(self, parent: int, set_pdeathsig: Callable[[int], None]) -> NoReturn:
+    def _exec_child(self, parent: int, set_pdeathsig: Callable[[int], None], env_r: int) -> NoReturn:
         """In the child: new session, shell-like signal dispositions, stop, exec."""
         code = EXIT_NOT_FOUND
         try:
@@ -306,7 +327,9 @@ class Launcher:
             if os.getppid() != parent:  # the launcher is already gone: nobody would continue us
                 os._exit(1)
             os.kill(os.getpid(), signal.SIGSTOP)
-            os.execvp(self.argv[0], self.argv)
+            env = dict(os.environ)
+            env.update(_read_env(env_r))
+            os.execvpe(self.argv[0], self.argv, env)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 code = EXIT_CANNOT_EXECUTE
@@ -362,6 +385,9 @@ class Launcher:
 
     def _clean_up(self) -> None:
         """Never leave CMD (or what remains of its group) stopped; end the session."""
+        if self._env_w is not None:  # CMD must not wait on a pipe nobody will write
+            os.close(self._env_w)
+            self._env_w = None
         if self.pid is not None:
             if self.exit_code is None:
                 self._killpg(signal.SIGCONT)
@@ -402,6 +428,18 @@ def check_program(program: str) -> tuple[int, str] | None:
     if os.path.isdir(program) or not os.access(program, os.X_OK):
         return EXIT_CANNOT_EXECUTE, f"{program}: not an executable file"
     return None
+
+
+def _read_env(fd: int) -> dict[str, str]:
+    """In the child: the JSON object the launcher writes (empty if it wrote none)."""
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    if not chunks:
+        return {}
+    env = json.loads(b"".join(chunks))
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _wake_only(signum: int, frame: types.FrameType | None) -> None:

@@ -30,12 +30,14 @@ from client_lib import codec
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
-from nodeagent.config import ServeConfig
+from nodeagent.config import ConfigError, ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal, SessionRecord
 from nodeagent.metrics import Metrics, SessionRow
+from nodeagent.mps import MpsControl, MpsError
 from nodeagent.sessions import Session, new_session_id, new_session_key
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
+from sharing.partition import PartitionError, PartitionTable
 
 log = logging.getLogger("nodeagent.server")
 
@@ -87,6 +89,15 @@ class AgentServer:
         self._parked: dict[int, list[str]] = {}
         self._restore_deadline = 0.0
         self._suspending: set[Session] = set()  # suspend requested, deadline pending
+        bad = [d for d in config.mps_devices if d >= backend.count()]
+        if bad:
+            raise ConfigError(f"mps.devices names {bad}, but this node has devices 0..{backend.count() - 1}")
+        self._mps: dict[int, MpsControl] = {}  # device -> its MPS control daemon (started in bind)
+        self._mps_by_fd: dict[int, int] = {}
+        self._partitions: dict[int, PartitionTable] = {
+            i: PartitionTable(i, min_percent=config.mps_min_percent,
+                              memory_total_mb=memory.capacity_mb(self._device_info[i], config.memory_reserve_mb))
+            for i in config.mps_devices}
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
         self._memory_watcher: _MemoryWatcher | None = None
         self._handlers = {
@@ -101,6 +112,7 @@ class AgentServer:
             p.ResumeSession: self._on_resume_session,
             p.Suspended: self._on_suspended,
             p.Resumed: self._on_resumed,
+            p.Partition: self._on_partition,
         }
         self.metrics.watch_sessions(self._session_rows)
         if journal is not None:
@@ -141,6 +153,11 @@ class AgentServer:
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
+        try:
+            self._start_mps(os.path.dirname(path) if path is not None else self.config.state_dir)
+        except BaseException:
+            self._stop_mps()
+            raise
         if self.backend.measures_process_memory:  # cuda: NVML reads it per process
             self._memory_watcher = _MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
                                                   self._memory_readings, self._wake)
@@ -184,6 +201,8 @@ class AgentServer:
                     elif target == wake_fd:
                         self._drain_wakeups()
                         self._apply_memory_readings()
+                    elif target in self._mps_by_fd:
+                        self._on_mps_exit(self._mps_by_fd[target])
                 self._flush_unreachable()
                 self._on_timers(self._clock())
         finally:
@@ -203,6 +222,7 @@ class AgentServer:
             log.info("[shutdown] step=continue stopped=%d", continued)
         if self._memory_watcher is not None:
             self._memory_watcher.stop()
+        self._stop_mps()
         for s in list(self._sessions.values()):
             self._close_pidfd(s)
         if self._router is not None:
@@ -297,8 +317,16 @@ class AgentServer:
                 return
             managed_pidfd = procwatch.open_pidfd(msg.managed_pgid)
         workload = Workload.parse(msg.workload)
+        session_id = new_session_id()
+        table = self._partitions.get(device)
+        if table is not None:
+            try:
+                table.join(session_id, None, msg.memory_mb or None)
+            except PartitionError as exc:
+                self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
+                return
         session = Session(
-            id=new_session_id(), key=new_session_key(), route=route, name=msg.name,
+            id=session_id, key=new_session_key(), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
             uid=creds.uid if creds is not None else None,
@@ -359,7 +387,8 @@ class AgentServer:
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
-            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed, boot=self.boot))
+            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed, boot=self.boot,
+            env=self._client_env(s)))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -705,6 +734,8 @@ class AgentServer:
         self._end_slice(s, now)
         if s.suspend_waiters or s in self._suspending:
             self._finish_suspend(s, "gone", now)
+        if s.device in self._partitions:
+            self._partitions[s.device].leave(s.id)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
         self._journal(lambda j: j.delete_session(s.id))
@@ -751,6 +782,74 @@ class AgentServer:
             if s is not None:
                 self._drop(s, "unreachable", self._clock())
 
+    # ------------------------------------------------------------------ mps
+
+    def _start_mps(self, runtime_dir: str) -> None:
+        """One MPS control daemon per configured device, watched through its pidfd."""
+        for device in self.config.mps_devices:
+            info = self._device_info[device]
+            control = MpsControl(device, info.uuid, runtime_dir, self.config.mps_control_binary,
+                                 dir_mode=0o755 if os.geteuid() == 0 else 0o700)
+            control.start()
+            self._mps[device] = control
+            self._watch_mps(device)
+            log.info("[mps] device=%d control daemon pid=%s", device, control.pid)
+
+    def _watch_mps(self, device: int) -> None:
+        fd = self._mps[device].watch_fd()
+        if fd is not None:
+            self._mps_by_fd[fd] = device
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _on_mps_exit(self, device: int) -> None:
+        """The control daemon died: restart it (within its budget) and watch the new one."""
+        for fd in [fd for fd, d in self._mps_by_fd.items() if d == device]:
+            self._poller.unregister(fd)
+            del self._mps_by_fd[fd]
+        try:
+            self._mps[device].ensure_running()
+        except MpsError as exc:
+            log.error("[mps] device=%d control daemon cannot be kept running: %s", device, exc)
+            return
+        self._watch_mps(device)
+
+    def _stop_mps(self) -> None:
+        for device, control in self._mps.items():
+            step = control.quit(timeout_s=5)
+            log.info("[shutdown] step=mps device=%d result=%s", device, step.value)
+        self._mps.clear()
+        self._mps_by_fd.clear()
+
+    def _client_env(self, s: Session) -> dict[str, str]:
+        """What the client must set before CUDA initialises: its MPS daemon and share."""
+        control, table = self._mps.get(s.device), self._partitions.get(s.device)
+        if control is None or table is None:
+            return {}
+        return {**control.client_env(), **table.issue(s.id)}
+
+    def _on_partition(self, route: bytes, msg: p.Partition, frame, now: float) -> None:
+        creds = procwatch.peer_credentials(frame)
+        if creds is None or creds.uid != 0:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only root may set MPS partitions")
+            return
+        table = self._partitions.get(msg.device)
+        if table is None:
+            self._error(route, msg.id, p.ErrorCode.DEVICE, f"device {msg.device} has no MPS daemon "
+                        "(list it in mps.devices)")
+            return
+        strangers = sorted(set(msg.shares) - set(table.sessions()))
+        if strangers:
+            self._error(route, msg.id, p.ErrorCode.INVALID, f"not sessions of device {msg.device}: {strangers}")
+            return
+        try:
+            plan = table.partition(msg.shares, msg.memory_mb)
+        except PartitionError as exc:
+            self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
+            return
+        log.info("[mps] partition device=%d shares=%s", msg.device, dict(plan.shares))
+        self._send(route, p.PartitionReply(id=msg.id, device=msg.device, shares=dict(plan.shares),
+                                           memory_limits_mb=dict(plan.memory_limits_mb), stale=table.stale()))
+
     # -------------------------------------------------------------- journal
 
     def _journal(self, write) -> None:
@@ -795,6 +894,11 @@ class AgentServer:
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid
                 session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
+            if rec.device in self._partitions:
+                try:
+                    self._partitions[rec.device].join(rec.id, None, rec.memory_mb or None)
+                except PartitionError as exc:
+                    log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
             self._add_session(session, now)
             if session.stopped:  # the old daemon died holding it stopped: let it run
                 self._continue(session)
@@ -897,7 +1001,9 @@ class AgentServer:
                 utilization_percent=info.utilization_percent, holder=snap.holder,
                 queue=list(snap.queue), sessions=sessions,
                 memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
-                memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb)))
+                memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
+                mps=info.index in self._mps,
+                partition=dict(self._partitions[info.index].plan.shares) if info.index in self._partitions else {}))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
                              boot=self.boot)
