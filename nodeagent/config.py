@@ -48,6 +48,8 @@ misses = 3                  # silent for this many intervals: the session is los
 policy = "warn"             # a session over its declared memory: warn | revoke | stop
 watch_interval_ms = 1000.0  # how often per-process device memory is read (cuda)
 reserve_mb = 0              # device memory kept out of admission
+make_room = "refuse"        # a session that does not fit: refuse | suspend (lower-class sessions, to fit it)
+make_room_deadline_ms = 5000.0  # how long those sessions get to park their state
 
 [metrics]
 # port = 9400               # off unless set
@@ -89,6 +91,8 @@ class ServeConfig:
     memory_policy: str = "warn"  # warn | revoke | stop
     memory_watch_ms: float = 1000.0
     memory_reserve_mb: int = 0
+    memory_make_room: str = "refuse"  # refuse | suspend
+    memory_make_room_deadline_ms: float = 5000.0
     mps_devices: list[int] = field(default_factory=list)
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_min_percent: int = 5
@@ -119,6 +123,11 @@ class ServeConfig:
             raise ConfigError(f"mps.devices must be a list of device indices, got {self.mps_devices!r}")
         if not 1 <= self.mps_min_percent <= 100:
             raise ConfigError(f"mps.min_percent must be in 1..100, got {self.mps_min_percent}")
+        if self.memory_make_room not in ("refuse", "suspend"):
+            raise ConfigError(f"memory.make_room must be refuse or suspend, got {self.memory_make_room!r}")
+        if not (math.isfinite(self.memory_make_room_deadline_ms) and self.memory_make_room_deadline_ms > 0):
+            raise ConfigError(f"memory.make_room_deadline_ms must be a positive number, "
+                              f"got {self.memory_make_room_deadline_ms}")
         if self.memory_reserve_mb < 0:
             raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
         try:
@@ -153,6 +162,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory.policy": ("memory_policy", (str,)),
     "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),
     "memory.reserve_mb": ("memory_reserve_mb", (int,)),
+    "memory.make_room": ("memory_make_room", (str,)),
+    "memory.make_room_deadline_ms": ("memory_make_room_deadline_ms", (int, float)),
     "metrics.port": ("metrics_port", (int,)),
     "metrics.addr": ("metrics_addr", (str,)),
     "mps.devices": ("mps_devices", (list,)),

@@ -23,7 +23,25 @@ def capacity_mb(info: DeviceInfo, reserve_mb: int) -> int:
 
 
 def declared_mb(sessions: Iterable[Session], device: int) -> int:
-    return sum(s.memory_mb for s in sessions if s.device == device)
+    """Declarations on ``device``, less those of sessions suspended or being
+    suspended (their state is, or is about to be, in host memory)."""
+    return sum(s.memory_mb for s in sessions if s.device == device and s.suspend_state is None)
+
+
+def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int) -> list[Session] | None:
+    """Sessions of a lower class than ``workload`` on ``device`` whose suspension
+    frees ``need_mb``: lowest class first, then the largest declarations. None if
+    suspending all of them would not be enough."""
+    candidates = sorted((s for s in sessions if s.device == device and s.suspend_state is None
+                         and s.workload > workload and s.memory_mb > 0),
+                        key=lambda s: (-s.workload, -s.memory_mb, s.id))
+    chosen, freed = [], 0
+    for s in candidates:
+        if freed >= need_mb:
+            break
+        chosen.append(s)
+        freed += s.memory_mb
+    return chosen if freed >= need_mb else None
 
 
 def admission_problem(info: DeviceInfo, reserve_mb: int, declared: int, want_mb: int) -> str | None:

@@ -304,6 +304,9 @@ class AgentServer:
             self._honour_claim(resumed, msg.holding_grant, now)
             return
         device, code, problem = self._pick_device(msg.device, msg.memory_mb)
+        victims: list[Session] = []
+        if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
+            device, victims = self._make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb)
         if device is None:
             self._error(route, msg.id, code, problem)
             return
@@ -342,6 +345,9 @@ class AgentServer:
                  msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
         self._journal_put(session)
         self._welcome(route, msg.id, session, resumed=False)
+        for victim in victims:  # it may run once their state has left the device
+            session.blocked_by.add(victim.id)
+            self._begin_suspend(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
 
     def _add_session(self, session: Session, now: float) -> None:
         self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
@@ -435,6 +441,11 @@ class AgentServer:
             self._send(route, p.Ok(id=msg.id))
         if s.suspend_state is not None:
             return  # it asks again once resumed
+        if s.blocked_by:  # waits for the sessions suspending to make room for it
+            s.acquire_pending = True
+            if s.wait_started is None:
+                s.wait_started = now
+            return
         if s.grant is None and s.wait_started is None:
             s.wait_started = now
         parked = self._parked.get(s.device)
@@ -513,17 +524,39 @@ class AgentServer:
                                               bytes_parked=s.bytes_parked))
             return
         s.suspend_waiters.append((route, msg.id))
-        if s.suspend_state == "requested":
-            return  # already under way: this caller hears the same result
+        if s.suspend_state != "requested":  # else already under way: this caller hears the same result
+            self._begin_suspend(s, msg.deadline_ms, now, reason="requested")
+
+    def _begin_suspend(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
         s.suspend_state = "requested"
         s.suspend_started = now
-        s.suspend_deadline = now + msg.deadline_ms / 1000.0
+        s.suspend_deadline = now + deadline_ms / 1000.0
         self._suspending.add(s)
-        self._send(s.route, p.SuspendNotice(deadline_ms=msg.deadline_ms))
+        self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
         self._apply(self._schedulers[s.device].cancel(s.id, now), now)  # a waiter stops waiting
         s.wait_started = None
-        log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s",
-                 s.id, s.name, msg.deadline_ms, s.grant is not None)
+        log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
+                 s.id, s.name, deadline_ms, s.grant is not None, reason)
+
+    def _make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int) -> tuple[int | None, list[Session]]:
+        """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
+        count = len(self._schedulers)
+        for i in ([wanted] if wanted is not None else range(count)):
+            capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
+            need = memory.declared_mb(self._sessions.values(), i) + memory_mb - capacity
+            victims = memory.room_makers(self._sessions.values(), i, workload, need)
+            if victims:
+                return i, victims
+        return None, []
+
+    def _unblock(self, victim: Session, now: float) -> None:
+        """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
+        for s in list(self._sessions.values()):
+            if victim.id in s.blocked_by:
+                s.blocked_by.discard(victim.id)
+                if not s.blocked_by and s.acquire_pending:
+                    s.acquire_pending = False
+                    self._apply(self._schedulers[s.device].request(s.id, now), now)
 
     def _on_suspended(self, route: bytes, msg: p.Suspended, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -545,6 +578,7 @@ class AgentServer:
                                               bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
         s.suspend_waiters.clear()
         self.metrics.suspends.labels(outcome).inc()
+        self._unblock(s, now)
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
 

@@ -49,6 +49,8 @@ class Session:
     suspend_deadline: float = 0.0
     suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
     bytes_parked: int = 0
+    blocked_by: set = field(default_factory=set)  # sessions suspending to make room for this one
+    acquire_pending: bool = False  # asked for the token while blocked_by was not empty
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token

@@ -37,6 +37,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["loop", "hold", "stubborn", "spoof"])
     ap.add_argument("--claim-pid", type=int, help="spoof: the pid to claim in hello")
+    ap.add_argument("--memory-mb", type=int, default=0, help="device memory the session declares")
     ap.add_argument("--park-bytes", type=int, default=0,
                     help="loop: on suspend, report this many bytes parked (prints PARKED / UNPARKED)")
     ap.add_argument("--name", default="child")
@@ -47,7 +48,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.mode == "spoof":
         return spoof(args)
-    client = Client(args.name, workload=args.workload, weight=args.weight,
+    client = Client(args.name, workload=args.workload, weight=args.weight, memory_mb=args.memory_mb,
                     endpoint=os.environ["NODEAGENT_ENDPOINT"])
     emit("SESSION", client.session_id)
     blob = os.urandom(1 << 16)

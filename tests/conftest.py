@@ -57,9 +57,10 @@ class Daemon:
             try:
                 query_status(self.endpoint, timeout=0.2)
                 return self
-            except DaemonUnavailableError:
+            except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start:\n{self.log()}")
+                    self.kill()  # never leave a half-started daemon behind
+                    raise RuntimeError(f"daemon did not start:\n{self.log()}") from None
 
     def status(self):
         return query_status(self.endpoint, timeout=5)

@@ -107,3 +107,27 @@ def test_an_unverifiable_peer_may_not_suspend(start_daemon, workdir):
         with pytest.raises(DaemonError) as info:
             resume_session(target.session_id, endpoint=d.endpoint)
         assert info.value.code == ErrorCode.FORBIDDEN
+
+
+def test_an_inference_session_that_does_not_fit_suspends_training_to_make_room(start_daemon, spawn, workdir):
+    with open(f"{workdir}/nodeagent.toml", "w") as f:
+        f.write('[memory]\nmake_room = "suspend"\nmake_room_deadline_ms = 3000\n')
+    d = start_daemon()
+    big = int(d.status().devices[0].memory_capacity_mb * 0.6)
+    trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "10", "--memory-mb", str(big),
+                    "--park-bytes", "4096")
+    trainer.expect("GRANT")
+    # Training may not push out training: refused as before.
+    with pytest.raises(DaemonError) as info:
+        Client("hungry-trainer", memory_mb=big, endpoint=d.endpoint)
+    assert info.value.code == ErrorCode.NO_MEMORY
+    # Inference does not fit either, but suspending the trainer frees enough.
+    with Client("infer", workload="inference", memory_mb=big, endpoint=d.endpoint) as infer:
+        infer.acquire(timeout=10)
+        granted_at = time.monotonic()
+        parked = trainer.expect("PARKED")
+        assert parked[1] < granted_at  # the trainer's state left the device before inference got it
+        info = session_by_name(d, "trainer")
+        assert info.suspended == "suspended" and info.bytes_parked == 4096
+        assert "reason=memory" in d.log()
+        assert d.status().devices[0].memory_declared_mb == big  # the trainer's declaration is parked
