@@ -67,3 +67,20 @@ def test_recovery_bench_reattaches_every_session():
     assert r["client_errors"] == 0
     assert 0 < r["ready_s"] <= r["reattach_s"]
     assert r["reattach_after_ready_s"] == pytest.approx(r["reattach_s"] - r["ready_s"], abs=0.001)
+
+
+@pytest.mark.slow
+def test_suspend_bench_reports_park_resume_and_restart_per_size():
+    pytest.importorskip("torch")
+    r = run_bench("bench.suspend", "--state-mb", "8,16", "--repeats", "2")
+    assert r["backend"] in ("cpu", "cuda") and r["all_verified"]
+    for mb in ("8", "16"):
+        s = r["sizes"][mb]
+        assert s["bytes_parked"] >= int(mb) << 20, mb  # params, grads and Adam state, all of it
+        assert s["checkpoint_bytes"] >= s["bytes_parked"]  # the restart path moves the same state
+        assert s["suspend_ms"] > 0 and s["resume_ms"] > 0 and s["restart_ms"] > 0, mb
+        assert s["speedup"] == pytest.approx(s["restart_ms"] / (s["suspend_ms"] + s["resume_ms"]), rel=0.01)
+    trip = r["daemon_roundtrip"]
+    assert trip["outcome"] == "suspended" and trip["parked_while_suspended"]
+    assert trip["bytes_parked"] == r["sizes"]["8"]["bytes_parked"]
+    assert r["min_speedup"] == min(s["speedup"] for s in r["sizes"].values())
