@@ -294,6 +294,9 @@ class Client:
         """Park state, free the device, tell the daemon, wait for resume, restore,
         and (if we were in a slice) wait for the token again."""
         was_in_slice = self._in_slice or self._grant is not None
+        if self._resume_received:  # resumed before we got here (the suspend was cancelled): nothing to do
+            self._suspend_requested = self._resume_received = False
+            return
         started = time.perf_counter()
         bytes_parked = self._park() if self._park is not None else 0
         suspend_ms = (time.perf_counter() - started) * 1000.0

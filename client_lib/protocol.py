@@ -287,7 +287,9 @@ class ResumeNotice(Reply, tag="resume"):
 class SuspendResult(Reply, tag="suspend_result"):
     """Reply to ``suspend_session``. ``outcome``: suspended (the client parked
     its state), stopped (it missed the deadline and was SIGSTOPped), timeout
-    (missed it and could not be stopped: unverified), gone (it left)."""
+    (missed it and could not be stopped: unverified), gone (it left), cancelled
+    (a resume came first). A client without suspend handlers reports
+    ``bytes_parked = 0``: it released the device but kept its memory."""
 
     session: str
     outcome: str

@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "client that share device 0, printing who holds the token.")
     demo.add_argument("--seconds", type=float, default=6.0, help="how long the clients run (default: 6)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, fairness, preempt, enforce, recovery)",
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, fairness, preempt, enforce, recovery, suspend)",
                            description="Equivalent to python -m bench.NAME ARGS.")
-    bench.add_argument("name", choices=["handoff", "fairness", "preempt", "enforce", "recovery"])
+    bench.add_argument("name", choices=["handoff", "fairness", "preempt", "enforce", "recovery", "suspend"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
