@@ -7,12 +7,14 @@ Misbehaviour is cued through FAKE_MPS_* environment variables.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -398,3 +400,67 @@ def test_real_control_daemon(workdir):
     finally:
         step = m.quit(timeout_s=20)
     assert step is QuitStep.QUIT
+
+
+# A CUDA busy loop: half-precision matmuls for a fixed time, then prints the count.
+_MATMUL_LOOP = r"""
+import sys, time, torch
+seconds = float(sys.argv[1])
+x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+for _ in range(3):
+    x @ x
+torch.cuda.synchronize()
+print("READY", flush=True)
+sys.stdin.readline()  # start together
+n, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    for _ in range(8):
+        x @ x
+    torch.cuda.synchronize()
+    n += 8
+print(n, flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_real_mps_shares_of_30_and_70_percent_split_throughput(workdir):
+    """Two processes on one GPU under MPS with 30 % and 70 % of its SMs: the
+    busier one should do roughly 7/3 of the work. The ratio is printed and, where
+    NODEAGENT_RESULTS_DIR is set, written there as JSON for bench/results/."""
+    binary = shutil.which("nvidia-cuda-mps-control")
+    uuid = _gpu_uuid()
+    if binary is None or uuid is None:
+        pytest.skip("needs nvidia-cuda-mps-control on PATH and an NVIDIA GPU")
+    pytest.importorskip("torch")
+    from sharing.partition import plan_partition
+    plan = plan_partition({"low": 30, "high": 70})
+    m = MpsControl(0, uuid, workdir, control_binary=binary)
+    m.start(timeout_s=30)
+    procs = {}
+    try:
+        for name in ("low", "high"):
+            env = {**os.environ, **m.client_env(), **plan.env_for(name)}
+            procs[name] = subprocess.Popen([sys.executable, "-c", _MATMUL_LOOP, "10"], env=env, text=True,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for proc in procs.values():
+            assert proc.stdout.readline().strip() == "READY"
+        for proc in procs.values():
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        done = {name: int(proc.stdout.readline()) for name, proc in procs.items()}
+        for proc in procs.values():
+            assert proc.wait(timeout=60) == 0
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        m.quit(timeout_s=20)
+    ratio = done["high"] / done["low"]
+    result = {"device_uuid": uuid, "shares": dict(plan.shares), "matmuls": done, "throughput_ratio": ratio,
+              "expected_ratio": 70 / 30}
+    print(json.dumps(result))
+    out_dir = os.environ.get("NODEAGENT_RESULTS_DIR")
+    if out_dir:
+        with open(os.path.join(out_dir, "mps_30_70.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    assert 1.5 < ratio < 3.5, result  # 7/3 with room for how MPS rounds SMs and for clocks
