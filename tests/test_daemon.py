@@ -339,3 +339,24 @@ def test_cpu_devices_and_device_choice(start_daemon):
         with a.slice(timeout=2), b.slice(timeout=2):
             st = d.status()
             assert all(dev.holder is not None for dev in st.devices)
+
+
+def test_a_holder_whose_connection_is_gone_is_dropped_at_the_next_send(start_daemon):
+    # Over tcp there is no pidfd, and with long heartbeats and grace nothing but
+    # the unreachable send can free the token quickly.
+    import socket as socket_mod
+    with socket_mod.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon("--heartbeat-ms", "20000", "--grace-ms", "20000", endpoint=f"tcp://127.0.0.1:{port}")
+    gone = RawPeer(d.endpoint)
+    gone.hello("gone")
+    gone.call(p.Acquire(id=gone.take_id()))
+    gone.next_notice(p.Grant)
+    gone.close()  # the process lives on; only the connection ends
+    time.sleep(0.2)  # let the disconnect reach the daemon's I/O thread
+    with Client("infer", workload="inference", endpoint=d.endpoint) as infer:
+        asked = time.monotonic()
+        infer.acquire(timeout=10)
+        assert time.monotonic() - asked < 1.0
+    assert "reason=unreachable" in d.log()

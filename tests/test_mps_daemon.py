@@ -89,3 +89,12 @@ def test_a_dead_control_daemon_is_restarted_and_quit_at_shutdown(mps_daemon, wor
     assert "[shutdown] step=mps device=0 result=quit" in d.log()
     time.sleep(0.2)
     assert not os.path.exists(f"/proc/{second}") or open(f"/proc/{second}/stat").read().split()[2] == "Z"
+
+
+def test_mps_on_a_device_that_does_not_exist_stops_the_daemon_at_start(workdir):
+    with open(os.path.join(workdir, "bad.toml"), "w") as f:
+        f.write("[mps]\ndevices = [5]\n")
+    out = subprocess.run([sys.executable, "-m", "nodeagent", "serve", "--config", os.path.join(workdir, "bad.toml"),
+                          "--backend", "cpu", "--endpoint", f"ipc://{workdir}/x.sock", "--state-dir", workdir],
+                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert out.returncode == 2 and "mps.devices names [5]" in out.stderr

@@ -96,15 +96,57 @@ def test_fail_closed_client_waits_for_the_daemon_then_continues(start_daemon):
         restarted = []
 
         def restart_later():
-            time.sleep(1.0)
+            time.sleep(1.0)  # the outage: long enough for 3 missed heartbeats and the lease
             restarted.append(time.monotonic())
             start_daemon(*args)
-        t = threading.Thread(target=restart_later)  # noqa: the fixture is used from one thread at a time
+        t = threading.Thread(target=restart_later)
         t.start()
+        calls = []  # (started, returned) of each yield_point during the outage
         deadline = time.monotonic() + 10
         while not restarted and time.monotonic() < deadline:
-            client.yield_point()  # blocks once the lease is over, until the daemon is back
+            started = time.monotonic()
+            client.yield_point()
+            calls.append((started, time.monotonic()))
         t.join()
+        # Fail-closed: once the lease was over, one call blocked across the restart
+        # (a fail-open client would have kept returning at once).
+        started, returned = calls[-1]
+        assert returned >= restarted[0] and restarted[0] - started > 0.3, calls[-3:]
+        assert not client.unmanaged
         client.yield_point()
         assert client.holding
     client.close()
+
+
+def test_a_failing_journal_is_logged_and_never_costs_a_session(workdir, caplog):
+    import logging
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.devices import CpuBackend
+    from nodeagent.journal import Journal, JournalError
+    from nodeagent.metrics import Metrics
+    from nodeagent.server import AgentServer
+
+    class FullDiskJournal(Journal):
+        def put_session(self, rec):
+            raise JournalError("state.db: database or disk is full (test)")
+
+        def delete_session(self, session_id):
+            raise JournalError("state.db: database or disk is full (test)")
+
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/j.sock", state_dir=workdir)
+    server = AgentServer(config, CpuBackend(1), metrics=Metrics(CollectorRegistry()),
+                         journal=FullDiskJournal(f"{workdir}/state.db"))
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="nodeagent.server"):
+            with Client("survivor", endpoint=config.endpoint) as client:
+                assert client.acquire(timeout=5)
+            wait_for(lambda: caplog.text.count("[journal] write failed") >= 2)  # the put and the delete
+    finally:
+        server.request_stop()
+        thread.join(timeout=10)
+    assert not thread.is_alive()

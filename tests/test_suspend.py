@@ -131,3 +131,22 @@ def test_an_inference_session_that_does_not_fit_suspends_training_to_make_room(s
         assert info.suspended == "suspended" and info.bytes_parked == 4096
         assert "reason=memory" in d.log()
         assert d.status().devices[0].memory_declared_mb == big  # the trainer's declaration is parked
+
+
+def test_room_is_made_before_inference_runs_even_when_the_victim_does_not_cooperate(start_daemon, spawn, workdir):
+    # The victim holds the token and never reaches a yield point. Plain preemption would
+    # hand inference the device after the 100 ms grace with the victim's memory still on it;
+    # made-room admission waits until the victim is off (here: stopped at its 1 s deadline).
+    with open(f"{workdir}/nodeagent.toml", "w") as f:
+        f.write('[memory]\nmake_room = "suspend"\nmake_room_deadline_ms = 1000\n[scheduler]\ngrace_ms = 100\n')
+    d = start_daemon()
+    big = int(d.status().devices[0].memory_capacity_mb * 0.6)
+    hog = spawn(d.endpoint, "stubborn", "--name", "hog", "--memory-mb", str(big))
+    hog.expect("TICK", count=2)
+    with Client("infer", workload="inference", memory_mb=big, endpoint=d.endpoint) as infer:
+        asked = time.monotonic()
+        infer.acquire(timeout=10)
+        waited = time.monotonic() - asked
+        assert waited > 0.8, waited  # not the 0.1 s grace: the suspension's deadline
+        assert session_by_name(d, "hog").suspended == "stopped"
+        assert_stopped(hog.proc.pid)
