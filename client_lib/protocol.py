@@ -269,7 +269,7 @@ class Revoke(Reply, tag="revoke"):
     until the next ``grant``."""
 
     grant: int
-    reason: str  # "overrun" | "shutdown" | "memory"
+    reason: str  # "overrun" | "shutdown" | "memory" | "suspended"
 
 
 class SuspendNotice(Reply, tag="suspend"):

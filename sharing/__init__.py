@@ -1,37 +1,8 @@
-"""Pure scheduling logic for nodeagent: no I/O, no clock of its own."""
+"""Pure scheduling logic for nodeagent: no I/O, no clock of its own.
 
-from sharing.scheduler import (
-    Action,
-    AskYield,
-    DuplicateSessionError,
-    Enforce,
-    Grant,
-    NotHolderError,
-    Revoked,
-    SchedulerError,
-    SchedulerPolicy,
-    SchedulerSnapshot,
-    SessionState,
-    SessionView,
-    TokenScheduler,
-    UnknownSessionError,
-    Workload,
-)
+The token scheduler's public names are re-exported here; the MPS partition
+planner lives in :mod:`sharing.partition`.
+"""
 
-__all__ = [
-    "Action",
-    "AskYield",
-    "DuplicateSessionError",
-    "Enforce",
-    "Grant",
-    "NotHolderError",
-    "Revoked",
-    "SchedulerError",
-    "SchedulerPolicy",
-    "SchedulerSnapshot",
-    "SessionState",
-    "SessionView",
-    "TokenScheduler",
-    "UnknownSessionError",
-    "Workload",
-]
+from sharing.scheduler import *  # noqa: F401,F403 - the names are listed once, in scheduler.__all__
+from sharing.scheduler import __all__  # noqa: F401

@@ -52,16 +52,20 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture
-def control_binary(workdir) -> str:
-    """An executable named like the real program that runs the stand-in."""
-    bindir = os.path.join(workdir, "bin")
-    os.makedirs(bindir)
+def write_fake_control(directory: str) -> str:
+    """An executable named like the real program that runs the stand-in; its path."""
+    bindir = os.path.join(directory, "bin")
+    os.makedirs(bindir, exist_ok=True)
     path = os.path.join(bindir, "nvidia-cuda-mps-control")
     with open(path, "w") as f:
         f.write(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
     os.chmod(path, 0o755)
     return path
+
+
+@pytest.fixture
+def control_binary(workdir) -> str:
+    return write_fake_control(workdir)
 
 
 @pytest.fixture

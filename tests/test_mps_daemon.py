@@ -15,19 +15,14 @@ import pytest
 
 from client_lib import Client, DaemonError, ErrorCode, set_partition
 from tests.conftest import REPO, wait_for
-from tests.test_mps import FAKE
+from tests.test_mps import write_fake_control
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="partitions are root-only; these tests set them")
 
 
 @pytest.fixture
 def mps_daemon(workdir, start_daemon):
-    bindir = os.path.join(workdir, "bin")
-    os.makedirs(bindir)
-    binary = os.path.join(bindir, "nvidia-cuda-mps-control")
-    with open(binary, "w") as f:
-        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
-    os.chmod(binary, 0o755)
+    binary = write_fake_control(workdir)
     with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
         f.write(f'[mps]\ndevices = [0]\ncontrol_binary = "{binary}"\nmin_percent = 10\n')
     return start_daemon("--cpu-devices", "2")

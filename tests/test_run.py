@@ -74,6 +74,12 @@ class Counter:
         time.sleep(seconds)
         return before, self.value()
 
+    def assert_frozen(self, seconds: float, settle_s: float = 0.05) -> None:
+        """CMD makes no progress for ``seconds`` (after ``settle_s`` for a last write to land)."""
+        time.sleep(settle_s)
+        before, after = self.frozen_for(seconds)
+        assert after == before, f"CMD ran while it should be stopped ({before} -> {after})"
+
 
 @pytest.fixture
 def launch(workdir):
@@ -146,9 +152,7 @@ def test_sigterm_reaches_cmd_even_while_it_is_stopped(start_daemon, launch):
     counter.wait_advancing()
     with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
         with client.slice(timeout=5):
-            time.sleep(0.05)
-            before, after = counter.frozen_for(0.2)
-            assert after == before  # CMD is stopped right now
+            counter.assert_frozen(0.2)
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=5)
             assert client.holding  # CMD acted on the signal without waiting for the token
@@ -163,9 +167,7 @@ def test_daemon_killed_fail_open_continues_cmd(start_daemon, launch):
     counter.wait_advancing()
     client = Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False)
     client.acquire(timeout=5)
-    time.sleep(0.05)
-    before, after = counter.frozen_for(0.2)
-    assert after == before
+    counter.assert_frozen(0.2)
     d.kill()
     counter.wait_advancing(timeout=1.5)  # 3 missed heartbeats of 100 ms, then continued
     client.close()
@@ -202,9 +204,7 @@ def test_launcher_killed_outright_leaves_cmd_running(start_daemon, launch):
     counter.wait_advancing()
     with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
         with client.slice(timeout=5):
-            time.sleep(0.05)
-            before, after = counter.frozen_for(0.2)
-            assert after == before
+            counter.assert_frozen(0.2)
             proc.kill()  # no clean-up in the launcher: the kernel's parent-death signal continues CMD
             proc.wait()
             counter.wait_advancing(timeout=2)
@@ -225,9 +225,7 @@ def test_whole_group_is_continued_when_the_launcher_dies(start_daemon, launch):
     try:
         with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
             with client.slice(timeout=5):
-                time.sleep(0.05)
-                before, after = counter.frozen_for(0.2)
-                assert after == before
+                counter.assert_frozen(0.2)
                 proc.kill()
                 proc.wait()
                 counter.wait_advancing(timeout=3)
