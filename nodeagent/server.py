@@ -20,7 +20,6 @@ import queue
 import select
 import signal
 import socket
-import threading
 import time
 from typing import Callable
 
@@ -32,10 +31,14 @@ from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
 from nodeagent.config import ConfigError, ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError
-from nodeagent.journal import Journal, SessionRecord
+from nodeagent.journal import Journal
+from nodeagent.memory_watch import MemoryPolicyMixin, MemoryWatcher
 from nodeagent.metrics import Metrics, SessionRow
-from nodeagent.mps import MpsControl, MpsError
+from nodeagent.mps import MpsControl
+from nodeagent.mps_wiring import MpsMixin
+from nodeagent.restore import RestoreMixin
 from nodeagent.sessions import Session, new_session_id, new_session_key
+from nodeagent.suspension import SuspensionMixin
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
 from sharing.partition import PartitionError, PartitionTable
 
@@ -47,7 +50,7 @@ _HARD_FRAME_LIMIT_BYTES = 16 * 1024 * 1024  # libzmq drops a peer past this; sma
 _MAX_BATCH = 512  # frames handled before timers get a turn
 
 
-class AgentServer:
+class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
     """One daemon instance. ``bind()``, then ``serve_forever()`` until
     :meth:`request_stop` (thread- and signal-safe) is called."""
 
@@ -99,7 +102,7 @@ class AgentServer:
                               memory_total_mb=memory.capacity_mb(self._device_info[i], config.memory_reserve_mb))
             for i in config.mps_devices}
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
-        self._memory_watcher: _MemoryWatcher | None = None
+        self._memory_watcher: MemoryWatcher | None = None
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -159,7 +162,7 @@ class AgentServer:
             self._stop_mps()
             raise
         if self.backend.measures_process_memory:  # cuda: NVML reads it per process
-            self._memory_watcher = _MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
+            self._memory_watcher = MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
                                                   self._memory_readings, self._wake)
             self._memory_watcher.start()
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
@@ -405,7 +408,10 @@ class AgentServer:
         if wanted is not None and not 0 <= wanted < count:
             return None, p.ErrorCode.DEVICE, (f"no device {wanted}; this node has devices 0..{count - 1} "
                                               f"(backend {self.backend.name})")
-        candidates = [wanted] if wanted is not None else sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
+        if wanted is not None:
+            candidates = [wanted]
+        else:  # least loaded first
+            candidates = sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
         problems = []
         for i in candidates:
             declared = memory.declared_mb(self._sessions.values(), i)
@@ -490,133 +496,6 @@ class AgentServer:
             return
         self._send(route, p.Ok(id=msg.id))
         self._drop(s, "bye", now)
-
-    # ------------------------------------------------------- whole device
-    #
-    # A suspension moves through: None -> requested (suspend notice sent)
-    # -> suspended (the client parked its state and released the device)
-    # or -> stopped (deadline missed; a verified process is SIGSTOPped)
-    # -> None again on resume (a stopped one is continued first).
-
-    def _authorize(self, route: bytes, request_id: int, frame, target_id: str) -> Session | None:
-        """The target session if the peer may act on it (root, or the session's own user)."""
-        target = self._sessions.get(target_id)
-        if target is None:
-            self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
-            return None
-        creds = procwatch.peer_credentials(frame)
-        if creds is None or (creds.uid != 0 and creds.uid != target.uid):
-            who = "an unverifiable peer" if creds is None else f"uid {creds.uid}"
-            self._error(route, request_id, p.ErrorCode.FORBIDDEN,
-                        f"{who} may not suspend or resume session {target_id} (root or its owner only)")
-            return None
-        return target
-
-    def _on_suspend_session(self, route: bytes, msg: p.SuspendSession, frame, now: float) -> None:
-        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= 3_600_000):
-            self._error(route, msg.id, p.ErrorCode.INVALID, f"deadline_ms must be in (0, 3600000], got {msg.deadline_ms}")
-            return
-        s = self._authorize(route, msg.id, frame, msg.session)
-        if s is None:
-            return
-        if s.suspend_state in ("suspended", "stopped"):
-            self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=s.suspend_state, elapsed_ms=0.0,
-                                              bytes_parked=s.bytes_parked))
-            return
-        s.suspend_waiters.append((route, msg.id))
-        if s.suspend_state != "requested":  # else already under way: this caller hears the same result
-            self._begin_suspend(s, msg.deadline_ms, now, reason="requested")
-
-    def _begin_suspend(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
-        s.suspend_state = "requested"
-        s.suspend_started = now
-        s.suspend_deadline = now + deadline_ms / 1000.0
-        self._suspending.add(s)
-        self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
-        self._apply(self._schedulers[s.device].cancel(s.id, now), now)  # a waiter stops waiting
-        s.wait_started = None
-        log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
-                 s.id, s.name, deadline_ms, s.grant is not None, reason)
-
-    def _make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int) -> tuple[int | None, list[Session]]:
-        """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
-        count = len(self._schedulers)
-        for i in ([wanted] if wanted is not None else range(count)):
-            capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
-            need = memory.declared_mb(self._sessions.values(), i) + memory_mb - capacity
-            victims = memory.room_makers(self._sessions.values(), i, workload, need)
-            if victims:
-                return i, victims
-        return None, []
-
-    def _unblock(self, victim: Session, now: float) -> None:
-        """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
-        for s in list(self._sessions.values()):
-            if victim.id in s.blocked_by:
-                s.blocked_by.discard(victim.id)
-                if not s.blocked_by and s.acquire_pending:
-                    s.acquire_pending = False
-                    self._apply(self._schedulers[s.device].request(s.id, now), now)
-
-    def _on_suspended(self, route: bytes, msg: p.Suspended, frame, now: float) -> None:
-        s = self._session_for(route, msg.id, now)
-        if s is None or s.suspend_state != "requested":
-            return  # resumed (or stopped) meanwhile: its resume notice is already on the way
-        if s.grant is not None:  # it should have released; make sure the device is free
-            self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
-        s.suspend_state = "suspended"
-        s.bytes_parked = msg.bytes_parked
-        self.metrics.parked_bytes.inc(max(0, msg.bytes_parked))
-        self.metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
-        self._finish_suspend(s, "suspended", now, suspend_ms=msg.suspend_ms)
-
-    def _finish_suspend(self, s: Session, outcome: str, now: float, suspend_ms: float = 0.0) -> None:
-        self._suspending.discard(s)
-        elapsed_ms = (now - s.suspend_started) * 1000.0
-        for route, request_id in s.suspend_waiters:
-            self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
-                                              bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
-        s.suspend_waiters.clear()
-        self.metrics.suspends.labels(outcome).inc()
-        self._unblock(s, now)
-        log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
-                 s.bytes_parked)
-
-    def _on_resume_session(self, route: bytes, msg: p.ResumeSession, frame, now: float) -> None:
-        s = self._authorize(route, msg.id, frame, msg.session)
-        if s is None:
-            return
-        state = s.suspend_state
-        if state is not None:
-            if state == "stopped":
-                self._continue(s)
-                s.last_seen = now
-            elif state == "requested":
-                self._finish_suspend(s, "cancelled", now)
-            s.suspend_state = None
-            s.bytes_parked = 0
-            self._send(s.route, p.ResumeNotice())
-            self.metrics.resumes.inc()
-            log.info("[suspend] resume session=%s was=%s", s.id, state)
-        self._send(route, p.Ok(id=msg.id))
-
-    def _on_resumed(self, route: bytes, msg: p.Resumed, frame, now: float) -> None:
-        s = self._session_for(route, msg.id, now)
-        if s is not None:
-            self.metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
-
-    def _check_suspend_deadlines(self, now: float) -> None:
-        for s in [s for s in self._suspending if now >= s.suspend_deadline]:
-            self._suspending.discard(s)
-            if self._stop(s):
-                scheduler = self._schedulers[s.device]
-                if s.grant is not None:
-                    self._end_slice(s, now)
-                    self._apply(scheduler.revoke(s.id, now, "suspended"), now, handoff_from=now)
-                s.suspend_state = "stopped"
-                self._finish_suspend(s, "stopped", now)
-            else:  # reported once; it may still suspend later
-                self._finish_suspend(s, "timeout", now)
 
     def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
         self._send(route, self.status(now, msg.id))
@@ -816,176 +695,6 @@ class AgentServer:
             if s is not None:
                 self._drop(s, "unreachable", self._clock())
 
-    # ------------------------------------------------------------------ mps
-
-    def _start_mps(self, runtime_dir: str) -> None:
-        """One MPS control daemon per configured device, watched through its pidfd."""
-        for device in self.config.mps_devices:
-            info = self._device_info[device]
-            control = MpsControl(device, info.uuid, runtime_dir, self.config.mps_control_binary,
-                                 dir_mode=0o755 if os.geteuid() == 0 else 0o700)
-            control.start()
-            self._mps[device] = control
-            self._watch_mps(device)
-            log.info("[mps] device=%d control daemon pid=%s", device, control.pid)
-
-    def _watch_mps(self, device: int) -> None:
-        fd = self._mps[device].watch_fd()
-        if fd is not None:
-            self._mps_by_fd[fd] = device
-            self._poller.register(fd, zmq.POLLIN)
-
-    def _on_mps_exit(self, device: int) -> None:
-        """The control daemon died: restart it (within its budget) and watch the new one."""
-        for fd in [fd for fd, d in self._mps_by_fd.items() if d == device]:
-            self._poller.unregister(fd)
-            del self._mps_by_fd[fd]
-        try:
-            self._mps[device].ensure_running()
-        except MpsError as exc:
-            log.error("[mps] device=%d control daemon cannot be kept running: %s", device, exc)
-            return
-        self._watch_mps(device)
-
-    def _stop_mps(self) -> None:
-        for device, control in self._mps.items():
-            step = control.quit(timeout_s=5)
-            log.info("[shutdown] step=mps device=%d result=%s", device, step.value)
-        self._mps.clear()
-        self._mps_by_fd.clear()
-
-    def _client_env(self, s: Session) -> dict[str, str]:
-        """What the client must set before CUDA initialises: its MPS daemon and share."""
-        control, table = self._mps.get(s.device), self._partitions.get(s.device)
-        if control is None or table is None:
-            return {}
-        return {**control.client_env(), **table.issue(s.id)}
-
-    def _on_partition(self, route: bytes, msg: p.Partition, frame, now: float) -> None:
-        creds = procwatch.peer_credentials(frame)
-        if creds is None or creds.uid != 0:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only root may set MPS partitions")
-            return
-        table = self._partitions.get(msg.device)
-        if table is None:
-            self._error(route, msg.id, p.ErrorCode.DEVICE, f"device {msg.device} has no MPS daemon "
-                        "(list it in mps.devices)")
-            return
-        strangers = sorted(set(msg.shares) - set(table.sessions()))
-        if strangers:
-            self._error(route, msg.id, p.ErrorCode.INVALID, f"not sessions of device {msg.device}: {strangers}")
-            return
-        try:
-            plan = table.partition(msg.shares, msg.memory_mb)
-        except PartitionError as exc:
-            self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
-            return
-        log.info("[mps] partition device=%d shares=%s", msg.device, dict(plan.shares))
-        self._send(route, p.PartitionReply(id=msg.id, device=msg.device, shares=dict(plan.shares),
-                                           memory_limits_mb=dict(plan.memory_limits_mb), stale=table.stale()))
-
-    # -------------------------------------------------------------- journal
-
-    def _journal(self, write) -> None:
-        """Run one journal write; a failing journal is logged, never fatal to the loop."""
-        if self.journal is None:
-            return
-        try:
-            write(self.journal)
-        except Exception as exc:  # JournalError, or a bug: the session state in memory stays right
-            log.error("[journal] write failed: %s", exc)
-
-    def _journal_put(self, s: Session) -> None:
-        self._journal(lambda j: j.put_session(SessionRecord(
-            id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
-            start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
-            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped)))
-
-    def _restore(self, now: float) -> None:
-        """Take back the sessions a previous daemon journalled whose processes still live.
-
-        Grant ids continue above the old ones (boot << 32). Devices with restored
-        sessions enter a restore window: the client that was using the device may
-        claim its slice back; other requests wait until every restored session
-        has reattached or ``heartbeat_timeout_s`` has passed."""
-        self.boot = self.journal.next_boot()
-        self._schedulers = [TokenScheduler(i, self._policy, first_grant=(self.boot << 32) + 1)
-                            for i in range(len(self._schedulers))]
-        restored = dropped = 0
-        for rec in self.journal.sessions():
-            why = _unrestorable(rec, len(self._schedulers))
-            if why:
-                log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
-                self._journal(lambda j: j.delete_session(rec.id))
-                dropped += 1
-                continue
-            session = Session(
-                id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
-                verified_pid=rec.verified_pid, start_ticks=rec.start_ticks, uid=rec.uid,
-                workload=Workload.parse(rec.workload), weight=rec.weight, device=rec.device,
-                memory_mb=rec.memory_mb, created=now, last_seen=now, stopped=rec.stopped)
-            if rec.managed_pgid is not None and rec.verified_pid is not None and \
-                    enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
-                session.managed_pgid = rec.managed_pgid
-                session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
-            if rec.device in self._partitions:
-                try:
-                    self._partitions[rec.device].join(rec.id, None, rec.memory_mb or None)
-                except PartitionError as exc:
-                    log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
-            self._add_session(session, now)
-            if session.stopped:  # the old daemon died holding it stopped: let it run
-                self._continue(session)
-            self._restoring.setdefault(rec.device, set()).add(rec.id)
-            self._parked.setdefault(rec.device, [])
-            restored += 1
-        self._restore_deadline = now + self.config.heartbeat_timeout_s
-        log.info("[restore] boot=%d restored=%d dropped=%d", self.boot, restored, dropped)
-
-    def _end_restore(self, device: int, now: float) -> None:
-        """Close a device's restore window and hand its parked requests to the scheduler."""
-        self._restoring.pop(device, None)
-        parked = self._parked.pop(device, [])
-        log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
-        scheduler = self._schedulers[device]
-        for sid in parked:
-            s = self._sessions.get(sid)
-            if s is not None:  # waited through the window: keeps its wait, no sleeper clamp
-                self._apply(scheduler.request(sid, now, waiting_since=s.wait_started), now)
-
-    # --------------------------------------------------------------- memory
-
-    def _apply_memory_readings(self) -> None:
-        """Act on what the memory watcher measured (it runs on its own thread)."""
-        while True:
-            try:
-                readings = self._memory_readings.get_nowait()
-            except queue.Empty:
-                return
-            now = self._clock()
-            for device, processes in readings.items():
-                sessions = [s for s in self._sessions.values() if s.device == device]
-                over = {o.session.id: o for o in memory.measure(sessions, processes)}
-                for s in sessions:
-                    if s.id in over and not s.over_memory:
-                        self._on_overuse(s, over[s.id].used_bytes, now)
-                    s.over_memory = s.id in over
-
-    def _on_overuse(self, s: Session, used_bytes: int, now: float) -> None:
-        policy = self.config.memory_policy
-        log.warning("[memory] over session=%s name=%s device=%d used_mb=%d declared_mb=%d policy=%s",
-                    s.id, s.name, s.device, used_bytes // memory.MiB, s.memory_mb, policy)
-        self.metrics.memory_violations.labels(str(s.device), policy).inc()
-        if s.grant is None or policy == "warn":
-            return
-        if policy == "stop" and self._stop(s):
-            self._end_slice(s, now)
-            self._apply(self._schedulers[s.device].preempt(s.id, now), now)
-            self.metrics.enforcements.labels("stop").inc()
-        else:
-            self.metrics.enforcements.labels("revoke").inc()
-            self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)
-
     # -------------------------------------------------------------- output
 
     def _send(self, route: bytes | None, msg) -> None:
@@ -1052,45 +761,6 @@ class AgentServer:
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
             rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, s.id, used))
         return rows
-
-
-def _unrestorable(rec: SessionRecord, devices: int) -> str | None:
-    """Why a journalled session cannot be restored, or None."""
-    if not 0 <= rec.device < devices:
-        return f"device {rec.device} no longer exists"
-    if rec.verified_pid is not None:
-        stat = procwatch.read_stat(rec.verified_pid)
-        if stat is None or stat.start_ticks != rec.start_ticks:
-            return f"process {rec.verified_pid} is gone"
-    return None
-
-
-class _MemoryWatcher(threading.Thread):
-    """Reads per-process device memory every ``interval_s`` off the loop thread
-    (an NVML call can take milliseconds) and hands the readings to the loop."""
-
-    def __init__(self, backend: DeviceBackend, interval_s: float, out: queue.SimpleQueue,
-                 wake: Callable[[], None]) -> None:
-        super().__init__(name="nodeagent-memory-watch", daemon=True)
-        self._backend = backend
-        self._interval_s = interval_s
-        self._out = out
-        self._wake = wake
-        self._stop_event = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self._interval_s):
-            try:
-                readings = {i: self._backend.processes(i) for i in range(self._backend.count())}
-            except DeviceError as exc:
-                log.warning("[memory] reading device memory failed: %s", exc)
-                continue
-            self._out.put(readings)
-            self._wake()
 
 
 def _check_hello(msg: p.Hello) -> str | None:

@@ -142,7 +142,7 @@ def test_a_failing_journal_is_logged_and_never_costs_a_session(workdir, caplog):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        with caplog.at_level(logging.ERROR, logger="nodeagent.server"):
+        with caplog.at_level(logging.ERROR, logger="nodeagent"):
             with Client("survivor", endpoint=config.endpoint) as client:
                 assert client.acquire(timeout=5)
             wait_for(lambda: caplog.text.count("[journal] write failed") >= 2)  # the put and the delete
