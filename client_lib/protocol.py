@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 """(major, minor) of the wire protocol spoken by this copy of client_lib."""
 
 Workload = Literal["inference", "training", "best-effort"]
@@ -44,6 +44,14 @@ class ErrorCode:
     NO_MEMORY = "E_NO_MEMORY"  # declared memory does not fit the device
     PARTITION = "E_PARTITION"  # an MPS partition that cannot be planned (shares over 100, below the minimum)
     FORBIDDEN = "E_FORBIDDEN"  # the peer may not act on that session (another user's, or unverifiable)
+    # 1.1: server-side models (ctxpool)
+    NO_MODEL = "E_NO_MODEL"  # no model registered under that name
+    MODEL = "E_MODEL"  # registration failed: bad factory path, missing weights file, shape mismatch
+    INFERENCE = "E_INFERENCE"  # the model raised; the worker survived and serves the next request
+    WORKER_DEAD = "E_WORKER_DEAD"  # the worker running the request died; a replacement serves the next one
+    UNAVAILABLE = "E_UNAVAILABLE"  # no workers on this daemon or device (ctxpool off, or none started yet)
+    # 1.1: cluster placement
+    STATE = "E_STATE"  # the device's lifecycle state does not allow it (lend while inference runs, ...)
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
 
 
@@ -73,6 +81,7 @@ class Hello(Request, tag="hello"):
     resume_key: Optional[str] = None  # the key the welcome carried for that session
     managed_pgid: Optional[int] = None  # process group of a child the client launched (nodeagent run)
     holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
+    borrower: Optional[str] = None  # 1.1: training job this session belongs to, for a device lent to it
 
 
 class Heartbeat(Request, tag="heartbeat"):
@@ -153,8 +162,117 @@ class Resumed(Request, tag="resumed"):
     resume_ms: float
 
 
+# -- 1.1: server-side models (ctxpool) ---------------------------------------
+
+
+class TensorRef(msgspec.Struct, kw_only=True):
+    """One tensor crossing processes without pickling. CPU: ``nbytes`` bytes at
+    ``offset`` in the POSIX shared-memory segment ``shm`` (C-contiguous).
+    CUDA: ``cuda_ipc`` names the device memory instead (``shm`` empty)."""
+
+    dtype: str  # torch dtype name without the "torch." prefix: "float32", "int64", ...
+    shape: list[int]
+    shm: str = ""
+    offset: int = 0
+    nbytes: int = 0
+    cuda_ipc: Optional["CudaIpcRef"] = None
+
+
+class CudaIpcRef(msgspec.Struct, kw_only=True):
+    """What ``torch.UntypedStorage._share_cuda_()`` returns, as fields."""
+
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int = 0  # elements from the storage's start
+    stride: list[int] = []
+
+
+class RegisterModel(Request, tag="register_model"):
+    """Register a model with the daemon's workers. ``factory`` is
+    ``"package.module:callable"`` importable by the daemon; ``weights`` an
+    absolute path to a safetensors or torch state-dict file (None: the
+    factory's own initialisation). ``example_input`` is run once to check the
+    model and to time its layers. Answered ``model_registered`` or ``E_MODEL``."""
+
+    name: str
+    factory: str
+    weights: Optional[str] = None
+    example_input: list[TensorRef] = []
+    device: Optional[int] = None  # None: every device that has workers
+    replace: bool = False  # False: registering an existing name with other arguments is E_INVALID
+
+
+class UnregisterModel(Request, tag="unregister_model"):
+    name: str
+
+
+class ModelsRequest(Request, tag="models"):
+    """List registered models. Needs no session."""
+
+
+class Infer(Request, tag="infer"):
+    """Run a registered model on ``inputs`` in a daemon worker, under the
+    token of this session's device (as workload ``inference``). Answered
+    ``infer_result`` with the outputs (the caller owns and unlinks their
+    shared-memory segment), or an error."""
+
+    model: str
+    inputs: list[TensorRef]
+    timeout_ms: float = 60000.0
+
+
+# -- 1.1: cluster placement (the tcp endpoint) --------------------------------
+
+
+class Inventory(Request, tag="inventory"):
+    """Devices with their lifecycle state, sessions, partition, utilisation."""
+
+
+class Lend(Request, tag="lend"):
+    """Lend ``device`` to the training sessions of ``borrower`` (FREE -> LENT),
+    for at most ``max_s`` seconds (None: until reclaimed). Repeating it with
+    the same borrower is a no-op."""
+
+    device: int
+    borrower: str
+    max_s: Optional[float] = None
+
+
+class Reclaim(Request, tag="reclaim"):
+    """Take a lent device back for inference: the borrower's sessions there are
+    suspended (stopped after ``deadline_ms``). Answered once the device is free."""
+
+    device: int
+    deadline_ms: float = 5000.0
+
+
+class Drain(Request, tag="drain"):
+    """Stop admitting sessions to ``device`` and ask those there to leave.
+    ``cancel``: admit again."""
+
+    device: int
+    cancel: bool = False
+
+
+class SetPolicy(Request, tag="set_policy"):
+    """Change ``device``'s scheduling policy; fields left None keep their value."""
+
+    device: int
+    quanta_ms: Optional[dict[str, float]] = None  # per workload class
+    grace_ms: Optional[float] = None
+    protect_s: Optional[float] = None
+
+
 ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
-                      SuspendSession, ResumeSession, Partition, Suspended, Resumed]
+                      SuspendSession, ResumeSession, Partition, Suspended, Resumed,
+                      RegisterModel, UnregisterModel, ModelsRequest, Infer,
+                      Inventory, Lend, Reclaim, Drain, SetPolicy]
 
 
 # --------------------------------------------------------------------------
@@ -305,8 +423,115 @@ class PartitionReply(Reply, tag="partition_reply"):
     stale: list[str]  # sessions running with an older share until they recreate their CUDA context
 
 
+# -- 1.1: server-side models (ctxpool) ---------------------------------------
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    name: str
+    factory: str
+    weights: Optional[str]
+    model_bytes: int  # parameters and buffers
+    layers: int
+    groups: int  # layer groups of the pipelined swap-in
+    devices: list[int]
+    resident: list[int] = []  # devices where it is on the device now
+
+
+class ModelRegistered(Reply, tag="model_registered"):
+    model: ModelInfo
+    changed: bool = True  # False: the same registration already existed
+
+
+class ModelsReply(Reply, tag="models_reply"):
+    models: list[ModelInfo]
+
+
+class InferResult(Reply, tag="infer_result"):
+    model: str
+    outputs: list[TensorRef]
+    swap: str  # "ready" (resident) | "pipelined" (swapped in for this request)
+    queue_ms: float  # from arrival to the worker starting (token wait included)
+    run_ms: float  # in the worker: swap-in and compute, until the outputs were ready
+    device: int = 0
+
+
+# -- 1.1: cluster placement ---------------------------------------------------
+
+
+class PolicyInfo(msgspec.Struct, kw_only=True):
+    quanta_ms: dict[str, float]
+    grace_ms: float
+    protect_s: float
+
+
+class DeviceInventory(msgspec.Struct, kw_only=True):
+    index: int
+    uuid: str
+    name: str
+    backend: str
+    memory_total_bytes: int
+    memory_used_bytes: Optional[int]
+    utilization_percent: Optional[float]
+    state: str  # FREE | RUN | PROTECT | LENT | DRAINING
+    borrower: Optional[str]
+    lent_until: Optional[float]  # unix time, when lent with max_s
+    sessions: list[SessionInfo]
+    policy: PolicyInfo
+    mps: bool = False
+    partition: dict[str, int] = {}
+
+
+class InventoryReply(Reply, tag="inventory_reply"):
+    node: str  # hostname
+    boot: int
+    devices: list[DeviceInventory]
+
+
+class LifecycleReply(Reply, tag="lifecycle_reply"):
+    """Answer to lend, drain: the state now and whether the request changed it."""
+
+    device: int
+    state: str
+    borrower: Optional[str]
+    changed: bool
+
+
+class ReclaimReply(Reply, tag="reclaim_reply"):
+    device: int
+    state: str
+    free_ms: float  # from the request to the device being free of the borrower's sessions
+    outcomes: dict[str, str]  # session -> suspended | stopped | timeout | gone
+    changed: bool
+
+
+class PolicyReply(Reply, tag="policy_reply"):
+    device: int
+    policy: PolicyInfo
+
+
+class DrainNotice(Reply, tag="drain"):
+    """Pushed: this session's device is draining; leave when you can."""
+
+    device: int
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """One message on the events PUB socket, after a topic frame equal to ``kind``."""
+
+    node: str
+    seq: int  # per daemon boot, from 1, no gaps: a subscriber sees what it missed
+    boot: int
+    time: float  # unix seconds
+    kind: str  # device_state | grant | preempt | session_join | session_leave | suspend | resume | reclaim | lend | health
+    device: Optional[int] = None
+    session: Optional[str] = None
+    data: dict[str, Union[str, int, float, bool, None]] = {}
+
+
 DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke,
-                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply]
+                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply,
+                      ModelRegistered, ModelsReply, InferResult,
+                      InventoryReply, LifecycleReply, ReclaimReply, PolicyReply, DrainNotice]
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""

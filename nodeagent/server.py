@@ -103,6 +103,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             for i in config.mps_devices}
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
         self._memory_watcher: MemoryWatcher | None = None
+        # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
+        # workers) poll through this loop: target -> callable run when readable.
+        self._poll_handlers: dict = {}
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -206,6 +209,10 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
                         self._apply_memory_readings()
                     elif target in self._mps_by_fd:
                         self._on_mps_exit(self._mps_by_fd[target])
+                    else:
+                        handler = self._poll_handlers.get(target)
+                        if handler is not None:
+                            handler()
                 self._flush_unreachable()
                 self._on_timers(self._clock())
         finally:
