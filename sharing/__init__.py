@@ -1,8 +1,12 @@
 """Pure scheduling logic for nodeagent: no I/O, no clock of its own.
 
-The token scheduler's public names are re-exported here; the MPS partition
-planner lives in :mod:`sharing.partition`.
+The token scheduler's and the device lifecycle's public names are re-exported
+here; the MPS partition planner lives in :mod:`sharing.partition`.
 """
 
+from sharing import lifecycle as _lifecycle
+from sharing import scheduler as _scheduler
+from sharing.lifecycle import *  # noqa: F401,F403 - the names are listed once, in lifecycle.__all__
 from sharing.scheduler import *  # noqa: F401,F403 - the names are listed once, in scheduler.__all__
-from sharing.scheduler import __all__  # noqa: F401
+
+__all__ = [*_scheduler.__all__, *_lifecycle.__all__]

@@ -1,0 +1,397 @@
+"""The cluster-side client: one placement layer talking to many nodeagent daemons at once.
+
+One DEALER per node (a CURVE client: our key pair and that node's server public
+key), all polled together, so a request to N nodes costs one round trip and a
+dead or slow node costs its timeout without delaying the others' answers. One
+SUB per node for events, merged into one stream.
+
+A node that misses the timeout gets a fresh socket: whatever was still queued
+for it is dropped, so a stale ``lend`` or ``reclaim`` is never delivered when the
+node comes back. Such a request may or may not have run on the node; the
+operations are idempotent, so ask again (or read ``inventory``) to find out.
+
+Not thread-safe (ZeroMQ sockets are not): use one PlacementClient per thread.
+Imports nothing of the daemon.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import zmq
+import zmq.auth
+
+from client_lib import codec
+from client_lib import protocol as p
+from client_lib.errors import DaemonError
+
+log = logging.getLogger("client_lib.placement")
+
+__all__ = ["ClientKeys", "NodeResult", "NodeTimeoutError", "PlacementClient", "PlacementError",
+           "load_server_public"]
+
+E_TIMEOUT = "E_TIMEOUT"
+E_UNAVAILABLE = "E_UNAVAILABLE"
+E_BAD_REPLY = "E_BAD_REPLY"
+
+R = TypeVar("R")
+
+
+class PlacementError(DaemonError):
+    """A node refused or failed a request. ``code`` is an :class:`~client_lib.protocol.ErrorCode`
+    (or E_TIMEOUT, E_UNAVAILABLE, E_BAD_REPLY from this side); ``node`` names the node."""
+
+    def __init__(self, code: str, message: str, node: str) -> None:
+        super().__init__(f"{node}: {code}: {message}", code)
+        self.node = node
+        self.reason = message
+
+
+class NodeTimeoutError(PlacementError, TimeoutError):
+    """No reply from ``node`` within the timeout (down, unreachable, a key it does not allow, or slow)."""
+
+    def __init__(self, node: str, endpoint: str, timeout_ms: float) -> None:
+        super().__init__(E_TIMEOUT, f"no reply from {endpoint} within {timeout_ms:g} ms (daemon down, "
+                                    "unreachable, or our key not in its allowed/ directory?)", node)
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """This client's CURVE key pair (Z85 bytes, as ``nodeagent keys generate`` writes them)."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, path: str) -> ClientKeys:
+        """From a ``.key_secret`` certificate file; ValueError naming the file when it is not one."""
+        try:
+            public, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot load client keys: {exc}") from None
+        if secret is None:
+            raise ValueError(f"{path}: holds only a public key; give this client's .key_secret file")
+        if zmq.curve_public(secret) != public:
+            raise ValueError(f"{path}: the public key does not belong to the secret key")
+        return cls(public, secret)
+
+
+def load_server_public(path: str) -> bytes:
+    """A daemon's public key from its ``server.key`` file (ValueError naming the file otherwise)."""
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot load the server public key: {exc}") from None
+    return public
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """One node's answer to :meth:`PlacementClient.call`: ``reply`` (an ``Error`` reply too), or ``error``."""
+
+    node: str
+    reply: object | None
+    error: Exception | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _named(what: str, endpoints: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(endpoints, str):
+        raise ValueError(f"{what} must be a list of endpoints or a mapping of name to endpoint, not a string")
+    named = dict(endpoints) if isinstance(endpoints, Mapping) else {e: e for e in endpoints}
+    if not isinstance(endpoints, Mapping) and len(named) != len(endpoints):
+        raise ValueError(f"{what} lists an endpoint more than once")
+    for name, endpoint in named.items():
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ValueError(f"{what}[{name!r}] = {endpoint!r} is not an endpoint like tcp://HOST:PORT")
+    return named
+
+
+class PlacementClient:
+    """Requests to many nodeagent daemons at once, and their events as one stream.
+
+    ``nodes``: cluster endpoints (each is then its own name) or name -> endpoint.
+    ``keys``: this client's key pair; None speaks plain tcp (tests, a trusted network).
+    ``server_keys``: each node's server public key by name, or one key shared by all.
+    ``events``: events endpoints, in the order of ``nodes``, or node name -> endpoint.
+    """
+
+    def __init__(self, nodes: Sequence[str] | Mapping[str, str], *, keys: ClientKeys | None,
+                 server_keys: Mapping[str, bytes] | bytes | None = None, timeout_ms: float = 5000.0,
+                 events: Sequence[str] | Mapping[str, str] | None = None) -> None:
+        self._nodes = _named("nodes", nodes)
+        if not self._nodes:
+            raise ValueError("nodes is empty: give at least one daemon endpoint")
+        if not timeout_ms > 0:
+            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
+        self.timeout_ms = float(timeout_ms)
+        self._keys = keys
+        self._server_keys = server_keys
+        if keys is not None:
+            for name in self._nodes:
+                self._server_key(name)  # fail now, naming the node, rather than at the first call
+        self._events_at: dict[str, str] = {}
+        if events is not None:
+            if isinstance(events, Mapping):
+                unknown = sorted(set(events) - set(self._nodes))
+                if unknown:
+                    raise ValueError(f"events names nodes that are not in nodes: {', '.join(unknown)}")
+                self._events_at = _named("events", events)
+            else:
+                listed = _named("events", events)
+                if len(listed) != len(self._nodes):
+                    raise ValueError(f"events lists {len(listed)} endpoints for {len(self._nodes)} nodes; "
+                                     "give one per node in the same order, or a mapping of node name to endpoint")
+                self._events_at = dict(zip(self._nodes, listed.values()))
+        self._ids = itertools.count(1)
+        self._ctx = zmq.Context()
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._subs: dict[str, zmq.Socket] = {}
+        self._by_socket: dict[zmq.Socket, str] = {}
+        self._last_seq: dict[str, tuple[int, int]] = {}
+        self.event_gaps: dict[str, int] = {name: 0 for name in self._events_at}
+        """Events a node published that this client never saw (PUB drops when we are slow or reconnecting)."""
+        self._event_decoder = msgspec.msgpack.Decoder(p.Event)
+        self._closed = False
+        try:
+            for name in self._nodes:
+                self._connect(name)
+            for name, endpoint in self._events_at.items():
+                sub = self._socket(zmq.SUB, name)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(endpoint)
+                self._subs[name] = sub
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ sockets
+
+    def _server_key(self, name: str) -> bytes:
+        keys = self._server_keys
+        if isinstance(keys, (bytes, str)):
+            return keys.encode() if isinstance(keys, str) else keys
+        if keys is None or name not in keys:
+            raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
+                             "see load_server_public) or keys=None for plain tcp")
+        key = keys[name]
+        return key.encode() if isinstance(key, str) else key
+
+    def _socket(self, kind: int, name: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        if self._keys is not None:
+            sock.curve_publickey = self._keys.public
+            sock.curve_secretkey = self._keys.secret
+            sock.curve_serverkey = self._server_key(name)
+        return sock
+
+    def _connect(self, name: str) -> None:
+        """A fresh DEALER for ``name``; the old one (and what was queued on it) is dropped."""
+        old = self._dealers.pop(name, None)
+        if old is not None:
+            self._by_socket.pop(old, None)
+            old.close(0)
+        sock = self._socket(zmq.DEALER, name)
+        sock.connect(self._nodes[name])
+        self._dealers[name] = sock
+        self._by_socket[sock] = name
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    # ------------------------------------------------------------ requests
+
+    def call(self, request_factory: Callable[..., p.Request], nodes: Sequence[str] | None = None,
+             timeout_ms: float | None = None) -> dict[str, NodeResult]:
+        """Send ``request_factory(id=...)`` to each node (all nodes by default) at once; gather the replies.
+
+        Returns a result per node within ``timeout_ms`` (default: the client's), whatever the others do.
+        An ``error`` reply becomes a :class:`PlacementError` in ``NodeResult.error`` (``reply`` keeps it).
+        """
+        if self._closed:
+            raise RuntimeError("PlacementClient is closed")
+        names = list(self._nodes) if nodes is None else list(nodes)
+        unknown = [n for n in names if n not in self._nodes]
+        if unknown:
+            raise ValueError(f"unknown node(s) {', '.join(map(repr, unknown))}; known: {', '.join(self._nodes)}")
+        timeout_ms = self.timeout_ms if timeout_ms is None else float(timeout_ms)
+        results: dict[str, NodeResult] = {}
+        pending: dict[int, str] = {}
+        # Build every request before sending any: a factory that raises must not leave some nodes asked.
+        frames = {name: (rid, codec.encode(request_factory(id=rid)))
+                  for name, rid in zip(dict.fromkeys(names), self._ids)}
+        for name, (rid, frame) in frames.items():
+            try:
+                self._dealers[name].send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                results[name] = NodeResult(name, None, PlacementError(
+                    E_UNAVAILABLE, f"cannot queue a request to {self._nodes[name]} (send queue full)", name))
+                self._connect(name)
+                continue
+            pending[rid] = name
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        poller = zmq.Poller()
+        for rid, name in pending.items():
+            poller.register(self._dealers[name], zmq.POLLIN)
+        while pending:
+            remaining_ms = (deadline - time.monotonic()) * 1000.0
+            if remaining_ms <= 0:
+                break
+            for sock, _ in poller.poll(math.ceil(remaining_ms)):
+                self._drain(sock, pending, results, poller)
+        for rid, name in pending.items():
+            results[name] = NodeResult(name, None, NodeTimeoutError(name, self._nodes[name], timeout_ms))
+            log.warning("[placement] timeout node=%s endpoint=%s timeout_ms=%.0f", name, self._nodes[name],
+                        timeout_ms)
+            self._connect(name)  # drop the queued request: it must not run when the node comes back
+        return {name: results[name] for name in dict.fromkeys(names)}
+
+    def _drain(self, sock: zmq.Socket, pending: dict[int, str], results: dict[str, NodeResult],
+               poller: zmq.Poller) -> None:
+        """Read every frame waiting on ``sock``; keep the ones answering a pending request."""
+        name = self._by_socket[sock]
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = codec.decode_reply(frame)
+            except codec.BadFrame as exc:
+                if pending.get(exc.request_id) == name:
+                    del pending[exc.request_id]
+                    results[name] = NodeResult(name, None, PlacementError(E_BAD_REPLY, str(exc), name))
+                    poller.unregister(sock)
+                else:
+                    log.warning("[placement] undecodable frame from node=%s: %s", name, exc)
+                continue
+            if pending.get(reply.id) != name:
+                # A late reply to a request that timed out, or a notice: not what anyone waits for.
+                log.debug("[placement] discarded reply id=%d op=%s from node=%s", reply.id, type(reply).__name__,
+                          name)
+                continue
+            del pending[reply.id]
+            poller.unregister(sock)
+            error = PlacementError(reply.code, reply.message, name) if isinstance(reply, p.Error) else None
+            results[name] = NodeResult(name, reply, error)
+
+    def _one(self, node: str, factory: Callable[..., p.Request], expected: type[R],
+             timeout_ms: float | None = None) -> R:
+        if node not in self._nodes:
+            raise ValueError(f"unknown node {node!r}; known: {', '.join(self._nodes)}")
+        result = self.call(factory, [node], timeout_ms)[node]
+        if result.error is not None:
+            raise result.error
+        if not isinstance(result.reply, expected):
+            raise PlacementError(E_BAD_REPLY, f"expected {expected.__name__}, got {type(result.reply).__name__}",
+                                 node)
+        return result.reply
+
+    def inventory(self, nodes: Sequence[str] | None = None) -> dict[str, NodeResult]:
+        """Every (or the named) node's devices, lifecycle states and sessions: ``InventoryReply`` per node."""
+        return self.call(p.Inventory, nodes)
+
+    def lend(self, node: str, device: int, borrower: str, max_s: float | None = None) -> p.LifecycleReply:
+        """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was)."""
+        return self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s),
+                         p.LifecycleReply)
+
+    def reclaim(self, node: str, device: int, deadline_ms: float = 5000.0,
+                timeout_ms: float | None = None) -> p.ReclaimReply:
+        """Take ``device`` back for inference. The node answers once the device is free, so the default
+        timeout is ``deadline_ms`` plus the client's timeout."""
+        timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
+        return self._one(node, lambda id: p.Reclaim(id=id, device=device, deadline_ms=deadline_ms),
+                         p.ReclaimReply, timeout_ms)
+
+    def drain(self, node: str, device: int, cancel: bool = False) -> p.LifecycleReply:
+        return self._one(node, lambda id: p.Drain(id=id, device=device, cancel=cancel), p.LifecycleReply)
+
+    def set_policy(self, node: str, device: int, *, quanta_ms: dict[str, float] | None = None,
+                   grace_ms: float | None = None, protect_s: float | None = None) -> p.PolicyReply:
+        return self._one(node, lambda id: p.SetPolicy(id=id, device=device, quanta_ms=quanta_ms, grace_ms=grace_ms,
+                                                      protect_s=protect_s), p.PolicyReply)
+
+    def partition(self, node: str, device: int, shares: dict[str, float | None],
+                  memory_mb: dict[str, int] | None = None) -> p.PartitionReply:
+        return self._one(node, lambda id: p.Partition(id=id, device=device, shares=shares, memory_mb=memory_mb),
+                         p.PartitionReply)
+
+    def suspend(self, node: str, session: str, deadline_ms: float = 5000.0,
+                timeout_ms: float | None = None) -> p.SuspendResult:
+        timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
+        return self._one(node, lambda id: p.SuspendSession(id=id, session=session, deadline_ms=deadline_ms),
+                         p.SuspendResult, timeout_ms)
+
+    def resume(self, node: str, session: str) -> p.Ok:
+        return self._one(node, lambda id: p.ResumeSession(id=id, session=session), p.Ok)
+
+    # ------------------------------------------------------------ events
+
+    def events(self, timeout_ms: float | None = None) -> Iterator[tuple[str, p.Event]]:
+        """(node name, event) from every node's PUB, in arrival order. Ends after ``timeout_ms`` with
+        no event (None: never). Events sent before a SUB connected are not seen; ``event_gaps``
+        counts the ones missed in between, so a caller knows to re-read ``inventory``."""
+        if not self._subs:
+            raise ValueError("this client subscribes to no events: pass events=[...] when creating it")
+        poller = zmq.Poller()
+        for sock in self._subs.values():
+            poller.register(sock, zmq.POLLIN)
+        by_sub = {sock: name for name, sock in self._subs.items()}
+        while not self._closed:
+            ready = poller.poll(None if timeout_ms is None else timeout_ms)
+            if not ready:
+                return
+            for sock, _ in ready:
+                name = by_sub[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    event = self._decode_event(name, frames)
+                    if event is not None:
+                        yield name, event
+
+    def _decode_event(self, name: str, frames: list[bytes]) -> p.Event | None:
+        if len(frames) != 2:
+            log.warning("[placement] event from node=%s has %d frames, expected 2 (topic, body)", name, len(frames))
+            return None
+        try:
+            event = self._event_decoder.decode(frames[1])
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("[placement] undecodable event from node=%s: %s", name, exc)
+            return None
+        last = self._last_seq.get(name)
+        if last is not None and last[0] == event.boot and event.seq > last[1] + 1:
+            self.event_gaps[name] += event.seq - last[1] - 1
+            log.warning("[placement] missed events node=%s seq %d..%d", name, last[1] + 1, event.seq - 1)
+        self._last_seq[name] = (event.boot, event.seq)
+        return event
+
+    # ------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Close every socket; pending requests are dropped."""
+        self._closed = True
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> PlacementClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,366 @@
+"""Device lifecycle for cluster lending: may this GPU be lent to training now?
+
+Pure logic, like :mod:`sharing.scheduler`: no I/O, no clock of its own. Every
+call takes ``now`` (float seconds on the caller's monotonic clock) and returns
+what changed, so tests step it by hand and the daemon turns the result into
+events, journal rows and reclaims. The daemon's loop is, in outline::
+
+    changes = lifecycle.observe(inference_active, now)     # or lend, reclaim, drain, ...
+    publish(changes)                                        # events, journal
+    poll(timeout=lifecycle.next_deadline() - now)           # then tick(now)
+
+The point of ``PROTECT`` (after DeepBoot) is that inference load comes in
+bursts: a device whose inference just went idle is likely to need it again
+soon, so it is not lent out until it stayed idle for ``protect_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Union
+
+from sharing.scheduler import Workload
+
+__all__ = [
+    "DeviceLifecycle",
+    "DeviceState",
+    "LifecycleError",
+    "LifecycleEvent",
+    "ReclaimDue",
+    "Transition",
+]
+
+
+class DeviceState(str, enum.Enum):
+    """Where a device stands with the cluster placement layer.
+
+    ::
+
+        FREE --inference active--> RUN --inference idle--> PROTECT --protect_s passed--> FREE
+        PROTECT --inference active--> RUN
+        FREE --lend(b)--> LENT(b) --reclaim--> PROTECT (inference gets the protect window) --> RUN/FREE
+        LENT --max_s passed--> (tick returns ReclaimDue once; the server reclaims)
+        any --drain--> DRAINING --undrain--> FREE/RUN (by observation)
+
+    Refusals (:class:`LifecycleError`, nothing changes): lend from RUN, PROTECT
+    (the message says when the window ends) or DRAINING; lend to another
+    borrower while LENT. Lend to the same borrower while LENT is a no-op.
+
+    Entering PROTECT resolves at once when it can: with inference already
+    active it goes on to RUN, with ``protect_s == 0`` to FREE (both
+    transitions are returned). While LENT or DRAINING, inference observations
+    are recorded but change nothing: a LENT device goes back to inference only
+    by ``reclaim`` (the placement layer's decision), a DRAINING one by ``undrain``.
+    """
+
+    FREE = "FREE"  # no inference wants the device; may be lent
+    RUN = "RUN"  # an inference session holds or waits for the device
+    PROTECT = "PROTECT"  # inference went idle less than protect_s ago; not lendable yet
+    LENT = "LENT"  # lent to the training sessions of one borrower until reclaimed
+    DRAINING = "DRAINING"  # no new sessions; those there are asked to leave
+
+
+class LifecycleError(Exception):
+    """The device's state does not allow the call; it changed nothing.
+
+    ``code`` is the wire error code; ``state`` the state that refused; for a
+    refusal in PROTECT, ``retry_at`` is when the window ends (caller's clock).
+    """
+
+    code = "E_STATE"
+
+    def __init__(self, message: str, *, state: DeviceState, retry_at: float | None = None) -> None:
+        super().__init__(message)
+        self.state = state
+        self.retry_at = retry_at
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """``device`` moved from ``old`` to ``new`` because of ``reason``, at ``at`` (the call's ``now``)."""
+
+    device: int
+    old: DeviceState
+    new: DeviceState
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimDue:
+    """The lend of ``device`` to ``borrower`` ran out at ``at`` (its ``lent_until``); reclaim it.
+
+    Returned by one ``tick`` only: the server is expected to start a reclaim.
+    """
+
+    device: int
+    borrower: str
+    at: float
+
+
+LifecycleEvent = Union[Transition, ReclaimDue]
+
+
+def _check_now(now: object) -> float:
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+        raise ValueError(f"now must be a finite number of seconds, got {now!r}")
+    return float(now)
+
+
+def _check_protect_s(protect_s: object) -> float:
+    if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)):
+        raise ValueError(f"protect_s must be a number of seconds, got {protect_s!r}")
+    if not math.isfinite(protect_s) or protect_s < 0:
+        raise ValueError(f"protect_s must be finite and >= 0, got {protect_s!r}")
+    return float(protect_s)
+
+
+def _workload_name(workload: object) -> str:
+    if isinstance(workload, Workload):
+        return workload.wire
+    Workload.parse(workload)  # type: ignore[arg-type]  # raises ValueError naming the valid ones
+    return workload  # type: ignore[return-value]
+
+
+class DeviceLifecycle:
+    """The lifecycle state machine of one device (see :class:`DeviceState`).
+
+    Invariants, kept by every call: ``borrower`` is set iff LENT; ``lent_until``
+    only while LENT (and only with a ``max_s``); ``protect_until`` iff PROTECT.
+    Each call is O(1).
+    """
+
+    def __init__(self, device: int, protect_s: float = 60.0) -> None:
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise ValueError(f"device must be an index >= 0, got {device!r}")
+        self.device = device
+        self._protect_s = _check_protect_s(protect_s)
+        self._state = DeviceState.FREE
+        self._borrower: str | None = None
+        self._lent_until: float | None = None
+        self._protect_since: float | None = None
+        self._inference_active = False
+        self._reclaim_reported = False
+
+    @classmethod
+    def restore(cls, device: int, state: DeviceState | str, *, borrower: str | None = None,
+                lent_until: float | None = None, protect_until: float | None = None,
+                protect_s: float = 60.0) -> DeviceLifecycle:
+        """A lifecycle in ``state`` as journalled (times already on the caller's clock).
+
+        RUN is taken to mean inference is active, until ``observe`` says otherwise.
+        Raises ValueError when the fields break an invariant (borrower without LENT, ...).
+        """
+        life = cls(device, protect_s)
+        try:
+            state = DeviceState(state)
+        except ValueError:
+            valid = ", ".join(s.value for s in DeviceState)
+            raise ValueError(f"unknown device state {state!r}; expected one of {valid}") from None
+        if (borrower is not None) != (state is DeviceState.LENT):
+            raise ValueError(f"borrower must be set exactly when LENT (state {state.value}, borrower {borrower!r})")
+        if lent_until is not None and state is not DeviceState.LENT:
+            raise ValueError(f"lent_until given for state {state.value}; it belongs to LENT only")
+        if (protect_until is not None) != (state is DeviceState.PROTECT):
+            raise ValueError(f"protect_until must be set exactly when PROTECT (state {state.value})")
+        if borrower is not None:
+            life._borrower = _check_borrower(borrower)
+        if lent_until is not None:
+            life._lent_until = _check_now(lent_until)
+        if protect_until is not None:
+            life._protect_since = _check_now(protect_until) - life._protect_s
+        life._state = state
+        life._inference_active = state is DeviceState.RUN
+        return life
+
+    # ------------------------------------------------------------ read-only view
+
+    @property
+    def state(self) -> DeviceState:
+        return self._state
+
+    @property
+    def borrower(self) -> str | None:
+        return self._borrower
+
+    @property
+    def lent_until(self) -> float | None:
+        return self._lent_until
+
+    @property
+    def protect_until(self) -> float | None:
+        if self._state is not DeviceState.PROTECT or self._protect_since is None:
+            return None
+        return self._protect_since + self._protect_s
+
+    @property
+    def protect_s(self) -> float:
+        return self._protect_s
+
+    @property
+    def inference_active(self) -> bool:
+        """The last observation: does an inference session hold or wait for the device?"""
+        return self._inference_active
+
+    def __repr__(self) -> str:
+        return (f"DeviceLifecycle(device={self.device}, state={self._state.value}, borrower={self._borrower!r}, "
+                f"lent_until={self._lent_until!r}, protect_until={self.protect_until!r})")
+
+    # ------------------------------------------------------------ calls
+
+    def observe(self, inference_active: bool, now: float) -> list[Transition]:
+        """Record whether inference wants the device (holds or waits). Cheap when nothing changes."""
+        now = _check_now(now)
+        out: list[Transition] = []
+        self._inference_active = bool(inference_active)
+        self._settle(now, out)
+        if self._state is DeviceState.FREE and self._inference_active:
+            self._move(DeviceState.RUN, "inference active", now, out)
+        elif self._state is DeviceState.RUN and not self._inference_active:
+            self._enter_protect(now, "inference idle", out)
+        return out
+
+    def lend(self, borrower: str, now: float, max_s: float | None = None) -> list[Transition]:
+        """FREE -> LENT(borrower), for at most ``max_s`` seconds. [] when already lent to ``borrower``.
+
+        A repeated lend keeps the first one's ``lent_until`` (a retried request must not extend it).
+        Raises :class:`LifecycleError` when the state refuses, ValueError for a bad argument.
+        """
+        now = _check_now(now)
+        borrower = _check_borrower(borrower)
+        if max_s is not None:
+            if isinstance(max_s, bool) or not isinstance(max_s, (int, float)) \
+                    or not math.isfinite(max_s) or max_s <= 0:
+                raise ValueError(f"max_s must be a finite number of seconds > 0 (or None), got {max_s!r}")
+        out: list[Transition] = []
+        # A protect window that ran out but was not ticked yet must not refuse the lend.
+        self._settle(now, out)
+        state = self._state
+        if state is DeviceState.LENT:
+            if self._borrower == borrower:
+                return out
+            raise LifecycleError(
+                f"device {self.device} is lent to {self._borrower!r}; reclaim it before lending it to {borrower!r}",
+                state=state)
+        if state is DeviceState.RUN:
+            raise LifecycleError(
+                f"device {self.device} is RUN: inference is using it; it can be lent once inference has been "
+                f"idle for protect_s={self._protect_s:g}s", state=state)
+        if state is DeviceState.PROTECT:
+            until = self.protect_until
+            raise LifecycleError(
+                f"device {self.device} is PROTECT: inference went idle less than protect_s={self._protect_s:g}s ago; "
+                f"it can be lent in {max(0.0, until - now):.1f}s (or lower protect_s with set_policy)",
+                state=state, retry_at=until)
+        if state is DeviceState.DRAINING:
+            raise LifecycleError(
+                f"device {self.device} is DRAINING; cancel the drain before lending it", state=state)
+        self._borrower = borrower
+        self._lent_until = None if max_s is None else now + float(max_s)
+        self._reclaim_reported = False
+        reason = f"lent to {borrower}" + ("" if max_s is None else f" for {float(max_s):g}s")
+        self._move(DeviceState.LENT, reason, now, out)
+        return out
+
+    def reclaim(self, now: float) -> list[Transition]:
+        """LENT -> PROTECT, so inference gets the protect window; [] when not LENT (idempotent)."""
+        now = _check_now(now)
+        out: list[Transition] = []
+        if self._state is DeviceState.LENT:
+            self._enter_protect(now, f"reclaimed from {self._borrower}", out)
+        return out
+
+    def drain(self, now: float) -> list[Transition]:
+        """Any state -> DRAINING (a lend ends with it); [] when already DRAINING."""
+        now = _check_now(now)
+        out: list[Transition] = []
+        if self._state is not DeviceState.DRAINING:
+            reason = "drain" if self._borrower is None else f"drain (lend to {self._borrower} ended)"
+            self._move(DeviceState.DRAINING, reason, now, out)
+        return out
+
+    def undrain(self, now: float) -> list[Transition]:
+        """DRAINING -> RUN or FREE, by the last inference observation; [] when not DRAINING."""
+        now = _check_now(now)
+        out: list[Transition] = []
+        if self._state is DeviceState.DRAINING:
+            new = DeviceState.RUN if self._inference_active else DeviceState.FREE
+            self._move(new, "drain cancelled", now, out)
+        return out
+
+    def set_protect_s(self, protect_s: float) -> None:
+        """Change the protect window. A window in progress is measured from its start with the new
+        length; if that makes it over, the next ``tick`` moves to FREE (``next_deadline`` says so)."""
+        self._protect_s = _check_protect_s(protect_s)
+
+    def tick(self, now: float) -> list[LifecycleEvent]:
+        """Apply the deadlines that passed: protect window over (-> FREE), lend expired (ReclaimDue, once)."""
+        now = _check_now(now)
+        out: list[LifecycleEvent] = []
+        self._settle(now, out)  # type: ignore[arg-type]
+        if (self._state is DeviceState.LENT and self._lent_until is not None
+                and not self._reclaim_reported and now >= self._lent_until):
+            self._reclaim_reported = True
+            out.append(ReclaimDue(self.device, self._borrower, self._lent_until))  # type: ignore[arg-type]
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has something to do (caller's clock), or None."""
+        if self._state is DeviceState.PROTECT:
+            return self.protect_until
+        if self._state is DeviceState.LENT and self._lent_until is not None and not self._reclaim_reported:
+            return self._lent_until
+        return None
+
+    def admits(self, workload: str | Workload, borrower: str | None) -> str | None:
+        """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not.
+
+        DRAINING admits nothing. A non-inference session with a borrower (a cluster training job) is
+        admitted only on a device LENT to that borrower. Inference (its borrower is ignored) and
+        sessions without a borrower (local jobs) are admitted in every other state.
+        """
+        workload = _workload_name(workload)
+        if self._state is DeviceState.DRAINING:
+            return f"device {self.device} is DRAINING and admits no new sessions"
+        if workload == "inference" or borrower is None:
+            return None
+        if self._state is DeviceState.LENT and self._borrower == borrower:
+            return None
+        if self._state is DeviceState.LENT:
+            return f"device {self.device} is lent to {self._borrower!r}, not to {borrower!r}"
+        return f"device {self.device} is {self._state.value}, not lent to {borrower!r}; lend it to {borrower!r} first"
+
+    # ------------------------------------------------------------ internals
+
+    def _move(self, new: DeviceState, reason: str, now: float, out: list) -> None:
+        old = self._state
+        self._state = new
+        if new is not DeviceState.LENT:
+            self._borrower = None
+            self._lent_until = None
+            self._reclaim_reported = False
+        if new is not DeviceState.PROTECT:
+            self._protect_since = None
+        out.append(Transition(self.device, old, new, reason, now))
+
+    def _enter_protect(self, now: float, reason: str, out: list) -> None:
+        self._move(DeviceState.PROTECT, reason, now, out)
+        self._protect_since = now
+        self._settle(now, out)
+
+    def _settle(self, now: float, out: list) -> None:
+        """Resolve PROTECT: inference back -> RUN; window over -> FREE."""
+        if self._state is not DeviceState.PROTECT:
+            return
+        if self._inference_active:
+            self._move(DeviceState.RUN, "inference active", now, out)
+        elif now >= self.protect_until:  # type: ignore[operator]
+            self._move(DeviceState.FREE, f"protect window of {self._protect_s:g}s over", now, out)
+
+
+def _check_borrower(borrower: object) -> str:
+    if not isinstance(borrower, str) or not borrower.strip():
+        raise ValueError(f"borrower must be a non-empty name, got {borrower!r}")
+    return borrower
