@@ -1,0 +1,120 @@
+"""Layer groups for pipelined swap-in: which layers travel to the device together.
+
+Pure logic (no torch), so it can be stepped by hand and property-tested. The
+engine measures each layer's bytes and forward time once (``LayerCost``) and
+asks :func:`plan_groups` for groups; a copy stream then moves the groups in
+order while compute runs the ones already there.
+
+The model of the pipeline (:func:`simulate`): copies run back to back on one
+copy engine at ``bytes_per_s``; group k computes once it has arrived and group
+k-1 has computed. The rule (greedy, one pass, in execution order):
+
+1. Group 0 is the shortest prefix holding at least ``first_group_bytes``
+   (default: up to the first layer that owns any bytes), so compute starts
+   after a short copy.
+2. When group k's copy ends, the compute still ahead of the compute stream
+   (``backlog = compute_end(k) - copy_end(k)``) is time the next copy can hide
+   behind. Group k+1 takes layers while its copy time stays within
+   ``max(backlog, min_group_bytes / bytes_per_s)``; it always takes at least
+   one layer that owns bytes (a layer is never split).
+3. Layers that own no bytes cost no copy and join the group being built.
+
+``min_group_bytes`` bounds the number of groups when the copy cannot hide
+(backlog near zero): each group costs an event and a wait, so tiny groups in
+a copy-bound stretch add overhead and save nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+_TOLERANCE = 1 + 1e-9  # a copy that fits exactly is not refused for a rounding error
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One unit of a model's execution, in execution order (first call)."""
+
+    name: str  # qualified module name ("" for the model itself: params no called child owns)
+    bytes: int  # parameter + buffer bytes that must be on the device when this layer starts
+    compute_s: float  # forward time attributed to this layer in a measured run
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    """When one group copies and computes, in seconds from the start of the swap-in."""
+
+    copy_start_s: float
+    copy_end_s: float
+    compute_start_s: float
+    compute_end_s: float
+
+
+def _check(layers: Sequence[LayerCost], bytes_per_s: float) -> None:
+    if not (isinstance(bytes_per_s, (int, float)) and math.isfinite(bytes_per_s) and bytes_per_s > 0):
+        raise ValueError(f"bytes_per_s must be a positive finite number, got {bytes_per_s!r}")
+    for i, layer in enumerate(layers):
+        if layer.bytes < 0 or not (math.isfinite(layer.compute_s) and layer.compute_s >= 0):
+            raise ValueError(f"layer {i} ({layer.name!r}) has negative or non-finite cost: {layer}")
+
+
+def plan_groups(layers: Sequence[LayerCost], bytes_per_s: float, *, first_group_bytes: int | None = None,
+                min_group_bytes: int = 0) -> list[list[int]]:
+    """Contiguous groups of layer indices covering every layer once, in order (see the module docstring)."""
+    _check(layers, bytes_per_s)
+    n = len(layers)
+    if n == 0:
+        return []
+    groups: list[list[int]] = []
+    i = 0
+    # Group 0: the shortest prefix reaching first_group_bytes (or the first layer with bytes),
+    # then the zero-byte layers right after it.
+    want = max(1, first_group_bytes or 0)
+    first: list[int] = []
+    held = 0
+    while i < n and (held < want or layers[i].bytes == 0):
+        held += layers[i].bytes
+        first.append(i)
+        i += 1
+    groups.append(first)
+    copy_end = held / bytes_per_s
+    compute_end = copy_end + sum(layers[j].compute_s for j in first)
+    floor_s = max(0, min_group_bytes) / bytes_per_s
+    while i < n:
+        budget_s = max(compute_end - copy_end, floor_s)
+        group: list[int] = []
+        group_bytes = 0
+        while i < n:
+            b = layers[i].bytes
+            if b and group_bytes and (group_bytes + b) / bytes_per_s > budget_s * _TOLERANCE:
+                break
+            group.append(i)
+            group_bytes += b
+            i += 1
+        groups.append(group)
+        copy_end += group_bytes / bytes_per_s
+        compute_end = max(compute_end, copy_end) + sum(layers[j].compute_s for j in group)
+    return groups
+
+
+def simulate(layers: Sequence[LayerCost], groups: Sequence[Sequence[int]], bytes_per_s: float
+             ) -> list[GroupTiming]:
+    """The pipeline model behind :func:`plan_groups`: each group's copy and compute window."""
+    _check(layers, bytes_per_s)
+    out: list[GroupTiming] = []
+    copy_end = compute_end = 0.0
+    for group in groups:
+        copy_start = copy_end
+        copy_end = copy_start + sum(layers[j].bytes for j in group) / bytes_per_s
+        compute_start = max(compute_end, copy_end)
+        compute_end = compute_start + sum(layers[j].compute_s for j in group)
+        out.append(GroupTiming(copy_start, copy_end, compute_start, compute_end))
+    return out
+
+
+def makespan_s(layers: Sequence[LayerCost], groups: Sequence[Sequence[int]], bytes_per_s: float) -> float:
+    """Modelled time from the first copy to the last compute (0 for no layers)."""
+    timings = simulate(layers, groups, bytes_per_s)
+    return timings[-1].compute_end_s if timings else 0.0

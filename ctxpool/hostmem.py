@@ -1,0 +1,221 @@
+"""Host memory the copy path depends on: the cpu backend's "device" pool, and cuda page-locking.
+
+``HostArena`` is the cpu backend's answer to CUDA's caching allocator: one
+anonymous mapping, faulted in once at warm-up, from which swap-ins take blocks
+(first fit, neighbours merged on free). Without it every swap-in writes into
+fresh pages and the kernel's page faults, not the copy, set the speed
+(measured here: 1.7 GB/s into fresh pages against 10 GB/s into touched ones).
+A block goes back to the arena only when the last tensor viewing it is gone
+(the block's memoryview is finalised with its storage), so an output that
+aliases a weight can never see its memory reused.
+
+``PinRegistry`` page-locks (``cudaHostRegister``) the host memory of models
+whose tensors someone else allocated, in place, and unlocks it when the last
+model using a page range leaves. Ranges are whole pages, merged across models
+so that no page is registered twice (CUDA refuses that).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("ctxpool.hostmem")
+
+ALIGN_BYTES = 512  # block offsets; also the residue kept between host and device addresses
+
+
+def align_up(value: int, alignment: int = ALIGN_BYTES) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class HostArena:
+    """A pre-faulted pool of host memory handing out uint8 tensors (thread-safe)."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"arena size must be positive, got {nbytes} bytes")
+        self.nbytes = align_up(nbytes, mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses; harmless where THP is off
+            except OSError:
+                pass
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
+        base.fill_(0)  # fault every page in now, not during a swap-in
+        self.base_address = base.data_ptr()
+        del base
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, merged
+        self.in_use_bytes = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 tensor of ``nbytes`` (512-byte aligned offset), or None when no free run fits."""
+        size = align_up(max(1, nbytes))
+        with self._lock:
+            for i, (off, run) in enumerate(self._free):
+                if run >= size:
+                    if run == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, run - size)
+                    self.in_use_bytes += size
+                    break
+            else:
+                return None
+        view = memoryview(self._map)[off:off + size]
+        tensor = torch.frombuffer(view, dtype=torch.uint8, count=nbytes)
+        # The tensor's storage holds ``view``; when the storage dies, so does ``view``.
+        weakref.finalize(view, self._release, off, size)
+        return tensor
+
+    def _release(self, off: int, size: int) -> None:
+        with self._lock:
+            self.in_use_bytes -= size
+            i = bisect.bisect_left(self._free, (off, 0))
+            self._free.insert(i, (off, size))
+            # Merge with the right, then the left neighbour.
+            if i + 1 < len(self._free) and off + size == self._free[i + 1][0]:
+                size += self._free.pop(i + 1)[1]
+                self._free[i] = (off, size)
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+                prev_off, prev_size = self._free.pop(i - 1)
+                self._free[i - 1] = (prev_off, prev_size + size)
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+
+# ------------------------------------------------------------------ page locking
+
+
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+def _cuda_rc(rc) -> int:
+    try:
+        return int(rc)
+    except TypeError:
+        return int(rc.value)
+
+
+def _cuda_error_string(cudart, rc: int) -> str:
+    try:
+        return cudart.cudaGetErrorString(cudart.cudaError(rc))
+    except (TypeError, ValueError):
+        return "no description"
+
+
+def _clear_cuda_last_error() -> None:
+    """A failed runtime call leaves its error as the thread's "last error", which
+    torch's next kernel-launch check would raise; take it back off (best effort)."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (OSError, AttributeError):
+        log.warning("[ctxpool] could not clear the CUDA last-error after a failed cudaHostRegister")
+
+
+@dataclass
+class _PinnedRange:
+    start: int
+    end: int
+    owners: set[str] = field(default_factory=set)
+
+
+class PinRegistry:
+    """Page-locked host ranges, each registered once and owned by the models that use it."""
+
+    def __init__(self, cudart=None) -> None:
+        self._cudart = cudart  # torch.cuda.cudart() unless given (tests pass a fake)
+        self._ranges: list[_PinnedRange] = []  # sorted by start, disjoint
+
+    def _rt(self):
+        if self._cudart is None:
+            self._cudart = torch.cuda.cudart()
+        return self._cudart
+
+    def pin(self, owner: str, ranges: list[tuple[int, int]]) -> int:
+        """Page-lock [start, end) byte ranges for ``owner``; returns the bytes newly locked.
+
+        On failure nothing stays locked for ``owner`` and RuntimeError names the CUDA error."""
+        cudart = self._rt()
+        page = mmap.PAGESIZE
+        wanted = _merge([(s // page * page, align_up(e, page)) for s, e in ranges if e > s])
+        newly = 0
+        try:
+            for start, end in wanted:
+                for gap_start, gap_end in self._gaps(start, end):
+                    rc = _cuda_rc(cudart.cudaHostRegister(gap_start, gap_end - gap_start, 0))
+                    if rc != 0:
+                        _clear_cuda_last_error()
+                        raise RuntimeError(
+                            f"cudaHostRegister of {gap_end - gap_start} bytes at {gap_start:#x} failed with "
+                            f"CUDA error {rc} ({_cuda_error_string(cudart, rc)}); "
+                            + ("the memory is already page-locked by someone else (another engine "
+                               "in this process?)" if rc == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+                               else "is the host memory still mapped?"))
+                    self._insert(_PinnedRange(gap_start, gap_end))
+                    newly += gap_end - gap_start
+                for r in self._ranges:
+                    if r.start < end and start < r.end:
+                        r.owners.add(owner)
+        except BaseException:
+            self.unpin(owner)
+            raise
+        return newly
+
+    def unpin(self, owner: str) -> int:
+        """Drop ``owner`` from every range; unlock ranges nobody owns. Returns bytes unlocked."""
+        freed = 0
+        keep: list[_PinnedRange] = []
+        for r in self._ranges:
+            r.owners.discard(owner)
+            if r.owners:
+                keep.append(r)
+                continue
+            rc = _cuda_rc(self._rt().cudaHostUnregister(r.start))
+            if rc != 0:
+                _clear_cuda_last_error()
+                log.warning("[ctxpool] cudaHostUnregister at %#x failed with CUDA error %d", r.start, rc)
+            freed += r.end - r.start
+        self._ranges = keep
+        return freed
+
+    def pinned_bytes(self) -> int:
+        return sum(r.end - r.start for r in self._ranges)
+
+    def _gaps(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) that no registered range covers."""
+        gaps, cursor = [], start
+        for r in self._ranges:
+            if r.end <= cursor or r.start >= end:
+                continue
+            if r.start > cursor:
+                gaps.append((cursor, r.start))
+            cursor = max(cursor, r.end)
+        if cursor < end:
+            gaps.append((cursor, end))
+        return gaps
+
+    def _insert(self, r: _PinnedRange) -> None:
+        starts = [x.start for x in self._ranges]
+        self._ranges.insert(bisect.bisect_left(starts, r.start), r)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

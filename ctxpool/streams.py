@@ -1,0 +1,325 @@
+"""The copy path of a swap-in: a copy thread, and the cpu and cuda ways to copy and to wait.
+
+A swap-in is one :class:`CopyJob`: a list of groups, each a list of
+:class:`Span` (host bytes -> offset in the model's flat device buffer). The
+engine's one :class:`CopyWorker` thread runs jobs group by group; after a
+group's copies are issued it calls the job's ``attach(k)`` (which points that
+group's parameters at their device memory) and sets the group's
+``threading.Event``. The compute thread waits with :meth:`CopyJob.wait`.
+
+Backends differ in what "issued" means and in how compute waits:
+
+- ``CudaBackend``: copies go on a dedicated copy stream from page-locked host
+  memory (``cudaMemcpyAsync``, returns at once); a ``torch.cuda.Event`` is
+  recorded after each group, and ``wait`` makes the compute stream (the
+  caller's current stream) wait for it on the GPU, so the CPU never blocks on
+  a copy. The thread event only says the copy was *enqueued* (waiting on an
+  event not yet recorded would be a no-op).
+- ``CpuBackend``: the "device" is host memory (a :class:`HostArena` block when
+  one was reserved); the copy thread itself copies with ``memmove``. That
+  call is single-threaded and releases the GIL: torch's ``copy_`` would start
+  its own OpenMP team and fight the compute threads for the cores. When the
+  thread event is set the bytes are there.
+
+Timestamps (``mark``) are ``time.perf_counter()`` floats on cpu and timing
+events on cuda; :meth:`Backend.elapsed_s` turns two into seconds (on cuda
+only once the events completed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ctxpool.hostmem import HostArena, PinRegistry
+
+log = logging.getLogger("ctxpool.streams")
+
+_PROBE_BYTES = 64 << 20  # bandwidth probe size
+_PROBE_REPEATS = 3
+
+
+class CopyError(RuntimeError):
+    """Copying a model's weights to the device failed; the model is not resident."""
+
+
+@dataclass
+class Span:
+    """One copy: ``nbytes`` at host address ``host_ptr`` to ``dev_offset`` in the device buffer."""
+
+    host_ptr: int
+    nbytes: int
+    dev_offset: int
+    host_u8: torch.Tensor  # uint8 view of the same host bytes (what the cuda copy reads)
+
+
+class CpuBackend:
+    """The "device" is host memory; copies are ``memmove`` on the copy thread."""
+
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.arena: HostArena | None = None
+        self._warned_fresh = False
+
+    def thread_init(self) -> None:
+        pass
+
+    def reserve(self, pool_bytes: int) -> None:
+        """Fault in a pool of ``pool_bytes`` that later swap-ins copy into (replaces an idle one)."""
+        if pool_bytes <= 0:
+            return
+        if self.arena is not None:
+            if self.arena.nbytes >= pool_bytes or self.arena.in_use_bytes:
+                return
+        self.arena = HostArena(pool_bytes)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        if self.arena is not None:
+            block = self.arena.alloc(nbytes)
+            if block is not None:
+                return block
+        if not self._warned_fresh:
+            self._warned_fresh = True
+            log.info("[ctxpool] cpu swap-in of %d bytes outside the reserved pool (%d bytes free): fresh pages, "
+                     "slower copies; reserve more with warm_up(pool_bytes=...)", nbytes,
+                     self.arena.free_bytes() if self.arena else 0)
+        return torch.empty(max(1, nbytes), dtype=torch.uint8)
+
+    def prepare(self, dev_buf: torch.Tensor) -> None:
+        pass
+
+    def copy_group(self, spans: list[Span], dev_buf: torch.Tensor) -> tuple[float, float]:
+        base = dev_buf.data_ptr()
+        start = time.perf_counter()
+        for s in spans:
+            ctypes.memmove(base + s.dev_offset, s.host_ptr, s.nbytes)
+        return start, time.perf_counter()
+
+    def wait_copied(self, marks: tuple[float, float]) -> None:
+        pass  # the thread event already means the bytes are there
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_s(self, begin: Any, end: Any) -> float:
+        return end - begin
+
+    def synchronize(self) -> None:
+        pass
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def pin(self, owner: str, layout: Any) -> int:
+        return 0  # nothing to page-lock (and no is_pinned() query, which would start CUDA on a GPU host)
+
+    def unpin(self, owner: str) -> int:
+        return 0
+
+    def warm_up_compute(self) -> None:
+        a = torch.randn(256, 256)
+        (a @ a).sum().item()
+        x = torch.randn(1, 16, 32, 32)
+        torch.nn.functional.conv2d(x, torch.randn(16, 16, 3, 3), padding=1).sum().item()
+
+    def measure_bytes_per_s(self) -> float:
+        src = torch.ones(_PROBE_BYTES, dtype=torch.uint8)  # touched, like a model's host weights
+        rates = []
+        for _ in range(_PROBE_REPEATS):
+            dst = self.alloc(_PROBE_BYTES)
+            t0 = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), _PROBE_BYTES)
+            rates.append(_PROBE_BYTES / max(time.perf_counter() - t0, 1e-9))
+            del dst
+        return sorted(rates)[len(rates) // 2]
+
+
+class CudaBackend:
+    """A copy stream, an event per group, page-locked host memory. (Never run on a GPU here.)"""
+
+    kind = "cuda"
+
+    def __init__(self, device_index: int) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'cuda' asked for, but torch finds no CUDA device "
+                               f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+        if not 0 <= device_index < torch.cuda.device_count():
+            raise ValueError(f"cuda device {device_index} does not exist ({torch.cuda.device_count()} visible)")
+        self.device = torch.device("cuda", device_index)
+        torch.cuda.set_device(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.pins = PinRegistry()
+
+    def thread_init(self) -> None:
+        torch.cuda.set_device(self.device)  # the current device is per thread
+
+    def reserve(self, pool_bytes: int) -> None:
+        if pool_bytes > 0:  # allocate and free: the caching allocator keeps the segment for swap-ins
+            block = torch.empty(pool_bytes, dtype=torch.uint8, device=self.device)
+            del block
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.device)
+
+    def prepare(self, dev_buf: torch.Tensor) -> None:
+        # The buffer is allocated on the compute stream and written on the copy stream: tell the
+        # caching allocator, so the block is not handed out again while a copy may still write it.
+        dev_buf.record_stream(self.copy_stream)
+
+    def copy_group(self, spans: list[Span], dev_buf: torch.Tensor) -> tuple[Any, Any]:
+        with torch.cuda.stream(self.copy_stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            for s in spans:
+                dev_buf[s.dev_offset:s.dev_offset + s.nbytes].copy_(s.host_u8, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.copy_stream)
+        return start, end
+
+    def wait_copied(self, marks: tuple[Any, Any]) -> None:
+        torch.cuda.current_stream(self.device).wait_event(marks[1])
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_s(self, begin: Any, end: Any) -> float:
+        return begin.elapsed_time(end) / 1000.0
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
+    def pin(self, owner: str, layout: Any) -> int:
+        """Page-lock ``layout``'s host memory (a :class:`ctxpool.layout.Layout`) in place; bytes newly locked."""
+        return self.pins.pin(owner, layout.host_ranges())
+
+    def unpin(self, owner: str) -> int:
+        return self.pins.unpin(owner)
+
+    def warm_up_compute(self) -> None:
+        a = torch.randn(1024, 1024, device=self.device)
+        (a @ a).sum().item()
+        x = torch.randn(8, 64, 56, 56, device=self.device)
+        torch.nn.functional.conv2d(x, torch.randn(64, 64, 3, 3, device=self.device), padding=1).sum().item()
+        torch.cuda.synchronize(self.device)
+
+    def measure_bytes_per_s(self) -> float:
+        src = torch.ones(_PROBE_BYTES, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=self.device)
+        rates = []
+        for _ in range(_PROBE_REPEATS):
+            with torch.cuda.stream(self.copy_stream):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(self.copy_stream)
+            end.synchronize()
+            rates.append(_PROBE_BYTES / max(start.elapsed_time(end) / 1000.0, 1e-9))
+        return max(rates)
+
+
+Backend = CpuBackend | CudaBackend
+
+
+class CopyJob:
+    """One swap-in's copies, group by group, and the events compute waits on."""
+
+    def __init__(self, backend: Backend, groups: list[list[Span]], dev_buf: torch.Tensor,
+                 attach: Callable[[int], None], label: str) -> None:
+        self.backend = backend
+        self.groups = groups
+        self.dev_buf = dev_buf
+        self.attach = attach
+        self.label = label
+        self.ready = [threading.Event() for _ in groups]
+        self.marks: list[Any] = [None] * len(groups)
+        self.error: BaseException | None = None
+        self.failed_group = len(groups)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        """Copy thread: issue each group, attach it, then signal it."""
+        try:
+            for k, spans in enumerate(self.groups):
+                try:
+                    self.marks[k] = self.backend.copy_group(spans, self.dev_buf)
+                    self.attach(k)
+                except BaseException as exc:  # handed to the compute thread by wait()
+                    self.error, self.failed_group = exc, k
+                    log.warning("[ctxpool] copy of %s group %d failed: %s: %s", self.label, k,
+                                type(exc).__name__, exc)
+                    for event in self.ready[k:]:
+                        event.set()
+                    return
+                self.ready[k].set()
+        finally:
+            self.done.set()
+
+    def wait(self, k: int) -> None:
+        """Compute thread: return once group ``k`` may be used by compute; CopyError if its copy failed."""
+        self.ready[k].wait()
+        if k >= self.failed_group:
+            raise CopyError(f"copying {self.label} to {self.backend.device} failed in group {k} of "
+                            f"{len(self.groups)}: {type(self.error).__name__}: {self.error}") from self.error
+        self.backend.wait_copied(self.marks[k])
+
+    def join(self) -> None:
+        self.done.wait()
+
+    def transfer_s(self) -> float:
+        """Seconds the copy stream/thread spent copying (after the job is done and synchronised)."""
+        return sum(self.backend.elapsed_s(*m) for m in self.marks if m is not None)
+
+
+class CopyWorker:
+    """The engine's copy thread: runs one :class:`CopyJob` at a time, in submission order."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self._init_error: BaseException | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"ctxpool-copy-{backend.kind}", daemon=True)
+        self._thread.start()
+        self._started.wait()  # so that a thread that failed to start is dead before the first submit
+
+    def submit(self, job: CopyJob) -> None:
+        if self._init_error is not None or not self._thread.is_alive():
+            why = (f"it failed to start: {type(self._init_error).__name__}: {self._init_error}"
+                   if self._init_error else "engine closed?")
+            raise RuntimeError(f"the engine's copy thread is not running ({why})")
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        try:
+            self._backend.thread_init()
+        except BaseException as exc:  # reported by submit()
+            self._init_error = exc
+            log.error("[ctxpool] copy thread failed to start: %s: %s", type(exc).__name__, exc)
+            return
+        finally:
+            self._started.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job.run()
+            del job  # holds views of the host memory: an idle thread must not keep a removed model's alive

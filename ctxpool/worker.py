@@ -1,0 +1,277 @@
+"""A ctxpool worker process: one warm engine on one device, driven over a pipe.
+
+Started by :class:`ctxpool.pool.WorkerPool` with the ``spawn`` start method
+(the daemon holds a ZeroMQ context, which must never be forked). It creates
+its :class:`ctxpool.engine.Engine`, warms it up (a matmul and a conv run, the
+memory pool reserved), says ``Ready`` and then serves one message at a time
+(see :mod:`ctxpool.messages`). A model that raises fails only its request;
+the worker exits when the daemon's end of the pipe closes, when the daemon
+dies (``PR_SET_PDEATHSIG``), on ``Shutdown``, or on an exception of its own,
+after a last ``Dying`` frame saying why.
+
+``NODEAGENT_CTXPOOL_TEST_FAULT`` (comma-separated) makes a worker misbehave on
+cue, for the supervisor's tests: ``ignore-shutdown`` (the Shutdown message is
+ignored), ``ignore-sigterm``, ``fail-start`` (raise before Ready).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Sequence
+
+from client_lib import protocol as p
+from ctxpool import messages as msg
+
+log = logging.getLogger("ctxpool.worker")
+
+FAULT_ENV = "NODEAGENT_CTXPOOL_TEST_FAULT"
+OUTPUT_PREFIX = "na-out"
+_PR_SET_PDEATHSIG = 1
+# Words of errors after which a CUDA context is unusable: the worker must be replaced.
+_FATAL_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                        "misaligned address", "illegal instruction", "CUDA error: an uncorrectable")
+
+
+class WorkerFatal(Exception):
+    """The worker cannot go on (its device context is lost); it exits after Dying."""
+
+
+def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: int,
+                memory_budget_bytes: int | None, extra_sys_path: Sequence[str],
+                output_group: int | None = None) -> None:
+    """Process entry point. Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the daemon decides
+    faults = {f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()}
+    if "ignore-sigterm" in faults:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.path[:0] = [path for path in extra_sys_path if path not in sys.path]
+    code = 1
+    try:
+        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults)
+        code = worker.serve()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        log.info("[worker] daemon end of the pipe closed: exit")
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - the last word goes to the daemon, then we exit
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("[worker] dying device=%d reason=%s", device_index, reason, exc_info=True)
+        try:
+            conn.send_bytes(msg.encode(msg.Dying(reason=reason)))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+    os._exit(code)  # skip atexit and finalizers: nothing of ours needs them, and a wedged one would hang
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the daemon's thread that spawned it exits (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("[worker] prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):
+        log.warning("[worker] no prctl: the worker relies on its pipe closing to notice a dead daemon")
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the daemon died before prctl took effect
+        os._exit(0)
+
+
+class _Loaded:
+    """A model this worker attached: its module and the mapping of its weight segment."""
+
+    def __init__(self, module: Any, segment: Any) -> None:
+        self.module = module
+        self.segment = segment
+
+
+class _Worker:
+    def __init__(self, conn: Connection, backend: str, device_index: int, pool_bytes: int,
+                 memory_budget_bytes: int | None, output_group: int | None, faults: set[str]) -> None:
+        if "fail-start" in faults:
+            raise RuntimeError(f"{FAULT_ENV}=fail-start: failing before Ready on cue")
+        from ctxpool.engine import Engine  # torch and the engine load in the worker only
+
+        self.conn = conn
+        self.device_index = device_index
+        self.output_group = output_group
+        self.faults = faults
+        self.models: dict[str, _Loaded] = {}
+        self.engine = Engine(backend, device_index=device_index, memory_budget_bytes=memory_budget_bytes)
+        warm_up_s = self.engine.warm_up(pool_bytes)
+        self._send(msg.Ready(pid=os.getpid(), warm_up_ms=warm_up_s * 1000.0))
+        log.info("[worker] ready backend=%s device=%d warm_up_ms=%.1f", backend, device_index, warm_up_s * 1000.0)
+
+    def _send(self, reply: msg.FromWorkerMessage) -> None:
+        self.conn.send_bytes(msg.encode(reply))
+
+    def serve(self) -> int:
+        while True:
+            request = msg.decode_to_worker(self.conn.recv_bytes())  # malformed: a bug, die with Dying
+            if isinstance(request, msg.Shutdown):
+                if "ignore-shutdown" in self.faults:
+                    log.warning("[worker] ignoring Shutdown on cue (%s)", FAULT_ENV)
+                    continue
+                log.info("[worker] shutdown device=%d", self.device_index)
+                self.engine.close()  # unpins host memory, stops the copy thread
+                return 0
+            if isinstance(request, msg.Run):
+                self._send(self._run(request))
+            elif isinstance(request, msg.Prepare):
+                self._send(self._prepare(request))
+            elif isinstance(request, msg.Attach):
+                self._send(self._attach(request))
+            elif isinstance(request, msg.Drop):
+                self._drop(request.model)
+                self._send(msg.Dropped(model=request.model))
+
+    # ------------------------------------------------------------ models
+
+    def _prepare(self, request: msg.Prepare) -> msg.FromWorkerMessage:
+        from ctxpool import store
+
+        try:
+            module = store.build_module(request.factory)
+            state = None
+            if request.weights is not None:
+                state = store.load_weights(request.weights)
+                store.check_weights(module, state, source=f"weights {request.weights}")
+            manifest = store.place_in_shared_memory(module, state, request.segment, group=request.segment_group)
+        except store.ModelError as exc:
+            return msg.Rejected(model=request.model, step="prepare", code=exc.code, message=exc.message)
+        except Exception as exc:  # shared memory full, out of host memory, ...
+            return msg.Rejected(model=request.model, step="prepare", code=p.ErrorCode.MODEL,
+                                message=f"preparing {request.model!r} failed: {type(exc).__name__}: {exc}")
+        log.info("[worker] prepared model=%s bytes=%d segment=%s", request.model, manifest.total_bytes,
+                 manifest.segment)
+        return msg.Prepared(model=request.model, manifest=manifest, model_bytes=store.model_bytes(manifest),
+                            layers=store.leaf_layers(module))
+
+    def _attach(self, request: msg.Attach) -> msg.FromWorkerMessage:
+        from client_lib import tensors
+        from ctxpool import store
+
+        def rejected(code: str, message: str) -> msg.Rejected:
+            return msg.Rejected(model=request.model, step="attach", code=code, message=message)
+
+        if request.model in self.models:
+            return rejected(p.ErrorCode.INTERNAL, f"model {request.model!r} is already attached to this worker")
+        segment = None
+        try:
+            module = store.build_module(request.factory)
+            segment = store.attach_module(module, request.manifest)
+            example = _read_inputs(request.example_input)
+            plan = self.engine.add_model(request.model, module, example)
+        except store.ModelError as exc:
+            _close(segment)
+            return rejected(exc.code, exc.message)
+        except tensors.TensorTransportError as exc:
+            _close(segment)
+            return rejected(p.ErrorCode.MODEL, f"example input of {request.model!r}: {exc}")
+        except Exception as exc:  # the engine could not run the example (ValueError), or the model raised
+            _close(segment)
+            return rejected(p.ErrorCode.MODEL, f"model {request.model!r} does not run its example input: "
+                                               f"{type(exc).__name__}: {exc}")
+        self.models[request.model] = _Loaded(module, segment)
+        log.info("[worker] attached model=%s layers=%d groups=%d", request.model, len(plan.layers), len(plan.groups))
+        return msg.Attached(model=request.model, model_bytes=plan.model_bytes, layers=len(plan.layers),
+                            groups=len(plan.groups), resident=list(self.engine.resident()))
+
+    def _drop(self, name: str) -> None:
+        loaded = self.models.pop(name, None)
+        try:
+            self.engine.remove_model(name)
+        except KeyError:
+            pass
+        if loaded is not None:
+            segment = loaded.segment
+            del loaded
+            gc.collect()  # the module's views must go before the mapping can
+            _close(segment)
+        log.info("[worker] dropped model=%s", name)
+
+    # ------------------------------------------------------------ requests
+
+    def _run(self, request: msg.Run) -> msg.FromWorkerMessage:
+        from client_lib import tensors
+
+        started = time.perf_counter()
+
+        def failed(code: str, message: str) -> msg.Failed:
+            return msg.Failed(request_id=request.request_id, code=code, message=message)
+
+        if request.model not in self.models:
+            return failed(p.ErrorCode.NO_MODEL, f"model {request.model!r} is not attached to worker {os.getpid()}")
+        try:
+            segments = tensors.attach_all(request.inputs)
+        except tensors.TensorTransportError as exc:
+            return failed(p.ErrorCode.INVALID, f"inputs: {exc}")
+        try:
+            try:
+                inputs = tuple(tensors.views(request.inputs, segments))
+            except tensors.TensorTransportError as exc:
+                return failed(p.ErrorCode.INVALID, f"inputs: {exc}")
+            try:
+                outputs, stats = self.engine.infer(request.model, inputs)
+            except Exception as exc:
+                reply = failed(p.ErrorCode.INFERENCE, f"model {request.model!r} raised {type(exc).__name__}: {exc}")
+                if any(words in str(exc) for words in _FATAL_DEVICE_ERRORS):
+                    self._send(reply)
+                    raise WorkerFatal(f"device context lost: {exc}") from exc
+                return reply
+            flat = _flatten(outputs)
+            single = len(flat) == 1 and flat[0] is outputs  # a bare tensor, not a 1-tuple
+            if flat is None:
+                return failed(p.ErrorCode.INFERENCE, f"model {request.model!r} returned a {type(outputs).__name__}; "
+                                                     "expected a tensor or a tuple/list of tensors")
+            try:
+                segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group)
+            except (tensors.TensorTransportError, OSError) as exc:
+                return failed(p.ErrorCode.INFERENCE, f"outputs of {request.model!r} cannot be returned: {exc}")
+            if segment is not None:
+                segment.close()  # the receiver owns it now
+            del inputs, outputs, flat
+        finally:
+            for seg in segments.values():
+                seg.close()
+        return msg.Done(request_id=request.request_id, outputs=refs, swap=stats.swap,
+                        run_ms=(time.perf_counter() - started) * 1000.0, resident=list(self.engine.resident()),
+                        single=single)
+
+
+def _read_inputs(refs: Sequence[p.TensorRef]) -> tuple:
+    """Private copies of tensors the daemon keeps in shared memory (the engine may hold on to them)."""
+    from client_lib import tensors
+
+    segments = tensors.attach_all(refs)
+    try:
+        return tuple(t.clone() for t in tensors.views(refs, segments))
+    finally:
+        for seg in segments.values():
+            seg.close()
+
+
+def _flatten(outputs: Any) -> list | None:
+    import torch
+
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in outputs):
+        return list(outputs)
+    return None
+
+
+def _close(segment: Any) -> None:
+    if segment is not None:
+        segment.close()

@@ -1,0 +1,608 @@
+"""ctxpool.engine on real torch: swap-in equals the plain run, eviction, faults, and that it really pipelines."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ctxpool import streams
+from ctxpool.engine import CopyError, Engine
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ------------------------------------------------------------------- models
+
+
+class BnCnn(nn.Module):
+    """Convs with BatchNorm whose running statistics are not the defaults (so buffers must travel)."""
+
+    def __init__(self, seed: int = 0, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.Conv2d(2 * width, 4 * width, 3, padding=1, stride=2), nn.BatchNorm2d(4 * width), nn.ReLU())
+        self.head = nn.Linear(4 * width * 4 * 4, 10)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.5, 0.5)
+                    m.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.body(x), 1))
+
+
+class TiedTransformer(nn.Module):
+    """Embedding tied to the output projection, around stock encoder layers (whose eval fast path
+    uses the attention weights without calling the submodules that own them)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.decoder = nn.Linear(dim, vocab, bias=False)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(self.embed(ids)))
+
+
+class ContainerParam(nn.Module):
+    """A bare parameter and a buffer on the model itself, and a layer reading a later sibling's weight."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.l1, self.l2, self.l3 = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.register_buffer("offset", torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h = self.l2(h) + F.linear(h, self.l3.weight)  # l3's weight is needed before l3 runs
+        return self.l3(h) * self.scale + self.offset
+
+
+class WideSiblings(nn.Module):
+    """Big weights and little compute (copy-bound: a group per layer), with a sibling's weight used early."""
+
+    def __init__(self, dim: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        x = self.layers[1](x) + F.linear(x, self.layers[4].weight) * 1e-3
+        for layer in self.layers[2:]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class Deep(nn.Module):
+    """Big layers with real compute: copies take milliseconds, so do the layers."""
+
+    def __init__(self, dim: int = 2048, depth: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[0] == 3:
+            raise RuntimeError("boom: batch of 3")
+        return self.b(h)
+
+
+def cases():
+    return [
+        ("cnn", BnCnn(), (torch.randn(2, 3, 16, 16),)),
+        ("tied", TiedTransformer(), (torch.randint(0, 50, (2, 7)),)),
+        ("container", ContainerParam(), (torch.randn(4, 16),)),
+    ]
+
+
+def plain(module: nn.Module, inputs: tuple):
+    with torch.no_grad():
+        return module.eval()(*inputs)
+
+
+def tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer object once."""
+    seen, out = set(), []
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+@pytest.fixture
+def engine():
+    e = Engine("cpu")
+    e.warm_up(pool_bytes=64 << 20)
+    yield e
+    e.close()
+
+
+# ---------------------------------------------------------------- equality
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_swap_in_output_equals_the_plain_run(engine, mode):
+    for name, module, inputs in cases():
+        expected = plain(module, inputs)
+        engine.add_model(name, module, inputs)
+        assert engine.resident() == [] or name not in engine.resident()  # not left resident
+        out, stats = engine.infer(name, inputs, mode=mode)
+        assert torch.equal(out, expected), name
+        assert stats.swap == mode and stats.groups == len(engine.plan(name).groups)
+        assert stats.swap_bytes >= engine.plan(name).model_bytes and stats.transfer_s > 0
+        out, stats = engine.infer(name, inputs)
+        assert stats.swap == "ready" and stats.swap_bytes == 0 and stats.transfer_s == 0
+        assert torch.equal(out, expected), name
+
+
+def test_evict_and_swap_again_gives_identical_outputs(engine):
+    for name, module, inputs in cases():
+        engine.add_model(name, module, inputs)
+        first, _ = engine.infer(name, inputs)
+        for mode in ("sequential", "pipelined", "pipelined"):
+            engine.evict(name)
+            assert name not in engine.resident()
+            again, stats = engine.infer(name, inputs, mode=mode)
+            assert stats.swap == mode and torch.equal(again, first), (name, mode)
+
+
+def test_tied_weights_are_copied_once_and_stay_tied_on_the_device(engine):
+    model = TiedTransformer()
+    unique = sum(t.numel() * t.element_size() for t in tensors_of(model))
+    host_ptr = model.embed.weight.data_ptr()
+    plan = engine.add_model("tied", model, (torch.randint(0, 50, (2, 5)),))
+    assert plan.model_bytes == unique
+    engine.infer("tied", (torch.randint(0, 50, (2, 5)),))
+    assert model.decoder.weight is model.embed.weight
+    assert model.embed.weight.data_ptr() != host_ptr  # it is the device copy now
+    engine.evict("tied")
+    assert model.embed.weight.data_ptr() == host_ptr
+
+
+def test_views_of_one_storage_stay_views_of_one_device_copy(engine):
+    module = nn.Module()
+    base = torch.randn(64)
+    module.a = nn.Parameter(base)
+    module.b = nn.Parameter(base[16:48].view(4, 8))
+    module.forward = lambda x: (x * module.a[:4]).sum() + module.b.sum()
+    plan = engine.add_model("views", module, (torch.randn(4),))
+    assert plan.model_bytes == 64 * 4  # one atom: b lies inside a
+    engine.infer("views", (torch.randn(4),))
+    assert module.b.data_ptr() == module.a.data_ptr() + 16 * 4 and module.a.data_ptr() != base.data_ptr()
+
+
+def test_ownership_puts_early_used_and_container_params_where_they_are_first_needed(engine):
+    model = ContainerParam()
+    plan = engine.add_model("container", model, (torch.randn(4, 16),))
+    names = [layer.name for layer in plan.layers]
+    assert names[:4] == ["", "l1", "l2", "l3"]
+    by_name = {layer.name: layer.bytes for layer in plan.layers}
+    w = 16 * 16 * 4
+    assert by_name[""] == 2 * 16 * 4  # scale and offset: the model's own, needed from the start
+    assert by_name["l2"] == w + 16 * 4 + w  # its own weight and bias, and l3.weight (used in l2's stretch)
+    assert by_name["l3"] == 16 * 4  # only l3's bias is left to l3
+    assert plan.groups[0][0] == 0
+
+
+def test_pipelined_compute_never_reads_a_weight_before_its_group_arrived(monkeypatch):
+    """Copy-bound on purpose (a group per layer, fresh pages): compute races ahead of the copy thread.
+    Every tensor a torch function gets must be the device copy, never the host tensor."""
+    engine = Engine("cpu")  # no pool: slower copies into fresh pages
+    try:
+        model = WideSiblings()
+        x = torch.randn(1, 512)
+        expected = plain(model, (x,))
+        host_ptrs = {t.data_ptr() for t in tensors_of(model)}
+        plan = engine.add_model("wide", model, (x,))
+        assert len(plan.groups) >= 4
+        used_host = []
+
+        class Watch(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                for a in (*args, *(kwargs or {}).values()):
+                    if isinstance(a, torch.Tensor) and a.data_ptr() in host_ptrs:
+                        used_host.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        for _ in range(3):
+            engine.evict("wide")
+            with Watch():
+                out, stats = engine.infer("wide", (x,), mode="pipelined")
+            assert torch.equal(out, expected)
+            assert used_host == []
+    finally:
+        engine.close()
+
+
+def test_pipelined_swap_in_overlaps_copy_and_compute():
+    """Fails if pipelining is removed: some group's copy must still run after compute started on an
+    earlier group. Timestamps come from the engine (copy thread and compute hooks), not a threshold."""
+    engine = Engine("cpu")  # fresh pages: each 16 MiB layer takes milliseconds to copy
+    try:
+        model = Deep()
+        x = torch.randn(64, 2048)
+        engine.add_model("deep", model, (x,))
+        expected, _ = engine.infer("deep", (x,))
+        overlapped = 0
+        for _ in range(3):
+            engine.evict("deep")
+            out, stats = engine.infer("deep", (x,), mode="pipelined")
+            assert torch.equal(out, expected)
+            t = stats.timeline
+            assert len(t) == stats.groups >= 2
+            assert all(a.copy_end_s <= b.copy_start_s + 1e-9 for a, b in zip(t, t[1:]))  # copies in order
+            assert all(g.copy_end_s <= g.compute_start_s + 1e-9 for g in t)  # compute waits for its group
+            overlapped += any(t[k].compute_start_s < t[k + 1].copy_end_s and t[k + 1].copy_start_s < t[k].compute_end_s
+                              for k in range(len(t) - 1))
+            engine.evict("deep")
+            out, stats = engine.infer("deep", (x,), mode="sequential")
+            assert torch.equal(out, expected)
+            assert max(g.copy_end_s for g in stats.timeline) <= min(g.compute_start_s for g in stats.timeline)
+        assert overlapped >= 2, "copies never overlapped compute"
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------- residency, memory
+
+
+def test_lru_eviction_under_a_memory_budget():
+    probe = Engine("cpu")
+    size = probe.add_model("probe", BnCnn(0), (torch.randn(1, 3, 16, 16),)).device_bytes
+    probe.close()
+    engine = Engine("cpu", memory_budget_bytes=int(size * 2.5))
+    try:
+        x = (torch.randn(2, 3, 16, 16),)
+        models = {n: BnCnn(seed) for seed, n in enumerate("abc")}
+        expected = {n: plain(m, x) for n, m in models.items()}
+        for n, m in models.items():
+            engine.add_model(n, m, x)
+        for n in "abc":
+            out, stats = engine.infer(n, x)
+            assert stats.swap == "pipelined" and torch.equal(out, expected[n])
+        assert engine.resident() == ["b", "c"]  # a, least recently used, made room for c
+        _, stats = engine.infer("b", x)
+        assert stats.swap == "ready" and engine.resident() == ["c", "b"]
+        out, stats = engine.infer("a", x)
+        assert stats.swap == "pipelined" and torch.equal(out, expected["a"])
+        assert engine.resident() == ["b", "a"]  # c went
+        out, stats = engine.infer("c", x, mode="sequential")
+        assert torch.equal(out, expected["c"]) and engine.resident() == ["a", "c"]
+    finally:
+        engine.close()
+
+
+def test_a_model_bigger_than_the_budget_is_refused_at_registration():
+    engine = Engine("cpu", memory_budget_bytes=1024)
+    try:
+        with pytest.raises(ValueError, match="more than the engine's memory budget of 1024 bytes"):
+            engine.add_model("big", BnCnn(), (torch.randn(1, 3, 16, 16),))
+        with pytest.raises(KeyError):
+            engine.plan("big")
+    finally:
+        engine.close()
+
+
+def test_host_tensors_are_never_reallocated_or_written(engine):
+    for name, module, inputs in cases():
+        module.train()  # add_model serves in eval mode: BatchNorm must not update its statistics
+        objs = tensors_of(module)
+        hosts = [t.data for t in objs]  # aliases of the host memory
+        ptrs = [t.data_ptr() for t in objs]
+        before = [t.detach().clone() for t in objs]
+        engine.add_model(name, module, inputs)
+        assert not module.training
+        for mode in ("pipelined", "sequential"):
+            engine.infer(name, inputs, mode=mode)
+            engine.infer(name, inputs)
+            assert [h.data_ptr() for h in hosts] == ptrs
+            assert all(torch.equal(h, b) for h, b in zip(hosts, before)), name
+            engine.evict(name)
+            assert [t.data_ptr() for t in objs] == ptrs
+            assert all(torch.equal(t, b) for t, b in zip(objs, before)), name
+
+
+def test_the_reserved_pool_serves_swap_ins_and_gets_its_memory_back(engine):
+    arena = engine._backend.arena
+    assert arena is not None and arena.in_use_bytes == 0
+    model = BnCnn()
+    plan = engine.add_model("cnn", model, (torch.randn(1, 3, 16, 16),))
+    engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+    assert arena.in_use_bytes >= plan.device_bytes
+    lo, hi = arena.base_address, arena.base_address + arena.nbytes
+    assert all(lo <= t.data_ptr() < hi for t in tensors_of(model))
+    engine.evict("cnn")
+    gc.collect()
+    assert arena.in_use_bytes == 0
+
+
+def test_warm_up_measures_the_copy_bandwidth():
+    engine = Engine("cpu")
+    try:
+        took = engine.warm_up()
+        assert took > 0 and engine.bytes_per_s > 1e8  # memmove manages far more than 100 MB/s
+        plan = engine.add_model("cnn", BnCnn(), (torch.randn(1, 3, 16, 16),))
+        assert plan.bytes_per_s == engine.bytes_per_s
+        # Per layer the fastest of the timed runs, so at most the fastest whole forward.
+        assert 0.2 * plan.forward_s < sum(layer.compute_s for layer in plan.layers) <= plan.forward_s * 1.001
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------------ faults
+
+
+def test_an_exception_from_the_model_propagates_and_the_engine_stays_usable(engine):
+    engine.add_model("fails", Fails(), (torch.randn(2, 8),))
+    name, module, inputs = cases()[0]
+    expected = plain(module, inputs)
+    engine.add_model(name, module, inputs)
+    for mode in ("pipelined", "sequential"):
+        engine.evict("fails")
+        with pytest.raises(RuntimeError, match="boom: batch of 3"):
+            engine.infer("fails", (torch.randn(3, 8),), mode=mode)
+        assert "fails" not in engine.resident() or mode == "sequential"
+        out, _ = engine.infer(name, inputs, mode=mode)
+        assert torch.equal(out, expected)
+        out, _ = engine.infer("fails", (torch.randn(2, 8),))
+        assert out.shape == (2, 8)
+    with pytest.raises(RuntimeError, match="boom"):  # resident this time: the ready path
+        engine.infer("fails", (torch.randn(3, 8),))
+    assert engine.infer("fails", (torch.randn(2, 8),))[1].swap == "ready"
+
+
+def test_a_failed_copy_raises_copy_error_and_leaves_the_model_on_the_host(engine, monkeypatch):
+    module = Deep(dim=64, depth=6)
+    x = torch.randn(2, 64)
+    expected = plain(module, (x,))
+    ptrs = [t.data_ptr() for t in tensors_of(module)]
+    plan = engine.add_model("deep", module, (x,), first_group_bytes=1)
+    assert len(plan.groups) >= 2
+    real = streams.CpuBackend.copy_group
+    calls = []
+
+    def failing(self, spans, dev_buf):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("link down (injected)")
+        return real(self, spans, dev_buf)
+
+    monkeypatch.setattr(streams.CpuBackend, "copy_group", failing)
+    with pytest.raises(CopyError, match=r"model 'deep'.*group 1 of .*link down \(injected\)"):
+        engine.infer("deep", (x,))
+    assert engine.resident() == []
+    assert [t.data_ptr() for t in tensors_of(module)] == ptrs  # back on the host copy
+    monkeypatch.setattr(streams.CpuBackend, "copy_group", real)
+    out, stats = engine.infer("deep", (x,))
+    assert stats.swap == "pipelined" and torch.equal(out, expected)
+
+
+def test_a_model_that_cannot_run_its_example_is_refused_with_its_name(engine):
+    with pytest.raises(ValueError, match=r"model 'cnn' cannot run its example inputs.*RuntimeError"):
+        engine.add_model("cnn", BnCnn(), (torch.randn(2, 5, 16, 16),))  # 5 channels, not 3
+    with pytest.raises(KeyError):
+        engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+    engine.add_model("cnn", BnCnn(), (torch.randn(1, 3, 16, 16),))  # the name is free again
+
+
+def test_bad_calls_get_clear_errors(engine):
+    with pytest.raises(KeyError, match="no model named 'nope'"):
+        engine.infer("nope", ())
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        engine.add_model("f", lambda x: x, (1,))
+    engine.add_model("cnn", BnCnn(), (torch.randn(1, 3, 16, 16),))
+    with pytest.raises(ValueError, match="already registered"):
+        engine.add_model("cnn", BnCnn(), (torch.randn(1, 3, 16, 16),))
+    with pytest.raises(ValueError, match="unknown swap mode"):
+        engine.infer("cnn", (torch.randn(1, 3, 16, 16),), mode="eager")
+    meta = nn.Linear(2, 2, device="meta")
+    with pytest.raises(ValueError, match="'weight' is on meta"):
+        engine.add_model("meta", meta, (torch.randn(1, 2),))
+    with pytest.raises(ValueError, match="unknown backend"):
+        Engine("tpu")
+    engine.remove_model("cnn")
+    with pytest.raises(KeyError):
+        engine.plan("cnn")
+
+
+def test_the_engine_refuses_a_second_call_while_one_runs(engine):
+    engine.add_model("inner", BnCnn(), (torch.randn(1, 3, 16, 16),))
+
+    class CallsBack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.armed = False
+
+        def forward(self, x):
+            if self.armed:
+                engine.infer("inner", (torch.randn(1, 3, 16, 16),))
+            return self.l(x)
+
+    outer = CallsBack()
+    engine.add_model("outer", outer, (torch.randn(1, 4),))
+    outer.armed = True
+    with pytest.raises(RuntimeError, match="single-threaded"):
+        engine.infer("outer", (torch.randn(1, 4),))
+    outer.armed = False
+    assert engine.infer("inner", (torch.randn(1, 3, 16, 16),))[1].swap == "pipelined"
+
+
+def test_remove_model_forgets_it_and_frees_its_device_copy(engine):
+    module = BnCnn()
+    ptrs = [t.data_ptr() for t in tensors_of(module)]
+    engine.add_model("cnn", module, (torch.randn(1, 3, 16, 16),))
+    engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+    engine.remove_model("cnn")
+    assert engine.resident() == [] and [t.data_ptr() for t in tensors_of(module)] == ptrs
+    gc.collect()
+    assert engine._backend.arena.in_use_bytes == 0
+
+
+def test_a_copy_thread_that_cannot_start_is_reported_on_use(monkeypatch):
+    def broken(self):
+        raise OSError("no device context (injected)")
+
+    monkeypatch.setattr(streams.CpuBackend, "thread_init", broken)
+    engine = Engine("cpu")
+    try:
+        with pytest.raises(RuntimeError, match="copy thread is not running.*failed to start.*injected"):
+            engine.add_model("cnn", BnCnn(), (torch.randn(1, 3, 16, 16),))
+        with pytest.raises(KeyError):
+            engine.plan("cnn")  # nothing registered
+    finally:
+        engine.close()
+
+
+class FakeCudart:
+    """cudaHostRegister/Unregister with CUDA's rule that a page is registered at most once."""
+
+    class cudaError(int):
+        pass
+
+    def __init__(self, fail_call: int | None = None) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple] = []
+        self.fail_call = fail_call
+
+    def cudaGetErrorString(self, error) -> str:
+        return f"fake error {int(error)}"
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", ptr, size))
+        if len(self.calls) == self.fail_call or any(p < ptr + n and ptr < p + s for p, s in self.registered.items()
+                                                    for n in (size,)):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr))
+        return 0 if self.registered.pop(ptr, None) is not None else 713
+
+
+def test_pin_registry_locks_each_page_once_and_unlocks_when_its_last_model_leaves():
+    from ctxpool.hostmem import PinRegistry
+    page = 4096
+    rt = FakeCudart()
+    pins = PinRegistry(rt)
+    base = 0x100000
+    assert pins.pin("a", [(base + 100, base + 5000), (base + 5000, base + 6000)]) == 2 * page
+    assert pins.pin("b", [(base + page + 10, base + 3 * page)]) == page  # only the page a did not lock
+    assert rt.registered == {base: 2 * page, base + 2 * page: page}
+    assert pins.unpin("a") == 0  # b still uses a's second page, which lies in a's range
+    assert pins.unpin("b") == 3 * page
+    assert rt.registered == {} and pins.pinned_bytes() == 0
+
+
+def test_pin_registry_failure_names_the_error_and_leaves_nothing_locked():
+    from ctxpool.hostmem import PinRegistry
+    rt = FakeCudart(fail_call=2)
+    pins = PinRegistry(rt)
+    with pytest.raises(RuntimeError, match=r"CUDA error 712 \(fake error 712\).*already page-locked"):
+        pins.pin("a", [(0x100000, 0x101000), (0x200000, 0x201000)])
+    assert rt.registered == {} and pins.pinned_bytes() == 0
+
+
+# --------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def deterministic_cuda():
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic = False
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_cuda_swap_in_output_equals_the_plain_run(deterministic_cuda, mode):
+    engine = Engine("cuda", 0)
+    try:
+        engine.warm_up(pool_bytes=64 << 20)
+        for name, module, inputs in cases():
+            reference = copy.deepcopy(module).eval().cuda()
+            expected = plain(reference, tuple(t.cuda() for t in inputs))
+            engine.add_model(name, module, inputs)
+            out, stats = engine.infer(name, inputs, mode=mode)
+            assert out.device.type == "cuda" and stats.swap == mode
+            assert torch.equal(out, expected), name
+            engine.evict(name)
+            again, _ = engine.infer(name, inputs, mode=mode)
+            assert torch.equal(again, expected), name
+            if name == "tied":
+                assert module.decoder.weight is module.embed.weight and module.embed.weight.is_cuda
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_pins_host_memory_in_place_and_unpins_on_remove():
+    engine = Engine("cuda", 0)
+    try:
+        module = BnCnn()
+        objs = tensors_of(module)
+        ptrs = [t.data_ptr() for t in objs]
+        assert not any(t.is_pinned() for t in objs)
+        engine.add_model("cnn", module, (torch.randn(1, 3, 16, 16),))
+        assert all(t.is_pinned() for t in objs) and [t.data_ptr() for t in objs] == ptrs
+        engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+        engine.remove_model("cnn")
+        assert [t.data_ptr() for t in objs] == ptrs
+        assert not any(t.is_pinned() for t in objs)
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_copies_run_on_a_copy_stream_with_an_event_per_group_and_overlap_compute():
+    engine = Engine("cuda", 0)
+    try:
+        engine.warm_up(pool_bytes=512 << 20)
+        model = Deep(dim=4096, depth=8)  # 64 MiB per layer
+        x = torch.randn(512, 4096)
+        plan = engine.add_model("deep", model, (x,))
+        expected, _ = engine.infer("deep", (x,))
+        engine.evict("deep")
+        out, stats = engine.infer("deep", (x,), mode="pipelined")
+        assert torch.equal(out, expected)
+        t = stats.timeline  # from CUDA events: copy stream and compute stream
+        assert stats.groups == len(plan.groups) >= 2 and len(t) == stats.groups
+        assert all(g.copy_end_s <= g.compute_start_s + 1e-4 for g in t)
+        assert any(t[k].compute_start_s < t[k + 1].copy_end_s for k in range(len(t) - 1))
+        assert stats.transfer_s > 0
+        efficiency = plan.model_bytes / engine.bytes_per_s / stats.transfer_s
+        assert 0.3 < efficiency <= 1.2
+    finally:
+        engine.close()
