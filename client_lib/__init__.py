@@ -5,12 +5,13 @@ Light by default (pyzmq, msgspec); torch only in :mod:`client_lib.torch`.
 
 from client_lib.client import Client, query_status, resume_session, set_partition, suspend_session
 from client_lib.errors import (DaemonError, DaemonUnavailableError, GrantTimeoutError,
-                               HandshakeTimeoutError, NodeAgentError, NoSessionError,
-                               ProtocolMismatchError)
+                               HandshakeTimeoutError, InferenceError, ModelError, NoModelError, NodeAgentError,
+                               NoSessionError, ProtocolMismatchError, ServingUnavailableError, WorkerDeadError)
 from client_lib.protocol import PROTOCOL_VERSION, ErrorCode
 
 __all__ = [
     "Client", "query_status", "suspend_session", "resume_session", "set_partition", "PROTOCOL_VERSION", "ErrorCode",
     "NodeAgentError", "DaemonError", "DaemonUnavailableError", "GrantTimeoutError",
     "HandshakeTimeoutError", "NoSessionError", "ProtocolMismatchError",
+    "ModelError", "NoModelError", "InferenceError", "WorkerDeadError", "ServingUnavailableError",
 ]

@@ -27,12 +27,13 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 
 from client_lib import codec
 from client_lib import protocol as p
+from client_lib import serving
 from client_lib.endpoint import client_endpoint
 from client_lib.errors import (DaemonError, DaemonUnavailableError, GrantTimeoutError,
                                HandshakeTimeoutError, NodeAgentError, NoSessionError, from_reply)
@@ -58,7 +59,8 @@ class Client:
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, context: zmq.Context | None = None) -> None:
+                 managed_pgid: int | None = None, context: zmq.Context | None = None,
+                 borrower: str | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -70,6 +72,7 @@ class Client:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.fail_open = fail_open
         self.managed_pgid = managed_pgid
+        self.borrower = borrower  # the training job this session belongs to (a device lent to it)
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
@@ -245,6 +248,42 @@ class Client:
         """The daemon's status snapshot."""
         return self._call(p.StatusRequest(id=self._take_id()), timeout)
 
+    # ------------------------------------------------------ server-side models
+
+    def register_model(self, name: str, factory: str, weights: str | os.PathLike | None = None,
+                       example_input: Any = None, *, device: int | None = None, replace: bool = False,
+                       timeout: float = 600.0) -> p.ModelInfo:
+        """Register a model with the daemon's warm workers: ``factory`` is
+        ``"package.module:callable"`` (importable by the daemon) returning the
+        ``torch.nn.Module``; ``weights`` a safetensors or torch state-dict file
+        (None: the factory's own initialisation); ``example_input`` one tensor or a
+        tuple, run once to check the model and time its layers. Returns once every
+        worker has it; :class:`ModelError` says what was wrong (nothing registered)."""
+        self._check_open()
+        with serving.Packed(serving.as_list(example_input), self.endpoint) as packed:
+            req = serving.register_request(self._take_id(), name, factory, weights, packed.refs, device, replace)
+            reply = self._call(req, timeout)
+        return reply.model
+
+    def infer(self, name: str, inputs: Any, *, timeout: float = 60.0) -> Any:
+        """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of
+        them) in the daemon, under this session's device token. Returns what the
+        model returned: one tensor, or a list. Raises :class:`InferenceError` if the
+        model raised, :class:`WorkerDeadError` if its worker died meanwhile."""
+        self._check_open()
+        values = serving.as_list(inputs)
+        with serving.Packed(values, self.endpoint) as packed:
+            req = p.Infer(id=self._take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
+            reply = self._call(req, timeout + 5.0)
+        return serving.take_outputs(reply, serving.kind_of(values), reply.single)
+
+    def models(self, timeout: float = 5.0) -> list[p.ModelInfo]:
+        """Models registered with the daemon."""
+        return self._call(p.ModelsRequest(id=self._take_id()), timeout).models
+
+    def unregister_model(self, name: str, timeout: float = 30.0) -> None:
+        self._call(p.UnregisterModel(id=self._take_id(), name=name), timeout)
+
     def daemon_healthy(self) -> bool:
         """False once the heartbeat thread has lost the daemon or seen it restart."""
         return self._heartbeat is not None and self._heartbeat.healthy() and not self._heartbeat.restarted
@@ -407,7 +446,8 @@ class Client:
             id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
-            resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim)
+            resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
+            borrower=self.borrower)
         try:
             welcome = self._call(hello, handshake_timeout_s or self.handshake_timeout_s, handshake=True)
         except BaseException:

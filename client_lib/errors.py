@@ -50,9 +50,42 @@ class GrantTimeoutError(NodeAgentError):
     code = "E_TIMEOUT"
 
 
+class ModelError(DaemonError):
+    """A model could not be registered (bad factory path, weights file, shapes); nothing was registered."""
+
+    code = ErrorCode.MODEL
+
+
+class NoModelError(DaemonError):
+    code = ErrorCode.NO_MODEL
+
+
+class InferenceError(DaemonError):
+    """The model raised inside the daemon's worker; the worker lives on."""
+
+    code = ErrorCode.INFERENCE
+
+
+class WorkerDeadError(DaemonError):
+    """The worker running the request died; a replacement serves the next request."""
+
+    code = ErrorCode.WORKER_DEAD
+
+
+class ServingUnavailableError(DaemonError):
+    """No workers to run the request (server-side inference off, or none alive)."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 _BY_CODE = {
     ErrorCode.PROTOCOL: ProtocolMismatchError,
     ErrorCode.NO_SESSION: NoSessionError,
+    ErrorCode.MODEL: ModelError,
+    ErrorCode.NO_MODEL: NoModelError,
+    ErrorCode.INFERENCE: InferenceError,
+    ErrorCode.WORKER_DEAD: WorkerDeadError,
+    ErrorCode.UNAVAILABLE: ServingUnavailableError,
 }
 
 

@@ -336,6 +336,7 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     attached: bool = True  # False: restored from the journal, its client has not reattached yet
     suspended: Optional[str] = None  # requested | suspended | stopped, while a suspend is in force
     bytes_parked: int = 0
+    borrower: Optional[str] = None  # 1.1: hello.borrower, the training job the session belongs to
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):
@@ -453,6 +454,7 @@ class InferResult(Reply, tag="infer_result"):
     queue_ms: float  # from arrival to the worker starting (token wait included)
     run_ms: float  # in the worker: swap-in and compute, until the outputs were ready
     device: int = 0
+    single: bool = False  # the model returned one tensor (not a tuple or list)
 
 
 # -- 1.1: cluster placement ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent serve | status | run | demo | bench``."""
+"""Command line: ``nodeagent serve | status | run | demo | keys | bench``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ daemon gone: by default (fail-open) CMD is continued and runs unmanaged, and the
 exit status: CMD's, or 128+N if CMD died of signal N; 127 if CMD is not found,
   126 if it cannot be executed, 2 for a usage error, 1 if the daemon refused
   the session.
+"""
+
+KEYS_GENERATE_DESCRIPTION = """\
+Create the daemon's CURVE key pair and one key pair per client, as ZeroMQ
+certificate files:
+  DIR/server.key_secret         the daemon's secret (0600): stays on this node
+  DIR/server.key                the daemon's public key: give it to every client
+  DIR/allowed/NAME.key          public keys of the clients the daemon lets in
+  DIR/clients/NAME.key_secret   a client's secret (0600): move it to that client
+Refuses to overwrite existing files unless --force. To allow another client
+later, copy its public .key file into DIR/allowed/ (or use --clients-only).
 """
 
 
@@ -100,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-policy", choices=["warn", "revoke", "stop"],
                        help="a session using more device memory than it declared (default: warn)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    serve.add_argument("--ctxpool", choices=["auto", "on", "off"],
+                       help="warm worker processes for server-side inference: auto starts them when torch "
+                            "is importable (default: auto)")
 
     sub.add_parser("config-example", help="print a commented config file with the defaults",
                    description="Print a commented nodeagent.toml holding every setting and its default.")
@@ -130,6 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
                                       "client that share device 0, printing who holds the token.")
     demo.add_argument("--seconds", type=float, default=6.0, help="how long the clients run (default: 6)")
 
+    keys = sub.add_parser("keys", help="create the CURVE keys of the cluster endpoint",
+                          description="Manage the CURVE keys that authenticate placement clients on the "
+                                      "cluster endpoint ([cluster] keys_dir in the config).")
+    keys_sub = keys.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    keys_gen = keys_sub.add_parser("generate", help="create the server key pair and client key pairs",
+                                   description=KEYS_GENERATE_DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys_gen.add_argument("--dir", default=None, metavar="DIR",
+                          help="keys directory (default: /etc/nodeagent/keys)")
+    keys_gen.add_argument("--client", action="append", default=None, metavar="NAME",
+                          help="a client to allow, repeatable (default: one named 'placement')")
+    keys_gen.add_argument("--clients-only", action="store_true",
+                          help="add clients to an existing keys directory; keep the server key")
+    keys_gen.add_argument("--force", action="store_true",
+                          help="replace existing key files (every client then needs the new keys)")
+
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, fairness, preempt, enforce, recovery, suspend)",
                            description="Equivalent to python -m bench.NAME ARGS.")
     bench.add_argument("name", choices=["handoff", "fairness", "preempt", "enforce", "recovery", "suspend"])
@@ -153,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from nodeagent.demo import run_demo
         return run_demo(args.seconds)
+    if args.command == "keys":
+        return _keys(args)
     if args.command == "bench":
         return subprocess.call([sys.executable, "-m", f"bench.{args.name}", *args.args])
     return 2
@@ -185,7 +217,8 @@ def _config_from(args: argparse.Namespace):
                        ("state_dir", "state_dir"), ("metrics_port", "metrics_port"),
                        ("metrics_addr", "metrics_addr"), ("grace_ms", "grace_ms"),
                        ("heartbeat_ms", "heartbeat_ms"), ("enforce", "enforce"),
-                       ("memory_policy", "memory_policy"), ("log_level", "log_level")):
+                       ("memory_policy", "memory_policy"), ("log_level", "log_level"),
+                       ("ctxpool", "ctxpool_enabled")):
         value = getattr(args, flag)
         if value is not None:
             setattr(config, attr, value)
@@ -241,6 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Handlers only record the request and wake the loop (the wakeup fd does the waking).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _f: server.request_stop(signal.Signals(s).name))
+    signal.signal(signal.SIGHUP, lambda _s, _f: server.request_reload())  # re-read the cluster's allowed keys
     signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
     print(f"nodeagent: ready endpoint={endpoint} backend={backend.name} devices={backend.count()} "
           f"pid={os.getpid()}", file=sys.stderr, flush=True)
@@ -252,6 +286,27 @@ def _serve(args: argparse.Namespace) -> int:
         backend.close()
     notify_systemd("STOPPING=1")
     logging.getLogger("nodeagent.cli").info("[serve] stopped reason=%s", reason)
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from nodeagent.keys import DEFAULT_KEYS_DIR, KeysError, generate
+    keys_dir = args.dir or DEFAULT_KEYS_DIR
+    try:
+        paths = generate(keys_dir, clients=args.client or ["placement"], overwrite=args.force,
+                         server=not args.clients_only)
+    except (KeysError, ValueError, OSError) as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        return 1
+    if paths.server_secret:
+        print(f"wrote {paths.server_secret}  (daemon secret key; stays on this node)")
+        print(f"wrote {paths.server_public}  (daemon public key; copy it to every placement client)")
+    for name in paths.clients:
+        print(f"wrote {paths.allowed[name]}  (client {name!r} is now allowed to connect)")
+        print(f"wrote {paths.clients[name]}  (client {name!r} secret key; move it to that client, "
+              "then delete it here)")
+    print(f"set [cluster] keys_dir = \"{paths.keys_dir}\" in the daemon's config; "
+          "restart the daemon to load new keys")
     return 0
 
 

@@ -59,6 +59,22 @@ addr = "127.0.0.1"
 devices = []                # device indices that get an MPS control daemon; empty: MPS off
 control_binary = "nvidia-cuda-mps-control"
 min_percent = 5             # smallest SM share a partition may give a session
+
+[ctxpool]
+enabled = "auto"            # auto: warm workers when torch is importable | on | off
+workers_per_device = 2      # one active, the rest on standby with warm contexts
+pool_mb = 0                 # device memory each worker reserves in its allocator at start
+resident_mb = 0             # device memory a worker may keep models resident in (LRU); 0: no limit of its own
+python_path = []            # directories workers add to sys.path to import model factories
+restart_budget = 5          # worker deaths per device in 60 s before it stops replacing them
+
+[cluster]
+# endpoint = "tcp://0.0.0.0:7410"   # placement API (CURVE); off unless set
+events_endpoint = "tcp://0.0.0.0:7411"  # PUB socket for events (CURVE), bound with the endpoint; "" for none
+keys_dir = "/etc/nodeagent/keys"  # server.key_secret and allowed/*.key (`nodeagent keys generate`)
+protect_s = 60.0            # a device whose inference went idle is not lent until this long after
+node = ""                   # node name in inventory and events; "" = the hostname
+health_interval_s = 5.0     # how often a health event is published
 """
 
 
@@ -96,6 +112,18 @@ class ServeConfig:
     mps_devices: list[int] = field(default_factory=list)
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_min_percent: int = 5
+    ctxpool_enabled: str = "auto"  # auto | on | off
+    ctxpool_workers_per_device: int = 2
+    ctxpool_pool_mb: int = 0
+    ctxpool_resident_mb: int = 0
+    ctxpool_python_path: list[str] = field(default_factory=list)
+    ctxpool_restart_budget: int = 5
+    cluster_endpoint: str | None = None  # None: no cluster endpoint (and no events socket)
+    cluster_events_endpoint: str = "tcp://0.0.0.0:7411"
+    cluster_keys_dir: str = "/etc/nodeagent/keys"
+    cluster_protect_s: float = 60.0
+    cluster_node: str = ""  # "": the hostname
+    cluster_health_interval_s: float = 5.0
 
     def validate(self) -> None:
         if self.backend not in ("auto", "cuda", "cpu"):
@@ -128,6 +156,30 @@ class ServeConfig:
         if not (math.isfinite(self.memory_make_room_deadline_ms) and self.memory_make_room_deadline_ms > 0):
             raise ConfigError(f"memory.make_room_deadline_ms must be a positive number, "
                               f"got {self.memory_make_room_deadline_ms}")
+        if self.ctxpool_enabled not in ("auto", "on", "off"):
+            raise ConfigError(f"ctxpool.enabled must be auto, on or off, got {self.ctxpool_enabled!r}")
+        for name, value, low in (("ctxpool.workers_per_device", self.ctxpool_workers_per_device, 1),
+                                 ("ctxpool.pool_mb", self.ctxpool_pool_mb, 0),
+                                 ("ctxpool.resident_mb", self.ctxpool_resident_mb, 0),
+                                 ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0)):
+            if value < low:
+                raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if any(not isinstance(d, str) or not os.path.isabs(d) for d in self.ctxpool_python_path):
+            raise ConfigError(f"ctxpool.python_path must be a list of absolute directories, "
+                              f"got {self.ctxpool_python_path!r}")
+        if self.cluster_endpoint is not None and not self.cluster_endpoint.startswith("tcp://"):
+            raise ConfigError(f"cluster.endpoint must be tcp://HOST:PORT, got {self.cluster_endpoint!r}")
+        if self.cluster_events_endpoint and not self.cluster_events_endpoint.startswith("tcp://"):
+            raise ConfigError(f"cluster.events_endpoint must be tcp://HOST:PORT or empty, "
+                              f"got {self.cluster_events_endpoint!r}")
+        if self.cluster_endpoint is not None and self.cluster_endpoint == self.cluster_events_endpoint:
+            raise ConfigError("cluster.endpoint and cluster.events_endpoint must differ "
+                              f"(both are {self.cluster_endpoint!r})")
+        if not (math.isfinite(self.cluster_protect_s) and self.cluster_protect_s >= 0):
+            raise ConfigError(f"cluster.protect_s must be a number >= 0, got {self.cluster_protect_s}")
+        if not (math.isfinite(self.cluster_health_interval_s) and self.cluster_health_interval_s > 0):
+            raise ConfigError(f"cluster.health_interval_s must be a positive number, "
+                              f"got {self.cluster_health_interval_s}")
         if self.memory_reserve_mb < 0:
             raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
         try:
@@ -169,8 +221,20 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "mps.devices": ("mps_devices", (list,)),
     "mps.control_binary": ("mps_control_binary", (str,)),
     "mps.min_percent": ("mps_min_percent", (int,)),
+    "ctxpool.enabled": ("ctxpool_enabled", (str,)),
+    "ctxpool.workers_per_device": ("ctxpool_workers_per_device", (int,)),
+    "ctxpool.pool_mb": ("ctxpool_pool_mb", (int,)),
+    "ctxpool.resident_mb": ("ctxpool_resident_mb", (int,)),
+    "ctxpool.python_path": ("ctxpool_python_path", (list,)),
+    "ctxpool.restart_budget": ("ctxpool_restart_budget", (int,)),
+    "cluster.endpoint": ("cluster_endpoint", (str,)),
+    "cluster.events_endpoint": ("cluster_events_endpoint", (str,)),
+    "cluster.keys_dir": ("cluster_keys_dir", (str,)),
+    "cluster.protect_s": ("cluster_protect_s", (int, float)),
+    "cluster.node": ("cluster_node", (str,)),
+    "cluster.health_interval_s": ("cluster_health_interval_s", (int, float)),
 }
-_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics", "mps"}
+_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics", "mps", "ctxpool", "cluster"}
 
 
 def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:

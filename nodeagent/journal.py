@@ -44,6 +44,14 @@ _MIGRATIONS: list[tuple[str, ...]] = [
      "CREATE TABLE policies (device INTEGER PRIMARY KEY, policy TEXT NOT NULL)",
      "CREATE TABLE device_states (device INTEGER PRIMARY KEY, state TEXT NOT NULL, detail TEXT NOT NULL)",
      "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"),
+    # 2: models registered for server-side inference (ctxpool)
+    ("""CREATE TABLE models (
+        name TEXT PRIMARY KEY, factory TEXT NOT NULL, weights TEXT, device INTEGER,
+        example_refs TEXT NOT NULL,         -- JSON: the example input's dtypes, shapes, offsets
+        example_bytes BLOB NOT NULL,        -- its bytes, laid out as the refs say
+        created_unix REAL NOT NULL)""",),
+    # 3: the training job (cluster borrower) a session belongs to
+    ("ALTER TABLE sessions ADD COLUMN borrower TEXT",),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -70,9 +78,23 @@ class SessionRecord:
     created_unix: float  # wall-clock time.time() at creation
     managed_pgid: int | None = None  # process group the daemon may signal (nodeagent run), verified
     stopped: bool = False  # the daemon SIGSTOPped it and has not yet continued it
+    borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
 
 
 _SESSION_COLUMNS = [f.name for f in fields(SessionRecord)]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    """A model registered for server-side inference, as a restarted daemon re-registers it."""
+
+    name: str
+    factory: str  # "package.module:callable"
+    weights: str | None  # absolute path, or None for the factory's own initialisation
+    device: int | None  # None: every device with workers
+    example_refs: list[dict]  # [{"dtype", "shape", "offset", "nbytes"}] into example_bytes
+    example_bytes: bytes
+    created_unix: float
 
 
 class Journal:
@@ -182,6 +204,28 @@ class Journal:
     def device_states(self) -> dict[int, tuple[str, dict]]:
         rows = self._read("SELECT device, state, detail FROM device_states")
         return {device: (state, json.loads(detail)) for device, state, detail in rows}
+
+    # -------------------------------------------------------------- models
+
+    def put_model(self, rec: ModelRecord) -> None:
+        """Journal a registered model (replacing one of the same name)."""
+        refs = _to_json({"refs": rec.example_refs}, f"example input of model {rec.name}")
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
+                       "created_unix) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix))
+        log.debug("[journal] put model name=%s", rec.name)
+
+    def delete_model(self, name: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM models WHERE name=?", (name,))
+        log.debug("[journal] delete model name=%s", name)
+
+    def models(self) -> list[ModelRecord]:
+        rows = self._read("SELECT name, factory, weights, device, example_refs, example_bytes, created_unix "
+                          "FROM models ORDER BY created_unix")
+        return [ModelRecord(name, factory, weights, device, json.loads(refs)["refs"], bytes(blob), created)
+                for name, factory, weights, device, refs, blob, created in rows]
 
     # ---------------------------------------------------------------- meta
 

@@ -16,6 +16,7 @@ import zmq
 
 from client_lib import protocol as p
 from nodeagent import procwatch
+from nodeagent.cluster import ClusterRoute
 from nodeagent.mps import MpsControl, MpsError
 from nodeagent.sessions import Session
 from sharing.partition import PartitionError
@@ -71,7 +72,7 @@ class MpsMixin:
 
     def _on_partition(self, route: bytes, msg: p.Partition, frame, now: float) -> None:
         creds = procwatch.peer_credentials(frame)
-        if creds is None or creds.uid != 0:
+        if type(route) is not ClusterRoute and (creds is None or creds.uid != 0):  # cluster peers: root-equivalent
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only root may set MPS partitions")
             return
         table = self._partitions.get(msg.device)

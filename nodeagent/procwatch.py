@@ -32,8 +32,10 @@ def peer_credentials(frame: zmq.Frame) -> PeerCredentials | None:
         address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError, TypeError):
         return None
-    parts = str(address).rsplit(":", 3)
-    if len(parts) != 4:
+    # libzmq writes an ipc peer as "localhost:UID:GID:PID" (SO_PEERCRED). Anything
+    # else is a network address, whose colons (IPv6 "fe80::1:2:3") must never read as ids.
+    parts = str(address).split(":")
+    if len(parts) != 4 or parts[0] not in ("localhost", ""):
         return None
     try:
         uid, gid, pid = int(parts[1]), int(parts[2]), int(parts[3])

@@ -42,7 +42,8 @@ class RestoreMixin:
         self._journal(lambda j: j.put_session(SessionRecord(
             id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
             start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
-            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped)))
+            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped,
+            borrower=s.borrower)))
 
     def _restore(self, now: float) -> None:
         """Take back the sessions a previous daemon journalled whose processes still live.
@@ -66,7 +67,7 @@ class RestoreMixin:
                 id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
                 verified_pid=rec.verified_pid, start_ticks=rec.start_ticks, uid=rec.uid,
                 workload=Workload.parse(rec.workload), weight=rec.weight, device=rec.device,
-                memory_mb=rec.memory_mb, created=now, last_seen=now, stopped=rec.stopped)
+                memory_mb=rec.memory_mb, created=now, last_seen=now, stopped=rec.stopped, borrower=rec.borrower)
             if rec.managed_pgid is not None and rec.verified_pid is not None and \
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid

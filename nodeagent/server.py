@@ -29,6 +29,7 @@ from client_lib import codec
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
+from nodeagent.cluster import ClusterMixin, ClusterRoute
 from nodeagent.config import ConfigError, ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
@@ -37,6 +38,7 @@ from nodeagent.metrics import Metrics, SessionRow
 from nodeagent.mps import MpsControl
 from nodeagent.mps_wiring import MpsMixin
 from nodeagent.restore import RestoreMixin
+from nodeagent.serving import ServingMixin
 from nodeagent.sessions import Session, new_session_id, new_session_key
 from nodeagent.suspension import SuspensionMixin
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
@@ -50,7 +52,7 @@ _HARD_FRAME_LIMIT_BYTES = 16 * 1024 * 1024  # libzmq drops a peer past this; sma
 _MAX_BATCH = 512  # frames handled before timers get a turn
 
 
-class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
+class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin, ClusterMixin):
     """One daemon instance. ``bind()``, then ``serve_forever()`` until
     :meth:`request_stop` (thread- and signal-safe) is called."""
 
@@ -106,6 +108,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
         # workers) poll through this loop: target -> callable run when readable.
         self._poll_handlers: dict = {}
+        self._init_serving()
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -119,10 +122,16 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             p.Suspended: self._on_suspended,
             p.Resumed: self._on_resumed,
             p.Partition: self._on_partition,
+            p.RegisterModel: self._on_register_model,
+            p.UnregisterModel: self._on_unregister_model,
+            p.ModelsRequest: self._on_models,
+            p.Infer: self._on_infer,
         }
         self.metrics.watch_sessions(self._session_rows)
+        self._init_cluster()
         if journal is not None:
             self._restore(self._clock())
+            self._restore_cluster(self._clock())
 
     # ------------------------------------------------------------------ life
 
@@ -159,9 +168,16 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
+        self._bind_cluster()
         try:
             self._start_mps(os.path.dirname(path) if path is not None else self.config.state_dir)
         except BaseException:
+            self._stop_mps()
+            raise
+        try:
+            self._start_serving()
+        except BaseException:
+            self._stop_serving()
             self._stop_mps()
             raise
         if self.backend.measures_process_memory:  # cuda: NVML reads it per process
@@ -232,7 +248,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             log.info("[shutdown] step=continue stopped=%d", continued)
         if self._memory_watcher is not None:
             self._memory_watcher.stop()
+        self._stop_serving()
         self._stop_mps()
+        self._close_cluster()
         for s in list(self._sessions.values()):
             self._close_pidfd(s)
         if self._router is not None:
@@ -313,10 +331,11 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             self._welcome(route, msg.id, resumed, resumed=True)
             self._honour_claim(resumed, msg.holding_grant, now)
             return
-        device, code, problem = self._pick_device(msg.device, msg.memory_mb)
+        device, code, problem = self._pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
         if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
-            device, victims = self._make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb)
+            device, victims = self._make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
+                                                   msg.borrower)
         if device is None:
             self._error(route, msg.id, code, problem)
             return
@@ -345,7 +364,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             uid=creds.uid if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
-            managed_pidfd=managed_pidfd)
+            managed_pidfd=managed_pidfd, borrower=msg.borrower)
         self._add_session(session, now)
         if verified_pid is not None and verified_pid != msg.pid:
             log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
@@ -355,6 +374,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
                  msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
         self._journal_put(session)
         self._welcome(route, msg.id, session, resumed=False)
+        self._event("session_join", device, session.id, name=session.name, workload=msg.workload,
+                    borrower=msg.borrower)
         for victim in victims:  # it may run once their state has left the device
             session.blocked_by.add(victim.id)
             self._begin_suspend(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
@@ -409,7 +430,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
 
-    def _pick_device(self, wanted: int | None, memory_mb: int) -> tuple[int | None, str, str]:
+    def _pick_device(self, wanted: int | None, memory_mb: int, workload: str = "training",
+                     borrower: str | None = None) -> tuple[int | None, str, str]:
         """(device, "", "") for a new session (the least loaded that fits), or (None, code, why)."""
         count = len(self._schedulers)
         if wanted is not None and not 0 <= wanted < count:
@@ -419,13 +441,19 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             candidates = [wanted]
         else:  # least loaded first
             candidates = sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
-        problems = []
+        problems, refusals = [], []
         for i in candidates:
+            refusal = self._admission_refusal(i, workload, borrower)  # lent, draining (nodeagent/cluster.py)
+            if refusal is not None:
+                refusals.append(refusal)
+                continue
             declared = memory.declared_mb(self._sessions.values(), i)
             problem = memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb, declared, memory_mb)
             if problem is None:
                 return i, "", ""
             problems.append(problem)
+        if not problems:
+            return None, p.ErrorCode.STATE, "; ".join(refusals)
         return None, p.ErrorCode.NO_MEMORY, "; ".join(problems)
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
@@ -512,6 +540,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
     def _apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
+            if action.session in self._serving:  # a client's server-side inference queue
+                self._serving_action(action, now)
+                continue
             kind = type(action)
             if kind is Grant:
                 s = self._sessions[action.session]
@@ -524,6 +555,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
                     s.stopped = False
                     s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
+                if self._events is not None:  # built only when the events socket exists
+                    self._events.publish("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False))
                 self._observe_wait(s, now)
@@ -533,6 +566,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
                 s = self._sessions[action.session]
                 self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
                                                    reason=action.reason))
+                if self._events is not None:
+                    self._events.publish("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
+                                         deadline_ms=action.deadline_ms)
                 self.metrics.yield_requests.labels(str(s.device), action.reason).inc()
                 log.debug("[token] ask-yield session=%s grant=%d reason=%s", s.id, action.grant, action.reason)
             elif kind is Enforce:
@@ -551,11 +587,13 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
             self.metrics.enforcements.labels("stop").inc()
+            self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
                         s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
             return
         self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
         self.metrics.enforcements.labels("revoke").inc()
+        self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="revoke")
         log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
                     s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
 
@@ -613,9 +651,11 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
         if self._suspending:
             self._check_suspend_deadlines(now)
+        self._cluster_timers(now)
         if self._restoring and now >= self._restore_deadline:
             for device in list(self._restoring):
                 self._end_restore(device, now)
+        self._on_serving_timers(now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
@@ -626,6 +666,12 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             deadline = scheduler.next_deadline()
             if deadline is not None and deadline < wake_at:
                 wake_at = deadline
+        cluster_at = self._cluster_wake_at()
+        if cluster_at < wake_at:
+            wake_at = cluster_at
+        serving_at = self._serving_deadline()
+        if serving_at is not None and serving_at < wake_at:
+            wake_at = serving_at
         # Round up: waking early would spin until the deadline.
         return max(0, math.ceil((wake_at - self._clock()) * 1000.0))
 
@@ -652,6 +698,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             self._continue(s)
         self._close_pidfd(s)
         self._end_slice(s, now)
+        self._drop_serving(s.id, now)
         if s.suspend_waiters or s in self._suspending:
             self._finish_suspend(s, "gone", now)
         if s.device in self._partitions:
@@ -672,6 +719,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
         else:
             self.metrics.sessions_lost.labels(reason).inc()
             log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
+        self._event("session_leave", s.device, s.id, name=s.name, reason=reason)
         self._apply(actions, now, handoff_from=now)
 
     def _close_pidfd(self, s: Session) -> None:
@@ -707,6 +755,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
     def _send(self, route: bytes | None, msg) -> None:
         if route is None:  # a restored session that has not reattached yet
             return
+        if type(route) is ClusterRoute:  # a placement peer on the cluster endpoint
+            self._send_cluster(route, msg)
+            return
         try:
             self._router.send_multipart([route, codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -738,13 +789,19 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin):
             snap = scheduler.snapshot(now)
             sessions = []
             for view in snap.sessions:
-                s = self._sessions[view.session]
+                s = self._sessions.get(view.session)
+                if s is None:
+                    served = self._serving_session_info(view)
+                    if served is not None:
+                        sessions.append(served)
+                    continue
                 sessions.append(p.SessionInfo(
                     id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
                     gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
-                    attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked))
+                    attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked,
+                    borrower=s.borrower))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
@@ -776,6 +833,8 @@ def _check_hello(msg: p.Hello) -> str | None:
         return f"name must be 1..{MAX_NAME_CHARS} characters"
     if not (math.isfinite(msg.weight) and 0 < msg.weight <= MAX_WEIGHT):
         return f"weight must be in (0, {MAX_WEIGHT:g}], got {msg.weight}"
+    if msg.borrower is not None and not (msg.borrower.strip() and len(msg.borrower) <= MAX_NAME_CHARS):
+        return f"borrower must be 1..{MAX_NAME_CHARS} characters"
     if msg.memory_mb < 0:
         return f"memory_mb must be >= 0, got {msg.memory_mb}"
     if msg.pid <= 0:

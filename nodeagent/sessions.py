@@ -55,6 +55,7 @@ class Session:
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
     grants: int = field(default=0)
+    borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
 
     @property
     def pid(self) -> int:

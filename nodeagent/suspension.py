@@ -9,7 +9,8 @@ to admit an inference session that would not fit.
 A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
 ``_suspending``, ``config``, ``metrics`` and the server's ``_send``,
 ``_error``, ``_apply``, ``_stop``, ``_continue``, ``_end_slice``,
-``_session_for``.
+``_session_for``, and the cluster mixin's ``_event``, ``_suspend_finished``
+and ``_admission_refusal``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 
 from client_lib import protocol as p
 from nodeagent import memory, procwatch
+from nodeagent.cluster import ClusterRoute
 from nodeagent.sessions import Session
 from sharing import Workload
 
@@ -29,11 +31,14 @@ class SuspensionMixin:
     """Whole-device suspension handlers (see the module docstring)."""
 
     def _authorize(self, route: bytes, request_id: int, frame, target_id: str) -> Session | None:
-        """The target session if the peer may act on it (root, or the session's own user)."""
+        """The target session if the peer may act on it (root, the session's own user, or an
+        authenticated placement client on the cluster endpoint)."""
         target = self._sessions.get(target_id)
         if target is None:
             self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
             return None
+        if type(route) is ClusterRoute:  # proved an allowed CURVE key: root-equivalent
+            return target
         creds = procwatch.peer_credentials(frame)
         if creds is None or (creds.uid != 0 and creds.uid != target.uid):
             who = "an unverifiable peer" if creds is None else f"uid {creds.uid}"
@@ -66,14 +71,17 @@ class SuspensionMixin:
         self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
         self._apply(self._schedulers[s.device].cancel(s.id, now), now)  # a waiter stops waiting
         s.wait_started = None
+        self._event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
                  s.id, s.name, deadline_ms, s.grant is not None, reason)
 
-    def _make_room_plan(self, wanted: int | None, workload: Workload,
-                        memory_mb: int) -> tuple[int | None, list[Session]]:
+    def _make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int,
+                        borrower: str | None = None) -> tuple[int | None, list[Session]]:
         """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
         count = len(self._schedulers)
         for i in ([wanted] if wanted is not None else range(count)):
+            if self._admission_refusal(i, workload.wire, borrower) is not None:
+                continue  # draining, or lent to another borrower
             capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
             need = memory.declared_mb(self._sessions.values(), i) + memory_mb - capacity
             victims = memory.room_makers(self._sessions.values(), i, workload, need)
@@ -113,6 +121,7 @@ class SuspensionMixin:
         self._unblock(s, now)
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
+        self._suspend_finished(s, outcome, elapsed_ms, now)  # events, a reclaim waiting on it (cluster.py)
 
     def _on_resume_session(self, route: bytes, msg: p.ResumeSession, frame, now: float) -> None:
         s = self._authorize(route, msg.id, frame, msg.session)
@@ -129,6 +138,7 @@ class SuspensionMixin:
             s.bytes_parked = 0
             self._send(s.route, p.ResumeNotice())
             self.metrics.resumes.inc()
+            self._event("resume", s.device, s.id, was=state)
             log.info("[suspend] resume session=%s was=%s", s.id, state)
         self._send(route, p.Ok(id=msg.id))
 

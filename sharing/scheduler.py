@@ -343,6 +343,12 @@ class TokenScheduler:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def wanted_by(self, workload: Workload) -> bool:
+        """True if a session of ``workload`` holds or waits for the token. O(1): the
+        daemon asks after every loop turn to feed the device lifecycle."""
+        holder = self._holder
+        return bool(self._waiting[workload]) or (holder is not None and holder.workload is workload)
+
     def __contains__(self, session: object) -> bool:
         return session in self._sessions
 

@@ -4,7 +4,8 @@ killable process. Prints one line per event: ``EVENT <monotonic_s> <detail>``
 
 Modes:
   loop      hold slices back to back, doing real work and calling yield_point()
-            after each unit; prints GRANT on each (re-)grant and a final DONE line
+            after each unit; prints GRANT on each (re-)grant and a final DONE line;
+            with --park-bytes it parks cooperatively when suspended (a reclaim)
   hold      acquire once, print GRANT, then hold the token (sleeping) until killed
   stubborn  acquire once, print GRANT, then compute forever without ever yielding,
             printing TICK every ~20 ms (the daemon must stop it)
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--park-bytes", type=int, default=0,
                     help="loop: on suspend, report this many bytes parked (prints PARKED / UNPARKED)")
     ap.add_argument("--name", default="child")
+    ap.add_argument("--borrower", default=None, help="the training job the session belongs to (a lent device)")
     ap.add_argument("--workload", default="training")
     ap.add_argument("--weight", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -49,7 +51,7 @@ def main() -> int:
     if args.mode == "spoof":
         return spoof(args)
     client = Client(args.name, workload=args.workload, weight=args.weight, memory_mb=args.memory_mb,
-                    endpoint=os.environ["NODEAGENT_ENDPOINT"])
+                    endpoint=os.environ["NODEAGENT_ENDPOINT"], borrower=args.borrower)
     emit("SESSION", client.session_id)
     blob = os.urandom(1 << 16)
     if args.park_bytes:

@@ -49,7 +49,9 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", "cpu",
              "--endpoint", self.endpoint,
-             "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug", *self.extra_args],
+             "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug",
+             # Warm workers cost seconds of CPU per start; only the tests that use them ask.
+             *(() if "--ctxpool" in self.extra_args else ("--ctxpool", "off")), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         log.close()
         deadline = time.monotonic() + timeout

@@ -307,3 +307,18 @@ def test_workload_enum_instead_of_wire_name_is_refused(db_path: str) -> None:
         with pytest.raises(TypeError, match="wire name"):
             j.put_session(record(workload=Workload.TRAINING))
         assert j.sessions() == []
+
+
+def test_models_round_trip(tmp_path):
+    from nodeagent.journal import ModelRecord
+
+    rec = ModelRecord(name="m", factory="pkg.mod:make", weights="/w.pt", device=None,
+                      example_refs=[{"dtype": "float32", "shape": [2, 3], "offset": 0, "nbytes": 24}],
+                      example_bytes=bytes(range(24)), created_unix=1.5)
+    with Journal(str(tmp_path / "state.db")) as j:
+        j.put_model(rec)
+        j.put_model(rec)  # replacing is idempotent
+    with Journal(str(tmp_path / "state.db")) as j:
+        assert j.models() == [rec]
+        j.delete_model("m")
+        assert j.models() == []

@@ -64,3 +64,31 @@ def test_unknown_fields_are_ignored_for_forward_compatibility():
     # A newer minor version may add fields at the end; an older peer must accept them.
     frame = msgspec.msgpack.encode({"op": "acquire", "id": 3, "priority_hint": 7})
     assert codec.decode_request(frame) == p.Acquire(id=3)
+
+
+class _FakeFrame:
+    """Stands in for a zmq.Frame's Peer-Address property (libzmq formats it)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def get(self, name: str) -> str:
+        assert name == "Peer-Address"
+        return self.address
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("localhost:1000:1000:4242", (1000, 1000, 4242)),  # ipc, SO_PEERCRED, as libzmq 4.3 writes it
+    (":1000:1000:4242", (1000, 1000, 4242)),
+    ("fe80::1:2", None),
+    ("a::1:2", None),
+    ("fe80::1:2:3", None),  # IPv6 peers must never read as credentials
+    ("::1:0:0:7", None),
+    ("127.0.0.1", None),
+    (":0:0:0", None),  # no pid
+])
+def test_peer_credentials_only_from_ipc_addresses(address, expected):
+    from nodeagent.procwatch import peer_credentials
+
+    creds = peer_credentials(_FakeFrame(address))
+    assert (None if creds is None else (creds.uid, creds.gid, creds.pid)) == expected

@@ -1,0 +1,64 @@
+"""Server-side models from the client's side: register a model with the
+daemon, run it there. Used through :class:`client_lib.Client`
+(``register_model``, ``infer``, ``models``, ``unregister_model``).
+
+Tensors cross in POSIX shared memory (:mod:`client_lib.tensors`): the client
+packs its inputs into a segment it owns and unlinks once answered, and takes
+ownership of the output segment the daemon's worker made (copied out, then
+unlinked). Inputs may be torch tensors or numpy arrays; outputs come back as
+the same kind as the first input (torch if there is none).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from client_lib import protocol as p
+from client_lib import tensors
+from client_lib.endpoint import ipc_path
+
+
+def as_list(inputs: Any) -> list:
+    """One tensor or a sequence of them, as a list."""
+    if inputs is None:
+        return []
+    if isinstance(inputs, (list, tuple)):
+        return list(inputs)
+    return [inputs]
+
+
+def kind_of(values: Sequence[Any]) -> str:
+    if values and not type(values[0]).__module__.startswith("torch"):
+        return "numpy"
+    return "torch"
+
+
+class Packed:
+    """Inputs packed into a segment this client owns; unlinked on exit."""
+
+    def __init__(self, values: Sequence[Any], endpoint: str) -> None:
+        group = tensors.socket_group(ipc_path(endpoint))
+        self.segment, self.refs = tensors.pack(values, prefix="na-in", group=group)
+
+    def __enter__(self) -> "Packed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+
+
+def register_request(request_id: int, name: str, factory: str, weights: str | os.PathLike | None,
+                     example_refs: list[p.TensorRef], device: int | None, replace: bool) -> p.RegisterModel:
+    if weights is not None:
+        weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
+    return p.RegisterModel(id=request_id, name=name, factory=factory, weights=weights,
+                           example_input=example_refs, device=device, replace=replace)
+
+
+def take_outputs(reply: p.InferResult, like: str, single: bool) -> Any:
+    """The outputs as tensors or arrays of kind ``like``; the segment is unlinked."""
+    out = tensors.take(reply.outputs, like=like)
+    return out[0] if single and len(out) == 1 else out

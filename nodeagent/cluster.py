@@ -1,0 +1,595 @@
+"""The cluster endpoint, as part of :class:`nodeagent.server.AgentServer`: the
+placement layer's view of this node and its levers.
+
+A second ROUTER on ``cluster.endpoint`` (tcp) and an XPUB socket on
+``cluster.events_endpoint`` (see :mod:`nodeagent.events`), both CURVE servers: only clients whose public key
+is in ``keys_dir/allowed/`` complete the handshake (pyzmq's ZAP authenticator
+thread checks it), so an unknown peer never gets a byte back. A peer that got
+in is treated as root for operator requests. Frames go through the same codec
+and the same handlers as local ones; their route is a :class:`ClusterRoute`,
+which is how ``_send`` puts the reply on the right socket.
+
+Operations (also accepted from root on the local socket): ``inventory``,
+``lend``, ``reclaim``, ``drain``, ``set_policy``, and the existing
+``partition``, ``suspend_session``, ``resume_session`` and ``status``.
+Sessions themselves (``hello``, ``acquire``, ...) connect locally only.
+
+Each device has a :class:`sharing.DeviceLifecycle`, fed after every loop turn
+with whether inference holds or waits for the device, ticked at its deadlines.
+A reclaim suspends the borrower's sessions on the device with the existing
+suspension machinery and answers once every one of them is off it (parked,
+stopped, gone, or, when unverifiable, its token revoked). What operators
+change (lend, reclaim, drain, policies) is journalled and restored after a
+restart; states that inference alone moves (RUN, PROTECT ending) are
+re-derived by observation instead, so the hot path never writes the journal.
+
+A mixin over the server's state: it uses ``config``, ``journal``, ``boot``,
+``_ctx``, ``_clock``, ``_started``, ``_poller``, ``_poll_handlers``,
+``_handlers``, ``_schedulers``, ``_sessions``, ``_suspending`` and the server's
+``_send``, ``_error``, ``_bad``, ``_apply``, ``_journal``, ``_end_slice``,
+``_begin_suspend``, ``_wake`` and ``status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from client_lib import codec
+from client_lib import protocol as p
+from nodeagent import keys, procwatch
+from nodeagent.events import EventPublisher
+from nodeagent.sessions import Session
+from sharing import (
+    DeviceLifecycle,
+    DeviceState,
+    LifecycleError,
+    ReclaimDue,
+    SchedulerPolicy,
+    Workload,
+)
+
+log = logging.getLogger("nodeagent.cluster")
+
+FORBIDDEN_ON_CLUSTER = "the cluster endpoint serves placement operations; sessions connect locally"
+EXPIRY_DEADLINE_MS = 5000.0  # a lend that ran out (max_s) is reclaimed with this suspend deadline
+MAX_BORROWER_CHARS = 128
+_MAX_DEADLINE_MS = 3_600_000.0
+_MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests are far smaller
+_MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
+_SHUTDOWN_LINGER_MS = 100
+
+
+class ClusterRoute(bytes):
+    """Routing id of a peer on the cluster ROUTER. The type tells ``_send`` to answer
+    on that socket, and authorisation checks that the peer proved an allowed CURVE key."""
+
+    __slots__ = ()
+
+
+class ClusterError(OSError):
+    """The cluster endpoint cannot start (keys missing or bad, address taken); names the setting."""
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, naming an allowed client by its key file (the frames' ``User-Id``)."""
+
+    names: dict[bytes, str]  # z85 public key -> client name; set before start(), replaced whole, never mutated
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        key = z85.encode(client_public_key)
+        return self.names.get(key, key.decode("ascii"))
+
+
+@dataclass(eq=False)
+class _Reclaim:
+    """A reclaim under way: the borrower's sessions on the device and how each got off it."""
+
+    device: int
+    borrower: str
+    started: float
+    outcomes: dict[str, str | None] = field(default_factory=dict)  # session -> outcome; None: under way
+    waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (route, request id) to answer
+
+
+class ClusterMixin:
+    """Cluster endpoint, device lifecycles and placement operations (see the module docstring)."""
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_cluster(self) -> None:
+        """State and handlers; called by ``__init__`` before the journal is restored."""
+        count = len(self._schedulers)
+        self._lifecycles = [DeviceLifecycle(i, self.config.cluster_protect_s) for i in range(count)]
+        self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
+        self._node = self.config.cluster_node or socket.gethostname()
+        self._cluster_router: zmq.Socket | None = None
+        self._events_sock: zmq.Socket | None = None
+        self._events: EventPublisher | None = None  # None unless the events socket is bound
+        self._auth: _Authenticator | None = None
+        self._reclaims: dict[int, _Reclaim] = {}
+        self._next_health = math.inf
+        self._reload_requested = False
+        operator_ops = {p.Inventory: self._on_inventory, p.Lend: self._on_lend, p.Reclaim: self._on_reclaim,
+                        p.Drain: self._on_drain, p.SetPolicy: self._on_set_policy}
+        self._handlers.update(operator_ops)
+        self._cluster_handlers = {**operator_ops, **{kind: self._handlers[kind] for kind in (
+            p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)}}
+
+    def _restore_cluster(self, now: float) -> None:
+        """Policies and lifecycle states from the journal: a LENT device stays lent."""
+        wall = time.time()
+        count = len(self._schedulers)
+        for device, doc in sorted(self.journal.policies().items()):
+            if not 0 <= device < count:
+                continue
+            try:
+                policy, protect_s = self._policy_from(device, doc.get("quanta_ms"), doc.get("grace_ms"),
+                                                      doc.get("protect_s"))
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.warning("[cluster] journalled policy of device %d ignored: %s", device, exc)
+                continue
+            self._lifecycles[device].set_protect_s(protect_s)
+            self._apply(self._schedulers[device].set_policy(policy, now), now)
+        for device, (state, detail) in sorted(self.journal.device_states().items()):
+            if not 0 <= device < count:
+                log.warning("[cluster] journalled state of device %d dropped: the device is gone", device)
+                continue
+            try:
+                life = DeviceLifecycle.restore(device, state, borrower=detail.get("borrower"),
+                                               lent_until=_on_clock(detail.get("lent_until_unix"), now, wall),
+                                               protect_until=_on_clock(detail.get("protect_until_unix"), now, wall),
+                                               protect_s=self._lifecycles[device].protect_s)
+            except (ValueError, TypeError) as exc:
+                log.warning("[cluster] journalled state of device %d ignored: %s", device, exc)
+                continue
+            self._lifecycles[device] = life
+            log.info("[cluster] restored device=%d state=%s borrower=%s", device, life.state.value, life.borrower)
+
+    def _bind_cluster(self) -> None:
+        """Bind the CURVE ROUTER and XPUB sockets if ``cluster.endpoint`` is set; raises ClusterError."""
+        cfg = self.config
+        if cfg.cluster_endpoint is None:
+            return
+        if not zmq.has("curve"):
+            raise ClusterError(f"cluster.endpoint is set, but this libzmq ({zmq.zmq_version()}) was built without "
+                               "CURVE; install pyzmq with its bundled libzmq, or unset cluster.endpoint")
+        try:
+            public, secret = keys.load_server(cfg.cluster_keys_dir)
+            names = {key: name for name, key in keys.load_allowed(cfg.cluster_keys_dir).items()}
+        except keys.KeysError as exc:
+            raise ClusterError(f"cluster endpoint {cfg.cluster_endpoint} needs its keys "
+                               f"(cluster.keys_dir = {cfg.cluster_keys_dir}): {exc}") from None
+        try:
+            self._auth = _Authenticator(self._ctx, log=logging.getLogger("nodeagent.cluster.zap"))
+            self._auth.names = names
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=os.path.join(cfg.cluster_keys_dir, keys.ALLOWED_DIR))
+            self._cluster_router = self._curve_socket(zmq.ROUTER, public, secret)
+            self._cluster_router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            _bind(self._cluster_router, cfg.cluster_endpoint, "cluster.endpoint")
+            if cfg.cluster_events_endpoint:
+                self._events_sock = self._curve_socket(zmq.XPUB, public, secret)
+                _bind(self._events_sock, cfg.cluster_events_endpoint, "cluster.events_endpoint")
+        except BaseException:
+            self._close_cluster()
+            raise
+        self._poller.register(self._cluster_router, zmq.POLLIN)
+        self._poll_handlers[self._cluster_router] = self._drain_cluster
+        events_at = None
+        if self._events_sock is not None:
+            self._events = EventPublisher(self._events_sock, self._node, self.boot)
+            self._poller.register(self._events_sock, zmq.POLLIN)  # subscriptions coming in
+            self._poll_handlers[self._events_sock] = self._events.on_subscriptions
+            self._next_health = self._clock() + cfg.cluster_health_interval_s
+            events_at = self._events_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("[cluster] listening endpoint=%s events=%s node=%s allowed_clients=%s",
+                 self._cluster_router.getsockopt_string(zmq.LAST_ENDPOINT), events_at, self._node,
+                 ",".join(sorted(names.values())) or "-")
+
+    def _curve_socket(self, kind: int, public: bytes, secret: bytes) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        return sock
+
+    def request_reload(self) -> None:
+        """Re-read the allowed client keys (SIGHUP). Safe from signal handlers.
+        Connections already made stay; a removed key cannot connect again."""
+        self._reload_requested = True
+        self._wake()
+
+    def _reload_keys(self) -> None:
+        self._reload_requested = False
+        if self._auth is None:
+            return
+        try:
+            names = {key: name for name, key in keys.load_allowed(self.config.cluster_keys_dir).items()}
+        except keys.KeysError as exc:
+            log.error("[cluster] keys reload failed, the old ones stay in force: %s", exc)
+            return
+        self._auth.names = names
+        self._auth.configure_curve(domain="*", location=os.path.join(self.config.cluster_keys_dir, keys.ALLOWED_DIR))
+        log.info("[cluster] reloaded allowed clients=%s", ",".join(sorted(names.values())) or "-")
+
+    def _close_cluster(self) -> None:
+        """Answer pending reclaims, close the sockets, stop the authenticator (shutdown, failed bind)."""
+        for pending in list(self._reclaims.values()):
+            for route, request_id in pending.waiters:
+                self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
+                            f"daemon is shutting down; the reclaim of device {pending.device} did not finish")
+        self._reclaims.clear()
+        self._events = None
+        closed = False
+        if self._cluster_router is not None:
+            self._poll_handlers.pop(self._cluster_router, None)
+            try:
+                self._poller.unregister(self._cluster_router)
+            except KeyError:
+                pass
+            self._cluster_router.close(linger=_SHUTDOWN_LINGER_MS)
+            self._cluster_router = None
+            closed = True
+        if self._events_sock is not None:
+            self._poll_handlers.pop(self._events_sock, None)
+            try:
+                self._poller.unregister(self._events_sock)
+            except KeyError:
+                pass
+            self._events_sock.close(linger=_SHUTDOWN_LINGER_MS)
+            self._events_sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if closed:
+            log.info("[shutdown] step=cluster")
+
+    # ------------------------------------------------------------------ transport
+
+    def _drain_cluster(self) -> None:
+        for _ in range(_MAX_BATCH):
+            router = self._cluster_router
+            if router is None or not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._on_cluster_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
+
+    def _on_cluster_frames(self, frames: list) -> None:
+        now = self._clock()
+        route = ClusterRoute(frames[0].bytes)
+        if len(frames) != 2:
+            self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
+            return
+        frame = frames[1]
+        try:
+            msg = codec.decode_request(frame.bytes)
+        except codec.BadFrame as exc:
+            self._bad(route, exc.request_id, str(exc))
+            return
+        handler = self._cluster_handlers.get(type(msg))
+        if handler is None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, FORBIDDEN_ON_CLUSTER)
+            return
+        try:
+            handler(route, msg, frame, now)
+        except Exception:  # a bug must cost one request, not the daemon
+            log.exception("[cluster] handler failed op=%s id=%d", type(msg).__name__, msg.id)
+            self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+
+    def _send_cluster(self, route: ClusterRoute, msg) -> None:
+        router = self._cluster_router
+        if router is None:
+            return
+        try:
+            router.send_multipart([bytes(route), codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            log.warning("[cluster] dropped %s to a placement peer that is gone or not reading", type(msg).__name__)
+
+    def _event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
+        if self._events is not None:
+            self._events.publish(kind, device, session, **data)
+
+    # ------------------------------------------------------------------ loop hooks
+
+    def _cluster_timers(self, now: float) -> None:
+        """After every loop turn: tell each lifecycle whether inference wants its device
+        (O(1) per device when nothing changed), then act on due deadlines."""
+        for device in range(len(self._lifecycles)):
+            life = self._observe_now(device, now)
+            deadline = life.next_deadline()
+            if deadline is not None and deadline <= now:
+                for item in life.tick(now):
+                    if isinstance(item, ReclaimDue):
+                        log.info("[cluster] lend expired device=%d borrower=%s", item.device, item.borrower)
+                        self._start_reclaim(item.device, now, EXPIRY_DEADLINE_MS, None)
+                    else:
+                        self._moved([item], op=False)
+        if now >= self._next_health:
+            self._publish_health(now)
+        if self._reload_requested:
+            self._reload_keys()
+
+    def _observe_now(self, device: int, now: float) -> DeviceLifecycle:
+        """The device's lifecycle, told first what inference did in the frames handled so far
+        this loop turn (an operation must not act on the state of the turn before)."""
+        life = self._lifecycles[device]
+        active = self._schedulers[device].wanted_by(Workload.INFERENCE)
+        if active is not self._inference_seen[device]:
+            self._inference_seen[device] = active
+            self._moved(life.observe(active, now), op=False)
+        return life
+
+    def _cluster_wake_at(self) -> float:
+        """The earliest lifecycle deadline or health event (monotonic; inf if none)."""
+        wake_at = self._next_health
+        for life in self._lifecycles:
+            deadline = life.next_deadline()
+            if deadline is not None and deadline < wake_at:
+                wake_at = deadline
+        return wake_at
+
+    def _admission_refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
+        """Why the device's lifecycle refuses a new session there, or None."""
+        return self._lifecycles[device].admits(workload, borrower)
+
+    def _suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
+        """A suspension ended (``_finish_suspend``): publish it, and move a reclaim waiting on it on."""
+        self._event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
+                    bytes_parked=s.bytes_parked)
+        pending = self._reclaims.get(s.device)
+        if pending is None or pending.outcomes.get(s.id, "") is not None:
+            return
+        if outcome == "timeout":  # unverifiable, so not stopped: the token is what can be taken
+            self._take_token(s, now)
+        pending.outcomes[s.id] = outcome
+        self._finish_reclaim_if_done(pending, now)
+
+    def _moved(self, transitions: list, *, op: bool) -> None:
+        """Log and publish lifecycle transitions (operators' ones at info, inference's at debug)."""
+        for t in transitions:
+            (log.info if op else log.debug)("[cluster] device=%d %s -> %s reason=%s",
+                                            t.device, t.old.value, t.new.value, t.reason)
+            self._event("device_state", t.device, old=t.old.value, new=t.new.value, reason=t.reason)
+
+    def _journal_lifecycle(self, device: int, now: float) -> None:
+        """Write what an operator made of the device; times as unix seconds, to survive a restart."""
+        life, wall = self._lifecycles[device], time.time()
+        detail: dict = {}
+        if life.borrower is not None:
+            detail["borrower"] = life.borrower
+        for key, at in (("lent_until_unix", life.lent_until), ("protect_until_unix", life.protect_until)):
+            if at is not None:
+                detail[key] = wall + (at - now)
+        self._journal(lambda j: j.put_device_state(device, life.state.value, detail))
+
+    def _publish_health(self, now: float) -> None:
+        self._next_health = now + self.config.cluster_health_interval_s
+        states = {f"state.{i}": life.state.value for i, life in enumerate(self._lifecycles)}
+        self._event("health", devices=len(self._lifecycles), sessions=len(self._sessions),
+                    uptime_s=round(now - self._started, 3), **states)
+
+    # ------------------------------------------------------------------ operations
+
+    def _operator(self, route: bytes, request_id: int, frame, what: str) -> bool:
+        """True for a CURVE-authenticated placement peer or local root; else answers E_FORBIDDEN."""
+        if type(route) is ClusterRoute:
+            return True
+        creds = procwatch.peer_credentials(frame)
+        if creds is not None and creds.uid == 0:
+            return True
+        self._error(route, request_id, p.ErrorCode.FORBIDDEN,
+                    f"only root or an authenticated placement client may {what}")
+        return False
+
+    def _lifecycle_for(self, route: bytes, request_id: int, device: int, now: float) -> DeviceLifecycle | None:
+        count = len(self._lifecycles)
+        if not 0 <= device < count:
+            self._error(route, request_id, p.ErrorCode.DEVICE,
+                        f"no device {device}; this node has devices 0..{count - 1}")
+            return None
+        return self._observe_now(device, now)
+
+    def _on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
+        self._send(route, self.inventory(now, msg.id))
+
+    def inventory(self, now: float | None = None, request_id: int = 0) -> p.InventoryReply:
+        """Every device with its lifecycle state, borrower, sessions, policy, partition, utilisation."""
+        now = self._clock() if now is None else now
+        wall = time.time()
+        devices = []
+        for info in self.status(now).devices:
+            life = self._observe_now(info.index, now)
+            devices.append(p.DeviceInventory(
+                index=info.index, uuid=info.uuid, name=info.name, backend=info.backend,
+                memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
+                utilization_percent=info.utilization_percent, state=life.state.value, borrower=life.borrower,
+                lent_until=None if life.lent_until is None else wall + (life.lent_until - now),
+                sessions=info.sessions, policy=self._policy_info(info.index), mps=info.mps,
+                partition=info.partition))
+        return p.InventoryReply(id=request_id, node=self._node, boot=self.boot, devices=devices)
+
+    def _on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
+        if not self._operator(route, msg.id, frame, "lend devices"):
+            return
+        life = self._lifecycle_for(route, msg.id, msg.device, now)
+        if life is None:
+            return
+        if not msg.borrower.strip() or len(msg.borrower) > MAX_BORROWER_CHARS:
+            self._error(route, msg.id, p.ErrorCode.INVALID, f"borrower must be 1..{MAX_BORROWER_CHARS} characters")
+            return
+        try:
+            moved = life.lend(msg.borrower, now, msg.max_s)
+        except LifecycleError as exc:
+            self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
+            return
+        except ValueError as exc:
+            self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
+            return
+        changed = any(t.new is DeviceState.LENT for t in moved)
+        self._moved(moved, op=True)
+        if changed:
+            self._journal_lifecycle(msg.device, now)
+            self._event("lend", msg.device, borrower=msg.borrower, max_s=msg.max_s)
+            log.info("[cluster] lend device=%d borrower=%s max_s=%s by=%s", msg.device, msg.borrower, msg.max_s,
+                     _peer(route, frame))
+        self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
+                                           borrower=life.borrower, changed=changed))
+
+    def _on_reclaim(self, route: bytes, msg: p.Reclaim, frame, now: float) -> None:
+        if not self._operator(route, msg.id, frame, "reclaim devices"):
+            return
+        life = self._lifecycle_for(route, msg.id, msg.device, now)
+        if life is None:
+            return
+        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= _MAX_DEADLINE_MS):
+            self._error(route, msg.id, p.ErrorCode.INVALID,
+                        f"deadline_ms must be in (0, {_MAX_DEADLINE_MS:.0f}], got {msg.deadline_ms}")
+            return
+        pending = self._reclaims.get(msg.device)
+        if pending is not None:  # a retry, or a second caller: both hear how the one under way ends
+            pending.waiters.append((route, msg.id))
+            return
+        if life.state is not DeviceState.LENT:
+            self._send(route, p.ReclaimReply(id=msg.id, device=msg.device, state=life.state.value, free_ms=0.0,
+                                             outcomes={}, changed=False))
+            return
+        log.info("[cluster] reclaim device=%d borrower=%s deadline_ms=%.0f by=%s", msg.device, life.borrower,
+                 msg.deadline_ms, _peer(route, frame))
+        self._start_reclaim(msg.device, now, msg.deadline_ms, (route, msg.id))
+
+    def _start_reclaim(self, device: int, now: float, deadline_ms: float, waiter: tuple | None) -> None:
+        """LENT -> PROTECT, and the borrower's sessions there asked to suspend (stopped at the deadline)."""
+        life = self._lifecycles[device]
+        pending = _Reclaim(device, life.borrower, now, waiters=[waiter] if waiter else [])
+        self._moved(life.reclaim(now), op=True)
+        self._journal_lifecycle(device, now)
+        self._reclaims[device] = pending
+        for s in [s for s in self._sessions.values() if s.device == device and s.borrower == pending.borrower
+                  and s.workload is not Workload.INFERENCE]:
+            if s.suspend_state in ("suspended", "stopped"):
+                pending.outcomes[s.id] = s.suspend_state
+            elif s.suspend_state == "requested" and s in self._suspending:
+                pending.outcomes[s.id] = None  # under way already: _suspend_finished reports it
+            elif s.suspend_state == "requested":  # missed an earlier deadline unstopped
+                self._take_token(s, now)
+                pending.outcomes[s.id] = "timeout"
+            else:
+                pending.outcomes[s.id] = None
+                self._begin_suspend(s, deadline_ms, now, reason="reclaim")
+        self._finish_reclaim_if_done(pending, now)
+
+    def _take_token(self, s: Session, now: float) -> None:
+        if s.grant is not None:
+            self._end_slice(s, now)
+            self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
+
+    def _finish_reclaim_if_done(self, pending: _Reclaim, now: float) -> None:
+        if any(outcome is None for outcome in pending.outcomes.values()):
+            return
+        del self._reclaims[pending.device]
+        free_ms = (now - pending.started) * 1000.0
+        state = self._lifecycles[pending.device].state.value
+        for route, request_id in pending.waiters:
+            self._send(route, p.ReclaimReply(id=request_id, device=pending.device, state=state, free_ms=free_ms,
+                                             outcomes=dict(pending.outcomes), changed=True))
+        tally: dict[str, int] = {}
+        for outcome in pending.outcomes.values():
+            tally[outcome] = tally.get(outcome, 0) + 1
+        self._event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
+                    sessions=len(pending.outcomes), **tally)
+        log.info("[cluster] reclaimed device=%d borrower=%s free_ms=%.1f outcomes=%s", pending.device,
+                 pending.borrower, free_ms, tally or "{}")
+
+    def _on_drain(self, route: bytes, msg: p.Drain, frame, now: float) -> None:
+        if not self._operator(route, msg.id, frame, "drain devices"):
+            return
+        life = self._lifecycle_for(route, msg.id, msg.device, now)
+        if life is None:
+            return
+        moved = life.undrain(now) if msg.cancel else life.drain(now)
+        self._moved(moved, op=True)
+        if moved:
+            self._journal_lifecycle(msg.device, now)
+            log.info("[cluster] %s device=%d by=%s", "undrain" if msg.cancel else "drain", msg.device,
+                     _peer(route, frame))
+        if moved and not msg.cancel:
+            for s in self._sessions.values():
+                if s.device == msg.device:
+                    self._send(s.route, p.DrainNotice(device=msg.device))
+        self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
+                                           borrower=life.borrower, changed=bool(moved)))
+
+    def _on_set_policy(self, route: bytes, msg: p.SetPolicy, frame, now: float) -> None:
+        if not self._operator(route, msg.id, frame, "set policies"):
+            return
+        if self._lifecycle_for(route, msg.id, msg.device, now) is None:
+            return
+        try:
+            policy, protect_s = self._policy_from(msg.device, msg.quanta_ms, msg.grace_ms, msg.protect_s)
+        except ValueError as exc:
+            self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
+            return
+        self._lifecycles[msg.device].set_protect_s(protect_s)
+        self._apply(self._schedulers[msg.device].set_policy(policy, now), now)
+        info = self._policy_info(msg.device)
+        doc = {"quanta_ms": dict(info.quanta_ms), "grace_ms": info.grace_ms, "protect_s": info.protect_s}
+        self._journal(lambda j: j.put_policy(msg.device, doc))
+        self._event("policy", msg.device, grace_ms=info.grace_ms, protect_s=info.protect_s,
+                    **{f"quantum_ms.{w}": ms for w, ms in info.quanta_ms.items()})
+        log.info("[cluster] policy device=%d quanta_ms=%s grace_ms=%g protect_s=%g by=%s", msg.device,
+                 info.quanta_ms, info.grace_ms, info.protect_s, _peer(route, frame))
+        self._send(route, p.PolicyReply(id=msg.id, device=msg.device, policy=info))
+
+    def _policy_from(self, device: int, quanta_ms, grace_ms, protect_s) -> tuple[SchedulerPolicy, float]:
+        """The device's policy with the given fields changed (None: keep); ValueError names a bad one."""
+        current = self._schedulers[device].policy
+        quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
+        quanta.update(quanta_ms or {})
+        policy = SchedulerPolicy(quantum_ms=quanta, grace_ms=current.grace_ms if grace_ms is None else grace_ms)
+        if protect_s is None:
+            protect_s = self._lifecycles[device].protect_s
+        if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)) \
+                or not math.isfinite(protect_s) or protect_s < 0:
+            raise ValueError(f"protect_s must be a number of seconds >= 0, got {protect_s!r}")
+        return policy, float(protect_s)
+
+    def _policy_info(self, device: int) -> p.PolicyInfo:
+        policy = self._schedulers[device].policy
+        return p.PolicyInfo(quanta_ms={w.wire: ms for w, ms in policy.quantum_ms.items()},
+                            grace_ms=policy.grace_ms, protect_s=self._lifecycles[device].protect_s)
+
+
+def _on_clock(unix: float | None, now: float, wall: float) -> float | None:
+    """A journalled unix time on the loop's monotonic clock (``now`` and ``wall`` taken together)."""
+    return None if unix is None else now + (float(unix) - wall)
+
+
+def _bind(sock: zmq.Socket, endpoint: str, setting: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise ClusterError(f"cannot bind {setting} = {endpoint!r}: {exc}") from None
+
+
+def _peer(route: bytes, frame) -> str:
+    """Who sent a request, for the log: the placement client's key name, or the local uid."""
+    if type(route) is ClusterRoute:
+        try:
+            return str(frame.get("User-Id"))
+        except (zmq.ZMQError, AttributeError, TypeError):
+            return "cluster"
+    creds = procwatch.peer_credentials(frame)
+    return "local" if creds is None else f"uid {creds.uid}"

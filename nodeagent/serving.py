@@ -1,0 +1,543 @@
+"""Server-side inference, as part of :class:`nodeagent.server.AgentServer`:
+registered models run in the ctxpool's warm workers under the device token.
+
+Each client session that sends ``infer`` gets a serving sub-session
+(``<session>:serve``, workload inference, the client's weight) in its device's
+scheduler. Requests queue on it; when it is granted the token the daemon
+hands them to the worker pool one at a time and gives the token back when
+the queue is empty or it is asked to yield. A forward pass cannot be cut
+short: a serving sub-session that overruns its yield deadline loses the token
+(revoke), never a signal - the worker is shared by every client.
+
+Registration is answered once every worker of the model's devices has it
+(weights placed once in shared host memory, layer groups planned); it is
+journalled then, and a restarted daemon registers the journalled models
+again. The example input is copied out of the client's segment into one the
+daemon owns, since the client may unlink its own as soon as it is answered.
+
+A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
+``_poller``, ``_poll_handlers``, ``config``, ``backend``, ``journal``,
+``metrics`` and the server's ``_send``, ``_error``, ``_apply``,
+``_session_for``, ``_journal``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from client_lib import protocol as p
+from client_lib import tensors
+from client_lib.endpoint import ipc_path
+from nodeagent import procwatch
+from nodeagent.journal import ModelRecord
+from sharing import AskYield, Enforce, Grant, Revoked, Workload
+
+log = logging.getLogger("nodeagent.serving")
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
+MAX_TENSORS = 64
+SERVE_SUFFIX = ":serve"
+
+
+@dataclass
+class _Job:
+    """One infer request, from arrival to its reply."""
+
+    job_id: int
+    route: bytes
+    request_id: int
+    model: str
+    inputs: list
+    arrived: float
+    deadline: float
+    started: float | None = None
+
+
+@dataclass
+class _ServeQueue:
+    """A client session's serving sub-session on its device."""
+
+    sid: str  # scheduler session id
+    owner: str  # client session id
+    device: int
+    name: str
+    pending: deque = field(default_factory=deque)
+    running: _Job | None = None
+    grant: int | None = None
+    waiting: bool = False
+    yield_asked: bool = False
+    owner_gone: bool = False
+    served: int = 0
+
+
+@dataclass
+class _Model:
+    record: ModelRecord
+    segment: object | None  # the daemon's copy of the example input
+    example: list  # TensorRefs into ``segment``
+    ready: bool = False
+    info: p.ModelInfo | None = None
+    waiters: list = field(default_factory=list)  # (route, request id) of register calls to answer
+    journalled: bool = False
+
+
+def ctxpool_wanted(setting: str) -> tuple[bool, str]:
+    """Whether to start workers for ``ctxpool.enabled`` = auto | on | off, and why."""
+    if setting == "off":
+        return False, "ctxpool.enabled = off"
+    if importlib.util.find_spec("torch") is None:
+        return False, "torch is not importable by the daemon's Python"
+    return True, "ctxpool.enabled = " + setting
+
+
+class ServingMixin:
+    """Model registration and server-side inference (see the module docstring)."""
+
+    def _init_serving(self) -> None:
+        self._pool = None
+        self._models: dict[str, _Model] = {}
+        self._serving: dict[str, _ServeQueue] = {}
+        self._inflight: dict[int, tuple[_ServeQueue, _Job]] = {}
+        self._job_ids = itertools.count(1)
+        self._serving_why = "not started"
+
+    # ---------------------------------------------------------------- life
+
+    def _start_serving(self) -> None:
+        wanted, why = ctxpool_wanted(self.config.ctxpool_enabled)
+        self._serving_why = why
+        if not wanted:
+            log.info("[ctxpool] off: %s", why)
+            return
+        from ctxpool.pool import WorkerPool
+
+        cfg = self.config
+        self._pool = WorkerPool(
+            self.backend.name, list(range(len(self._schedulers))),
+            workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
+            memory_budget_bytes=(cfg.ctxpool_resident_mb << 20) or None,
+            restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
+            output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed)
+        self._pool.start()
+        self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
+        log.info("[ctxpool] starting workers=%d per device devices=%d backend=%s",
+                 cfg.ctxpool_workers_per_device, len(self._schedulers), self.backend.name)
+        if self.journal is not None:
+            for rec in self._journal_read(lambda j: j.models(), []):
+                try:
+                    self._begin_registration(rec, journalled=True)
+                except (tensors.TensorTransportError, OSError, ValueError) as exc:
+                    log.error("[ctxpool] cannot restore model name=%s: %s", rec.name, exc)
+
+    def _stop_serving(self) -> None:
+        for q, job in list(self._inflight.values()):
+            self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        self._inflight.clear()
+        if self._pool is not None:
+            steps = self._pool.shutdown(5.0)
+            log.info("[shutdown] step=workers %s", steps)
+            self._pool_fds_changed(added=(), removed=list(self._poll_fds_of_pool))
+            self._pool = None
+        for model in self._models.values():
+            self._free_example(model)
+        self._models.clear()
+
+    def _pool_fds_changed(self, added=(), removed=()) -> None:
+        if not hasattr(self, "_poll_fds_of_pool"):
+            self._poll_fds_of_pool = set()
+        for fd in removed:
+            if fd in self._poll_fds_of_pool:
+                self._poll_fds_of_pool.discard(fd)
+                self._poll_handlers.pop(fd, None)
+                try:
+                    self._poller.unregister(fd)
+                except KeyError:
+                    pass
+        for fd in added:
+            if fd not in self._poll_fds_of_pool:
+                self._poll_fds_of_pool.add(fd)
+                self._poll_handlers[fd] = lambda fd=fd: self._on_pool_readable(fd)
+                self._poller.register(fd, 1)  # zmq.POLLIN
+
+    def _journal_read(self, fn, default):
+        try:
+            return fn(self.journal)
+        except Exception:
+            log.exception("[journal] read failed")
+            return default
+
+    # ----------------------------------------------------------- requests
+
+    def _on_register_model(self, route: bytes, msg: p.RegisterModel, frame, now: float) -> None:
+        if self._pool is None:
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
+                        f"server-side inference is off on this daemon ({self._serving_why})")
+            return
+        if procwatch.peer_credentials(frame) is None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
+                        "registering a model runs its factory in the daemon's workers: only local peers whose "
+                        "identity the daemon can verify may do it")
+            return
+        problem = self._check_registration(msg)
+        if problem is not None:
+            self._error(route, msg.id, *problem)
+            return
+        existing = self._models.get(msg.name)
+        if existing is not None:
+            rec = existing.record
+            same = (rec.factory, rec.weights, rec.device) == (msg.factory, msg.weights, msg.device)
+            if same and not msg.replace:
+                if existing.ready:
+                    self._send(route, p.ModelRegistered(id=msg.id, model=existing.info, changed=False))
+                else:
+                    existing.waiters.append((route, msg.id))
+                return
+            if not msg.replace:
+                self._error(route, msg.id, p.ErrorCode.INVALID,
+                            f"model {msg.name!r} is already registered (factory {rec.factory}, weights {rec.weights}); "
+                            "unregister it first or pass replace=True")
+                return
+            self._unregister(msg.name)
+        try:
+            record = ModelRecord(name=msg.name, factory=msg.factory, weights=msg.weights, device=msg.device,
+                                 example_refs=[], example_bytes=b"", created_unix=time.time())
+            record = _with_example(record, msg.example_input)
+            self._begin_registration(record, journalled=False, waiter=(route, msg.id))
+        except tensors.TensorTransportError as exc:
+            self._error(route, msg.id, p.ErrorCode.MODEL, f"example input: {exc}")
+
+    def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
+        if not MODEL_NAME.match(msg.name):
+            return p.ErrorCode.INVALID, ("model name must be 1..128 characters of letters, digits, '.', '_' or '-', "
+                                         f"starting with a letter or digit; got {msg.name!r}")
+        if not FACTORY_PATH.match(msg.factory):
+            return p.ErrorCode.MODEL, f"factory must look like 'package.module:callable', got {msg.factory!r}"
+        if msg.weights is not None and not msg.weights.startswith("/"):
+            return p.ErrorCode.MODEL, f"weights must be an absolute path (the daemon has another cwd), got {msg.weights!r}"
+        if msg.device is not None and not 0 <= msg.device < len(self._schedulers):
+            return p.ErrorCode.DEVICE, f"no device {msg.device}; this node has devices 0..{len(self._schedulers) - 1}"
+        if len(msg.example_input) > MAX_TENSORS:
+            return p.ErrorCode.INVALID, f"at most {MAX_TENSORS} example tensors, got {len(msg.example_input)}"
+        return None
+
+    def _begin_registration(self, record: ModelRecord, *, journalled: bool, waiter=None) -> None:
+        segment, example = _example_segment(record)
+        model = _Model(record=record, segment=segment, example=example, journalled=journalled)
+        if waiter is not None:
+            model.waiters.append(waiter)
+        self._models[record.name] = model
+        from ctxpool.pool import ModelSpec
+
+        devices = [record.device] if record.device is not None else list(range(len(self._schedulers)))
+        self._pool.register_model(ModelSpec(name=record.name, factory=record.factory, weights=record.weights,
+                                            devices=devices, example_input=example))
+        log.info("[ctxpool] register name=%s factory=%s weights=%s devices=%s restored=%s",
+                 record.name, record.factory, record.weights, devices, journalled)
+
+    def _on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
+        if procwatch.peer_credentials(frame) is None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only verifiable local peers may unregister models")
+            return
+        if msg.name not in self._models:
+            known = self._journal_read(lambda j: [r.name for r in j.models()], [])
+            if msg.name not in known:
+                self._error(route, msg.id, p.ErrorCode.NO_MODEL, f"no model {msg.name!r}")
+                return
+        self._unregister(msg.name)
+        self._send(route, p.Ok(id=msg.id))
+
+    def _unregister(self, name: str) -> None:
+        model = self._models.pop(name, None)
+        if model is not None:
+            for route, rid in model.waiters:
+                self._error(route, rid, p.ErrorCode.MODEL, f"model {name!r} was unregistered while registering")
+            if self._pool is not None:
+                now = self._clock()
+                for event in self._pool.unregister_model(name):  # requests queued for it fail
+                    self._on_pool_event(event, now)
+            self._free_example(model)
+        self._journal(lambda j: j.delete_model(name))
+        log.info("[ctxpool] unregister name=%s", name)
+
+    def _on_models(self, route: bytes, msg: p.ModelsRequest, frame, now: float) -> None:
+        self._send(route, p.ModelsReply(id=msg.id, models=self._model_infos()))
+
+    def _model_infos(self) -> list[p.ModelInfo]:
+        resident: dict[str, set[int]] = {}
+        if self._pool is not None:
+            for device, workers in self._pool.snapshot().items():
+                for w in workers:
+                    for name in w.resident:
+                        resident.setdefault(name, set()).add(device)
+        out = []
+        for name, m in sorted(self._models.items()):
+            if m.info is not None:
+                out.append(_replace_resident(m.info, sorted(resident.get(name, ()))))
+        return out
+
+    def _on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is None:
+            return
+        if self._pool is None:
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
+                        f"server-side inference is off on this daemon ({self._serving_why})")
+            return
+        model = self._models.get(msg.model)
+        if model is None or not model.ready:
+            state = "is still registering" if model is not None else "is not registered"
+            known = ", ".join(sorted(n for n, m in self._models.items() if m.ready)) or "none"
+            self._error(route, msg.id, p.ErrorCode.NO_MODEL, f"model {msg.model!r} {state} (ready: {known})")
+            return
+        if model.record.device is not None and model.record.device != s.device:
+            self._error(route, msg.id, p.ErrorCode.DEVICE,
+                        f"model {msg.model!r} is registered on device {model.record.device}; "
+                        f"this session is on device {s.device}")
+            return
+        if len(msg.inputs) > MAX_TENSORS or not (0 < msg.timeout_ms <= 3_600_000):
+            self._error(route, msg.id, p.ErrorCode.INVALID,
+                        f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, 3600000]")
+            return
+        q = self._serving.get(s.id + SERVE_SUFFIX)
+        if q is None:
+            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name)
+            self._schedulers[s.device].add_session(q.sid, Workload.INFERENCE, s.weight, now)
+            self._serving[q.sid] = q
+        q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
+                              inputs=list(msg.inputs), arrived=now, deadline=now + msg.timeout_ms / 1000.0))
+        if q.grant is None and not q.waiting:
+            q.waiting = True
+            self._apply(self._schedulers[q.device].request(q.sid, now), now)
+        elif q.grant is not None and q.running is None and not q.yield_asked:
+            self._serve_next(q, now)
+
+    # ------------------------------------------------------- the token
+
+    def _serving_action(self, action, now: float) -> None:
+        """A scheduler action for a serving sub-session (called by ``_apply``)."""
+        q = self._serving[action.session]
+        kind = type(action)
+        if kind is Grant:
+            q.grant = action.grant
+            q.waiting = False
+            q.yield_asked = False
+            self._serve_next(q, now)
+        elif kind is AskYield:
+            q.yield_asked = True
+            if q.running is None:
+                self._serve_release(q, now)
+        elif kind is Enforce:
+            self._apply(self._schedulers[q.device].revoke(q.sid, now, "overrun"), now, handoff_from=now)
+            log.warning("[ctxpool] serving session=%s overran its yield deadline by %.1f ms: token revoked "
+                        "(the running request completes)", q.sid, action.overrun_ms)
+        elif kind is Revoked:
+            q.grant = None
+            q.yield_asked = False
+            if q.pending and q.running is None:
+                q.waiting = True
+                self._apply(self._schedulers[q.device].request(q.sid, now), now)
+
+    def _serve_next(self, q: _ServeQueue, now: float) -> None:
+        while q.pending and q.running is None:
+            job = q.pending.popleft()
+            if now > job.deadline:
+                self._error(job.route, job.request_id, p.ErrorCode.UNAVAILABLE,
+                            f"request waited {1000 * (now - job.arrived):.0f} ms for the device, over its timeout")
+                continue
+            try:
+                self._pool.submit(job.job_id, q.device, job.model, job.inputs)
+            except Exception as exc:  # PoolError carries a protocol code
+                code = getattr(exc, "code", p.ErrorCode.INTERNAL)
+                self._error(job.route, job.request_id, code, str(exc))
+                continue
+            job.started = now
+            q.running = job
+            self._inflight[job.job_id] = (q, job)
+        if q.running is None:
+            self._serve_release(q, now)
+
+    def _serve_release(self, q: _ServeQueue, now: float) -> None:
+        if q.grant is None:
+            return
+        grant, q.grant = q.grant, None
+        q.yield_asked = False
+        requeue = bool(q.pending) and not q.owner_gone
+        q.waiting = requeue
+        actions = self._schedulers[q.device].release(q.sid, grant, now, requeue=requeue)
+        self._apply(actions, now, handoff_from=now)
+        if q.owner_gone and q.running is None:
+            self._remove_queue(q, now)
+
+    def _drop_serving(self, session_id: str, now: float) -> None:
+        """The client session ended: its queued requests go; a running one finishes first."""
+        q = self._serving.get(session_id + SERVE_SUFFIX)
+        if q is None:
+            return
+        q.owner_gone = True
+        for job in q.pending:
+            tensors.discard(job.inputs)  # the client is gone; nobody else will unlink them
+        q.pending.clear()
+        if q.running is None:
+            if q.grant is not None:
+                self._serve_release(q, now)
+            else:
+                self._remove_queue(q, now)
+
+    def _remove_queue(self, q: _ServeQueue, now: float) -> None:
+        if self._serving.pop(q.sid, None) is None:
+            return
+        self._apply(self._schedulers[q.device].remove_session(q.sid, now), now, handoff_from=now)
+
+    # ------------------------------------------------------- the workers
+
+    def _serving_deadline(self) -> float | None:
+        return self._pool.next_deadline() if self._pool is not None else None
+
+    def _on_serving_timers(self, now: float) -> None:
+        deadline = self._serving_deadline()
+        if deadline is not None and deadline <= now:
+            self._pool.on_deadline()
+
+    def _on_pool_readable(self, fd: int) -> None:
+        if self._pool is None:
+            return
+        for event in self._pool.on_readable(fd):
+            try:
+                self._on_pool_event(event, self._clock())
+            except Exception:
+                log.exception("[ctxpool] handling %s failed", type(event).__name__)
+
+    def _on_pool_event(self, event, now: float) -> None:
+        kind = type(event).__name__
+        if kind == "RequestDone":
+            q, job = self._inflight.pop(event.request_id, (None, None))
+            if job is None:
+                tensors.discard(event.outputs)
+                return
+            if q.owner_gone:
+                tensors.discard(event.outputs)
+                tensors.discard(job.inputs)
+            else:
+                self._send(job.route, p.InferResult(
+                    id=job.request_id, model=job.model, outputs=list(event.outputs), swap=event.swap,
+                    queue_ms=1000.0 * (job.started - job.arrived), run_ms=event.run_ms, device=q.device,
+                    single=bool(getattr(event, "single", False))))
+            self._job_finished(q, now)
+        elif kind == "RequestFailed":
+            q, job = self._inflight.pop(event.request_id, (None, None))
+            if job is None:
+                return
+            if q.owner_gone:
+                tensors.discard(job.inputs)
+            else:
+                self._error(job.route, job.request_id, event.code, event.message)
+            self._job_finished(q, now)
+        elif kind == "ModelReady":
+            model = self._models.get(event.name)
+            if model is None:
+                return
+            model.ready = True
+            model.info = event.info
+            if not model.journalled:
+                self._journal(lambda j, rec=model.record: j.put_model(rec))
+                model.journalled = True
+            for route, rid in model.waiters:
+                self._send(route, p.ModelRegistered(id=rid, model=event.info, changed=True))
+            model.waiters.clear()
+            log.info("[ctxpool] ready name=%s bytes=%d groups=%d", event.name, event.info.model_bytes,
+                     event.info.groups)
+        elif kind == "ModelFailed":
+            model = self._models.pop(event.name, None)
+            if model is None:
+                return
+            for route, rid in model.waiters:
+                self._error(route, rid, event.code, event.message)
+            self._free_example(model)
+            log.error("[ctxpool] registration failed name=%s code=%s: %s%s", event.name, event.code, event.message,
+                      " (kept in the journal; retried at the next start)" if model.journalled else "")
+        elif kind == "WorkerReplaced":
+            log.warning("[ctxpool] worker replaced device=%d old_pid=%s new_pid=%s lost_requests=%d reason=%s",
+                        event.device, event.old_pid, event.new_pid, len(event.lost_request_ids), event.reason)
+        elif kind == "WorkerReady":
+            log.info("[ctxpool] worker ready device=%d pid=%d warm_up_ms=%.0f", event.device, event.pid,
+                     event.warm_up_ms)
+        else:
+            log.debug("[ctxpool] event %s", event)
+
+    def _job_finished(self, q: _ServeQueue, now: float) -> None:
+        q.running = None
+        q.served += 1
+        if q.owner_gone or q.yield_asked or q.grant is None:
+            if q.grant is not None:
+                self._serve_release(q, now)
+            elif q.owner_gone:
+                self._remove_queue(q, now)
+            elif q.pending and not q.waiting:
+                q.waiting = True
+                self._apply(self._schedulers[q.device].request(q.sid, now), now)
+            return
+        self._serve_next(q, now)
+
+    def _free_example(self, model: _Model) -> None:
+        if model.segment is not None:
+            model.segment.close()
+            model.segment.unlink()
+            model.segment = None
+
+    # ------------------------------------------------------------ status
+
+    def _serving_session_info(self, view) -> p.SessionInfo | None:
+        q = self._serving.get(view.session)
+        if q is None:
+            return None
+        return p.SessionInfo(
+            id=q.sid, name=f"{q.name} (server-side)", pid=0, pid_verified=False, workload="inference",
+            weight=1.0, state=view.state.value, gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=0)
+
+
+def _with_example(record: ModelRecord, refs: list[p.TensorRef]) -> ModelRecord:
+    """``record`` with the example input's bytes copied out of the client's segments."""
+    segments = tensors.attach_all(refs)
+    try:
+        blob = bytearray()
+        out = []
+        for ref in refs:
+            if ref.dtype not in tensors.DTYPE_BYTES:
+                raise tensors.TensorTransportError(f"unknown dtype {ref.dtype!r}")
+            offset = len(blob)
+            if ref.nbytes:
+                seg = segments[ref.shm]
+                if ref.offset < 0 or ref.offset + ref.nbytes > seg.size:
+                    raise tensors.TensorTransportError(f"tensor ref lies outside segment {ref.shm!r}")
+                blob += seg.buf[ref.offset:ref.offset + ref.nbytes]
+            blob += b"\0" * (-len(blob) % tensors.ALIGN_BYTES)
+            out.append({"dtype": ref.dtype, "shape": list(ref.shape), "offset": offset, "nbytes": ref.nbytes})
+    finally:
+        for seg in segments.values():
+            seg.close()
+    return ModelRecord(record.name, record.factory, record.weights, record.device, out, bytes(blob),
+                       record.created_unix)
+
+
+def _example_segment(record: ModelRecord):
+    """A daemon-owned segment holding the example input, and refs into it."""
+    if not record.example_bytes:
+        return None, [p.TensorRef(dtype=r["dtype"], shape=r["shape"]) for r in record.example_refs]
+    seg = tensors.create_segment(len(record.example_bytes), prefix="na-example")
+    seg.buf[:len(record.example_bytes)] = record.example_bytes
+    refs = [p.TensorRef(dtype=r["dtype"], shape=r["shape"], shm=seg.name if r["nbytes"] else "",
+                        offset=r["offset"], nbytes=r["nbytes"]) for r in record.example_refs]
+    return seg, refs
+
+
+def _replace_resident(info: p.ModelInfo, resident: list[int]) -> p.ModelInfo:
+    import msgspec
+
+    return msgspec.structs.replace(info, resident=resident)

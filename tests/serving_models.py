@@ -1,0 +1,70 @@
+"""Model factories the daemon-level serving tests register (importable by the
+daemon's workers because the daemon runs from the repository root)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10)).eval()
+
+
+def wide_mlp() -> nn.Module:
+    """About 4 MiB of weights: two of them do not fit a 6 MiB residency budget."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 4))
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if float(x.sum()) < 0:
+            raise RuntimeError("negative input refused by the model")
+        return self.lin(x)
+
+
+def fails_on_negative() -> nn.Module:
+    torch.manual_seed(4)
+    return _Fails()
+
+
+class _Busy(nn.Module):
+    """Writes its worker's pid to $NA_TEST_BUSY_MARKER, then computes for a while (real work)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        marker = os.environ.get("NA_TEST_BUSY_MARKER")
+        if marker and float(x.sum()) > 0:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            y = torch.randn(256, 256)
+            for _ in range(20000):  # seconds of matmuls: the test kills the worker meanwhile
+                y = torch.tanh(self.lin(y))
+        return self.lin(x)
+
+
+def busy() -> nn.Module:
+    torch.manual_seed(3)
+    return _Busy()
+
+
+def not_a_module():
+    return 42
