@@ -266,26 +266,9 @@ class ClusterMixin:
             self._on_cluster_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_cluster_frames(self, frames: list) -> None:
-        now = self._clock()
-        route = ClusterRoute(frames[0].bytes)
-        if len(frames) != 2:
-            self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
-            return
-        frame = frames[1]
-        try:
-            msg = codec.decode_request(frame.bytes)
-        except codec.BadFrame as exc:
-            self._bad(route, exc.request_id, str(exc))
-            return
-        handler = self._cluster_handlers.get(type(msg))
-        if handler is None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, FORBIDDEN_ON_CLUSTER)
-            return
-        try:
-            handler(route, msg, frame, now)
-        except Exception:  # a bug must cost one request, not the daemon
-            log.exception("[cluster] handler failed op=%s id=%d", type(msg).__name__, msg.id)
-            self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+        self._dispatch(ClusterRoute(frames[0].bytes), frames, self._cluster_handlers, "cluster",
+                       unhandled=lambda route, msg: self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
+                                                                FORBIDDEN_ON_CLUSTER))
 
     def _send_cluster(self, route: ClusterRoute, msg) -> None:
         router = self._cluster_router

@@ -279,8 +279,13 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             self._on_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_frames(self, frames: list) -> None:
+        self._dispatch(frames[0].bytes, frames, self._handlers, "serve")
+
+    def _dispatch(self, route: bytes, frames: list, handlers: dict, where: str,
+                  unhandled: Callable | None = None) -> None:
+        """Decode one request and run its handler; bad frames and handler bugs cost
+        that request an error reply, never the loop."""
         now = self._clock()
-        route = frames[0].bytes
         if len(frames) != 2:
             self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
             return
@@ -290,10 +295,17 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         except codec.BadFrame as exc:
             self._bad(route, exc.request_id, str(exc))
             return
+        handler = handlers.get(type(msg))
+        if handler is None:
+            if unhandled is not None:
+                unhandled(route, msg)
+            else:
+                self._bad(route, msg.id, f"op {type(msg).__name__} is not served on this endpoint")
+            return
         try:
-            self._handlers[type(msg)](route, msg, frame, now)
+            handler(route, msg, frame, now)
         except Exception:  # a bug must cost one request, not the daemon
-            log.exception("[serve] handler failed op=%s id=%d", type(msg).__name__, msg.id)
+            log.exception("[%s] handler failed op=%s id=%d", where, type(msg).__name__, msg.id)
             self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
     def _drain_wakeups(self) -> None:
