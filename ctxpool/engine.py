@@ -51,7 +51,7 @@ log = logging.getLogger("ctxpool.engine")
 MODES = ("pipelined", "sequential")
 _MAX_GROUPS = 64  # min_group_bytes = model_bytes / this: bounds per-group overhead when copies cannot hide
 
-__all__ = ["CopyError", "Engine", "InferStats", "ModelPlan", "MODES"]
+__all__ = ["MODES", "CopyError", "Engine", "InferStats", "ModelPlan"]
 
 
 @dataclass
@@ -129,7 +129,7 @@ class Engine:
             self.remove_model(name)
         self._worker.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

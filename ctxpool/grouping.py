@@ -27,8 +27,8 @@ a copy-bound stretch add overhead and save nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 _TOLERANCE = 1 + 1e-9  # a copy that fits exactly is not refused for a rounding error
 

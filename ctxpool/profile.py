@@ -22,9 +22,10 @@ on the device before any segment that uses it in a run shaped like this one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -77,9 +78,8 @@ def profile(module: torch.nn.Module, run: Callable[[], Any], slots: list[Slot],
             current[0] = name
         return hook
 
-    with _hooks(module, follow):
-        with _FirstUse(watched, current, first_use):
-            run()
+    with _hooks(module, follow), _FirstUse(watched, current, first_use):
+        run()
     synchronize()
 
     layer_of: dict[str, int] = {}  # module name -> layer index (first call)

@@ -33,8 +33,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -77,9 +78,8 @@ class CpuBackend:
         """Fault in a pool of ``pool_bytes`` that later swap-ins copy into (replaces an idle one)."""
         if pool_bytes <= 0:
             return
-        if self.arena is not None:
-            if self.arena.nbytes >= pool_bytes or self.arena.in_use_bytes:
-                return
+        if self.arena is not None and (self.arena.nbytes >= pool_bytes or self.arena.in_use_bytes):
+            return
         self.arena = HostArena(pool_bytes)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -89,9 +89,9 @@ class CpuBackend:
                 return block
         if not self._warned_fresh:
             self._warned_fresh = True
-            log.info("[ctxpool] cpu swap-in of %d bytes outside the reserved pool (%d bytes free): fresh pages, "
-                     "slower copies; reserve more with warm_up(pool_bytes=...)", nbytes,
-                     self.arena.free_bytes() if self.arena else 0)
+            log.warning("[ctxpool] cpu swap-in of %d bytes outside the reserved pool (%d bytes free): fresh "
+                        "pages, slower copies; reserve more with warm_up(pool_bytes=...)", nbytes,
+                        self.arena.free_bytes() if self.arena else 0)
         return torch.empty(max(1, nbytes), dtype=torch.uint8)
 
     def prepare(self, dev_buf: torch.Tensor) -> None:

@@ -231,10 +231,10 @@ class _Worker:
                     raise WorkerFatal(f"device context lost: {exc}") from exc
                 return reply
             flat = _flatten(outputs)
-            single = len(flat) == 1 and flat[0] is outputs  # a bare tensor, not a 1-tuple
             if flat is None:
                 return failed(p.ErrorCode.INFERENCE, f"model {request.model!r} returned a {type(outputs).__name__}; "
                                                      "expected a tensor or a tuple/list of tensors")
+            single = len(flat) == 1 and flat[0] is outputs  # a bare tensor, not a 1-tuple
             try:
                 segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group)
             except (tensors.TensorTransportError, OSError) as exc:

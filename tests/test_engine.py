@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 
 import pytest
 import torch
@@ -235,7 +236,7 @@ def test_pipelined_compute_never_reads_a_weight_before_its_group_arrived(monkeyp
         for _ in range(3):
             engine.evict("wide")
             with Watch():
-                out, stats = engine.infer("wide", (x,), mode="pipelined")
+                out, _ = engine.infer("wide", (x,), mode="pipelined")
             assert torch.equal(out, expected)
             assert used_host == []
     finally:
@@ -258,7 +259,7 @@ def test_pipelined_swap_in_overlaps_copy_and_compute():
             assert torch.equal(out, expected)
             t = stats.timeline
             assert len(t) == stats.groups >= 2
-            assert all(a.copy_end_s <= b.copy_start_s + 1e-9 for a, b in zip(t, t[1:]))  # copies in order
+            assert all(a.copy_end_s <= b.copy_start_s + 1e-9 for a, b in itertools.pairwise(t))  # copies in order
             assert all(g.copy_end_s <= g.compute_start_s + 1e-9 for g in t)  # compute waits for its group
             overlapped += any(t[k].compute_start_s < t[k + 1].copy_end_s and t[k + 1].copy_start_s < t[k].compute_end_s
                               for k in range(len(t) - 1))
