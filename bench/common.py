@@ -131,8 +131,10 @@ def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=No
 def serve_args(endpoint: str, state_dir: str, extra_args: Sequence[str] = (),
                log_level: str = "warning") -> list[str]:
     """The command line of a private ``nodeagent serve --backend cpu``."""
+    # No warm workers unless a benchmark asks: their start-up would share the cores with what is measured.
+    ctxpool = () if "--ctxpool" in extra_args else ("--ctxpool", "off")
     return [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", endpoint,
-            "--state-dir", state_dir, "--log-level", log_level, *extra_args]
+            "--state-dir", state_dir, "--log-level", log_level, *ctxpool, *extra_args]
 
 
 def spawn_daemon(args: Sequence[str], log_path: str) -> subprocess.Popen:

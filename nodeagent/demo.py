@@ -98,7 +98,7 @@ def _start_daemon(socket_dir: str) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{socket_dir}/agent.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", endpoint,
-         "--state-dir", os.path.join(socket_dir, "state"), "--log-level", "warning"])
+         "--state-dir", os.path.join(socket_dir, "state"), "--log-level", "warning", "--ctxpool", "off"])
     deadline = time.monotonic() + 15
     while True:
         try:
