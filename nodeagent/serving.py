@@ -44,6 +44,7 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
 MAX_TENSORS = 64
 SERVE_SUFFIX = ":serve"
+EXAMPLE_PREFIX = "na-example"  # the daemon's copies of example inputs: na-example-<daemon pid>-...
 
 
 @dataclass
@@ -117,7 +118,9 @@ class ServingMixin:
             log.info("[ctxpool] off: %s", why)
             return
         from ctxpool.pool import WorkerPool
+        from ctxpool.procs import sweep_stale_segments
 
+        sweep_stale_segments(EXAMPLE_PREFIX)  # a daemon killed with SIGKILL could not unlink its own
         cfg = self.config
         self._pool = WorkerPool(
             self.backend.name, list(range(len(self._schedulers))),
@@ -530,7 +533,7 @@ def _example_segment(record: ModelRecord):
     """A daemon-owned segment holding the example input, and refs into it."""
     if not record.example_bytes:
         return None, [p.TensorRef(dtype=r["dtype"], shape=r["shape"]) for r in record.example_refs]
-    seg = tensors.create_segment(len(record.example_bytes), prefix="na-example")
+    seg = tensors.create_segment(len(record.example_bytes), prefix=EXAMPLE_PREFIX)
     seg.buf[:len(record.example_bytes)] = record.example_bytes
     refs = [p.TensorRef(dtype=r["dtype"], shape=r["shape"], shm=seg.name if r["nbytes"] else "",
                         offset=r["offset"], nbytes=r["nbytes"]) for r in record.example_refs]

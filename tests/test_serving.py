@@ -183,7 +183,10 @@ def test_restart_keeps_registrations(start_daemon):
     with Client("svc", workload="inference", endpoint=d.endpoint, reconnect=False) as c:
         c.register_model("mlp", "tests.serving_models:small_mlp", example_input=x)
     d.stop(signal.SIGKILL)
+    left = {n for n in _shm_names() if n.startswith(f"na-example-{d.proc.pid}-")}
+    assert left  # what a SIGKILLed daemon could not unlink ...
     d2 = start_daemon("--ctxpool", "on")
     with Client("svc2", workload="inference", endpoint=d2.endpoint) as c:
         wait_for(lambda: [m.name for m in c.models()] == ["mlp"], timeout=60, interval=0.1)
         assert torch.equal(c.infer("mlp", x), serving_models.small_mlp()(x))
+    assert not left & _shm_names()  # ... its successor swept
