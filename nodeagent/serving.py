@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from client_lib import protocol as p
 from client_lib import tensors
 from client_lib.endpoint import ipc_path
+from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, RequestFailed, WorkerReady,
+                              WorkerReplaced)
 from nodeagent import procwatch
 from nodeagent.journal import ModelRecord
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
@@ -69,6 +71,7 @@ class _ServeQueue:
     owner: str  # client session id
     device: int
     name: str
+    weight: float
     pending: deque = field(default_factory=deque)
     running: _Job | None = None
     grant: int | None = None
@@ -108,6 +111,7 @@ class ServingMixin:
         self._inflight: dict[int, tuple[_ServeQueue, _Job]] = {}
         self._job_ids = itertools.count(1)
         self._serving_why = "not started"
+        self._poll_fds_of_pool: set[int] = set()
 
     # ---------------------------------------------------------------- life
 
@@ -153,8 +157,6 @@ class ServingMixin:
         self._models.clear()
 
     def _pool_fds_changed(self, added=(), removed=()) -> None:
-        if not hasattr(self, "_poll_fds_of_pool"):
-            self._poll_fds_of_pool = set()
         for fd in removed:
             if fd in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.discard(fd)
@@ -236,8 +238,6 @@ class ServingMixin:
         if waiter is not None:
             model.waiters.append(waiter)
         self._models[record.name] = model
-        from ctxpool.pool import ModelSpec
-
         devices = [record.device] if record.device is not None else list(range(len(self._schedulers)))
         self._pool.register_model(ModelSpec(name=record.name, factory=record.factory, weights=record.weights,
                                             devices=devices, example_input=example))
@@ -310,7 +310,7 @@ class ServingMixin:
             return
         q = self._serving.get(s.id + SERVE_SUFFIX)
         if q is None:
-            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name)
+            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight)
             self._schedulers[s.device].add_session(q.sid, Workload.INFERENCE, s.weight, now)
             self._serving[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
@@ -418,8 +418,8 @@ class ServingMixin:
                 log.exception("[ctxpool] handling %s failed", type(event).__name__)
 
     def _on_pool_event(self, event, now: float) -> None:
-        kind = type(event).__name__
-        if kind == "RequestDone":
+        kind = type(event)
+        if kind is RequestDone:
             q, job = self._inflight.pop(event.request_id, (None, None))
             if job is None:
                 tensors.discard(event.outputs)
@@ -433,7 +433,7 @@ class ServingMixin:
                     queue_ms=1000.0 * (job.started - job.arrived), run_ms=event.run_ms, device=q.device,
                     single=bool(getattr(event, "single", False))))
             self._job_finished(q, now)
-        elif kind == "RequestFailed":
+        elif kind is RequestFailed:
             q, job = self._inflight.pop(event.request_id, (None, None))
             if job is None:
                 return
@@ -442,7 +442,7 @@ class ServingMixin:
             else:
                 self._error(job.route, job.request_id, event.code, event.message)
             self._job_finished(q, now)
-        elif kind == "ModelReady":
+        elif kind is ModelReady:
             model = self._models.get(event.name)
             if model is None:
                 return
@@ -456,7 +456,7 @@ class ServingMixin:
             model.waiters.clear()
             log.info("[ctxpool] ready name=%s bytes=%d groups=%d", event.name, event.info.model_bytes,
                      event.info.groups)
-        elif kind == "ModelFailed":
+        elif kind is ModelFailed:
             model = self._models.pop(event.name, None)
             if model is None:
                 return
@@ -465,10 +465,10 @@ class ServingMixin:
             self._free_example(model)
             log.error("[ctxpool] registration failed name=%s code=%s: %s%s", event.name, event.code, event.message,
                       " (kept in the journal; retried at the next start)" if model.journalled else "")
-        elif kind == "WorkerReplaced":
+        elif kind is WorkerReplaced:
             log.warning("[ctxpool] worker replaced device=%d old_pid=%s new_pid=%s lost_requests=%d reason=%s",
                         event.device, event.old_pid, event.new_pid, len(event.lost_request_ids), event.reason)
-        elif kind == "WorkerReady":
+        elif kind is WorkerReady:
             log.info("[ctxpool] worker ready device=%d pid=%d warm_up_ms=%.0f", event.device, event.pid,
                      event.warm_up_ms)
         else:
@@ -502,7 +502,7 @@ class ServingMixin:
             return None
         return p.SessionInfo(
             id=q.sid, name=f"{q.name} (server-side)", pid=0, pid_verified=False, workload="inference",
-            weight=1.0, state=view.state.value, gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=0)
+            weight=q.weight, state=view.state.value, gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=0)
 
 
 def _with_example(record: ModelRecord, refs: list[p.TensorRef]) -> ModelRecord:
