@@ -7,16 +7,18 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
 
-from client_lib import Client, InferenceError, ModelError, NoModelError, WorkerDeadError
+from client_lib import Client, DaemonError, InferenceError, ModelError, NoModelError, WorkerDeadError
 from client_lib import protocol as p
 from client_lib import serving
 from tests import serving_models
-from tests.conftest import Daemon, wait_for
+from tests.conftest import REPO, Daemon, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -190,3 +192,61 @@ def test_restart_keeps_registrations(start_daemon):
         wait_for(lambda: [m.name for m in c.models()] == ["mlp"], timeout=60, interval=0.1)
         assert torch.equal(c.infer("mlp", x), serving_models.small_mlp()(x))
     assert not left & _shm_names()  # ... its successor swept
+
+
+_INFER_THEN_DIE = """
+import sys, torch
+from client_lib import Client
+c = Client("doomed", workload="inference", endpoint=sys.argv[1])
+print("ready", flush=True)
+c.infer("busy", torch.ones(1, 256), timeout=60)
+"""
+
+
+def test_client_killed_mid_infer_leaves_nothing_and_others_are_served(start_daemon, workdir):
+    marker = os.path.join(workdir, "busy.pid")
+    os.environ["NA_TEST_BUSY_MARKER"] = marker
+    try:
+        d = start_daemon("--ctxpool", "on")
+    finally:
+        del os.environ["NA_TEST_BUSY_MARKER"]
+    x = torch.ones(1, 256)
+    with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+        c.register_model("busy", "tests.serving_models:busy", example_input=-x)
+        before = _shm_names()
+        doomed = subprocess.Popen([sys.executable, "-c", _INFER_THEN_DIE, d.endpoint], cwd=str(REPO),
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert doomed.stdout.readline().strip() == "ready"
+            wait_for(lambda: os.path.exists(marker) and open(marker).read(), timeout=30)
+            inputs = {n for n in _shm_names() - before if n.startswith(f"na-in-{doomed.pid}-")}
+            assert inputs  # the dying client's input segment, owned by it
+            doomed.kill()
+        finally:
+            doomed.kill()
+            doomed.wait()
+        os.unlink(marker)
+        # Served: the dead client's serving session loses the token at its yield
+        # deadline, and the standby worker runs this request meanwhile.
+        assert torch.equal(c.infer("busy", -x, timeout=60), serving_models.busy()(-x))
+        # Once the dead client's request completes, the daemon unlinks what that
+        # client owned: its inputs, and the outputs it will never read.
+        wait_for(lambda: not (_shm_names() - before), timeout=60, interval=0.05)
+        status = d.status()
+        assert all("doomed" not in s.name for dev in status.devices for s in dev.sessions)
+
+
+def test_unverifiable_peer_may_not_register_a_model(start_daemon):
+    """Over tcp the daemon cannot read the peer's credentials: registering would run
+    its factory in the daemon's workers, so it is refused."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon("--ctxpool", "on", endpoint=f"tcp://127.0.0.1:{port}")
+    with Client("remote", workload="inference", endpoint=d.endpoint) as c:
+        with pytest.raises(DaemonError) as err:
+            c.register_model("m", "tests.serving_models:small_mlp", example_input=torch.randn(2, 16))
+        assert err.value.code == p.ErrorCode.FORBIDDEN
+        assert c.models() == []
