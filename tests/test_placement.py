@@ -24,6 +24,7 @@ from client_lib import protocol as p
 from client_lib.placement import (ClientKeys, NodeTimeoutError, PlacementClient, PlacementError,
                                   load_server_public)
 from nodeagent import keys as node_keys
+from tests.conftest import wait_for
 
 # A handler maps a request to the replies to send: (delay_s, reply) pairs; [] sends nothing.
 Handler = Callable[[p.Request], list[tuple[float, p.Reply]]]
@@ -55,6 +56,7 @@ class FakeNode:
         self.handler = handler
         self.public, secret = keypair or zmq.curve_keypair()
         self.received: list[p.Request] = []
+        self.replies_sent = 0
         self.subscribed = threading.Event()
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -95,6 +97,7 @@ class FakeNode:
             while scheduled and scheduled[0][0] <= now:
                 _, _, route, frame = heapq.heappop(scheduled)
                 self.router.send_multipart([route, frame])
+                self.replies_sent += 1
             while not self._outbox.empty():
                 event = self._outbox.get()
                 self.xpub.send_multipart([event.kind.encode(), codec.encode(event)])
@@ -209,7 +212,7 @@ def test_late_reply_is_discarded_and_the_next_call_gets_its_own(cluster):
     client = cluster.client([node], timeout_ms=200)
     with pytest.raises(NodeTimeoutError):
         client.lend("n", 0, "first")
-    time.sleep(0.8)  # let the late reply to "first" be sent before the next request
+    wait_for(lambda: node.replies_sent == 1, timeout=5)  # the late reply to "first" has left the node
     reply = client.lend("n", 0, "second")
     assert reply.borrower == "second" and reply.id == node.received[-1].id
     assert [r.borrower for r in node.received] == ["first", "second"]
