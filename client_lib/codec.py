@@ -3,7 +3,9 @@
 MessagePack via msgspec, typed by the Structs in :mod:`client_lib.protocol`.
 No pickle, ever. Decoding a request never raises anything but
 :class:`BadFrame`, which carries the best request id that could be read from
-the frame so that the daemon can still answer the sender.
+the frame so that the daemon can still answer the sender. Size and nesting depth
+are checked before any decoding: msgspec recurses once per level, and a frame
+nested a thousand deep would otherwise raise ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,72 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+# Header bytes that open an array or a map: fixmap, fixarray, array16/32, map16/32.
+_OPENERS = bytes(range(0x80, 0xA0)) + bytes((0xDC, 0xDD, 0xDE, 0xDF))
+_NOT_OPENERS = bytes(b for b in range(256) if b not in _OPENERS)
+
+# Bytes that follow a header byte before the next element, by header (payload
+# lengths read from the header are added where they apply).
+_FIXED_SIZE = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+               0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_LENGTH_PREFIXED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0),   # bin: (length bytes, extra bytes)
+                    0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),   # ext: + one type byte
+                    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}   # str
+_COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # (count bytes, elements per count)
+
+
+def nesting_depth_exceeds(frame: bytes, limit: int) -> bool:
+    """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut
+    short inside a container deeper than that.
+
+    Iterative and linear in the frame's size. A frame has at most as many
+    levels as it has container-opening bytes, so the common case (a small
+    request) is settled by one C-speed count and never walked."""
+    if len(frame.translate(None, _NOT_OPENERS)) <= limit:
+        return False
+    pending: list[int] = []  # elements still to read, per open container
+    pos, end = 0, len(frame)
+    while pos < end:
+        b = frame[pos]
+        pos += 1
+        count = -1  # elements in the container this header opens; -1: not a container
+        if b <= 0x7F or b >= 0xE0:
+            pass
+        elif b <= 0x8F:
+            count = 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            count = b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED_SIZE:
+            pos += _FIXED_SIZE[b]
+        elif b in _LENGTH_PREFIXED:
+            width, extra = _LENGTH_PREFIXED[b]
+            pos += width + extra + int.from_bytes(frame[pos:pos + width], "big")
+        elif b in _COUNTED:
+            width, per = _COUNTED[b]
+            count = per * int.from_bytes(frame[pos:pos + width], "big")
+            pos += width
+        else:  # 0xC1, never used: not MessagePack; the decoder will say so
+            return False
+        if pending:
+            pending[-1] -= 1
+        if count >= 0:
+            if len(pending) + 1 > limit:
+                return True
+            pending.append(count)
+        while pending and pending[-1] == 0:
+            pending.pop()
+        if not pending:
+            return False  # one complete top-level object; trailing bytes are the decoder's to refuse
+    return False
+
+
 def _salvage_id(frame: bytes) -> int:
     """Best effort: the ``id`` of a frame that failed typed decoding."""
     try:
         loose = _loose_decoder.decode(frame)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
         return 0
     if isinstance(loose, dict):
         rid = loose.get("id")
@@ -48,18 +111,26 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     if len(frame) > max_bytes:
         # Too large to be worth decoding even for its id.
         raise BadFrame(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte request limit")
+    if nesting_depth_exceeds(frame, p.MAX_NESTING_DEPTH):
+        raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels")
     try:
         msg = _request_decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise BadFrame(f"invalid request: {exc}", _salvage_id(frame)) from None
     except msgspec.DecodeError as exc:
         raise BadFrame(f"not a MessagePack map: {exc}", 0) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a str that is not UTF-8
+        raise BadFrame(f"not valid MessagePack: {type(exc).__name__}", 0) from None
+    except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
+        raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
     return msg
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:
     """Decode one daemon message (client side). Raises :class:`BadFrame`."""
+    if nesting_depth_exceeds(frame, p.MAX_NESTING_DEPTH):
+        raise BadFrame(f"message from daemon nests deeper than {p.MAX_NESTING_DEPTH} levels")
     try:
         return _reply_decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise BadFrame(f"invalid message from daemon: {exc}", _salvage_id(frame)) from None

@@ -266,9 +266,15 @@ class ClusterMixin:
             self._on_cluster_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_cluster_frames(self, frames: list) -> None:
-        self._dispatch(ClusterRoute(frames[0].bytes), frames, self._cluster_handlers, "cluster",
-                       unhandled=lambda route, msg: self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
-                                                                FORBIDDEN_ON_CLUSTER))
+        route = ClusterRoute(frames[0].bytes)
+        try:
+            self._dispatch(route, frames, self._cluster_handlers, "cluster",
+                           unhandled=lambda route, msg: self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
+                                                                    FORBIDDEN_ON_CLUSTER))
+        except Exception:  # _dispatch contains handler bugs; this catches its own
+            self.metrics.internal_errors.labels("cluster").inc()
+            log.exception("[cluster] internal error while dispatching a frame")
+            self._error(route, 0, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
     def _send_cluster(self, route: ClusterRoute, msg) -> None:
         router = self._cluster_router

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from nodeagent.devices import DeviceInfo, DeviceProcess
+from nodeagent.devices import DeviceInfo
 from nodeagent.sessions import Session
 
 MiB = 1 << 20
@@ -54,23 +54,82 @@ def admission_problem(info: DeviceInfo, reserve_mb: int, declared: int, want_mb:
             f"{f', {reserve_mb} MiB reserved' if reserve_mb else ''}); this session declares {want_mb} MiB")
 
 
+def class_cap_problem(info: DeviceInfo, reserve_mb: int, sessions: Iterable[Session], workload,
+                      want_mb: int, cap_percent: float | None) -> str | None:
+    """Why a ``workload`` session declaring ``want_mb`` would take its class past
+    ``cap_percent`` of the device's capacity, or None. Caps keep one class from
+    declaring a device away from the others; making room never lifts them."""
+    if cap_percent is None or cap_percent >= 100:
+        return None
+    cap_mb = int(capacity_mb(info, reserve_mb) * cap_percent / 100)
+    ours = sum(s.memory_mb for s in sessions
+               if s.device == info.index and s.workload == workload and s.suspend_state is None)
+    if ours + want_mb <= cap_mb:
+        return None
+    return (f"device {info.index}: {workload.wire} sessions may declare at most {cap_mb} MiB "
+            f"(memory.class_cap_percent.{workload.wire} = {cap_percent:g}); {ours} MiB declared, "
+            f"this session declares {want_mb} MiB")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessUse:
+    """A process on a device as the memory watcher read it, in the daemon's pid namespace."""
+
+    pid: int
+    ancestors: tuple[int, ...]  # parent, grandparent, ... (nodeagent.procwatch.ancestors)
+    pgrp: int | None
+    used_memory_bytes: int | None
+
+
 @dataclass(frozen=True, slots=True)
 class Overuse:
     session: Session
     used_bytes: int
+    allowed_bytes: int  # the declaration, plus the context allowance of each of its processes
 
 
-def measure(sessions: Iterable[Session], processes: Iterable[DeviceProcess]) -> list[Overuse]:
-    """Record each session's measured use (by verified pid) and return those over their declaration."""
-    used_by_pid = {proc.pid: proc.used_memory_bytes for proc in processes}
+def owners(sessions: Iterable[Session], processes: Iterable[ProcessUse]) -> dict[str, list[ProcessUse]]:
+    """The processes each session owns (by session id): a session owns its verified
+    process and every descendant, and the whole process group ``nodeagent run``
+    launched for it. A process belongs to the nearest session process among itself
+    and its ancestors (a client started by another session's process is its own);
+    failing that, to the session whose managed group it is in (children that
+    outlived their parents). Sessions without a verified pid own nothing."""
+    roots: dict[int, Session] = {}
+    groups: dict[int, Session] = {}
+    for s in sessions:
+        if s.verified_pid is None:
+            continue
+        roots.setdefault(s.verified_pid, s)
+        if s.managed_pgid is not None:
+            roots.setdefault(s.managed_pgid, s)  # the group's leader, a child of the verified launcher
+            groups.setdefault(s.managed_pgid, s)
+    owned: dict[str, list[ProcessUse]] = {}
+    for proc in processes:
+        owner = next((roots[pid] for pid in (proc.pid, *proc.ancestors) if pid in roots), None)
+        if owner is None and proc.pgrp is not None:
+            owner = groups.get(proc.pgrp)
+        if owner is not None:
+            owned.setdefault(owner.id, []).append(proc)
+    return owned
+
+
+def measure(sessions: Iterable[Session], processes: Iterable[ProcessUse],
+            context_allowance_bytes: int = 0) -> list[Overuse]:
+    """Record each session's measured use (the sum over the processes it owns, see
+    :func:`owners`) and return those over their declaration. Each process may use
+    ``context_allowance_bytes`` beyond it: its CUDA context, which NVML counts in
+    the process's memory but no session declares."""
+    sessions = list(sessions)
+    owned = owners(sessions, processes)
     over = []
     for s in sessions:
         if s.verified_pid is None:
             continue
-        used = used_by_pid.get(s.verified_pid)
-        if used is None and s.managed_pgid is not None:
-            used = used_by_pid.get(s.managed_pgid)
+        known = [p.used_memory_bytes for p in owned.get(s.id, ()) if p.used_memory_bytes is not None]
+        used = sum(known) if known else None
         s.memory_used_bytes = used
-        if used is not None and used > s.memory_mb * MiB:
-            over.append(Overuse(s, used))
+        allowed = s.memory_mb * MiB + len(known) * context_allowance_bytes
+        if used is not None and used > allowed:
+            over.append(Overuse(s, used, allowed))
     return over

@@ -82,6 +82,8 @@ class SuspensionMixin:
         for i in ([wanted] if wanted is not None else range(count)):
             if self._admission_refusal(i, workload.wire, borrower) is not None:
                 continue  # draining, or lent to another borrower
+            if self._class_cap_problem(i, workload.wire, memory_mb) is not None:
+                continue  # suspending lower classes never lifts this class's own cap
             capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
             need = memory.declared_mb(self._sessions.values(), i) + memory_mb - capacity
             victims = memory.room_makers(self._sessions.values(), i, workload, need)
@@ -146,6 +148,21 @@ class SuspensionMixin:
         s = self._session_for(route, msg.id, now)
         if s is not None:
             self.metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+
+    def _answer_pending_suspends(self) -> None:
+        """Shutdown: every ``suspend_session`` still waiting for its outcome is answered
+        ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: ``_close_cluster``)."""
+        answered = 0
+        for s in self._sessions.values():
+            for route, request_id in s.suspend_waiters:
+                self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
+                            f"daemon is shutting down; the suspension of session {s.id} did not finish "
+                            "(retry when it is back)")
+                answered += 1
+            s.suspend_waiters.clear()
+        self._suspending.clear()
+        if answered:
+            log.info("[shutdown] step=suspend-requests answered=%d", answered)
 
     def _check_suspend_deadlines(self, now: float) -> None:
         for s in [s for s in self._suspending if now >= s.suspend_deadline]:
