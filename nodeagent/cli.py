@@ -14,6 +14,8 @@ import msgspec
 
 from nodeagent.config import DEFAULT_CONFIG_PATH
 
+EXIT_STATE_UNUSABLE = 74  # sysexits EX_IOERR: the state dir or journal cannot be used; systemd must not restart
+
 EPILOG = """\
 environment:
   NODEAGENT_ENDPOINT   endpoint for both daemon and clients (overrides the default
@@ -86,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
-                           description="Run the daemon until SIGTERM or SIGINT.")
+                           description="Run the daemon until SIGTERM or SIGINT. Exit status: 0 once stopped, "
+                                       "2 for a bad setting, 74 when the state dir or its journal cannot be used "
+                                       "(disk full, read-only, not a nodeagent journal, from a newer nodeagent), "
+                                       "1 for any other failure to start.")
     serve.add_argument("--config", metavar="FILE",
                        help=f"TOML settings file (default: {DEFAULT_CONFIG_PATH} if it exists); "
                             "flags override it; `nodeagent config-example` prints a commented one")
@@ -248,15 +253,27 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger("nodeagent.cli").info("[serve] backend=%s (%s)", backend.name, reason)
     from nodeagent.journal import Journal, JournalError
+    # A state dir or journal it cannot use ends the start with one line and EXIT_STATE_UNUSABLE,
+    # which the systemd unit does not restart on: a restart loop cannot free a disk.
     try:
         os.makedirs(config.state_dir, mode=0o750, exist_ok=True)
         state_lock = InstanceLock(os.path.join(config.state_dir, "nodeagent.lock"), "state dir")
         state_lock.acquire()
-        journal = Journal(os.path.join(config.state_dir, "state.db"))
-    except (AlreadyRunningError, JournalError, OSError) as exc:
+    except AlreadyRunningError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         backend.close()
         return 1
+    except OSError as exc:
+        print(f"nodeagent: error: state dir {config.state_dir} cannot be used: {exc.strerror}; free space or fix "
+              "permissions there, or point --state-dir elsewhere", file=sys.stderr)
+        backend.close()
+        return EXIT_STATE_UNUSABLE
+    try:
+        journal = Journal(os.path.join(config.state_dir, "state.db"))
+    except JournalError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        backend.close()
+        return EXIT_STATE_UNUSABLE
     from nodeagent.mps import MpsError
     try:
         server = AgentServer(config, backend, journal=journal)
@@ -264,6 +281,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         backend.close()
         return 2
+    except JournalError as exc:  # the boot counter or the restore could not be read or written
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        journal.close()
+        backend.close()
+        return EXIT_STATE_UNUSABLE
     try:
         endpoint = server.bind()
     except (AlreadyRunningError, MpsError, OSError) as exc:

@@ -12,6 +12,12 @@ power cut); DELETE mode with FULL is as safe but costs about three fsyncs per
 commit (rollback journal, database, journal removal) and blocks readers such
 as an operator's ``sqlite3 state.db`` while a write is under way. SQLite gives
 the ``-wal`` and ``-shm`` files the database file's mode, so 0600 covers them.
+
+Faults: a row with a bad value is skipped and logged by the reader, the rest is
+kept; a damaged file is salvaged and moved aside, and the boot counter never
+goes back (:mod:`nodeagent.journal_repair`). A file it must not touch (not a
+journal, too new) or cannot use (full disk, read-only) is a :class:`JournalError`
+with one line saying what to do.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sqlite3
 import stat
 import threading
 from dataclasses import dataclass, fields
 from typing import Any, Iterator
+
+from client_lib.protocol import WORKLOADS
+from nodeagent import journal_repair as repair
 
 log = logging.getLogger("nodeagent.journal")
 
@@ -57,7 +67,14 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 class JournalError(Exception):
-    """The journal cannot be opened or written; the message names the file and what to do."""
+    """The journal cannot be opened or written; the message names the file and what to do.
+    ``damage``: SQLite said the file is corrupt or not a database (not full, read-only, locked)."""
+
+    damage = False
+
+
+class _BootUsedUp(JournalError):
+    """The boot counter reached repair.MAX_BOOT (grant ids would overflow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +102,15 @@ _SESSION_COLUMNS = [f.name for f in fields(SessionRecord)]
 
 
 @dataclass(frozen=True, slots=True)
+class BadSessionRow:
+    """A journaled session row with a value no daemon could have written (hand edits, bit rot)."""
+
+    seq: int
+    problem: str
+    values: dict  # the raw column values, for whatever can still be trusted (a stopped process)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRecord:
     """A model registered for server-side inference, as a restarted daemon re-registers it."""
 
@@ -103,21 +129,65 @@ class Journal:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.boot_path = path + ".boot"  # the boot counter's side file (nodeagent.journal_repair)
+        self.moved_aside: str | None = None  # where a damaged file went, when this open repaired one
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         _create_private_file(path)
         try:
-            # isolation_level=None: no implicit transactions; each write opens its own below.
-            self._db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
-            self._open()
-        except sqlite3.Error as e:
+            repair.set_aside_bad_wal(path)
+            damage = self._connect()
+            if damage is not None:
+                self._repair(damage)
+        except repair.RepairError as exc:
             self.close()
-            raise JournalError(f"{path} cannot be opened as a nodeagent journal ({e}); "
-                               "if it is damaged, move it aside to start with empty state") from None
+            raise JournalError(str(exc)) from None
         except BaseException:
             self.close()
             raise
+
+    def _connect(self) -> str | None:
+        """Open, migrate and check the file. Returns why it is damaged, or None; refusals and
+        faults that are not damage (full, read-only, locked) raise JournalError."""
+        try:
+            # isolation_level=None: no implicit transactions; each write opens its own below.
+            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                                       check_same_thread=False)
+            self._open()
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check(5)")]
+        except sqlite3.Error as e:
+            if repair.is_damage(e):
+                return str(e)
+            raise JournalError(_cannot_use(self.path, e)) from None
+        except JournalError as e:
+            if e.damage:
+                return str(e)
+            raise
+        return None if problems == ["ok"] else "; ".join(str(p) for p in problems)
+
+    def _repair(self, damage: str) -> None:
+        """Salvage the rows that still read, move the damaged file aside, and start a
+        fresh journal holding them (the boot counter's side file keeps boots going up)."""
+        found = repair.salvage(self._db) if self._db is not None else {}
+        self.close()
+        try:
+            self.moved_aside = repair.move_aside(self.path)
+        except OSError as exc:
+            raise JournalError(f"journal {self.path} is damaged ({damage}) and cannot be moved aside: "
+                               f"{exc.strerror}; move it away by hand and start again") from None
+        _create_private_file(self.path)
+        try:
+            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                                       check_same_thread=False)
+            self._open()
+            with self._write() as db:
+                kept = repair.write_back(db, found)
+        except sqlite3.Error as e:
+            raise JournalError(_cannot_use(self.path, e)) from None
+        read = sum(len(rows) for _, rows in found.values())
+        log.error("[journal] DAMAGED journal %s (%s): moved it to %s and started a fresh one with %d of the "
+                  "%d rows that could still be read; sessions and settings not among them are lost",
+                  self.path, damage, self.moved_aside, kept, read)
 
     def _open(self) -> None:
         """Refuse files that are not ours or too new, then set durability and migrate."""
@@ -163,6 +233,12 @@ class Journal:
             db.execute("DELETE FROM sessions WHERE id=?", (session_id,))
         log.debug("[journal] delete session=%s", session_id)
 
+    def delete_session_row(self, seq: int) -> None:
+        """Forget a session row by its place in creation order (a bad row, whose id may be garbage)."""
+        with self._write() as db:
+            db.execute("DELETE FROM sessions WHERE seq=?", (seq,))
+        log.debug("[journal] delete session row seq=%d", seq)
+
     def set_stopped(self, session_id: str, stopped: bool) -> None:
         """Record that the daemon SIGSTOPped (or continued) a session; KeyError if it is not journaled."""
         with self._write() as db:
@@ -172,14 +248,26 @@ class Journal:
         log.debug("[journal] stopped session=%s stopped=%s", session_id, stopped)
 
     def sessions(self) -> list[SessionRecord]:
-        """All journaled sessions, in creation order."""
-        rows = self._read(f"SELECT {', '.join(_SESSION_COLUMNS)} FROM sessions ORDER BY seq")
-        records = []
-        for row in rows:
+        """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""
+        return self.read_sessions()[0]
+
+    def read_sessions(self) -> tuple[list[SessionRecord], list[BadSessionRow]]:
+        """(good records in creation order, rows with a bad value). A bad row is logged
+        and kept out of the records; its raw values still say which process it stopped."""
+        rows = self._read(f"SELECT seq, {', '.join(_SESSION_COLUMNS)} FROM sessions ORDER BY seq")
+        records, bad = [], []
+        for seq, *row in rows:
             values = dict(zip(_SESSION_COLUMNS, row))
+            problem = _session_problem(values)
+            if problem is not None:
+                log.error("[journal] skip session row seq=%s id=%s: %s", seq, _short(values["id"]), problem)
+                bad.append(BadSessionRow(seq, problem, values))
+                continue
             values["stopped"] = bool(values["stopped"])  # stored as 0/1
+            values["weight"] = float(values["weight"])
+            values["created_unix"] = float(values["created_unix"])
             records.append(SessionRecord(**values))
-        return records
+        return records, bad
 
     # ------------------------------------------------------ policies, devices
 
@@ -191,7 +279,16 @@ class Journal:
         log.debug("[journal] put policy device=%d", device)
 
     def policies(self) -> dict[int, dict]:
-        return {device: json.loads(text) for device, text in self._read("SELECT device, policy FROM policies")}
+        """Each device's journaled policy; a row that is not a JSON object is skipped and logged."""
+        found = {}
+        for device, text in self._read("SELECT device, policy FROM policies"):
+            doc = _json_object(text)
+            if not _is_int(device) or doc is None:
+                log.error("[journal] skip policy row device=%s: not a device index and a JSON object (%s)",
+                          _short(device), _short(text))
+                continue
+            found[device] = doc
+        return found
 
     def put_device_state(self, device: int, state: str, detail: dict | None = None) -> None:
         """Journal a device's lifecycle state with JSON-able details (None means none)."""
@@ -202,8 +299,16 @@ class Journal:
         log.debug("[journal] put device state device=%d state=%s", device, state)
 
     def device_states(self) -> dict[int, tuple[str, dict]]:
-        rows = self._read("SELECT device, state, detail FROM device_states")
-        return {device: (state, json.loads(detail)) for device, state, detail in rows}
+        """Each device's journaled lifecycle state; a row with a bad value is skipped and logged."""
+        found = {}
+        for device, state, detail in self._read("SELECT device, state, detail FROM device_states"):
+            doc = _json_object(detail)
+            if not _is_int(device) or not isinstance(state, str) or doc is None:
+                log.error("[journal] skip device state row device=%s state=%s: bad value (detail %s)",
+                          _short(device), _short(state), _short(detail))
+                continue
+            found[device] = (state, doc)
+        return found
 
     # -------------------------------------------------------------- models
 
@@ -224,8 +329,18 @@ class Journal:
     def models(self) -> list[ModelRecord]:
         rows = self._read("SELECT name, factory, weights, device, example_refs, example_bytes, created_unix "
                           "FROM models ORDER BY created_unix")
-        return [ModelRecord(name, factory, weights, device, json.loads(refs)["refs"], bytes(blob), created)
-                for name, factory, weights, device, refs, blob, created in rows]
+        records = []
+        for name, factory, weights, device, refs, blob, created in rows:
+            doc = _json_object(refs)
+            example_refs = doc.get("refs") if doc is not None else None
+            if not (isinstance(name, str) and isinstance(factory, str) and isinstance(weights, (str, type(None)))
+                    and (device is None or _is_int(device)) and isinstance(example_refs, list)
+                    and all(isinstance(r, dict) for r in example_refs) and isinstance(blob, bytes)
+                    and _is_number(created)):
+                log.error("[journal] skip model row name=%s: bad value", _short(name))
+                continue
+            records.append(ModelRecord(name, factory, weights, device, example_refs, bytes(blob), float(created)))
+        return records
 
     # ---------------------------------------------------------------- meta
 
@@ -240,16 +355,47 @@ class Journal:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def next_boot(self) -> int:
-        """Increment and return the boot counter (1 on a fresh journal); read and write are one transaction."""
-        with self._write() as db:
+        """Increment and return the boot counter (1 on a fresh journal). It never goes back: the
+        larger of the journal's value and the side file's is taken, and both are written before
+        it is returned (read and write in the journal are one transaction)."""
+        try:
+            kept = repair.read_boot_file(self.boot_path)
+        except repair.RepairError as exc:
+            raise JournalError(str(exc)) from None
+        with self._write_boot() as db:
             row = db.execute("SELECT value FROM meta WHERE key='boot'").fetchone()
-            try:
-                boot = (int(row[0]) if row else 0) + 1
-            except ValueError:
-                raise JournalError(f"boot counter in {self.path} is not an integer: {row[0]!r}") from None
+            stored = repair.parse_boot(row[0]) if row else 0
+            if stored is None:
+                log.error("[journal] boot counter %s in %s is not a boot number; going on from the boot file's %s",
+                          _short(row[0]), self.path, kept)
+                stored = 0
+            boot = max(stored, kept or 0) + 1
+            if boot > repair.MAX_BOOT:
+                raise _BootUsedUp(f"boot counter of {self.path} is used up ({boot - 1}); "
+                                   "move the state dir aside to start again")
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+        if kept is not None and kept > stored:
+            log.error("[journal] journal %s lost writes: its boot counter is %d, the boot file says %d; "
+                      "going on from %d so that grant ids never repeat", self.path, stored, kept, boot)
+        try:
+            repair.write_boot_file(self.boot_path, boot)
+        except repair.RepairError as exc:
+            raise JournalError(f"{exc}; free space or fix permissions there") from None
         log.info("[journal] boot=%d path=%s", boot, self.path)
         return boot
+
+    @contextlib.contextmanager
+    def _write_boot(self) -> Iterator[sqlite3.Connection]:
+        """The boot counter's transaction; a failure to write it says that the daemon cannot start and why."""
+        try:
+            with self._write() as db:
+                yield db
+        except _BootUsedUp:
+            raise
+        except JournalError as exc:
+            where = os.path.dirname(os.path.abspath(self.path))
+            raise JournalError(f"cannot record the boot in the state journal: {exc}; free space or fix permissions "
+                               f"in {where}, or point --state-dir elsewhere") from None
 
     # ------------------------------------------------------------ plumbing
 
@@ -293,7 +439,62 @@ class Journal:
                         db.execute("ROLLBACK")
                     raise
             except sqlite3.Error as e:
-                raise JournalError(f"journal {self.path}: {e}") from None
+                err = JournalError(f"journal {self.path}: {e}")
+                err.damage = repair.is_damage(e)
+                raise err from None
+
+
+_MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
+
+
+def _session_problem(v: dict) -> str | None:
+    """What makes a journaled session row unusable, or None."""
+    for name in ("id", "key", "name"):
+        if not isinstance(v[name], str) or not v[name]:
+            return f"{name} is not a non-empty string"
+    if v["workload"] not in WORKLOADS:
+        return f"workload {_short(v['workload'])} is not one of {', '.join(WORKLOADS)}"
+    if not (_is_number(v["weight"]) and v["weight"] > 0):
+        return f"weight {_short(v['weight'])} is not a positive number"
+    if not _is_number(v["created_unix"]):
+        return f"created_unix {_short(v['created_unix'])} is not a number"
+    for name, low, high, optional in (
+            ("claimed_pid", 0, 2**63 - 1, False), ("verified_pid", 1, _MAX_PID, True),
+            ("start_ticks", 0, 2**62, True), ("uid", 0, 2**32 - 1, True), ("device", 0, 2**31 - 1, False),
+            ("memory_mb", 0, 2**62, False), ("managed_pgid", 1, _MAX_PID, True)):
+        value = v[name]
+        if not ((optional and value is None) or (_is_int(value) and low <= value <= high)):
+            return f"{name} {_short(value)} is not an integer in [{low}, {high}]"
+    if v["stopped"] not in (0, 1) or isinstance(v["stopped"], float):
+        return f"stopped {_short(v['stopped'])} is not 0 or 1"
+    if not (v["borrower"] is None or isinstance(v["borrower"], str)):
+        return f"borrower {_short(v['borrower'])} is not a string"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _json_object(text: object) -> dict | None:
+    """``text`` parsed as a JSON object, or None if it is not one."""
+    if not isinstance(text, str):
+        return None
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past the stack
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """A bounded repr for log lines: a journal row may hold anything."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _to_json(value: Any, what: str) -> str:
@@ -307,6 +508,17 @@ def _to_json(value: Any, what: str) -> str:
     if json.loads(text) != value:  # int keys become strings, tuples lists: refuse rather than change it
         raise TypeError(f"{what} does not survive a JSON round trip (non-str keys or tuples?)")
     return text
+
+
+def _cannot_use(path: str, exc: sqlite3.Error) -> str:
+    """One line: why the journal cannot be used, and what to do about it."""
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        full = os.statvfs(where).f_bavail == 0  # SQLite says "disk I/O error" when it cannot grow its index
+    except OSError:
+        full = False
+    return (f"cannot use the state journal {path}: {exc}{' (the disk is full)' if full else ''}; "
+            f"free space or fix permissions in {where}, or point --state-dir elsewhere")
 
 
 def _create_private_file(path: str) -> None:
@@ -323,4 +535,5 @@ def _create_private_file(path: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
+        raise JournalError(f"cannot open the state journal {path}: {e.strerror}; free space or fix permissions "
+                           f"in {parent}, or point --state-dir elsewhere") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -73,6 +73,9 @@ class Metrics:
             ["kind"], registry=r)
         self.bad_requests = Counter(
             "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
+        self.internal_errors = Counter(
+            "nodeagent_internal_errors", "Bugs contained by the loop (one request or loop step lost, not the daemon)",
+            ["where"], registry=r)
         self.suspends = Counter(
             "nodeagent_suspends", "Whole-device suspensions, by outcome (suspended, stopped, timeout, gone)",
             ["outcome"], registry=r)
@@ -90,6 +93,12 @@ class Metrics:
             ["device", "policy"], registry=r)
         self.sessions_lost = Counter(
             "nodeagent_sessions_lost", "Sessions dropped because their client vanished", ["reason"], registry=r)
+        self.journal_write_failures = Counter(
+            "nodeagent_journal_write_failures",
+            "State journal writes that failed (disk full, I/O error); what they carried is not durable", registry=r)
+        self.journal_ok = Gauge(
+            "nodeagent_journal_ok", "1 while the state journal takes writes; 0 from a failed write until one succeeds",
+            registry=r)
         self._session_collector: _SessionCollector | None = None
 
     def watch_sessions(self, rows: Callable[[], Iterable[SessionRow]]) -> None:

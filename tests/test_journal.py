@@ -128,9 +128,10 @@ def test_next_boot_starts_at_one_and_increments_across_reopen(db_path: str) -> N
 
 def test_a_failed_write_rolls_back_and_leaves_the_journal_usable(db_path: str) -> None:
     with Journal(db_path) as j:
-        j.put_meta("boot", "garbage")
-        with pytest.raises(JournalError, match="boot counter"):
+        j.put_meta("boot", str(journal_mod.repair.MAX_BOOT))
+        with pytest.raises(JournalError, match="used up"):
             j.next_boot()  # fails inside its transaction
+        assert j.get_meta("boot") == str(journal_mod.repair.MAX_BOOT)
         j.put_meta("boot", "41")
         assert j.next_boot() == 42
     with Journal(db_path) as j:
@@ -197,14 +198,18 @@ def test_schema_from_a_newer_nodeagent_is_refused_naming_both_versions(db_path: 
     assert "upgrade nodeagent" in message
 
 
-def test_garbage_file_is_refused_naming_the_path(db_path: str) -> None:
+def test_garbage_file_is_moved_aside_and_a_fresh_journal_started(db_path: str, caplog) -> None:
+    """Decision: damage is set aside, not refused (a daemon that will not start leaves every
+    client unmanaged); the file is kept for the operator, and the log says where."""
     os.makedirs(os.path.dirname(db_path))
+    garbage = b"this is not sqlite\x00" * 512
     with open(db_path, "wb") as f:
-        f.write(b"this is not sqlite\x00" * 512)
-    with pytest.raises(JournalError, match="cannot be opened as a nodeagent journal") as info:
-        Journal(db_path)
-    assert db_path in str(info.value)
-    assert info.value.__cause__ is None and info.value.__suppress_context__  # no sqlite3 traceback
+        f.write(garbage)
+    with Journal(db_path) as j:
+        assert j.sessions() == [] and j.moved_aside is not None
+        assert Path(j.moved_aside).read_bytes() == garbage
+        assert os.path.dirname(j.moved_aside) == os.path.dirname(db_path)
+    assert "DAMAGED journal" in caplog.text and j.moved_aside in caplog.text
 
 
 def test_someone_elses_sqlite_file_is_refused_and_left_alone(db_path: str) -> None:

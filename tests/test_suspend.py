@@ -150,3 +150,29 @@ def test_room_is_made_before_inference_runs_even_when_the_victim_does_not_cooper
         assert waited > 0.8, waited  # not the 0.1 s grace: the suspension's deadline
         assert session_by_name(d, "hog").suspended == "stopped"
         assert_stopped(hog.proc.pid)
+
+
+def test_a_pending_suspend_request_is_answered_at_shutdown_not_left_to_its_timeout(start_daemon, spawn):
+    d = start_daemon()
+    holder = spawn(d.endpoint, "hold", "--name", "holder")  # never parks: the suspension stays pending
+    sid = holder.expect("SESSION")[2]
+    holder.expect("GRANT")
+    answers = []
+
+    def ask():
+        started = time.monotonic()
+        try:
+            suspend_session(sid, deadline_ms=60_000, endpoint=d.endpoint, timeout=30)
+            answers.append(("result", time.monotonic() - started))
+        except Exception as exc:  # noqa: BLE001 - the test asserts on what it was
+            answers.append((exc, time.monotonic()))
+    t = threading.Thread(target=ask)
+    t.start()
+    wait_for(lambda: session_by_name(d, "holder").suspended == "requested")
+    stopped_at = time.monotonic()
+    assert d.stop() == 0  # SIGTERM
+    t.join(timeout=35)
+    (exc, answered_at), = answers
+    assert isinstance(exc, DaemonError) and exc.code == ErrorCode.SHUTTING_DOWN, exc
+    assert "shutting down" in str(exc) and sid in str(exc)
+    assert answered_at - stopped_at < 2.0  # at once, not after the requester's 30 s

@@ -116,6 +116,13 @@ def test_daemon_stays_root_and_keeps_the_capabilities_it_uses(unit):
     assert int(one(unit, "Service", "LimitNOFILE")) >= 65536
 
 
+def test_exit_statuses_a_restart_cannot_fix_are_not_restarted(unit):
+    from nodeagent.cli import EXIT_STATE_UNUSABLE
+    prevent = one(unit, "Service", "RestartPreventExitStatus").split()
+    assert "2" in prevent  # a bad setting
+    assert str(EXIT_STATE_UNUSABLE) in prevent  # a state dir or journal it cannot use (disk full, read-only)
+
+
 def test_sysusers_declares_the_socket_group():
     entries = [line.split() for line in SYSUSERS.read_text().splitlines()
                if line.strip() and not line.lstrip().startswith("#")]
