@@ -4,9 +4,11 @@ daemon, run it there. Used through :class:`client_lib.Client`
 
 Tensors cross in POSIX shared memory (:mod:`client_lib.tensors`): the client
 packs its inputs into a segment it owns and unlinks once answered, and takes
-ownership of the output segment the daemon's worker made (copied out, then
-unlinked). Inputs may be torch tensors or numpy arrays; outputs come back as
-the same kind as the first input (torch if there is none).
+ownership of the output segment the daemon's worker made for it (owned by the
+client's uid: copied out, then unlinked; the daemon unlinks what a client
+never read once its session ends). Inputs may be torch tensors or numpy
+arrays; outputs come back as the same kind as the first input (torch if there
+is none).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Sequence
 from client_lib import protocol as p
 from client_lib import tensors
 from client_lib.endpoint import ipc_path
+
+REPLY_MARGIN_S = 5.0  # how long past a request's own timeout the client waits for the daemon's answer
 
 
 def as_list(inputs: Any) -> list:
@@ -35,10 +39,11 @@ def kind_of(values: Sequence[Any]) -> str:
 
 
 class Packed:
-    """Inputs packed into a segment this client owns; unlinked on exit."""
+    """Inputs packed into a segment this client owns (mode 0600, unless a daemon of
+    another non-root user needs the socket's group); unlinked on exit."""
 
     def __init__(self, values: Sequence[Any], endpoint: str) -> None:
-        group = tensors.socket_group(ipc_path(endpoint))
+        group = tensors.share_group(ipc_path(endpoint))
         self.segment, self.refs = tensors.pack(values, prefix="na-in", group=group)
 
     def __enter__(self) -> "Packed":

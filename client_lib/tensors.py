@@ -4,13 +4,18 @@ msgspec metadata (:class:`client_lib.protocol.TensorRef`).
 A sender packs its tensors into one new segment (64-byte aligned, C order)
 and sends the refs; the receiver maps the segment and reads zero-copy views.
 Whoever the protocol names as owner unlinks the segment: the client owns its
-input segment and, once answered, the output segment the worker made.
+input segment and, once answered, the output segment the worker made (which
+the worker creates owned by the client's verified uid, so that it may).
+
+A segment named by someone else is opened without following symlinks and
+its owner checked on the opened descriptor (:func:`attach_segment` with
+``owner_uid``), so a root daemon never maps or unlinks, on a peer's word, a
+segment that peer does not own.
 
 Segments are not tracked by :mod:`multiprocessing`'s resource tracker, which
 would unlink a segment when the process that merely mapped it exits. Their
-mode is 0660 and, where the creator may, their group is that of the daemon's
-socket, so a client and the daemon's workers (different users, one group)
-can both map them.
+mode is 0600, or 0660 with the daemon socket's group where a client and a
+daemon of another, non-root user must share them (:func:`share_group`).
 
 Neither torch nor numpy is required to import this module; each function
 uses whichever the caller's tensors are.
@@ -18,10 +23,12 @@ uses whichever the caller's tensors are.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
 import secrets
+import stat
 from typing import Any, Sequence
 
 from client_lib import protocol as p
@@ -33,6 +40,8 @@ except ImportError:  # pragma: no cover - not on Linux
 
 ALIGN_BYTES = 64
 MAX_NAME_CHARS = 200
+SHM_DIR = "/dev/shm"
+_HAVE_SHM_DIR = os.path.isdir(SHM_DIR)
 _counter = itertools.count(1)
 
 # Element sizes of the dtypes that may cross; names are torch's without "torch.".
@@ -45,6 +54,10 @@ DTYPE_BYTES = {
 
 class TensorTransportError(ValueError):
     """A tensor that cannot cross (unsupported dtype, bad ref, missing segment)."""
+
+
+class SegmentAccessError(TensorTransportError):
+    """A segment the requester may not name: another user's, a symlink, not a plain segment."""
 
 
 class Segment:
@@ -80,9 +93,16 @@ class Segment:
 
 
 def _shm_open(name: str, flags: int, mode: int) -> int:
-    if _posixshmem is not None:
+    if _posixshmem is not None and not _HAVE_SHM_DIR:  # pragma: no cover - not Linux
         return _posixshmem.shm_open("/" + name, flags, mode)
-    return os.open(os.path.join("/dev/shm", name), flags, mode)  # pragma: no cover
+    # What glibc's shm_open does, with the flags spelled out: never through a symlink.
+    return os.open(os.path.join(SHM_DIR, name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", "..") \
+            or len(name) > MAX_NAME_CHARS:
+        raise TensorTransportError(f"bad shared-memory segment name {str(name)[:MAX_NAME_CHARS]!r}")
 
 
 def unlink_segment(name: str) -> bool:
@@ -91,7 +111,7 @@ def unlink_segment(name: str) -> bool:
         if _posixshmem is not None:
             _posixshmem.shm_unlink("/" + name)
         else:  # pragma: no cover
-            os.unlink(os.path.join("/dev/shm", name))
+            os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         return False
     return True
@@ -102,15 +122,50 @@ def segment_name(prefix: str = "na") -> str:
     return f"{prefix}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
 
 
-def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, group: int | None = None) -> Segment:
-    """A new segment of ``nbytes`` (at least 1), mode 0660, group ``group`` if given and allowed."""
+class SharedMemoryFull(TensorTransportError):
+    """/dev/shm cannot hold a segment of the size asked for (see ``create_segment(reserve=True)``)."""
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Allocate the segment's pages now: on a full tmpfs a write into a sparse segment is a
+    SIGBUS that kills the writer, while posix_fallocate fails cleanly with ENOSPC."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            return  # a file system that cannot reserve (EOPNOTSUPP, ...): best effort, as before
+        try:
+            st = os.statvfs(SHM_DIR)
+            room = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+        except OSError:
+            room = "too little room"
+        raise SharedMemoryFull(
+            f"shared memory is too small: segment {name} needs {size} bytes ({size / 2**20:.1f} MiB) and "
+            f"{SHM_DIR} has {room}; give this process a larger {SHM_DIR} (docker run --shm-size, "
+            f"a Kubernetes emptyDir with medium Memory, or mount -o remount,size=... {SHM_DIR})") from None
+
+
+def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, group: int | None = None,
+                   owner: int | None = None, reserve: bool = False) -> Segment:
+    """A new segment of ``nbytes`` (at least 1), mode 0600. ``owner``: a uid to give it
+    to (a root worker making a client's output: the client may then unlink it);
+    ``group``: where the creator may, share it with that group (mode 0660) instead;
+    ``reserve``: allocate its memory now, :class:`SharedMemoryFull` if it does not fit."""
     name = name or segment_name(prefix)
-    if not name or "/" in name or len(name) > MAX_NAME_CHARS:
-        raise TensorTransportError(f"bad shared-memory segment name {name!r}")
+    _check_name(name)
     size = max(1, int(nbytes))
     fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
+        if reserve:
+            _reserve(fd, name, size)
+        if owner is not None:
+            try:
+                if owner != os.geteuid():
+                    os.fchown(fd, owner, -1)
+                group = None  # the owner reads it; nobody else needs to
+            except PermissionError:
+                pass  # not root: share it through the group, if any
         if group is not None and group != os.getegid():
             try:
                 os.fchown(fd, -1, group)
@@ -125,29 +180,86 @@ def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, 
     return Segment(name, fd, size)
 
 
-def attach_segment(name: str) -> Segment:
-    """Map an existing segment; :class:`TensorTransportError` if there is none."""
-    if not name or "/" in name or len(name) > MAX_NAME_CHARS:
-        raise TensorTransportError(f"bad shared-memory segment name {name!r}")
+def _open_checked(name: str, flags: int, owner_uid: int | None) -> tuple[int, os.stat_result]:
+    """Open an existing segment (never through a symlink) and, with ``owner_uid``,
+    refuse it unless that uid owns it (uid 0 may name any). The check is on the
+    opened descriptor, so a name swapped meanwhile cannot pass it. Non-blocking:
+    a FIFO planted under the name must not hang the opener."""
+    _check_name(name)
     try:
-        fd = _shm_open(name, os.O_RDWR, 0)
+        fd = _shm_open(name, flags | os.O_NONBLOCK, 0)
     except FileNotFoundError:
         raise TensorTransportError(f"no shared-memory segment {name!r} (already unlinked?)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SegmentAccessError(f"shared-memory segment {name!r} is a symbolic link; name the segment "
+                                     "itself") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise SegmentAccessError(f"shared-memory segment {name!r} is not readable by uid {os.geteuid()} "
+                                     "(the client and the daemon must share the socket's group)") from None
+        raise TensorTransportError(f"shared-memory segment {name!r} cannot be opened: "
+                                   f"{os.strerror(exc.errno or 0)}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentAccessError(f"{name!r} is not a shared-memory segment")
+        if owner_uid is not None and owner_uid != 0 and st.st_uid != owner_uid:
+            raise SegmentAccessError(f"shared-memory segment {name!r} does not belong to uid {owner_uid}; "
+                                     "name only segments your own user created")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def attach_segment(name: str, *, owner_uid: int | None = None) -> Segment:
+    """Map an existing segment; :class:`TensorTransportError` if there is none,
+    :class:`SegmentAccessError` if it is a symlink or (with ``owner_uid``) not that uid's."""
+    fd, st = _open_checked(name, os.O_RDWR, owner_uid)
+    return Segment(name, fd, st.st_size)
+
+
+def check_owner(refs: Sequence[p.TensorRef], owner_uid: int) -> None:
+    """Raise unless every segment the refs name exists and belongs to ``owner_uid``."""
+    for name in dict.fromkeys(r.shm for r in refs if r.shm):
+        fd, _ = _open_checked(name, os.O_RDONLY, owner_uid)
+        os.close(fd)
+
+
+def unlink_if_owned(name: str, owner_uid: int) -> bool:
+    """Unlink ``name`` only if it is a segment ``owner_uid`` owns (uid 0: any); True if
+    unlinked. What a root daemon cleaning up after a peer uses: never another user's."""
+    try:
+        fd, _ = _open_checked(name, os.O_RDONLY, owner_uid)
+    except TensorTransportError:
+        return False
+    os.close(fd)
+    try:
+        return unlink_segment(name)
     except PermissionError:
-        raise TensorTransportError(f"shared-memory segment {name!r} is not readable by uid {os.geteuid()} "
-                                   "(the client and the daemon must share the socket's group)") from None
-    size = os.fstat(fd).st_size
-    return Segment(name, fd, size)
+        return False
 
 
 def socket_group(endpoint_path: str | None) -> int | None:
-    """The group of the daemon's socket file: the group segments should carry."""
+    """The group of the daemon's socket file."""
     if not endpoint_path:
         return None
     try:
         return os.stat(endpoint_path).st_gid
     except OSError:
         return None
+
+
+def share_group(endpoint_path: str | None) -> int | None:
+    """The group a client's segments need so that the daemon can map them: None
+    (mode 0600) when the daemon is root or this user; else the socket's group."""
+    if not endpoint_path:
+        return None
+    try:
+        st = os.stat(endpoint_path)
+    except OSError:
+        return None
+    return None if st.st_uid in (0, os.geteuid()) else st.st_gid
 
 
 # ---------------------------------------------------------------- dtypes
@@ -190,10 +302,12 @@ def _align(n: int) -> int:
 # ------------------------------------------------------------ pack/read
 
 
-def pack(tensors: Sequence[Any], prefix: str = "na", *, group: int | None = None) -> tuple[Segment | None, list[p.TensorRef]]:
-    """Copy CPU tensors (torch or numpy) into one new segment. Returns the
-    segment (None when every tensor is empty) and one ref per tensor. The
-    caller closes the segment; the protocol says who unlinks it."""
+def pack(tensors: Sequence[Any], prefix: str = "na", *, group: int | None = None,
+         owner: int | None = None) -> tuple[Segment | None, list[p.TensorRef]]:
+    """Copy CPU tensors (torch or numpy) into one new segment (``group`` and
+    ``owner`` as :func:`create_segment`). Returns the segment (None when every
+    tensor is empty) and one ref per tensor. The caller closes the segment; the
+    protocol says who unlinks it."""
     metas = []
     offset = 0
     for t in tensors:
@@ -212,7 +326,7 @@ def pack(tensors: Sequence[Any], prefix: str = "na", *, group: int | None = None
         offset = _align(offset + nbytes)
     if not any(m[4] for m in metas):
         return None, [p.TensorRef(dtype=n, shape=s) for _, n, s, _, _ in metas]
-    seg = create_segment(offset, prefix, group=group)
+    seg = create_segment(offset, prefix, group=group, owner=owner)
     try:
         refs = []
         for t, name, shape, off, nbytes in metas:
@@ -250,13 +364,13 @@ def _check(ref: p.TensorRef, seg: Segment) -> None:
                                    f"{seg.name!r} of {seg.size} bytes")
 
 
-def attach_all(refs: Sequence[p.TensorRef]) -> dict[str, Segment]:
-    """Map every segment the refs name (once each)."""
+def attach_all(refs: Sequence[p.TensorRef], *, owner_uid: int | None = None) -> dict[str, Segment]:
+    """Map every segment the refs name (once each); with ``owner_uid``, only that uid's."""
     segments: dict[str, Segment] = {}
     try:
         for ref in refs:
             if ref.shm and ref.shm not in segments:
-                segments[ref.shm] = attach_segment(ref.shm)
+                segments[ref.shm] = attach_segment(ref.shm, owner_uid=owner_uid)
     except BaseException:
         for seg in segments.values():
             seg.close()
@@ -304,7 +418,8 @@ def arrays(refs: Sequence[p.TensorRef], segments: dict[str, Segment]) -> list:
 
 def take(refs: Sequence[p.TensorRef], *, like: str = "torch", unlink: bool = True) -> list:
     """Copy tensors out of their segments, then close and (by default) unlink
-    those segments: how a client reads outputs it now owns."""
+    those segments: how a client reads outputs it now owns. A segment this
+    user may not unlink (an older daemon made it) is left to the daemon."""
     segments = attach_all(refs)
     try:
         if like == "torch":
@@ -316,10 +431,17 @@ def take(refs: Sequence[p.TensorRef], *, like: str = "torch", unlink: bool = Tru
         for seg in segments.values():
             seg.close()
             if unlink:
-                seg.unlink()
+                try:
+                    seg.unlink()
+                except PermissionError:
+                    pass
 
 
-def discard(refs: Sequence[p.TensorRef]) -> None:
-    """Unlink the segments the refs name, without reading them."""
+def discard(refs: Sequence[p.TensorRef], *, owner_uid: int | None = None) -> None:
+    """Unlink the segments the refs name, without reading them; with ``owner_uid``,
+    only those that uid owns (a peer's inputs: never another user's segment)."""
     for name in {r.shm for r in refs if r.shm}:
-        unlink_segment(name)
+        if owner_uid is None:
+            unlink_segment(name)
+        else:
+            unlink_if_owned(name, owner_uid)

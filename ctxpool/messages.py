@@ -50,6 +50,15 @@ class WeightManifest(msgspec.Struct, kw_only=True, frozen=True):
     entries: dict[str, WeightEntry]
 
 
+class PeerIdentity(msgspec.Struct, kw_only=True, frozen=True):
+    """The kernel-verified user of a peer (SO_PEERCRED, groups from /proc): a file it
+    names is opened with these rights, never the worker's (see :mod:`ctxpool.peer_open`)."""
+
+    uid: int
+    gid: int
+    groups: list[int] = []
+
+
 class ModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     """What :meth:`ctxpool.pool.WorkerPool.register_model` registers.
 
@@ -62,6 +71,7 @@ class ModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     weights: Optional[str] = None  # safetensors or torch state-dict file; None: the factory's own init
     example_input: list[TensorRef] = []
     devices: Optional[list[int]] = None  # None: every device of the pool
+    reader: Optional[PeerIdentity] = None  # whose rights open ``weights``; None: the worker's own
 
 
 # ------------------------------------------------------------ daemon -> worker
@@ -81,6 +91,7 @@ class Prepare(ToWorker, tag="prepare"):
     weights: Optional[str]
     segment: str
     segment_group: Optional[int] = None
+    reader: Optional[PeerIdentity] = None  # open ``weights`` with these rights; None: the worker's own
 
 
 class Attach(ToWorker, tag="attach"):
@@ -98,9 +109,13 @@ class Drop(ToWorker, tag="drop"):
 
 
 class Run(ToWorker, tag="run"):
+    """Run ``model`` on ``inputs``. With ``owner_uid`` (the requester's verified uid), input
+    segments must belong to that uid and the output segment is created owned by it."""
+
     request_id: int
     model: str
     inputs: list[TensorRef]
+    owner_uid: Optional[int] = None
 
 
 class Shutdown(ToWorker, tag="shutdown"):

@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 import sys
+from typing import BinaryIO
 
 import torch
 
@@ -29,65 +30,92 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class SafetensorsError(ValueError):
-    """The file is not a well-formed safetensors file; the message says where it breaks."""
+    """The file is not a well-formed safetensors file; the message says where it
+    breaks, never with bytes or numbers read from the file before its header
+    parsed (it may not be a safetensors file at all, nor the caller's to read)."""
 
 
 def load(path: str) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file, zero-copy over a copy-on-write mapping of it."""
+    with open(path, "rb") as f:
+        return load_file(f, path)
+
+
+def load_file(f: BinaryIO, name: str) -> dict[str, torch.Tensor]:
+    """Tensors of the safetensors file open as ``f`` (``name`` for messages), zero-copy
+    over a copy-on-write mapping of it. ``f`` may be closed once this returns."""
     if sys.byteorder != "little":
         raise SafetensorsError("safetensors data is little-endian; this machine is not")
-    with open(path, "rb") as f:
-        size_bytes = os.fstat(f.fileno()).st_size
-        if size_bytes < 8:
-            raise SafetensorsError(f"{path}: {size_bytes} bytes is too short for a safetensors header")
-        (header_bytes,) = struct.unpack("<Q", f.read(8))
-        if header_bytes > min(MAX_HEADER_BYTES, size_bytes - 8):
-            raise SafetensorsError(f"{path}: header length {header_bytes} does not fit a file of {size_bytes} bytes "
-                                   "(not a safetensors file?)")
-        try:
-            header = json.loads(f.read(header_bytes))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SafetensorsError(f"{path}: header is not JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise SafetensorsError(f"{path}: header is not a JSON object")
-        data_start = 8 + header_bytes
-        data_bytes = size_bytes - data_start
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if data_bytes else None
+    size_bytes = os.fstat(f.fileno()).st_size
+    if size_bytes < 8:
+        raise SafetensorsError(f"{name}: not a safetensors file (shorter than the 8-byte header length)")
+    (header_bytes,) = struct.unpack("<Q", _read_exactly(f, 8, name))
+    if header_bytes > min(MAX_HEADER_BYTES, size_bytes - 8):
+        raise SafetensorsError(f"{name}: not a safetensors file (its header length does not fit the file)")
+    try:
+        header = json.loads(_read_exactly(f, header_bytes, name))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise SafetensorsError(f"{name}: not a safetensors file (the header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{name}: not a safetensors file (the header is not a JSON object)")
+    data_start = 8 + header_bytes
+    data_bytes = size_bytes - data_start
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if data_bytes else None
     out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
+    for key, info in header.items():
+        if key == "__metadata__":
             continue
-        dtype, shape, begin, end = _entry(path, name, info)
+        dtype, shape, begin, end = _entry(name, key, info)
         nbytes = _element_bytes(dtype)
         for dim in shape:
             nbytes *= dim
         if end - begin != nbytes or not 0 <= begin <= end <= data_bytes:
-            raise SafetensorsError(f"{path}: tensor {name!r} {info['dtype']}{shape} needs {nbytes} bytes but "
-                                   f"data_offsets are [{begin}, {end}) in {data_bytes} bytes of data")
-        if nbytes == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=data_start + begin)
-        if (data_start + begin) % _element_bytes(dtype):
-            raw = raw.clone()  # an unaligned tensor: copy to an aligned one rather than read it misaligned
-        out[name] = raw.view(dtype).reshape(shape)
+            raise SafetensorsError(f"{name}: tensor {_shown(key)} has data_offsets that do not match its dtype "
+                                   "and shape, or lie outside the data")
+        try:
+            out[key] = _tensor(mapped, dtype, shape, nbytes, data_start + begin)
+        except (RuntimeError, ValueError, OverflowError):  # a shape torch cannot lay out
+            raise SafetensorsError(f"{name}: tensor {_shown(key)} has a bad shape") from None
     return out
+
+
+def _tensor(mapped: mmap.mmap | None, dtype: torch.dtype, shape: list[int], nbytes: int, offset: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+    if offset % _element_bytes(dtype):
+        raw = raw.clone()  # an unaligned tensor: copy to an aligned one rather than read it misaligned
+    return raw.view(dtype).reshape(shape)
+
+
+def _read_exactly(f: BinaryIO, n: int, name: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise SafetensorsError(f"{name}: not a safetensors file (it ends inside its header)")
+    return data
+
+
+def _shown(key: object) -> str:
+    """A tensor name for a message: bounded (a header may hold a megabyte-long name)."""
+    text = repr(key)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _entry(path: str, name: str, info: object) -> tuple[torch.dtype, list[int], int, int]:
+def _entry(name: str, key: str, info: object) -> tuple[torch.dtype, list[int], int, int]:
     if not isinstance(info, dict):
-        raise SafetensorsError(f"{path}: entry {name!r} is not an object")
+        raise SafetensorsError(f"{name}: entry {_shown(key)} is not an object")
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if code not in DTYPES:
-        raise SafetensorsError(f"{path}: tensor {name!r} has dtype {code!r}; supported: {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise SafetensorsError(f"{path}: tensor {name!r} has a bad shape {shape!r}")
+    if not isinstance(code, str) or code not in DTYPES:
+        raise SafetensorsError(f"{name}: tensor {_shown(key)} has a dtype this reader does not support; "
+                               f"supported: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2 ** 62 for d in shape):
+        raise SafetensorsError(f"{name}: tensor {_shown(key)} has a bad shape")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise SafetensorsError(f"{path}: tensor {name!r} has bad data_offsets {offsets!r}")
+        raise SafetensorsError(f"{name}: tensor {_shown(key)} has bad data_offsets")
     return DTYPES[code], shape, offsets[0], offsets[1]
 
 

@@ -19,14 +19,14 @@ import importlib
 import os
 import re
 import sys
-from typing import Callable, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 import torch
 
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import safetensors
-from ctxpool.messages import WeightEntry, WeightManifest
+from ctxpool import peer_open, safetensors
+from ctxpool.messages import PeerIdentity, WeightEntry, WeightManifest
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -97,41 +97,43 @@ def build_module(factory_path: str) -> torch.nn.Module:
 # ------------------------------------------------------------------ weights
 
 
-def load_weights(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file or a torch state dict (``.pt``, ``.pth``, ``.bin``)."""
+def load_weights(path: str, reader: PeerIdentity | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file or a torch state dict (``.pt``, ``.pth``, ``.bin``),
+    opened with ``reader``'s rights (the peer that named it; None: this process's own).
+    Errors say what the reader could see for itself, and nothing read from the file."""
     if not os.path.isabs(path):
         raise _model_error(f"weights path {path!r} must be absolute (the workers do not share your cwd)")
-    if not os.path.isfile(path):
-        raise _model_error(f"weights file {path} does not exist" if not os.path.exists(path)
-                           else f"weights path {path} is not a regular file")
-    if not os.access(path, os.R_OK):
-        raise _model_error(f"weights file {path} is not readable by uid {os.geteuid()}")
     suffix = os.path.splitext(path)[1].lower()
-    if suffix in SAFETENSORS_SUFFIXES:
-        try:
-            state = safetensors.load(path)
-        except (safetensors.SafetensorsError, OSError) as exc:
-            raise _model_error(f"weights file {path} is not a readable safetensors file: {exc}") from None
-    elif suffix in TORCH_SUFFIXES:
-        state = _load_torch(path)
-    else:
+    if suffix not in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES:
         raise _model_error(f"weights file {path}: unknown suffix {suffix!r}; use "
                            f"{' or '.join(SAFETENSORS_SUFFIXES + TORCH_SUFFIXES)}")
-    return state
-
-
-def _load_torch(path: str) -> dict[str, torch.Tensor]:
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        fd = peer_open.open_as(path, reader)
+    except peer_open.PeerOpenError as exc:
+        raise _model_error(str(exc)) from None
+    with os.fdopen(fd, "rb") as f:
+        if suffix in SAFETENSORS_SUFFIXES:
+            try:
+                return safetensors.load_file(f, path)
+            except safetensors.SafetensorsError as exc:  # its text begins with the path
+                raise _model_error(f"weights file {exc}") from None
+            except OSError as exc:
+                raise _model_error(f"weights file {path} cannot be read: {os.strerror(exc.errno or 0)}") from None
+        return _load_torch(f, path)
+
+
+def _load_torch(f: BinaryIO, path: str) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle.UnpicklingError, RuntimeError (not a zip / bad magic), EOFError, ...
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _model_error(f"weights file {path} is not a torch state dict that loads with "
-                           f"weights_only=True: {first_line}") from None
+        # Not the exception's text: it may quote the file ("invalid load key, 'r'").
+        raise _model_error(f"weights file {path} is not a torch state dict that loads with weights_only=True "
+                           f"({type(exc).__name__}); try torch.load(path, weights_only=True) to see why") from None
     if isinstance(loaded, Mapping) and "state_dict" in loaded and isinstance(loaded["state_dict"], Mapping):
         loaded = loaded["state_dict"]  # a checkpoint wrapping its state dict
     if not isinstance(loaded, Mapping):
         raise _model_error(f"weights file {path} holds a {type(loaded).__name__}, not a state dict")
-    bad = [str(k) for k, v in loaded.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    bad = [str(k)[:80] for k, v in loaded.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise _model_error(f"weights file {path}: entries that are not name -> tensor: {_listed(bad)}")
     return dict(loaded)
@@ -175,8 +177,11 @@ def check_weights(module: torch.nn.Module, state: Mapping[str, torch.Tensor], so
 # ----------------------------------------------------------- shared memory
 
 
+_WEIGHT_ALIGN_BYTES = 512  # each tensor's offset: the engine copies 512-aligned neighbours as one span
+
+
 def _align(n: int) -> int:
-    return (n + tensors.ALIGN_BYTES - 1) // tensors.ALIGN_BYTES * tensors.ALIGN_BYTES
+    return (n + _WEIGHT_ALIGN_BYTES - 1) // _WEIGHT_ALIGN_BYTES * _WEIGHT_ALIGN_BYTES
 
 
 def place_in_shared_memory(module: torch.nn.Module, state: Mapping[str, torch.Tensor] | None,
@@ -207,7 +212,10 @@ def place_in_shared_memory(module: torch.nn.Module, state: Mapping[str, torch.Te
             raise _model_error(f"{name}: {exc}") from None
         entries[name] = WeightEntry(kind=kinds.get(name, "buffer"), dtype=dtype, shape=list(tensor.shape),
                                     offset=layout[key][0], nbytes=tensor.numel() * tensor.element_size())
-    segment = tensors.create_segment(total, name=segment_name, group=group)
+    try:  # reserved now: on a full /dev/shm the copy below would die of SIGBUS
+        segment = tensors.create_segment(total, name=segment_name, group=group, reserve=True)
+    except tensors.SharedMemoryFull as exc:
+        raise _model_error(f"the weights cannot be placed in shared memory: {exc}") from None
     try:
         copied: set[int] = set()
         for name, tensor in _named_tensors(module):

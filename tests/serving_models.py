@@ -4,6 +4,7 @@ daemon's workers because the daemon runs from the repository root)."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -64,6 +65,25 @@ class _Busy(nn.Module):
 def busy() -> nn.Module:
     torch.manual_seed(3)
     return _Busy()
+
+
+class _SleepsForInput(nn.Module):
+    """Sleeps as many seconds as its input's first element says (at most 30), after
+    touching $NA_TEST_SLEEP_MARKER; returns the input doubled. No weights: cheap to load."""
+
+    def forward(self, x):
+        seconds = min(float(x.reshape(-1)[0]), 30.0) if x.numel() else 0.0
+        if seconds > 0:
+            marker = os.environ.get("NA_TEST_SLEEP_MARKER")
+            if marker:
+                with open(marker, "w") as f:
+                    f.write(str(os.getpid()))
+            time.sleep(seconds)
+        return x * 2
+
+
+def sleeps_for_input() -> nn.Module:
+    return _SleepsForInput()
 
 
 def not_a_module():

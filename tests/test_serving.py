@@ -250,3 +250,109 @@ def test_unverifiable_peer_may_not_register_a_model(start_daemon):
             c.register_model("m", "tests.serving_models:small_mlp", example_input=torch.randn(2, 16))
         assert err.value.code == p.ErrorCode.FORBIDDEN
         assert c.models() == []
+
+
+def test_outputs_a_session_leaves_unread_are_bounded_and_unlinked_at_bye(served):
+    """Outputs are made for the client, which unlinks them once read; what it never
+    reads goes when its session ends, and a session may leave only so many unread."""
+    from nodeagent.output_segments import MAX_UNREAD
+    from tests.rawpeer import RawPeer
+
+    x = torch.randn(2, 16)
+    with Client("svc", workload="inference", endpoint=served.endpoint) as c:
+        c.register_model("hoard", "tests.serving_models:small_mlp", example_input=x)
+        peer = RawPeer(served.endpoint)
+        try:
+            peer.hello(name="hoarder", workload="inference")
+            with serving.Packed([x], served.endpoint) as packed:
+                unread = []
+                for _ in range(MAX_UNREAD):
+                    reply = peer.call(p.Infer(id=peer.take_id(), model="hoard", inputs=packed.refs), 30.0)
+                    assert isinstance(reply, p.InferResult), reply
+                    unread.append(reply)
+                owner = os.stat(f"/dev/shm/{unread[0].outputs[0].shm}").st_uid
+                assert owner == os.geteuid()  # the client's own: it may unlink it
+                refused = peer.call(p.Infer(id=peer.take_id(), model="hoard", inputs=packed.refs), 30.0)
+                assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.INVALID, refused
+                assert "unread" in refused.message
+                first = unread.pop(0)  # read (and so unlink) one: room for one more
+                assert torch.equal(serving.take_outputs(first, "torch", first.single), serving_models.small_mlp()(x))
+                unread.append(peer.call(p.Infer(id=peer.take_id(), model="hoard", inputs=packed.refs), 30.0))
+                assert isinstance(unread[-1], p.InferResult), unread[-1]
+                names = [r.outputs[0].shm for r in unread]
+                assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+                assert isinstance(peer.call(p.Goodbye(id=peer.take_id())), p.Ok)
+            served.status()  # a barrier: the bye was handled before this is answered
+            assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+        finally:
+            peer.close()
+        c.unregister_model("hoard")
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The ctxpool workers of daemon ``pid``: its children started by multiprocessing's spawn."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid and b"spawn_main" in cmdline:
+            out.append(int(entry))
+    return out
+
+
+def test_outputs_a_dead_worker_made_but_never_reported_are_unlinked(start_daemon, workdir):
+    """A worker killed between making an output segment and reporting it leaves a
+    segment nobody was handed: the daemon unlinks it when it learns of the death."""
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write("[ctxpool]\nworkers_per_device = 1\n")
+    d = start_daemon("--ctxpool", "on")
+    with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+        c.register_model("mlp", "tests.serving_models:small_mlp", example_input=torch.randn(2, 16))
+        [worker] = _workers_of(d.proc.pid)
+        from client_lib import tensors
+
+        orphan = tensors.create_segment(64, name=f"na-out-{worker}-999-{os.urandom(4).hex()}")
+        orphan.close()
+        kept = c.infer("mlp", torch.randn(2, 16))  # a handed-out output is the client's business
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: "[ctxpool] worker replaced" in d.log(), timeout=30)
+        wait_for(lambda: not os.path.exists(f"/dev/shm/{orphan.name}"), timeout=10)
+        assert kept.shape == (2, 4)
+
+
+def test_an_output_made_while_the_daemon_stops_is_not_left_behind(start_daemon, workdir):
+    """A request answered E_SHUTTING_DOWN whose worker still finishes it during the
+    polite part of shutdown: the output it made is nobody's, and the daemon unlinks it."""
+    import threading
+
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write("[ctxpool]\nworkers_per_device = 1\n")
+    marker = os.path.join(workdir, "sleeping.pid")
+    os.environ["NA_TEST_SLEEP_MARKER"] = marker
+    try:
+        d = start_daemon("--ctxpool", "on")
+    finally:
+        del os.environ["NA_TEST_SLEEP_MARKER"]
+    errors = []
+    with Client("svc", workload="inference", endpoint=d.endpoint, reconnect=False) as c:
+        c.register_model("sleeps", "tests.serving_models:sleeps_for_input", example_input=torch.zeros(1, 1))
+        [worker] = _workers_of(d.proc.pid)
+
+        def call():
+            try:
+                c.infer("sleeps", torch.full((1, 1), 1.0), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                errors.append(exc)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_for(lambda: os.path.exists(marker), timeout=30)
+        assert d.stop() == 0
+        t.join(30)
+    assert errors and getattr(errors[0], "code", None) == p.ErrorCode.SHUTTING_DOWN, errors
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"na-out-{worker}-")]

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import sys
+import tempfile
 
 import pytest
 import torch
 
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import safetensors, store
+from ctxpool import peer_open, safetensors, store
+from ctxpool.messages import PeerIdentity
 from ctxpool.store import ModelError
 from tests import models_for_tests as m
 
@@ -87,18 +90,43 @@ def test_factory_that_raises_or_builds_no_module():
 def test_weights_file_errors(tmp_path):
     assert "does not exist" in str(_error(store.load_weights, str(tmp_path / "missing.safetensors")))
     assert "must be absolute" in str(_error(store.load_weights, "relative.pt"))
-    assert "is not a regular file" in str(_error(store.load_weights, str(tmp_path)))
+    (tmp_path / "dir.pt").mkdir()
+    assert "is not a regular file" in str(_error(store.load_weights, str(tmp_path / "dir.pt")))
+    os.mkfifo(tmp_path / "fifo.safetensors")  # opened without blocking, then refused
+    assert "is not a regular file" in str(_error(store.load_weights, str(tmp_path / "fifo.safetensors")))
     (tmp_path / "w.npz").write_bytes(b"x")
     assert "unknown suffix '.npz'" in str(_error(store.load_weights, str(tmp_path / "w.npz")))
+
+
+def test_format_errors_quote_nothing_read_from_the_file(tmp_path):
+    """A file that is not what it claims may be anyone's: no bytes, lengths or sizes from it."""
+    shadow_like = tmp_path / "shadow.safetensors"
+    shadow_like.write_bytes(b"root:$6$hash-material-that-must-stay-private:19000:0:99999:7:::\n" * 11)
+    header_len = struct.unpack("<Q", shadow_like.read_bytes()[:8])[0]
+    err = str(_error(store.load_weights, str(shadow_like)))
+    assert "not a safetensors file" in err
+    assert str(header_len) not in err and str(shadow_like.stat().st_size) not in err and "root:" not in err
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(struct.pack("<Q", 40) + b'{"a": 1')
+    err = str(_error(store.load_weights, str(cut)))
+    assert "its header length does not fit the file" in err and "40" not in err.replace(str(tmp_path), "")
+    pickled = tmp_path / "notes.pt"
+    pickled.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
+    err = str(_error(store.load_weights, str(pickled)))
+    assert "weights_only=True" in err and "'r'" not in err and "root:" not in err
+    huge = tmp_path / "huge_shape.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [0, 2 ** 61, 2 ** 61], "data_offsets": [0, 0]}}).encode()
+    huge.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert "bad shape" in str(_error(store.load_weights, str(huge)))
 
 
 def test_wrong_format_files(tmp_path):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\xff" * 64)
-    assert "not a readable safetensors file" in str(_error(store.load_weights, str(garbage)))
+    assert "not a safetensors file" in str(_error(store.load_weights, str(garbage)))
     short = tmp_path / "short.safetensors"
     short.write_bytes(b"abc")
-    assert "too short" in str(_error(store.load_weights, str(short)))
+    assert "shorter than the 8-byte header length" in str(_error(store.load_weights, str(short)))
     not_json = tmp_path / "notjson.safetensors"
     not_json.write_bytes(struct.pack("<Q", 4) + b"{{{{")
     assert "header is not JSON" in str(_error(store.load_weights, str(not_json)))
@@ -203,7 +231,7 @@ def test_factory_init_is_used_without_weights_and_tied_weights_stay_tied(shm_nam
     manifest = store.place_in_shared_memory(built, None, shm_names())
     entries = manifest.entries
     assert entries["embed.weight"].offset == entries["head.weight"].offset
-    assert manifest.total_bytes == tensors.ALIGN_BYTES * -(-10 * 6 * 4 // tensors.ALIGN_BYTES)
+    assert manifest.total_bytes == store._WEIGHT_ALIGN_BYTES * -(-10 * 6 * 4 // store._WEIGHT_ALIGN_BYTES)
     other = m.tied()
     seg = store.attach_module(other, manifest)
     try:
@@ -246,3 +274,61 @@ def test_a_failed_placement_leaves_no_segment(shm_names):
     with pytest.raises(RuntimeError):
         store.place_in_shared_memory(m.mlp(), unchecked, name)  # fails while copying, after creating
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+# ------------------------------------------------------- the reader's rights
+
+
+@pytest.fixture
+def public_dir():
+    """A directory any user may search (pytest's tmp_path lies under a 0700 one)."""
+    path = tempfile.mkdtemp(prefix="na-store-")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_weights_are_opened_with_the_readers_rights(public_dir):
+    """What a root worker reads for a peer is what that peer may read: search rights on
+    the directories, symlinks followed as the peer, its groups; errors the peer's own."""
+    if os.geteuid() != 0:
+        pytest.skip(f"opening a file as another user needs root; these tests run as uid {os.geteuid()}")
+    nobody = PeerIdentity(uid=65534, gid=65534, groups=[])
+    state = m.mlp().state_dict()
+    readable = os.path.join(public_dir, "readable.safetensors")
+    safetensors.save(state, readable)
+    os.chmod(readable, 0o644)
+    loaded = store.load_weights(readable, reader=nobody)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+    private = os.path.join(public_dir, "private")
+    os.mkdir(private, 0o700)
+    safetensors.save(state, os.path.join(private, "there.safetensors"))
+    os.chmod(os.path.join(private, "there.safetensors"), 0o644)
+    there = str(_error(store.load_weights, os.path.join(private, "there.safetensors"), nobody))
+    absent = str(_error(store.load_weights, os.path.join(private, "absent.safetensors"), nobody))
+    assert "Permission denied" in there and there.replace("there", "X") == absent.replace("absent", "X")
+
+    secret = os.path.join(public_dir, "root-only.bin")
+    with open(secret, "wb") as f:
+        f.write(b"root:$6$private-hash:19000:0:99999:7:::\n" * 9)
+    os.chmod(secret, 0o600)
+    os.symlink(secret, os.path.join(public_dir, "link.safetensors"))
+    err = str(_error(store.load_weights, os.path.join(public_dir, "link.safetensors"), nobody))
+    assert "Permission denied" in err and str(os.path.getsize(secret)) not in err and "root:" not in err
+    assert store.load_weights(os.path.join(private, "there.safetensors")).keys() == state.keys()  # root itself may
+
+    group_only = os.path.join(public_dir, "group.safetensors")  # readable through a supplementary group
+    safetensors.save(state, group_only)
+    os.chown(group_only, 0, 61_999)
+    os.chmod(group_only, 0o640)
+    assert "Permission denied" in str(_error(store.load_weights, group_only, nobody))
+    in_group = PeerIdentity(uid=65534, gid=65534, groups=[61_999])
+    assert store.load_weights(group_only, reader=in_group).keys() == state.keys()
+
+
+def test_the_peers_groups_come_from_its_process_and_only_while_it_is_that_user():
+    me = peer_open.identity_of(os.getuid(), os.getgid(), os.getpid())
+    assert me.groups == sorted(set(os.getgroups()))
+    assert peer_open.identity_of(os.getuid() + 1, os.getgid(), os.getpid()).groups == []  # pid reused by another
+    assert peer_open.identity_of(os.getuid(), os.getgid(), None).groups == []
