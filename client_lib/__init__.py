@@ -6,7 +6,8 @@ Light by default (pyzmq, msgspec); torch only in :mod:`client_lib.torch`.
 from client_lib.client import Client, query_status, resume_session, set_partition, suspend_session
 from client_lib.errors import (DaemonError, DaemonUnavailableError, GrantTimeoutError,
                                HandshakeTimeoutError, InferenceError, ModelError, NoModelError, NodeAgentError,
-                               NoSessionError, ProtocolMismatchError, ServingUnavailableError, WorkerDeadError)
+                               NoSessionError, ProtocolMismatchError, RequestTimeoutError, ServingUnavailableError,
+                               WorkerDeadError)
 from client_lib.protocol import PROTOCOL_VERSION, ErrorCode
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "NodeAgentError", "DaemonError", "DaemonUnavailableError", "GrantTimeoutError",
     "HandshakeTimeoutError", "NoSessionError", "ProtocolMismatchError",
     "ModelError", "NoModelError", "InferenceError", "WorkerDeadError", "ServingUnavailableError",
+    "RequestTimeoutError",
 ]

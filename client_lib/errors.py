@@ -50,6 +50,27 @@ class GrantTimeoutError(NodeAgentError):
     code = "E_TIMEOUT"
 
 
+class CudaTooEarlyError(NodeAgentError):
+    """CUDA was initialised in this process before its session's welcome, whose
+    settings (an MPS share: ``CUDA_MPS_*``, ``CUDA_VISIBLE_DEVICES``) CUDA reads only
+    then: the process would run outside its partition. ``variables`` holds the
+    settings it did not get; ``detected_by`` says how the early start was seen.
+    The session was closed again."""
+
+    code = "E_CUDA_TOO_EARLY"
+
+    def __init__(self, variables: dict[str, str], detected_by: str) -> None:
+        names = ", ".join(f"{k}={v}" for k, v in sorted(variables.items()))
+        super().__init__(
+            f"CUDA was initialised in this process before its nodeagent session opened ({detected_by}), so the "
+            f"session's settings {names} cannot take effect and the process would run outside its MPS partition. "
+            "Create the Client before any torch.cuda call (torch.cuda.is_available() initialises CUDA too, unless "
+            "PYTORCH_NVML_BASED_CUDA_CHECK=1 is set), or set CUDA_MPS_PIPE_DIRECTORY and the other variables "
+            "yourself before CUDA starts (`nodeagent run` does this for its program)")
+        self.variables = dict(variables)
+        self.detected_by = detected_by
+
+
 class ModelError(DaemonError):
     """A model could not be registered (bad factory path, weights file, shapes); nothing was registered."""
 
@@ -78,6 +99,13 @@ class ServingUnavailableError(DaemonError):
     code = ErrorCode.UNAVAILABLE
 
 
+class RequestTimeoutError(DaemonError):
+    """The request did not finish within the timeout the caller gave; the daemon gave up on it
+    (a worker still running it is replaced). Raise the timeout, or look at the model."""
+
+    code = ErrorCode.TIMEOUT
+
+
 _BY_CODE = {
     ErrorCode.PROTOCOL: ProtocolMismatchError,
     ErrorCode.NO_SESSION: NoSessionError,
@@ -86,6 +114,7 @@ _BY_CODE = {
     ErrorCode.INFERENCE: InferenceError,
     ErrorCode.WORKER_DEAD: WorkerDeadError,
     ErrorCode.UNAVAILABLE: ServingUnavailableError,
+    ErrorCode.TIMEOUT: RequestTimeoutError,
 }
 
 

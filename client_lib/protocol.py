@@ -50,6 +50,7 @@ class ErrorCode:
     INFERENCE = "E_INFERENCE"  # the model raised; the worker survived and serves the next request
     WORKER_DEAD = "E_WORKER_DEAD"  # the worker running the request died; a replacement serves the next one
     UNAVAILABLE = "E_UNAVAILABLE"  # no workers on this daemon or device (ctxpool off, or none started yet)
+    TIMEOUT = "E_TIMEOUT"  # the request did not finish within its timeout_ms (a hung worker is replaced)
     # 1.1: cluster placement
     STATE = "E_STATE"  # the device's lifecycle state does not allow it (lend while inference runs, ...)
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
@@ -311,12 +312,14 @@ class Welcome(Reply, tag="welcome"):
     resumed: bool = False
     boot: int = 0  # the daemon's incarnation; a heartbeat_ack with another means it restarted
     env: dict[str, str] = {}  # set in the environment before CUDA initialises (MPS pipe dir, SM share, memory limit)
+    durable: bool = True  # False: the daemon could not journal the session (disk full): a restart would lose it
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):
     """Reply to ``heartbeat``; ``boot`` tells a restarted daemon from the one that welcomed us."""
 
     boot: int
+    durable: bool = True  # as in welcome, now: False while the daemon's journal fails to record the session
 
 
 class SessionInfo(msgspec.Struct, kw_only=True):
@@ -537,3 +540,7 @@ DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, Yiel
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request frame the daemon accepts; larger ones get E_BAD_REQUEST."""
+
+MAX_NESTING_DEPTH = 32
+"""Deepest nesting of arrays and maps a frame may have (requests need 5); deeper
+frames get E_BAD_REQUEST before any decoding, so no peer can exhaust the stack."""

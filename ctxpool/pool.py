@@ -18,6 +18,13 @@ death leaves a warm one serving at once while its replacement starts and attache
 every model before it takes requests. When no worker is idle, requests wait FIFO
 per device.
 
+The restart budget guards a device against workers that keep crashing: past it,
+dead workers are not replaced. Deaths that say nothing about the device do not
+count: a worker killed because a request ran past its deadline plus
+``timeout_grace_s`` (a hung model holds a worker no longer than that), and a
+worker that a registration's own code (factory, weights, example input) ended,
+which fails that registration only (E_MODEL).
+
 Not thread-safe: one owner (the daemon loop thread, which must also be the thread
 that lives as long as the workers: they die with it through PR_SET_PDEATHSIG).
 """
@@ -69,7 +76,10 @@ class _Request:
     device: int
     model: str
     inputs: list[p.TensorRef]
-    cancelled: bool = False
+    cancelled: bool = False  # answered or withdrawn already: no event follows for it
+    owner_uid: Optional[int] = None  # the requester's verified uid: its inputs must be its own
+    deadline: Optional[float] = None  # on the pool's clock: answered E_TIMEOUT then if not done
+    kill_at: Optional[float] = None  # timed out while running: its worker is killed then if still at it
 
 
 @dataclass(eq=False)
@@ -103,12 +113,13 @@ class _Worker:
 
 @dataclass(eq=False)
 class _Model:
-    """A registration: preparing (one worker builds the weight segment) -> attaching -> ready."""
+    """A registration: preparing (one worker builds the weight segment) -> probing (that worker
+    attaches it and runs its example) -> attaching (every other worker) -> ready."""
 
     spec: msg.ModelSpec
     devices: list[int]
     segment: str
-    state: str = "preparing"  # preparing -> attaching -> ready
+    state: str = "preparing"  # preparing -> probing -> attaching -> ready
     manifest: Optional[msg.WeightManifest] = None
     pending: set = field(default_factory=set)  # workers whose Attach this registration waits for
     model_bytes: int = 0
@@ -127,7 +138,7 @@ class WorkerPool:
     def __init__(self, backend: str, devices: Sequence[int], *, workers_per_device: int = 2, pool_bytes: int = 0,
                  memory_budget_bytes: Optional[int] = None, restart_budget: tuple[int, float] = (5, 60.0),
                  extra_sys_path: Sequence[str] = (), output_group: Optional[int] = None,
-                 start_timeout_s: float = 120.0,
+                 start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
                  on_fds_changed: Optional[Callable[[list[int], list[int]], None]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if workers_per_device < 1:
@@ -136,6 +147,8 @@ class WorkerPool:
             raise ValueError(f"restart_budget must be (deaths >= 0, window_s > 0), got {restart_budget}")
         if not devices:
             raise ValueError("a worker pool needs at least one device")
+        if not timeout_grace_s >= 0:
+            raise ValueError(f"timeout_grace_s must be >= 0, got {timeout_grace_s}")
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.cleanup)
         self.backend = backend
@@ -147,6 +160,7 @@ class WorkerPool:
         self.extra_sys_path = tuple(extra_sys_path)
         self.output_group = output_group
         self.start_timeout_s = start_timeout_s
+        self.timeout_grace_s = timeout_grace_s
         self._on_fds_changed = on_fds_changed
         self._clock = clock
         self._ctx = multiprocessing.get_context("spawn")  # never fork: the daemon holds a ZeroMQ context
@@ -207,19 +221,53 @@ class WorkerPool:
         return list(self._by_fd)
 
     def next_deadline(self) -> Optional[float]:
-        """When (on the pool's clock) a starting worker misses its deadline for Ready; None if none starts."""
-        starting = [w.started_at for ws in self._workers.values() for w in ws
-                    if w.state is WorkerState.STARTING and not w.ready and not w.killed_for]
-        return min(starting) + self.start_timeout_s if starting else None
+        """When (on the pool's clock) :meth:`on_deadline` has something to do: a starting worker
+        misses its deadline for Ready, a request its timeout, or a worker still running a timed-out
+        request its grace; None if nothing waits for a deadline."""
+        times = [w.started_at + self.start_timeout_s for ws in self._workers.values() for w in ws
+                 if w.state is WorkerState.STARTING and not w.ready and not w.killed_for]
+        times += [r.deadline for r in self._requests.values() if r.deadline is not None]
+        times += [w.request.kill_at for w in self._live()
+                  if w.request is not None and w.request.kill_at is not None and not w.killed_for]
+        return min(times) if times else None
 
-    def on_deadline(self) -> None:
-        """Kill workers that did not get ready within ``start_timeout_s``; their death follows as an event."""
+    def on_deadline(self) -> list[PoolEvent]:
+        """Act on every deadline passed: a request past its timeout is answered ``E_TIMEOUT``
+        (dropped if queued; if running, its worker may finish within ``timeout_grace_s``, else it
+        is killed and replaced, not counted against the restart budget); a worker not ready
+        within ``start_timeout_s`` is killed. Deaths follow as events of their own."""
         now = self._clock()
+        events: list[PoolEvent] = []
+        for request in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
+            self._time_out(request, now, events)
         for worker in self._live():
-            if (worker.state is WorkerState.STARTING and not worker.ready and not worker.killed_for
+            request = worker.request
+            if request is not None and request.kill_at is not None and now >= request.kill_at:
+                self._kill(worker, f"still running request {request.request_id} {self.timeout_grace_s:g} s after "
+                                   "its timeout (the model hangs or is too slow for the timeout given)", counts=False)
+            elif (worker.state is WorkerState.STARTING and not worker.ready and not worker.killed_for
                     and now - worker.started_at >= self.start_timeout_s):
                 self._kill(worker, f"not ready within start_timeout_s={self.start_timeout_s:g} s "
                                    "(raise it for a slow device or a large memory pool)", counts=True)
+        return events
+
+    def _time_out(self, request: _Request, now: float, events: list[PoolEvent]) -> None:
+        """Answer ``request`` E_TIMEOUT; a running one's worker gets ``timeout_grace_s`` to finish it."""
+        self._requests.pop(request.request_id, None)
+        request.cancelled = True
+        queue = self._queues[request.device]
+        running = request not in queue
+        if running:
+            request.kill_at = now + self.timeout_grace_s
+            where = (f"the model was still running; its worker is replaced unless it finishes within "
+                     f"{self.timeout_grace_s:g} s")
+        else:
+            queue.remove(request)
+            where = "it was still waiting for a worker (every worker of the device was busy)"
+        log.warning("[ctxpool] timeout request=%d model=%s device=%d running=%s", request.request_id, request.model,
+                    request.device, running)
+        events.append(RequestFailed(request.request_id, E.TIMEOUT,
+                                    f"model {request.model!r} did not answer within the request's timeout: {where}"))
 
     # ------------------------------------------------------------ models
 
@@ -245,7 +293,7 @@ class WorkerPool:
         self._models[spec.name] = model
         self._resources.segments.add(model.segment)
         preparer.ops.append(msg.Prepare(model=spec.name, factory=spec.factory, weights=spec.weights,
-                                        segment=model.segment))
+                                        segment=model.segment, reader=spec.reader))
         log.info("[ctxpool] register model=%s factory=%s weights=%s devices=%s prepare_on=%d", spec.name,
                  spec.factory, spec.weights, devices, preparer.pid)
         self._pump(preparer, [])
@@ -303,9 +351,13 @@ class WorkerPool:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, request_id: int, device: int, model: str, input_refs: list[p.TensorRef]) -> None:
-        """Run ``model`` on ``input_refs`` (segments the caller keeps until the answer) on ``device``.
-        The answer comes as RequestDone or RequestFailed; PoolError when refused at once."""
+    def submit(self, request_id: int, device: int, model: str, input_refs: list[p.TensorRef],
+               owner_uid: Optional[int] = None, deadline: Optional[float] = None) -> None:
+        """Run ``model`` on ``input_refs`` (segments the caller keeps until the answer) on ``device``;
+        with ``owner_uid``, inputs must be that uid's and outputs are made owned by it; with
+        ``deadline`` (on the pool's clock), it is answered E_TIMEOUT then at the latest (see
+        :meth:`on_deadline`). The answer comes as RequestDone or RequestFailed; PoolError when
+        refused at once."""
         self._check_open()
         if device not in self._workers:
             raise PoolError(E.DEVICE, f"device {device} has no workers (the pool has {self.devices})")
@@ -321,7 +373,7 @@ class WorkerPool:
         if not any(self._can_serve(w, model) for w in self._live(device)):
             raise PoolError(E.UNAVAILABLE, f"no worker on device {device} can run {model!r}: "
                                            f"{self._unavailable(device)}")
-        request = _Request(request_id, device, model, list(input_refs))
+        request = _Request(request_id, device, model, list(input_refs), owner_uid=owner_uid, deadline=deadline)
         self._requests[request_id] = request
         self._queues[device].append(request)
         idle = [w for w in self._live(device) if w.state is WorkerState.IDLE and model in w.attached]
@@ -463,6 +515,8 @@ class WorkerPool:
             if model is not None and model.state != "ready":
                 model.model_bytes, model.layers, model.groups = reply.model_bytes, reply.layers, reply.groups
                 model.pending.discard(worker)
+                if model.state == "probing":
+                    self._attach_everywhere(model, events)
                 self._maybe_ready(model, events)
             return
         if isinstance(reply, msg.Prepared):
@@ -471,15 +525,12 @@ class WorkerPool:
                 self._resources.segments.discard(reply.manifest.segment)
                 return
             model.manifest, model.model_bytes, model.layers = reply.manifest, reply.model_bytes, reply.layers
-            model.state = "attaching"
-            for other in self._live():
-                if other.device in model.devices and other.ready:
-                    other.ops.append(self._attach_message(model))
-                    model.pending.add(other)
-                    if other is not worker:
-                        self._pump(other, events)
-            log.info("[ctxpool] prepared model=%s bytes=%d attach_on=%s", name, reply.model_bytes,
-                     sorted(w.pid for w in model.pending))
+            # The preparer attaches it first (its example input runs there): a model that kills
+            # its worker then kills one worker, not every worker of the device at once.
+            model.state = "probing"
+            worker.ops.append(self._attach_message(model))
+            model.pending.add(worker)
+            log.info("[ctxpool] prepared model=%s bytes=%d probe_on=%d", name, reply.model_bytes, worker.pid)
             return
         if isinstance(reply, msg.Rejected):
             if model is not None and model.state != "ready":
@@ -487,6 +538,23 @@ class WorkerPool:
             elif model is not None:  # a replacement could not attach a model the others serve
                 log.error("[ctxpool] attach-failed model=%s device=%d pid=%d: %s", name, worker.device,
                           worker.pid, reply.message)
+
+    def _attach_everywhere(self, model: _Model, events: list[PoolEvent]) -> None:
+        """The probe attached the model: every other ready worker of its devices attaches it now."""
+        model.state = "attaching"
+        name = model.spec.name
+        for other in self._live():
+            if other.device in model.devices and other.ready and not self._has_attach(other, name):
+                other.ops.append(self._attach_message(model))
+                model.pending.add(other)
+                self._pump(other, events)
+        log.info("[ctxpool] probed model=%s attach_on=%s", name, sorted(w.pid for w in model.pending))
+
+    @staticmethod
+    def _has_attach(worker: _Worker, name: str) -> bool:
+        """Whether ``worker`` holds model ``name`` or has its Attach queued or in flight."""
+        return name in worker.attached or any(
+            isinstance(op, msg.Attach) and op.model == name for op in (*worker.ops, worker.inflight))
 
     def _maybe_ready(self, model: _Model, events: list[PoolEvent]) -> None:
         if model.state == "attaching" and not model.pending:
@@ -514,7 +582,8 @@ class WorkerPool:
             return
         queue.remove(request)
         worker.request = request
-        self._send(worker, msg.Run(request_id=request.request_id, model=request.model, inputs=request.inputs))
+        self._send(worker, msg.Run(request_id=request.request_id, model=request.model, inputs=request.inputs,
+                                   owner_uid=request.owner_uid))
 
     def _send(self, worker: _Worker, message: msg.ToWorker) -> None:
         worker.inflight = message
@@ -575,12 +644,21 @@ class WorkerPool:
             if isinstance(sent, msg.Prepare):
                 tensors.unlink_segment(sent.segment)
             if model is not None and model.state != "ready":
-                self._fail_model(model, E.WORKER_DEAD, f"worker pid {worker.pid} died ({reason}) while "
-                                                       f"{'preparing' if isinstance(sent, msg.Prepare) else 'attaching'} model {sent.model!r}",
-                                 events)
+                if worker.killed_for:  # the pool's doing (a missed deadline, a broken protocol)
+                    step = "preparing" if isinstance(sent, msg.Prepare) else "attaching"
+                    self._fail_model(model, E.WORKER_DEAD, f"worker pid {worker.pid} died ({reason}) while "
+                                                           f"{step} model {sent.model!r}", events)
+                else:
+                    # The registration's own code (factory, weights, example input) ended the worker:
+                    # the registration fails, and the death spends none of the restart budget that
+                    # keeps the device serving (registering is an operator's act, see the daemon).
+                    worker.counts = False
+                    self._fail_model(model, E.MODEL, _killed_by_registration(sent, worker.pid, reason), events)
         for model in list(self._models.values()):
             if worker in model.pending:
                 model.pending.discard(worker)
+                if model.state == "probing" and not model.pending:  # the probe died doing something else
+                    self._attach_everywhere(model, events)
                 self._maybe_ready(model, events)
         if stopping or self._closed:
             return
@@ -681,3 +759,14 @@ class WorkerPool:
         log.info("[ctxpool] shutdown steps=%s in %.2f s", {pid: s.value for pid, s in steps.items()},
                  time.monotonic() - started)
         return steps
+
+
+def _killed_by_registration(sent: Union[msg.Prepare, msg.Attach], pid: int, reason: str) -> str:
+    """What a client is told when its registration's code ended the worker running it."""
+    if isinstance(sent, msg.Prepare):
+        culprit = f"the factory {sent.factory}" + (" (or loading its weights)" if sent.weights else "")
+        doing = f"building model {sent.model!r}"
+    else:
+        culprit = f"the model of factory {sent.factory}"
+        doing = f"attaching model {sent.model!r} and running its example input"
+    return f"{culprit} killed its worker (pid {pid}, {reason}) while {doing}; nothing was registered"

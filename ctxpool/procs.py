@@ -66,7 +66,7 @@ def describe_exit(code: Optional[int]) -> str:
         return "still running"
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            return f"killed by {signal.Signals(-code).name} (signal {-code})"
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"

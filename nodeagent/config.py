@@ -7,6 +7,7 @@ leaves a default in force.
 
 from __future__ import annotations
 
+import grp
 import math
 import os
 from dataclasses import dataclass, field
@@ -47,9 +48,14 @@ misses = 3                  # silent for this many intervals: the session is los
 [memory]
 policy = "warn"             # a session over its declared memory: warn | revoke | stop
 watch_interval_ms = 1000.0  # how often per-process device memory is read (cuda)
+context_allowance_mb = "auto"  # per process, beyond its session's declaration (its CUDA context); auto: 512 on cuda, else 0
+host_proc = ""              # the host's /proc, mounted for a daemon in its own pid namespace (see README)
 reserve_mb = 0              # device memory kept out of admission
-make_room = "refuse"        # a session that does not fit: refuse | suspend (lower-class sessions, to fit it)
+make_room = "suspend"       # a session that does not fit: suspend (lower-class sessions, to fit it) | refuse
 make_room_deadline_ms = 5000.0  # how long those sessions get to park their state
+
+[memory.class_cap_percent]  # most of a device's capacity one class may declare in all (default 100)
+# best-effort = 50.0
 
 [metrics]
 # port = 9400               # off unless set
@@ -67,6 +73,8 @@ pool_mb = 0                 # device memory each worker reserves in its allocato
 resident_mb = 0             # device memory a worker may keep models resident in (LRU); 0: no limit of its own
 python_path = []            # directories workers add to sys.path to import model factories
 restart_budget = 5          # worker deaths per device in 60 s before it stops replacing them
+timeout_grace_ms = 2000.0   # a worker still running a request this long after its timeout is replaced
+register_group = ""         # group (name or gid) whose members may register models; "": root only
 
 [cluster]
 # endpoint = "tcp://0.0.0.0:7410"   # placement API (CURVE); off unless set
@@ -106,8 +114,11 @@ class ServeConfig:
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
     memory_policy: str = "warn"  # warn | revoke | stop
     memory_watch_ms: float = 1000.0
+    memory_context_allowance_mb: int | str = "auto"  # per process (its CUDA context); auto: 512 on cuda, else 0
+    memory_host_proc: str = ""  # "": NVML's pids are read as the daemon's (see nodeagent.procwatch.PidTranslator)
     memory_reserve_mb: int = 0
-    memory_make_room: str = "refuse"  # refuse | suspend
+    memory_make_room: str = "suspend"  # suspend | refuse: may a higher class push lower-class declarations out
+    memory_class_cap_percent: dict[str, float] = field(default_factory=dict)  # workload -> percent; absent: 100
     memory_make_room_deadline_ms: float = 5000.0
     mps_devices: list[int] = field(default_factory=list)
     mps_control_binary: str = "nvidia-cuda-mps-control"
@@ -118,6 +129,8 @@ class ServeConfig:
     ctxpool_resident_mb: int = 0
     ctxpool_python_path: list[str] = field(default_factory=list)
     ctxpool_restart_budget: int = 5
+    ctxpool_timeout_grace_ms: float = 2000.0  # past a request's timeout, before its worker is replaced
+    ctxpool_register_group: str | int = ""  # name or gid of the group that may register models; "": root only
     cluster_endpoint: str | None = None  # None: no cluster endpoint (and no events socket)
     cluster_events_endpoint: str = "tcp://0.0.0.0:7411"
     cluster_keys_dir: str = "/etc/nodeagent/keys"
@@ -151,6 +164,12 @@ class ServeConfig:
             raise ConfigError(f"mps.devices must be a list of device indices, got {self.mps_devices!r}")
         if not 1 <= self.mps_min_percent <= 100:
             raise ConfigError(f"mps.min_percent must be in 1..100, got {self.mps_min_percent}")
+        for workload, percent in self.memory_class_cap_percent.items():
+            if workload not in {w.wire for w in Workload}:
+                raise ConfigError(f"memory.class_cap_percent has unknown workload {workload!r} "
+                                  "(workloads: inference, training, best-effort)")
+            if not (math.isfinite(percent) and 0 < percent <= 100):
+                raise ConfigError(f"memory.class_cap_percent.{workload} must be in (0, 100], got {percent}")
         if self.memory_make_room not in ("refuse", "suspend"):
             raise ConfigError(f"memory.make_room must be refuse or suspend, got {self.memory_make_room!r}")
         if not (math.isfinite(self.memory_make_room_deadline_ms) and self.memory_make_room_deadline_ms > 0):
@@ -164,6 +183,9 @@ class ServeConfig:
                                  ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0)):
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if not (math.isfinite(self.ctxpool_timeout_grace_ms) and self.ctxpool_timeout_grace_ms >= 0):
+            raise ConfigError(f"ctxpool.timeout_grace_ms must be a number >= 0, got {self.ctxpool_timeout_grace_ms}")
+        self.ctxpool_register_gid()
         if any(not isinstance(d, str) or not os.path.isabs(d) for d in self.ctxpool_python_path):
             raise ConfigError(f"ctxpool.python_path must be a list of absolute directories, "
                               f"got {self.ctxpool_python_path!r}")
@@ -182,6 +204,12 @@ class ServeConfig:
                               f"got {self.cluster_health_interval_s}")
         if self.memory_reserve_mb < 0:
             raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
+        allowance = self.memory_context_allowance_mb
+        if allowance != "auto" and (isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0):
+            raise ConfigError(f"memory.context_allowance_mb must be \"auto\" or an integer >= 0, got {allowance!r}")
+        if self.memory_host_proc and not os.path.isabs(self.memory_host_proc):
+            raise ConfigError(f"memory.host_proc must be an absolute directory or empty, "
+                              f"got {self.memory_host_proc!r}")
         try:
             self.policy()
         except ValueError as exc:
@@ -194,6 +222,21 @@ class ServeConfig:
                               "valid: inference, training, best-effort")
         quanta = {Workload.parse(name): ms for name, ms in self.quantum_ms.items()}
         return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms)
+
+    def ctxpool_register_gid(self) -> int | None:
+        """The gid of ``ctxpool.register_group`` (None: root only). ConfigError if no such group."""
+        group = self.ctxpool_register_group
+        if group == "":
+            return None
+        if isinstance(group, bool) or (isinstance(group, int) and group < 0):
+            raise ConfigError(f"ctxpool.register_group must be a group name or a gid >= 0, got {group!r}")
+        if isinstance(group, int) or group.isdigit():
+            return int(group)
+        try:
+            return grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ConfigError(f"ctxpool.register_group names group {group!r}, which does not exist on this host "
+                              "(create it, or give a gid)") from None
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -214,6 +257,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory.policy": ("memory_policy", (str,)),
     "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),
     "memory.reserve_mb": ("memory_reserve_mb", (int,)),
+    "memory.context_allowance_mb": ("memory_context_allowance_mb", (int, str)),
+    "memory.host_proc": ("memory_host_proc", (str,)),
     "memory.make_room": ("memory_make_room", (str,)),
     "memory.make_room_deadline_ms": ("memory_make_room_deadline_ms", (int, float)),
     "metrics.port": ("metrics_port", (int,)),
@@ -227,6 +272,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "ctxpool.resident_mb": ("ctxpool_resident_mb", (int,)),
     "ctxpool.python_path": ("ctxpool_python_path", (list,)),
     "ctxpool.restart_budget": ("ctxpool_restart_budget", (int,)),
+    "ctxpool.timeout_grace_ms": ("ctxpool_timeout_grace_ms", (int, float)),
+    "ctxpool.register_group": ("ctxpool_register_group", (str, int)),
     "cluster.endpoint": ("cluster_endpoint", (str,)),
     "cluster.events_endpoint": ("cluster_events_endpoint", (str,)),
     "cluster.keys_dir": ("cluster_keys_dir", (str,)),
@@ -234,7 +281,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cluster.node": ("cluster_node", (str,)),
     "cluster.health_interval_s": ("cluster_health_interval_s", (int, float)),
 }
-_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "metrics", "mps", "ctxpool", "cluster"}
+_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "memory.class_cap_percent", "metrics",
+             "mps", "ctxpool", "cluster"}
 
 
 def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
@@ -259,10 +307,17 @@ def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
             _check_type(path, key, value, (int, float))
             config.quantum_ms[workload] = float(value)
             continue
+        if key.startswith("memory.class_cap_percent."):
+            workload = key.rsplit(".", 1)[1]
+            if workload not in {w.wire for w in Workload}:
+                raise ConfigError(f"{path}: unknown key {key!r} (workloads: inference, training, best-effort)")
+            _check_type(path, key, value, (int, float))
+            config.memory_class_cap_percent[workload] = float(value)
+            continue
         spec = _KEYS.get(key)
         if spec is None:
             raise ConfigError(f"{path}: unknown key {key!r}; valid keys: "
-                              f"{', '.join(sorted(_KEYS) + ['scheduler.quantum_ms.<workload>'])}")
+                              f"{', '.join(sorted(_KEYS) + ['scheduler.quantum_ms.<workload>', 'memory.class_cap_percent.<workload>'])}")
         attr, types = spec
         _check_type(path, key, value, types)
         setattr(config, attr, float(value) if float in types else value)

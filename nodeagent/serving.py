@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import os
 import re
 import time
 from collections import deque
@@ -34,9 +35,12 @@ from dataclasses import dataclass, field
 from client_lib import protocol as p
 from client_lib import tensors
 from client_lib.endpoint import ipc_path
+from ctxpool import peer_open
 from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, RequestFailed, WorkerReady,
                               WorkerReplaced)
-from nodeagent import procwatch
+from ctxpool.pool import PoolError
+from ctxpool.worker import OUTPUT_PREFIX  # outputs are na-out-<worker pid>-...
+from nodeagent import output_segments, procwatch
 from nodeagent.journal import ModelRecord
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
 
@@ -79,6 +83,8 @@ class _ServeQueue:
     yield_asked: bool = False
     owner_gone: bool = False
     served: int = 0
+    uid: int | None = None  # the client's verified uid: whose segments its requests may name
+    outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
 
 
 @dataclass
@@ -90,6 +96,12 @@ class _Model:
     info: p.ModelInfo | None = None
     waiters: list = field(default_factory=list)  # (route, request id) of register calls to answer
     journalled: bool = False
+
+
+def may_register(uid: int, gids: set[int], register_gid: int | None, daemon_uid: int) -> bool:
+    """Whether a peer of ``uid`` in groups ``gids`` is an operator who may register models: root,
+    the daemon's own user, or a member of ``register_gid`` (``ctxpool.register_group``)."""
+    return uid == 0 or uid == daemon_uid or (register_gid is not None and register_gid in gids)
 
 
 def ctxpool_wanted(setting: str) -> tuple[bool, str]:
@@ -125,13 +137,15 @@ class ServingMixin:
         from ctxpool.procs import sweep_stale_segments
 
         sweep_stale_segments(EXAMPLE_PREFIX)  # a daemon killed with SIGKILL could not unlink its own
+        sweep_stale_segments(OUTPUT_PREFIX)  # nor the outputs its dead workers made and nobody read
         cfg = self.config
         self._pool = WorkerPool(
             self.backend.name, list(range(len(self._schedulers))),
             workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
             memory_budget_bytes=(cfg.ctxpool_resident_mb << 20) or None,
             restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
-            output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed)
+            output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed,
+            timeout_grace_s=cfg.ctxpool_timeout_grace_ms / 1000.0, clock=self._clock)
         self._pool.start()
         self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
         log.info("[ctxpool] starting workers=%d per device devices=%d backend=%s",
@@ -140,7 +154,7 @@ class ServingMixin:
             for rec in self._journal_read(lambda j: j.models(), []):
                 try:
                     self._begin_registration(rec, journalled=True)
-                except (tensors.TensorTransportError, OSError, ValueError) as exc:
+                except (tensors.TensorTransportError, OSError, ValueError, PoolError) as exc:
                     log.error("[ctxpool] cannot restore model name=%s: %s", rec.name, exc)
 
     def _stop_serving(self) -> None:
@@ -150,6 +164,8 @@ class ServingMixin:
         if self._pool is not None:
             steps = self._pool.shutdown(5.0)
             log.info("[shutdown] step=workers %s", steps)
+            for pid in steps:  # outputs of requests answered E_SHUTTING_DOWN, made but never reported
+                self._sweep_orphan_outputs(pid)
             self._pool_fds_changed(added=(), removed=list(self._poll_fds_of_pool))
             self._pool = None
         for model in self._models.values():
@@ -190,6 +206,10 @@ class ServingMixin:
                         "registering a model runs its factory in the daemon's workers: only local peers whose "
                         "identity the daemon can verify may do it")
             return
+        refusal = self._operator_refusal(frame, "register models")
+        if refusal is not None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
+            return
         problem = self._check_registration(msg)
         if problem is not None:
             self._error(route, msg.id, *problem)
@@ -210,13 +230,42 @@ class ServingMixin:
                             "unregister it first or pass replace=True")
                 return
             self._unregister(msg.name)
+        creds = procwatch.peer_credentials(frame)
+        if creds is None:  # fail closed: the example and the weights are opened as this peer
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "the daemon cannot verify this peer's user")
+            return
         try:
             record = ModelRecord(name=msg.name, factory=msg.factory, weights=msg.weights, device=msg.device,
                                  example_refs=[], example_bytes=b"", created_unix=time.time())
-            record = _with_example(record, msg.example_input)
-            self._begin_registration(record, journalled=False, waiter=(route, msg.id))
+            record = _with_example(record, msg.example_input, owner_uid=creds.uid)
+            # The weights file is opened with the registering peer's rights, never root's.
+            self._begin_registration(record, journalled=False, waiter=(route, msg.id),
+                                     reader=peer_open.identity_of(creds.uid, creds.gid, creds.pid))
+        except tensors.SegmentAccessError as exc:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, f"example input: {exc}")
         except tensors.TensorTransportError as exc:
             self._error(route, msg.id, p.ErrorCode.MODEL, f"example input: {exc}")
+        except PoolError as exc:  # refused at once (no live worker, shutting down): nothing registered
+            self._error(route, msg.id, exc.code, exc.message)
+
+    def _operator_refusal(self, frame, what: str) -> str | None:
+        """Why this peer may not ``what`` (an operator's act: the factory runs as the daemon's
+        user in its workers), or None. Operators: root, the daemon's own user, and members of
+        ``ctxpool.register_group``."""
+        creds = procwatch.peer_credentials(frame)
+        if creds is None:
+            return f"only local peers whose identity the daemon can verify may {what}"
+        identity = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
+        try:
+            group = self.config.ctxpool_register_gid()
+        except ValueError as exc:  # the group went away since the start: root only
+            log.error("[ctxpool] %s", exc)
+            group = None
+        if may_register(creds.uid, {identity.gid, *identity.groups}, group, os.geteuid()):
+            return None
+        who = "root" if group is None else f"root and members of group {self.config.ctxpool_register_group!r}"
+        return (f"only {who} may {what} (a model's code runs as the daemon's user in its workers); uid "
+                f"{creds.uid} is not one of them: an administrator may name its group in ctxpool.register_group")
 
     def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
         if not MODEL_NAME.match(msg.name):
@@ -232,21 +281,27 @@ class ServingMixin:
             return p.ErrorCode.INVALID, f"at most {MAX_TENSORS} example tensors, got {len(msg.example_input)}"
         return None
 
-    def _begin_registration(self, record: ModelRecord, *, journalled: bool, waiter=None) -> None:
+    def _begin_registration(self, record: ModelRecord, *, journalled: bool, waiter=None,
+                            reader: peer_open.PeerIdentity | None = None) -> None:
         segment, example = _example_segment(record)
         model = _Model(record=record, segment=segment, example=example, journalled=journalled)
+        devices = [record.device] if record.device is not None else list(range(len(self._schedulers)))
+        try:
+            self._pool.register_model(ModelSpec(name=record.name, factory=record.factory, weights=record.weights,
+                                                devices=devices, example_input=example, reader=reader))
+        except PoolError:
+            self._free_example(model)
+            raise
         if waiter is not None:
             model.waiters.append(waiter)
         self._models[record.name] = model
-        devices = [record.device] if record.device is not None else list(range(len(self._schedulers)))
-        self._pool.register_model(ModelSpec(name=record.name, factory=record.factory, weights=record.weights,
-                                            devices=devices, example_input=example))
         log.info("[ctxpool] register name=%s factory=%s weights=%s devices=%s restored=%s",
                  record.name, record.factory, record.weights, devices, journalled)
 
     def _on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
-        if procwatch.peer_credentials(frame) is None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only verifiable local peers may unregister models")
+        refusal = self._operator_refusal(frame, "unregister models")
+        if refusal is not None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
             return
         if msg.name not in self._models:
             known = self._journal_read(lambda j: [r.name for r in j.models()], [])
@@ -262,9 +317,10 @@ class ServingMixin:
             for route, rid in model.waiters:
                 self._error(route, rid, p.ErrorCode.MODEL, f"model {name!r} was unregistered while registering")
             if self._pool is not None:
-                now = self._clock()
-                for event in self._pool.unregister_model(name):  # requests queued for it fail
-                    self._on_pool_event(event, now)
+                try:
+                    self._on_pool_events(self._pool.unregister_model(name))  # requests queued for it fail
+                except PoolError as exc:  # the pool forgot it already (its registration failed)
+                    log.warning("[ctxpool] unregister name=%s: %s", name, exc.message)
             self._free_example(model)
         self._journal(lambda j: j.delete_model(name))
         log.info("[ctxpool] unregister name=%s", name)
@@ -308,9 +364,19 @@ class ServingMixin:
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, 3600000]")
             return
+        problem = _inputs_problem(msg.inputs, s.uid)
+        if problem is not None:
+            self._error(route, msg.id, *problem)
+            return
         q = self._serving.get(s.id + SERVE_SUFFIX)
+        if q is not None and q.outputs.unread() >= output_segments.MAX_UNREAD:
+            self._error(route, msg.id, p.ErrorCode.INVALID,
+                        f"this session left {output_segments.MAX_UNREAD} outputs unread in shared memory; read "
+                        "them (Client.infer does, then unlinks them) before asking for more")
+            return
         if q is None:
-            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight)
+            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
+                            uid=s.uid, outputs=output_segments.OutputSegments(s.uid))
             self._schedulers[s.device].add_session(q.sid, Workload.INFERENCE, s.weight, now)
             self._serving[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
@@ -350,15 +416,18 @@ class ServingMixin:
     def _serve_next(self, q: _ServeQueue, now: float) -> None:
         while q.pending and q.running is None:
             job = q.pending.popleft()
-            if now > job.deadline:
-                self._error(job.route, job.request_id, p.ErrorCode.UNAVAILABLE,
-                            f"request waited {1000 * (now - job.arrived):.0f} ms for the device, over its timeout")
+            if now >= job.deadline:
+                self._answer_timed_out(job, now)
                 continue
             try:
-                self._pool.submit(job.job_id, q.device, job.model, job.inputs)
-            except Exception as exc:  # PoolError carries a protocol code
-                code = getattr(exc, "code", p.ErrorCode.INTERNAL)
-                self._error(job.route, job.request_id, code, str(exc))
+                self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.uid,
+                                  deadline=job.deadline)
+            except PoolError as exc:
+                self._error(job.route, job.request_id, exc.code, exc.message)
+                continue
+            except Exception:  # a bug: it costs this request, never the queue (which holds the token)
+                log.exception("[ctxpool] submit failed request=%d model=%s", job.request_id, job.model)
+                self._error(job.route, job.request_id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
                 continue
             job.started = now
             q.running = job
@@ -385,8 +454,9 @@ class ServingMixin:
             return
         q.owner_gone = True
         for job in q.pending:
-            tensors.discard(job.inputs)  # the client is gone; nobody else will unlink them
+            _discard_inputs(job.inputs, q.uid)  # the client is gone; nobody else will unlink them
         q.pending.clear()
+        q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
             if q.grant is not None:
                 self._serve_release(q, now)
@@ -401,17 +471,46 @@ class ServingMixin:
     # ------------------------------------------------------- the workers
 
     def _serving_deadline(self) -> float | None:
-        return self._pool.next_deadline() if self._pool is not None else None
+        """The earliest of the pool's deadlines (requests it runs or queues, starting workers)
+        and those of requests still waiting for their session's token."""
+        if self._pool is None:
+            return None
+        times = [job.deadline for q in self._serving.values() for job in q.pending]
+        pool_at = self._pool.next_deadline()
+        if pool_at is not None:
+            times.append(pool_at)
+        return min(times) if times else None
 
     def _on_serving_timers(self, now: float) -> None:
-        deadline = self._serving_deadline()
-        if deadline is not None and deadline <= now:
-            self._pool.on_deadline()
+        """Requests past their timeout are answered E_TIMEOUT: by the pool for those it has (it
+        replaces a worker still running one after the grace), here for those waiting for the token."""
+        if self._pool is None:
+            return
+        pool_at = self._pool.next_deadline()
+        if pool_at is not None and pool_at <= now:
+            self._on_pool_events(self._pool.on_deadline())
+        for q in list(self._serving.values()):
+            expired = [job for job in q.pending if now >= job.deadline]
+            for job in expired:
+                q.pending.remove(job)
+                self._answer_timed_out(job, now)
+            if expired and q.grant is not None and q.running is None and not q.pending:
+                self._serve_release(q, now)
+
+    def _answer_timed_out(self, job: _Job, now: float) -> None:
+        log.warning("[ctxpool] timeout request=%d model=%s waited_ms=%.0f (for the device token)", job.request_id,
+                    job.model, 1000.0 * (now - job.arrived))
+        self._error(job.route, job.request_id, p.ErrorCode.TIMEOUT,
+                    f"request for model {job.model!r} waited {1000.0 * (now - job.arrived):.0f} ms for the device "
+                    "and did not start within its timeout (raise the timeout, or the device is busy)")
 
     def _on_pool_readable(self, fd: int) -> None:
         if self._pool is None:
             return
-        for event in self._pool.on_readable(fd):
+        self._on_pool_events(self._pool.on_readable(fd))
+
+    def _on_pool_events(self, events) -> None:
+        for event in events:
             try:
                 self._on_pool_event(event, self._clock())
             except Exception:
@@ -425,9 +524,10 @@ class ServingMixin:
                 tensors.discard(event.outputs)
                 return
             if q.owner_gone:
-                tensors.discard(event.outputs)
-                tensors.discard(job.inputs)
+                tensors.discard(event.outputs)  # made by our worker for a client now gone
+                _discard_inputs(job.inputs, q.uid)
             else:
+                q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(
                     id=job.request_id, model=job.model, outputs=list(event.outputs), swap=event.swap,
                     queue_ms=1000.0 * (job.started - job.arrived), run_ms=event.run_ms, device=q.device,
@@ -438,7 +538,7 @@ class ServingMixin:
             if job is None:
                 return
             if q.owner_gone:
-                tensors.discard(job.inputs)
+                _discard_inputs(job.inputs, q.uid)
             else:
                 self._error(job.route, job.request_id, event.code, event.message)
             self._job_finished(q, now)
@@ -466,6 +566,7 @@ class ServingMixin:
             log.error("[ctxpool] registration failed name=%s code=%s: %s%s", event.name, event.code, event.message,
                       " (kept in the journal; retried at the next start)" if model.journalled else "")
         elif kind is WorkerReplaced:
+            self._sweep_orphan_outputs(event.old_pid)
             log.warning("[ctxpool] worker replaced device=%d old_pid=%s new_pid=%s lost_requests=%d reason=%s",
                         event.device, event.old_pid, event.new_pid, len(event.lost_request_ids), event.reason)
         elif kind is WorkerReady:
@@ -488,6 +589,13 @@ class ServingMixin:
             return
         self._serve_next(q, now)
 
+    def _sweep_orphan_outputs(self, worker_pid: int) -> None:
+        """Outputs a dead worker made but never reported (killed between the two)."""
+        handed = [q.outputs for q in self._serving.values()]
+        for name in output_segments.orphans_of(worker_pid, OUTPUT_PREFIX, handed):
+            tensors.unlink_segment(name)
+            log.info("[ctxpool] unlinked orphan output segment=%s of dead worker pid=%d", name, worker_pid)
+
     def _free_example(self, model: _Model) -> None:
         if model.segment is not None:
             model.segment.close()
@@ -505,9 +613,33 @@ class ServingMixin:
             weight=q.weight, state=view.state.value, gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=0)
 
 
-def _with_example(record: ModelRecord, refs: list[p.TensorRef]) -> ModelRecord:
-    """``record`` with the example input's bytes copied out of the client's segments."""
-    segments = tensors.attach_all(refs)
+def _inputs_problem(refs: list[p.TensorRef], uid: int | None) -> tuple[str, str] | None:
+    """Why a peer of ``uid`` may not send these inputs (code, message), or None. Each
+    segment named must be that uid's own (checked on the opened fd, no symlinks)."""
+    if uid is None:
+        if any(r.shm for r in refs):
+            return p.ErrorCode.FORBIDDEN, ("tensors in shared memory need a local connection whose user the "
+                                           "daemon can verify (ipc://); this one cannot be")
+        return None
+    try:
+        tensors.check_owner(refs, uid)
+    except tensors.SegmentAccessError as exc:
+        return p.ErrorCode.FORBIDDEN, f"inputs: {exc}"
+    except tensors.TensorTransportError as exc:
+        return p.ErrorCode.INVALID, f"inputs: {exc}"
+    return None
+
+
+def _discard_inputs(refs: list[p.TensorRef], uid: int | None) -> None:
+    """Unlink a departed client's input segments: only those its own user owns."""
+    if uid is not None:
+        tensors.discard(refs, owner_uid=uid)
+
+
+def _with_example(record: ModelRecord, refs: list[p.TensorRef], owner_uid: int | None = None) -> ModelRecord:
+    """``record`` with the example input's bytes copied out of the client's segments
+    (with ``owner_uid``: only segments that uid owns)."""
+    segments = tensors.attach_all(refs, owner_uid=owner_uid)
     try:
         blob = bytearray()
         out = []

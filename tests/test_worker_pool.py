@@ -50,10 +50,18 @@ class Loop:
             self.fds.add(fd)
 
     def step(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` (less if a pool's deadline comes first) and handle what came."""
+        deadlines = [d for d in (pool.next_deadline() for pool in self.pools) if d is not None]
+        if deadlines:
+            timeout_s = max(0.0, min(timeout_s, min(deadlines) - time.monotonic()))
         for fd, _ in self.poller.poll(timeout_s * 1000):
             for pool in self.pools:
                 if fd in pool.watch_targets():
                     self.events.extend(pool.on_readable(fd))
+        for pool in self.pools:
+            due = pool.next_deadline()
+            if due is not None and due <= time.monotonic():
+                self.events.extend(pool.on_deadline())
         assert self.fds == {fd for pool in self.pools for fd in pool.watch_targets()}
         for pool in self.pools:
             self.pids.update(w.pid for ws in pool.snapshot().values() for w in ws)
@@ -263,21 +271,53 @@ def test_a_model_that_raises_fails_its_request_and_the_worker_serves_the_next(lo
 
 
 def test_a_worker_dying_while_preparing_or_attaching_fails_the_registration(loop, examples):
-    pool = _pool(loop, workers_per_device=1)
+    """The registration's own code killed the worker: E_MODEL saying so, and the deaths spend
+    nothing of the restart budget (0 here: one counted death would stop all replacement)."""
+    pool = _pool(loop, workers_per_device=1, restart_budget=(0, 60.0))
     first = loop.wait_ready(pool, 1)[0].pid
     failed = loop.register(pool, ModelSpec(name="p", factory="tests.models_for_tests:dies_in_factory",
                                            example_input=examples(torch.zeros(1, 8))))
-    assert isinstance(failed, ModelFailed) and failed.code == E.WORKER_DEAD
-    assert f"worker pid {first} died (killed by SIGKILL) while preparing model 'p'" in failed.message
+    assert isinstance(failed, ModelFailed) and failed.code == E.MODEL
+    assert (f"the factory tests.models_for_tests:dies_in_factory killed its worker (pid {first}, killed by SIGKILL "
+            "(signal 9)) while building model 'p'") in failed.message
     second = loop.wait(WorkerReplaced, old_pid=first).new_pid
+    assert second is not None
     loop.wait(WorkerReady, pid=second)
     cue = torch.zeros(1, 8)
     cue[0, 0] = m.DIE_CUE
     failed = loop.register(pool, ModelSpec(name="a", factory="tests.models_for_tests:dying",
                                            example_input=examples(cue)))
-    assert isinstance(failed, ModelFailed) and failed.code == E.WORKER_DEAD and "while attaching" in failed.message
-    loop.wait(WorkerReplaced, old_pid=second)
-    assert pool.models() == [] and not [n for n in _our_segments(set()) if n.startswith("na-w-")]
+    assert isinstance(failed, ModelFailed) and failed.code == E.MODEL
+    assert f"killed its worker (pid {second}, killed by SIGKILL (signal 9)) while attaching model 'a'" in failed.message
+    third = loop.wait(WorkerReplaced, old_pid=second).new_pid
+    assert third is not None and pool.device_status()[0].gave_up == ""
+    loop.wait(WorkerReady, pid=third)
+    assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
+                                                    example_input=examples(torch.zeros(1, 8)))), ModelReady)
+    assert [m_.name for m_ in pool.models()] == ["mlp"]
+    assert not [n for n in _our_segments(set()) if n.startswith("na-w-")
+                and n != pool.weight_segment("mlp")]
+
+
+def test_a_model_that_kills_its_worker_on_attach_kills_only_the_probe(loop, examples):
+    """A registration attaches on one worker first: an example input that crashes the model
+    takes down that worker only, while the other keeps serving."""
+    pool = _pool(loop, workers_per_device=2)
+    pids = {e.pid for e in loop.wait_ready(pool, 2)}
+    assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
+                                                    example_input=examples(torch.zeros(1, 8)))), ModelReady)
+    cue = torch.zeros(1, 8)
+    cue[0, 0] = m.DIE_CUE
+    failed = loop.register(pool, ModelSpec(name="a", factory="tests.models_for_tests:dying",
+                                           example_input=examples(cue)))
+    assert isinstance(failed, ModelFailed) and failed.code == E.MODEL
+    dead = loop.wait(WorkerReplaced).old_pid
+    survivor = (pids - {dead}).pop()
+    assert _alive(survivor) and not [e for e in loop.events if isinstance(e, WorkerReplaced)]
+    done, _ = loop.infer(pool, 1, "mlp", [torch.randn(1, 8)])
+    assert isinstance(done, RequestDone)
+    assert survivor in [w.pid for w in pool.snapshot()[0]]
+    assert not [e for e in loop.events if isinstance(e, WorkerReplaced)]
 
 
 def test_requests_go_to_the_active_worker_else_the_standby(loop, examples):
@@ -344,12 +384,12 @@ def test_worker_killed_mid_request_is_replaced_and_the_replacement_serves(loop, 
     plain, plain_refs = tensors.pack([x], "na-in")
     try:
         pool.submit(2, 0, "blocking", refs)
+        pool.submit(3, 0, "blocking", plain_refs)  # queued behind it (one worker)
         marker = tmp_path / str(old)
         deadline = time.monotonic() + 30
         while not marker.exists():  # the worker is inside forward now
             assert time.monotonic() < deadline, "blocking model never started"
             loop.step(0.05)
-            pool.submit(3, 0, "blocking", plain_refs)  # queued behind it
         os.kill(old, signal.SIGKILL)
         failed = loop.wait(RequestFailed, request_id=2)
         assert failed.code == E.WORKER_DEAD
@@ -403,6 +443,57 @@ def test_restart_budget_exhausted_makes_the_device_unavailable(loop, examples, t
         assert "2 worker deaths in 60 s exceed the restart budget of 1" in status.gave_up
     finally:
         segment.close(), segment.unlink()
+
+
+def test_a_request_past_its_deadline_is_answered_and_its_hung_worker_replaced(loop, examples, tmp_path,
+                                                                              monkeypatch):
+    """E_TIMEOUT at the deadline; the worker still in forward after the grace is killed and replaced
+    without spending the restart budget (0 here); the standby serves meanwhile."""
+    monkeypatch.setenv(m.BLOCK_DIR_ENV, str(tmp_path))
+    pool = _pool(loop, workers_per_device=2, restart_budget=(0, 60.0), timeout_grace_s=0.3)
+    loop.wait_ready(pool, 2)
+    assert isinstance(loop.register(pool, ModelSpec(name="blocking", factory="tests.models_for_tests:blocking",
+                                                    example_input=examples(torch.zeros(1, 8)))), ModelReady)
+    cue = torch.zeros(1, 8)
+    cue[0, 0] = m.BLOCK_CUE
+    segment, refs = tensors.pack([cue], "na-in")
+    try:
+        started = time.monotonic()
+        pool.submit(1, 0, "blocking", refs, deadline=started + 0.5)
+        hung = next(w.pid for w in pool.snapshot()[0] if w.request_id == 1)
+        failed = loop.wait(RequestFailed, request_id=1, timeout_s=10)
+        answered_s = time.monotonic() - started
+        assert failed.code == E.TIMEOUT and "did not answer within the request's timeout" in failed.message
+        assert 0.45 <= answered_s < 1.5, answered_s
+        assert _alive(hung)  # given its grace
+        done, _ = loop.infer(pool, 2, "blocking", [torch.randn(1, 8)])  # the standby serves meanwhile
+        assert isinstance(done, RequestDone)
+        replaced = loop.wait(WorkerReplaced, old_pid=hung, timeout_s=10)
+        assert time.monotonic() - started < 0.5 + 0.3 + 1.5
+        assert replaced.new_pid is not None and replaced.lost_request_ids == [1]
+        assert "after its timeout" in replaced.reason
+        loop.wait(WorkerReady, pid=replaced.new_pid)
+        assert pool.device_status()[0].gave_up == "" and pool.next_deadline() is None
+    finally:
+        segment.close(), segment.unlink()
+    assert not [e for e in loop.events if isinstance(e, (RequestFailed, RequestDone)) and e.request_id == 1]
+
+
+def test_a_request_that_finishes_within_the_grace_keeps_its_worker(loop, examples):
+    """Late by less than the grace: answered E_TIMEOUT all the same, its outputs dropped, the worker kept."""
+    pool = _pool(loop, workers_per_device=1, timeout_grace_s=5.0)
+    pid = loop.wait_ready(pool, 1)[0].pid
+    assert isinstance(loop.register(pool, ModelSpec(name="sleeps", factory="tests.serving_models:sleeps_for_input",
+                                                    example_input=examples(torch.zeros(1, 1)))), ModelReady)
+    pool.submit(1, 0, "sleeps", examples(torch.full((1, 1), 0.6)), deadline=time.monotonic() + 0.2)
+    pool.submit(2, 0, "sleeps", examples(torch.full((1, 1), 0.0)), deadline=time.monotonic() + 0.1)
+    assert loop.wait(RequestFailed, request_id=2, timeout_s=5).code == E.TIMEOUT  # still queued at its deadline
+    assert pool.device_status()[0].queued == 0
+    assert loop.wait(RequestFailed, request_id=1, timeout_s=5).code == E.TIMEOUT
+    done, out = loop.infer(pool, 3, "sleeps", [torch.full((1, 1), 0.0)])  # served once the late one is done
+    assert isinstance(done, RequestDone) and float(out[0]) == 0.0
+    assert [w.pid for w in pool.snapshot()[0]] == [pid]
+    assert not [e for e in loop.events if isinstance(e, WorkerReplaced)]
 
 
 def test_a_worker_dying_at_start_says_why(loop, monkeypatch):
@@ -514,7 +605,7 @@ def test_cuda_workers_share_pinned_weights_and_match_the_plain_run(loop, example
     for request_id in (1, 2, 3):
         done, outputs = loop.infer(pool, request_id, "convbn", [x])
         assert isinstance(done, RequestDone), done
-        assert torch.allclose(outputs[0], expected, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(outputs[0], expected, atol=1e-2, rtol=1e-2)  # cuDNN convolutions run in TF32
     segment = pool.weight_segment("convbn")
     for w in ready:
         with open(f"/proc/{w.pid}/maps") as f:
