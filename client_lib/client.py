@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -31,12 +30,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 
-from client_lib import codec
+from client_lib import codec, cuda_probe
 from client_lib import protocol as p
 from client_lib import serving
 from client_lib.endpoint import client_endpoint
-from client_lib.errors import (DaemonError, DaemonUnavailableError, GrantTimeoutError,
-                               HandshakeTimeoutError, NodeAgentError, NoSessionError, from_reply)
+from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailableError, GrantTimeoutError,
+                               HandshakeTimeoutError, NodeAgentError, NoSessionError, RequestTimeoutError,
+                               from_reply)
 
 log = logging.getLogger("client_lib.client")
 
@@ -114,6 +114,13 @@ class Client:
     @property
     def slice_ms(self) -> float:
         return self.welcome.slice_ms
+
+    @property
+    def durable(self) -> bool:
+        """Whether the daemon has journalled this session, so that a daemon restart keeps it (as last heard:
+        from the welcome, then each heartbeat ack). False while the daemon's state journal fails (disk full)."""
+        heartbeat = self._heartbeat
+        return heartbeat.durable if heartbeat is not None else self.welcome.durable
 
     @property
     def holding(self) -> bool:
@@ -269,12 +276,22 @@ class Client:
         """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of
         them) in the daemon, under this session's device token. Returns what the
         model returned: one tensor, or a list. Raises :class:`InferenceError` if the
-        model raised, :class:`WorkerDeadError` if its worker died meanwhile."""
+        model raised, :class:`WorkerDeadError` if its worker died meanwhile, and
+        :class:`RequestTimeoutError` if it was not done within ``timeout`` seconds
+        (token wait included; the daemon answers then)."""
         self._check_open()
         values = serving.as_list(inputs)
         with serving.Packed(values, self.endpoint) as packed:
             req = p.Infer(id=self._take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
-            reply = self._call(req, timeout + 5.0)
+            try:
+                # The daemon answers E_TIMEOUT at ``timeout``; the margin lets that answer arrive first.
+                reply = self._call(req, timeout + serving.REPLY_MARGIN_S)
+            except DaemonUnavailableError as exc:
+                if type(exc) is not DaemonUnavailableError or not self.daemon_healthy():
+                    raise
+                raise RequestTimeoutError(f"{p.ErrorCode.TIMEOUT}: no answer to infer {name!r} within its timeout of "
+                                          f"{timeout:g} s (+{serving.REPLY_MARGIN_S:g} s margin) although the daemon "
+                                          "is alive", p.ErrorCode.TIMEOUT) from exc
         return serving.take_outputs(reply, serving.kind_of(values), reply.single)
 
     def models(self, timeout: float = 5.0) -> list[p.ModelInfo]:
@@ -460,14 +477,31 @@ class Client:
             log.warning("[client] daemon at %s did not know session %s; now session %s",
                         self.endpoint, old.session, welcome.session)
         if old is None and welcome.env:
-            _apply_env(welcome.env)
+            try:
+                _apply_env(welcome.env)
+            except CudaTooEarlyError:
+                self._abandon()
+                raise
         self.welcome = welcome
+        if not welcome.durable:
+            log.warning("[client] session=%s is not durable: the daemon could not journal it (a daemon restart "
+                        "would lose it)", welcome.session)
         self._generation += 1
         self._asked_in = None
         self._heartbeat = _HeartbeatThread(self._ctx, self.endpoint, welcome)
         self._heartbeat.start()
         log.debug("[client] session=%s device=%d slice_ms=%.0f resumed=%s", welcome.session, welcome.device,
                   welcome.slice_ms, welcome.resumed)
+
+    def _abandon(self) -> None:
+        """Close the session the daemon just opened, when this client cannot use it."""
+        try:
+            self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+        except NodeAgentError:
+            pass
+        self._sock.close(0)
+        self._sock = None
+        self._closed = True
 
     def _waiting_since_connect(self) -> bool:
         return self._asked_in == self._generation
@@ -597,6 +631,7 @@ class _HeartbeatThread(threading.Thread):
         self._session = welcome.session
         self._key = welcome.key
         self._boot = welcome.boot
+        self.durable = welcome.durable
         self._interval_s = welcome.heartbeat_ms / 1000.0
         self._limit_s = self._interval_s * misses
         self._stop_event = threading.Event()
@@ -643,6 +678,11 @@ class _HeartbeatThread(threading.Thread):
                         self.restarted = True
                     else:
                         self._last_ok = time.monotonic()
+                        if isinstance(reply, p.HeartbeatAck) and reply.durable != self.durable:
+                            self.durable = reply.durable
+                            (log.info if reply.durable else log.warning)(
+                                "[client] session=%s durable=%s (the daemon's state journal %s)", self._session,
+                                reply.durable, "works again" if reply.durable else "cannot record it")
                     break
                 self._stop_event.wait(max(0.0, sent + self._interval_s - time.monotonic()))
         finally:
@@ -651,12 +691,18 @@ class _HeartbeatThread(threading.Thread):
 
 def _apply_env(env: dict[str, str]) -> None:
     """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the
-    environment, where CUDA reads them when it creates its context."""
+    environment, where CUDA reads them when it initialises (cuInit).
+
+    :class:`CudaTooEarlyError` (and nothing changed) if CUDA was initialised in
+    this process already and a setting differs from what it started with: it
+    would run outside its partition (:mod:`client_lib.cuda_probe` says how that is
+    detected without initialising anything)."""
+    differing = {key: value for key, value in env.items() if os.environ.get(key) != value}
+    if differing:
+        detected_by = cuda_probe.cuda_initialised_by()
+        if detected_by is not None:
+            raise CudaTooEarlyError(differing, detected_by)
     os.environ.update(env)
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch.cuda, "is_initialized", lambda: False)():
-        log.warning("[client] CUDA was initialised before the session opened: %s take effect only in "
-                    "a new process (create the Client before touching the GPU)", ", ".join(sorted(env)))
 
 
 def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float,

@@ -10,8 +10,14 @@ after the resume. Start a daemon, run this, and from another shell:
     python -c "import client_lib as c; print(c.suspend_session('SESSION'))"   # the id it printed
     python -c "import client_lib as c; c.resume_session('SESSION')"
 
-``NODEAGENT_ENDPOINT`` picks another daemon. With ``--device cpu`` (the default
-without CUDA) the "device" is host memory and the same code runs.
+``NODEAGENT_ENDPOINT`` picks another daemon. With ``--device cpu`` (what
+``auto`` picks without CUDA) the "device" is host memory and the same code runs.
+
+Order matters: the Client comes before anything touches CUDA, including
+``torch.cuda.is_available()``, which initialises the driver. On a device with
+MPS the welcome carries the process's MPS share, which CUDA reads only when it
+initialises; a client that finds CUDA already started raises
+``CudaTooEarlyError`` rather than run outside its partition.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ from client_lib.torch import Yielder
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="cuda, cpu, or auto: cuda when there is one")
     ap.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     args = ap.parse_args()
 
     # The session first: the daemon may hand over settings (an MPS share) that
-    # CUDA reads only when it creates its context.
+    # CUDA reads only when it initialises.
     with Client("examples/train_loop", workload="training") as client:
+        if args.device == "auto":  # only now may CUDA start: the session's MPS settings are in place
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch.manual_seed(0)
         device = torch.device(args.device)
         model = torch.nn.Sequential(torch.nn.Linear(256, args.width), torch.nn.ReLU(),

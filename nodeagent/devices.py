@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
-from nodeagent.nvml import NA, Nvml, NvmlError, NvmlUnavailable
+from nodeagent.nvml import NA, Nvml, NvmlError, NvmlGpuLost, NvmlUnavailable
 
 log = logging.getLogger("nodeagent.devices")
 
@@ -38,14 +38,29 @@ class DeviceInfo:
 
 @dataclass(frozen=True, slots=True)
 class DeviceProcess:
-    """A compute process on a device; used memory is None where the driver does not report it."""
+    """A compute process on a device; used memory is None where the driver does not report it.
+
+    ``pid`` is as the driver reports it: the host's pid namespace on most drivers (see
+    :class:`nodeagent.procwatch.PidTranslator`). ``mps_client``: listed by NVML as a
+    client of the device's MPS server (whose own process is listed apart)."""
 
     pid: int
     used_memory_bytes: int | None
+    mps_client: bool = False
 
 
 class DeviceError(Exception):
     """A device cannot be used as asked; the message says what to do instead."""
+
+
+class DeviceLostError(DeviceError):
+    """The GPU has failed (NVML: lost, or needs a reset); its contexts are gone with it."""
+
+    def __init__(self, index: int, uuid: str, detail: str) -> None:
+        super().__init__(f"cuda backend: GPU {index} ({uuid}) is lost: {detail}; "
+                         "check it with nvidia-smi and reset or replace it")
+        self.index = index
+        self.uuid = uuid
 
 
 class CudaUnavailable(DeviceError):
@@ -281,15 +296,15 @@ class CudaBackend(DeviceBackend):
             raise CudaUnavailable(f"NVML found no GPU (nvmlDeviceGetCount returned {count!r})")
         handles, uuids, names, memory_totals = [], [], [], []
         for index in range(count):
-            handle = self._query("nvmlDeviceGetHandleByIndex", index)
+            handle = self._query("nvmlDeviceGetHandleByIndex", index, device=index)
             if handle is NA:
                 raise DeviceError(
-                    f"cuda backend: GPU {index} is not accessible through NVML (lost or no permission); "
+                    f"cuda backend: GPU {index} is not accessible through NVML (no permission); "
                     "check it with nvidia-smi or run with --backend cpu"
                 )
-            uuid = self._query("nvmlDeviceGetUUID", handle)
-            name = self._query("nvmlDeviceGetName", handle)
-            memory = self._query("nvmlDeviceGetMemoryInfo", handle)
+            uuid = self._query("nvmlDeviceGetUUID", handle, device=index)
+            name = self._query("nvmlDeviceGetName", handle, device=index)
+            memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
             if memory is NA:
                 log.warning("[devices] memory size not reported gpu=%d; using 0 bytes", index)
             handles.append(handle)
@@ -305,8 +320,8 @@ class CudaBackend(DeviceBackend):
         self._check_open()
         self._check_index(index)
         handle = self._handles[index]
-        memory = self._query("nvmlDeviceGetMemoryInfo", handle)
-        utilization = self._query("nvmlDeviceGetUtilizationRates", handle)
+        memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
+        utilization = self._query("nvmlDeviceGetUtilizationRates", handle, device=index)
         return DeviceInfo(
             index=index,
             uuid=self._uuids[index],
@@ -318,19 +333,29 @@ class CudaBackend(DeviceBackend):
         )
 
     def processes(self, index: int) -> list[DeviceProcess]:
-        """Compute processes NVML sees on the GPU; [] where it cannot say."""
+        """Compute processes NVML sees on the GPU, MPS clients included; [] where it cannot say.
+
+        Under MPS the compute list holds the MPS server (which owns the memory of
+        every client) and the MPS list holds the clients, each with its own use:
+        both are read, one entry per pid. DeviceLostError if the GPU has failed."""
         self._check_open()
         self._check_index(index)
-        running = self._query("nvmlDeviceGetComputeRunningProcesses", self._handles[index])
-        if running is NA:
-            return []
-        return [
-            DeviceProcess(
-                pid=int(process.pid),
-                used_memory_bytes=None if process.usedGpuMemory is None else int(process.usedGpuMemory),
-            )
-            for process in running
-        ]
+        handle = self._handles[index]
+        by_pid: dict[int, DeviceProcess] = {}
+        for func_name, mps_client in (("nvmlDeviceGetComputeRunningProcesses", False),
+                                      ("nvmlDeviceGetMPSComputeRunningProcesses", True)):
+            running = self._query(func_name, handle, device=index)
+            if running is NA:
+                continue
+            for process in running:
+                used = getattr(process, "usedGpuMemory", None)
+                entry = DeviceProcess(pid=int(process.pid), used_memory_bytes=None if used is None else int(used),
+                                      mps_client=mps_client)
+                seen = by_pid.get(entry.pid)
+                # A pid in both lists is counted once, with the larger (known) use.
+                if seen is None or (entry.used_memory_bytes or 0) > (seen.used_memory_bytes or 0):
+                    by_pid[entry.pid] = entry
+        return list(by_pid.values())
 
     def close(self) -> None:
         if self._closed:
@@ -343,10 +368,17 @@ class CudaBackend(DeviceBackend):
         if self._closed:
             raise DeviceError("cuda backend: already closed; open a new backend")
 
-    def _query(self, func_name: str, *args: Any) -> Any:
-        """Nvml.query with real NVML failures turned into DeviceError, the one error this interface raises."""
+    def _query(self, func_name: str, *args: Any, device: int | None = None) -> Any:
+        """Nvml.query with real NVML failures turned into DeviceError, the one error this interface raises
+        (DeviceLostError when NVML says GPU ``device`` has failed)."""
         try:
             return self._nvml.query(func_name, *args)
+        except NvmlGpuLost as exc:
+            if device is None:
+                raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
+            uuids = getattr(self, "_uuids", None)  # not yet known while discovering
+            uuid = uuids[device] if uuids is not None and device < len(uuids) else "UUID not read yet"
+            raise DeviceLostError(device, uuid, str(exc)) from exc
         except NvmlError as exc:
             raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
 

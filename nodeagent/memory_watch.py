@@ -1,12 +1,19 @@
-"""Measured device memory against declarations, as part of
+"""Measured device memory against declarations, and lost devices, as part of
 :class:`nodeagent.server.AgentServer`: a watcher thread reads per-process
-memory off the loop thread (an NVML call can take milliseconds) and the loop
-applies ``memory.policy`` (warn, revoke, stop) to sessions over their
-declaration.
+memory off the loop thread (an NVML call can take milliseconds, and /proc is
+read for each process) and the loop applies ``memory.policy`` (warn, revoke,
+stop) to sessions over their declaration, and tells the sessions of a device
+that NVML reports lost.
+
+What the watcher reads, per device: NVML's compute processes and MPS clients
+(:meth:`nodeagent.devices.CudaBackend.processes`), each translated into the
+daemon's pid namespace (:class:`nodeagent.procwatch.PidTranslator`) with its
+chain of parents, so that the loop can give every process to the session that
+owns its tree (:func:`nodeagent.memory.owners`).
 
 A mixin over the server's state: it uses ``_memory_readings``, ``_sessions``,
 ``_schedulers``, ``config``, ``metrics`` and the server's ``_stop``,
-``_end_slice`` and ``_apply``.
+``_end_slice``, ``_apply``, ``_send`` and ``_event``.
 """
 
 from __future__ import annotations
@@ -14,38 +21,85 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Union
 
-from nodeagent import memory
-from nodeagent.devices import DeviceBackend, DeviceError
+from client_lib import protocol as p
+from nodeagent import memory, procwatch
+from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.sessions import Session
 
 log = logging.getLogger("nodeagent.memory_watch")
 
+CUDA_CONTEXT_ALLOWANCE_MB = 512  # a CUDA context with cuBLAS/cuDNN loaded: 0.3-0.6 GB, depending on the GPU
+
+
+def context_allowance_mb(setting: int | str, backend: str) -> int:
+    """``memory.context_allowance_mb`` resolved: "auto" is 512 MiB on cuda (a process's CUDA
+    context, which NVML counts as its memory) and 0 where nothing has a context."""
+    if setting == "auto":
+        return CUDA_CONTEXT_ALLOWANCE_MB if backend == "cuda" else 0
+    return int(setting)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReading:
+    """The processes on ``device`` now, as the daemon sees them."""
+
+    device: int
+    processes: list[memory.ProcessUse]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLost:
+    """NVML reported ``device`` lost (or needing a reset); sent once, when first seen."""
+
+    device: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBack:
+    """A device reported lost answers NVML again (after a reset)."""
+
+    device: int
+
+
+Reading = Union[DeviceReading, DeviceLost, DeviceBack]
+
 
 class MemoryPolicyMixin:
-    """The memory policy applied to measured use (see the module docstring)."""
+    """The memory policy applied to measured use, and lost devices (see the module docstring)."""
 
     def _apply_memory_readings(self) -> None:
         """Act on what the memory watcher measured (it runs on its own thread)."""
+        allowance_bytes = context_allowance_mb(self.config.memory_context_allowance_mb, self.backend.name) * memory.MiB
         while True:
             try:
                 readings = self._memory_readings.get_nowait()
             except queue.Empty:
                 return
             now = self._clock()
-            for device, processes in readings.items():
-                sessions = [s for s in self._sessions.values() if s.device == device]
-                over = {o.session.id: o for o in memory.measure(sessions, processes)}
+            for reading in readings:
+                if isinstance(reading, DeviceLost):
+                    self._on_device_lost(reading, now)
+                    continue
+                if isinstance(reading, DeviceBack):
+                    log.warning("[device] device=%d answers NVML again", reading.device)
+                    self._event("health", reading.device, None, device_state="ok")
+                    continue
+                sessions = [s for s in self._sessions.values() if s.device == reading.device]
+                over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
                 for s in sessions:
                     if s.id in over and not s.over_memory:
-                        self._on_overuse(s, over[s.id].used_bytes, now)
+                        self._on_overuse(s, over[s.id], now)
                     s.over_memory = s.id in over
 
-    def _on_overuse(self, s: Session, used_bytes: int, now: float) -> None:
+    def _on_overuse(self, s: Session, over: memory.Overuse, now: float) -> None:
         policy = self.config.memory_policy
-        log.warning("[memory] over session=%s name=%s device=%d used_mb=%d declared_mb=%d policy=%s",
-                    s.id, s.name, s.device, used_bytes // memory.MiB, s.memory_mb, policy)
+        log.warning("[memory] over session=%s name=%s device=%d used_mb=%d declared_mb=%d allowed_mb=%d policy=%s",
+                    s.id, s.name, s.device, over.used_bytes // memory.MiB, s.memory_mb,
+                    over.allowed_bytes // memory.MiB, policy)
         self.metrics.memory_violations.labels(str(s.device), policy).inc()
         if s.grant is None or policy == "warn":
             return
@@ -57,19 +111,42 @@ class MemoryPolicyMixin:
             self.metrics.enforcements.labels("revoke").inc()
             self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)
 
+    def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
+        """A failed GPU is a device failure: a health event, the holder's token
+        revoked (``device_lost``) and every session on it told with an ``E_DEVICE``
+        error notice (their CUDA contexts died with the device)."""
+        sessions = [s for s in self._sessions.values() if s.device == lost.device]
+        log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
+        self._event("health", lost.device, None, device_state="lost", reason=lost.message)
+        for s in sessions:
+            if s.grant is not None:
+                self._apply(self._schedulers[s.device].revoke(s.id, now, "device_lost"), now)
+        notice = (f"device {lost.device} has failed ({lost.message}); the work on it is lost: "
+                  "end this session and start again on another device")
+        for s in sessions:
+            self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
+
 
 class MemoryWatcher(threading.Thread):
     """Reads per-process device memory every ``interval_s`` off the loop thread
-    (an NVML call can take milliseconds) and hands the readings to the loop."""
+    and hands the readings to the loop (see the module docstring).
+
+    ``host_proc``: the host's /proc as mounted for a daemon in a container
+    (``memory.host_proc``); ``proc_root`` and ``translator`` are for tests."""
 
     def __init__(self, backend: DeviceBackend, interval_s: float, out: queue.SimpleQueue,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], *, host_proc: str | None = None, proc_root: str = "/proc",
+                 translator: procwatch.PidTranslator | None = None) -> None:
         super().__init__(name="nodeagent-memory-watch", daemon=True)
         self._backend = backend
         self._interval_s = interval_s
         self._out = out
         self._wake = wake
+        self._proc_root = proc_root
+        self._translator = translator if translator is not None else procwatch.PidTranslator(proc_root, host_proc)
+        self._lost: set[int] = set()
         self._stop_event = threading.Event()
+        log.info("[memory] watching per-process device memory: %s", self._translator.describe())
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -77,10 +154,41 @@ class MemoryWatcher(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.wait(self._interval_s):
+            readings = self.read_once()
+            if readings:
+                self._out.put(readings)
+                self._wake()
+
+    def read_once(self) -> list[Reading]:
+        """One pass over every device: a reading per device that answered, and
+        a lost (or back) notice when a device's state changed."""
+        readings: list[Reading] = []
+        for device in range(self._backend.count()):
             try:
-                readings = {i: self._backend.processes(i) for i in range(self._backend.count())}
-            except DeviceError as exc:
-                log.warning("[memory] reading device memory failed: %s", exc)
+                processes = self._backend.processes(device)
+            except DeviceLostError as exc:
+                if device not in self._lost:
+                    self._lost.add(device)
+                    readings.append(DeviceLost(device, str(exc)))
                 continue
-            self._out.put(readings)
-            self._wake()
+            except DeviceError as exc:
+                log.warning("[memory] reading device=%d memory failed: %s", device, exc)
+                continue
+            if device in self._lost:
+                self._lost.discard(device)
+                readings.append(DeviceBack(device))
+            readings.append(DeviceReading(device, self._uses(processes)))
+        return readings
+
+    def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:
+        """NVML's processes in the daemon's pid namespace, with their parents; those
+        not visible here (other containers, exited meanwhile) are left out."""
+        uses = []
+        for proc in processes:
+            pid = self._translator.to_local(proc.pid)
+            stat = procwatch.read_stat(pid, self._proc_root) if pid is not None else None
+            if stat is None:
+                continue
+            chain = (stat.ppid, *procwatch.ancestors(stat.ppid, self._proc_root)) if stat.ppid > 0 else ()
+            uses.append(memory.ProcessUse(pid, chain, stat.pgrp, proc.used_memory_bytes))
+        return uses

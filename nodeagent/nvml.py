@@ -1,8 +1,9 @@
 """Every NVML call in the daemon goes through `Nvml.query`.
 
 One place decides how NVML starts (lazily, once, under a lock), which errors
-mean "this GPU cannot answer that" (the `NA` sentinel, logged once) and which
-are real failures (`NvmlError`). The library object is injected so tests can
+mean "this GPU cannot answer that" (the `NA` sentinel, logged once), which
+say the GPU itself has failed (`NvmlGpuLost`: lost, or needs a reset) and which
+are other real failures (`NvmlError`). The library object is injected so tests can
 script a fake one; the default is `pynvml` from the nvidia-ml-py package.
 """
 
@@ -21,10 +22,15 @@ log = logging.getLogger("nodeagent.nvml")
 _NOT_AVAILABLE_ERRORS: Final = (
     "NVML_ERROR_NOT_SUPPORTED",
     "NVML_ERROR_NO_PERMISSION",
-    "NVML_ERROR_GPU_IS_LOST",
     "NVML_ERROR_FUNCTION_NOT_FOUND",
     "NVML_ERROR_NOT_FOUND",
     "NVML_ERROR_NO_DATA",
+)
+# NVML error codes that mean the GPU itself has failed (fell off the bus, needs a
+# reset): a device failure to report, never "this GPU cannot answer that".
+_LOST_ERRORS: Final = (
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_RESET_REQUIRED",
 )
 
 
@@ -41,7 +47,7 @@ class _NotAvailable(enum.Enum):
 
 
 NA: Final = _NotAvailable.NA
-"""Returned by `Nvml.query` when NVML says the query is unsupported, forbidden or the GPU is gone."""
+"""Returned by `Nvml.query` when NVML says the query is unsupported or forbidden."""
 
 
 class NvmlUnavailable(Exception):
@@ -57,6 +63,10 @@ class NvmlError(Exception):
         self.code = code
 
 
+class NvmlGpuLost(NvmlError):
+    """NVML says the GPU is lost or needs a reset: the device has failed, not the query."""
+
+
 class Nvml:
     """A lazily initialised handle on the NVML library.
 
@@ -70,6 +80,7 @@ class Nvml:
         self._lock = threading.Lock()
         self._initialized = False
         self._not_available_codes: frozenset[int] = frozenset()
+        self._lost_codes: frozenset[int] = frozenset()
         self._logged_not_available: set[tuple[str, object]] = set()
 
     @property
@@ -92,6 +103,9 @@ class Nvml:
             self._not_available_codes = frozenset(
                 code for name in _NOT_AVAILABLE_ERRORS if (code := getattr(lib, name, None)) is not None
             )
+            self._lost_codes = frozenset(
+                code for name in _LOST_ERRORS if (code := getattr(lib, name, None)) is not None
+            )
             self._initialized = True
             log.debug("[nvml] initialised lib=%s", getattr(lib, "__name__", type(lib).__name__))
 
@@ -109,7 +123,8 @@ class Nvml:
     def query(self, func_name: str, *args: Any) -> Any:
         """Return `lib.<func_name>(*args)`, with bytes decoded to str, or `NA` if NVML cannot answer.
 
-        Raises NvmlUnavailable if NVML cannot start, NvmlError for any other NVML failure.
+        Raises NvmlUnavailable if NVML cannot start, NvmlGpuLost if the GPU has failed
+        (lost, or needs a reset), NvmlError for any other NVML failure.
         """
         self.init()
         lib = self._lib
@@ -125,6 +140,8 @@ class Nvml:
             if code in self._not_available_codes:
                 self._log_not_available_once(func_name, exc)
                 return NA
+            if code in self._lost_codes:
+                raise NvmlGpuLost(func_name, code, str(exc)) from exc
             raise NvmlError(func_name, code, str(exc)) from exc
         if isinstance(result, bytes):
             return result.decode("utf-8", errors="replace")

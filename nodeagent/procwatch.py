@@ -6,6 +6,10 @@ frame property ``Peer-Address`` (``host:uid:gid:pid``); that pid is verified.
 A verified process is watched through a pidfd, which becomes readable the
 moment the process exits, so a dead client loses its token without waiting
 for missed heartbeats.
+
+The memory watcher also reads process trees here: NVML's pids are mapped into
+the daemon's pid namespace (:class:`PidTranslator`), then walked up their
+parents to the session that owns them (:func:`ancestors`).
 """
 
 from __future__ import annotations
@@ -13,10 +17,17 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Final
 
 import zmq
 
 log = logging.getLogger("nodeagent.procwatch")
+
+INIT_PID_NAMESPACE: Final = f"pid:[{0xEFFFFFFC}]"
+"""readlink of /proc/PID/ns/pid for the initial (host) pid namespace: its inode is a
+kernel constant (PROC_PID_INIT_INO), the same on every boot and host."""
+
+MAX_ANCESTRY: Final = 64  # parents walked per process: deeper trees are cut off there
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +65,10 @@ class ProcStat:
     start_ticks: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
 
 
-def read_stat(pid: int) -> ProcStat | None:
+def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
     """The fields of /proc/PID/stat the daemon uses, or None if there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
@@ -86,3 +97,102 @@ def open_pidfd(pid: int) -> int | None:
     except OSError as exc:
         log.debug("[procwatch] pidfd_open pid=%d failed: %s", pid, exc)
         return None
+
+
+def read_nspid(pid: int, proc_root: str = "/proc") -> tuple[int, ...] | None:
+    """``NSpid:`` of /proc/PID/status: the process's pid in each pid namespace from the
+    one ``proc_root`` was mounted in (first) down to its own (last); None if unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return tuple(int(field) for field in line.split()[1:]) or None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def pid_namespace(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
+    """The pid namespace of ``pid`` as the kernel names it (``pid:[INODE]``), or None."""
+    try:
+        return os.readlink(f"{proc_root}/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def ancestors(pid: int, proc_root: str = "/proc", limit: int = MAX_ANCESTRY) -> tuple[int, ...]:
+    """Parent, grandparent, ... of ``pid`` up to the namespace's root (pid 1, included);
+    () when ``pid`` is gone. A parent that exits while we read cuts the chain there."""
+    chain: list[int] = []
+    seen = {pid}
+    current = pid
+    while len(chain) < limit:
+        stat = read_stat(current, proc_root)
+        if stat is None or stat.ppid <= 0 or stat.ppid in seen:  # a loop: pids reused while we read
+            break
+        chain.append(stat.ppid)
+        seen.add(stat.ppid)
+        current = stat.ppid
+    return tuple(chain)
+
+
+class PidTranslator:
+    """NVML's process ids in the daemon's pid namespace.
+
+    Most NVIDIA drivers know nothing of pid namespaces and report the host's
+    pids; newer ones translate them into the caller's namespace. Sessions hold
+    pids in the daemon's namespace (SO_PEERCRED translates into the reader's).
+
+    * The daemon in the host's namespace (systemd, ``hostPID``): both agree, no
+      translation.
+    * Elsewhere, with ``host_proc_root`` (the host's /proc mounted in the
+      daemon's container, ``memory.host_proc``): NVML's pids are taken as the
+      host's, and a process in the daemon's namespace is found by the last
+      entry of its ``NSpid:`` read there (host pid first, ours last).
+    * Elsewhere without it: NVML's pids are taken as the daemon's (drivers that
+      translate); with a driver that does not, nothing matches, which
+      :meth:`describe` says at start.
+    """
+
+    def __init__(self, proc_root: str = "/proc", host_proc_root: str | None = None,
+                 own_namespace: str | None = None) -> None:
+        self._proc = proc_root
+        self._host_proc = host_proc_root or None
+        self.own_namespace = own_namespace if own_namespace is not None else pid_namespace("self", proc_root)
+        self.in_host_namespace = self.own_namespace == INIT_PID_NAMESPACE
+        if self.in_host_namespace:
+            self.mode = "host"
+        elif self._host_proc is not None:
+            self.mode = "host_proc"
+        else:
+            self.mode = "same"
+
+    def describe(self) -> str:
+        """One sentence for the log: how NVML's pids are read, and what to do if that is wrong."""
+        if self.mode == "host":
+            return "the daemon runs in the host's pid namespace: NVML's pids are its own"
+        if self.mode == "host_proc":
+            return (f"the daemon runs in pid namespace {self.own_namespace}: NVML's host pids are "
+                    f"translated through {self._host_proc}/PID/status NSpid")
+        return (f"the daemon runs in pid namespace {self.own_namespace}, not the host's: NVML's pids are "
+                "taken as its own, which holds only for drivers that translate them; if nvidia-smi here "
+                "shows pids that ps does not, mount the host's /proc and set memory.host_proc to it "
+                "(or run the daemon in the host's pid namespace)")
+
+    def to_local(self, nvml_pid: int) -> int | None:
+        """``nvml_pid`` in the daemon's namespace, or None if that process is not visible there."""
+        if nvml_pid <= 0:
+            return None
+        if self.mode != "host_proc":
+            return nvml_pid
+        if pid_namespace(nvml_pid, self._host_proc) != self.own_namespace:
+            return None  # in another container (or gone): no pid of ours names it
+        nspid = read_nspid(nvml_pid, self._host_proc)
+        if nspid is None:
+            return None
+        local = nspid[-1]
+        # The process may have exited and its local pid been reused between the two reads.
+        host_stat, local_stat = read_stat(nvml_pid, self._host_proc), read_stat(local, self._proc)
+        if host_stat is None or local_stat is None or host_stat.start_ticks != local_stat.start_ticks:
+            return None
+        return local

@@ -20,10 +20,11 @@ from nodeagent.devices import (
     CudaUnavailable,
     DeviceError,
     DeviceInfo,
+    DeviceLostError,
     DeviceProcess,
     open_backend,
 )
-from nodeagent.nvml import NA, Nvml, NvmlError, NvmlUnavailable
+from nodeagent.nvml import NA, Nvml, NvmlError, NvmlGpuLost, NvmlUnavailable
 
 GIB = 1024**3
 
@@ -45,6 +46,7 @@ class FakeGpu:
     memory_used_bytes: int
     utilization_gpu: int
     processes: list[tuple[int, int | None]] = field(default_factory=list)
+    mps_processes: list[tuple[int, int | None]] = field(default_factory=list)  # MPS clients
 
 
 class FakeHandle:
@@ -60,6 +62,7 @@ class FakeNvmlLib:
     NVML_ERROR_NO_PERMISSION = 4
     NVML_ERROR_LIBRARY_NOT_FOUND = 12
     NVML_ERROR_GPU_IS_LOST = 15
+    NVML_ERROR_RESET_REQUIRED = 16
     NVML_ERROR_UNKNOWN = 999
 
     def __init__(self, gpus: list[FakeGpu] | None = None, init_error: int | None = None) -> None:
@@ -111,6 +114,11 @@ class FakeNvmlLib:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[SimpleNamespace]:
         self._maybe_fail("nvmlDeviceGetComputeRunningProcesses")
         processes = self.gpus[handle.index].processes
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in processes]
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: FakeHandle) -> list[SimpleNamespace]:
+        self._maybe_fail("nvmlDeviceGetMPSComputeRunningProcesses")
+        processes = self.gpus[handle.index].mps_processes
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in processes]
 
 
@@ -167,11 +175,19 @@ def test_unsupported_query_returns_na_and_logs_once(caplog):
     assert "nvmlDeviceGetUtilizationRates" in logged[0].getMessage()
 
 
-@pytest.mark.parametrize("code_name", ["NVML_ERROR_NO_PERMISSION", "NVML_ERROR_GPU_IS_LOST"])
-def test_permission_and_lost_gpu_are_not_available(code_name):
+def test_no_permission_is_not_available():
+    lib = FakeNvmlLib(two_gpus())
+    lib.errors["nvmlDeviceGetMemoryInfo"] = lib.NVML_ERROR_NO_PERMISSION
+    assert Nvml(lib=lib).query("nvmlDeviceGetMemoryInfo", FakeHandle(0)) is NA
+
+
+@pytest.mark.parametrize("code_name", ["NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_RESET_REQUIRED"])
+def test_a_lost_gpu_is_a_failure_not_a_missing_feature(code_name):
     lib = FakeNvmlLib(two_gpus())
     lib.errors["nvmlDeviceGetMemoryInfo"] = getattr(lib, code_name)
-    assert Nvml(lib=lib).query("nvmlDeviceGetMemoryInfo", FakeHandle(0)) is NA
+    with pytest.raises(NvmlGpuLost, match="nvmlDeviceGetMemoryInfo") as info:
+        Nvml(lib=lib).query("nvmlDeviceGetMemoryInfo", FakeHandle(0))
+    assert info.value.code == getattr(lib, code_name) and isinstance(info.value, NvmlError)
 
 
 def test_function_missing_from_library_is_not_available():
@@ -235,7 +251,7 @@ def test_cuda_unsupported_queries_give_none_not_a_crash():
     lib = FakeNvmlLib(two_gpus())
     backend = CudaBackend(Nvml(lib=lib))
     lib.errors["nvmlDeviceGetUtilizationRates"] = lib.NVML_ERROR_NOT_SUPPORTED
-    lib.errors["nvmlDeviceGetMemoryInfo"] = lib.NVML_ERROR_GPU_IS_LOST
+    lib.errors["nvmlDeviceGetMemoryInfo"] = lib.NVML_ERROR_NO_PERMISSION
     info = backend.device(0)
     assert info.utilization_percent is None
     assert info.memory_used_bytes is None
@@ -252,7 +268,44 @@ def test_cuda_processes_unsupported_is_empty():
     lib = FakeNvmlLib(two_gpus())
     backend = CudaBackend(Nvml(lib=lib))
     lib.errors["nvmlDeviceGetComputeRunningProcesses"] = lib.NVML_ERROR_NOT_SUPPORTED
+    lib.errors["nvmlDeviceGetMPSComputeRunningProcesses"] = lib.NVML_ERROR_NOT_SUPPORTED
     assert backend.processes(0) == []
+
+
+def test_cuda_processes_include_mps_clients_each_once():
+    gpus = two_gpus()
+    # Under MPS the compute list holds the MPS server; its clients are in the MPS list.
+    gpus[1].processes = [(900, 6 * GIB)]
+    gpus[1].mps_processes = [(1001, 2 * GIB), (1002, None), (900, 1 * GIB)]
+    backend = CudaBackend(Nvml(lib=FakeNvmlLib(gpus)))
+    assert sorted(backend.processes(1), key=lambda p: p.pid) == [
+        DeviceProcess(900, 6 * GIB), DeviceProcess(1001, 2 * GIB, mps_client=True),
+        DeviceProcess(1002, None, mps_client=True)]
+
+
+def test_cuda_processes_without_the_mps_list_in_the_library_still_read_the_compute_list():
+    lib = FakeNvmlLib(two_gpus())
+    lib.nvmlDeviceGetMPSComputeRunningProcesses = None  # an older nvidia-ml-py: Nvml.query finds none
+    backend = CudaBackend(Nvml(lib=lib))
+    assert len(backend.processes(0)) == 2
+
+
+@pytest.mark.parametrize("func", ["nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMemoryInfo"])
+def test_cuda_lost_gpu_raises_device_lost_naming_it(func):
+    lib = FakeNvmlLib(two_gpus())
+    backend = CudaBackend(Nvml(lib=lib))
+    lib.errors[func] = lib.NVML_ERROR_GPU_IS_LOST
+    call = backend.processes if func.endswith("Processes") else backend.device
+    with pytest.raises(DeviceLostError, match=r"GPU 0 \(GPU-aaaa\) is lost") as info:
+        call(0)
+    assert info.value.index == 0 and info.value.uuid == "GPU-aaaa" and isinstance(info.value, DeviceError)
+
+
+def test_cuda_gpu_lost_at_discovery_is_a_device_error():
+    lib = FakeNvmlLib(two_gpus())
+    lib.errors["nvmlDeviceGetHandleByIndex"] = lib.NVML_ERROR_GPU_IS_LOST
+    with pytest.raises(DeviceLostError, match="GPU 0 .* is lost"):
+        CudaBackend(Nvml(lib=lib))
 
 
 def test_cuda_init_failure_is_an_actionable_device_error():
@@ -438,3 +491,40 @@ def test_real_cuda_backend():
             assert info.memory_used_bytes is None or 0 <= info.memory_used_bytes <= info.memory_total_bytes
             assert info.utilization_percent is None or 0.0 <= info.utilization_percent <= 100.0
             assert all(process.pid > 0 for process in backend.processes(info.index))
+
+
+@pytest.mark.gpu
+def test_real_nvml_lists_a_process_with_a_context_and_the_watcher_finds_it_under_us():
+    """What the memory watcher relies on, on the lent machine: NVML lists a CUDA process with
+    its memory, under a pid that translates to ours, whose parent chain reaches this process."""
+    import queue
+    import subprocess
+    import sys
+
+    from nodeagent.memory_watch import DeviceReading, MemoryWatcher
+
+    try:
+        backend = CudaBackend()
+    except DeviceError as exc:
+        pytest.skip(f"no usable NVML here: {exc}")
+    code = ("import sys, time, torch; x = torch.ones(64 << 20, dtype=torch.uint8, device='cuda'); "
+            "torch.cuda.synchronize(); print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        watcher = MemoryWatcher(backend, 1.0, queue.SimpleQueue(), lambda: None)
+        deadline = time.monotonic() + 10
+        while True:
+            readings = [r for r in watcher.read_once() if isinstance(r, DeviceReading)]
+            found = [p for r in readings for p in r.processes if p.pid == child.pid]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert found, f"NVML pids {[p.pid for i in range(backend.count()) for p in backend.processes(i)]}; " \
+                      f"{watcher._translator.describe()}"
+        assert os.getpid() in found[0].ancestors
+        assert found[0].used_memory_bytes is None or found[0].used_memory_bytes >= 64 << 20
+    finally:
+        child.kill()
+        child.wait()
+        backend.close()

@@ -93,3 +93,43 @@ def test_mps_on_a_device_that_does_not_exist_stops_the_daemon_at_start(workdir):
                           "--backend", "cpu", "--endpoint", f"ipc://{workdir}/x.sock", "--state-dir", workdir],
                          capture_output=True, text=True, timeout=30, cwd=REPO)
     assert out.returncode == 2 and "mps.devices names [5]" in out.stderr
+
+
+_EARLY_CHILD = """
+import ctypes, json, os, sys
+from client_lib import Client
+from client_lib.errors import CudaTooEarlyError
+if sys.argv[1] != "-":
+    ctypes.CDLL(sys.argv[1], mode=os.RTLD_GLOBAL).cuInit(0)  # as torch.cuda.is_available() does
+try:
+    with Client("early", device=0) as client:
+        print(json.dumps({"env": client.welcome.env}))
+except CudaTooEarlyError as exc:
+    print(json.dumps({"error": exc.code, "variables": exc.variables, "message": str(exc)}))
+"""
+
+
+def _early_child(endpoint: str, library: str, env: dict | None = None) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}  # nothing inherited from a test
+    out = subprocess.run([sys.executable, "-c", _EARLY_CHILD, library], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={**clean, **(env or {}), "NODEAGENT_ENDPOINT": endpoint})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_process_that_started_cuda_before_its_welcome_is_refused_and_its_session_closed(mps_daemon, tmp_path):
+    from tests.fake_cuda import build_fake_libcuda
+
+    library = build_fake_libcuda(str(tmp_path))
+    if library is None:
+        pytest.skip("needs a C compiler to build the stand-in libcuda")
+    d = mps_daemon
+    seen = _early_child(d.endpoint, library)
+    assert seen["error"] == "E_CUDA_TOO_EARLY", seen
+    assert seen["variables"]["CUDA_MPS_PIPE_DIRECTORY"].endswith("/mps/0/pipe")
+    assert "Create the Client before any torch.cuda call" in seen["message"]
+    wait_for(lambda: d.status().devices[0].sessions == [])  # said goodbye: no session left behind
+    # The same program without the early start gets its settings; one that set them itself may start early.
+    settings = _early_child(d.endpoint, "-")["env"]
+    wait_for(lambda: d.status().devices[0].sessions == [])
+    assert _early_child(d.endpoint, library, env=settings) == {"env": settings}
