@@ -16,6 +16,11 @@ size of a real request (RTT: "one message to the daemon, one message out"),
 and a raw broker relay passing a token around as many processes as sessions
 (the handoff's topology with nodeagent taken away).
 The project's goal: handoff p50 <= 2x baseline RTT p50, and p99 < 1 ms.
+
+With --work-device cuda every session is a CUDA process that, while it holds
+the token, runs a 1024x1024 matmul on the GPU and waits for it before its
+release: the handoff among processes that each hold a CUDA context and use
+the GPU (the work itself is not part of a handoff's time).
 """
 
 from __future__ import annotations
@@ -32,8 +37,25 @@ from client_lib import Client
 _WORKER_TIMEOUT_S = 45.0
 
 
-def _contender(ctl: common.WorkerControl, endpoint: str, index: int, loops: int) -> None:
+def _gpu_work(work_device: str):
+    """While holding: one matmul on the GPU, waited for (None: no work). In the forked child only."""
+    if work_device != "cuda":
+        return None
+    import torch
+
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def work() -> None:
+        torch.mm(x, x)
+        torch.cuda.synchronize()
+
+    work()  # the context and the kernel exist before the start
+    return work
+
+
+def _contender(ctl: common.WorkerControl, endpoint: str, index: int, loops: int, work_device: str = "none") -> None:
     """One session: take the token, give it straight back, ask again; ``loops`` times."""
+    work = _gpu_work(work_device)
     ctx = zmq.Context()  # terminated below, so the bye leaves before the process exits
     client = Client(f"bench-handoff-{index}", workload="training", device=0, endpoint=endpoint,
                     context=ctx)
@@ -44,6 +66,8 @@ def _contender(ctl: common.WorkerControl, endpoint: str, index: int, loops: int)
         for _ in range(loops):
             grant = client.acquire()
             t_grant = now()
+            if work is not None:
+                work()
             # Stamped before the call: a stamp after it could land after the next
             # holder already saw its grant when this process is descheduled.
             t_release = now()
@@ -77,14 +101,14 @@ def plan(sessions: int, handoffs: int) -> tuple[int, int]:
     return warmup, math.ceil((handoffs + warmup + sessions) / sessions)
 
 
-def run_handoffs(endpoint: str, sessions: int, handoffs: int) -> dict:
+def run_handoffs(endpoint: str, sessions: int, handoffs: int, work_device: str = "none") -> dict:
     """Run the contending sessions against ``endpoint``; the paired handoffs (ns)
     and the raw per-grant records, for anyone who wants to look closer."""
     warmup, loops = plan(sessions, handoffs)
     t0 = time.monotonic()
     with common.Workers() as workers:
         for i in range(sessions):
-            workers.start(_contender, endpoint, i, loops)
+            workers.start(_contender, endpoint, i, loops, work_device)
         workers.wait_ready(_WORKER_TIMEOUT_S)
         startup_s = time.monotonic() - t0
         common.log(f"[handoff] {sessions} sessions connected in {startup_s:.1f} s; "
@@ -124,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=common.positive_int, default=6,
                     help="baseline ping-pong process pairs, half before and half after the "
                          "handoffs (default: 6)")
+    ap.add_argument("--work-device", choices=("none", "cuda"), default="none",
+                    help="cuda: each session runs a matmul on the GPU while it holds the token (default: none)")
     args = ap.parse_args(argv)
     if args.sessions < 2:
         ap.error("--sessions must be at least 2 for a handoff")
@@ -137,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         common.log(f"[handoff] baseline: raw zmq broker relay around {args.sessions} processes")
         relay, _ = pair_handoffs(baselines.relay(args.sessions, loops), warmup, args.sessions)
         common.log(f"[handoff] {args.sessions} sessions contending for device 0")
-        run = run_handoffs(handle.endpoint, args.sessions, args.handoffs)
+        run = run_handoffs(handle.endpoint, args.sessions, args.handoffs, args.work_device)
         inside = daemon_side(handle)
         if args.pairs > 1:
             common.log(f"[handoff] baseline: raw zmq ipc ping-pong, {args.pairs - args.pairs // 2} more pair(s)")
@@ -152,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "handoff",
         "backend": backend,
+        "work_device": args.work_device,
         "endpoint_kind": handle.kind,
         "sessions": args.sessions,
         "processes": args.sessions,

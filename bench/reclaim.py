@@ -24,6 +24,12 @@ CURVE endpoint (the transport), and the deadline itself for `enforced`. Keys:
 their samples, `cooperative_minus_park_ms`, `enforced_minus_deadline_ms`,
 `*_call_ms` (the placement client's whole call, transport included).
 
+With --device cuda the trainers are GPU processes: the cooperative one keeps
+its state on the GPU (Yielder parks it into pinned host memory and frees the
+device memory) and runs a matmul on the GPU in every work unit; the enforced
+one queues matmuls back to back, so it is stopped with GPU work in flight.
+The daemon itself stays on its cpu backend (the token does not depend on it).
+
 Always starts its own daemon: it needs the cluster endpoint and its keys.
 """
 
@@ -60,14 +66,32 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ workers (forked)
 
 
-def _cooperative_trainer(queue, stop, endpoint: str, state_mb: int, unit_rounds: int) -> None:
+def _gpu_unit(device: str):
+    """One unit of GPU work (a matmul, then wait for it), or None on cpu. Called in a forked child:
+    the parent never touches torch, let alone CUDA."""
+    if device != "cuda":
+        return None
+    import torch
+
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def unit() -> None:
+        torch.mm(x, x)
+        torch.cuda.synchronize()
+
+    unit()
+    return unit
+
+
+def _cooperative_trainer(queue, stop, endpoint: str, state_mb: int, unit_rounds: int, device: str = "cpu") -> None:
     """Holds the device back to back; parks its state when suspended; reports each park."""
     import torch  # here, after the fork: the parent never touches torch
 
     from bench.suspend import TrainingState
     from client_lib.torch import Yielder
     try:
-        state = TrainingState(state_mb, torch.device("cpu"))
+        state = TrainingState(state_mb, torch.device(device))
+        gpu_unit = _gpu_unit(device)
         yielder = Yielder(optimizers=[state.opt])
         yielder.reserve()  # the host buffer exists before the first reclaim, as in a real job
         client = Client("bench-reclaim-cooperative", workload="training", endpoint=endpoint, borrower=BORROWER)
@@ -83,6 +107,8 @@ def _cooperative_trainer(queue, stop, endpoint: str, state_mb: int, unit_rounds:
             queue.put(("holding", client.session_id))
             while not stop.is_set():
                 work()
+                if gpu_unit is not None:
+                    gpu_unit()
                 client.yield_point()
         client.close()
     except BaseException as exc:
@@ -90,15 +116,25 @@ def _cooperative_trainer(queue, stop, endpoint: str, state_mb: int, unit_rounds:
         raise
 
 
-def _stubborn_trainer(queue, endpoint: str, unit_rounds: int) -> None:
+def _stubborn_trainer(queue, endpoint: str, unit_rounds: int, device: str = "cpu") -> None:
     """Takes the device and computes forever without calling into the library."""
     try:
+        if device == "cuda":
+            import torch  # here, after the fork
+
+            x = torch.randn(2048, 2048, device="cuda")
+            torch.cuda.synchronize()  # the context exists before the device is taken
         client = Client("bench-reclaim-enforced", workload="training", endpoint=endpoint, borrower=BORROWER)
         client.acquire()
         queue.put(("holding", client.session_id))
     except BaseException as exc:
         queue.put(("error", repr(exc)))
         raise
+    if device == "cuda":
+        while True:  # matmuls queued back to back: stopped with GPU work in flight
+            for _ in range(4):
+                x = torch.tanh(torch.mm(x, x) * 1e-3)
+            torch.cuda.synchronize()
     work = common.Work(unit_rounds)
     while True:
         work()
@@ -155,11 +191,11 @@ class _Node:
         common.stop_process(self.proc)
 
 
-def _cooperative(node: _Node, repeats: int, state_mb: int, unit_rounds: int) -> dict:
+def _cooperative(node: _Node, repeats: int, state_mb: int, unit_rounds: int, device: str = "cpu") -> dict:
     node.placement.lend(NODE, 0, BORROWER)
     queue, stop = common.mp_context.Queue(), common.mp_context.Event()
     proc = common.mp_context.Process(target=_cooperative_trainer, daemon=True,
-                                     args=(queue, stop, node.endpoint, state_mb, unit_rounds))
+                                     args=(queue, stop, node.endpoint, state_mb, unit_rounds, device))
     proc.start()
     try:
         (session,) = _expect(queue, "holding", _WORKER_START_S)
@@ -200,16 +236,16 @@ def _cooperative(node: _Node, repeats: int, state_mb: int, unit_rounds: int) -> 
             "bytes_parked": parked_bytes}
 
 
-def _enforced(node: _Node, repeats: int, deadline_ms: float, unit_rounds: int) -> dict:
+def _enforced(node: _Node, repeats: int, deadline_ms: float, unit_rounds: int, device: str = "cpu") -> dict:
     free, calls, outcomes = [], [], {}
     for i in range(repeats):
         node.placement.lend(NODE, 0, BORROWER)
         queue = common.mp_context.Queue()
         proc = common.mp_context.Process(target=_stubborn_trainer, daemon=True,
-                                         args=(queue, node.endpoint, unit_rounds))
+                                         args=(queue, node.endpoint, unit_rounds, device))
         proc.start()
         try:
-            (session,) = _expect(queue, "holding", 30.0)
+            (session,) = _expect(queue, "holding", _WORKER_START_S)
             t0 = time.perf_counter()
             reply = node.placement.reclaim(NODE, 0, deadline_ms=deadline_ms)
             calls.append((time.perf_counter() - t0) * 1000.0)
@@ -240,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="reclaim deadline of the enforced case (default: 200)")
     ap.add_argument("--unit-ms", type=common.positive_float, default=2.0,
                     help="the trainers' work unit between yield points (default: 2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the trainers keep their state and compute (default: cpu)")
     ap.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
     args = ap.parse_args(argv)
     if os.environ.get(ENV_ENDPOINT):
@@ -251,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     node, failed = None, True
     try:
         node = _Node(workdir)
-        common.log(f"[reclaim] daemon pid={node.proc.pid}; cooperative trainer with {args.state_mb} MiB of state")
-        coop = _cooperative(node, args.repeats, args.state_mb, unit_rounds)
-        enforced = _enforced(node, args.repeats, args.deadline_ms, unit_rounds)
+        common.log(f"[reclaim] daemon pid={node.proc.pid}; cooperative trainer with {args.state_mb} MiB of state "
+                   f"on {args.device}")
+        coop = _cooperative(node, args.repeats, args.state_mb, unit_rounds, args.device)
+        enforced = _enforced(node, args.repeats, args.deadline_ms, unit_rounds, args.device)
         failed = False
     finally:
         if node is not None:
@@ -267,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     r = common.rounded
     result = {
         "benchmark": "reclaim",
-        "backend": "cpu",
+        "backend": args.device,
+        "daemon_backend": "cpu",
         "endpoint_kind": common.OWN,
         "transport": "tcp loopback, CURVE",
         "repeats": args.repeats,

@@ -31,7 +31,9 @@ data loaders (DeepBoot measured 18-103 s per restart). Without CUDA (backend
 "cpu") the "device" is host memory itself: park copies into a host buffer and
 frees the original, unpark allocates it again and copies back; on a GPU the
 same code copies over PCIe into pinned memory. Each size is checked after its
-last cycle: the state is bit for bit what it was before.
+last cycle: the state is bit for bit what it was before, and the bytes parked
+are those of every storage on the device (on cuda Adam keeps its step
+counters on the CPU; they are neither parked nor counted).
 
 With the smallest size, one suspend and resume also go through a daemon (its
 own, or NODEAGENT_ENDPOINT's): a client thread doing real work units with
@@ -100,6 +102,18 @@ class TrainingState:
                 "optimizer": self.opt.state_dict()}
 
 
+def device_storage_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the distinct storages among ``tensors`` that live on ``device`` ("cuda": any GPU),
+    which is what Yielder parks: host tensors such as Adam's ``step`` stay where they are on a GPU."""
+    storages: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.device.type != device.type or device.index is not None and t.device.index != device.index:
+            continue
+        storage = t.untyped_storage()
+        storages[(str(t.device), storage.data_ptr() or id(t))] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -143,7 +157,7 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
     yielder = Yielder(modules=(), optimizers=[state.opt])  # the optimizer's params and grads, and its state
     reference = [t.detach().clone() for t in (state.params[0], state.params[-1].grad,
                                                *state.opt.state[state.params[-1]].values())]
-    bytes_expected = sum(t.untyped_storage().nbytes() for t in state.tensors())
+    bytes_expected = device_storage_bytes(state.tensors(), device)
 
     first_suspend_ms = _timed_ms(yielder.park, device)
     bytes_parked = yielder.bytes_parked
@@ -180,6 +194,7 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
         "process_ms": common.rounded(restart["process_ms"]),
         "checkpoint_bytes": restart["file_bytes"],
         "speedup": common.rounded(restart_ms / (suspend_ms + resume_ms), 2),
+        "bytes_expected": bytes_expected,
         "verified": verified,
     }
     common.log(f"[suspend] {state_mb} MiB: restart {restart_ms:.0f} ms (save {restart['save_ms']:.0f} + "

@@ -19,7 +19,8 @@ event on the GPU), so compute runs group k while group k+1 is copying.
 Groups come from :func:`ctxpool.grouping.plan_groups` over per-layer times
 measured at registration (:mod:`ctxpool.profile`: a first run that also finds
 which layer first needs each tensor, then timed runs). A sequential swap-in
-copies every group, waits, then runs: the baseline.
+copies every group, blocks the CPU until the copies have finished, then runs:
+the baseline.
 
 The engine is single-threaded from the caller's view: one call at a time
 (a second concurrent ``infer`` raises RuntimeError); the copy thread is its own.
@@ -28,6 +29,12 @@ writes into a model's buffers on the device is dropped when it is evicted.
 An exception from the model propagates unchanged; if it came before every
 group was waited for, the model is left evicted (its copy is dropped), else
 resident. A failed copy raises :class:`CopyError` and leaves it evicted.
+After any failure the engine synchronises the device (so that no kernel of
+the failed run still uses memory the next swap-in may be given) and, if that
+raises or the error is one that kills a CUDA context
+(:func:`ctxpool.device_errors.is_fatal`), raises
+:class:`~ctxpool.device_errors.DeviceLost` instead; from then on every call
+raises it: the process must be replaced.
 """
 
 from __future__ import annotations
@@ -41,17 +48,18 @@ from typing import Any
 
 import torch
 
+from ctxpool.device_errors import DeviceLost, is_fatal
 from ctxpool.grouping import GroupTiming, LayerCost, plan_groups
 from ctxpool.layout import Layout, Placement
 from ctxpool.profile import profile
-from ctxpool.streams import CopyError, CopyJob, CopyWorker, CpuBackend, CudaBackend
+from ctxpool.streams import Backend, CopyError, CopyJob, CopyWorker, CpuBackend, CudaBackend
 
 log = logging.getLogger("ctxpool.engine")
 
 MODES = ("pipelined", "sequential")
 _MAX_GROUPS = 64  # min_group_bytes = model_bytes / this: bounds per-group overhead when copies cannot hide
 
-__all__ = ["MODES", "CopyError", "Engine", "InferStats", "ModelPlan"]
+__all__ = ["MODES", "CopyError", "DeviceLost", "Engine", "InferStats", "ModelPlan"]
 
 
 @dataclass
@@ -91,16 +99,19 @@ class _Model:
 class Engine:
     """One worker's device: warm context, resident models under a memory budget (LRU), pipelined swap-in."""
 
-    def __init__(self, backend: str, device_index: int = 0, memory_budget_bytes: int | None = None) -> None:
-        if backend == "cpu":
-            self._backend = CpuBackend()
-        elif backend == "cuda":
-            self._backend = CudaBackend(device_index)
-        else:
-            raise ValueError(f"unknown backend {backend!r}; use 'cpu' or 'cuda'")
+    def __init__(self, backend: str | Backend, device_index: int = 0, memory_budget_bytes: int | None = None) -> None:
+        """``backend``: "cpu", "cuda", or a backend object (tests pass one that records its calls)."""
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be positive (or None: no limit), got {memory_budget_bytes}")
-        self.backend = backend
+        if backend == "cpu":
+            self._backend: Backend = CpuBackend()
+        elif backend == "cuda":
+            self._backend = CudaBackend(device_index)
+        elif isinstance(backend, str):
+            raise ValueError(f"unknown backend {backend!r}; use 'cpu' or 'cuda'")
+        else:
+            self._backend = backend
+        self.backend = self._backend.kind
         self.device = self._backend.device
         self.memory_budget_bytes = memory_budget_bytes
         self.bytes_per_s: float = 0.0  # measured by warm_up() or the first add_model()
@@ -108,6 +119,7 @@ class Engine:
         self._lru: OrderedDict[str, None] = OrderedDict()  # resident models, most recently used last
         self._resident_bytes = 0
         self._busy = threading.Lock()
+        self.lost: str | None = None  # why the device context is dead (DeviceLost raised), else None
         self._worker = CopyWorker(self._backend)
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,6 +163,7 @@ class Engine:
             raise ValueError(f"model {name!r} needs {provisional.device_bytes} bytes on {self.device}, more than "
                              f"the engine's memory budget of {self.memory_budget_bytes} bytes")
         with self._exclusive():
+            self._check_alive()
             try:
                 pinned = self._backend.pin(name, layout)
             except RuntimeError as exc:  # still correct without: the driver stages pageable copies, slower
@@ -162,7 +175,7 @@ class Engine:
                 self._make_room(provisional.device_bytes)
                 prof = self._profile(name, module, layout, provisional, example_inputs)
             except BaseException:
-                self._backend.unpin(name)
+                self._backend.unpin(name)  # on cuda: once the copy stream is idle
                 raise
         model_bytes = layout.model_bytes
         layer_bytes = [0] * len(prof.layer_names)
@@ -197,11 +210,16 @@ class Engine:
             job.wait(0)
             inputs = self._to_device(example_inputs)
             with torch.no_grad():
-                try:
-                    return profile(module, lambda: module(*inputs), layout.slots, self._backend.synchronize)
-                except Exception as exc:
-                    raise ValueError(f"model {name!r} cannot run its example inputs on {self.device}: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                return profile(module, lambda: module(*inputs), layout.slots, self._backend.synchronize)
+        except CopyError as exc:
+            job.join()
+            self._settle_after_failure(exc)  # DeviceLost if the context died
+            raise
+        except Exception as exc:
+            job.join()
+            self._settle_after_failure(exc)
+            raise ValueError(f"model {name!r} cannot run its example inputs on {self.device}: "
+                             f"{type(exc).__name__}: {exc}") from exc
         finally:
             job.join()
             self._detach(model)
@@ -238,12 +256,17 @@ class Engine:
             raise ValueError(f"unknown swap mode {mode!r}; use one of {MODES}")
         model = self._get(name)
         with self._exclusive():
+            self._check_alive()
             t0 = time.perf_counter()
             if model.dev_buf is not None:
                 self._lru.move_to_end(name)
-                with torch.no_grad():
-                    out = model.module(*self._to_device(inputs))
-                self._backend.synchronize()
+                try:
+                    with torch.no_grad():
+                        out = model.module(*self._to_device(inputs))
+                    self._backend.synchronize()
+                except Exception as exc:
+                    self._settle_after_failure(exc)
+                    raise
                 return out, InferStats("ready", 0, time.perf_counter() - t0, 0.0, 0)
             self._make_room(model.plan.device_bytes)
             return self._swap_in_and_run(model, inputs, mode, t0)
@@ -267,7 +290,7 @@ class Engine:
             waited[0] = g
 
         hooks = []
-        ok = False
+        failure: Exception | None = None
         try:
             device_inputs = self._to_device(inputs)
             if mode == "pipelined":
@@ -276,21 +299,26 @@ class Engine:
                     hooks.append(module.register_forward_pre_hook(lambda _m, _a, g=g: use(g)))
             else:
                 use(groups - 1)
+                self._backend.block_until_copied(job.marks[groups - 1])  # the CPU waits too: no overlap at all
             forward_start = self._backend.mark()
             with torch.no_grad():
                 out = model.module(*device_inputs)
             forward_end = self._backend.mark()
             use(groups - 1)  # groups no layer of this run asked for
             self._backend.synchronize()
-            ok = True
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
             for handle in hooks:
                 handle.remove()
             job.join()
-            if job.error is not None or not ok and waited[0] < groups - 1:
+            if job.error is not None or failure is not None and waited[0] < groups - 1:
                 self._detach(model)  # the copy failed, or the forward raised before using every group
             else:
                 self._make_resident(model)
+            if failure is not None:
+                self._settle_after_failure(failure)  # DeviceLost, chained to the failure, if the context died
         total_s = time.perf_counter() - t0
         timeline = self._timeline(job, base, compute_marks, forward_start, forward_end, mode)
         stats = InferStats(mode, model.placement.copy_bytes, total_s, job.transfer_s(), groups, timeline)
@@ -328,6 +356,7 @@ class Engine:
                 layout.slots[i].tensor.data = view
 
         job = CopyJob(self._backend, placement.group_spans, dev_buf, attach, f"model {model.name!r}")
+        self._backend.order_after_compute()  # before any copy of the job is issued
         self._worker.submit(job)
         return job
 
@@ -366,6 +395,29 @@ class Engine:
         if isinstance(value, dict):
             return {k: self._to_device(v) for k, v in value.items()}
         return value
+
+    def _settle_after_failure(self, failure: BaseException) -> None:
+        """After a failed run or copy: let the device finish what was queued (kernels of the failed
+        forward may still use blocks that went back to the caching allocator) and find out whether
+        the context survived. Raises DeviceLost if it did not."""
+        try:
+            self._backend.synchronize_device()
+        except Exception as exc:  # a sticky CUDA error surfaces here, whatever the first error said
+            self._lose(f"synchronising {self.device} after {type(failure).__name__} failed: "
+                       f"{type(exc).__name__}: {exc}", exc)
+        if is_fatal(failure):
+            self._lose(f"{type(failure).__name__}: {failure}", failure)
+
+    def _lose(self, reason: str, cause: BaseException) -> None:
+        self.lost = (reason.strip().splitlines() or [reason])[0]
+        log.error("[ctxpool] device context lost on %s: %s", self.device, self.lost)
+        raise DeviceLost(f"the device context on {self.device} is lost ({self.lost}); this process must be "
+                         "replaced") from cause
+
+    def _check_alive(self) -> None:
+        if self.lost is not None:
+            raise DeviceLost(f"the device context on {self.device} was lost earlier ({self.lost}); this "
+                             "process must be replaced")
 
     def _get(self, name: str) -> _Model:
         try:

@@ -12,7 +12,11 @@ aliases a weight can never see its memory reused.
 ``PinRegistry`` page-locks (``cudaHostRegister``) the host memory of models
 whose tensors someone else allocated, in place, and unlocks it when the last
 model using a page range leaves. Ranges are whole pages, merged across models
-so that no page is registered twice (CUDA refuses that).
+so that no page is registered twice (CUDA refuses that). A failed runtime
+call leaves a per-thread "last error" in the libcudart that made it; it is
+cleared through that same library (:func:`loaded_library`: the one torch
+loaded, found without loading another), never through whatever ``dlsym`` of
+the global namespace happens to find.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ import bisect
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger("ctxpool.hostmem")
 
-ALIGN_BYTES = 512  # block offsets; also the residue kept between host and device addresses
+ALIGN_BYTES = 512  # block offsets, and where every atom starts on the device (ctxpool.layout)
 
 
 def align_up(value: int, alignment: int = ALIGN_BYTES) -> int:
@@ -115,13 +121,50 @@ def _cuda_error_string(cudart, rc: int) -> str:
         return "no description"
 
 
+def loaded_library(prefix: str, sonames: tuple[str, ...] = (), maps_path: str = "/proc/self/maps"):
+    """A ctypes handle on a shared library this process has ALREADY loaded, or None.
+
+    Tries ``sonames`` with ``RTLD_NOLOAD`` (dlopen then only returns a library that is
+    loaded), then every mapped file whose name starts with ``prefix`` in ``maps_path``
+    (gVisor and others may lack it: then only the sonames count). Never loads a library."""
+    candidates = list(sonames)
+    try:
+        with open(maps_path) as maps:
+            for line in maps:
+                path = line.rstrip("\n").partition("/")[2]
+                if path and os.path.basename("/" + path).startswith(prefix):
+                    candidates.append("/" + path)
+    except OSError:
+        pass
+    for name in dict.fromkeys(candidates):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+    return None
+
+
+def _torch_cudart():
+    """The libcudart torch uses (its per-thread last error is the one torch's checks read)."""
+    major = (torch.version.cuda or "").partition(".")[0]
+    return loaded_library("libcudart.so", (f"libcudart.so.{major}",) if major else ())
+
+
+_cudart_lib = None
+
+
 def _clear_cuda_last_error() -> None:
     """A failed runtime call leaves its error as the thread's "last error", which
-    torch's next kernel-launch check would raise; take it back off (best effort)."""
-    try:
-        ctypes.CDLL(None).cudaGetLastError()
-    except (OSError, AttributeError):
-        log.warning("[ctxpool] could not clear the CUDA last-error after a failed cudaHostRegister")
+    torch's next kernel-launch check would raise; take it back off, through torch's
+    own libcudart (best effort: a torch that links cudart statically exports none)."""
+    global _cudart_lib
+    if _cudart_lib is None:
+        _cudart_lib = _torch_cudart()
+    if _cudart_lib is None:
+        log.warning("[ctxpool] no loaded libcudart found: the CUDA last-error of a failed cudaHostRegister "
+                    "stays set, and torch may report it at its next kernel launch")
+        return
+    _cudart_lib.cudaGetLastError()
 
 
 @dataclass
@@ -134,8 +177,9 @@ class _PinnedRange:
 class PinRegistry:
     """Page-locked host ranges, each registered once and owned by the models that use it."""
 
-    def __init__(self, cudart=None) -> None:
+    def __init__(self, cudart=None, clear_error: Callable[[], None] | None = None) -> None:
         self._cudart = cudart  # torch.cuda.cudart() unless given (tests pass a fake)
+        self._clear_error = clear_error or _clear_cuda_last_error  # through the same libcudart as cudart's calls
         self._ranges: list[_PinnedRange] = []  # sorted by start, disjoint
 
     def _rt(self):
@@ -156,7 +200,7 @@ class PinRegistry:
                 for gap_start, gap_end in self._gaps(start, end):
                     rc = _cuda_rc(cudart.cudaHostRegister(gap_start, gap_end - gap_start, 0))
                     if rc != 0:
-                        _clear_cuda_last_error()
+                        self._clear_error()
                         raise RuntimeError(
                             f"cudaHostRegister of {gap_end - gap_start} bytes at {gap_start:#x} failed with "
                             f"CUDA error {rc} ({_cuda_error_string(cudart, rc)}); "
@@ -184,7 +228,7 @@ class PinRegistry:
                 continue
             rc = _cuda_rc(self._rt().cudaHostUnregister(r.start))
             if rc != 0:
-                _clear_cuda_last_error()
+                self._clear_error()
                 log.warning("[ctxpool] cudaHostUnregister at %#x failed with CUDA error %d", r.start, rc)
             freed += r.end - r.start
         self._ranges = keep

@@ -11,10 +11,13 @@ once); two tensors viewing the same storage get views of one device copy.
   whose ``.data`` is switched between its host tensor and a device view.
 - ``Atom``: a maximal run of overlapping host extents: the unit of ownership
   (which layer needs it first) and of device placement.
-- ``Placement``: for a grouping of atoms, the copy spans of each group (atoms
-  less than a page apart copied as one span) and the
-  device offset of every atom. A span's device address keeps its host
-  address's residue modulo 512 bytes, so every element keeps its alignment.
+- ``Placement``: for a grouping of atoms, the copy spans of each group and
+  the device offset of every atom. Every atom starts 512-byte aligned on the
+  device, as the caching allocator aligns a plain ``.cuda()`` copy, so that
+  cuBLAS(Lt) and cuDNN, which choose kernels by alignment, choose the same
+  ones. Atoms less than a page apart are copied as one span (gap included)
+  when that keeps each of them aligned: when their host addresses lie a
+  multiple of 512 bytes apart, as in the model store's segments.
 
 The host tensors are never copied, reallocated or written.
 """
@@ -140,15 +143,15 @@ class Layout:
             members.sort(key=lambda a: self.atoms[a].start)
             runs: list[list[int]] = []
             for a in members:
-                atom, prev = self.atoms[a], self.atoms[runs[-1][-1]] if runs else None
-                if prev is not None and 0 <= atom.start - prev.end < MERGE_GAP_BYTES:
+                atom = self.atoms[a]
+                if runs and _mergeable(self.atoms[runs[-1][0]], self.atoms[runs[-1][-1]], atom):
                     runs[-1].append(a)
                 else:
                     runs.append([a])
             spans = []
             for run in runs:
                 first, last = self.atoms[run[0]], self.atoms[run[-1]]
-                start = cursor + (first.start - cursor) % ALIGN_BYTES  # same residue as the host address
+                start = align_up(cursor)  # every atom of the run is then aligned too (see _mergeable)
                 nbytes = last.end - first.start
                 for a in run:
                     dev_offset[a] = start + self.atoms[a].start - first.start
@@ -177,6 +180,12 @@ class Layout:
             byte_offset = placement.atom_dev_offset[slot.atom] + slot.offset_in_atom
             out.append(torch.as_strided(flat, host.shape, host.stride(), byte_offset // host.element_size()))
         return out
+
+
+def _mergeable(first: Atom, prev: Atom, atom: Atom) -> bool:
+    """Whether ``atom`` may join the span of ``first``..``prev``: close after it, and at a multiple
+    of the device alignment from the span's start (the span's start is aligned on the device)."""
+    return 0 <= atom.start - prev.end < MERGE_GAP_BYTES and (atom.start - first.start) % ALIGN_BYTES == 0
 
 
 def _host_bytes(start: int, nbytes: int) -> torch.Tensor:

@@ -21,6 +21,20 @@ Backends differ in what "issued" means and in how compute waits:
   its own OpenMP team and fight the compute threads for the cores. When the
   thread event is set the bytes are there.
 
+Ordering rules on cuda (the cpu backend has nothing to order):
+
+- before each job, the copy stream waits for the compute stream
+  (:meth:`CudaBackend.order_after_compute`): the job's device buffer may be a
+  block the caching allocator took back from compute work still queued (the
+  activations of a forward pass that raised), and the copies must not
+  overwrite it before that work is done;
+- a sequential swap-in blocks the CPU until the last copy has finished
+  (:meth:`block_until_copied`) before it launches any compute;
+- after a failure the engine synchronises the whole device
+  (:meth:`synchronize_device`): an error there means the context is dead;
+- page-locked host memory is unregistered only once the copy stream is idle
+  (:meth:`CudaBackend.unpin`), since a copy may still be reading it.
+
 Timestamps (``mark``) are ``time.perf_counter()`` floats on cpu and timing
 events on cuda; :meth:`Backend.elapsed_s` turns two into seconds (on cuda
 only once the events completed).
@@ -116,6 +130,15 @@ class CpuBackend:
     def synchronize(self) -> None:
         pass
 
+    def order_after_compute(self) -> None:
+        pass  # the copy thread writes only blocks no compute uses
+
+    def block_until_copied(self, marks: tuple[float, float]) -> None:
+        pass  # the thread event already means the bytes are there
+
+    def synchronize_device(self) -> None:
+        pass
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
@@ -185,19 +208,35 @@ class CudaBackend:
             end.record(self.copy_stream)
         return start, end
 
+    def _compute_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)  # the caller's stream: compute runs there
+
+    def order_after_compute(self) -> None:
+        """Compute thread, before a job is submitted: the copy stream waits (on the GPU) for the
+        compute work queued so far, which may still use the blocks the job's buffer came from."""
+        self.copy_stream.wait_stream(self._compute_stream())
+
     def wait_copied(self, marks: tuple[Any, Any]) -> None:
-        torch.cuda.current_stream(self.device).wait_event(marks[1])
+        self._compute_stream().wait_event(marks[1])
+
+    def block_until_copied(self, marks: tuple[Any, Any]) -> None:
+        """Block the CPU until the copies up to ``marks`` have finished (the sequential baseline)."""
+        marks[1].synchronize()
 
     def mark(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._compute_stream())
         return event
 
     def elapsed_s(self, begin: Any, end: Any) -> float:
         return begin.elapsed_time(end) / 1000.0
 
     def synchronize(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        self._compute_stream().synchronize()
+
+    def synchronize_device(self) -> None:
+        """Wait for every stream of the device; raises the device's error if its context is dead."""
+        torch.cuda.synchronize(self.device)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device)
@@ -207,6 +246,11 @@ class CudaBackend:
         return self.pins.pin(owner, layout.host_ranges())
 
     def unpin(self, owner: str) -> int:
+        """Unregister ``owner``'s host memory once the copy stream is idle (a copy may still read it)."""
+        try:
+            self.copy_stream.synchronize()
+        except RuntimeError as exc:  # a dead context: no copy runs any more, unregistering is all that is left
+            log.warning("[ctxpool] copy stream failed to synchronise before unpinning %s: %s", owner, exc)
         return self.pins.unpin(owner)
 
     def warm_up_compute(self) -> None:

@@ -29,15 +29,13 @@ from typing import Any, Sequence
 
 from client_lib import protocol as p
 from ctxpool import messages as msg
+from ctxpool.device_errors import is_fatal
 
 log = logging.getLogger("ctxpool.worker")
 
 FAULT_ENV = "NODEAGENT_CTXPOOL_TEST_FAULT"
 OUTPUT_PREFIX = "na-out"
 _PR_SET_PDEATHSIG = 1
-# Words of errors after which a CUDA context is unusable: the worker must be replaced.
-_FATAL_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
-                        "misaligned address", "illegal instruction", "CUDA error: an uncorrectable")
 
 
 class WorkerFatal(Exception):
@@ -145,7 +143,7 @@ class _Worker:
             module = store.build_module(request.factory)
             state = None
             if request.weights is not None:
-                state = store.load_weights(request.weights)
+                state = store.load_weights(request.weights, reader=request.reader)  # the peer's rights
                 store.check_weights(module, state, source=f"weights {request.weights}")
             manifest = store.place_in_shared_memory(module, state, request.segment, group=request.segment_group)
         except store.ModelError as exc:
@@ -181,8 +179,12 @@ class _Worker:
             return rejected(p.ErrorCode.MODEL, f"example input of {request.model!r}: {exc}")
         except Exception as exc:  # the engine could not run the example (ValueError), or the model raised
             _close(segment)
-            return rejected(p.ErrorCode.MODEL, f"model {request.model!r} does not run its example input: "
-                                               f"{type(exc).__name__}: {exc}")
+            reply = rejected(p.ErrorCode.MODEL, f"model {request.model!r} does not run its example input: "
+                                                f"{type(exc).__name__}: {exc}")
+            if is_fatal(exc):  # the engine synchronised after the failure: DeviceLost if the context died
+                self._send(reply)
+                raise WorkerFatal(f"device context lost: {exc}") from exc
+            return reply
         self.models[request.model] = _Loaded(module, segment)
         log.info("[worker] attached model=%s layers=%d groups=%d", request.model, len(plan.layers), len(plan.groups))
         return msg.Attached(model=request.model, model_bytes=plan.model_bytes, layers=len(plan.layers),
@@ -213,8 +215,10 @@ class _Worker:
 
         if request.model not in self.models:
             return failed(p.ErrorCode.NO_MODEL, f"model {request.model!r} is not attached to worker {os.getpid()}")
-        try:
-            segments = tensors.attach_all(request.inputs)
+        try:  # only the requester's own segments, checked on the opened fd
+            segments = tensors.attach_all(request.inputs, owner_uid=request.owner_uid)
+        except tensors.SegmentAccessError as exc:
+            return failed(p.ErrorCode.FORBIDDEN, f"inputs: {exc}")
         except tensors.TensorTransportError as exc:
             return failed(p.ErrorCode.INVALID, f"inputs: {exc}")
         try:
@@ -226,7 +230,7 @@ class _Worker:
                 outputs, stats = self.engine.infer(request.model, inputs)
             except Exception as exc:
                 reply = failed(p.ErrorCode.INFERENCE, f"model {request.model!r} raised {type(exc).__name__}: {exc}")
-                if any(words in str(exc) for words in _FATAL_DEVICE_ERRORS):
+                if is_fatal(exc):  # DeviceLost from the engine's synchronise, or a sticky error's words
                     self._send(reply)
                     raise WorkerFatal(f"device context lost: {exc}") from exc
                 return reply
@@ -236,7 +240,8 @@ class _Worker:
                                                      "expected a tensor or a tuple/list of tensors")
             single = len(flat) == 1 and flat[0] is outputs  # a bare tensor, not a 1-tuple
             try:
-                segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group)
+                # Owned by the requester, who unlinks it once read (the daemon does if it never is).
+                segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group, owner=request.owner_uid)
             except (tensors.TensorTransportError, OSError) as exc:
                 return failed(p.ErrorCode.INFERENCE, f"outputs of {request.model!r} cannot be returned: {exc}")
             if segment is not None:

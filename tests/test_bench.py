@@ -84,3 +84,16 @@ def test_suspend_bench_reports_park_resume_and_restart_per_size():
     assert trip["outcome"] == "suspended" and trip["parked_while_suspended"]
     assert trip["bytes_parked"] == r["sizes"]["8"]["bytes_parked"]
     assert r["min_speedup"] == min(s["speedup"] for s in r["sizes"].values())
+
+
+def test_suspend_counts_only_the_storages_on_the_device():
+    """On a GPU Adam keeps its step counters in host memory and Yielder parks only device storages, so
+    the bytes expected are those on the device ("meta" stands in for the GPU here)."""
+    torch = pytest.importorskip("torch")
+    from bench.suspend import device_storage_bytes
+    on_device = [torch.empty(256, device="meta"), torch.empty(64, device="meta")]
+    step = torch.tensor(1.0)  # Adam's step: a host scalar beside parameters on a GPU
+    assert device_storage_bytes([*on_device, step], torch.device("meta")) == (256 + 64) * 4
+    assert device_storage_bytes([*on_device, step], torch.device("cpu")) == 4
+    shared = torch.zeros(100)
+    assert device_storage_bytes([shared, shared[10:], shared.view(10, 10)], torch.device("cpu")) == 400  # once

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 
 @pytest.mark.slow
-def test_switch_bench_reports_four_ways_per_model(tmp_path):
+def test_switch_bench_reports_six_ways_per_model(tmp_path):
     out_file = tmp_path / "switch.json"
     plot = tmp_path / "switch.png"
     run = subprocess.run(
@@ -29,9 +29,13 @@ def test_switch_bench_reports_four_ways_per_model(tmp_path):
     assert r["benchmark"] == "switch" and r["backend"] == "cpu" and r["batch"] == 2 and r["input_size"] == 32
     m = r["models"]["tiny-cnn"]
     assert m["after"] == "filler:tiny-cnn"  # one model given: a filler is "A"
-    for key in ("ready_ms", "pipelined_ms", "sequential_ms", "cold_ms"):
+    for key in ("ready_ms", "pipelined_ms", "sequential_ms", "warm_pageable_ms", "pinned_sync_ms", "cold_ms"):
         assert m[key] > 0, key
     assert len(m["ready_samples_ms"]) == len(m["pipelined_samples_ms"]) == len(m["sequential_samples_ms"]) == 2
+    assert len(m["warm_pageable_samples_ms"]) == len(m["pinned_sync_samples_ms"]) == 2
+    assert m["overhead_ratio"] == pytest.approx((m["pipelined_ms"] - m["ready_ms"]) / (m["cold_ms"] - m["ready_ms"]),
+                                                rel=0.01, abs=1e-4)
+    assert r["max_overhead_ratio"] == m["overhead_ratio"]
     assert len(m["cold_samples_ms"]) == 1
     assert m["model_bytes"] > 0 and m["groups"] >= 1
     assert m["cold_over_pipelined"] == pytest.approx(m["cold_ms"] / m["pipelined_ms"], rel=0.01)
@@ -39,6 +43,11 @@ def test_switch_bench_reports_four_ways_per_model(tmp_path):
     assert m["pipelined_over_ready"] == pytest.approx(m["pipelined_ms"] / m["ready_ms"], rel=0.01)
     assert m["cold_ms"] > m["ready_ms"]  # a new process importing torch cannot beat a warm resident model
     assert m["outputs_equal"] and m["cold_output_matches"] and r["all_outputs_equal"]
+    assert m["outputs_close"] and r["all_outputs_close"]
+    assert set(m["outputs_equal_by_way"]) == {"ready", "pipelined", "sequential", "warm_pageable", "pinned_sync"}
+    # on cpu the 50x goal is not judged, and the result says why
+    assert r["goal_cold_over_pipelined"] is None and r["goal_cold_met"] is None
+    assert "GPU goal" in r["goal_note"] and "overlap a copy with compute" in r["goal_note"]
     assert "h2d_gbps" not in m and "swap_efficiency" not in m  # cuda only
     assert r["min_cold_over_pipelined"] == m["cold_over_pipelined"]
     if _has_matplotlib():
@@ -58,3 +67,22 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_pack_host_lays_a_model_out_like_the_model_store():
+    import torch
+
+    from bench import models
+    from bench.switch import pack_host
+
+    model = models.build("tiny-cnn")
+    x = models.example_input("tiny-cnn", 2, 32, 8)
+    with torch.no_grad():
+        expected = model(x)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    total = pack_host(model)
+    base = min(t.data_ptr() for t in tensors)
+    assert all((t.data_ptr() - base) % 512 == 0 for t in tensors)  # neighbours 512 bytes apart, or a multiple
+    assert total == sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
