@@ -37,7 +37,7 @@ from nodeagent.memory_watch import MemoryPolicyMixin, MemoryWatcher
 from nodeagent.metrics import Metrics, SessionRow
 from nodeagent.mps import MpsControl
 from nodeagent.mps_wiring import MpsMixin
-from nodeagent.restore import RestoreMixin
+from nodeagent.restore import JournalWriter, RestoreMixin
 from nodeagent.serving import ServingMixin
 from nodeagent.sessions import Session, new_session_id, new_session_key
 from nodeagent.suspension import SuspensionMixin
@@ -64,6 +64,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self.backend = backend
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
+        # Every journal write goes through it: failures are counted, published, never fatal.
+        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._event("health", **data))
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
@@ -84,6 +86,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._lock: runtime.InstanceLock | None = None
         self._started = clock()
         self._next_liveness_check = 0.0
+        self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
         # All client pidfds live in one epoll set, so the zmq poll stays O(1) in sessions.
@@ -182,7 +185,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             raise
         if self.backend.measures_process_memory:  # cuda: NVML reads it per process
             self._memory_watcher = MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
-                                                  self._memory_readings, self._wake)
+                                                  self._memory_readings, self._wake,
+                                                  host_proc=self.config.memory_host_proc or None)
             self._memory_watcher.start()
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
                  endpoint, self.backend.name, len(self._schedulers), os.getpid(), self.boot)
@@ -217,23 +221,36 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 events = self._poller.poll(self._poll_timeout_ms())
                 for target, _ in events:
                     if target is router:
-                        self._drain_router()
+                        self._contain("serve", self._drain_router)
                     elif target == pidfds_fd:
-                        self._reap_exited()
+                        self._contain("pidfd", self._reap_exited)
                     elif target == wake_fd:
                         self._drain_wakeups()
-                        self._apply_memory_readings()
+                        self._contain("memory", self._apply_memory_readings)
                     elif target in self._mps_by_fd:
-                        self._on_mps_exit(self._mps_by_fd[target])
+                        self._contain("mps", self._on_mps_exit, self._mps_by_fd[target])
                     else:
                         handler = self._poll_handlers.get(target)
                         if handler is not None:
-                            handler()
-                self._flush_unreachable()
-                self._on_timers(self._clock())
+                            self._contain("poll", handler)
+                self._contain("unreachable", self._flush_unreachable)
+                self._contain("timers", self._on_timers, self._clock())
         finally:
             self._shutdown()
         return self._stop_reason or "requested"
+
+    def _contain(self, where: str, step: Callable, *args) -> None:
+        """Run one step of the loop; an exception it raises is a bug that costs that
+        step, never the daemon: counted, logged (at most once a second per place),
+        and the loop carries on."""
+        try:
+            step(*args)
+        except Exception:
+            self.metrics.internal_errors.labels(where).inc()
+            now = time.monotonic()
+            if now - self._last_bug_log.get(where, -math.inf) >= 1.0:
+                self._last_bug_log[where] = now
+                log.exception("[%s] internal error; the daemon carries on", where)
 
     def _shutdown(self) -> None:
         reason = self._stop_reason or "error"
@@ -243,6 +260,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 self._send(s.route, p.Revoke(grant=s.grant, reason="shutdown"))
                 revoked += 1
         log.info("[shutdown] reason=%s step=revoke tokens=%d sessions=%d", reason, revoked, len(self._sessions))
+        self._answer_pending_suspends()  # before the sockets close; reclaims are answered in _close_cluster
         continued = sum(1 for s in self._sessions.values() if s.stopped and self._continue(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
@@ -279,7 +297,13 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             self._on_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_frames(self, frames: list) -> None:
-        self._dispatch(frames[0].bytes, frames, self._handlers, "serve")
+        route = frames[0].bytes
+        try:
+            self._dispatch(route, frames, self._handlers, "serve")
+        except Exception:  # _dispatch contains handler bugs; this catches its own
+            self.metrics.internal_errors.labels("serve").inc()
+            log.exception("[serve] internal error while dispatching a frame")
+            self._error(route, 0, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
     def _dispatch(self, route: bytes, frames: list, handlers: dict, where: str,
                   unhandled: Callable | None = None) -> None:
@@ -294,6 +318,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             msg = codec.decode_request(frame.bytes)
         except codec.BadFrame as exc:
             self._bad(route, exc.request_id, str(exc))
+            return
+        except Exception as exc:  # the codec promises BadFrame only; a frame must never cost the loop
+            self._bad(route, 0, f"undecodable frame ({type(exc).__name__})")
             return
         handler = handlers.get(type(msg))
         if handler is None:
@@ -437,7 +464,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
             grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed, boot=self.boot,
-            env=self._client_env(s)))
+            env=self._client_env(s), durable=self._journal_writer.durable(s.id)))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -460,13 +487,20 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 refusals.append(refusal)
                 continue
             declared = memory.declared_mb(self._sessions.values(), i)
-            problem = memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb, declared, memory_mb)
+            problem = (self._class_cap_problem(i, workload, memory_mb)
+                       or memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb,
+                                                   declared, memory_mb))
             if problem is None:
                 return i, "", ""
             problems.append(problem)
         if not problems:
             return None, p.ErrorCode.STATE, "; ".join(refusals)
         return None, p.ErrorCode.NO_MEMORY, "; ".join(problems)
+
+    def _class_cap_problem(self, device: int, workload: str, memory_mb: int) -> str | None:
+        cap = self.config.memory_class_cap_percent.get(workload)
+        return memory.class_cap_problem(self._device_info[device], self.config.memory_reserve_mb,
+                                        self._sessions.values(), Workload.parse(workload), memory_mb, cap)
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
         session = self._sessions.get(msg.session)
@@ -475,7 +509,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                         f"no session {msg.session} (it was closed, timed out, or the daemon restarted)")
             return
         session.last_seen = now
-        self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot))
+        self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot, durable=self._journal_writer.durable(session.id)))
 
     def _session_for(self, route: bytes, request_id: int, now: float) -> Session | None:
         session = self._by_route.get(route)
@@ -570,7 +604,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 if self._events is not None:  # built only when the events socket exists
                     self._events.publish("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
-                    self._journal(lambda j, sid=s.id: j.set_stopped(sid, False))
+                    self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
                 self._observe_wait(s, now)
                 if handoff_from is not None:
                     self._handoff_hist[s.device].observe(self._clock() - handoff_from)
@@ -592,8 +626,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
     def _enforce(self, action: Enforce, now: float) -> None:
         """A holder overran its yield deadline: stop it if its identity is
-        verified (and policy allows), else take the token away. The waiter is
-        granted before the log line; the journal write stays ahead of SIGSTOP."""
+        verified, policy allows and the stop could be journalled, else take the
+        token away. The waiter is granted before the log line; the journal write
+        stays ahead of SIGSTOP."""
         s = self._sessions[action.session]
         if self.config.enforce == "stop" and self._stop(s):
             self._end_slice(s, now)
@@ -614,10 +649,14 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
         Write-ahead: the journal says "stopped" before the signal is sent, so a
         daemon killed at any moment after leaves a record that makes its
-        successor continue the process (continuing a running one is harmless)."""
+        successor continue the process (continuing a running one is harmless).
+        If that write fails (disk full), the process is not stopped: False."""
         if not enforce.can_signal(s):
             return False
-        self._journal(lambda j: j.set_stopped(s.id, True))
+        if not self._journal(lambda j: j.set_stopped(s.id, True), session=s.id):
+            # Unjournalled, a stop would outlive a crash of this daemon: take the token instead.
+            log.warning("[token] not stopping session=%s: its stop could not be journalled", s.id)
+            return False
         if not enforce.send(s, signal.SIGSTOP):
             return False  # gone: its session ends, and with it the record
         s.stopped = True
@@ -630,7 +669,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         sent = enforce.send(s, signal.SIGCONT)
         s.stopped = False
         if s.id in self._sessions:
-            self._journal(lambda j: j.set_stopped(s.id, False))
+            self._journal(lambda j: j.set_stopped(s.id, False), session=s.id)
         return sent
 
     def _observe_wait(self, s: Session, now: float) -> None:
@@ -668,6 +707,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             for device in list(self._restoring):
                 self._end_restore(device, now)
         self._on_serving_timers(now)
+        self._journal_retry(now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
@@ -717,7 +757,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             self._partitions[s.device].leave(s.id)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
-        self._journal(lambda j: j.delete_session(s.id))
+        self._journal(lambda j: j.delete_session(s.id), session=s.id)
         for parked in self._parked.values():
             if s.id in parked:
                 parked.remove(s.id)
