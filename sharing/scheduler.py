@@ -19,8 +19,9 @@ Policy, in order of precedence:
 * a grace period after the ask, then one ``Enforce``. What enforcement means
   (revoke, SIGSTOP) is the daemon's decision, not the scheduler's.
 
-Each call costs O(sessions waiting in one class) at most; ``tick`` and
-``next_deadline`` are O(1).
+Each call costs O(log n) in the sessions waiting (amortised; a line per class
+in :mod:`sharing.fairqueue`); ``tick``, ``next_deadline`` and ``wanted_by`` are
+O(1). ``snapshot`` is O(sessions) and reuses what did not change since the last.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
 from types import MappingProxyType
 from typing import Union
+
+from sharing.fairqueue import FairQueue
 
 __all__ = [
     "Action",
@@ -284,10 +286,9 @@ class _Session:
     vtime_s: float = 0.0  # GPU time / weight, charged when the token is given up
     grants: int = 0
     waiting_since: float | None = None
-
-
-# Fair-share order inside a class: least virtual time, then longest wait, then id.
-_fair_order = attrgetter("vtime_s", "waiting_since", "id")
+    # Its SessionView while it is not the holder; cleared by every change to a
+    # non-holder (the holder's view is rebuilt each time: its slice runs).
+    view: SessionView | None = None
 
 
 class TokenScheduler:
@@ -299,7 +300,7 @@ class TokenScheduler:
         "_quantum_s",
         "_grace_s",
         "_sessions",
-        "_waiting",
+        "_queues",
         "_holder",
         "_grant",
         "_granted_at",
@@ -319,8 +320,8 @@ class TokenScheduler:
         self._device = device
         self._set_policy_fields(SchedulerPolicy() if policy is None else policy)
         self._sessions: dict[str, _Session] = {}
-        # WAITING sessions per class, indexed by Workload value.
-        self._waiting: tuple[dict[str, _Session], ...] = tuple({} for _ in Workload)
+        # WAITING sessions per class in fair order, indexed by Workload value.
+        self._queues: tuple[FairQueue[_Session], ...] = tuple(FairQueue() for _ in Workload)
         # The holder and its grant; the fields below it mean nothing while it is None.
         self._holder: _Session | None = None
         self._grant = 0
@@ -347,7 +348,7 @@ class TokenScheduler:
         """True if a session of ``workload`` holds or waits for the token. O(1): the
         daemon asks after every loop turn to feed the device lifecycle."""
         holder = self._holder
-        return bool(self._waiting[workload]) or (holder is not None and holder.workload is workload)
+        return bool(self._queues[workload]) or (holder is not None and holder.workload is workload)
 
     def __contains__(self, session: object) -> bool:
         return session in self._sessions
@@ -377,7 +378,7 @@ class TokenScheduler:
         self._advance(now)
         del self._sessions[session]
         if s.state is SessionState.WAITING:
-            del self._waiting[s.workload][session]
+            self._queues[s.workload].discard(session)
         elif s is self._holder:
             self._take_token(s, now)
             return self._grant_next(now, [])
@@ -397,9 +398,7 @@ class TokenScheduler:
             self._clamp_sleeper(s, now)
         elif not waiting_since <= now:
             raise ValueError(f"waiting_since={waiting_since!r} is after now={now!r}")
-        s.state = SessionState.WAITING
-        s.waiting_since = now if waiting_since is None else waiting_since
-        self._waiting[s.workload][session] = s
+        self._enqueue(s, now if waiting_since is None else waiting_since)
         holder = self._holder
         if holder is None:
             return self._grant_next(now, [])
@@ -412,9 +411,10 @@ class TokenScheduler:
         s = self._get(session)
         self._advance(now)
         if s.state is SessionState.WAITING:
-            del self._waiting[s.workload][session]
+            self._queues[s.workload].discard(session)
             s.state = SessionState.IDLE
             s.waiting_since = None
+            s.view = None
         return []
 
     def release(self, session: str, grant: int, now: float, requeue: bool = False) -> list[Action]:
@@ -428,9 +428,7 @@ class TokenScheduler:
         self._advance(now)
         self._take_token(s, now)
         if requeue:  # no sleeper clamp: a quick re-request keeps its fair share
-            s.state = SessionState.WAITING
-            s.waiting_since = now
-            self._waiting[s.workload][session] = s
+            self._enqueue(s, now)
         return self._grant_next(now, [])
 
     def revoke(self, session: str, now: float, reason: str) -> list[Action]:
@@ -449,9 +447,7 @@ class TokenScheduler:
         self._check_holder(s)
         self._advance(now)
         self._take_token(s, now)
-        s.state = SessionState.WAITING
-        s.waiting_since = now
-        self._waiting[s.workload][session] = s
+        self._enqueue(s, now)
         return self._grant_next(now, [])
 
     def set_weight(self, session: str, weight: float, now: float) -> None:
@@ -461,7 +457,8 @@ class TokenScheduler:
         self._advance(now)
         if s is self._holder:
             self._charge(s, now)
-        s.weight = weight
+        s.weight = weight  # a waiter's key stays: its virtual time changes only when charged
+        s.view = None
 
     def set_policy(self, policy: SchedulerPolicy, now: float) -> list[Action]:
         """Adopt new quanta and grace, then ``tick(now)``.
@@ -486,7 +483,7 @@ class TokenScheduler:
             # public calls (request() asks at once); checked so it can never stick.
             if self._higher_class_waiting(h.workload):
                 return [self._ask_yield(h, now, "preempted")]
-            if now >= self._slice_end and self._waiting[h.workload]:
+            if now >= self._slice_end and self._queues[h.workload]:
                 return [self._ask_yield(h, now, "quantum")]
             return []
         if not self._enforced and now >= self._yield_deadline:
@@ -502,8 +499,8 @@ class TokenScheduler:
 
     def _owed_the_device(self, workload: Workload) -> bool:
         """True if a session of this class or a higher one waits."""
-        waiting = self._waiting
-        return any(waiting[w] for w in range(workload + 1))
+        queues = self._queues
+        return any(queues[w] for w in range(workload + 1))
 
     # --------------------------------------------------------------- queries
 
@@ -519,7 +516,7 @@ class TokenScheduler:
         if h.state is SessionState.HOLDING:
             if self._higher_class_waiting(h.workload):
                 return self._last_now
-            return self._slice_end if self._waiting[h.workload] else None
+            return self._slice_end if self._queues[h.workload] else None
         return None if self._enforced else self._yield_deadline
 
     def holder(self) -> str | None:
@@ -530,16 +527,23 @@ class TokenScheduler:
         return self._get(session).state
 
     def snapshot(self, now: float) -> SchedulerSnapshot:
-        """A frozen copy of every session, with the running slice counted up to ``now``."""
+        """A frozen copy of every session, with the running slice counted up to ``now``.
+
+        O(sessions): views of sessions unchanged since the last snapshot are reused,
+        and each class's line is merged from its last listing."""
         self._check_now(now)
-        views = tuple(self._view(s, now) for s in self._sessions.values())
-        queue = tuple(
-            s.id
-            for queue in self._waiting
-            for s in sorted(queue.values(), key=_fair_order)
-        )
-        grant = self._grant if self._holder is not None else None
-        return SchedulerSnapshot(self._device, self.holder(), grant, queue, views)
+        holder = self._holder
+        views = []
+        for s in self._sessions.values():
+            view = s.view
+            if view is None or s is holder:
+                view = self._view(s, now)
+                if s is not holder:
+                    s.view = view
+            views.append(view)
+        queue = tuple(sid for line in self._queues for sid in line.ordered_ids())
+        grant = self._grant if holder is not None else None
+        return SchedulerSnapshot(self._device, self.holder(), grant, queue, tuple(views))
 
     # -------------------------------------------------------------- internals
 
@@ -576,12 +580,12 @@ class TokenScheduler:
         self._last_now = now
 
     def _higher_class_waiting(self, workload: Workload) -> bool:
-        waiting = self._waiting
-        return any(waiting[w] for w in range(workload))
+        queues = self._queues
+        return any(queues[w] for w in range(workload))
 
     def _clamp_sleeper(self, s: _Session, now: float) -> None:
         """Bound the credit of a session coming back from IDLE to one quantum (CFS min_vruntime)."""
-        floor = min((o.vtime_s for o in self._waiting[s.workload].values()), default=math.inf)
+        floor = self._queues[s.workload].min_vtime()
         h = self._holder
         if h is not None and h.workload is s.workload:
             floor = min(floor, h.vtime_s + (now - self._charged_at) / h.weight)
@@ -599,25 +603,33 @@ class TokenScheduler:
         """Charge the holder ``h``, leave it IDLE and the token free; return its grant id."""
         self._charge(h, now)
         h.state = SessionState.IDLE
+        h.view = None
         self._holder = None
         self._enforced = False
         return self._grant
 
+    def _enqueue(self, s: _Session, waiting_since: float) -> None:
+        """Put ``s`` (IDLE, its virtual time final) in its class's line."""
+        s.state = SessionState.WAITING
+        s.waiting_since = waiting_since
+        s.view = None
+        self._queues[s.workload].push(s.vtime_s, waiting_since, s.id, s)
+
     def _grant_next(self, now: float, actions: list[Action]) -> list[Action]:
         """Give the free token to the first in line (highest class, then fair order)."""
-        for queue in self._waiting:
-            if queue:
+        for line in self._queues:
+            if line:
                 break
         else:
             return actions
-        s = min(queue.values(), key=_fair_order)
-        del queue[s.id]
+        s = line.pop_first()
         grant = self._next_grant
         self._next_grant += 1
         waited_s = float(now - s.waiting_since)  # type: ignore[operator]  # WAITING has a time
         s.state = SessionState.HOLDING
         s.waiting_since = None
         s.grants += 1
+        s.view = None
         self._holder = s
         self._grant = grant
         self._granted_at = self._charged_at = now
