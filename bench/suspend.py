@@ -31,9 +31,13 @@ data loaders (DeepBoot measured 18-103 s per restart). Without CUDA (backend
 "cpu") the "device" is host memory itself: park copies into a host buffer and
 frees the original, unpark allocates it again and copies back; on a GPU the
 same code copies over PCIe into pinned memory. Each size is checked after its
-last cycle: the state is bit for bit what it was before, and the bytes parked
-are those of every storage on the device (on cuda Adam keeps its step
-counters on the CPU; they are neither parked nor counted).
+last cycle: the state is bit for bit what it was before, and the bytes copied
+to the host (`bytes_copied`) are those of every storage on the device (on cuda
+Adam keeps its step counters on the CPU; they are neither parked nor counted).
+`bytes_parked` is the device memory the park released: on cpu the same
+number, on cuda the drop of torch's reserved memory, which also counts the
+cuBLAS workspaces and whole cached blocks, so it may differ. The GB/s figures
+are bytes copied per second.
 
 With the smallest size, one suspend and resume also go through a daemon (its
 own, or NODEAGENT_ENDPOINT's): a client thread doing real work units with
@@ -114,6 +118,15 @@ def device_storage_bytes(tensors: list[torch.Tensor], device: torch.device) -> i
     return sum(storages.values())
 
 
+def state_verified(yielder: Yielder, bytes_expected: int, reference: list[torch.Tensor],
+                   after: list[torch.Tensor]) -> bool:
+    """The state came back bit for bit, and the last park moved all of it: ``bytes_copied``
+    (the state moved to the host) is the device storages' bytes. Not ``bytes_parked``: that
+    is the device memory released, which on cuda is the drop of torch's reserved memory
+    (cuBLAS workspaces and whole cached blocks included) and so need not equal it."""
+    return yielder.bytes_copied == bytes_expected and all(torch.equal(a, b) for a, b in zip(after, reference))
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -160,14 +173,14 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
     bytes_expected = device_storage_bytes(state.tensors(), device)
 
     first_suspend_ms = _timed_ms(yielder.park, device)
-    bytes_parked = yielder.bytes_parked
+    bytes_parked, bytes_copied = yielder.bytes_parked, yielder.bytes_copied
     first_resume_ms = _timed_ms(yielder.unpark, device)
     suspends, resumes = [], []
     for _ in range(repeats):
         suspends.append(_timed_ms(yielder.park, device))
         resumes.append(_timed_ms(yielder.unpark, device))
     after = [state.params[0], state.params[-1].grad, *state.opt.state[state.params[-1]].values()]
-    verified = bytes_parked == bytes_expected and all(torch.equal(a, b) for a, b in zip(after, reference))
+    verified = state_verified(yielder, bytes_expected, reference, after)
     suspend_ms, resume_ms = statistics.median(suspends), statistics.median(resumes)
     common.log(f"[suspend] {state_mb} MiB: park {suspend_ms:.1f} ms, unpark {resume_ms:.1f} ms "
                f"(first park {first_suspend_ms:.1f} ms); restart path next")
@@ -179,6 +192,7 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
     result = {
         "state_mb": state_mb,
         "bytes_parked": bytes_parked,
+        "bytes_copied": bytes_copied,
         "tensors": len(state.tensors()),
         "suspend_ms": common.rounded(suspend_ms),
         "resume_ms": common.rounded(resume_ms),
@@ -186,8 +200,8 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
         "resume_samples_ms": [common.rounded(v) for v in resumes],
         "first_suspend_ms": common.rounded(first_suspend_ms),
         "first_resume_ms": common.rounded(first_resume_ms),
-        "suspend_gb_per_s": common.rounded(bytes_parked / 1e6 / suspend_ms, 2),
-        "resume_gb_per_s": common.rounded(bytes_parked / 1e6 / resume_ms, 2),
+        "suspend_gb_per_s": common.rounded(bytes_copied / 1e6 / suspend_ms, 2),
+        "resume_gb_per_s": common.rounded(bytes_copied / 1e6 / resume_ms, 2),
         "restart_ms": common.rounded(restart_ms),
         "restart_samples_ms": [common.rounded(r["save_ms"] + r["process_ms"]) for r in restarts],
         "save_ms": common.rounded(restart["save_ms"]),

@@ -303,9 +303,9 @@ def _align(n: int) -> int:
 
 
 def pack(tensors: Sequence[Any], prefix: str = "na", *, group: int | None = None,
-         owner: int | None = None) -> tuple[Segment | None, list[p.TensorRef]]:
-    """Copy CPU tensors (torch or numpy) into one new segment (``group`` and
-    ``owner`` as :func:`create_segment`). Returns the segment (None when every
+         owner: int | None = None, reserve: bool = False) -> tuple[Segment | None, list[p.TensorRef]]:
+    """Copy CPU tensors (torch or numpy) into one new segment (``group``,
+    ``owner`` and ``reserve`` as :func:`create_segment`). Returns the segment (None when every
     tensor is empty) and one ref per tensor. The caller closes the segment; the
     protocol says who unlinks it."""
     metas = []
@@ -326,7 +326,7 @@ def pack(tensors: Sequence[Any], prefix: str = "na", *, group: int | None = None
         offset = _align(offset + nbytes)
     if not any(m[4] for m in metas):
         return None, [p.TensorRef(dtype=n, shape=s) for _, n, s, _, _ in metas]
-    seg = create_segment(offset, prefix, group=group, owner=owner)
+    seg = create_segment(offset, prefix, group=group, owner=owner, reserve=reserve)
     try:
         refs = []
         for t, name, shape, off, nbytes in metas:

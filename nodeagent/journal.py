@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 from client_lib.protocol import WORKLOADS
+from ctxpool.messages import PeerIdentity
 from nodeagent import journal_repair as repair
 
 log = logging.getLogger("nodeagent.journal")
@@ -62,6 +63,9 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         created_unix REAL NOT NULL)""",),
     # 3: the training job (cluster borrower) a session belongs to
     ("ALTER TABLE sessions ADD COLUMN borrower TEXT",),
+    # 4: who registered a model (JSON: uid, gid, groups), so that a restart reads its weights with
+    # that user's rights; NULL in rows of older journals (see ModelRecord.registrant)
+    ("ALTER TABLE models ADD COLUMN registrant TEXT",),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -121,6 +125,9 @@ class ModelRecord:
     example_refs: list[dict]  # [{"dtype", "shape", "offset", "nbytes"}] into example_bytes
     example_bytes: bytes
     created_unix: float
+    # Who registered it, as the daemon verified them (SO_PEERCRED, groups from /proc): a restarted
+    # daemon reads the weights file with these rights. None: journalled before schema 4 recorded it.
+    registrant: PeerIdentity | None = None
 
 
 class Journal:
@@ -315,10 +322,14 @@ class Journal:
     def put_model(self, rec: ModelRecord) -> None:
         """Journal a registered model (replacing one of the same name)."""
         refs = _to_json({"refs": rec.example_refs}, f"example input of model {rec.name}")
+        registrant = None if rec.registrant is None else _to_json(
+            {"uid": rec.registrant.uid, "gid": rec.registrant.gid, "groups": list(rec.registrant.groups)},
+            f"registrant of model {rec.name}")
         with self._write() as db:
             db.execute("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
-                       "created_unix) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix))
+                       "created_unix, registrant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix,
+                        registrant))
         log.debug("[journal] put model name=%s", rec.name)
 
     def delete_model(self, name: str) -> None:
@@ -327,19 +338,22 @@ class Journal:
         log.debug("[journal] delete model name=%s", name)
 
     def models(self) -> list[ModelRecord]:
-        rows = self._read("SELECT name, factory, weights, device, example_refs, example_bytes, created_unix "
-                          "FROM models ORDER BY created_unix")
+        """All readable journalled models, oldest first (a row with a bad value is skipped and logged)."""
+        rows = self._read("SELECT name, factory, weights, device, example_refs, example_bytes, created_unix, "
+                          "registrant FROM models ORDER BY created_unix")
         records = []
-        for name, factory, weights, device, refs, blob, created in rows:
+        for name, factory, weights, device, refs, blob, created, registrant_text in rows:
             doc = _json_object(refs)
             example_refs = doc.get("refs") if doc is not None else None
+            registrant = None if registrant_text is None else _registrant(registrant_text)
             if not (isinstance(name, str) and isinstance(factory, str) and isinstance(weights, (str, type(None)))
                     and (device is None or _is_int(device)) and isinstance(example_refs, list)
                     and all(isinstance(r, dict) for r in example_refs) and isinstance(blob, bytes)
-                    and _is_number(created)):
+                    and _is_number(created) and (registrant_text is None or registrant is not None)):
                 log.error("[journal] skip model row name=%s: bad value", _short(name))
                 continue
-            records.append(ModelRecord(name, factory, weights, device, example_refs, bytes(blob), float(created)))
+            records.append(ModelRecord(name, factory, weights, device, example_refs, bytes(blob), float(created),
+                                       registrant))
         return records
 
     # ---------------------------------------------------------------- meta
@@ -470,6 +484,23 @@ def _session_problem(v: dict) -> str | None:
     if not (v["borrower"] is None or isinstance(v["borrower"], str)):
         return f"borrower {_short(v['borrower'])} is not a string"
     return None
+
+
+_MAX_ID = 2**32 - 2  # uids and gids: (uid_t)-1 means "no change" to the kernel, never a user
+_MAX_GROUPS = 65536  # the kernel's NGROUPS_MAX
+
+
+def _registrant(text: object) -> PeerIdentity | None:
+    """A model row's registrant column read back, or None if it is not one a daemon wrote."""
+    doc = _json_object(text)
+    if doc is None or set(doc) != {"uid", "gid", "groups"}:
+        return None
+    uid, gid, groups = doc["uid"], doc["gid"], doc["groups"]
+    if not (_is_int(uid) and 0 <= uid <= _MAX_ID and _is_int(gid) and 0 <= gid <= _MAX_ID
+            and isinstance(groups, list) and len(groups) <= _MAX_GROUPS
+            and all(_is_int(g) and 0 <= g <= _MAX_ID for g in groups)):
+        return None
+    return PeerIdentity(uid=uid, gid=gid, groups=groups)
 
 
 def _is_int(value: object) -> bool:

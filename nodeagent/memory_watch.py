@@ -12,8 +12,10 @@ chain of parents, so that the loop can give every process to the session that
 owns its tree (:func:`nodeagent.memory.owners`).
 
 A mixin over the server's state: it uses ``_memory_readings``, ``_sessions``,
-``_schedulers``, ``config``, ``metrics`` and the server's ``_stop``,
-``_end_slice``, ``_apply``, ``_send`` and ``_event``.
+``_schedulers``, ``_lost_devices`` (a :class:`LostDevices`), ``config``, ``metrics``
+and the server's ``_stop``, ``_end_slice``, ``_apply``, ``_send``, ``_event`` and
+``_serving_device_lost``. Every token request of a client session goes through
+``_request_token``, which holds it while its device is lost.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from client_lib import protocol as p
 from nodeagent import memory, procwatch
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.sessions import Session
+from sharing import SessionState
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -68,6 +71,48 @@ class DeviceBack:
 Reading = Union[DeviceReading, DeviceLost, DeviceBack]
 
 
+class LostDevices:
+    """Devices NVML reports lost, and the token requests held back on them: a lost device
+    takes no new session and grants nothing until it answers again. Pure: no I/O, no clock."""
+
+    def __init__(self) -> None:
+        self._why: dict[int, str] = {}  # device -> what NVML said
+        self._held: dict[int, dict[str, float]] = {}  # device -> session -> waiting since, in order
+
+    def lose(self, device: int, message: str) -> None:
+        self._why[device] = message
+        self._held.setdefault(device, {})
+
+    def back(self, device: int) -> dict[str, float]:
+        """The device answers again: the requests held on it (session -> waiting since), in order."""
+        self._why.pop(device, None)
+        return self._held.pop(device, {})
+
+    def is_lost(self, device: int) -> bool:
+        return device in self._why
+
+    def refusal(self, device: int) -> str | None:
+        """Why ``device`` takes no new session now (a sentence for the peer), or None."""
+        why = self._why.get(device)
+        if why is None:
+            return None
+        return (f"device {device} has failed ({why}); it takes no new sessions and grants nothing until it "
+                "answers again: use another device")
+
+    def hold(self, device: int, session: str, since: float) -> bool:
+        """Hold a token request of ``session`` if ``device`` is lost (True), else False."""
+        held = self._held.get(device)
+        if held is None:
+            return False
+        held.setdefault(session, since)
+        return True
+
+    def forget(self, session: str) -> None:
+        """The session withdrew its request (cancel) or ended."""
+        for held in self._held.values():
+            held.pop(session, None)
+
+
 class MemoryPolicyMixin:
     """The memory policy applied to measured use, and lost devices (see the module docstring)."""
 
@@ -85,8 +130,7 @@ class MemoryPolicyMixin:
                     self._on_device_lost(reading, now)
                     continue
                 if isinstance(reading, DeviceBack):
-                    log.warning("[device] device=%d answers NVML again", reading.device)
-                    self._event("health", reading.device, None, device_state="ok")
+                    self._on_device_back(reading.device, now)
                     continue
                 sessions = [s for s in self._sessions.values() if s.device == reading.device]
                 over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
@@ -114,17 +158,47 @@ class MemoryPolicyMixin:
     def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
         """A failed GPU is a device failure: a health event, the holder's token
         revoked (``device_lost``) and every session on it told with an ``E_DEVICE``
-        error notice (their CUDA contexts died with the device)."""
+        error notice (their CUDA contexts died with the device). Until it answers
+        again it takes no new session and grants nothing: waiters leave the line
+        first (so that the revoke grants nobody) and their requests are held."""
         sessions = [s for s in self._sessions.values() if s.device == lost.device]
         log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
+        self._lost_devices.lose(lost.device, lost.message)
         self._event("health", lost.device, None, device_state="lost", reason=lost.message)
-        for s in sessions:
-            if s.grant is not None:
-                self._apply(self._schedulers[s.device].revoke(s.id, now, "device_lost"), now)
         notice = (f"device {lost.device} has failed ({lost.message}); the work on it is lost: "
                   "end this session and start again on another device")
+        scheduler = self._schedulers[lost.device]
+        for s in sessions:
+            if scheduler.state(s.id) is SessionState.WAITING:
+                scheduler.cancel(s.id, now)
+                self._lost_devices.hold(lost.device, s.id, s.wait_started if s.wait_started is not None else now)
+        self._serving_device_lost(lost.device, notice, now)
+        for s in sessions:
+            if s.grant is not None:
+                self._apply(scheduler.revoke(s.id, now, "device_lost"), now)
         for s in sessions:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
+
+    def _on_device_back(self, device: int, now: float) -> None:
+        """A lost device answers again: it admits sessions, and the requests held on it go to its
+        scheduler in the order they were made, keeping their wait."""
+        held = self._lost_devices.back(device)
+        log.warning("[device] device=%d answers NVML again: open for sessions and grants, held requests=%d",
+                    device, len(held))
+        self._event("health", device, None, device_state="ok")
+        scheduler = self._schedulers[device]
+        for sid, since in held.items():
+            s = self._sessions.get(sid)
+            if sid in scheduler and (s is None or s.suspend_state is None):
+                self._apply(scheduler.request(sid, now, waiting_since=min(since, now)), now)
+
+    def _request_token(self, session: str, device: int, now: float, waiting_since: float | None = None) -> None:
+        """Ask ``device``'s scheduler for the token for ``session``; on a lost device the
+        request is held, and made when the device answers again."""
+        if self._lost_devices.hold(device, session, now if waiting_since is None else waiting_since):
+            log.debug("[device] held a token request session=%s on lost device=%d", session, device)
+            return
+        self._apply(self._schedulers[device].request(session, now, waiting_since=waiting_since), now)
 
 
 class MemoryWatcher(threading.Thread):

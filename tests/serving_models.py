@@ -88,3 +88,14 @@ def sleeps_for_input() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+def slow_factory() -> nn.Module:
+    """Touches $NA_TEST_SLOW_MARKER, then takes $NA_TEST_SLOW_FACTORY_S seconds (default 60) to
+    build: a registration that stays pending while a test looks."""
+    marker = os.environ.get("NA_TEST_SLOW_MARKER")
+    if marker:
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(float(os.environ.get("NA_TEST_SLOW_FACTORY_S", "60")))
+    return _SleepsForInput()

@@ -327,3 +327,115 @@ def test_models_round_trip(tmp_path):
         assert j.models() == [rec]
         j.delete_model("m")
         assert j.models() == []
+
+
+def test_a_models_registrant_round_trips(tmp_path):
+    from ctxpool.messages import PeerIdentity
+    from nodeagent.journal import ModelRecord
+
+    rec = ModelRecord(name="m", factory="pkg.mod:make", weights="/w.pt", device=0, example_refs=[],
+                      example_bytes=b"", created_unix=2.0,
+                      registrant=PeerIdentity(uid=65534, gid=65534, groups=[61234, 65534]))
+    with Journal(str(tmp_path / "state.db")) as j:
+        j.put_model(rec)
+    with Journal(str(tmp_path / "state.db")) as j:
+        assert j.models() == [rec]
+
+
+def _schema_3_journal_with_a_model(db_path: str, monkeypatch) -> None:
+    """A journal as nodeagent wrote it before schema 4: a models row with no registrant column."""
+    with monkeypatch.context() as m:
+        m.setattr(journal_mod, "_MIGRATIONS", journal_mod._MIGRATIONS[:3])
+        m.setattr(journal_mod, "SCHEMA_VERSION", 3)
+        Journal(db_path).close()
+    raw = sqlite3.connect(db_path)
+    assert "registrant" not in [r[1] for r in raw.execute("PRAGMA table_info(models)")]
+    raw.execute("INSERT INTO models (name, factory, weights, device, example_refs, example_bytes, created_unix) "
+                "VALUES ('old', 'pkg.mod:make', '/srv/w.pt', NULL, '{\"refs\": []}', x'', 1.0)")
+    raw.commit()
+    raw.close()
+
+
+def test_a_journal_from_before_registrants_is_migrated_and_its_models_read_with_no_registrant(db_path,
+                                                                                             monkeypatch):
+    _schema_3_journal_with_a_model(db_path, monkeypatch)
+    with Journal(db_path) as j:
+        [old] = j.models()
+    assert (old.name, old.weights, old.registrant) == ("old", "/srv/w.pt", None)
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    raw.close()
+
+
+@pytest.mark.parametrize("registrant", [
+    "not json", "[]", '{"uid": 0, "gid": 0}', '{"uid": -1, "gid": 0, "groups": []}',
+    '{"uid": true, "gid": 0, "groups": []}', '{"uid": 0, "gid": 0, "groups": ["wheel"]}',
+    '{"uid": 4294967295, "gid": 0, "groups": []}', '{"uid": 0, "gid": 0, "groups": [], "extra": 1}', "42"])
+def test_a_models_row_with_a_bad_registrant_is_skipped_and_the_rest_kept(db_path, registrant, caplog):
+    from nodeagent.journal import ModelRecord
+
+    with Journal(db_path) as j:
+        for name in ("bad", "good"):
+            j.put_model(ModelRecord(name=name, factory="pkg.mod:make", weights=None, device=None, example_refs=[],
+                                    example_bytes=b"", created_unix=1.0))
+    raw = sqlite3.connect(db_path)
+    raw.execute("UPDATE models SET registrant=? WHERE name='bad'", (registrant,))
+    raw.commit()
+    raw.close()
+    with Journal(db_path) as j:
+        assert [m.name for m in j.models()] == ["good"]
+    assert "skip model row name='bad'" in caplog.text
+
+
+class _FlakyJournal(Journal):
+    """A journal whose model writes fail while ``failing`` (a full disk, say); the rest works."""
+
+    failing = False
+
+    def put_model(self, rec) -> None:
+        if self.failing:
+            raise JournalError(f"journal {self.path}: database or disk is full")
+        super().put_model(rec)
+
+
+class _IdlePool:
+    """Stands in for the worker pool: nothing queued, no deadline."""
+
+    def next_deadline(self):
+        return None
+
+
+def test_a_model_whose_journal_write_failed_is_not_taken_as_journalled_and_is_written_later(tmp_path):
+    """Before: ``journalled`` was set whatever ``put_model`` did, so a model the journal never
+    took was believed durable, and a restart forgot it without a word."""
+    from prometheus_client import CollectorRegistry
+
+    from client_lib.protocol import ModelInfo
+    from ctxpool.messages import ModelReady
+    from nodeagent.config import ServeConfig
+    from nodeagent.devices import CpuBackend
+    from nodeagent.journal import ModelRecord
+    from nodeagent.metrics import Metrics
+    from nodeagent.server import AgentServer
+    from nodeagent.serving import _Model
+
+    journal = _FlakyJournal(str(tmp_path / "state.db"))
+    clock = [100.0]
+    server = AgentServer(ServeConfig(backend="cpu", endpoint=f"ipc://{tmp_path}/na.sock", state_dir=str(tmp_path),
+                                     ctxpool_enabled="off"),
+                         CpuBackend(1), metrics=Metrics(CollectorRegistry()), journal=journal, clock=lambda: clock[0])
+    server._pool = _IdlePool()
+    rec = ModelRecord(name="m", factory="pkg.mod:make", weights=None, device=None, example_refs=[],
+                      example_bytes=b"", created_unix=1.0)
+    server._models["m"] = _Model(record=rec, segment=None, example=[])
+    info = ModelInfo(name="m", factory=rec.factory, weights=None, model_bytes=0, layers=1, groups=1, devices=[0])
+    journal.failing = True
+    server._on_pool_event(ModelReady(name="m", info=info), clock[0])
+    assert server._models["m"].ready and not server._models["m"].journalled
+    assert journal.models() == []
+    journal.failing = False
+    for step_s in (0.0, 2.5, 0.1):  # the journal probe succeeds (every 2 s), then the model is written
+        clock[0] += step_s
+        server._on_timers(clock[0])
+    assert server._models["m"].journalled and [m.name for m in journal.models()] == ["m"]
+    journal.close()

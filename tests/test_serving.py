@@ -356,3 +356,156 @@ def test_an_output_made_while_the_daemon_stops_is_not_left_behind(start_daemon, 
         t.join(30)
     assert errors and getattr(errors[0], "code", None) == p.ErrorCode.SHUTTING_DOWN, errors
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"na-out-{worker}-")]
+
+
+# ----------------------------------------------- restored models, and a full /dev/shm
+
+_REGISTER_AS_NOBODY = """
+import sys
+import numpy as np
+from client_lib import Client
+with Client("nobody-reg", workload="inference", endpoint=sys.argv[1]) as c:
+    c.register_model("mine", "tests.serving_models:small_mlp", weights=sys.argv[2],
+                     example_input=np.zeros((2, 16), dtype=np.float32))
+print("registered")
+"""
+
+
+def test_a_restarted_daemon_reads_a_models_weights_with_its_registrants_rights(tmp_path):
+    """Before: the journal did not say who registered a model, and a restarted daemon read
+    its weights as root: a registrant who repointed the path at a root-only file before a
+    restart got that file loaded. Now the restore opens it as the registrant (refused), and
+    a row from before registrants were journalled is not restored if it names a file."""
+    import dataclasses
+
+    from ctxpool import safetensors
+    from nodeagent.journal import Journal
+    from tests.nonroot import (NOBODY_GID, NOBODY_UID, SOCKET_GID, require_root, run_as_nobody,
+                               share_with_socket_group)
+
+    require_root()
+    workdir = tempfile.mkdtemp(prefix="na-")  # short: ipc paths must stay under 107 bytes
+    weights_dir = tempfile.mkdtemp(prefix="na-w-")
+    secret_dir = tempfile.mkdtemp(prefix="na-s-")
+    try:
+        share_with_socket_group(workdir, 0o2750)
+        with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+            f.write(f"[ctxpool]\nworkers_per_device = 1\nregister_group = {SOCKET_GID}\n")
+        os.chmod(weights_dir, 0o755)
+        os.chown(weights_dir, NOBODY_UID, NOBODY_GID)  # the registrant's own directory
+        own = serving_models.small_mlp()
+        safetensors.save({k: v.contiguous() for k, v in own.state_dict().items()}, f"{weights_dir}/own.safetensors")
+        os.chmod(f"{weights_dir}/own.safetensors", 0o644)
+        secret = f"{secret_dir}/secret.safetensors"  # root's: 0600, of the same shapes
+        safetensors.save({k: (v * 5).contiguous() for k, v in own.state_dict().items()}, secret)
+        os.chmod(secret, 0o600)
+        link = f"{weights_dir}/model.safetensors"
+        os.symlink("own.safetensors", link)
+        os.lchown(link, NOBODY_UID, NOBODY_GID)
+
+        def start() -> Daemon:
+            d = Daemon(workdir, ["--ctxpool", "on"]).start()
+            share_with_socket_group(d.socket_path, 0o660)
+            return d
+
+        d = start()
+        try:
+            done = run_as_nobody(_REGISTER_AS_NOBODY, d.endpoint, link)
+            assert done.returncode == 0 and done.stdout.strip() == "registered", done.stderr
+        finally:
+            assert d.stop() == 0, d.log()
+        with Journal(os.path.join(workdir, "state", "state.db")) as j:
+            [mine] = j.models()
+            assert (mine.registrant.uid, mine.registrant.gid) == (NOBODY_UID, NOBODY_GID)
+            assert SOCKET_GID in mine.registrant.groups
+            # Rows as a journal from before schema 4 holds them: nobody knows who registered them.
+            j.put_model(dataclasses.replace(mine, name="legacy-file", weights=secret, registrant=None))
+            j.put_model(dataclasses.replace(mine, name="legacy-none", weights=None, registrant=None))
+        os.unlink(link)  # the registrant repoints its path while the daemon is down
+        os.symlink(secret, link)
+        os.lchown(link, NOBODY_UID, NOBODY_GID)
+
+        d = start()
+        try:
+            with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+                wait_for(lambda: "legacy-none" in [m.name for m in c.models()], timeout=60, interval=0.1)
+                wait_for(lambda: "registration failed name=mine" in d.log(), timeout=60, interval=0.1)
+                assert [m.name for m in c.models()] == ["legacy-none"]
+            log = d.log()
+            failed = next(line for line in log.splitlines() if "registration failed name=mine" in line)
+            assert "Permission denied" in failed and f"uid {NOBODY_UID}" in failed
+            assert "not restoring model name=legacy-file" in log and "register it again" in log
+        finally:
+            assert d.stop() == 0, d.log()
+    finally:
+        for path in (workdir, weights_dir, secret_dir):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_SHM_FULL_SCENARIO = r"""
+import json, os, shutil, sys, tempfile
+import torch
+from client_lib import Client, DaemonError
+from tests.conftest import Daemon
+
+workdir = tempfile.mkdtemp(prefix="na-")
+with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+    f.write("[ctxpool]\nworkers_per_device = 1\n")
+d = Daemon(workdir, ["--ctxpool", "on"]).start(timeout=60)
+out = {}
+try:
+    with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+        try:  # 3 MiB: the client's segment fits the 4 MiB /dev/shm, the daemon's copy does not
+            c.register_model("big", "tests.serving_models:sleeps_for_input", example_input=torch.zeros(1, 3 << 18))
+            out["example"] = {"registered": True}
+        except DaemonError as exc:
+            out["example"] = {"code": exc.code, "message": str(exc)}
+        c.register_model("sleeps", "tests.serving_models:sleeps_for_input", example_input=torch.zeros(1, 1))
+        try:  # 2.5 MiB in, 2.5 MiB out (x * 2): the worker's output segment does not fit
+            c.infer("sleeps", torch.zeros(1, 5 << 17))
+            out["output"] = {"served": True}
+        except DaemonError as exc:
+            out["output"] = {"code": exc.code, "message": str(exc)}
+        out["after"] = c.infer("sleeps", torch.ones(1, 4)).tolist()  # daemon and worker live on
+        out["models"] = [m.name for m in c.models()]
+finally:
+    out["exit"] = d.stop()
+    out["worker_deaths"] = d.log().count("[ctxpool] worker replaced")
+    shutil.rmtree(workdir, ignore_errors=True)
+out["left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("na-"))
+print(json.dumps(out))
+"""
+
+
+def _private_tiny_dev_shm() -> str | None:
+    """Why a private 4 MiB tmpfs cannot be mounted on /dev/shm here, or None if it can."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) to mount a private tmpfs on /dev/shm"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4m tmpfs /dev/shm"],
+                           capture_output=True, text=True, timeout=30)
+    return None if probe.returncode == 0 else f"cannot mount a private tmpfs: {probe.stderr.strip()[:200]}"
+
+
+def test_a_full_dev_shm_is_an_error_naming_the_size_not_a_sigbus_of_the_daemon_or_its_worker():
+    """Before: the daemon's copy of an example input and a worker's output segment were
+    sparse; the first write past a full /dev/shm killed the daemon (SIGBUS), or the worker.
+    The daemon, its worker and this client run in a mount namespace with a 4 MiB /dev/shm."""
+    import json
+
+    why = _private_tiny_dev_shm()
+    if why:
+        pytest.skip(why)
+    run = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "{sys.executable}" -c "$0"', _SHM_FULL_SCENARIO],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, f"status {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    example, output = out["example"], out["output"]
+    assert example.get("code") == p.ErrorCode.MODEL, out
+    assert f"needs {3 << 20} bytes" in example["message"] and "/dev/shm has" in example["message"], out
+    assert output.get("code") == p.ErrorCode.INFERENCE, out
+    assert f"needs {5 << 19} bytes" in output["message"] and "/dev/shm has" in output["message"], out
+    assert out["after"] == [[2.0, 2.0, 2.0, 2.0]] and out["models"] == ["sleeps"], out
+    assert out["exit"] == 0 and out["worker_deaths"] == 0, out
+    assert out["left"] == [], out
