@@ -35,6 +35,16 @@ raises or the error is one that kills a CUDA context
 (:func:`ctxpool.device_errors.is_fatal`), raises
 :class:`~ctxpool.device_errors.DeviceLost` instead; from then on every call
 raises it: the process must be replaced.
+
+Device memory: resident models stay within ``memory_budget_bytes`` (the least
+recently used are evicted to make room; a model larger than the budget is
+refused at registration with :class:`BudgetError`). An evicted or removed
+model's buffer goes back to the caching allocator, which would keep it for this
+process alone; :meth:`Engine.release_cached` gives such memory back to the
+device (beyond the pool reserved at warm-up). ``remove_model`` and ``evict``
+call it; after an eviction that made room for a swap-in, the caller does once
+the outputs are delivered (the worker, after its reply), so that no request
+waits for it.
 """
 
 from __future__ import annotations
@@ -59,7 +69,11 @@ log = logging.getLogger("ctxpool.engine")
 MODES = ("pipelined", "sequential")
 _MAX_GROUPS = 64  # min_group_bytes = model_bytes / this: bounds per-group overhead when copies cannot hide
 
-__all__ = ["MODES", "CopyError", "DeviceLost", "Engine", "InferStats", "ModelPlan"]
+__all__ = ["MODES", "BudgetError", "CopyError", "DeviceLost", "Engine", "InferStats", "ModelPlan"]
+
+
+class BudgetError(ValueError):
+    """A model does not fit the engine's memory budget even with nothing else resident."""
 
 
 @dataclass
@@ -100,9 +114,11 @@ class Engine:
     """One worker's device: warm context, resident models under a memory budget (LRU), pipelined swap-in."""
 
     def __init__(self, backend: str | Backend, device_index: int = 0, memory_budget_bytes: int | None = None) -> None:
-        """``backend``: "cpu", "cuda", or a backend object (tests pass one that records its calls)."""
-        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-            raise ValueError(f"memory_budget_bytes must be positive (or None: no limit), got {memory_budget_bytes}")
+        """``backend``: "cpu", "cuda", or a backend object (tests pass one that records its calls).
+        ``memory_budget_bytes``: what resident models may take on the device (None: no bound;
+        0: none may be resident, every model is refused)."""
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0 (or None: no limit), got {memory_budget_bytes}")
         if backend == "cpu":
             self._backend: Backend = CpuBackend()
         elif backend == "cuda":
@@ -118,6 +134,8 @@ class Engine:
         self._models: dict[str, _Model] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # resident models, most recently used last
         self._resident_bytes = 0
+        self._pool_bytes = 0  # reserved at warm-up: kept when cached memory is released
+        self._left = False  # a model left the device since cached memory was last released
         self._busy = threading.Lock()
         self.lost: str | None = None  # why the device context is dead (DeviceLost raised), else None
         self._worker = CopyWorker(self._backend)
@@ -129,6 +147,7 @@ class Engine:
         t0 = time.perf_counter()
         self._backend.warm_up_compute()
         self._backend.reserve(pool_bytes)
+        self._pool_bytes = max(0, pool_bytes)
         self.bytes_per_s = self._backend.measure_bytes_per_s()
         took = time.perf_counter() - t0
         log.info("[ctxpool] warm %s: pool=%d bytes copy=%.2f GB/s took_ms=%.1f", self.device, pool_bytes,
@@ -160,8 +179,8 @@ class Engine:
         layout = Layout(module)
         provisional = layout.place([0] * len(layout.atoms), 1)
         if self.memory_budget_bytes is not None and provisional.device_bytes > self.memory_budget_bytes:
-            raise ValueError(f"model {name!r} needs {provisional.device_bytes} bytes on {self.device}, more than "
-                             f"the engine's memory budget of {self.memory_budget_bytes} bytes")
+            raise BudgetError(f"model {name!r} needs {provisional.device_bytes} bytes on {self.device}, more than "
+                              f"the engine's memory budget of {self.memory_budget_bytes} bytes")
         with self._exclusive():
             self._check_alive()
             try:
@@ -189,8 +208,8 @@ class Engine:
         placement = layout.place([group_of_layer[o] for o in atom_owner], len(groups))
         if self.memory_budget_bytes is not None and placement.device_bytes > self.memory_budget_bytes:
             self._backend.unpin(name)  # grouped spans pad differently from the single-group check above
-            raise ValueError(f"model {name!r} needs {placement.device_bytes} bytes on {self.device}, more than "
-                             f"the engine's memory budget of {self.memory_budget_bytes} bytes")
+            raise BudgetError(f"model {name!r} needs {placement.device_bytes} bytes on {self.device}, more than "
+                              f"the engine's memory budget of {self.memory_budget_bytes} bytes")
         modules = dict(module.named_modules())
         layer_modules = [(modules[layers[j].name], group_of_layer[j]) for j in range(1, len(layers))
                          if layers[j].bytes and group_of_layer[j] > 0]
@@ -225,7 +244,8 @@ class Engine:
             self._detach(model)
 
     def remove_model(self, name: str) -> None:
-        """Forget a model: evict it if resident and unpin its host memory (host tensors untouched)."""
+        """Forget a model: evict it if resident, unpin its host memory (host tensors untouched) and
+        give its device memory back (:meth:`release_cached`)."""
         model = self._get(name)
         with self._exclusive():
             if model.dev_buf is not None:
@@ -233,6 +253,7 @@ class Engine:
             self._backend.unpin(name)
             del self._models[name]
         log.info("[ctxpool] remove model=%s", name)
+        self.release_cached()
 
     def plan(self, name: str) -> ModelPlan:
         return self._get(name).plan
@@ -242,11 +263,36 @@ class Engine:
         return list(self._lru)
 
     def evict(self, name: str) -> None:
-        """Free a model's device copy (its host copy is untouched); no-op if it is not resident."""
+        """Free a model's device copy (its host copy is untouched) and give its device memory back
+        (:meth:`release_cached`); no-op if it is not resident."""
         model = self._get(name)
         with self._exclusive():
-            if model.dev_buf is not None:
-                self._evict(model)
+            if model.dev_buf is None:
+                return
+            self._evict(model)
+        self.release_cached()
+
+    def release_cached(self) -> int:
+        """If a model left the device since the last call, give the memory the caching allocator
+        kept for it back to the device, keeping the pool reserved at warm-up; bytes released.
+        Blocks until the device is idle on cuda (``torch.cuda.empty_cache`` frees only then), so
+        call it between requests. DeviceLost if that finds the context dead; nothing to do on an
+        engine whose context is lost already (the process is going)."""
+        if not self._left or self.lost is not None:
+            return 0
+        with self._exclusive():
+            self._left = False
+            try:
+                released = self._backend.release_cached(self._pool_bytes)
+            except Exception as exc:
+                log.warning("[ctxpool] releasing cached memory on %s failed: %s: %s", self.device,
+                            type(exc).__name__, exc)
+                self._settle_after_failure(exc)  # DeviceLost if the context died
+                return 0
+        if released:
+            log.info("[ctxpool] released cached bytes=%d on %s (kept pool=%d resident=%d)", released, self.device,
+                     self._pool_bytes, self._resident_bytes)
+        return released
 
     # ---------------------------------------------------------------------- infer
 
@@ -363,6 +409,8 @@ class Engine:
     def _detach(self, model: _Model) -> None:
         for slot in model.layout.slots:
             slot.tensor.data = slot.host
+        if model.dev_buf is not None:
+            self._left = True  # its buffer went back to the caching allocator
         model.dev_buf = None
 
     def _make_resident(self, model: _Model) -> None:

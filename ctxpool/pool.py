@@ -18,6 +18,11 @@ death leaves a warm one serving at once while its replacement starts and attache
 every model before it takes requests. When no worker is idle, requests wait FIFO
 per device.
 
+What a device's workers start with comes from the ``device_setup`` hook, asked at
+every spawn (:class:`ctxpool.procs.WorkerSetup`): the environment they start CUDA
+in (the daemon names the GPU by UUID in ``CUDA_VISIBLE_DEVICES`` and adds its MPS
+client settings), the CUDA ordinal they then use, and their memory budget.
+
 The restart budget guards a device against workers that keep crashing: past it,
 dead workers are not replaced. Deaths that say nothing about the device do not
 count: a worker killed because a request ran past its deadline plus
@@ -48,13 +53,13 @@ from client_lib import tensors
 from ctxpool import messages as msg
 from ctxpool.messages import (DeviceStatus, ModelFailed, ModelReady, ModelSpec, PoolEvent, RequestDone,
                               RequestFailed, WorkerReady, WorkerReplaced, WorkerSnapshot)
-from ctxpool.procs import (WEIGHTS_PREFIX, Resources, ShutdownStep, WorkerState, describe_exit, escalate,
-                           sweep_stale_segments)
+from ctxpool.procs import (WEIGHTS_PREFIX, Resources, ShutdownStep, WorkerSetup, WorkerState, describe_exit,
+                           escalate, sweep_stale_segments)
 from ctxpool.worker import worker_main
 
 __all__ = ["DeviceStatus", "ModelFailed", "ModelReady", "ModelSpec", "PoolError", "PoolEvent", "RequestDone", "RequestFailed",
-           "ShutdownStep", "WorkerPool", "WorkerReady", "WorkerReplaced", "WorkerSnapshot", "WorkerState",
-           "sweep_stale_segments"]
+           "ShutdownStep", "WorkerPool", "WorkerReady", "WorkerReplaced", "WorkerSetup", "WorkerSnapshot",
+           "WorkerState", "sweep_stale_segments"]
 
 log = logging.getLogger("ctxpool.pool")
 
@@ -90,6 +95,7 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     conn: Optional[multiprocessing.connection.Connection]
     started_at: float
+    setup: WorkerSetup = field(default_factory=WorkerSetup)  # what it was started with
     state: WorkerState = WorkerState.STARTING
     ready: bool = False  # Ready received
     warm_up_ms: float = 0.0
@@ -140,7 +146,11 @@ class WorkerPool:
                  extra_sys_path: Sequence[str] = (), output_group: Optional[int] = None,
                  start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
                  on_fds_changed: Optional[Callable[[list[int], list[int]], None]] = None,
+                 device_setup: Optional[Callable[[int], WorkerSetup]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``device_setup(device)``: what a worker of ``device`` starts with, asked at every spawn
+        (replacements included); by default no environment of its own, the device's index as its
+        CUDA ordinal and ``memory_budget_bytes`` (None: no bound)."""
         if workers_per_device < 1:
             raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
         if restart_budget[0] < 0 or restart_budget[1] <= 0:
@@ -162,6 +172,7 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.timeout_grace_s = timeout_grace_s
         self._on_fds_changed = on_fds_changed
+        self._device_setup = device_setup
         self._clock = clock
         self._ctx = multiprocessing.get_context("spawn")  # never fork: the daemon holds a ZeroMQ context
         self._workers: dict[int, list[_Worker]] = {d: [] for d in self.devices}
@@ -190,26 +201,34 @@ class WorkerPool:
         log.info("[ctxpool] start backend=%s devices=%s workers_per_device=%d", self.backend, self.devices,
                  self.workers_per_device)
 
+    def setup_of(self, device: int) -> WorkerSetup:
+        """What a worker of ``device`` starts with now (the ``device_setup`` hook's answer)."""
+        if self._device_setup is None:
+            return WorkerSetup(env={}, ordinal=device, memory_budget_bytes=self.memory_budget_bytes)
+        return self._device_setup(device)
+
     def _spawn(self, device: int) -> _Worker:
+        setup = self.setup_of(device)
         parent, child = self._ctx.Pipe(duplex=True)
         try:
             proc = self._ctx.Process(target=worker_main, name=f"ctxpool-worker-{device}",
-                                     args=(child, self.backend, device, self.pool_bytes, self.memory_budget_bytes,
-                                           self.extra_sys_path, self.output_group))
+                                     args=(child, self.backend, device, self.pool_bytes, setup.memory_budget_bytes,
+                                           self.extra_sys_path, self.output_group, dict(setup.env), setup.ordinal))
             proc.start()
         except BaseException:
             parent.close()
             raise
         finally:
             child.close()  # our copy: the worker's end must close with the worker, so that we see EOF
-        worker = _Worker(device=device, process=proc, conn=parent, started_at=self._clock())
+        worker = _Worker(device=device, process=proc, conn=parent, started_at=self._clock(), setup=setup)
         self._resources.processes[proc.pid] = proc
         self._resources.conns[proc.pid] = parent
         self._workers[device].append(worker)
         for fd in worker.fds():
             self._by_fd[fd] = worker
         self._fds_changed(worker.fds(), [])
-        log.info("[ctxpool] spawn device=%d pid=%d", device, proc.pid)
+        log.info("[ctxpool] spawn device=%d pid=%d ordinal=%d budget_bytes=%s env=%s", device, proc.pid,
+                 setup.ordinal, setup.memory_budget_bytes, sorted(setup.env))
         return worker
 
     def _fds_changed(self, added: list[int], removed: list[int]) -> None:

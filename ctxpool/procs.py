@@ -1,7 +1,8 @@
 """Worker processes as the pool sees them: lifecycle states, stopping in steps, and cleanup.
 
 The pool (:mod:`ctxpool.pool`) decides what workers do; this module holds what
-is about processes only: the :class:`WorkerState` machine, :func:`escalate`
+is about processes only: the :class:`WorkerState` machine, :class:`WorkerSetup`
+(what a device's workers start with: environment, CUDA ordinal, memory budget), :func:`escalate`
 (the Shutdown message, then SIGTERM, then SIGKILL, recording the step that
 worked), :class:`Resources` (what a finaliser must reap and unlink however the
 pool ends) and :func:`sweep_stale_segments` (weights left by a daemon that was
@@ -19,8 +20,9 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from client_lib import tensors
 
@@ -49,6 +51,21 @@ class WorkerState(enum.Enum):
     BUSY = "busy"
     STOPPING = "stopping"
     DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker of one device starts with; the pool asks for it at every spawn.
+
+    ``env`` is put in the worker's environment before anything in it can start CUDA,
+    which reads ``CUDA_VISIBLE_DEVICES`` and the MPS variables once, in ``cuInit``;
+    ``ordinal`` is the CUDA device the worker then uses (0 when ``env`` makes its GPU
+    the only one visible); ``memory_budget_bytes`` bounds the models its engine keeps
+    resident (None: no bound)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    ordinal: int = 0
+    memory_budget_bytes: Optional[int] = None
 
 
 class ShutdownStep(str, enum.Enum):

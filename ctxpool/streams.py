@@ -33,7 +33,9 @@ Ordering rules on cuda (the cpu backend has nothing to order):
 - after a failure the engine synchronises the whole device
   (:meth:`synchronize_device`): an error there means the context is dead;
 - page-locked host memory is unregistered only once the copy stream is idle
-  (:meth:`CudaBackend.unpin`), since a copy may still be reading it.
+  (:meth:`CudaBackend.unpin`), since a copy may still be reading it;
+- cached device memory is given back (:meth:`CudaBackend.release_cached`) only
+  between requests: ``torch.cuda.empty_cache`` waits for the device.
 
 Timestamps (``mark``) are ``time.perf_counter()`` floats on cpu and timing
 events on cuda; :meth:`Backend.elapsed_s` turns two into seconds (on cuda
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -148,6 +151,9 @@ class CpuBackend:
     def unpin(self, owner: str) -> int:
         return 0
 
+    def release_cached(self, keep_bytes: int) -> int:
+        return 0  # evicted buffers are freed as they go (the arena takes its blocks back)
+
     def warm_up_compute(self) -> None:
         a = torch.randn(256, 256)
         (a @ a).sum().item()
@@ -176,7 +182,8 @@ class CudaBackend:
             raise RuntimeError("backend 'cuda' asked for, but torch finds no CUDA device "
                                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
         if not 0 <= device_index < torch.cuda.device_count():
-            raise ValueError(f"cuda device {device_index} does not exist ({torch.cuda.device_count()} visible)")
+            raise ValueError(f"cuda device {device_index} does not exist ({torch.cuda.device_count()} visible with "
+                             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
         self.device = torch.device("cuda", device_index)
         torch.cuda.set_device(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
@@ -252,6 +259,28 @@ class CudaBackend:
         except RuntimeError as exc:  # a dead context: no copy runs any more, unregistering is all that is left
             log.warning("[ctxpool] copy stream failed to synchronise before unpinning %s: %s", owner, exc)
         return self.pins.unpin(owner)
+
+    def release_cached(self, keep_bytes: int) -> int:
+        """Give the blocks the caching allocator holds but no tensor uses back to the device, so
+        that the other worker and the sessions can have them, when they exceed ``keep_bytes`` (the
+        pool reserved at warm-up, topped up again after); bytes released."""
+        reserved = self._reserved_bytes()
+        if reserved - self._allocated_bytes() <= keep_bytes:
+            return 0  # what is cached unused is no more than the pool: keep it for the next swap-in
+        self._empty_cache()
+        after = self._reserved_bytes()
+        if after < keep_bytes:
+            self.reserve(keep_bytes - after)
+        return max(0, reserved - self._reserved_bytes())
+
+    def _reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def _allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def _empty_cache(self) -> None:
+        torch.cuda.empty_cache()  # the current device's: set for this thread in __init__
 
     def warm_up_compute(self) -> None:
         a = torch.randn(1024, 1024, device=self.device)

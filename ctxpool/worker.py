@@ -1,10 +1,14 @@
 """A ctxpool worker process: one warm engine on one device, driven over a pipe.
 
 Started by :class:`ctxpool.pool.WorkerPool` with the ``spawn`` start method
-(the daemon holds a ZeroMQ context, which must never be forked). It creates
-its :class:`ctxpool.engine.Engine`, warms it up (a matmul and a conv run, the
-memory pool reserved), says ``Ready`` and then serves one message at a time
-(see :mod:`ctxpool.messages`). A model that raises fails only its request;
+(the daemon holds a ZeroMQ context, which must never be forked). It first puts
+its device's environment in place (``CUDA_VISIBLE_DEVICES=<uuid>``, MPS
+settings: CUDA reads them once, when it initialises), creates its
+:class:`ctxpool.engine.Engine` on the CUDA ordinal it was given, warms it up (a
+matmul and a conv run, the memory pool reserved), says ``Ready`` and then serves
+one message at a time (see :mod:`ctxpool.messages`). After each reply it gives
+back the device memory that models which left it had cached
+(:meth:`ctxpool.engine.Engine.release_cached`). A model that raises fails only its request;
 the worker exits when the daemon's end of the pipe closes, when the daemon
 dies (``PR_SET_PDEATHSIG``), on ``Shutdown``, or on an exception of its own,
 after a last ``Dying`` frame saying why.
@@ -25,7 +29,7 @@ import signal
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from client_lib import protocol as p
 from ctxpool import messages as msg
@@ -44,8 +48,12 @@ class WorkerFatal(Exception):
 
 def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: int,
                 memory_budget_bytes: int | None, extra_sys_path: Sequence[str],
-                output_group: int | None = None) -> None:
-    """Process entry point. Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
+                output_group: int | None = None, env: Mapping[str, str] | None = None,
+                ordinal: int | None = None) -> None:
+    """Process entry point. ``device_index`` is the daemon's name for the device; ``env`` is set
+    before anything can start CUDA, and the engine then uses CUDA device ``ordinal`` (default:
+    ``device_index``). Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
+    os.environ.update(env or {})  # first: nothing below may have started CUDA yet
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
     _die_with_parent()
@@ -56,7 +64,8 @@ def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: i
     sys.path[:0] = [path for path in extra_sys_path if path not in sys.path]
     code = 1
     try:
-        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults)
+        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults,
+                         device_index if ordinal is None else ordinal)
         code = worker.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("[worker] daemon end of the pipe closed: exit")
@@ -96,7 +105,8 @@ class _Loaded:
 
 class _Worker:
     def __init__(self, conn: Connection, backend: str, device_index: int, pool_bytes: int,
-                 memory_budget_bytes: int | None, output_group: int | None, faults: set[str]) -> None:
+                 memory_budget_bytes: int | None, output_group: int | None, faults: set[str],
+                 ordinal: int) -> None:
         if "fail-start" in faults:
             raise RuntimeError(f"{FAULT_ENV}=fail-start: failing before Ready on cue")
         from ctxpool.engine import Engine  # torch and the engine load in the worker only
@@ -106,10 +116,12 @@ class _Worker:
         self.output_group = output_group
         self.faults = faults
         self.models: dict[str, _Loaded] = {}
-        self.engine = Engine(backend, device_index=device_index, memory_budget_bytes=memory_budget_bytes)
+        self.engine = Engine(backend, device_index=ordinal, memory_budget_bytes=memory_budget_bytes)
         warm_up_s = self.engine.warm_up(pool_bytes)
         self._send(msg.Ready(pid=os.getpid(), warm_up_ms=warm_up_s * 1000.0))
-        log.info("[worker] ready backend=%s device=%d warm_up_ms=%.1f", backend, device_index, warm_up_s * 1000.0)
+        log.info("[worker] ready backend=%s device=%d on=%s CUDA_VISIBLE_DEVICES=%s budget_bytes=%s warm_up_ms=%.1f",
+                 backend, device_index, self.engine.device, os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+                 memory_budget_bytes, warm_up_s * 1000.0)
 
     def _send(self, reply: msg.FromWorkerMessage) -> None:
         self.conn.send_bytes(msg.encode(reply))
@@ -133,6 +145,16 @@ class _Worker:
             elif isinstance(request, msg.Drop):
                 self._drop(request.model)
                 self._send(msg.Dropped(model=request.model))
+            self._release_cached()  # after the reply, so that no request waits for it
+
+    def _release_cached(self) -> None:
+        """Give back the device memory of models this worker evicted (their cached blocks)."""
+        try:
+            self.engine.release_cached()
+        except Exception as exc:  # DeviceLost: the synchronise after the failure found the context dead
+            if is_fatal(exc):
+                raise WorkerFatal(f"device context lost: {exc}") from exc
+            log.warning("[worker] releasing cached device memory failed: %s: %s", type(exc).__name__, exc)
 
     # ------------------------------------------------------------ models
 
@@ -159,6 +181,7 @@ class _Worker:
     def _attach(self, request: msg.Attach) -> msg.FromWorkerMessage:
         from client_lib import tensors
         from ctxpool import store
+        from ctxpool.engine import BudgetError
 
         def rejected(code: str, message: str) -> msg.Rejected:
             return msg.Rejected(model=request.model, step="attach", code=code, message=message)
@@ -174,6 +197,10 @@ class _Worker:
         except store.ModelError as exc:
             _close(segment)
             return rejected(exc.code, exc.message)
+        except BudgetError as exc:
+            _close(segment)
+            return rejected(p.ErrorCode.NO_MEMORY, f"{exc} (each worker's ctxpool.resident_mb); nothing was "
+                                                   "registered")
         except tensors.TensorTransportError as exc:
             _close(segment)
             return rejected(p.ErrorCode.MODEL, f"example input of {request.model!r}: {exc}")
@@ -241,7 +268,9 @@ class _Worker:
             single = len(flat) == 1 and flat[0] is outputs  # a bare tensor, not a 1-tuple
             try:
                 # Owned by the requester, who unlinks it once read (the daemon does if it never is).
-                segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group, owner=request.owner_uid)
+                # Reserved: a full /dev/shm is E_INFERENCE naming the size, not a SIGBUS of this worker.
+                segment, refs = tensors.pack(flat, OUTPUT_PREFIX, group=self.output_group, owner=request.owner_uid,
+                                             reserve=True)
             except (tensors.TensorTransportError, OSError) as exc:
                 return failed(p.ErrorCode.INFERENCE, f"outputs of {request.model!r} cannot be returned: {exc}")
             if segment is not None:

@@ -41,7 +41,8 @@ def main() -> int:
     # CUDA reads only when it initialises.
     with Client("examples/train_loop", workload="training") as client:
         if args.device == "auto":  # only now may CUDA start: the session's MPS settings are in place
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+            # The session's GPU, found by its UUID ("cuda:N"; "cpu" on a cpu daemon).
+            args.device = client.cuda_device if torch.cuda.is_available() else "cpu"
         torch.manual_seed(0)
         device = torch.device(args.device)
         model = torch.nn.Sequential(torch.nn.Linear(256, args.width), torch.nn.ReLU(),

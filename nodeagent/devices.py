@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -47,6 +48,16 @@ class DeviceProcess:
     pid: int
     used_memory_bytes: int | None
     mps_client: bool = False
+
+
+_CUDA_UUID = re.compile(r"^(GPU|MIG)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+
+
+def cuda_visible_name(info: DeviceInfo) -> str | None:
+    """How ``CUDA_VISIBLE_DEVICES`` names ``info``'s GPU whatever the process inherited and
+    whatever order CUDA enumerates in: its UUID as NVML gave it (``GPU-...``); None when NVML
+    gave none (then only the index is known, which is NVML's, not CUDA's)."""
+    return info.uuid if _CUDA_UUID.match(info.uuid) else None
 
 
 class DeviceError(Exception):
@@ -270,8 +281,10 @@ def _cpu_model() -> str:
 class CudaBackend(DeviceBackend):
     """NVIDIA GPUs discovered through NVML (never through torch, so no CUDA context is made).
 
-    Indices are NVML's, which ignore CUDA_VISIBLE_DEVICES. An injected `nvml` stays
-    open on close(); one this backend made itself is shut down.
+    Indices are NVML's, which ignore CUDA_VISIBLE_DEVICES and may differ from the
+    order CUDA enumerates in: a process is pointed at a GPU by its UUID
+    (:func:`cuda_visible_name`), never by index. An injected `nvml` stays open on
+    close(); one this backend made itself is shut down.
     """
 
     name = "cuda"
@@ -307,6 +320,9 @@ class CudaBackend(DeviceBackend):
             memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
             if memory is NA:
                 log.warning("[devices] memory size not reported gpu=%d; using 0 bytes", index)
+            if uuid is NA:
+                log.warning("[devices] UUID not reported gpu=%d; its workers are pointed at it by PCI bus order",
+                            index)
             handles.append(handle)
             uuids.append(f"GPU-unknown-{index}" if uuid is NA else uuid)
             names.append("NVIDIA GPU" if name is NA else name)

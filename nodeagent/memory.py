@@ -2,7 +2,9 @@
 
 A session declares ``memory_mb`` in its hello. It is admitted to a device only
 if every declaration on that device still fits its capacity (total memory less
-the configured reserve). On ``cuda`` the watcher reads each process's device
+the configured reserve) beside what the device's ctxpool workers may hold
+(:class:`WorkerShare`: their contexts, pools and resident-model budgets, a
+standing declaration made when they start). On ``cuda`` the watcher reads each process's device
 memory through NVML and flags sessions using more than they declared; on
 ``cpu`` nothing is measurable per process, so the declarations are the account.
 """
@@ -44,13 +46,71 @@ def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int
     return chosen if freed >= need_mb else None
 
 
-def admission_problem(info: DeviceInfo, reserve_mb: int, declared: int, want_mb: int) -> str | None:
-    """Why a session declaring ``want_mb`` does not fit ``info``'s device, or None."""
+RESIDENT_FRACTION = 0.5  # of the memory free when workers start, what their resident models may take
+
+
+def auto_resident_mb(capacity_mb: int, workers: int, context_mb: int, pool_mb: int, declared_mb: int,
+                     fraction: float = RESIDENT_FRACTION) -> int:
+    """``ctxpool.resident_mb = "auto"``: each worker's budget for resident models, in MiB::
+
+        max(0, capacity - workers * (context + pool) - declared) * fraction // workers
+
+    ``capacity`` is the device's memory less ``memory.reserve_mb``, ``context`` the
+    context allowance of a process (``memory.context_allowance_mb``: 512 on cuda),
+    ``pool`` each worker's ``ctxpool.pool_mb`` and ``declared`` what sessions had
+    declared when the workers started (restored sessions). Half of what is left
+    (``fraction``) goes to the workers because nodeagent exists to share a GPU
+    between served models and sessions: the other half stays for sessions'
+    declarations and for what no budget bounds (the activations of a forward pass,
+    the allocator's fragmentation). Split evenly: any worker may be asked for any
+    model. A node that only serves models sets ``ctxpool.resident_mb`` itself; one
+    that serves none sets ``ctxpool.enabled = "off"``."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    free_mb = capacity_mb - workers * (context_mb + pool_mb) - declared_mb
+    return max(0, int(free_mb * fraction)) // workers
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShare:
+    """What one device's ctxpool workers may hold, counted in admission like a declaration
+    that never leaves: each worker's context allowance, its pool (``ctxpool.pool_mb``) and its
+    budget for resident models (``ctxpool.resident_mb``; None: no bound, not counted)."""
+
+    workers: int
+    context_mb: int  # each
+    pool_mb: int  # each
+    resident_mb: int | None  # each
+
+    @property
+    def total_mb(self) -> int:
+        return self.workers * (self.context_mb + self.pool_mb + (self.resident_mb or 0))
+
+    def describe(self) -> str:
+        resident = ("unbounded resident models, not counted (ctxpool.resident_mb = 0)" if self.resident_mb is None
+                    else f"{self.resident_mb} resident models (ctxpool.resident_mb)")
+        return (f"{self.total_mb} MiB held for {self.workers} ctxpool worker(s): {self.context_mb} context + "
+                f"{self.pool_mb} pool + {resident} each")
+
+
+def held_mb(workers: WorkerShare | None) -> int:
+    """What admission holds for a device's workers (0 where none run)."""
+    return workers.total_mb if workers is not None else 0
+
+
+def admission_problem(info: DeviceInfo, reserve_mb: int, declared: int, want_mb: int,
+                      workers: WorkerShare | None = None) -> str | None:
+    """Why a session declaring ``want_mb`` does not fit ``info``'s device beside the other
+    sessions' ``declared`` MiB and its ``workers``' share, or None."""
     capacity = capacity_mb(info, reserve_mb)
-    if declared + want_mb <= capacity:
+    held = held_mb(workers)
+    if declared + held + want_mb <= capacity:
         return None
-    return (f"device {info.index} has {max(0, capacity - declared)} MiB free for declarations "
+    return (f"device {info.index} has {max(0, capacity - held - declared)} MiB free for declarations "
             f"({declared} of {capacity} MiB declared by other sessions"
+            f"{f', {workers.describe()}' if workers is not None and held else ''}"
             f"{f', {reserve_mb} MiB reserved' if reserve_mb else ''}); this session declares {want_mb} MiB")
 
 

@@ -150,3 +150,37 @@ class DictOut(nn.Module):
 
 def dict_out() -> nn.Module:
     return DictOut()
+
+
+ECHOED_ENV = ("NODEAGENT_DEVICE_UUID", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_PIPE_DIRECTORY",
+              "CUDA_MPS_LOG_DIRECTORY")
+
+
+class EnvEcho(nn.Module):
+    """Returns, as UTF-8 bytes of JSON, the variables of :data:`ECHOED_ENV` its worker process has
+    (what the pool started it with), the device its input is on (``device``) and, on cuda, that
+    device's UUID as CUDA reports it (``cuda_uuid``); :func:`read_env_echo` decodes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import json
+
+        self.fc(x)  # a layer that owns bytes, as the engine expects of a model
+        seen = {name: os.environ[name] for name in ECHOED_ENV if name in os.environ}
+        seen["device"] = str(x.device)
+        if x.is_cuda:
+            seen["cuda_uuid"] = f"GPU-{torch.cuda.get_device_properties(x.device).uuid}"
+        return torch.tensor(list(json.dumps(seen).encode()), dtype=torch.uint8)
+
+
+def env_echo() -> nn.Module:
+    return EnvEcho()
+
+
+def read_env_echo(output: torch.Tensor) -> dict:
+    import json
+
+    return json.loads(bytes(output.tolist()).decode())

@@ -67,12 +67,22 @@ def test_bad_files_are_refused_naming_the_key(tmp_path, text, fragment):
     ('[memory]\npolicy = "explode"', "memory.policy"),
     ('[heartbeat]\nmisses = 0', "heartbeat.misses"),
     ('backend = "tpu"', "backend"),
+    ('[ctxpool]\nresident_mb = "lots"', "ctxpool.resident_mb"),
+    ('[ctxpool]\nresident_mb = -1', "ctxpool.resident_mb"),
 ])
 def test_bad_values_are_refused_naming_the_key(tmp_path, text, fragment):
     config = ServeConfig()
     load_file(config, write(tmp_path, text), required=True)
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         config.validate()
+
+
+def test_resident_mb_is_auto_by_default_or_a_number(tmp_path):
+    assert ServeConfig().ctxpool_resident_mb == "auto"
+    config = ServeConfig()
+    load_file(config, write(tmp_path, "[ctxpool]\nresident_mb = 4096\n"), required=True)
+    config.validate()
+    assert config.ctxpool_resident_mb == 4096
 
 
 def test_missing_file_is_an_error_only_when_named(tmp_path):

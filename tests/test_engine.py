@@ -6,6 +6,7 @@ import copy
 import gc
 import itertools
 import time
+import weakref
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ctxpool import hostmem, streams
-from ctxpool.engine import CopyError, DeviceLost, Engine
+from ctxpool.engine import BudgetError, CopyError, DeviceLost, Engine
 from ctxpool.layout import Layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -306,7 +307,7 @@ def test_lru_eviction_under_a_memory_budget():
 def test_a_model_bigger_than_the_budget_is_refused_at_registration():
     engine = Engine("cpu", memory_budget_bytes=1024)
     try:
-        with pytest.raises(ValueError, match="more than the engine's memory budget of 1024 bytes"):
+        with pytest.raises(BudgetError, match="more than the engine's memory budget of 1024 bytes"):
             engine.add_model("big", BnCnn(), (torch.randn(1, 3, 16, 16),))
         with pytest.raises(KeyError):
             engine.plan("big")
@@ -604,6 +605,18 @@ class RecordingCuda(streams.CudaBackend):
         self.pins = hostmem.PinRegistry(LoggingCudart(self.log), clear_error=lambda: self.log.append("clear"))
         self.cpu = streams.CpuBackend()
         self.sync_error: BaseException | None = None
+        # The caching allocator, as bytes: reserved from the device, allocated to live tensors.
+        self.reserved_bytes, self.allocated_bytes = 0, 0
+
+    def _reserved_bytes(self) -> int:
+        return self.reserved_bytes
+
+    def _allocated_bytes(self) -> int:
+        return self.allocated_bytes
+
+    def _empty_cache(self) -> None:
+        self.log.append("empty_cache")
+        self.reserved_bytes = self.allocated_bytes
 
     def _compute_stream(self) -> FakeStream:
         return self.compute
@@ -612,10 +625,20 @@ class RecordingCuda(streams.CudaBackend):
         pass
 
     def reserve(self, pool_bytes: int) -> None:
+        self.log.append(f"reserve({pool_bytes})")
+        self.reserved_bytes += max(0, pool_bytes)
         self.cpu.reserve(pool_bytes)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        return self.cpu.alloc(nbytes)
+        """As the caching allocator counts: allocated while the buffer lives, reserved grows to fit."""
+        buf = self.cpu.alloc(nbytes)
+        self.allocated_bytes += nbytes
+        self.reserved_bytes = max(self.reserved_bytes, self.allocated_bytes)
+        weakref.finalize(buf, self._freed, nbytes)
+        return buf
+
+    def _freed(self, nbytes: int) -> None:
+        self.allocated_bytes -= nbytes
 
     def prepare(self, dev_buf: torch.Tensor) -> None:
         pass
@@ -690,6 +713,72 @@ def test_each_swap_in_orders_the_copy_stream_after_compute_and_sequential_blocks
             else:
                 assert "copied.synchronize" not in log
             assert "device.synchronize" not in log  # nothing failed
+    finally:
+        engine.close()
+
+
+def test_cached_memory_goes_back_beyond_the_pool_only_when_asked_and_only_when_there_is_some():
+    backend = RecordingCuda()
+    backend.reserved_bytes, backend.allocated_bytes = 10_000, 2_000
+    assert backend.release_cached(keep_bytes=4_000) == 6_000  # emptied, then the pool topped up again
+    assert backend.log == ["empty_cache", "reserve(2000)"] and backend.reserved_bytes == 4_000
+    backend.log.clear()
+    backend.reserved_bytes = 6_000  # 4,000 cached unused: no more than the pool
+    assert backend.release_cached(keep_bytes=4_000) == 0 and backend.log == []
+    assert streams.CpuBackend().release_cached(keep_bytes=0) == 0
+
+
+def test_a_model_that_leaves_gives_its_cached_device_memory_back_after_the_request():
+    """Eviction frees a buffer into the caching allocator, which keeps it for this process alone (the
+    first multi-model load on a GPU ran out of memory that way). The engine hands it back to the device,
+    never inside a request: when the caller says it is between requests, and at remove/evict."""
+    backend = RecordingCuda()
+    big, small = Deep(dim=256, depth=4), Logged(backend.log)
+    xb, xs = (torch.randn(2, 256),), (torch.randn(2, 64),)
+    probe = Engine(RecordingCuda())
+    big_bytes = probe.add_model("big", copy.deepcopy(big), xb).device_bytes
+    probe.close()
+    engine = Engine(backend, memory_budget_bytes=big_bytes)  # one model resident at a time
+    try:
+        engine.warm_up(pool_bytes=0)
+        engine.add_model("big", big, xb)
+        engine.add_model("small", small, xs)
+        gc.collect()
+        engine.release_cached()  # the registrations' profiling copies went: given back now
+        engine.infer("big", xb)
+        assert engine.release_cached() == 0  # nothing left the device
+        since = len(backend.log)
+        engine.infer("small", xs)  # evicts big to make room
+        assert engine.resident() == ["small"] and "empty_cache" not in _after(backend.log, since)
+        gc.collect()
+        assert engine.release_cached() >= big_bytes - engine.plan("small").device_bytes
+        assert _after(backend.log, since).count("empty_cache") == 1
+        assert backend.reserved_bytes == backend.allocated_bytes  # no pool to keep
+        assert engine.release_cached() == 0  # once per departure
+        engine.infer("big", xb)
+        gc.collect()
+        since = len(backend.log)
+        engine.remove_model("small")  # was evicted already: nothing cached for it
+        engine.remove_model("big")  # resident: its buffer goes back at once
+        assert _after(backend.log, since).count("empty_cache") == 1 and backend.allocated_bytes == 0
+    finally:
+        engine.close()
+
+
+def test_the_pool_reserved_at_warm_up_is_kept_when_cached_memory_goes_back():
+    backend = RecordingCuda()
+    engine = Engine(backend)
+    try:
+        engine.warm_up(pool_bytes=1 << 20)
+        module = Logged(backend.log)
+        engine.add_model("m", module, (torch.randn(2, 64),))
+        engine.infer("m", (torch.randn(2, 64),))
+        backend.reserved_bytes += 4 << 20  # activations and evicted models, cached
+        gc.collect()
+        engine.evict("m")
+        gc.collect()
+        engine.release_cached()  # evict gave it back already: nothing more
+        assert backend.reserved_bytes == 1 << 20 and "empty_cache" in backend.log
     finally:
         engine.close()
 
@@ -868,6 +957,29 @@ def test_cuda_swap_in_matches_the_engines_ready_output_and_a_plain_cuda_copy(det
             assert torch.equal(again, swapped), name  # the same mode, the same placement: the same kernels
             if name == "tied":
                 assert module.decoder.weight is module.embed.weight and module.embed.weight.is_cuda
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_an_evicted_model_gives_its_device_memory_back_between_requests():
+    probe = Engine("cuda", 0)
+    big_bytes = probe.add_model("big", Deep(), (torch.randn(2, 2048),)).device_bytes
+    probe.close()
+    engine = Engine("cuda", 0, memory_budget_bytes=big_bytes)  # one of the two resident at a time
+    try:
+        engine.warm_up(pool_bytes=0)
+        engine.add_model("big", Deep(), (torch.randn(2, 2048),))
+        engine.add_model("small", BnCnn(), (torch.randn(1, 3, 16, 16),))
+        engine.release_cached()
+        engine.infer("big", (torch.randn(2, 2048),))
+        engine.infer("small", (torch.randn(1, 3, 16, 16),))  # evicts big
+        before = torch.cuda.memory_reserved(0)
+        released = engine.release_cached()
+        assert released == before - torch.cuda.memory_reserved(0) and released >= big_bytes // 2
+        engine.remove_model("small")
+        assert torch.cuda.memory_allocated(0) < big_bytes // 2
     finally:
         engine.close()
 

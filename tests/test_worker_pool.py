@@ -22,7 +22,7 @@ from client_lib import tensors
 from ctxpool import safetensors
 from ctxpool.messages import ModelSpec
 from ctxpool.pool import (ModelFailed, ModelReady, PoolError, RequestDone, RequestFailed, ShutdownStep,
-                          WorkerPool, WorkerReady, WorkerReplaced, WorkerState, sweep_stale_segments)
+                          WorkerPool, WorkerReady, WorkerReplaced, WorkerSetup, WorkerState, sweep_stale_segments)
 from ctxpool.worker import FAULT_ENV
 from tests import models_for_tests as m
 from tests.conftest import REPO, wait_for
@@ -339,6 +339,71 @@ def test_requests_go_to_the_active_worker_else_the_standby(loop, examples):
     assert ran_on[3] == ran_on[1] and ran_on[4] == ran_on[2] and ran_on[5] == ran_on[1]
 
 
+@pytest.mark.slow  # three workers start
+def test_each_device_s_workers_start_with_its_environment_and_budget_replacements_too(loop, examples):
+    """What the device_setup hook answers reaches the worker process (the model reads its own
+    environment), at every spawn, replacements included; each device's budget is its own."""
+    asked: list[int] = []
+
+    def setup(device: int) -> WorkerSetup:
+        asked.append(device)
+        uuid = f"GPU-fake-{device}"
+        return WorkerSetup(env={"NODEAGENT_DEVICE_UUID": uuid, "CUDA_VISIBLE_DEVICES": uuid}, ordinal=0,
+                           memory_budget_bytes=(1 << 30) if device == 0 else 0)
+
+    pool = _pool(loop, devices=[0, 1], workers_per_device=1, device_setup=setup)
+    loop.wait_ready(pool, 2)
+    assert sorted(asked) == [0, 1]
+    x = examples(torch.ones(1, 1))
+    echo = "tests.models_for_tests:env_echo"
+    assert isinstance(loop.register(pool, ModelSpec(name="echo", factory=echo, devices=[0], example_input=x)),
+                      ModelReady)
+    _, outputs = loop.infer(pool, 1, "echo", [torch.ones(1, 1)], device=0)
+    seen = m.read_env_echo(outputs[0])
+    assert seen["NODEAGENT_DEVICE_UUID"] == seen["CUDA_VISIBLE_DEVICES"] == "GPU-fake-0"
+    # device 1's workers may keep nothing resident: a model is refused there, naming the setting
+    failed = loop.register(pool, ModelSpec(name="echo1", factory=echo, devices=[1], example_input=x))
+    assert isinstance(failed, ModelFailed) and failed.code == E.NO_MEMORY, failed
+    assert "memory budget of 0 bytes" in failed.message and "ctxpool.resident_mb" in failed.message
+    old = pool.snapshot()[0][0].pid
+    os.kill(old, signal.SIGKILL)
+    replaced = loop.wait(WorkerReplaced, old_pid=old)
+    loop.wait(WorkerReady, pid=replaced.new_pid)
+    assert asked[-1] == 0 and len(asked) == 3
+    _, outputs = loop.infer(pool, 2, "echo", [torch.ones(1, 1)], device=0)
+    assert m.read_env_echo(outputs[0])["CUDA_VISIBLE_DEVICES"] == "GPU-fake-0"
+
+
+def test_a_worker_gives_cached_device_memory_back_after_each_reply_not_before():
+    """The worker's loop, in this process on a pipe: every reply is sent before the engine is asked to
+    release what departed models left cached (a blocking empty_cache on cuda), so no request waits."""
+    import multiprocessing
+    import threading
+
+    from ctxpool import messages as msg
+    from ctxpool import worker as worker_module
+
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    w = worker_module._Worker(theirs, "cpu", 0, 0, None, None, set(), 0)
+    assert isinstance(msg.decode_from_worker(ours.recv_bytes()), msg.Ready)
+    order: list[str] = []
+    send, release = w._send, w.engine.release_cached
+    w._send = lambda reply: (order.append(type(reply).__name__), send(reply))[1]
+    w.engine.release_cached = lambda: (order.append("release"), release())[1]
+    served = threading.Thread(target=w.serve)
+    served.start()
+    try:
+        ours.send_bytes(msg.encode(msg.Run(request_id=1, model="absent", inputs=[])))
+        assert isinstance(msg.decode_from_worker(ours.recv_bytes()), msg.Failed)
+        ours.send_bytes(msg.encode(msg.Drop(model="absent")))
+        assert isinstance(msg.decode_from_worker(ours.recv_bytes()), msg.Dropped)
+    finally:
+        ours.send_bytes(msg.encode(msg.Shutdown()))
+        served.join(10)
+        ours.close(), theirs.close()
+    assert order == ["Failed", "release", "Dropped", "release"]
+
+
 def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(loop, examples):
     pool = _pool(loop, workers_per_device=1)
     loop.wait_ready(pool, 1)
@@ -610,3 +675,27 @@ def test_cuda_workers_share_pinned_weights_and_match_the_plain_run(loop, example
     for w in ready:
         with open(f"/proc/{w.pid}/maps") as f:
             assert any(f"/dev/shm/{segment}" in line for line in f), w.pid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_worker_named_by_uuid_runs_on_that_gpu_as_its_device_0(loop, examples):
+    """NVML's last GPU, whatever CUDA_VISIBLE_DEVICES this process has: the worker sees only it."""
+    from nodeagent.devices import CudaBackend as NvmlGpus
+    from nodeagent.worker_setup import worker_env
+
+    with NvmlGpus() as gpus:
+        info = gpus.device(gpus.count() - 1)
+    env, ordinal = worker_env("cuda", info)
+    pool = WorkerPool("cuda", [info.index], workers_per_device=1, on_fds_changed=loop.fds_changed,
+                      device_setup=lambda device: WorkerSetup(env=env, ordinal=ordinal))
+    loop.pools.append(pool)
+    pool.start()
+    loop.wait_ready(pool, 1)
+    assert isinstance(loop.register(pool, ModelSpec(name="echo", factory="tests.models_for_tests:env_echo",
+                                                    example_input=examples(torch.ones(1, 1)))), ModelReady)
+    done, outputs = loop.infer(pool, 1, "echo", [torch.ones(1, 1)], device=info.index)
+    assert isinstance(done, RequestDone), done
+    seen = m.read_env_echo(outputs[0])
+    assert seen["CUDA_VISIBLE_DEVICES"] == info.uuid and seen["device"] == "cuda:0"
+    assert seen["cuda_uuid"] == info.uuid  # CUDA's device 0 in the worker is the GPU NVML named
