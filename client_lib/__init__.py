@@ -1,10 +1,11 @@
 """nodeagent client library: what inference services and training jobs import.
 
-Light by default (pyzmq, msgspec); torch only in :mod:`client_lib.torch`.
+Light by default: msgspec and the standard library (pyzmq only for the cluster
+client, :mod:`client_lib.placement`); torch only in :mod:`client_lib.torch`.
 """
 
 from client_lib.client import Client, query_status, resume_session, set_partition, suspend_session
-from client_lib.errors import (DaemonError, DaemonUnavailableError, GrantTimeoutError,
+from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailableError, GrantTimeoutError,
                                HandshakeTimeoutError, InferenceError, ModelError, NoModelError, NodeAgentError,
                                NoSessionError, ProtocolMismatchError, RequestTimeoutError, ServingUnavailableError,
                                WorkerDeadError)
@@ -15,5 +16,5 @@ __all__ = [
     "NodeAgentError", "DaemonError", "DaemonUnavailableError", "GrantTimeoutError",
     "HandshakeTimeoutError", "NoSessionError", "ProtocolMismatchError",
     "ModelError", "NoModelError", "InferenceError", "WorkerDeadError", "ServingUnavailableError",
-    "RequestTimeoutError",
+    "RequestTimeoutError", "CudaTooEarlyError",
 ]

@@ -6,10 +6,14 @@
                 step(batch)
                 client.yield_point()    # gives the token up only if the daemon asked
 
-A :class:`Client` is used from one thread (like the ZeroMQ socket it owns).
-A small background thread with its own socket sends heartbeats, so a long
-step never looks like a dead client, and notices when the daemon goes away or
-restarts. No torch here: :mod:`client_lib.torch` holds the torch helpers.
+A :class:`Client` is used from one thread; it owns one connection to the
+daemon (framed MessagePack over a unix stream socket, :mod:`client_lib.framing`).
+The daemon watches the client's process and connection, so an idle session
+costs nothing: no heartbeats. One thread per process
+(:mod:`client_lib.liveness`) notices the daemon hanging up and reattaches the
+session in the background, so a program that does not call the library for a
+while survives a daemon restart too. No torch here: :mod:`client_lib.torch`
+holds the torch helpers.
 
 When the daemon goes away (``reconnect=True``, the default), a client that
 holds the token keeps it for one more slice (its lease); after that it waits
@@ -21,19 +25,19 @@ session id, and a slice in progress completes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import select
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-import zmq
-
-from client_lib import codec, cuda_probe
+from client_lib import codec, cuda_probe, device_id, framing, liveness
 from client_lib import protocol as p
 from client_lib import serving
-from client_lib.endpoint import client_endpoint
+from client_lib.endpoint import ENV_ENDPOINT, client_endpoint
 from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailableError, GrantTimeoutError,
                                HandshakeTimeoutError, NodeAgentError, NoSessionError, RequestTimeoutError,
                                from_reply)
@@ -44,6 +48,7 @@ ENV_HANDSHAKE_TIMEOUT = "NODEAGENT_HANDSHAKE_TIMEOUT_S"
 _POLL_SLICE_MS = 50  # longest blind wait: how soon a lost daemon is noticed while blocked
 _UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
 _UNMANAGED_HANDSHAKE_S = 0.2
+_BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
 
 
 class Client:
@@ -59,8 +64,7 @@ class Client:
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, context: zmq.Context | None = None,
-                 borrower: str | None = None) -> None:
+                 managed_pgid: int | None = None, borrower: str | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -77,8 +81,8 @@ class Client:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
         self._wanted_device = device
-        self._ctx = context if context is not None else zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        self._conn: framing.Connection | None = None
+        self._io = threading.RLock()  # held while this client reads or writes; the liveness thread only tries it
         self._next_id = 1
         self._replies: dict[int, p.DaemonMessage] = {}
         self._awaiting: set[int] = set()  # ids of requests a _call() is waiting on
@@ -87,7 +91,9 @@ class Client:
         self._yield_requested = False
         self._in_slice = False
         self._closed = False
-        self._heartbeat: _HeartbeatThread | None = None
+        self._durable = True  # as last heard (welcome, then heartbeat acks)
+        self._next_heartbeat: float | None = None  # unwatched sessions only (welcome.heartbeat_ms > 0)
+        self._next_background_retry: float | None = None
         self._generation = 0  # connections made so far; a new one forgets what the old one asked
         self._lost_at: float | None = None  # when the daemon was found gone (None: it is there)
         self._unmanaged = False  # fail-open: running without the daemon
@@ -98,6 +104,7 @@ class Client:
         self._unpark: Callable[[], None] | None = None
         self.last_suspend: tuple[int, float, float] | None = None  # (bytes_parked, suspend_ms, resume_ms)
         self.welcome: p.Welcome | None = None
+        self._cuda_ordinal: int | None = None  # found from the welcome's UUID, once
         self.revocations = 0
         self._connect(claim=None)
 
@@ -109,7 +116,32 @@ class Client:
 
     @property
     def device(self) -> int:
+        """The daemon's index of this session's device (NVML's order on cuda): not a CUDA
+        ordinal of this process; use :attr:`cuda_device`."""
         return self.welcome.device
+
+    @property
+    def device_uuid(self) -> str:
+        """This session's GPU by UUID (``GPU-...``; ``CPU-...`` on a cpu daemon; "" from an older daemon)."""
+        return self.welcome.device_uuid
+
+    @property
+    def cuda_device(self) -> str:
+        """The torch device of this session's GPU in this process: ``"cuda:N"`` (``"cpu"`` on a
+        cpu daemon). N is the welcome's ``cuda_ordinal`` where the daemon could tell (0 under MPS),
+        else found from the UUID (:func:`client_lib.device_id.cuda_ordinal`: from
+        ``CUDA_VISIBLE_DEVICES``, else by asking torch, which initialises CUDA).
+        DeviceNotVisibleError if this process cannot see the GPU."""
+        welcome = self.welcome
+        if welcome.backend != "cuda":
+            return "cpu"
+        if welcome.cuda_ordinal is not None:
+            return f"cuda:{welcome.cuda_ordinal}"
+        if self._cuda_ordinal is None:
+            # An older daemon sends no UUID: its index is all there is (right where CUDA's order is NVML's).
+            self._cuda_ordinal = (device_id.cuda_ordinal(welcome.device_uuid) if welcome.device_uuid
+                                  else welcome.device)
+        return f"cuda:{self._cuda_ordinal}"
 
     @property
     def slice_ms(self) -> float:
@@ -119,8 +151,8 @@ class Client:
     def durable(self) -> bool:
         """Whether the daemon has journalled this session, so that a daemon restart keeps it (as last heard:
         from the welcome, then each heartbeat ack). False while the daemon's state journal fails (disk full)."""
-        heartbeat = self._heartbeat
-        return heartbeat.durable if heartbeat is not None else self.welcome.durable
+        self._pump(0)
+        return self._durable
 
     @property
     def holding(self) -> bool:
@@ -175,7 +207,7 @@ class Client:
         """Ask for the token without waiting; the grant arrives as a notice
         (see :attr:`holding`, :meth:`wait_event`)."""
         self._check_open()
-        if self._grant is None and self._sock is not None:
+        if self._grant is None and self._conn is not None:
             self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
 
     def release(self, requeue: bool = False) -> None:
@@ -185,7 +217,7 @@ class Client:
             return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        if self._sock is None:
+        if self._conn is None:
             return
         # Send before reading anything: the next holder is waiting on this frame.
         self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True))
@@ -231,22 +263,24 @@ class Client:
         For event loops (``nodeagent run``) that watch other things too."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
-        poller = zmq.Poller()
-        if self._sock is not None:
-            poller.register(self._sock, zmq.POLLIN)
-        for fd in fds:
-            poller.register(fd, zmq.POLLIN)
         while True:
+            poller = select.poll()
+            conn = self._conn
+            conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
+            if conn_fd is not None:
+                poller.register(conn_fd, select.POLLIN)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
             wait_ms = _POLL_SLICE_MS
             if deadline is not None:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
-            if self._sock is not None and self._sock in events:
+            if conn_fd is not None and conn_fd in events:
                 self._pump(0)
             ready = [fd for fd in fds if fd in events]
             if events or (deadline is not None and time.monotonic() >= deadline):
                 return ready
-            if self._heartbeat is not None and not self._heartbeat.healthy():
+            if not self.daemon_healthy():
                 return ready  # let the caller see the daemon is gone
 
     # --------------------------------------------------------------- others
@@ -302,8 +336,9 @@ class Client:
         self._call(p.UnregisterModel(id=self._take_id(), name=name), timeout)
 
     def daemon_healthy(self) -> bool:
-        """False once the heartbeat thread has lost the daemon or seen it restart."""
-        return self._heartbeat is not None and self._heartbeat.healthy() and not self._heartbeat.restarted
+        """False once the daemon closed this client's connection (it went away or restarted)."""
+        conn = self._conn
+        return conn is not None and not conn.closed_by_peer
 
     def try_resume(self, handshake_timeout_s: float = _UNMANAGED_HANDSHAKE_S) -> bool:
         """One attempt to reattach to the daemon (resuming the session); True on success."""
@@ -318,18 +353,18 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None:
-            # Wait for the bye's answer: a process that exits at once (os._exit)
-            # would otherwise take the unsent frame with it, and look crashed.
-            if self.daemon_healthy():
-                try:
-                    self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-                except NodeAgentError:
-                    pass
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        liveness.watcher().unwatch(self)
+        with self._io:
+            if self._conn is not None:
+                # Wait for the bye's answer, so the daemon hears it as a goodbye and
+                # not as a vanished client.
+                if self.daemon_healthy():
+                    try:
+                        self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+                    except (NodeAgentError, ConnectionError):
+                        pass
+                self._conn.close()
+                self._conn = None
         self._grant = None
 
     def __enter__(self) -> "Client":
@@ -371,7 +406,7 @@ class Client:
         resume_ms = (time.perf_counter() - started) * 1000.0
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
-        if self._sock is not None:
+        if self._conn is not None:
             self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms))
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
@@ -384,7 +419,6 @@ class Client:
         """React to the daemon going away or restarting (see the module docstring)."""
         if self._closed:
             return
-        hb = self._heartbeat
         now = time.monotonic()
         if self._unmanaged:
             if now >= self._next_retry:
@@ -392,18 +426,16 @@ class Client:
                 if self.try_resume():
                     log.warning("[client] daemon at %s is back; managed again", self.endpoint)
             return
-        if hb is None or (hb.healthy() and not hb.restarted):
+        if self.daemon_healthy():
             return
-        if hb.restarted:  # a daemon answers that is not ours: reattach now, claiming our slice
-            if not self.reconnect:
-                raise DaemonUnavailableError(self.endpoint, hb.failure())
-            self._reattach(hb.failure(), self.handshake_timeout_s)
-            return
+        cause = "the daemon closed the connection"
         if not self.reconnect:
-            raise DaemonUnavailableError(self.endpoint, hb.failure())
+            raise DaemonUnavailableError(self.endpoint, cause)
         if self._lost_at is None:
             self._lost_at = now
-            log.warning("[client] daemon at %s lost (%s)", self.endpoint, hb.failure())
+            log.warning("[client] daemon at %s lost (%s)", self.endpoint, cause)
+        if self.try_resume():  # a restarted daemon may be there already: reattach, claiming our slice
+            return
         lease_end = self._lost_at + self.welcome.slice_ms / 1000.0
         if self._grant is not None and now < lease_end:
             return  # finish the slice we were given
@@ -412,7 +444,7 @@ class Client:
             self._unmanaged = True
             self._next_retry = now + _UNMANAGED_RETRY_S
             return
-        self._reattach_blocking(hb.failure())
+        self._reattach_blocking(cause)
 
     def _reattach_blocking(self, cause: str) -> None:
         deadline = time.monotonic() + self.reconnect_timeout_s
@@ -428,13 +460,14 @@ class Client:
 
     def _reattach(self, cause: str, handshake_timeout_s: float) -> None:
         """New sockets and a hello that resumes the session, claiming the slice we hold."""
+        with self._io:
+            self._reattach_locked(cause, handshake_timeout_s)
+
+    def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
         log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
         claim, self._grant = self._grant, None
         self._yield_requested = False
         self._replies.clear()
@@ -453,11 +486,9 @@ class Client:
     # ------------------------------------------------------------ internals
 
     def _connect(self, claim: int | None, handshake_timeout_s: float | None = None) -> None:
-        """Open the socket and handshake (resuming the old session if any)."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        self._sock = sock
+        """Open the connection and handshake (resuming the old session if any)."""
+        timeout = handshake_timeout_s or self.handshake_timeout_s
+        self._conn = _open(self.endpoint, timeout)
         old = self.welcome
         hello = p.Hello(
             id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
@@ -466,10 +497,10 @@ class Client:
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
             borrower=self.borrower)
         try:
-            welcome = self._call(hello, handshake_timeout_s or self.handshake_timeout_s, handshake=True)
+            welcome = self._call(hello, timeout, handshake=True)
         except BaseException:
-            sock.close(0)
-            self._sock = None
+            self._conn.close()
+            self._conn = None
             raise
         if not isinstance(welcome, p.Welcome):
             raise NodeAgentError(f"expected welcome from {self.endpoint}, got {type(welcome).__name__}")
@@ -483,13 +514,16 @@ class Client:
                 self._abandon()
                 raise
         self.welcome = welcome
+        self._cuda_ordinal = None  # a new session may be on another GPU
+        self._durable = welcome.durable
+        self._next_heartbeat = (time.monotonic() + welcome.heartbeat_ms / 1000.0) if welcome.heartbeat_ms > 0 else None
+        self._next_background_retry = None
         if not welcome.durable:
             log.warning("[client] session=%s is not durable: the daemon could not journal it (a daemon restart "
                         "would lose it)", welcome.session)
         self._generation += 1
         self._asked_in = None
-        self._heartbeat = _HeartbeatThread(self._ctx, self.endpoint, welcome)
-        self._heartbeat.start()
+        liveness.watcher().watch(self)
         log.debug("[client] session=%s device=%d slice_ms=%.0f resumed=%s", welcome.session, welcome.device,
                   welcome.slice_ms, welcome.resumed)
 
@@ -497,10 +531,10 @@ class Client:
         """Close the session the daemon just opened, when this client cannot use it."""
         try:
             self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-        except NodeAgentError:
+        except (NodeAgentError, ConnectionError):
             pass
-        self._sock.close(0)
-        self._sock = None
+        self._conn.close()
+        self._conn = None
         self._closed = True
 
     def _waiting_since_connect(self) -> bool:
@@ -539,21 +573,37 @@ class Client:
             raise NodeAgentError("client is closed")
 
     def _send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting: only an error reply matters, and it is raised later."""
-        self._sock.send(codec.encode(req))
+        """Send without waiting: only an error reply matters, and it is raised later.
+        A daemon that went away is noticed by the next :meth:`_check_daemon`."""
+        with self._io:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.send(codec.encode(req))
+            except ConnectionError:
+                pass  # conn.closed_by_peer is set: the daemon is gone
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
-        self._awaiting.add(req.id)
-        try:
-            return self._wait_reply(req, timeout, handshake)
-        finally:
-            self._awaiting.discard(req.id)
+        with self._io:
+            self._awaiting.add(req.id)
+            try:
+                return self._wait_reply(req, timeout, handshake)
+            finally:
+                self._awaiting.discard(req.id)
 
     def _wait_reply(self, req: p.ClientMessage, timeout: float, handshake: bool) -> p.DaemonMessage:
-        self._sock.send(codec.encode(req))
+        conn = self._conn
+        try:
+            conn.send(codec.encode(req))
+        except ConnectionError as exc:
+            raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
         deadline = time.monotonic() + timeout
         while req.id not in self._replies:
+            if conn.closed_by_peer:
+                raise DaemonUnavailableError(self.endpoint, f"the daemon closed the connection before answering "
+                                             f"{type(req).__name__}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if handshake:
@@ -569,20 +619,25 @@ class Client:
 
     def _pump(self, timeout_ms: int, raise_async: bool = True) -> bool:
         """Handle every message that arrives within ``timeout_ms``; True if any did."""
-        sock = self._sock
-        if sock is None or not sock.poll(timeout_ms, zmq.POLLIN):
-            return False
-        while True:
+        with self._io:
+            conn = self._conn
+            if conn is None or conn.closed_by_peer:
+                if timeout_ms:
+                    time.sleep(min(timeout_ms, _POLL_SLICE_MS) / 1000.0)  # nothing to wait on: do not spin
+                return False
             try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                msg = codec.decode_reply(frame)
-            except codec.BadFrame as exc:
-                log.warning("[client] ignoring a frame from the daemon: %s", exc)
-                continue
-            self._handle(msg)
+                frames = conn.recv(timeout_ms / 1000.0)
+            except ConnectionError:
+                return False  # the daemon went away: _check_daemon decides what follows
+            if not frames:
+                return False
+            for frame in frames:
+                try:
+                    msg = codec.decode_reply(frame)
+                except codec.BadFrame as exc:
+                    log.warning("[client] ignoring a frame from the daemon: %s", exc)
+                    continue
+                self._handle(msg)
         if raise_async and self._async_error is not None:
             err, self._async_error = self._async_error, None
             if isinstance(err, NoSessionError) and self.reconnect:
@@ -612,81 +667,95 @@ class Client:
                 log.warning("[client] token revoked grant=%d reason=%s", msg.grant, msg.reason)
         elif msg.id in self._awaiting:
             self._replies[msg.id] = msg
+        elif kind is p.HeartbeatAck:
+            if msg.durable != self._durable:
+                self._durable = msg.durable
+                if self.welcome is not None:  # before the welcome, the welcome says it
+                    (log.info if msg.durable else log.warning)(
+                        "[client] session=%s durable=%s (the daemon's state journal %s)", self.welcome.session,
+                        msg.durable, "works again" if msg.durable else "cannot record it")
         elif kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
             # Error to a request sent without waiting. A release that raced a
             # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
             self._async_error = from_reply(msg.code, msg.message)
 
 
-class _HeartbeatThread(threading.Thread):
-    """Sends ``heartbeat`` on its own socket and keeps doing so through an
-    outage. It tells when the daemon stops answering (:meth:`healthy`), and
-    when a daemon answers that is not the one that welcomed us (a new ``boot``,
-    or one that no longer knows the session): :attr:`restarted`."""
+    # -------------------------------------------------- liveness thread hooks
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, welcome: p.Welcome, misses: int = 3) -> None:
-        super().__init__(name=f"nodeagent-heartbeat-{welcome.session}", daemon=True)
-        self._ctx = ctx
-        self._endpoint = endpoint
-        self._session = welcome.session
-        self._key = welcome.key
-        self._boot = welcome.boot
-        self.durable = welcome.durable
-        self._interval_s = welcome.heartbeat_ms / 1000.0
-        self._limit_s = self._interval_s * misses
-        self._stop_event = threading.Event()
-        self._last_ok = time.monotonic()
-        self.restarted = False
-        self.detail = ""
+    def _watch_fd(self) -> int | None:
+        """The connection the liveness thread watches for a hang-up (None: none open)."""
+        conn = self._conn
+        if conn is None or conn.closed_by_peer or self._closed:
+            return None
+        return conn.fileno()
 
-    def healthy(self) -> bool:
-        return time.monotonic() - self._last_ok <= self._limit_s
+    def _watch_due(self) -> float | None:
+        """When the liveness thread must next act for this client without a hang-up."""
+        due = self._next_heartbeat
+        retry = self._next_background_retry
+        if retry is not None and (due is None or retry < due):
+            due = retry
+        return due
 
-    def failure(self) -> str:
-        return self.detail or f"no heartbeat reply for {self._limit_s:.1f} s"
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=2.0)
-
-    def run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._endpoint)
-        rid = 0
+    def _on_watch(self, now: float, hung_up: bool) -> None:
+        """Called by the liveness thread: the daemon hung up, a heartbeat is due, or a
+        background reattach is to be retried. Does nothing while the owner is inside
+        the library (it handles all of it itself)."""
+        if self._closed or not self._io.acquire(blocking=False):
+            if self._next_heartbeat is not None and self._next_heartbeat <= now:
+                self._next_heartbeat = now + 0.05  # try again shortly
+            return
         try:
-            while not self._stop_event.is_set() and not self.restarted:
-                rid += 1
-                sock.send(codec.encode(p.Heartbeat(id=rid, session=self._session, key=self._key)))
-                sent = time.monotonic()
-                while True:  # wait for this heartbeat's reply, up to one interval
-                    left_ms = int((sent + self._interval_s - time.monotonic()) * 1000)
-                    if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
-                        break
-                    try:
-                        reply = codec.decode_reply(sock.recv())
-                    except codec.BadFrame:
-                        continue
-                    if reply.id != rid:
-                        continue
-                    if isinstance(reply, p.Error):
-                        self.detail = f"daemon no longer knows the session: {reply.code}: {reply.message}"
-                        self.restarted = True
-                    elif isinstance(reply, p.HeartbeatAck) and reply.boot != self._boot:
-                        self.detail = f"daemon restarted (boot {self._boot} -> {reply.boot})"
-                        self.restarted = True
+            conn = self._conn
+            if hung_up and conn is not None:
+                conn.closed_by_peer = True
+            if conn is None or conn.closed_by_peer:
+                self._next_heartbeat = None
+                if not self.reconnect or self._unmanaged:
+                    self._next_background_retry = None
+                    return  # the owner raises, or retries on its own schedule (fail-open)
+                if self._lost_at is None:
+                    self._lost_at = now
+                    log.warning("[client] daemon at %s lost (it closed the connection); reattaching in the "
+                                "background", self.endpoint)
+                try:
+                    self._reattach_locked("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
+                except DaemonUnavailableError:
+                    if now - self._lost_at > self.reconnect_timeout_s:
+                        self._next_background_retry = None  # the owner raises when it next calls in
                     else:
-                        self._last_ok = time.monotonic()
-                        if isinstance(reply, p.HeartbeatAck) and reply.durable != self.durable:
-                            self.durable = reply.durable
-                            (log.info if reply.durable else log.warning)(
-                                "[client] session=%s durable=%s (the daemon's state journal %s)", self._session,
-                                reply.durable, "works again" if reply.durable else "cannot record it")
-                    break
-                self._stop_event.wait(max(0.0, sent + self._interval_s - time.monotonic()))
+                        self._next_background_retry = now + _BACKGROUND_RETRY_S
+                return
+            if self._next_heartbeat is not None and self._next_heartbeat <= now:
+                try:
+                    conn.send(codec.encode(p.Heartbeat(id=self._take_id(), session=self.welcome.session,
+                                                       key=self.welcome.key)))
+                except ConnectionError:
+                    pass
+                self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
         finally:
-            sock.close(0)
+            self._io.release()
+
+
+def _open(endpoint: str, timeout: float) -> framing.Connection:
+    """A connection to the daemon; :class:`DaemonUnavailableError` saying why there is none."""
+    try:
+        return framing.Connection(endpoint, timeout)
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise DaemonUnavailableError(endpoint, "nothing listens there (is `nodeagent serve` running? "
+                                     f"set {ENV_ENDPOINT} to its endpoint)") from None
+    except PermissionError:
+        raise DaemonUnavailableError(endpoint, "permission denied: the socket is for root and the "
+                                     "daemon's group (ask to be added to it)") from None
+    except TimeoutError:
+        raise DaemonUnavailableError(endpoint, f"no connection within {timeout} s") from None
+    except ValueError as exc:
+        raise DaemonUnavailableError(endpoint, str(exc)) from None
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise NodeAgentError(f"cannot connect to the daemon at {endpoint}: this process is out of file "
+                                 "descriptors (close unused clients or raise its limit)") from None
+        raise DaemonUnavailableError(endpoint, exc.strerror or str(exc)) from None
 
 
 def _apply_env(env: dict[str, str]) -> None:
@@ -705,22 +774,30 @@ def _apply_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float,
-              context: zmq.Context | None, what: str):
+def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float, what: str):
     """Send one request without a session and return its typed reply."""
     endpoint = endpoint or client_endpoint()
-    ctx = context if context is not None else zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    conn = _open(endpoint, timeout)
     try:
-        sock.connect(endpoint)
-        sock.send(codec.encode(request))
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s "
-                                         "(is `nodeagent serve` running there?)")
-        reply = codec.decode_reply(sock.recv())
+        deadline = time.monotonic() + timeout
+        try:
+            conn.send(codec.encode(request), timeout)
+            reply = None
+            while reply is None:
+                left = deadline - time.monotonic()
+                frames = conn.recv(max(0.0, left))
+                for frame in frames:
+                    msg = codec.decode_reply(frame)
+                    if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0):
+                        reply = msg
+                        break
+                if reply is None and not frames and time.monotonic() >= deadline:
+                    raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s")
+        except ConnectionError:
+            raise DaemonUnavailableError(endpoint, f"the daemon closed the connection before its {what} "
+                                         "reply") from None
     finally:
-        sock.close(0)
+        conn.close()
     if isinstance(reply, p.Error):
         raise from_reply(reply.code, reply.message)
     if not isinstance(reply, expected):
@@ -728,29 +805,26 @@ def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, ti
     return reply
 
 
-def query_status(endpoint: str | None = None, timeout: float = 5.0,
-                 context: zmq.Context | None = None) -> p.StatusReply:
+def query_status(endpoint: str | None = None, timeout: float = 5.0) -> p.StatusReply:
     """One status request without opening a session (what ``nodeagent status`` does)."""
-    return _one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, context, "status")
+    return _one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, "status")
 
 
 def suspend_session(session: str, deadline_ms: float = 5000.0, endpoint: str | None = None,
-                    timeout: float | None = None, context: zmq.Context | None = None) -> p.SuspendResult:
+                    timeout: float | None = None) -> p.SuspendResult:
     """Ask ``session`` to give up its whole device; returns once the device is free."""
     timeout = timeout if timeout is not None else deadline_ms / 1000.0 + 5.0
     return _one_shot(p.SuspendSession(id=1, session=session, deadline_ms=deadline_ms), p.SuspendResult,
-                     endpoint, timeout, context, "suspend")
+                     endpoint, timeout, "suspend")
 
 
-def resume_session(session: str, endpoint: str | None = None, timeout: float = 5.0,
-                   context: zmq.Context | None = None) -> None:
+def resume_session(session: str, endpoint: str | None = None, timeout: float = 5.0) -> None:
     """Let a suspended session come back."""
-    _one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, context, "resume")
+    _one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, "resume")
 
 
 def set_partition(device: int, shares: dict[str, float | None], memory_mb: dict[str, int] | None = None,
-                  endpoint: str | None = None, timeout: float = 5.0,
-                  context: zmq.Context | None = None) -> p.PartitionReply:
+                  endpoint: str | None = None, timeout: float = 5.0) -> p.PartitionReply:
     """Set the MPS partition of ``device`` (root only): SM percent per session, None for an equal share."""
     return _one_shot(p.Partition(id=1, device=device, shares=shares, memory_mb=memory_mb), p.PartitionReply,
-                     endpoint, timeout, context, "partition")
+                     endpoint, timeout, "partition")

@@ -17,8 +17,9 @@ Imports nothing of the daemon.
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ import msgspec
 import zmq
 import zmq.auth
 
-from client_lib import codec
+from client_lib import codec, framing
 from client_lib import protocol as p
+from client_lib.endpoint import ipc_path
 from client_lib.errors import DaemonError
 
 log = logging.getLogger("client_lib.placement")
@@ -204,6 +206,11 @@ class PlacementClient:
         if old is not None:
             self._by_socket.pop(old, None)
             old.close(0)
+        if ipc_path(self._nodes[name]) is not None:  # the node's local socket: framed, not ZeroMQ
+            sock = _LocalDealer(self._nodes[name])
+            self._dealers[name] = sock
+            self._by_socket[sock] = name
+            return
         sock = self._socket(zmq.DEALER, name)
         sock.connect(self._nodes[name])
         self._dealers[name] = sock
@@ -237,6 +244,11 @@ class PlacementClient:
         for name, (rid, frame) in frames.items():
             try:
                 self._dealers[name].send(frame, zmq.NOBLOCK)
+            except ConnectionError as exc:  # a local socket nobody listens on
+                results[name] = NodeResult(name, None, PlacementError(
+                    E_UNAVAILABLE, f"cannot reach {self._nodes[name]}: {exc.strerror or exc}", name))
+                self._connect(name)
+                continue
             except zmq.Again:
                 results[name] = NodeResult(name, None, PlacementError(
                     E_UNAVAILABLE, f"cannot queue a request to {self._nodes[name]} (send queue full)", name))
@@ -251,7 +263,10 @@ class PlacementClient:
             remaining_ms = (deadline - time.monotonic()) * 1000.0
             if remaining_ms <= 0:
                 break
+            local = {d.fileno(): d for d in self._dealers.values() if isinstance(d, _LocalDealer)}
             for sock, _ in poller.poll(math.ceil(remaining_ms)):
+                if isinstance(sock, int):  # pyzmq names a plain descriptor by its number
+                    sock = local[sock]
                 self._drain(sock, pending, results, poller)
         for rid, name in pending.items():
             results[name] = NodeResult(name, None, NodeTimeoutError(name, self._nodes[name], timeout_ms))
@@ -388,6 +403,9 @@ class PlacementClient:
     def close(self) -> None:
         """Close every socket; pending requests are dropped."""
         self._closed = True
+        for sock in self._dealers.values():
+            if isinstance(sock, _LocalDealer):
+                sock.close(0)
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> PlacementClient:
@@ -395,3 +413,43 @@ class PlacementClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _LocalDealer:
+    """The few DEALER calls this client makes, over a node's local unix socket
+    (length-prefixed frames, :mod:`client_lib.framing`): a node-local agent needs
+    no keys there, and the daemon knows it by its peer credentials."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self._conn: framing.Connection | None = None
+        self._frames: list[bytes] = []
+        self._quiet_r, self._quiet_w = os.pipe()  # polled instead of a connection that is gone
+
+    def fileno(self) -> int:
+        conn = self._conn
+        return conn.fileno() if conn is not None and not conn.closed_by_peer else self._quiet_r
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if self._conn is None:
+            self._conn = framing.Connection(self._endpoint, timeout=1.0)
+        self._conn.send(frame, timeout=1.0)
+
+    def recv(self, flags: int = 0) -> bytes:
+        if not self._frames and self._conn is not None:
+            try:
+                self._frames = self._conn.recv(0)
+            except ConnectionError:
+                self._frames = []
+        if not self._frames:
+            raise zmq.Again()
+        return self._frames.pop(0)
+
+    def close(self, linger: int = 0) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._quiet_r >= 0:
+            os.close(self._quiet_r)
+            os.close(self._quiet_w)
+            self._quiet_r = self._quiet_w = -1

@@ -20,8 +20,9 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
-"""(major, minor) of the wire protocol spoken by this copy of client_lib."""
+PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+"""(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
+added is listed in docs/protocol.md (Versioning)."""
 
 Workload = Literal["inference", "training", "best-effort"]
 WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
@@ -50,10 +51,12 @@ class ErrorCode:
     INFERENCE = "E_INFERENCE"  # the model raised; the worker survived and serves the next request
     WORKER_DEAD = "E_WORKER_DEAD"  # the worker running the request died; a replacement serves the next one
     UNAVAILABLE = "E_UNAVAILABLE"  # no workers on this daemon or device (ctxpool off, or none started yet)
-    TIMEOUT = "E_TIMEOUT"  # the request did not finish within its timeout_ms (a hung worker is replaced)
     # 1.1: cluster placement
     STATE = "E_STATE"  # the device's lifecycle state does not allow it (lend while inference runs, ...)
     INTERNAL = "E_INTERNAL"  # a bug in the daemon; the request changed nothing
+    # 1.2
+    TIMEOUT = "E_TIMEOUT"  # the request did not finish within its timeout_ms (a hung worker is replaced)
+    CUDA_TOO_EARLY = "E_CUDA_TOO_EARLY"  # raised by client_lib only (CudaTooEarlyError), never sent by a daemon
 
 
 # --------------------------------------------------------------------------
@@ -313,6 +316,9 @@ class Welcome(Reply, tag="welcome"):
     boot: int = 0  # the daemon's incarnation; a heartbeat_ack with another means it restarted
     env: dict[str, str] = {}  # set in the environment before CUDA initialises (MPS pipe dir, SM share, memory limit)
     durable: bool = True  # False: the daemon could not journal the session (disk full): a restart would lose it
+    # 1.2: which GPU, by UUID (the index above is the daemon's, NVML's, not this process's CUDA ordinal)
+    device_uuid: str = ""
+    cuda_ordinal: Optional[int] = None  # the CUDA ordinal to use, where the daemon can tell (0 when env names the GPU)
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):
@@ -357,6 +363,7 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     memory_capacity_mb: int = 0  # what admission lets sessions declare in all
     mps: bool = False
     partition: dict[str, int] = {}  # SM percent per session, on an MPS device
+    memory_workers_mb: int = 0  # 1.2: held for the device's ctxpool workers (contexts, pools, resident budgets)
 
 
 class StatusReply(Reply, tag="status_reply"):
@@ -391,7 +398,7 @@ class Revoke(Reply, tag="revoke"):
     until the next ``grant``."""
 
     grant: int
-    reason: str  # "overrun" | "shutdown" | "memory" | "suspended"
+    reason: str  # "overrun" | "shutdown" | "memory" | "suspended" | "device_lost" (1.2: NVML reports the GPU lost)
 
 
 class SuspendNotice(Reply, tag="suspend"):

@@ -267,8 +267,11 @@ class ClusterMixin:
 
     def _on_cluster_frames(self, frames: list) -> None:
         route = ClusterRoute(frames[0].bytes)
+        if len(frames) != 2:
+            self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
+            return
         try:
-            self._dispatch(route, frames, self._cluster_handlers, "cluster",
+            self._dispatch(route, frames[1].bytes, frames[1], self._cluster_handlers, "cluster",
                            unhandled=lambda route, msg: self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
                                                                     FORBIDDEN_ON_CLUSTER))
         except Exception:  # _dispatch contains handler bugs; this catches its own

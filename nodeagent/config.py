@@ -45,6 +45,10 @@ best-effort = 200.0
 interval_ms = 1000.0        # clients send a heartbeat at least this often
 misses = 3                  # silent for this many intervals: the session is lost
 
+[local]
+max_connections = 4096      # connections to the local socket; more are refused with E_UNAVAILABLE
+max_queued_kb = 4096        # a peer with more than this queued to it (not reading) is dropped
+
 [memory]
 policy = "warn"             # a session over its declared memory: warn | revoke | stop
 watch_interval_ms = 1000.0  # how often per-process device memory is read (cuda)
@@ -70,7 +74,9 @@ min_percent = 5             # smallest SM share a partition may give a session
 enabled = "auto"            # auto: warm workers when torch is importable | on | off
 workers_per_device = 2      # one active, the rest on standby with warm contexts
 pool_mb = 0                 # device memory each worker reserves in its allocator at start
-resident_mb = 0             # device memory a worker may keep models resident in (LRU); 0: no limit of its own
+resident_mb = "auto"        # device memory each worker may keep models resident in (LRU), held in admission;
+                            # auto: half of what contexts, pools and sessions leave at start, split between
+                            # workers (nodeagent.memory.auto_resident_mb); 0: no bound, not held
 python_path = []            # directories workers add to sys.path to import model factories
 restart_budget = 5          # worker deaths per device in 60 s before it stops replacing them
 timeout_grace_ms = 2000.0   # a worker still running a request this long after its timeout is replaced
@@ -112,6 +118,8 @@ class ServeConfig:
     enforce: str = "stop"  # stop | revoke
     heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
+    local_max_connections: int = 4096  # local endpoint: more are refused (E_UNAVAILABLE), never an abort
+    local_max_queued_kb: int = 4096  # bytes queued to a peer that does not read before it is dropped
     memory_policy: str = "warn"  # warn | revoke | stop
     memory_watch_ms: float = 1000.0
     memory_context_allowance_mb: int | str = "auto"  # per process (its CUDA context); auto: 512 on cuda, else 0
@@ -126,7 +134,7 @@ class ServeConfig:
     ctxpool_enabled: str = "auto"  # auto | on | off
     ctxpool_workers_per_device: int = 2
     ctxpool_pool_mb: int = 0
-    ctxpool_resident_mb: int = 0
+    ctxpool_resident_mb: int | str = "auto"  # "auto" (memory.auto_resident_mb) | MiB per worker | 0: no bound
     ctxpool_python_path: list[str] = field(default_factory=list)
     ctxpool_restart_budget: int = 5
     ctxpool_timeout_grace_ms: float = 2000.0  # past a request's timeout, before its worker is replaced
@@ -179,10 +187,12 @@ class ServeConfig:
             raise ConfigError(f"ctxpool.enabled must be auto, on or off, got {self.ctxpool_enabled!r}")
         for name, value, low in (("ctxpool.workers_per_device", self.ctxpool_workers_per_device, 1),
                                  ("ctxpool.pool_mb", self.ctxpool_pool_mb, 0),
-                                 ("ctxpool.resident_mb", self.ctxpool_resident_mb, 0),
                                  ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0)):
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
+        resident = self.ctxpool_resident_mb
+        if resident != "auto" and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
+            raise ConfigError(f"ctxpool.resident_mb must be \"auto\" or an integer >= 0, got {resident!r}")
         if not (math.isfinite(self.ctxpool_timeout_grace_ms) and self.ctxpool_timeout_grace_ms >= 0):
             raise ConfigError(f"ctxpool.timeout_grace_ms must be a number >= 0, got {self.ctxpool_timeout_grace_ms}")
         self.ctxpool_register_gid()
@@ -202,6 +212,10 @@ class ServeConfig:
         if not (math.isfinite(self.cluster_health_interval_s) and self.cluster_health_interval_s > 0):
             raise ConfigError(f"cluster.health_interval_s must be a positive number, "
                               f"got {self.cluster_health_interval_s}")
+        if self.local_max_connections < 1:
+            raise ConfigError(f"local.max_connections must be >= 1, got {self.local_max_connections}")
+        if self.local_max_queued_kb < 64:
+            raise ConfigError(f"local.max_queued_kb must be >= 64, got {self.local_max_queued_kb}")
         if self.memory_reserve_mb < 0:
             raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
         allowance = self.memory_context_allowance_mb
@@ -254,6 +268,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "scheduler.enforce": ("enforce", (str,)),
     "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
     "heartbeat.misses": ("heartbeat_misses", (int,)),
+    "local.max_connections": ("local_max_connections", (int,)),
+    "local.max_queued_kb": ("local_max_queued_kb", (int,)),
     "memory.policy": ("memory_policy", (str,)),
     "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),
     "memory.reserve_mb": ("memory_reserve_mb", (int,)),
@@ -269,7 +285,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "ctxpool.enabled": ("ctxpool_enabled", (str,)),
     "ctxpool.workers_per_device": ("ctxpool_workers_per_device", (int,)),
     "ctxpool.pool_mb": ("ctxpool_pool_mb", (int,)),
-    "ctxpool.resident_mb": ("ctxpool_resident_mb", (int,)),
+    "ctxpool.resident_mb": ("ctxpool_resident_mb", (int, str)),
     "ctxpool.python_path": ("ctxpool_python_path", (list,)),
     "ctxpool.restart_budget": ("ctxpool_restart_budget", (int,)),
     "ctxpool.timeout_grace_ms": ("ctxpool_timeout_grace_ms", (int, float)),
@@ -281,7 +297,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cluster.node": ("cluster_node", (str,)),
     "cluster.health_interval_s": ("cluster_health_interval_s", (int, float)),
 }
-_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "memory", "memory.class_cap_percent", "metrics",
+_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "local", "memory", "memory.class_cap_percent", "metrics",
              "mps", "ctxpool", "cluster"}
 
 

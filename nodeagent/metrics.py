@@ -73,6 +73,9 @@ class Metrics:
             ["kind"], registry=r)
         self.bad_requests = Counter(
             "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
+        self.connections_refused = Counter(
+            "nodeagent_connections_refused", "Local connections refused: over local.max_connections or out of descriptors",
+            registry=r)
         self.internal_errors = Counter(
             "nodeagent_internal_errors", "Bugs contained by the loop (one request or loop step lost, not the daemon)",
             ["where"], registry=r)

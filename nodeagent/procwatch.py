@@ -1,8 +1,8 @@
 """Verified identities of local peers and event-driven watching of their processes.
 
-A pid claimed in ``hello`` is never trusted. On an ``ipc://`` connection
-libzmq reads the peer's credentials with SO_PEERCRED and exposes them as the
-frame property ``Peer-Address`` (``host:uid:gid:pid``); that pid is verified.
+A pid claimed in ``hello`` is never trusted. On the local unix socket the
+daemon reads the peer's credentials with SO_PEERCRED when it connects
+(:mod:`nodeagent.daemon.local`); that pid is verified.
 A verified process is watched through a pidfd, which becomes readable the
 moment the process exits, so a dead client loses its token without waiting
 for missed heartbeats.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 from dataclasses import dataclass
 from typing import Final
 
@@ -37,8 +38,13 @@ class PeerCredentials:
     pid: int
 
 
-def peer_credentials(frame: zmq.Frame) -> PeerCredentials | None:
-    """Kernel-verified credentials of the peer that sent ``frame``, if known."""
+def peer_credentials(frame) -> PeerCredentials | None:
+    """Kernel-verified credentials of the peer that sent ``frame``, if known:
+    a local connection (:class:`nodeagent.daemon.local.Peer`) carries them; a
+    ZeroMQ frame may (libzmq's ``Peer-Address`` of an ipc peer)."""
+    creds = getattr(frame, "creds", False)
+    if creds is not False:
+        return creds
     try:
         address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError, TypeError):
@@ -196,3 +202,15 @@ class PidTranslator:
         if host_stat is None or local_stat is None or host_stat.start_ticks != local_stat.start_ticks:
             return None
         return local
+
+
+def pidfd_exited(pidfd: int | None) -> bool:
+    """True if the process behind ``pidfd`` has exited (its pidfd is readable)."""
+    if pidfd is None:
+        return False
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return False

@@ -16,7 +16,8 @@ successor always knows which processes to continue.
 
 A mixin over the server's state: it uses ``journal``, ``_journal_writer``,
 ``_sessions``, ``_schedulers``, ``_policy``, ``_partitions``, ``_restoring``,
-``_parked``, ``config`` and the server's ``_add_session``, ``_continue`` and ``_apply``.
+``_parked``, ``config`` and the server's ``_add_session``, ``_continue`` and ``_apply``,
+and the memory mixin's ``_request_token``.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ class JournalWriter:
     A session a failed write concerned is stale (its row is missing or out of
     date) until a write of it succeeds."""
 
-    def __init__(self, journal: Journal | None, metrics: Metrics, publish: Callable[..., None]) -> None:
+    def __init__(self, journal: Journal | None, metrics: Metrics, publish: Callable[..., None],
+                 on_durability: Callable[[str | None], None] = lambda session: None) -> None:
         self.journal = journal
         self._metrics = metrics
         self._publish = publish  # publish(**data): a cluster "health" event
+        # on_durability(session): what durable() says of that session (None: of every session) changed
+        self._on_durability = on_durability
         self.ok = True  # no write has failed since the last successful probe
         self.stale: set[str] = set()  # session ids whose journal row is missing or out of date
         self.next_retry: float | None = None  # monotonic: when to probe and write stale sessions again
@@ -66,6 +70,7 @@ class JournalWriter:
             fn(self.journal)
         except Exception as exc:  # JournalError, KeyError (row missing), or a bug: memory stays right
             self._metrics.journal_write_failures.inc()
+            newly_stale = session is not None and session not in self.stale
             if session is not None:
                 self.stale.add(session)
             log.error("[journal] write failed session=%s: %s", session, exc)
@@ -73,9 +78,14 @@ class JournalWriter:
                 self.ok = False
                 self._metrics.journal_ok.set(0)
                 self._publish(journal="failed", error=str(exc)[:200])
+                self._on_durability(None)
+            elif newly_stale:
+                self._on_durability(session)
             return False
-        if session is not None:
+        if session is not None and session in self.stale:
             self.stale.discard(session)
+            if self.ok:
+                self._on_durability(session)
         return True
 
     def probe(self) -> bool:
@@ -91,6 +101,7 @@ class JournalWriter:
             self._metrics.journal_ok.set(1)
             log.warning("[journal] writes succeed again; stale sessions=%d", len(self.stale))
             self._publish(journal="ok", stale_sessions=len(self.stale))
+            self._on_durability(None)
         return True
 
     def durable(self, session_id: str) -> bool:
@@ -184,11 +195,10 @@ class RestoreMixin:
         self._restoring.pop(device, None)
         parked = self._parked.pop(device, [])
         log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
-        scheduler = self._schedulers[device]
         for sid in parked:
             s = self._sessions.get(sid)
-            if s is not None:  # waited through the window: keeps its wait, no sleeper clamp
-                self._apply(scheduler.request(sid, now, waiting_since=s.wait_started), now)
+            if s is not None:  # waited through the window: keeps its wait, no sleeper clamp; held if lost
+                self._request_token(sid, device, now, waiting_since=s.wait_started)
 
 
 def unrestorable(rec: SessionRecord, devices: int) -> str | None:

@@ -1,9 +1,11 @@
-"""The daemon's ZeroMQ loop: wraps one :class:`sharing.TokenScheduler` per
-device and turns its actions into notices to clients.
+"""The daemon's loop: wraps one :class:`sharing.TokenScheduler` per device and
+turns its actions into notices to clients.
 
-Only this module touches the sockets. The loop waits on the ROUTER socket, a
-wake-up socket (signals and :meth:`AgentServer.request_stop`) and one pidfd
-per verified client process; the poll timeout is the schedulers' next
+The loop waits in one epoll set (:mod:`nodeagent.daemon.loop`) on the local
+endpoint's listener and connections (:mod:`nodeagent.daemon.local`: framed
+MessagePack over a unix stream socket), a wake-up socket (signals and
+:meth:`AgentServer.request_stop`), the pidfds of verified client processes and
+whatever components registered; the poll timeout is the schedulers' next
 deadline, so quantum ends and yield deadlines are acted on without polling.
 
 Bad input never crashes the loop and never changes state: every frame that is
@@ -20,20 +22,23 @@ import queue
 import select
 import signal
 import socket
+import threading
 import time
 from typing import Callable
 
 import zmq
 
-from client_lib import codec
+from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
 from nodeagent.cluster import ClusterMixin, ClusterRoute
 from nodeagent.config import ConfigError, ServeConfig
+from nodeagent.daemon.local import LocalEndpoint, Peer
+from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
-from nodeagent.memory_watch import MemoryPolicyMixin, MemoryWatcher
+from nodeagent.memory_watch import LostDevices, MemoryPolicyMixin, MemoryWatcher
 from nodeagent.metrics import Metrics, SessionRow
 from nodeagent.mps import MpsControl
 from nodeagent.mps_wiring import MpsMixin
@@ -48,7 +53,6 @@ log = logging.getLogger("nodeagent.server")
 
 MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
-_HARD_FRAME_LIMIT_BYTES = 16 * 1024 * 1024  # libzmq drops a peer past this; smaller ones get E_BAD_REQUEST
 _MAX_BATCH = 512  # frames handled before timers get a turn
 
 
@@ -65,7 +69,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
         # Every journal write goes through it: failures are counted, published, never fatal.
-        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._event("health", **data))
+        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._event("health", **data),
+                                             on_durability=self._tell_durability)
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
@@ -74,11 +79,11 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._schedulers = [TokenScheduler(i, self._policy) for i in range(backend.count())]
         self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._sessions: dict[str, Session] = {}
-        self._by_route: dict[bytes, Session] = {}
+        self._by_route: dict[Peer, Session] = {}
         self._by_pidfd: dict[int, Session] = {}
-        self._unreachable: list[bytes] = []
-        self._router: zmq.Socket | None = None
-        self._poller = zmq.Poller()
+        self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
+        self._local: LocalEndpoint | None = None
+        self._poller = EventLoopPoller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -108,6 +113,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             for i in config.mps_devices}
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
         self._memory_watcher: MemoryWatcher | None = None
+        self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
         # workers) poll through this loop: target -> callable run when readable.
         self._poll_handlers: dict = {}
@@ -142,33 +148,23 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         """Bind the endpoint; returns it. Refuses if another daemon serves it."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises, not drops
-        router.setsockopt(zmq.SNDHWM, 100_000)
-        router.setsockopt(zmq.RCVHWM, 100_000)
-        router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_LIMIT_BYTES)
-        router.setsockopt(zmq.LINGER, 0)
+        local = LocalEndpoint(endpoint, self._poller, self._on_frame, self._on_disconnect,
+                              max_connections=self.config.local_max_connections,
+                              max_queued_bytes=self.config.local_max_queued_kb * 1024,
+                              on_refused=lambda why: self.metrics.connections_refused.inc())
         try:
             if path is not None:
                 runtime.prepare_socket_dir(path)
                 self._lock = runtime.InstanceLock(path + ".lock", "socket")
                 self._lock.acquire()
                 runtime.remove_stale_socket(path)
-                old_umask = os.umask(0o117)  # the socket is born 0660: no window with looser modes
-                try:
-                    router.bind(endpoint)
-                finally:
-                    os.umask(old_umask)
-                runtime.secure_socket(path)
-            else:
-                router.bind(endpoint)
+            local.bind()
         except BaseException:
-            router.close(0)
+            local.close()
             if self._lock is not None:
                 self._lock.release()
             raise
-        self._router = router
-        self._poller.register(router, zmq.POLLIN)
+        self._local = local
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
         self._bind_cluster()
@@ -211,17 +207,17 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
     def serve_forever(self) -> str:
         """Run until stopped; returns the stop reason."""
-        if self._router is None:
+        if self._local is None:
             raise RuntimeError("bind() before serve_forever()")
-        router = self._router
+        local = self._local
         wake_fd = self._wake_r.fileno()
         pidfds_fd = self._pidfds.fileno()
         try:
             while self._stop_reason is None:
                 events = self._poller.poll(self._poll_timeout_ms())
-                for target, _ in events:
-                    if target is router:
-                        self._contain("serve", self._drain_router)
+                for target, ready in events:
+                    if type(target) is int and local.owns(target):
+                        self._contain("serve", local.on_ready, target, ready)
                     elif target == pidfds_fd:
                         self._contain("pidfd", self._reap_exited)
                     elif target == wake_fd:
@@ -271,13 +267,18 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._close_cluster()
         for s in list(self._sessions.values()):
             self._close_pidfd(s)
-        if self._router is not None:
-            self._router.close(linger=200)  # give the revoke notices a moment to leave
-            self._router = None
+        if self._local is not None:
+            self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
+            self._local = None
         path = ipc_path(self.config.endpoint)
         if path is not None and self._lock is not None:
             runtime.remove_stale_socket(path)
             self._lock.release()
+        if threading.current_thread() is threading.main_thread():
+            # A signal during what is left of shutdown must not write to a closed socket.
+            old = signal.set_wakeup_fd(-1)
+            if old not in (-1, self._wake_w.fileno()):
+                signal.set_wakeup_fd(old)
         self._wake_r.close()
         self._wake_w.close()
         self._pidfds.close()
@@ -289,33 +290,30 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
     # ---------------------------------------------------------------- input
 
-    def _drain_router(self) -> None:
-        router = self._router
-        for _ in range(_MAX_BATCH):
-            if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            self._on_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
-
-    def _on_frames(self, frames: list) -> None:
-        route = frames[0].bytes
+    def _on_frame(self, peer: Peer, body: bytes) -> None:
+        """One frame from a local connection (the local endpoint calls this)."""
         try:
-            self._dispatch(route, frames, self._handlers, "serve")
+            self._dispatch(peer, body, peer, self._handlers, "serve")
         except Exception:  # _dispatch contains handler bugs; this catches its own
             self.metrics.internal_errors.labels("serve").inc()
             log.exception("[serve] internal error while dispatching a frame")
-            self._error(route, 0, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+            self._error(peer, 0, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
-    def _dispatch(self, route: bytes, frames: list, handlers: dict, where: str,
+    def _on_disconnect(self, peer: Peer, reason: str) -> None:
+        """A local connection is gone. Its session, if any, is dropped after the
+        current step (a send inside a handler can find a peer gone)."""
+        if peer in self._by_route:
+            self._unreachable.append((peer, reason))
+
+    def _dispatch(self, route, body: bytes, frame, handlers: dict, where: str,
                   unhandled: Callable | None = None) -> None:
         """Decode one request and run its handler; bad frames and handler bugs cost
-        that request an error reply, never the loop."""
+        that request an error reply, never the loop. ``frame`` is what handlers
+        read the sender's identity from (a :class:`Peer`, or a ZeroMQ frame on the
+        cluster endpoint)."""
         now = self._clock()
-        if len(frames) != 2:
-            self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
-            return
-        frame = frames[1]
         try:
-            msg = codec.decode_request(frame.bytes)
+            msg = codec.decode_request(body)
         except codec.BadFrame as exc:
             self._bad(route, exc.request_id, str(exc))
             return
@@ -454,17 +452,20 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         if restoring is not None:
             restoring.discard(s.id)
         if claim is not None and s.grant is None:
-            self._apply(self._schedulers[s.device].request(s.id, now), now)
+            self._request_token(s.id, s.device, now)
         if restoring is not None and not restoring:
             self._end_restore(s.device, now)
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
         policy = self._schedulers[s.device].policy
+        env = self._client_env(s)
+        uuid = self._device_info[s.device].uuid
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
-            grace_ms=policy.grace_ms, heartbeat_ms=self.config.heartbeat_ms, resumed=resumed, boot=self.boot,
-            env=self._client_env(s), durable=self._journal_writer.durable(s.id)))
+            grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
+            env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
+            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env)))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -480,6 +481,10 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             candidates = [wanted]
         else:  # least loaded first
             candidates = sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
+        lost = [self._lost_devices.refusal(i) for i in candidates if self._lost_devices.is_lost(i)]
+        candidates = [i for i in candidates if not self._lost_devices.is_lost(i)]
+        if not candidates:  # a failed GPU takes no session until it answers again
+            return None, p.ErrorCode.DEVICE, "; ".join(lost)
         problems, refusals = [], []
         for i in candidates:
             refusal = self._admission_refusal(i, workload, borrower)  # lent, draining (nodeagent/cluster.py)
@@ -489,7 +494,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             declared = memory.declared_mb(self._sessions.values(), i)
             problem = (self._class_cap_problem(i, workload, memory_mb)
                        or memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb,
-                                                   declared, memory_mb))
+                                                   declared, memory_mb, self._workers_share(i)))
             if problem is None:
                 return i, "", ""
             problems.append(problem)
@@ -540,7 +545,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             if s.id not in parked:
                 parked.append(s.id)
             return
-        self._apply(self._schedulers[s.device].request(s.id, now), now)
+        self._request_token(s.id, s.device, now)  # held while the device is lost
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -566,6 +571,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         if s is None:
             return
         actions = self._schedulers[s.device].cancel(s.id, now)
+        self._lost_devices.forget(s.id)  # a request held on a lost device goes too
         if s.grant is None:
             s.wait_started = None
         self._send(route, p.Ok(id=msg.id))
@@ -727,10 +733,30 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         # Round up: waking early would spin until the deadline.
         return max(0, math.ceil((wake_at - self._clock()) * 1000.0))
 
+    def _tell_durability(self, session_id: str | None) -> None:
+        """Whether a session is journalled changed (None: for every session): tell its
+        client with an unasked ``heartbeat_ack`` (id 0), since watched sessions send no
+        heartbeats to be told in the answer to."""
+        targets = self._sessions.values() if session_id is None else \
+            [s for s in (self._sessions.get(session_id),) if s is not None]
+        for s in list(targets):
+            if s.route is not None:
+                self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot,
+                                                   durable=self._journal_writer.durable(s.id)))
+
+    def _heartbeat_ms(self, s: Session) -> float:
+        """How often ``s``'s client must send heartbeats: never (0) when the daemon
+        watches its process through a pidfd and its connection (either going away
+        ends the session at once); else ``heartbeat.interval_ms``."""
+        return 0.0 if s.pidfd is not None else self.config.heartbeat_ms
+
     def _check_heartbeats(self, now: float) -> None:
         limit = self.config.heartbeat_timeout_s
-        # A stopped process cannot heartbeat: its pidfd says whether it lives.
-        for s in [s for s in self._sessions.values() if now - s.last_seen > limit and not s.stopped]:
+        # Watched sessions (pidfd and a connection) need no heartbeat; a stopped
+        # process cannot heartbeat: its pidfd says whether it lives. A restored
+        # session that has not reattached (no connection) gets the timeout to do so.
+        for s in [s for s in self._sessions.values()
+                  if now - s.last_seen > limit and not s.stopped and (s.pidfd is None or s.route is None)]:
             self._drop(s, "heartbeat", now)
 
     # ------------------------------------------------------------- sessions
@@ -797,10 +823,12 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
     def _flush_unreachable(self) -> None:
         while self._unreachable:
-            route = self._unreachable.pop()
-            s = self._by_route.get(route)
+            peer, reason = self._unreachable.pop()
+            s = self._by_route.get(peer)
             if s is not None:
-                self._drop(s, "unreachable", self._clock())
+                if reason == "closed":  # say why, when it is known: its process is gone, or only the connection
+                    reason = "process_exited" if procwatch.pidfd_exited(s.pidfd) else "disconnected"
+                self._drop(s, reason, self._clock())
 
     # -------------------------------------------------------------- output
 
@@ -810,15 +838,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         if type(route) is ClusterRoute:  # a placement peer on the cluster endpoint
             self._send_cluster(route, msg)
             return
-        try:
-            self._router.send_multipart([route, codec.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                self._unreachable.append(route)
-            elif exc.errno == zmq.EAGAIN:
-                log.warning("[serve] dropped %s to a peer that is not reading", type(msg).__name__)
-            else:
-                raise
+        local = self._local
+        if local is not None:
+            local.send(route, codec.encode(msg))
 
     def _error(self, route: bytes, request_id: int, code: str, message: str) -> None:
         self._send(route, p.Error(id=request_id, code=code, message=message))
@@ -862,6 +884,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
                 memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
                 mps=info.index in self._mps,
+                memory_workers_mb=memory.held_mb(self._workers_share(info.index)),
                 partition=dict(self._partitions[info.index].plan.shares) if info.index in self._partitions else {}))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
@@ -877,6 +900,18 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
             rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, s.id, used))
         return rows
+
+
+def welcome_ordinal(backend: str, uuid: str, env: dict[str, str]) -> int | None:
+    """The CUDA ordinal a client welcomed with ``env`` uses for its GPU ``uuid``, where the
+    daemon can tell: when ``env`` sets ``CUDA_VISIBLE_DEVICES`` naming it (an MPS session sees
+    only its GPU, as device 0). None otherwise: the client finds it from the UUID."""
+    if backend != "cuda" or "CUDA_VISIBLE_DEVICES" not in env:
+        return None
+    try:
+        return device_id.ordinal_in_visible(uuid, env["CUDA_VISIBLE_DEVICES"])
+    except device_id.DeviceNotVisibleError:
+        return None
 
 
 def _check_hello(msg: p.Hello) -> str | None:

@@ -15,14 +15,19 @@ journalled then, and a restarted daemon registers the journalled models
 again. The example input is copied out of the client's segment into one the
 daemon owns, since the client may unlink its own as soon as it is answered.
 
+Workers start pointed at their GPU by UUID, with their device's MPS client
+settings on an MPS device and a budget for resident models; what they may hold
+is a standing declaration in admission (:mod:`nodeagent.worker_setup`).
+
 A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
 ``_poller``, ``_poll_handlers``, ``config``, ``backend``, ``journal``,
-``metrics`` and the server's ``_send``, ``_error``, ``_apply``,
+``metrics``, ``_lost_devices``, ``_device_info``, ``_mps`` and the server's ``_send``, ``_error``, ``_apply``,
 ``_session_for``, ``_journal``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import logging
@@ -40,8 +45,9 @@ from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, R
                               WorkerReplaced)
 from ctxpool.pool import PoolError
 from ctxpool.worker import OUTPUT_PREFIX  # outputs are na-out-<worker pid>-...
-from nodeagent import output_segments, procwatch
+from nodeagent import memory, output_segments, procwatch, worker_setup
 from nodeagent.journal import ModelRecord
+from nodeagent.memory_watch import context_allowance_mb
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
 
 log = logging.getLogger("nodeagent.serving")
@@ -51,6 +57,7 @@ FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[
 MAX_TENSORS = 64
 SERVE_SUFFIX = ":serve"
 EXAMPLE_PREFIX = "na-example"  # the daemon's copies of example inputs: na-example-<daemon pid>-...
+SHUTTING_DOWN = "daemon is shutting down; retry when it is back"
 
 
 @dataclass
@@ -124,6 +131,8 @@ class ServingMixin:
         self._job_ids = itertools.count(1)
         self._serving_why = "not started"
         self._poll_fds_of_pool: set[int] = set()
+        self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
+        self._unjournalled: set[str] = set()  # ready models whose journal write failed
 
     # ---------------------------------------------------------------- life
 
@@ -139,28 +148,37 @@ class ServingMixin:
         sweep_stale_segments(EXAMPLE_PREFIX)  # a daemon killed with SIGKILL could not unlink its own
         sweep_stale_segments(OUTPUT_PREFIX)  # nor the outputs its dead workers made and nobody read
         cfg = self.config
+        self._worker_shares = worker_setup.worker_shares(
+            self._device_info, workers=cfg.ctxpool_workers_per_device, pool_mb=cfg.ctxpool_pool_mb,
+            context_mb=context_allowance_mb(cfg.memory_context_allowance_mb, self.backend.name),
+            resident_mb=cfg.ctxpool_resident_mb, reserve_mb=cfg.memory_reserve_mb,
+            declared_mb={i: memory.declared_mb(self._sessions.values(), i) for i in range(len(self._schedulers))})
+        for device, share in self._worker_shares.items():
+            log.info("[ctxpool] device=%d %s", device, share.describe())
         self._pool = WorkerPool(
             self.backend.name, list(range(len(self._schedulers))),
             workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
-            memory_budget_bytes=(cfg.ctxpool_resident_mb << 20) or None,
             restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
             output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed,
-            timeout_grace_s=cfg.ctxpool_timeout_grace_ms / 1000.0, clock=self._clock)
+            timeout_grace_s=cfg.ctxpool_timeout_grace_ms / 1000.0, device_setup=self._worker_setup,
+            clock=self._clock)
         self._pool.start()
         self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
         log.info("[ctxpool] starting workers=%d per device devices=%d backend=%s",
                  cfg.ctxpool_workers_per_device, len(self._schedulers), self.backend.name)
         if self.journal is not None:
             for rec in self._journal_read(lambda j: j.models(), []):
-                try:
-                    self._begin_registration(rec, journalled=True)
+                why = unrestorable_model(rec)
+                if why is not None:
+                    log.error("[ctxpool] not restoring model name=%s: %s", rec.name, why)
+                    continue
+                try:  # its weights are read with the rights of whoever registered it, as then
+                    self._begin_registration(rec, journalled=True, reader=rec.registrant)
                 except (tensors.TensorTransportError, OSError, ValueError, PoolError) as exc:
                     log.error("[ctxpool] cannot restore model name=%s: %s", rec.name, exc)
 
     def _stop_serving(self) -> None:
-        for q, job in list(self._inflight.values()):
-            self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
-        self._inflight.clear()
+        self._answer_pending_at_shutdown()
         if self._pool is not None:
             steps = self._pool.shutdown(5.0)
             log.info("[shutdown] step=workers %s", steps)
@@ -171,6 +189,41 @@ class ServingMixin:
         for model in self._models.values():
             self._free_example(model)
         self._models.clear()
+
+    def _answer_pending_at_shutdown(self) -> None:
+        """Answer every serving request still open with E_SHUTTING_DOWN, before the workers
+        stop, so that no requester waits for its own timeout: requests the pool runs or
+        queues, requests still waiting for their device's token, and registrations waiting
+        for workers to attach. Their input segments stay the clients' (they unlink them)."""
+        running = len(self._inflight)
+        for q, job in list(self._inflight.values()):
+            self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+        self._inflight.clear()
+        queued = 0
+        for q in self._serving.values():
+            while q.pending:
+                job = q.pending.popleft()
+                self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+                queued += 1
+        registering = 0
+        for model in self._models.values():
+            for route, rid in model.waiters:
+                self._error(route, rid, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+                registering += 1
+            model.waiters.clear()
+        log.info("[shutdown] step=serving answered running=%d queued=%d registering=%d", running, queued,
+                 registering)
+
+    def _worker_setup(self, device: int):
+        """What a worker of ``device`` starts with (asked at every spawn): its GPU by UUID, the
+        device's MPS client settings on an MPS device, its resident-model budget."""
+        control = self._mps.get(device)
+        return worker_setup.setup_for(self.backend.name, self._device_info[device], self._worker_shares[device],
+                                      mps_env=control.client_env() if control is not None else None)
+
+    def _workers_share(self, device: int) -> memory.WorkerShare | None:
+        """What admission holds on ``device`` for its ctxpool workers; None while they do not run."""
+        return self._worker_shares.get(device) if self._pool is not None else None
 
     def _pool_fds_changed(self, added=(), removed=()) -> None:
         for fd in removed:
@@ -235,12 +288,14 @@ class ServingMixin:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "the daemon cannot verify this peer's user")
             return
         try:
+            # The weights file is opened with the registering peer's rights, never root's; the
+            # journal keeps them, so that a restarted daemon reads the file with the same rights.
+            registrant = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
             record = ModelRecord(name=msg.name, factory=msg.factory, weights=msg.weights, device=msg.device,
-                                 example_refs=[], example_bytes=b"", created_unix=time.time())
+                                 example_refs=[], example_bytes=b"", created_unix=time.time(),
+                                 registrant=registrant)
             record = _with_example(record, msg.example_input, owner_uid=creds.uid)
-            # The weights file is opened with the registering peer's rights, never root's.
-            self._begin_registration(record, journalled=False, waiter=(route, msg.id),
-                                     reader=peer_open.identity_of(creds.uid, creds.gid, creds.pid))
+            self._begin_registration(record, journalled=False, waiter=(route, msg.id), reader=registrant)
         except tensors.SegmentAccessError as exc:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, f"example input: {exc}")
         except tensors.TensorTransportError as exc:
@@ -344,6 +399,10 @@ class ServingMixin:
     def _on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
         if s is None:
+            return
+        lost = self._lost_devices.refusal(s.device)
+        if lost is not None:  # its token is granted to nobody until the device answers again
+            self._error(route, msg.id, p.ErrorCode.DEVICE, lost)
             return
         if self._pool is None:
             self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
@@ -463,6 +522,19 @@ class ServingMixin:
             else:
                 self._remove_queue(q, now)
 
+    def _serving_device_lost(self, device: int, notice: str, now: float) -> None:
+        """``device`` failed: requests waiting for its token are answered E_DEVICE and their
+        queues leave the line (a running request ends with its worker)."""
+        for q in self._serving.values():
+            if q.device != device:
+                continue
+            for job in q.pending:  # their input segments stay the clients' (they unlink them)
+                self._error(job.route, job.request_id, p.ErrorCode.DEVICE, notice)
+            q.pending.clear()
+            if q.waiting:
+                q.waiting = False
+                self._schedulers[device].cancel(q.sid, now)
+
     def _remove_queue(self, q: _ServeQueue, now: float) -> None:
         if self._serving.pop(q.sid, None) is None:
             return
@@ -486,6 +558,8 @@ class ServingMixin:
         replaces a worker still running one after the grace), here for those waiting for the token."""
         if self._pool is None:
             return
+        if self._unjournalled and self._journal_writer.ok:
+            self._journal_models_again()
         pool_at = self._pool.next_deadline()
         if pool_at is not None and pool_at <= now:
             self._on_pool_events(self._pool.on_deadline())
@@ -496,6 +570,17 @@ class ServingMixin:
                 self._answer_timed_out(job, now)
             if expired and q.grant is not None and q.running is None and not q.pending:
                 self._serve_release(q, now)
+
+    def _journal_models_again(self) -> None:
+        """Write the ready models whose journal write failed, now that the journal takes writes again."""
+        for name in sorted(self._unjournalled):
+            model = self._models.get(name)
+            if model is not None and model.ready and not model.journalled:
+                model.journalled = self._journal(lambda j, rec=model.record: j.put_model(rec))
+                if not model.journalled:
+                    return  # failing again: the next successful probe brings us back
+                log.warning("[ctxpool] model name=%s journalled now", name)
+            self._unjournalled.discard(name)
 
     def _answer_timed_out(self, job: _Job, now: float) -> None:
         log.warning("[ctxpool] timeout request=%d model=%s waited_ms=%.0f (for the device token)", job.request_id,
@@ -549,8 +634,12 @@ class ServingMixin:
             model.ready = True
             model.info = event.info
             if not model.journalled:
-                self._journal(lambda j, rec=model.record: j.put_model(rec))
-                model.journalled = True
+                model.journalled = self._journal(lambda j, rec=model.record: j.put_model(rec))
+                if not model.journalled:
+                    self._unjournalled.add(event.name)
+                    log.error("[ctxpool] model name=%s is registered but not journalled (the journal write "
+                              "failed): a restarted daemon will not know it; it is written again once the "
+                              "journal takes writes", event.name)
             for route, rid in model.waiters:
                 self._send(route, p.ModelRegistered(id=rid, model=event.info, changed=True))
             model.waiters.clear()
@@ -657,15 +746,31 @@ def _with_example(record: ModelRecord, refs: list[p.TensorRef], owner_uid: int |
     finally:
         for seg in segments.values():
             seg.close()
-    return ModelRecord(record.name, record.factory, record.weights, record.device, out, bytes(blob),
-                       record.created_unix)
+    return dataclasses.replace(record, example_refs=out, example_bytes=bytes(blob))
+
+
+def unrestorable_model(rec: ModelRecord) -> str | None:
+    """Why a journalled model is not registered again at start, or None.
+
+    A row journalled before the registrant was recorded (schema < 4) names a weights file
+    that could only be read with the daemon's (root's) rights; whoever registered it may
+    have repointed the path since (a symlink to a root-only file passes any check of the
+    file's owner and mode). So it is refused and the operator asked to register it again;
+    a row with no weights file reads nothing and is restored."""
+    if rec.registrant is None and rec.weights is not None:
+        return (f"it was journalled before the daemon recorded who registered models, so its weights file "
+                f"{rec.weights} could only be read with the daemon's own rights; register it again (or "
+                "unregister it to forget it)")
+    return None
 
 
 def _example_segment(record: ModelRecord):
     """A daemon-owned segment holding the example input, and refs into it."""
     if not record.example_bytes:
         return None, [p.TensorRef(dtype=r["dtype"], shape=r["shape"]) for r in record.example_refs]
-    seg = tensors.create_segment(len(record.example_bytes), prefix=EXAMPLE_PREFIX)
+    # Reserved: on a full /dev/shm the copy below would be a SIGBUS that kills the daemon;
+    # this is SharedMemoryFull (E_MODEL naming the size) instead.
+    seg = tensors.create_segment(len(record.example_bytes), prefix=EXAMPLE_PREFIX, reserve=True)
     seg.buf[:len(record.example_bytes)] = record.example_bytes
     refs = [p.TensorRef(dtype=r["dtype"], shape=r["shape"], shm=seg.name if r["nbytes"] else "",
                         offset=r["offset"], nbytes=r["nbytes"]) for r in record.example_refs]

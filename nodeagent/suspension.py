@@ -9,8 +9,9 @@ to admit an inference session that would not fit.
 A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
 ``_suspending``, ``config``, ``metrics`` and the server's ``_send``,
 ``_error``, ``_apply``, ``_stop``, ``_continue``, ``_end_slice``,
-``_session_for``, and the cluster mixin's ``_event``, ``_suspend_finished``
-and ``_admission_refusal``.
+``_session_for``, the cluster mixin's ``_event``, ``_suspend_finished``
+and ``_admission_refusal``, and ``_lost_devices`` and ``_request_token``
+(:mod:`nodeagent.memory_watch`), and the serving mixin's ``_workers_share``.
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ class SuspensionMixin:
         """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
         count = len(self._schedulers)
         for i in ([wanted] if wanted is not None else range(count)):
-            if self._admission_refusal(i, workload.wire, borrower) is not None:
-                continue  # draining, or lent to another borrower
+            if self._admission_refusal(i, workload.wire, borrower) is not None or self._lost_devices.is_lost(i):
+                continue  # draining, lent to another borrower, or failed
             if self._class_cap_problem(i, workload.wire, memory_mb) is not None:
                 continue  # suspending lower classes never lifts this class's own cap
             capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
-            need = memory.declared_mb(self._sessions.values(), i) + memory_mb - capacity
+            need = (memory.declared_mb(self._sessions.values(), i) + memory.held_mb(self._workers_share(i))
+                    + memory_mb - capacity)
             victims = memory.room_makers(self._sessions.values(), i, workload, need)
             if victims:
                 return i, victims
@@ -98,7 +100,7 @@ class SuspensionMixin:
                 s.blocked_by.discard(victim.id)
                 if not s.blocked_by and s.acquire_pending:
                     s.acquire_pending = False
-                    self._apply(self._schedulers[s.device].request(s.id, now), now)
+                    self._request_token(s.id, s.device, now)  # held while the device is lost
 
     def _on_suspended(self, route: bytes, msg: p.Suspended, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)

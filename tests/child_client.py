@@ -104,7 +104,7 @@ def spoof(args) -> int:
     emit("GRANT")
 
     def poll() -> None:
-        while peer.sock.poll(0):
+        while peer.readable(0):
             if isinstance(peer.recv(), p.Revoke):
                 emit("REVOKE")
     compute_forever(os.urandom(1 << 16), poll)

@@ -326,7 +326,7 @@ def test_bad_rows_are_skipped_and_the_rest_kept(tmp_path, caplog):
         _insert_session(raw, f"s-bad{i}", "bad", **change)
     raw.execute("INSERT INTO policies VALUES (0, '{\"grace_ms\": 10}'), (1, '[1, 2]'), (2, 'nope')")
     raw.execute("INSERT INTO device_states VALUES (0, 'FREE', '{}'), (1, 'LENT', 'nope')")
-    raw.execute("INSERT INTO models VALUES ('m', 'a:b', NULL, NULL, 'nope', x'00', 1.0)")
+    raw.execute("INSERT INTO models VALUES ('m', 'a:b', NULL, NULL, 'nope', x'00', 1.0, NULL)")
     raw.close()
     with Journal(path) as j:
         good, bad = j.read_sessions()

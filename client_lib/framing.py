@@ -1,0 +1,226 @@
+"""The local endpoint's framing: length-prefixed MessagePack over a stream socket.
+
+A connection to ``ipc://PATH`` is a unix stream socket (``tcp://HOST:PORT``: a
+TCP one, whose peers cannot be verified). Each message, either way, is
+
+    +----------------------+---------------------------------+
+    | length: u32, big end | length bytes: one MessagePack map |
+    +----------------------+---------------------------------+
+
+Any language's standard library speaks this (Node's ``net``, Go's ``net``,
+Python's ``socket``); docs/protocol.md is the normative text. Requests are at
+most :data:`~client_lib.protocol.MAX_REQUEST_BYTES`: a longer one is skipped
+unread and answered ``E_BAD_REQUEST``; a header declaring more than
+:data:`MAX_DAEMON_FRAME_BYTES` (16 MiB) is answered and the connection closed,
+since such a stream is not one anybody meant. Daemon messages are at most
+:data:`MAX_DAEMON_FRAME_BYTES`.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import time
+
+from client_lib.endpoint import ipc_path
+
+HEADER = struct.Struct(">I")
+HEADER_BYTES = HEADER.size
+MAX_DAEMON_FRAME_BYTES = 16 * 1024 * 1024
+"""Largest message the daemon sends (a status of thousands of sessions fits)."""
+
+_RECV_CHUNK = 256 * 1024
+
+
+class FrameTooLarge(ValueError):
+    """A frame declared more bytes than its direction allows."""
+
+    def __init__(self, declared: int, limit: int) -> None:
+        super().__init__(f"frame declares {declared} bytes, more than the {limit}-byte limit")
+        self.declared = declared
+        self.limit = limit
+
+
+def pack(body: bytes) -> bytes:
+    """One frame: the length header and ``body``."""
+    return HEADER.pack(len(body)) + body
+
+
+class Oversized:
+    """Stands, in :meth:`FrameBuffer.feed`'s output, for a frame longer than the
+    buffer's bound but short enough to skip: its body is discarded unread."""
+
+    __slots__ = ("declared", "limit")
+
+    def __init__(self, declared: int, limit: int) -> None:
+        self.declared = declared
+        self.limit = limit
+
+
+class FrameBuffer:
+    """Reassembles frames from a byte stream, holding at most ``max_frame_bytes``
+    of any one frame.
+
+    ``feed`` bytes as they arrive; it returns the frames they completed. A
+    frame over ``max_frame_bytes`` but within ``skip_up_to_bytes`` comes out as
+    an :class:`Oversized` marker and its body is dropped as it streams in; a
+    header declaring more than that raises :class:`FrameTooLarge` at once."""
+
+    __slots__ = ("_buf", "_max", "_skip_limit", "_skipping")
+
+    def __init__(self, max_frame_bytes: int, skip_up_to_bytes: int = 0) -> None:
+        self._buf = bytearray()
+        self._max = max_frame_bytes
+        self._skip_limit = max(skip_up_to_bytes, max_frame_bytes)
+        self._skipping = 0  # body bytes of an oversized frame still to discard
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list:
+        """Add ``data``; returns the frames (bytes, or :class:`Oversized`) it completed."""
+        if self._skipping:
+            dropped = min(self._skipping, len(data))
+            self._skipping -= dropped
+            data = data[dropped:]
+        buf = self._buf
+        buf += data
+        out: list = []
+        start = 0
+        end = len(buf)
+        while end - start >= HEADER_BYTES:
+            (length,) = HEADER.unpack_from(buf, start)
+            if length > self._max:
+                if length > self._skip_limit:
+                    raise FrameTooLarge(length, self._skip_limit)
+                out.append(Oversized(length, self._max))
+                start += HEADER_BYTES
+                dropped = min(length, end - start)
+                start += dropped
+                if dropped < length:
+                    self._skipping = length - dropped
+                    break
+                continue
+            stop = start + HEADER_BYTES + length
+            if stop > end:
+                break
+            out.append(bytes(buf[start + HEADER_BYTES:stop]))
+            start = stop
+        if start:
+            del buf[:start]
+        return out
+
+
+def parse_endpoint(endpoint: str) -> tuple[int, object]:
+    """(address family, address) of a local endpoint: ``ipc://PATH`` or ``tcp://HOST:PORT``."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        if not path:
+            raise ValueError(f"endpoint {endpoint!r} names no socket path")
+        return socket.AF_UNIX, path
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"endpoint {endpoint!r} is not tcp://HOST:PORT")
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return family, (host, int(port))
+    raise ValueError(f"endpoint {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT")
+
+
+class Connection:
+    """The client's end of one connection to the daemon, used from one thread
+    at a time. Sends whole frames; receives into a :class:`FrameBuffer`."""
+
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        family, address = parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(max(timeout, 0.001))
+            sock.connect(address)
+            if family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self.sock = sock
+        self._frames = FrameBuffer(MAX_DAEMON_FRAME_BYTES)
+        self._ready: list[bytes] = []
+        self.closed_by_peer = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, body: bytes, timeout: float = 5.0) -> None:
+        """Send one frame whole. ``ConnectionError`` if the daemon is gone, or if it
+        has not read for ``timeout`` seconds (our bytes cannot leave)."""
+        data = memoryview(pack(body))
+        deadline = None
+        while data:
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = deadline or now + timeout
+                if now >= deadline or not _wait(self.sock, select.POLLOUT, deadline - now):
+                    raise ConnectionError(errno.ETIMEDOUT, "daemon is not reading") from None
+                continue
+            except OSError as exc:
+                self.closed_by_peer = True
+                raise ConnectionError(exc.errno, str(exc)) from None
+            data = data[sent:]
+
+    def recv(self, timeout: float) -> list[bytes]:
+        """Frames that arrive within ``timeout`` seconds (0: only those here now).
+        ``ConnectionError`` once the daemon closed the connection and every frame
+        it sent before was taken."""
+        if self._ready:
+            frames, self._ready = self._ready, []
+            return frames
+        if self.closed_by_peer:
+            raise ConnectionError(errno.ECONNRESET, "daemon closed the connection")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                data = self.sock.recv(_RECV_CHUNK)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not _wait(self.sock, select.POLLIN, left):
+                    return []
+                continue
+            except OSError as exc:
+                self.closed_by_peer = True
+                raise ConnectionError(exc.errno, str(exc)) from None
+            if not data:
+                self.closed_by_peer = True
+                raise ConnectionError(errno.ECONNRESET, "daemon closed the connection")
+            frames = self._frames.feed(data)
+            if frames:
+                return frames
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _wait(sock: socket.socket, events: int, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(sock, events)
+    return bool(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+
+
+def peer_hung_up(fd: int) -> bool:
+    """True if the other end of stream socket ``fd`` has closed (without reading from it)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+
+
+__all__ = ["Connection", "FrameBuffer", "FrameTooLarge", "HEADER_BYTES", "MAX_DAEMON_FRAME_BYTES", "Oversized", "pack",
+           "parse_endpoint", "peer_hung_up"]

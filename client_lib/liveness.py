@@ -1,0 +1,114 @@
+"""One thread per process that keeps every :class:`~client_lib.client.Client`'s
+session alive without chatter.
+
+A local session needs no periodic heartbeat: the daemon watches the client's
+process through a pidfd and its connection, and the client learns that the
+daemon went away from its connection closing. What still needs a thread is a
+program that does not call the library for a while: when the daemon restarts,
+its clients must reattach (resume their sessions) whether or not their
+program calls in meanwhile, or the restarted daemon drops them. This thread
+sleeps in ``poll`` on every client's connection for a hang-up, and wakes for
+nothing else, except for the sessions the daemon cannot watch (unverified
+peers, e.g. over TCP), whose heartbeats it sends.
+
+Each client is touched only while its owner is not inside the library (the
+client's I/O lock, tried without waiting), so the owner's thread and this one
+never interleave on a connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+import weakref
+
+log = logging.getLogger("client_lib.liveness")
+
+_HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+class Watcher(threading.Thread):
+    """The process's liveness thread; :func:`watcher` returns it."""
+
+    def __init__(self) -> None:
+        super().__init__(name="nodeagent-liveness", daemon=True)
+        self._clients: "weakref.WeakSet" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pid = os.getpid()
+
+    def watch(self, client) -> None:
+        """Start (or refresh, after a reconnect) watching ``client``."""
+        with self._lock:
+            self._clients.add(client)
+        self.wake()
+
+    def unwatch(self, client) -> None:
+        with self._lock:
+            self._clients.discard(client)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                clients = list(self._clients)
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            by_fd = {}
+            now = time.monotonic()
+            wake_at = None
+            for client in clients:
+                fd = client._watch_fd()
+                if fd is not None:
+                    by_fd[fd] = client
+                    poller.register(fd, select.POLLRDHUP)
+                due = client._watch_due()
+                if due is not None and (wake_at is None or due < wake_at):
+                    wake_at = due
+            timeout_ms = -1 if wake_at is None else max(0, int((wake_at - now) * 1000) + 1)
+            del clients
+            try:
+                ready = poller.poll(timeout_ms)
+            except InterruptedError:
+                continue
+            hung_up = set()
+            for fd, events in ready:
+                if fd == self._wake_r:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                elif events & _HANGUP and fd in by_fd:
+                    hung_up.add(by_fd[fd])
+            now = time.monotonic()
+            for client in list(by_fd.values()) + [c for c in list(self._clients) if c not in by_fd.values()]:
+                due = client._watch_due()
+                if client in hung_up or (due is not None and due <= now):
+                    try:
+                        client._on_watch(now, client in hung_up)
+                    except Exception:  # one client's trouble must not stop the others' liveness
+                        log.exception("[client] liveness check failed")
+
+
+_watcher: Watcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def watcher() -> Watcher:
+    """The process's watcher, started on first use (and again in a forked child)."""
+    global _watcher
+    with _watcher_lock:
+        if _watcher is None or _watcher._pid != os.getpid() or not _watcher.is_alive():
+            _watcher = Watcher()
+            _watcher.start()
+        return _watcher

@@ -1,0 +1,319 @@
+"""The local endpoint: a unix stream socket (or TCP, unverified) speaking the
+length-prefixed framing of :mod:`client_lib.framing`.
+
+Chosen for the token handoff's critical path: a frame from a client wakes the
+loop's epoll and nothing else (no I/O thread), and a notice written to a
+connection wakes the client's own thread directly. Peer credentials come from
+the socket (SO_PEERCRED at accept), and the pidfd of the peer with them.
+
+Everything a peer can make the daemon hold is bounded here:
+- bytes queued to a peer that does not read (``max_queued_bytes``): past it
+  the peer is dropped, its session handled as lost;
+- frame size: a frame over the request limit is skipped unread and answered
+  ``E_BAD_REQUEST``; a header declaring more than 16 MiB is answered and the
+  connection closed (no client means that); the codec bounds nesting depth;
+- connections (``max_connections``, and whatever descriptors are left): a
+  connection over the limit gets one ``E_UNAVAILABLE`` frame and is closed, and
+  running out of descriptors never aborts anything (a reserve descriptor lets
+  the endpoint accept and close the connection it cannot keep);
+- bytes read per connection per wake-up, so one chatty peer cannot starve
+  the others or the timers.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+from typing import Callable
+
+from client_lib import codec
+from client_lib import framing
+from client_lib import protocol as p
+from nodeagent import procwatch, runtime
+from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller
+
+log = logging.getLogger("nodeagent.local")
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_READ_CHUNK = 64 * 1024
+_READ_BUDGET = 256 * 1024  # per connection per wake-up
+_ACCEPT_BUDGET = 64  # connections accepted per wake-up
+
+
+class Peer:
+    """One client connection. Its identity (``creds``) is the kernel's word,
+    read when it connected; None over TCP."""
+
+    __slots__ = ("sock", "fd", "creds", "frames", "out", "closed", "__weakref__")
+
+    def __init__(self, sock: socket.socket, creds: procwatch.PeerCredentials | None) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.creds = creds
+        self.frames = framing.FrameBuffer(p.MAX_REQUEST_BYTES, skip_up_to_bytes=framing.MAX_DAEMON_FRAME_BYTES)
+        self.out = bytearray()  # bytes the kernel has not taken yet
+        self.closed = False
+
+    def __repr__(self) -> str:
+        who = f"pid={self.creds.pid} uid={self.creds.uid}" if self.creds else "unverified"
+        return f"<peer fd={self.fd} {who}>"
+
+
+class LocalEndpoint:
+    """Listens on ``endpoint`` and turns bytes into frames for ``on_frame(peer,
+    body)``; ``on_close(peer, reason)`` once a connection is gone (reasons:
+    ``closed``, ``not_reading``, ``bad_frame``, ``shutdown``)."""
+
+    def __init__(self, endpoint: str, poller: EventLoopPoller,
+                 on_frame: Callable[[Peer, bytes], None], on_close: Callable[[Peer, str], None], *,
+                 max_connections: int = 4096, max_queued_bytes: int = 4 * 1024 * 1024,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self._poller = poller
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._on_refused = on_refused or (lambda reason: None)
+        self.max_connections = max_connections
+        self.max_queued_bytes = max_queued_bytes
+        self._listener: socket.socket | None = None
+        self._peers: dict[int, Peer] = {}
+        self._reserve_fd: int | None = None
+        self._path: str | None = None
+
+    # ------------------------------------------------------------------ life
+
+    def bind(self) -> None:
+        """Bind and listen. For ``ipc://PATH`` the socket is born 0660 (group as
+        :func:`nodeagent.runtime.secure_socket` sets it); the caller holds the lock."""
+        family, address = framing.parse_endpoint(self.endpoint)
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            if family == socket.AF_UNIX:
+                self._path = address
+                old_umask = os.umask(0o117)  # no window with looser modes
+                try:
+                    sock.bind(address)
+                finally:
+                    os.umask(old_umask)
+                runtime.secure_socket(address)
+            else:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+            sock.listen(1024)
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = sock
+        self._poller.register(sock.fileno(), POLLIN)
+        self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    @property
+    def listener_fd(self) -> int | None:
+        return self._listener.fileno() if self._listener is not None else None
+
+    def owns(self, fd: int) -> bool:
+        return fd in self._peers or (self._listener is not None and fd == self._listener.fileno())
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def close(self, flush_s: float = 0.2) -> None:
+        """Stop listening; give queued notices ``flush_s`` to leave, then close every connection."""
+        if self._listener is not None:
+            self._unwatch(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        for peer in list(self._peers.values()):
+            if peer.out:
+                try:
+                    peer.sock.settimeout(flush_s)
+                    peer.sock.sendall(peer.out)
+                except OSError:
+                    pass
+            self._drop(peer, "shutdown", notify=False)
+        if self._reserve_fd is not None:
+            os.close(self._reserve_fd)
+            self._reserve_fd = None
+
+    # ----------------------------------------------------------------- input
+
+    def on_ready(self, fd: int, events: int) -> None:
+        """The loop saw ``fd`` (the listener or a connection) ready."""
+        if self._listener is not None and fd == self._listener.fileno():
+            self._accept()
+            return
+        peer = self._peers.get(fd)
+        if peer is None:
+            return
+        if events & POLLOUT:
+            self._flush(peer)
+        if events & POLLIN and not peer.closed:
+            self._read(peer)
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BUDGET):
+            try:
+                conn, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._shed_one(exc)
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                raise
+            if len(self._peers) >= self.max_connections:
+                self._refuse(conn, f"the daemon has {len(self._peers)} connections, its limit "
+                                   "(local.max_connections); close idle clients or raise it")
+                continue
+            conn.setblocking(False)
+            peer = Peer(conn, _peer_credentials(conn))
+            self._peers[peer.fd] = peer
+            self._poller.register(peer.fd, POLLIN)
+
+    def _shed_one(self, exc: OSError) -> None:
+        """Out of descriptors: free the reserve to accept one connection, tell it
+        why, close it, and take the reserve back, so the listener does not stay
+        readable with nobody able to take what waits (a busy loop)."""
+        if self._reserve_fd is not None:
+            os.close(self._reserve_fd)
+            self._reserve_fd = None
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            conn = None
+        if conn is not None:
+            self._refuse(conn, "the daemon is out of file descriptors; retry later (raise LimitNOFILE)")
+        else:
+            self._on_refused("descriptors")
+        try:
+            self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._reserve_fd = None
+        log.warning("[local] out of descriptors (%s); refusing connections until some close", exc)
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        self._on_refused(why)
+        try:
+            conn.setblocking(False)
+            conn.send(framing.pack(codec.encode(p.Error(id=0, code=p.ErrorCode.UNAVAILABLE, message=why))))
+        except OSError:
+            pass
+        conn.close()
+
+    def _read(self, peer: Peer) -> None:
+        budget = _READ_BUDGET
+        while budget > 0 and not peer.closed:
+            try:
+                data = peer.sock.recv(_READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(peer, "closed")
+                return
+            if not data:
+                self._drop(peer, "closed")
+                return
+            budget -= len(data)
+            try:
+                frames = peer.frames.feed(data)
+            except framing.FrameTooLarge as exc:
+                self.send(peer, codec.encode(p.Error(
+                    id=0, code=p.ErrorCode.BAD_REQUEST,
+                    message=f"{exc}; closing the connection (frames are a 4-byte big-endian length, then that "
+                            "many bytes of MessagePack)")))
+                self._flush(peer)
+                self._drop(peer, "bad_frame")
+                return
+            for body in frames:
+                if peer.closed:
+                    return
+                if type(body) is framing.Oversized:
+                    self.send(peer, codec.encode(p.Error(
+                        id=0, code=p.ErrorCode.BAD_REQUEST,
+                        message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
+                    continue
+                self._on_frame(peer, body)
+
+    # ---------------------------------------------------------------- output
+
+    def send(self, peer: Peer, body: bytes) -> bool:
+        """Queue one frame to ``peer`` and write what the kernel takes now. False
+        (and the peer dropped, as ``not_reading``) if it has more than
+        ``max_queued_bytes`` waiting: a peer that does not read cannot grow us."""
+        if peer.closed:
+            return False
+        frame = framing.pack(body)
+        if not peer.out:
+            try:
+                sent = peer.sock.send(frame)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._drop(peer, "closed")
+                return False
+            if sent == len(frame):
+                return True
+            frame = frame[sent:]
+        if len(peer.out) + len(frame) > self.max_queued_bytes:
+            log.warning("[local] dropping %r: %d bytes queued and it does not read", peer, len(peer.out))
+            self._drop(peer, "not_reading")
+            return False
+        if not peer.out:
+            self._poller.modify(peer.fd, POLLIN | POLLOUT)
+        peer.out += frame
+        return True
+
+    def _flush(self, peer: Peer) -> None:
+        while peer.out:
+            try:
+                sent = peer.sock.send(peer.out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(peer, "closed")
+                return
+            del peer.out[:sent]
+        self._poller.modify(peer.fd, POLLIN)
+
+    def drop(self, peer: Peer, reason: str) -> None:
+        """Close ``peer``'s connection (``on_close`` is called)."""
+        self._drop(peer, reason)
+
+    def _drop(self, peer: Peer, reason: str, notify: bool = True) -> None:
+        if peer.closed:
+            return
+        peer.closed = True
+        self._peers.pop(peer.fd, None)
+        self._unwatch(peer.fd)
+        try:
+            peer.sock.close()
+        except OSError:
+            pass
+        peer.out.clear()
+        if notify:
+            self._on_close(peer, reason)
+
+    def _unwatch(self, fd: int) -> None:
+        try:
+            self._poller.unregister(fd)
+        except KeyError:
+            pass
+
+
+def _peer_credentials(conn: socket.socket) -> procwatch.PeerCredentials | None:
+    """SO_PEERCRED of a unix connection: the pid, uid and gid of the process that
+    connected, as the kernel recorded them. None for TCP."""
+    if conn.family != socket.AF_UNIX:
+        return None
+    try:
+        pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    except OSError:
+        return None
+    if pid <= 0:
+        return None
+    return procwatch.PeerCredentials(uid=uid, gid=gid, pid=pid)

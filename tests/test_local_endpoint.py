@@ -1,0 +1,146 @@
+"""The local endpoint's bounds, against a real daemon: a peer that does not read,
+too many connections, running out of descriptors, bad frame headers. None of
+them may cost the daemon more than the peer's own connection."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from client_lib import Client, DaemonUnavailableError, ErrorCode, codec, framing, query_status
+from client_lib import protocol as p
+from tests.conftest import REPO, wait_for
+from tests.rawpeer import RawPeer
+from tests.test_hostile import rss_kb
+
+
+def _config(workdir: str, text: str) -> None:
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write(text)
+
+
+def test_a_peer_that_does_not_read_is_dropped_and_its_session_lost(start_daemon, workdir):
+    _config(workdir, "[local]\nmax_queued_kb = 64\n")
+    d = start_daemon()
+    hog = RawPeer(d.endpoint)
+    hog.hello("no-reader")
+    hog.call(p.Acquire(id=hog.take_id()))
+    hog.next_notice(p.Grant)
+    rss_before = rss_kb(d.proc.pid)
+    request = codec.encode(p.StatusRequest(id=1))
+    sent = 0
+    try:
+        for _ in range(20_000):  # ~10 MB of status replies it never reads
+            hog.send(request)
+            sent += 1
+    except ConnectionError:
+        pass  # dropped while still sending: that is the point
+    # The token it held passes on; the daemon never held more than its bound for it.
+    with Client("next", endpoint=d.endpoint, reconnect=False) as nxt:
+        nxt.acquire(timeout=5)
+    wait_for(lambda: "reason=not_reading" in d.log())
+    assert "no-reader" not in [s.name for s in d.status().devices[0].sessions]
+    assert rss_kb(d.proc.pid) - rss_before < 16 * 1024
+    with pytest.raises(ConnectionError):  # what was queued is gone with the connection
+        while True:
+            if not hog.recv_frames(2.0):
+                raise AssertionError("the daemon kept a peer that does not read")
+    hog.close()
+
+
+def test_connections_over_the_limit_are_refused_with_a_reason(start_daemon, workdir):
+    _config(workdir, "[local]\nmax_connections = 4\n")
+    d = start_daemon()
+    peers = [RawPeer(d.endpoint) for _ in range(4)]  # start_daemon's own status probes have closed by now
+    wait_for(lambda: _answers(peers[0]))
+    extra = RawPeer(d.endpoint)
+    (frame,) = extra.recv_frames(5.0)
+    refusal = codec.decode_reply(frame)
+    assert refusal.code == ErrorCode.UNAVAILABLE and "local.max_connections" in refusal.message
+    with pytest.raises(ConnectionError):
+        extra.recv_frames(2.0)
+    extra.close()
+    for peer in peers:
+        peer.close()
+    wait_for(lambda: _status_answers(d.endpoint))  # room again once they closed
+
+
+def _answers(peer: RawPeer) -> bool:
+    return isinstance(peer.call(p.StatusRequest(id=peer.take_id())), p.StatusReply)
+
+
+def _status_answers(endpoint: str) -> bool:
+    try:
+        return bool(query_status(endpoint, timeout=1.0).devices)
+    except DaemonUnavailableError:
+        return False
+
+
+def test_running_out_of_descriptors_refuses_connections_and_never_aborts(workdir):
+    sock_path = os.path.join(workdir, "agent.sock")
+    config = os.path.join(workdir, "nodeagent.toml")
+    open(config, "w").close()
+    log = open(os.path.join(workdir, "daemon.log"), "ab")
+    daemon = subprocess.Popen(
+        ["prlimit", "--nofile=64:64", sys.executable, "-m", "nodeagent", "serve", "--config", config,
+         "--backend", "cpu", "--endpoint", f"ipc://{sock_path}", "--state-dir", os.path.join(workdir, "state"),
+         "--ctxpool", "off"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    log.close()
+    conns: list[socket.socket] = []
+    try:
+        wait_for(lambda: _status_answers(f"ipc://{sock_path}"), timeout=15)
+        refused = 0
+        for _ in range(120):  # far past 64 descriptors
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(sock_path)
+            conns.append(conn)
+        for conn in conns:
+            conn.settimeout(0.05)
+            try:
+                data = conn.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                continue
+            if data:
+                msg = codec.decode_reply(framing.FrameBuffer(1 << 20).feed(data)[0])
+                refused += msg.code == ErrorCode.UNAVAILABLE
+        assert refused > 0
+        assert daemon.poll() is None, open(os.path.join(workdir, "daemon.log")).read()
+        for conn in conns:
+            conn.close()
+        conns.clear()
+        wait_for(lambda: _status_answers(f"ipc://{sock_path}"), timeout=10)  # serves again
+        assert daemon.poll() is None
+    finally:
+        for conn in conns:
+            conn.close()
+        daemon.terminate()
+        assert daemon.wait(10) == 0
+
+
+def test_an_oversized_request_is_skipped_and_a_wild_header_closes_only_its_connection(daemon):
+    peer = RawPeer(daemon.endpoint)
+    peer.send(b"\x80" * (p.MAX_REQUEST_BYTES + 1))  # over the request limit: skipped unread
+    assert peer.recv().code == ErrorCode.BAD_REQUEST
+    assert _answers(peer)  # the stream is still in step
+    peer.send_raw((framing.MAX_DAEMON_FRAME_BYTES + 1).to_bytes(4, "big"))
+    assert peer.recv().code == ErrorCode.BAD_REQUEST
+    with pytest.raises(ConnectionError):
+        peer.recv_frames(2.0)
+    peer.close()
+    assert _status_answers(daemon.endpoint)
+
+
+def test_a_request_split_across_many_writes_is_one_request(daemon):
+    peer = RawPeer(daemon.endpoint)
+    frame = framing.pack(codec.encode(p.StatusRequest(id=42)))
+    for i in range(len(frame)):
+        peer.send_raw(frame[i:i + 1])
+        time.sleep(0.0005)
+    reply = peer.recv()
+    assert isinstance(reply, p.StatusReply) and reply.id == 42
+    peer.close()
