@@ -31,8 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import zmq
-
 from client_lib import Client, DaemonUnavailableError, query_status
 from client_lib.endpoint import ENV_ENDPOINT
 
@@ -42,8 +40,13 @@ _START_TIMEOUT_S = 15.0
 _STOP_TIMEOUT_S = 10.0
 
 # fork: client_lib needs no torch, so a forked child starts in milliseconds.
-# Every Client (and its zmq context) is created inside the child.
+# Every Client is created inside the child: a Client owns one unix socket and
+# the library starts its liveness thread in the process of the first Client.
+# The parent opens no Client, only one-shot queries (query_status) that close
+# their socket before returning, so a child inherits no daemon connection and
+# no thread (tests/test_bench.py checks a forked child still gets its session).
 mp_context = mp.get_context("fork")
+_RETRY_S = 0.005  # between attempts to reach a daemon that is not listening yet
 
 
 def log(message: str) -> None:
@@ -80,19 +83,16 @@ def free_tcp_port() -> int:
 def wait_for_daemon(endpoint: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     """Return once ``query_status`` answers; raise if the daemon exits or never does."""
     deadline = time.monotonic() + timeout_s
-    ctx = zmq.Context()  # private: no live global context is inherited by forked clients
-    try:
-        while True:
-            try:
-                query_status(endpoint, timeout=0.5, context=ctx)
-                return
-            except DaemonUnavailableError:
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited with status {proc.returncode}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no daemon answered at {endpoint} within {timeout_s:.0f} s") from None
-    finally:
-        ctx.term()
+    while True:
+        try:
+            query_status(endpoint, timeout=0.5)
+            return
+        except DaemonUnavailableError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no daemon answered at {endpoint} within {timeout_s:.0f} s") from None
+            time.sleep(_RETRY_S)  # nothing listens yet: connecting fails at once, do not spin
 
 
 @contextmanager
@@ -145,12 +145,9 @@ def spawn_daemon(args: Sequence[str], log_path: str) -> subprocess.Popen:
 
 
 def daemon_status(endpoint: str, timeout_s: float = 5.0):
-    """The daemon's status snapshot, over a private zmq context (safe to fork after)."""
-    ctx = zmq.Context()
-    try:
-        return query_status(endpoint, timeout=timeout_s, context=ctx)
-    finally:
-        ctx.term()
+    """The daemon's status snapshot, over a connection of its own that is closed
+    before this returns (safe to fork after)."""
+    return query_status(endpoint, timeout=timeout_s)
 
 
 def _stop_daemon(handle: DaemonHandle) -> None:
@@ -528,3 +525,34 @@ class Workers:
 
     def __exit__(self, *exc) -> None:
         self.close(timeout_s=10.0 if exc[0] is None else 2.0)
+
+
+class RoundGate:
+    """Lets a group of workers run in rounds that the parent starts and waits for,
+    so that measurements of different things can be interleaved round by round
+    (while one group runs, every other one sleeps in the barrier, using no CPU).
+
+    A worker calls :meth:`enter` before each round and :meth:`leave` after it; the
+    parent calls :meth:`run_round`, which returns once every worker has left. A
+    worker that dies breaks the barrier, and the parent's wait raises."""
+
+    def __init__(self, workers: int, timeout_s: float = 120.0) -> None:
+        self._barrier = mp_context.Barrier(workers + 1)
+        self.timeout_s = timeout_s
+
+    def enter(self) -> None:
+        self._barrier.wait(self.timeout_s)
+
+    def leave(self) -> None:
+        self._barrier.wait(self.timeout_s)
+
+    def run_round(self) -> tuple[int, int]:
+        """Start a round and wait for its end; (start, end) in monotonic ns."""
+        self._barrier.wait(self.timeout_s)
+        t0 = time.monotonic_ns()
+        self._barrier.wait(self.timeout_s)
+        return t0, time.monotonic_ns()
+
+    def abort(self) -> None:
+        """Break the barrier: every worker waiting in it raises (used on failure)."""
+        self._barrier.abort()

@@ -48,8 +48,6 @@ import sys
 import tempfile
 import time
 
-import zmq
-
 from bench import common
 from client_lib import Client
 
@@ -80,9 +78,7 @@ while True:
 
 def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_ms: float,
                rounds: int, finished=None) -> None:
-    ctx = zmq.Context()
-    client = Client("bench-enforce-inference", workload="inference", device=0, endpoint=endpoint,
-                    context=ctx)
+    client = Client("bench-enforce-inference", workload="inference", device=0, endpoint=endpoint)
     work = common.Work(rounds)
     try:
         start = ctl.ready(client.welcome.grace_ms)
@@ -92,15 +88,13 @@ def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_
         ctl.result(done.as_dict())
     finally:
         client.close()
-        ctx.term()
 
 
 def _library_hog(ctl: common.WorkerControl, endpoint: str, rounds: int, progress_fd: int, stop) -> None:
     """Acquire once, then compute until told to stop, never calling yield_point().
 
     It holds the token before it reports ready, so it is the holder when requests start."""
-    ctx = zmq.Context()
-    client = Client("hog", workload="training", device=0, endpoint=endpoint, context=ctx)
+    client = Client("hog", workload="training", device=0, endpoint=endpoint)
     work = common.Work(rounds)
     out = os.fdopen(progress_fd, "w")
     units = 0
@@ -116,7 +110,6 @@ def _library_hog(ctl: common.WorkerControl, endpoint: str, rounds: int, progress
     finally:
         out.close()
         client.close()
-        ctx.term()
 
 
 # --------------------------------------------------------------------- phases

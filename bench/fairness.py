@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import time
 
-import zmq
-
 from bench import common
 from client_lib import Client
 
@@ -30,9 +28,8 @@ _START_DELAY_S = 0.1  # every client is waiting on the start line when it comes
 
 def _trainer(ctl: common.WorkerControl, endpoint: str, index: int, weight: float,
              seconds: float, rounds: int) -> None:
-    ctx = zmq.Context()  # terminated at the end, so the bye leaves before the process exits
     client = Client(f"bench-fair-{index}", workload="training", weight=weight, device=0,
-                    endpoint=endpoint, context=ctx)
+                    endpoint=endpoint)
     work = common.Work(rounds)
     try:
         start_ns = ctl.ready((client.session_id, client.slice_ms))
@@ -40,8 +37,7 @@ def _trainer(ctl: common.WorkerControl, endpoint: str, index: int, weight: float
         result = common.train_until(client, work, (start_ns, start_ns + int(seconds * 1e9)))
         ctl.result(result)
     finally:
-        client.close()
-        ctx.term()
+        client.close()  # waits for the bye's answer, so the session ends as a goodbye
 
 
 def parse_weights(text: str) -> list[float]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import time
 
-import zmq
-
 from bench import common
 from client_lib import Client
 
@@ -31,9 +29,7 @@ _SETTLE_S = 0.2  # the trainer gets going before requests are measured
 
 def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_ms: float,
                rounds: int) -> None:
-    ctx = zmq.Context()
-    client = Client("bench-preempt-inference", workload="inference", device=0, endpoint=endpoint,
-                    context=ctx)
+    client = Client("bench-preempt-inference", workload="inference", device=0, endpoint=endpoint)
     work = common.Work(rounds)
     try:
         start = ctl.ready(client.slice_ms)
@@ -44,13 +40,10 @@ def _inference(ctl: common.WorkerControl, endpoint: str, seconds: float, period_
         ctl.result({"idle_waits_ns": idle, "waits_ns": contended})
     finally:
         client.close()
-        ctx.term()
 
 
 def _trainer(ctl: common.WorkerControl, endpoint: str, seconds: float, rounds: int) -> None:
-    ctx = zmq.Context()
-    client = Client("bench-preempt-trainer", workload="training", device=0, endpoint=endpoint,
-                    context=ctx)
+    client = Client("bench-preempt-trainer", workload="training", device=0, endpoint=endpoint)
     work = common.Work(rounds)
     try:
         start = ctl.ready((client.slice_ms, client.welcome.grace_ms))
@@ -59,7 +52,6 @@ def _trainer(ctl: common.WorkerControl, endpoint: str, seconds: float, rounds: i
         ctl.result(common.train_until(client, work, (trainer_start, trainer_start + int(seconds * 1e9))))
     finally:
         client.close()
-        ctx.term()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,10 +37,8 @@ import tempfile
 import time
 import traceback
 
-import zmq
-
 from bench import common
-from client_lib import Client, DaemonUnavailableError, NodeAgentError, query_status
+from client_lib import Client, DaemonUnavailableError, query_status
 from client_lib.endpoint import ENV_ENDPOINT
 
 _HEARTBEAT_MS = 200
@@ -52,8 +50,7 @@ _RESTORE_LINE = re.compile(r"\[restore\] boot=(\d+) restored=(\d+) dropped=(\d+)
 
 def _client(ctl: common.WorkerControl, endpoint: str, index: int, rounds: int, stop, restart_ns) -> None:
     """A training loop that runs until ``stop``; what happened to its session."""
-    ctx = zmq.Context()
-    client = Client(f"bench-recovery-{index}", workload="training", device=0, endpoint=endpoint, context=ctx)
+    client = Client(f"bench-recovery-{index}", workload="training", device=0, endpoint=endpoint)
     work = common.Work(rounds)
     first = client.session_id
     units = after = 0
@@ -74,12 +71,11 @@ def _client(ctl: common.WorkerControl, endpoint: str, index: int, rounds: int, s
                     "units_after_restart": after, "error": error, "resumed": client.welcome.resumed})
     finally:
         client.close()
-        ctx.term()
 
 
-def _status(endpoint: str, ctx: zmq.Context, timeout_s: float):
+def _status(endpoint: str, timeout_s: float):
     try:
-        return query_status(endpoint, timeout=timeout_s, context=ctx)
+        return query_status(endpoint, timeout=timeout_s)
     except DaemonUnavailableError:
         return None
 
@@ -88,14 +84,13 @@ def _sessions(status) -> dict:
     return {s.id: s for d in status.devices for s in d.sessions}
 
 
-def _wait_all(endpoint: str, ids: set[str], proc, timeout_s: float, done, ctx: zmq.Context,
-              poll_s: float = 0.05) -> bool:
+def _wait_all(endpoint: str, ids: set[str], proc, timeout_s: float, done, poll_s: float = 0.05) -> bool:
     """Poll status until ``done(sessions by id)`` holds for the sessions ``ids``; False on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the daemon exited with status {proc.returncode}")
-        status = _status(endpoint, ctx, 1.0)
+        status = _status(endpoint, 1.0)
         if status is not None:
             sessions = _sessions(status)
             if ids <= sessions.keys() and all(done(sessions[i]) for i in ids):
@@ -104,8 +99,7 @@ def _wait_all(endpoint: str, ids: set[str], proc, timeout_s: float, done, ctx: z
     return False
 
 
-def _watch_restart(endpoint: str, ids: set[str], t_spawn: int, proc, timeout_s: float,
-                   ctx: zmq.Context) -> dict:
+def _watch_restart(endpoint: str, ids: set[str], t_spawn: int, proc, timeout_s: float) -> dict:
     """From the new daemon's spawn: first answer, all attached, all granted (monotonic ns, or None)."""
     ready = attached = granted = None
     last_attached = 0
@@ -113,9 +107,13 @@ def _watch_restart(endpoint: str, ids: set[str], t_spawn: int, proc, timeout_s: 
     while granted is None and time.monotonic_ns() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the new daemon exited with status {proc.returncode}")
-        status = _status(endpoint, ctx, _STATUS_POLL_S)
+        t_ask = time.monotonic()
+        status = _status(endpoint, _STATUS_POLL_S)
         now = time.monotonic_ns()
         if status is None:
+            # Not listening yet: connecting fails at once, so wait out the poll period
+            # rather than spin on the cores the new daemon is starting on.
+            time.sleep(max(0.0, _STATUS_POLL_S - (time.monotonic() - t_ask)))
             continue
         if ready is None:
             ready = now
@@ -177,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     logs = [os.path.join(workdir, "daemon-1.log"), os.path.join(workdir, "daemon-2.log")]
     first = second = None
     failed = True
-    ctx = zmq.Context()  # the parent's own; never used by the forked clients
     stop = common.mp_context.Event()
     restart_ns = common.mp_context.Value("q", 0, lock=False)
     try:
@@ -192,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             ids = set(ids_at_start)
             if len(ids) != args.sessions:
                 raise RuntimeError(f"{args.sessions} clients but {len(ids)} distinct sessions")
-            if not _wait_all(endpoint, ids, first, 10.0, lambda s: True, ctx):
+            if not _wait_all(endpoint, ids, first, 10.0, lambda s: True):
                 raise RuntimeError("the daemon does not list every client's session")
             t_go = workers.go()
             round_s = args.sessions * args.quantum_ms / 1000.0
-            if not _wait_all(endpoint, ids, first, 10.0 + 5 * round_s, lambda s: s.grants > 0, ctx,
+            if not _wait_all(endpoint, ids, first, 10.0 + 5 * round_s, lambda s: s.grants > 0,
                              poll_s=_GRANTED_POLL_S):
                 raise RuntimeError("not every session was granted the token before the restart")
             first_round_s = (time.monotonic_ns() - t_go) / 1e9
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             first.wait()
             restart_ns.value = t_spawn = time.monotonic_ns()
             second = common.spawn_daemon(serve, logs[1])
-            seen = _watch_restart(endpoint, ids, t_spawn, second, args.timeout_s, ctx)
+            seen = _watch_restart(endpoint, ids, t_spawn, second, args.timeout_s)
             if seen["attached"] is None:
                 common.log(f"[recovery] only {seen['attached_count']} of {args.sessions} sessions attached "
                            f"within {args.timeout_s:g} s")
@@ -219,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             common.stop_process(second)
             common.stop_process(first)
-            ctx.term()
             restore = _restore_line(logs[1])
             for i, path in enumerate(logs, 1):
                 common.relay_log(path, everything=failed, keep=_worth_relaying, prefix=f"[daemon {i}]", last=20)
