@@ -15,7 +15,7 @@ could not journal (``_stop`` in server.py takes the token away instead), so a
 successor always knows which processes to continue.
 
 A mixin over the server's state: it uses ``journal``, ``_journal_writer``,
-``_sessions``, ``_schedulers``, ``_policy``, ``_partitions``, ``_restoring``,
+``_sessions``, ``_schedulers``, ``_policy``, ``_mps`` (the MPS component), ``_restoring``,
 ``_parked``, ``config`` and the server's ``_add_session``, ``_continue`` and ``_apply``,
 and the memory mixin's ``_request_token``.
 """
@@ -176,11 +176,10 @@ class RestoreMixin:
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid
                 session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
-            if rec.device in self._partitions:
-                try:
-                    self._partitions[rec.device].join(rec.id, None, rec.memory_mb or None)
-                except PartitionError as exc:
-                    log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
+            try:
+                self._mps.join(rec.id, rec.device, rec.memory_mb)
+            except PartitionError as exc:
+                log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
             self._add_session(session, now)
             if session.stopped:  # the old daemon died holding it stopped: let it run
                 self._continue(session)

@@ -36,18 +36,17 @@ from nodeagent.cluster import ClusterMixin, ClusterRoute
 from nodeagent.config import ConfigError, ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import EventLoopPoller
+from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
 from nodeagent.memory_watch import LostDevices, MemoryPolicyMixin, MemoryWatcher
 from nodeagent.metrics import Metrics, SessionRow
-from nodeagent.mps import MpsControl
-from nodeagent.mps_wiring import MpsMixin
 from nodeagent.restore import JournalWriter, RestoreMixin
 from nodeagent.serving import ServingMixin
 from nodeagent.sessions import Session, new_session_id, new_session_key
 from nodeagent.suspension import SuspensionMixin
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
-from sharing.partition import PartitionError, PartitionTable
+from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.server")
 
@@ -56,7 +55,7 @@ MAX_WEIGHT = 1e6
 _MAX_BATCH = 512  # frames handled before timers get a turn
 
 
-class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin, ClusterMixin):
+class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin, ClusterMixin):
     """One daemon instance. ``bind()``, then ``serve_forever()`` until
     :meth:`request_stop` (thread- and signal-safe) is called."""
 
@@ -102,15 +101,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._parked: dict[int, list[str]] = {}
         self._restore_deadline = 0.0
         self._suspending: set[Session] = set()  # suspend requested, deadline pending
-        bad = [d for d in config.mps_devices if d >= backend.count()]
-        if bad:
-            raise ConfigError(f"mps.devices names {bad}, but this node has devices 0..{backend.count() - 1}")
-        self._mps: dict[int, MpsControl] = {}  # device -> its MPS control daemon (started in bind)
-        self._mps_by_fd: dict[int, int] = {}
-        self._partitions: dict[int, PartitionTable] = {
-            i: PartitionTable(i, min_percent=config.mps_min_percent,
-                              memory_total_mb=memory.capacity_mb(self._device_info[i], config.memory_reserve_mb))
-            for i in config.mps_devices}
+        # MPS control daemons and SM shares (a component: what it may touch is in its constructor).
+        self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error)
         self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
         self._memory_watcher: MemoryWatcher | None = None
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
@@ -169,15 +161,15 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
         self._bind_cluster()
         try:
-            self._start_mps(os.path.dirname(path) if path is not None else self.config.state_dir)
+            self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
         except BaseException:
-            self._stop_mps()
+            self._mps.stop()
             raise
         try:
             self._start_serving()
         except BaseException:
             self._stop_serving()
-            self._stop_mps()
+            self._mps.stop()
             raise
         if self.backend.measures_process_memory:  # cuda: NVML reads it per process
             self._memory_watcher = MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
@@ -223,8 +215,8 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                     elif target == wake_fd:
                         self._drain_wakeups()
                         self._contain("memory", self._apply_memory_readings)
-                    elif target in self._mps_by_fd:
-                        self._contain("mps", self._on_mps_exit, self._mps_by_fd[target])
+                    elif self._mps.owns(target):
+                        self._contain("mps", self._mps.on_exit, target)
                     else:
                         handler = self._poll_handlers.get(target)
                         if handler is not None:
@@ -263,7 +255,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         if self._memory_watcher is not None:
             self._memory_watcher.stop()
         self._stop_serving()
-        self._stop_mps()
+        self._mps.stop()
         self._close_cluster()
         for s in list(self._sessions.values()):
             self._close_pidfd(s)
@@ -387,13 +379,11 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             managed_pidfd = procwatch.open_pidfd(msg.managed_pgid)
         workload = Workload.parse(msg.workload)
         session_id = new_session_id()
-        table = self._partitions.get(device)
-        if table is not None:
-            try:
-                table.join(session_id, None, msg.memory_mb or None)
-            except PartitionError as exc:
-                self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
-                return
+        try:
+            self._mps.join(session_id, device, msg.memory_mb)
+        except PartitionError as exc:
+            self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
+            return
         session = Session(
             id=session_id, key=new_session_key(), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
@@ -458,7 +448,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
         policy = self._schedulers[s.device].policy
-        env = self._client_env(s)
+        env = self._mps.client_env(s.id, s.device)
         uuid = self._device_info[s.device].uuid
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
@@ -583,6 +573,12 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
             return
         self._send(route, p.Ok(id=msg.id))
         self._drop(s, "bye", now)
+
+    def _on_partition(self, route, msg: p.Partition, frame, now: float) -> None:
+        creds = procwatch.peer_credentials(frame)
+        # Cluster peers were authenticated by their CURVE key: root-equivalent.
+        operator = type(route) is ClusterRoute or (creds is not None and creds.uid == 0)
+        self._mps.on_partition(route, msg, operator)
 
     def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
         self._send(route, self.status(now, msg.id))
@@ -779,8 +775,7 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
         self._drop_serving(s.id, now)
         if s.suspend_waiters or s in self._suspending:
             self._finish_suspend(s, "gone", now)
-        if s.device in self._partitions:
-            self._partitions[s.device].leave(s.id)
+        self._mps.leave(s.id, s.device)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
         self._journal(lambda j: j.delete_session(s.id), session=s.id)
@@ -883,9 +878,9 @@ class AgentServer(SuspensionMixin, MpsMixin, RestoreMixin, MemoryPolicyMixin, Se
                 queue=list(snap.queue), sessions=sessions,
                 memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
                 memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
-                mps=info.index in self._mps,
+                mps=self._mps.runs_on(info.index),
                 memory_workers_mb=memory.held_mb(self._workers_share(info.index)),
-                partition=dict(self._partitions[info.index].plan.shares) if info.index in self._partitions else {}))
+                partition=self._mps.shares(info.index)))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
                              boot=self.boot)

@@ -21,7 +21,7 @@ is a standing declaration in admission (:mod:`nodeagent.worker_setup`).
 
 A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
 ``_poller``, ``_poll_handlers``, ``config``, ``backend``, ``journal``,
-``metrics``, ``_lost_devices``, ``_device_info``, ``_mps`` and the server's ``_send``, ``_error``, ``_apply``,
+``metrics``, ``_lost_devices``, ``_device_info``, ``_mps`` (the MPS component) and the server's ``_send``, ``_error``, ``_apply``,
 ``_session_for``, ``_journal``.
 """
 
@@ -217,7 +217,7 @@ class ServingMixin:
     def _worker_setup(self, device: int):
         """What a worker of ``device`` starts with (asked at every spawn): its GPU by UUID, the
         device's MPS client settings on an MPS device, its resident-model budget."""
-        control = self._mps.get(device)
+        control = self._mps.control(device)
         return worker_setup.setup_for(self.backend.name, self._device_info[device], self._worker_shares[device],
                                       mps_env=control.client_env() if control is not None else None)
 

@@ -1,0 +1,159 @@
+"""MPS for sessions: a supervised control daemon per listed device, each
+session's share handed out in its welcome, and the root-only ``partition``
+request.
+
+A component: it owns the control daemons (:class:`nodeagent.mps.MpsControl`)
+and the partition tables (:class:`sharing.partition.PartitionTable`), and is
+given what it may touch in its constructor: the devices it plans for, the
+poller it registers the daemons' pidfds with, and how to answer a peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from client_lib import protocol as p
+from nodeagent import memory
+from nodeagent.config import ConfigError, ServeConfig
+from nodeagent.devices import DeviceInfo
+from nodeagent.mps import MpsControl, MpsError
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller
+from sharing.partition import PartitionError, PartitionTable
+
+log = logging.getLogger("nodeagent.daemon.mps")
+
+Send = Callable[[object, object], None]  # (route, message)
+Error = Callable[[object, int, str, str], None]  # (route, request id, code, message)
+
+
+class MpsPartitions:
+    """The MPS side of the daemon (see the module docstring). ``config.mps_devices``
+    names the devices; each gets a control daemon at :meth:`start` and a table
+    that plans integer SM shares for the sessions that :meth:`join` it."""
+
+    def __init__(self, config: ServeConfig, devices: list[DeviceInfo], poller: EventLoopPoller,
+                 send: Send, error: Error) -> None:
+        bad = [d for d in config.mps_devices if not 0 <= d < len(devices)]
+        if bad:
+            raise ConfigError(f"mps.devices names {bad}, but this node has devices 0..{len(devices) - 1}")
+        self._config = config
+        self._devices = devices
+        self._poller = poller
+        self._send = send
+        self._error = error
+        self._controls: dict[int, MpsControl] = {}  # device -> its control daemon (started in start())
+        self._by_fd: dict[int, int] = {}  # watch fd -> device
+        self._tables: dict[int, PartitionTable] = {
+            i: PartitionTable(i, min_percent=config.mps_min_percent,
+                              memory_total_mb=memory.capacity_mb(devices[i], config.memory_reserve_mb))
+            for i in config.mps_devices}
+
+    # ------------------------------------------------------------------ life
+
+    def start(self, runtime_dir: str) -> None:
+        """One control daemon per configured device, watched through its pidfd."""
+        for device in self._config.mps_devices:
+            control = MpsControl(device, self._devices[device].uuid, runtime_dir, self._config.mps_control_binary,
+                                 dir_mode=0o755 if os.geteuid() == 0 else 0o700)
+            control.start()
+            self._controls[device] = control
+            self._watch(device)
+            log.info("[mps] device=%d control daemon pid=%s", device, control.pid)
+
+    def stop(self) -> None:
+        for device, control in self._controls.items():
+            step = control.quit(timeout_s=5)
+            log.info("[shutdown] step=mps device=%d result=%s", device, step.value)
+        for fd in list(self._by_fd):
+            self._unwatch(fd)
+        self._controls.clear()
+
+    def owns(self, fd) -> bool:
+        return fd in self._by_fd
+
+    def on_exit(self, fd: int) -> None:
+        """A control daemon's pidfd fired: restart it (within its budget) and watch the new one."""
+        device = self._by_fd.get(fd)
+        if device is None:
+            return
+        for other in [f for f, d in self._by_fd.items() if d == device]:
+            self._unwatch(other)
+        try:
+            self._controls[device].ensure_running()
+        except MpsError as exc:
+            log.error("[mps] device=%d control daemon cannot be kept running: %s", device, exc)
+            return
+        self._watch(device)
+
+    def _watch(self, device: int) -> None:
+        fd = self._controls[device].watch_fd()
+        if fd is not None:
+            self._by_fd[fd] = device
+            self._poller.register(fd, POLLIN)
+
+    def _unwatch(self, fd: int) -> None:
+        self._by_fd.pop(fd, None)
+        try:
+            self._poller.unregister(fd)
+        except KeyError:
+            pass
+
+    # -------------------------------------------------------------- sessions
+
+    def runs_on(self, device: int) -> bool:
+        """Whether ``device`` has an MPS control daemon (started)."""
+        return device in self._controls
+
+    def control(self, device: int) -> MpsControl | None:
+        return self._controls.get(device)
+
+    def join(self, session: str, device: int, memory_mb: int) -> None:
+        """Give ``session`` a share of ``device`` (no-op off MPS). Raises PartitionError."""
+        table = self._tables.get(device)
+        if table is not None:
+            table.join(session, None, memory_mb or None)
+
+    def leave(self, session: str, device: int) -> None:
+        table = self._tables.get(device)
+        if table is not None:
+            table.leave(session)
+
+    def client_env(self, session: str, device: int) -> dict[str, str]:
+        """What the client must set before CUDA initialises: its MPS daemon and share."""
+        control, table = self._controls.get(device), self._tables.get(device)
+        if control is None or table is None:
+            return {}
+        return {**control.client_env(), **table.issue(session)}
+
+    def shares(self, device: int) -> dict[str, int]:
+        """SM percent per session on ``device`` as planned now (empty off MPS)."""
+        table = self._tables.get(device)
+        return dict(table.plan.shares) if table is not None else {}
+
+    # --------------------------------------------------------------- request
+
+    def on_partition(self, route, msg: p.Partition, is_operator: bool) -> None:
+        """The ``partition`` request; ``is_operator``: root on the local socket, or any
+        (already authenticated) cluster peer."""
+        if not is_operator:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only root may set MPS partitions")
+            return
+        table = self._tables.get(msg.device)
+        if table is None:
+            self._error(route, msg.id, p.ErrorCode.DEVICE, f"device {msg.device} has no MPS daemon "
+                        "(list it in mps.devices)")
+            return
+        strangers = sorted(set(msg.shares) - set(table.sessions()))
+        if strangers:
+            self._error(route, msg.id, p.ErrorCode.INVALID, f"not sessions of device {msg.device}: {strangers}")
+            return
+        try:
+            plan = table.partition(msg.shares, msg.memory_mb)
+        except PartitionError as exc:
+            self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
+            return
+        log.info("[mps] partition device=%d shares=%s", msg.device, dict(plan.shares))
+        self._send(route, p.PartitionReply(id=msg.id, device=msg.device, shares=dict(plan.shares),
+                                           memory_limits_mb=dict(plan.memory_limits_mb), stale=table.stale()))
