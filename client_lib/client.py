@@ -358,13 +358,7 @@ class Client:
             if self._conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and
                 # not as a vanished client.
-                if self.daemon_healthy():
-                    try:
-                        self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-                    except (NodeAgentError, ConnectionError):
-                        pass
-                self._conn.close()
-                self._conn = None
+                self._say_goodbye()
         self._grant = None
 
     def __enter__(self) -> "Client":
@@ -529,13 +523,18 @@ class Client:
 
     def _abandon(self) -> None:
         """Close the session the daemon just opened, when this client cannot use it."""
-        try:
-            self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-        except (NodeAgentError, ConnectionError):
-            pass
+        self._say_goodbye()
+        self._closed = True
+
+    def _say_goodbye(self) -> None:
+        """End the session with ``bye`` (if the daemon is there) and close the connection."""
+        if self.daemon_healthy():
+            try:
+                self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+            except (NodeAgentError, ConnectionError):
+                pass
         self._conn.close()
         self._conn = None
-        self._closed = True
 
     def _waiting_since_connect(self) -> bool:
         return self._asked_in == self._generation

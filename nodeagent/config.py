@@ -315,20 +315,15 @@ def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    per_workload = {"scheduler.quantum_ms.": config.quantum_ms,
+                    "memory.class_cap_percent.": config.memory_class_cap_percent}
     for key, value in _flatten(doc, path):
-        if key.startswith("scheduler.quantum_ms."):
-            workload = key.rsplit(".", 1)[1]
+        table_prefix, workload = key.rsplit(".", 1)[0] + ".", key.rsplit(".", 1)[-1]
+        if table_prefix in per_workload:  # [section.table] with one number per workload class
             if workload not in {w.wire for w in Workload}:
                 raise ConfigError(f"{path}: unknown key {key!r} (workloads: inference, training, best-effort)")
             _check_type(path, key, value, (int, float))
-            config.quantum_ms[workload] = float(value)
-            continue
-        if key.startswith("memory.class_cap_percent."):
-            workload = key.rsplit(".", 1)[1]
-            if workload not in {w.wire for w in Workload}:
-                raise ConfigError(f"{path}: unknown key {key!r} (workloads: inference, training, best-effort)")
-            _check_type(path, key, value, (int, float))
-            config.memory_class_cap_percent[workload] = float(value)
+            per_workload[table_prefix][workload] = float(value)
             continue
         spec = _KEYS.get(key)
         if spec is None:
