@@ -31,7 +31,7 @@ HEADER_BYTES = HEADER.size
 MAX_DAEMON_FRAME_BYTES = 16 * 1024 * 1024
 """Largest message the daemon sends (a status of thousands of sessions fits)."""
 
-_RECV_CHUNK = 256 * 1024
+_RECV_CHUNK = 64 * 1024  # below glibc's mmap threshold; read into one buffer kept per connection
 
 
 class FrameTooLarge(ValueError):
@@ -150,6 +150,10 @@ class Connection:
         self.sock = sock
         self._frames = FrameBuffer(MAX_DAEMON_FRAME_BYTES)
         self._ready: list[bytes] = []
+        self._rbuf = bytearray(_RECV_CHUNK)
+        self._rview = memoryview(self._rbuf)
+        self._poll_in = select.poll()  # kept: a wait for the grant is the hot path
+        self._poll_in.register(sock, select.POLLIN)
         self.closed_by_peer = False
 
     def fileno(self) -> int:
@@ -183,22 +187,25 @@ class Connection:
             return frames
         if self.closed_by_peer:
             raise ConnectionError(errno.ECONNRESET, "daemon closed the connection")
-        deadline = time.monotonic() + timeout
+        deadline = None
         while True:
             try:
-                data = self.sock.recv(_RECV_CHUNK)
+                n = self.sock.recv_into(self._rbuf)
             except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not _wait(self.sock, select.POLLIN, left):
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout
+                left = deadline - now
+                if left <= 0 or not self._poll_in.poll(int(left * 1000 + 0.999)):
                     return []
                 continue
             except OSError as exc:
                 self.closed_by_peer = True
                 raise ConnectionError(exc.errno, str(exc)) from None
-            if not data:
+            if not n:
                 self.closed_by_peer = True
                 raise ConnectionError(errno.ECONNRESET, "daemon closed the connection")
-            frames = self._frames.feed(data)
+            frames = self._frames.feed(self._rview[:n])
             if frames:
                 return frames
 

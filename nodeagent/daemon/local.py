@@ -82,6 +82,8 @@ class LocalEndpoint:
         self._peers: dict[int, Peer] = {}
         self._reserve_fd: int | None = None
         self._path: str | None = None
+        self._rbuf = bytearray(_READ_CHUNK)  # one loop thread: one read buffer for every connection
+        self._rview = memoryview(self._rbuf)
 
     # ------------------------------------------------------------------ life
 
@@ -209,18 +211,19 @@ class LocalEndpoint:
         budget = _READ_BUDGET
         while budget > 0 and not peer.closed:
             try:
-                data = peer.sock.recv(_READ_CHUNK)
+                n = peer.sock.recv_into(self._rbuf)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 self._drop(peer, "closed")
                 return
-            if not data:
+            if not n:
                 self._drop(peer, "closed")
                 return
-            budget -= len(data)
+            budget -= n
+            drained = n < _READ_CHUNK  # the kernel had no more: epoll (level-triggered) says when it does
             try:
-                frames = peer.frames.feed(data)
+                frames = peer.frames.feed(self._rview[:n])
             except framing.FrameTooLarge as exc:
                 self.send(peer, codec.encode(p.Error(
                     id=0, code=p.ErrorCode.BAD_REQUEST,
@@ -238,6 +241,8 @@ class LocalEndpoint:
                         message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
                     continue
                 self._on_frame(peer, body)
+            if drained:
+                return
 
     # ---------------------------------------------------------------- output
 
