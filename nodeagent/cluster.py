@@ -453,6 +453,7 @@ class ClusterMixin:
         pending = self._reclaims.get(msg.device)
         if pending is not None:  # a retry, or a second caller: both hear how the one under way ends
             pending.waiters.append((route, msg.id))
+            log.info("[cluster] reclaim device=%d joins the one under way by=%s", msg.device, _peer(route, frame))
             return
         if life.state is not DeviceState.LENT:
             self._send(route, p.ReclaimReply(id=msg.id, device=msg.device, state=life.state.value, free_ms=0.0,

@@ -464,12 +464,14 @@ def test_a_second_reclaim_joins_the_one_under_way_and_a_session_that_dies_counts
     node = cluster_node()
     first, second = node.peer(), node.peer()
     first.call(p.Lend(id=0, device=0, borrower="job"))
+    second.call(p.Inventory(id=0))  # its CURVE handshake is done: what it sends next arrives at once
     hog = spawn(node.daemon.endpoint, "stubborn", "--name", "hog", "--borrower", "job")
     sid = hog.expect("SESSION")[2]
     hog.expect("TICK", count=2)
     first_id = first.send(p.Reclaim(id=0, device=0, deadline_ms=60_000.0))
     wait_for(lambda: "[cluster] reclaim device=0" in node.daemon.log())
     second_id = second.send(p.Reclaim(id=0, device=0, deadline_ms=60_000.0))
+    wait_for(lambda: "joins the one under way" in node.daemon.log())
     hog.kill()  # dies while asked to suspend: its session ends, and the device is free
     a, b = first.reply(first_id), second.reply(second_id)
     assert a.outcomes == b.outcomes == {sid: "gone"} and a.free_ms == b.free_ms < 10_000
