@@ -113,7 +113,14 @@ def test_daemon_stays_root_and_keeps_the_capabilities_it_uses(unit):
     assert "Group" not in unit["Service"]  # the socket's group is set by the daemon, not the process's
     caps = set(one(unit, "Service", "CapabilityBoundingSet").split())
     assert {"CAP_KILL", "CAP_CHOWN"} <= caps  # signal clients; chown the socket to group nodeagent
+    # Weights files are opened by a child that has become the registering user (ctxpool/peer_open.py).
+    assert {"CAP_SETUID", "CAP_SETGID"} <= caps
     assert int(one(unit, "Service", "LimitNOFILE")) >= 65536
+
+
+def test_the_unit_has_a_memory_ceiling(unit):
+    assert one(unit, "Service", "MemoryMax").endswith("%") or one(unit, "Service", "MemoryMax")[-1] in "KMGT"
+    assert "MemoryHigh" in unit["Service"]
 
 
 def test_exit_statuses_a_restart_cannot_fix_are_not_restarted(unit):
