@@ -33,9 +33,9 @@ from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
 from nodeagent.cluster import ClusterMixin, ClusterRoute
-from nodeagent.config import ConfigError, ServeConfig
+from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
-from nodeagent.daemon.loop import EventLoopPoller
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
@@ -52,7 +52,6 @@ log = logging.getLogger("nodeagent.server")
 
 MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
-_MAX_BATCH = 512  # frames handled before timers get a turn
 
 
 class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin, ClusterMixin):
@@ -93,7 +92,8 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
-        # All client pidfds live in one epoll set, so the zmq poll stays O(1) in sessions.
+        # All client pidfds live in one epoll set of their own: one descriptor in the loop's, and
+        # one poll(0) tells which processes exited.
         self._pidfds = select.epoll()
         # After a restart: devices whose restored sessions have not all reattached yet.
         # Only the slice in progress may be granted there; other requests wait (parked).
@@ -157,8 +157,8 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                 self._lock.release()
             raise
         self._local = local
-        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        self._poller.register(self._pidfds.fileno(), zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), POLLIN)
+        self._poller.register(self._pidfds.fileno(), POLLIN)
         self._bind_cluster()
         try:
             self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)

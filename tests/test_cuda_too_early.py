@@ -6,7 +6,6 @@ end refusal runs against a daemon with MPS in tests/test_mps_daemon.py."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys

@@ -15,7 +15,7 @@ import time
 import msgspec
 import pytest
 
-from client_lib import Client, DaemonUnavailableError, ErrorCode
+from client_lib import Client, ErrorCode
 from client_lib import protocol as p
 from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
