@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import queue
-import select
 import signal
 import socket
 import threading
@@ -43,7 +42,7 @@ from nodeagent.memory_watch import LostDevices, MemoryPolicyMixin, MemoryWatcher
 from nodeagent.metrics import Metrics, SessionRow
 from nodeagent.restore import JournalWriter, RestoreMixin
 from nodeagent.serving import ServingMixin
-from nodeagent.sessions import Session, new_session_id, new_session_key
+from nodeagent.sessions import Session, SessionTable, new_session_id, new_session_key
 from nodeagent.suspension import SuspensionMixin
 from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
 from sharing.partition import PartitionError
@@ -76,9 +75,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._policy = config.policy()
         self._schedulers = [TokenScheduler(i, self._policy) for i in range(backend.count())]
         self._device_info = backend.devices()  # static facts for admission; refreshed by status
-        self._sessions: dict[str, Session] = {}
-        self._by_route: dict[Peer, Session] = {}
-        self._by_pidfd: dict[int, Session] = {}
+        self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
         self._local: LocalEndpoint | None = None
         self._poller = EventLoopPoller()
@@ -92,9 +89,6 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
-        # All client pidfds live in one epoll set of their own: one descriptor in the loop's, and
-        # one poll(0) tells which processes exited.
-        self._pidfds = select.epoll()
         # After a restart: devices whose restored sessions have not all reattached yet.
         # Only the slice in progress may be granted there; other requests wait (parked).
         self._restoring: dict[int, set[str]] = {}
@@ -158,7 +152,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             raise
         self._local = local
         self._poller.register(self._wake_r.fileno(), POLLIN)
-        self._poller.register(self._pidfds.fileno(), POLLIN)
+        self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
         self._bind_cluster()
         try:
             self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
@@ -203,7 +197,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             raise RuntimeError("bind() before serve_forever()")
         local = self._local
         wake_fd = self._wake_r.fileno()
-        pidfds_fd = self._pidfds.fileno()
+        pidfds_fd = self._sessions.fileno()
         try:
             while self._stop_reason is None:
                 events = self._poller.poll(self._poll_timeout_ms())
@@ -257,8 +251,6 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._stop_serving()
         self._mps.stop()
         self._close_cluster()
-        for s in list(self._sessions.values()):
-            self._close_pidfd(s)
         if self._local is not None:
             self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
             self._local = None
@@ -273,7 +265,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                 signal.set_wakeup_fd(old)
         self._wake_r.close()
         self._wake_w.close()
-        self._pidfds.close()
+        self._sessions.close()
         if self.journal is not None:
             self.journal.close()
         if self._own_ctx:
@@ -294,7 +286,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
     def _on_disconnect(self, peer: Peer, reason: str) -> None:
         """A local connection is gone. Its session, if any, is dropped after the
         current step (a send inside a handler can find a peer gone)."""
-        if peer in self._by_route:
+        if self._sessions.by_route(peer) is not None:
             self._unreachable.append((peer, reason))
 
     def _dispatch(self, route, body: bytes, frame, handlers: dict, where: str,
@@ -345,7 +337,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         if self._stop_reason is not None:
             self._error(route, msg.id, p.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
             return
-        existing = self._by_route.get(route)
+        existing = self._sessions.by_route(route)
         if existing is not None:
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"this connection already has session {existing.id}; send bye first")
@@ -409,14 +401,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
 
     def _add_session(self, session: Session, now: float) -> None:
         self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
-        self._sessions[session.id] = session
-        if session.route is not None:
-            self._by_route[session.route] = session
-        if session.verified_pid is not None:
-            session.pidfd = procwatch.open_pidfd(session.verified_pid)
-            if session.pidfd is not None:
-                self._by_pidfd[session.pidfd] = session
-                self._pidfds.register(session.pidfd, select.EPOLLIN)
+        self._sessions.add(session)
 
     def _try_resume(self, route: bytes, msg: p.Hello, creds, now: float) -> Session | None:
         """Reattach a live or restored session to a new connection of the same client."""
@@ -427,11 +412,8 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             return None
         if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
             return None
-        if session.route is not None:
-            self._by_route.pop(session.route, None)
-        session.route = route
+        self._sessions.attach(session, route)
         session.last_seen = now
-        self._by_route[route] = session
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
         return session
 
@@ -507,7 +489,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot, durable=self._journal_writer.durable(session.id)))
 
     def _session_for(self, route: bytes, request_id: int, now: float) -> Session | None:
-        session = self._by_route.get(route)
+        session = self._sessions.by_route(route)
         if session is None:
             self._error(route, request_id, p.ErrorCode.NO_SESSION,
                         "this connection has no session; send hello first")
@@ -759,10 +741,8 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
 
     def _drop(self, s: Session, reason: str, now: float) -> None:
         """End a session; a token it held passes on at once."""
-        if self._sessions.pop(s.id, None) is None:
+        if not self._sessions.remove(s):
             return
-        if s.route is not None and self._by_route.get(s.route) is s:
-            del self._by_route[s.route]
         if s.managed_pidfd is not None:
             # The group outlives its launcher, and may have been stopped by it
             # rather than by us: continue it whatever the reason (harmless if running).
@@ -770,7 +750,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             self._continue(s)
         elif s.stopped and reason != "process_exited":
             self._continue(s)
-        self._close_pidfd(s)
+        self._sessions.close_pidfds(s)
         self._end_slice(s, now)
         self._drop_serving(s.id, now)
         if s.suspend_waiters or s in self._suspending:
@@ -795,31 +775,15 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._event("session_leave", s.device, s.id, name=s.name, reason=reason)
         self._apply(actions, now, handoff_from=now)
 
-    def _close_pidfd(self, s: Session) -> None:
-        if s.managed_pidfd is not None:
-            os.close(s.managed_pidfd)
-            s.managed_pidfd = None
-        if s.pidfd is None:
-            return
-        self._by_pidfd.pop(s.pidfd, None)
-        try:
-            self._pidfds.unregister(s.pidfd)
-        except (KeyError, OSError):
-            pass
-        os.close(s.pidfd)
-        s.pidfd = None
-
     def _reap_exited(self) -> None:
         """Sessions whose process exited (their pidfd became readable)."""
-        for fd, _ in self._pidfds.poll(0):
-            session = self._by_pidfd.get(fd)
-            if session is not None:
-                self._drop(session, "process_exited", self._clock())
+        for session in self._sessions.exited():
+            self._drop(session, "process_exited", self._clock())
 
     def _flush_unreachable(self) -> None:
         while self._unreachable:
             peer, reason = self._unreachable.pop()
-            s = self._by_route.get(peer)
+            s = self._sessions.by_route(peer)
             if s is not None:
                 if reason == "closed":  # say why, when it is known: its process is gone, or only the connection
                     reason = "process_exited" if procwatch.pidfd_exited(s.pidfd) else "disconnected"

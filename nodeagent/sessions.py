@@ -3,14 +3,19 @@
 Token state (idle, waiting, holding, yielding) is owned by the device's
 :class:`sharing.TokenScheduler`; this record holds the rest. A session lives
 from a ``welcome`` until one of: ``bye``, its process exiting (pidfd), its
-heartbeats stopping, its connection becoming unreachable, or daemon shutdown.
+connection closing, its heartbeats stopping (sessions the daemon cannot watch),
+or daemon shutdown. :class:`SessionTable` holds them.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import select
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from nodeagent import procwatch
 from sharing import Workload
 
 
@@ -26,7 +31,7 @@ def new_session_key() -> str:
 class Session:
     id: str
     key: str
-    route: bytes | None  # ZeroMQ routing id of the main connection; None until a restored session reattaches
+    route: object | None  # its client's connection (a local Peer); None until a restored session reattaches
     name: str
     claimed_pid: int  # what hello said: never used to signal anything
     verified_pid: int | None  # from the kernel (SO_PEERCRED); None over tcp
@@ -60,3 +65,99 @@ class Session:
     @property
     def pid(self) -> int:
         return self.verified_pid if self.verified_pid is not None else self.claimed_pid
+
+
+class SessionTable:
+    """The daemon's sessions, found by id, by connection (``route``) and by the
+    pidfd of their process; it owns those pidfds and the epoll set that holds
+    them (one descriptor in the loop's poller: :meth:`fileno`).
+
+    Reading it is a mapping by id (``get``, ``[id]``, ``in``, ``values``, ``len``);
+    changing it goes through :meth:`add`, :meth:`attach`, :meth:`remove` and
+    :meth:`close_pidfds`, which keep the indexes in step."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+        self._by_route: dict[object, Session] = {}
+        self._by_pidfd: dict[int, Session] = {}
+        self._pidfds = select.epoll()
+
+    # ------------------------------------------------------------- reading
+
+    def get(self, session_id: str, default=None) -> Session | None:
+        return self._by_id.get(session_id, default)
+
+    def __getitem__(self, session_id: str) -> Session:
+        return self._by_id[session_id]
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def values(self):
+        return self._by_id.values()
+
+    def by_route(self, route) -> Session | None:
+        """The session whose client speaks on ``route`` (a connection), if any."""
+        return self._by_route.get(route)
+
+    def fileno(self) -> int:
+        """The epoll set of the sessions' pidfds: readable when one of their processes exited."""
+        return self._pidfds.fileno()
+
+    def exited(self) -> list[Session]:
+        """Sessions whose process has exited (their pidfd is readable)."""
+        return [s for fd, _ in self._pidfds.poll(0) if (s := self._by_pidfd.get(fd)) is not None]
+
+    # ------------------------------------------------------------ changing
+
+    def add(self, session: Session) -> None:
+        """Take ``session`` in; a verified one gets a pidfd for its process, watched from now on."""
+        self._by_id[session.id] = session
+        if session.route is not None:
+            self._by_route[session.route] = session
+        if session.verified_pid is not None:
+            session.pidfd = procwatch.open_pidfd(session.verified_pid)
+            if session.pidfd is not None:
+                self._by_pidfd[session.pidfd] = session
+                self._pidfds.register(session.pidfd, select.EPOLLIN)
+
+    def attach(self, session: Session, route) -> None:
+        """``session``'s client now speaks on ``route`` (it reconnected)."""
+        if session.route is not None and self._by_route.get(session.route) is session:
+            del self._by_route[session.route]
+        session.route = route
+        self._by_route[route] = session
+
+    def remove(self, session: Session) -> bool:
+        """Take ``session`` out (its pidfds stay open until :meth:`close_pidfds`). False if it was not in."""
+        if self._by_id.pop(session.id, None) is None:
+            return False
+        if session.route is not None and self._by_route.get(session.route) is session:
+            del self._by_route[session.route]
+        return True
+
+    def close_pidfds(self, session: Session) -> None:
+        """Stop watching ``session``'s process (and its launched group's leader)."""
+        if session.managed_pidfd is not None:
+            os.close(session.managed_pidfd)
+            session.managed_pidfd = None
+        if session.pidfd is None:
+            return
+        self._by_pidfd.pop(session.pidfd, None)
+        try:
+            self._pidfds.unregister(session.pidfd)
+        except (KeyError, OSError):
+            pass
+        os.close(session.pidfd)
+        session.pidfd = None
+
+    def close(self) -> None:
+        for session in list(self._by_id.values()):
+            self.close_pidfds(session)
+        self._pidfds.close()
