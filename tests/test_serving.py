@@ -19,6 +19,7 @@ from client_lib import protocol as p
 from client_lib import serving
 from tests import serving_models
 from tests.conftest import REPO, Daemon, wait_for
+from tests.test_shm_full import why_no_private_dev_shm
 
 pytestmark = pytest.mark.slow
 
@@ -477,22 +478,13 @@ print(json.dumps(out))
 """
 
 
-def _private_tiny_dev_shm() -> str | None:
-    """Why a private 4 MiB tmpfs cannot be mounted on /dev/shm here, or None if it can."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return "needs root and unshare(1) to mount a private tmpfs on /dev/shm"
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4m tmpfs /dev/shm"],
-                           capture_output=True, text=True, timeout=30)
-    return None if probe.returncode == 0 else f"cannot mount a private tmpfs: {probe.stderr.strip()[:200]}"
-
-
 def test_a_full_dev_shm_is_an_error_naming_the_size_not_a_sigbus_of_the_daemon_or_its_worker():
     """Before: the daemon's copy of an example input and a worker's output segment were
     sparse; the first write past a full /dev/shm killed the daemon (SIGBUS), or the worker.
     The daemon, its worker and this client run in a mount namespace with a 4 MiB /dev/shm."""
     import json
 
-    why = _private_tiny_dev_shm()
+    why = why_no_private_dev_shm("4m")
     if why:
         pytest.skip(why)
     run = subprocess.run(

@@ -55,17 +55,18 @@ print("left", sorted(os.listdir("/dev/shm")))
 """
 
 
-def _tiny_shm_works() -> str | None:
-    """Why a private 1 MiB tmpfs cannot be mounted on /dev/shm here, or None if it can."""
+def why_no_private_dev_shm(size: str = "1m") -> str | None:
+    """Why a private tmpfs of ``size`` cannot be mounted on /dev/shm here (a mount
+    namespace of its own), or None if it can."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return "needs root and unshare(1) to mount a private tmpfs on /dev/shm"
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs /dev/shm"],
                            capture_output=True, text=True, timeout=30)
     return None if probe.returncode == 0 else f"cannot mount a private tmpfs: {probe.stderr.strip()[:200]}"
 
 
 def test_the_preparer_refuses_weights_that_do_not_fit_a_tiny_dev_shm_instead_of_dying():
-    why = _tiny_shm_works()
+    why = why_no_private_dev_shm("1m")
     if why:
         pytest.skip(why)
     run = subprocess.run(
