@@ -66,6 +66,7 @@ import torch
 
 from bench import common, models
 from ctxpool.engine import Engine
+from ctxpool.layout import unique_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 _CHILD_TIMEOUT_S = 300.0
@@ -98,20 +99,11 @@ def _outputs_close(a, b) -> bool:
         for x, y in zip(a, b))
 
 
-def _unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
 def pack_host(module: torch.nn.Module) -> int:
     """Move every parameter and buffer of ``module`` into one host buffer, each at a 512-byte aligned
     offset, as the daemon's model store lays out a model (so the engine copies neighbours as one
     span and places each 512-aligned on the device). Returns the buffer's size."""
-    tensors = [t for t in _unique_tensors(module) if t.numel() and t.data.is_contiguous()]
+    tensors = [t for t in unique_tensors(module) if t.numel() and t.data.is_contiguous()]
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, total = [], 0
     for n in sizes:
@@ -135,7 +127,7 @@ class WarmProcess:
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.module = module.eval()
         self.device = device
-        self.tensors = _unique_tensors(module)
+        self.tensors = unique_tensors(module)
         self.host = [t.data for t in self.tensors]
         self.pinned = [h.pin_memory() for h in self.host] if device.type == "cuda" else self.host
 

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from ctxpool import hostmem, streams
 from ctxpool.engine import BudgetError, CopyError, DeviceLost, Engine
-from ctxpool.layout import Layout
+from ctxpool.layout import Layout, unique_tensors
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -131,14 +131,7 @@ def plain(module: nn.Module, inputs: tuple):
         return module.eval()(*inputs)
 
 
-def tensors_of(module: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer object once."""
-    seen, out = set(), []
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+tensors_of = unique_tensors  # every parameter and buffer object once
 
 
 @pytest.fixture
