@@ -19,7 +19,7 @@ from client_lib import protocol as p
 from client_lib import serving
 from tests import serving_models
 from tests.conftest import REPO, Daemon, wait_for
-from tests.test_shm_full import why_no_private_dev_shm
+from tests.test_shm_full import run_with_private_dev_shm
 
 pytestmark = pytest.mark.slow
 
@@ -484,13 +484,7 @@ def test_a_full_dev_shm_is_an_error_naming_the_size_not_a_sigbus_of_the_daemon_o
     The daemon, its worker and this client run in a mount namespace with a 4 MiB /dev/shm."""
     import json
 
-    why = why_no_private_dev_shm("4m")
-    if why:
-        pytest.skip(why)
-    run = subprocess.run(
-        ["unshare", "-m", "sh", "-c",
-         f'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "{sys.executable}" -c "$0"', _SHM_FULL_SCENARIO],
-        capture_output=True, text=True, timeout=240, cwd=REPO)
+    run = run_with_private_dev_shm("4m", _SHM_FULL_SCENARIO, timeout=240)
     assert run.returncode == 0, f"status {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     out = json.loads(run.stdout.strip().splitlines()[-1])
     example, output = out["example"], out["output"]

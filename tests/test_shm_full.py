@@ -55,24 +55,23 @@ print("left", sorted(os.listdir("/dev/shm")))
 """
 
 
-def why_no_private_dev_shm(size: str = "1m") -> str | None:
-    """Why a private tmpfs of ``size`` cannot be mounted on /dev/shm here (a mount
-    namespace of its own), or None if it can."""
+def run_with_private_dev_shm(size: str, script: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run python ``script`` in a mount namespace of its own whose /dev/shm is a private
+    tmpfs of ``size``; skips the test where that cannot be mounted (not root, no unshare)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return "needs root and unshare(1) to mount a private tmpfs on /dev/shm"
+        pytest.skip("needs root and unshare(1) to mount a private tmpfs on /dev/shm")
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs /dev/shm"],
                            capture_output=True, text=True, timeout=30)
-    return None if probe.returncode == 0 else f"cannot mount a private tmpfs: {probe.stderr.strip()[:200]}"
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private tmpfs: {probe.stderr.strip()[:200]}")
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "{sys.executable}" -c "$0"', script],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def test_the_preparer_refuses_weights_that_do_not_fit_a_tiny_dev_shm_instead_of_dying():
-    why = why_no_private_dev_shm("1m")
-    if why:
-        pytest.skip(why)
-    run = subprocess.run(
-        ["unshare", "-m", "sh", "-c",
-         f'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "{sys.executable}" -c "$0"', _PREPARE_IN_A_TINY_SHM],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+    run = run_with_private_dev_shm("1m", _PREPARE_IN_A_TINY_SHM, timeout=120)
     assert run.returncode == 0, f"the preparer died (status {run.returncode}):\n{run.stderr[-2000:]}"
     refused, left = run.stdout.splitlines()[-2:]
     assert refused.startswith("refused E_MODEL"), run.stdout
