@@ -353,7 +353,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        liveness.watcher().unwatch(self)
+        liveness.forget(self)
         with self._io:
             if self._conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and

@@ -104,6 +104,14 @@ _watcher: Watcher | None = None
 _watcher_lock = threading.Lock()
 
 
+def forget(client) -> None:
+    """Stop watching ``client``, without starting a watcher where none runs (a
+    client closed at interpreter exit, or in a forked child that never watched)."""
+    current = _watcher
+    if current is not None and current._pid == os.getpid():
+        current.unwatch(client)
+
+
 def watcher() -> Watcher:
     """The process's watcher, started on first use (and again in a forked child)."""
     global _watcher
