@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client_lib import Client
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
 
 
@@ -82,6 +82,8 @@ def test_metrics_endpoint_serves_parseable_prometheus_text(start_daemon):
     with Client("m", workload="inference", endpoint=d.endpoint) as client:
         with client.slice():
             pass
+        # The release is quiet (no reply): scrape once the daemon has handled it.
+        wait_for(lambda: d.status().devices[0].holder is None)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["nodeagent_bad_requests"].samples[0].value == 1
