@@ -157,9 +157,12 @@ class HostBuffer:
             return self._view
         self.release()  # the old one goes first: never both at once
         size = _round_up(nbytes, _PAGE_BYTES)
-        raw = torch.empty(size + _PAGE_BYTES, dtype=torch.uint8)  # room to start on a page boundary
-        offset = (-raw.data_ptr()) % _PAGE_BYTES
-        ptr = raw.data_ptr() + offset
+        # A mapping of its own: whole pages that hold nothing else (a registered page shared with
+        # another tensor would make that tensor's copies fail), and a storage that starts where the
+        # registration does (torch's is_pinned() asks about a tensor's storage, not its data).
+        raw = (torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+               if size else torch.empty(0, dtype=torch.uint8))
+        offset, ptr = 0, raw.data_ptr()
         pinned = False
         if pin and size > 0:
             cudart = self._cudart if self._cudart is not None else torch.cuda.cudart()

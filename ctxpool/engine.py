@@ -9,11 +9,16 @@ How a model moves: the module object stays the caller's. Each parameter and
 buffer (found by identity, so tied weights are one) has ``.data`` pointing at
 its host tensor while the model is not resident, and at a view of the
 model's one flat device buffer while it is (see :mod:`ctxpool.layout`).
-Host tensors are never copied, moved or written; on cuda they are page-locked
-in place (``cudaHostRegister``) for as long as the model is registered.
+Host tensors are never written. On cuda they are page-locked
+(``cudaHostRegister``) for as long as the model is registered: in place when
+they are views of a file mapping (the model store's segment), else first moved,
+each keeping its identity, to pages that hold nothing else
+(:meth:`~ctxpool.streams.CudaBackend.adopt_host`), because a registered page
+shared with another tensor makes that tensor's copies fail.
 
-A pipelined swap-in hands the groups to the copy thread (:mod:`ctxpool.streams`)
-and calls the module at once: a forward pre-hook on every layer that owns
+A pipelined swap-in copies the inputs first, then, on cuda, queues every group's
+copy on the copy stream at once (the CPU only issues them), or on cpu hands the
+groups to the copy thread (:mod:`ctxpool.streams`), and calls the module at once: a forward pre-hook on every layer that owns
 bytes waits for its group (on cuda the compute stream waits for the group's
 event on the GPU), so compute runs group k while group k+1 is copying.
 Groups come from :func:`ctxpool.grouping.plan_groups` over per-layer times
@@ -184,6 +189,14 @@ class Engine:
         with self._exclusive():
             self._check_alive()
             try:
+                moved = self._backend.adopt_host(name, module)
+            except (RuntimeError, OSError) as exc:  # out of host memory for the move: pin what may be pinned
+                moved = -1
+                log.warning("[ctxpool] model=%s host memory not moved to pages of its own: %s", name, exc)
+            if moved:  # storages moved (or may have): the atoms are elsewhere now
+                layout = Layout(module)
+                provisional = layout.place([0] * len(layout.atoms), 1)
+            try:
                 pinned = self._backend.pin(name, layout)
             except RuntimeError as exc:  # still correct without: the driver stages pageable copies, slower
                 pinned = 0
@@ -320,6 +333,14 @@ class Engine:
     def _swap_in_and_run(self, model: _Model, inputs: tuple, mode: str, t0: float) -> tuple[Any, InferStats]:
         groups = len(model.placement.group_spans)
         base = self._backend.mark()
+        # The inputs first: a copy queued after the weights' would reach the device only after
+        # all of them (one copy engine serves host-to-device in order), and no group could
+        # compute before it. Seen on an H100: pipelined no faster than sequential.
+        try:
+            device_inputs = self._to_device(inputs)
+        except Exception as exc:
+            self._settle_after_failure(exc)
+            raise
         job = self._start_copy(model)
         compute_marks: list[Any] = [None] * groups  # when compute went ahead with each group
         waited = [-1]  # highest group compute may use
@@ -338,7 +359,6 @@ class Engine:
         hooks = []
         failure: Exception | None = None
         try:
-            device_inputs = self._to_device(inputs)
             if mode == "pipelined":
                 use(0)
                 for module, g in model.layer_modules:
@@ -403,7 +423,10 @@ class Engine:
 
         job = CopyJob(self._backend, placement.group_spans, dev_buf, attach, f"model {model.name!r}")
         self._backend.order_after_compute()  # before any copy of the job is issued
-        self._worker.submit(job)
+        if self._backend.issues_async:
+            job.run()  # queued on the copy stream now; compute waits for each group's event on the GPU
+        else:
+            self._worker.submit(job)
         return job
 
     def _detach(self, model: _Model) -> None:

@@ -17,6 +17,16 @@ call leaves a per-thread "last error" in the libcudart that made it; it is
 cleared through that same library (:func:`loaded_library`: the one torch
 loaded, found without loading another), never through whatever ``dlsym`` of
 the global namespace happens to find.
+
+Page-locking in place is only safe for pages that hold nothing but the model:
+CUDA refuses (``cudaErrorInvalidValue``) any copy whose source starts in a
+registered range and runs past its end, so registering a heap page shared
+with, say, the next request's input tensor breaks that tensor's ``.to(device)``
+(seen on an H100: the first GPU run). :func:`file_backed_mappings` names the
+pages that hold only a file's bytes (weights mapped from a shared-memory
+segment or a safetensors file stay where they are, zero-copy);
+:func:`move_to_private_pages` moves every other storage of a module into one
+fresh anonymous mapping that holds nothing else.
 """
 
 from __future__ import annotations
@@ -193,7 +203,7 @@ class PinRegistry:
         On failure nothing stays locked for ``owner`` and RuntimeError names the CUDA error."""
         cudart = self._rt()
         page = mmap.PAGESIZE
-        wanted = _merge([(s // page * page, align_up(e, page)) for s, e in ranges if e > s])
+        wanted = merge_ranges([(s // page * page, align_up(e, page)) for s, e in ranges if e > s])
         newly = 0
         try:
             for start, end in wanted:
@@ -255,7 +265,95 @@ class PinRegistry:
         self._ranges.insert(bisect.bisect_left(starts, r.start), r)
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+# ------------------------------------------------------------------ pages that hold only a model
+
+
+@dataclass(frozen=True)
+class PrivatePages:
+    """One anonymous mapping that :func:`move_to_private_pages` filled: [start, end), whole pages."""
+
+    start: int
+    end: int
+    moved_bytes: int
+    storages: int
+
+
+def file_backed_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """[start, end) of every mapping of a file in this process, sorted and merged.
+
+    A page of a file mapping holds bytes of that file and nothing a memory allocator
+    put there, so a model whose weights are views of one (a shared-memory segment, a
+    mapped safetensors file) can be page-locked in place. Empty when the map cannot
+    be read (then everything is moved: slower to add, never wrong)."""
+    out: list[tuple[int, int]] = []
+    try:
+        with open(maps_path) as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) < 6 or not fields[5].startswith("/"):
+                    continue  # anonymous, [heap], [stack], [vdso], ...
+                lo, _, hi = fields[0].partition("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    except (OSError, ValueError):
+        return []
+    return merge_ranges(out)
+
+
+def inside(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) lies wholly inside one of ``ranges`` (sorted, merged)."""
+    i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+    return i >= 0 and ranges[i][0] <= start and end <= ranges[i][1]
+
+
+def page_span(start: int, end: int) -> tuple[int, int]:
+    page = mmap.PAGESIZE
+    return start // page * page, align_up(end, page)
+
+
+def move_to_private_pages(module: torch.nn.Module, keep: list[tuple[int, int]]) -> PrivatePages | None:
+    """Move every parameter and buffer storage of ``module`` whose pages do not lie wholly
+    inside ``keep`` (sorted, merged ranges) into one new anonymous mapping, in place:
+    each tensor keeps its identity (a Parameter stays the same object, optimizers and
+    hooks keep working), its offset, shape and strides; tensors that shared a storage
+    (tied weights, views) share the new one. The old memory goes back to the allocator
+    once nothing else holds it. None when nothing had to move."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for t in table.values():
+                if t is None or t.device.type != "cpu":
+                    continue
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes == 0 or inside(keep, *page_span(ptr, ptr + nbytes)):
+                    continue
+                storages[ptr] = storage
+                by_storage.setdefault(ptr, []).append(t)
+    if not storages:
+        return None
+    offsets: dict[int, int] = {}
+    cursor = 0
+    for ptr in sorted(storages):  # the old order: neighbours stay neighbours, atoms stay mergeable
+        offsets[ptr] = cursor
+        cursor = align_up(cursor + storages[ptr].nbytes())
+    mapping = mmap.mmap(-1, align_up(cursor, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    moved = 0
+    with torch.no_grad():
+        for ptr, storage in storages.items():
+            fresh = torch.frombuffer(mapping, dtype=torch.uint8, count=storage.nbytes(),
+                                     offset=offsets[ptr]).untyped_storage()
+            fresh.copy_(storage)
+            for t in by_storage[ptr]:
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+            moved += storage.nbytes()
+    del storages, by_storage
+    return PrivatePages(base, base + len(mapping), moved, len(offsets))
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, overlapping and touching ranges joined."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(ranges):
         if out and start <= out[-1][1]:

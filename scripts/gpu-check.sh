@@ -194,12 +194,29 @@ def page_lock():  # cudaHostRegister/Unregister in place, as the engine pins mod
     import mmap, torch
     if not torch.cuda.is_available():
         return "no CUDA"
+    from ctxpool import hostmem
     from ctxpool.hostmem import PinRegistry
     buf = mmap.mmap(-1, 4 << 20)
     base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
     pins = PinRegistry()
     locked = pins.pin("probe", [(base, base + (4 << 20))])
-    return {"locked_bytes": locked, "unlocked_bytes": pins.unpin("probe")}
+    out = {"locked_bytes": locked, "unlocked_bytes": pins.unpin("probe")}
+    # Two facts the engine relies on (the first GPU run taught both): torch's is_pinned() asks about
+    # a tensor's storage, and a copy whose source runs past a registration's end fails.
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    pins.pin("half", [(base, base + (2 << 20))])
+    out["is_pinned_storage_registered"] = whole[4096:8192].is_pinned()
+    out["is_pinned_asks_the_storage_not_the_data"] = whole[(2 << 20) + 4096:].is_pinned()
+    try:
+        whole[(2 << 20) - 4096:(2 << 20) + 4096].to("cuda")
+        torch.cuda.synchronize()
+        out["copy_straddling_registration_end"] = "ok"
+    except Exception as exc:
+        out["copy_straddling_registration_end"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        hostmem._clear_cuda_last_error()
+    pins.unpin("half")
+    del whole
+    return out
 
 def pidfd():
     fd = os.pidfd_open(os.getpid())

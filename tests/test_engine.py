@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import os
 import time
 import weakref
 
@@ -596,6 +597,7 @@ class RecordingCuda(streams.CudaBackend):
         self.copy_stream = FakeStream(self.log, "copy")
         self.compute = FakeStream(self.log, "compute")
         self.pins = hostmem.PinRegistry(LoggingCudart(self.log), clear_error=lambda: self.log.append("clear"))
+        self._private = {}
         self.cpu = streams.CpuBackend()
         self.sync_error: BaseException | None = None
         # The caching allocator, as bytes: reserved from the device, allocated to live tensors.
@@ -677,6 +679,84 @@ class Logged(nn.Module):
         return self.layers[1:](h)
 
 
+def _registered(backend: RecordingCuda) -> list[tuple[int, int]]:
+    return sorted((ptr, ptr + size) for ptr, size in backend.pins._cudart.registered.items())
+
+
+def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    return any(lo < end and start < hi for lo, hi in ranges)
+
+
+def test_heap_weights_move_to_pages_of_their_own_before_they_are_page_locked():
+    """CUDA fails a copy whose source runs past the end of a registered range (cudaErrorInvalidValue:
+    the first GPU run, where the example input shared the weights' last heap page). So no page that
+    may hold another allocation is ever registered: heap storages move first, keeping identity."""
+    backend = RecordingCuda()
+    engine = Engine(backend)
+    try:
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64))
+        model[2].weight = model[0].weight  # tied: one storage, moved once, still shared
+        model.register_buffer("head", model[0].bias.detach()[:8])  # a view of a parameter's storage
+        x = torch.randn(4, 64)
+        expected = plain(copy.deepcopy(model), (x,))
+        objs = tensors_of(model)
+        old_ptrs = {t.untyped_storage().data_ptr() for t in objs}
+        neighbour = torch.randn(4, 64)  # allocated right after: shares the weights' heap pages
+        engine.add_model("m", model, (neighbour,))
+        assert tensors_of(model) == objs and model[2].weight is model[0].weight
+        assert model.head.untyped_storage().data_ptr() == model[0].bias.untyped_storage().data_ptr()
+        assert not old_ptrs & {t.untyped_storage().data_ptr() for t in objs}
+        region = backend._private["m"]
+        registered = _registered(backend)
+        assert registered and all(region.start <= lo and hi <= region.end for lo, hi in registered)
+        assert sum(hi - lo for lo, hi in registered) == region.end - region.start  # the region, once
+        n = neighbour.untyped_storage()
+        assert not _overlaps(registered, n.data_ptr(), n.data_ptr() + n.nbytes())
+        out, _ = engine.infer("m", (x,), mode="pipelined")
+        assert torch.equal(out, expected)
+        engine.remove_model("m")
+        assert not backend.pins._cudart.registered and "m" not in backend._private
+        assert torch.equal(plain(model, (x,)), expected)  # the module still works on its moved memory
+    finally:
+        engine.close()
+
+
+def test_weights_in_a_shared_memory_segment_are_page_locked_where_they_are():
+    """The model store's segment is a file mapping: its pages hold only its bytes, so zero-copy stays."""
+    from client_lib import tensors as shm_tensors
+    from ctxpool import store
+    name = f"na-test-pin-{os.getpid()}"
+    manifest = store.place_in_shared_memory(BnCnn(), None, name)
+    backend = RecordingCuda()
+    engine = Engine(backend)
+    try:
+        module = BnCnn()
+        segment = store.attach_module(module, manifest)
+        ptrs = [t.data_ptr() for t in tensors_of(module)]
+        engine.add_model("cnn", module, (torch.randn(1, 3, 16, 16),))
+        assert [t.data_ptr() for t in tensors_of(module)] == ptrs and not backend._private
+        files = hostmem.file_backed_mappings()
+        assert all(hostmem.inside(files, lo, hi) for lo, hi in _registered(backend))
+        engine.remove_model("cnn")
+        segment.close()
+    finally:
+        engine.close()
+        shm_tensors.unlink_segment(name)
+
+
+def test_file_backed_mappings_and_inside(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("1000-3000 rw-s 00000000 00:1a 7 /dev/shm/na-w\n"
+                    "3000-4000 r--p 00000000 08:01 9 /opt/m.safetensors\n"
+                    "5000-9000 rw-p 00000000 00:00 0 [heap]\n"
+                    "9000-a000 rw-p 00000000 00:00 0 \n")
+    files = hostmem.file_backed_mappings(str(maps))
+    assert files == [(0x1000, 0x4000)]
+    assert hostmem.inside(files, 0x1000, 0x4000) and hostmem.inside(files, 0x2000, 0x3000)
+    assert not hostmem.inside(files, 0x3000, 0x5000) and not hostmem.inside(files, 0x5000, 0x6000)
+    assert hostmem.file_backed_mappings(str(tmp_path / "absent")) == []
+
+
 def _after(log: list, since: int) -> list:
     return log[since:]
 
@@ -748,7 +828,7 @@ def test_a_model_that_leaves_gives_its_cached_device_memory_back_after_the_reque
         engine.infer("small", xs)  # evicts big to make room
         assert engine.resident() == ["small"] and "empty_cache" not in _after(backend.log, since)
         gc.collect()
-        assert engine.release_cached() >= big_bytes - engine.plan("small").device_bytes
+        assert engine.release_cached() >= engine.plan("big").device_bytes - engine.plan("small").device_bytes
         assert _after(backend.log, since).count("empty_cache") == 1
         assert backend.reserved_bytes == backend.allocated_bytes  # no pool to keep
         assert engine.release_cached() == 0  # once per departure
@@ -1046,21 +1126,51 @@ def test_cuda_a_device_side_assert_loses_the_engine_for_good():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_pins_host_memory_in_place_and_unpins_on_remove():
+def test_cuda_pins_host_memory_on_pages_of_its_own_and_unpins_on_remove():
+    """The first GPU run: weights on heap pages were registered in place, and the example input,
+    allocated next, shared their last page; its .to("cuda") then failed (cudaErrorInvalidValue,
+    a copy straddling a registration's end). Now heap weights move first, keeping identity."""
     engine = Engine("cuda", 0)
     try:
         module = BnCnn()
         objs = tensors_of(module)
-        ptrs = [t.data_ptr() for t in objs]
+        values = [t.detach().clone() for t in objs]
+        neighbour = torch.randn(1, 3, 16, 16)  # allocated right after the weights, like a request's input
         assert not any(t.is_pinned() for t in objs)
-        engine.add_model("cnn", module, (torch.randn(1, 3, 16, 16),))
-        assert all(t.is_pinned() for t in objs) and [t.data_ptr() for t in objs] == ptrs
-        engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+        engine.add_model("cnn", module, (neighbour,))
+        assert tensors_of(module) == objs  # the same Parameter and buffer objects
+        assert all(t.is_pinned() for t in objs) and all(torch.equal(t, v) for t, v in zip(objs, values))
+        assert not neighbour.is_pinned()
+        assert neighbour.to("cuda").cpu().equal(neighbour)
+        out, _ = engine.infer("cnn", (torch.randn(1, 3, 16, 16),))
+        assert out.is_cuda
         engine.remove_model("cnn")
-        assert [t.data_ptr() for t in objs] == ptrs
-        assert not any(t.is_pinned() for t in objs)
+        assert not any(t.is_pinned() for t in objs) and all(torch.equal(t, v) for t, v in zip(objs, values))
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_pins_a_stored_models_shared_memory_in_place(tmp_path):
+    """Weights in the model store's segment (a file mapping) are page-locked where they are: no copy."""
+    from client_lib import tensors as shm_tensors
+    from ctxpool import store
+    module = BnCnn()
+    manifest = store.place_in_shared_memory(module, None, f"na-test-pin-{os.getpid()}")
+    attached = BnCnn()
+    segment = store.attach_module(attached, manifest)
+    engine = Engine("cuda", 0)
+    try:
+        ptrs = [t.data_ptr() for t in tensors_of(attached)]
+        engine.add_model("cnn", attached, (torch.randn(1, 3, 16, 16),))
+        assert [t.data_ptr() for t in tensors_of(attached)] == ptrs
+        assert all(t.is_pinned() for t in tensors_of(attached))
+        engine.remove_model("cnn")
+    finally:
+        engine.close()
+        segment.close()
+        shm_tensors.unlink_segment(manifest.segment)
 
 
 @pytest.mark.gpu
@@ -1079,7 +1189,7 @@ def test_cuda_copies_run_on_a_copy_stream_with_an_event_per_group_and_overlap_co
         t = stats.timeline  # from CUDA events: copy stream and compute stream
         assert stats.groups == len(plan.groups) >= 2 and len(t) == stats.groups
         assert all(g.copy_end_s <= g.compute_start_s + 1e-4 for g in t)
-        assert any(t[k].compute_start_s < t[k + 1].copy_end_s for k in range(len(t) - 1))
+        assert any(t[k].compute_start_s < t[k + 1].copy_end_s for k in range(len(t) - 1)), t
         assert stats.transfer_s > 0
         efficiency = plan.model_bytes / engine.bytes_per_s / stats.transfer_s
         assert 0.3 < efficiency <= 1.2
