@@ -23,11 +23,12 @@ change (lend, reclaim, drain, policies) is journalled and restored after a
 restart; states that inference alone moves (RUN, PROTECT ending) are
 re-derived by observation instead, so the hot path never writes the journal.
 
-A mixin over the server's state: it uses ``config``, ``journal``, ``boot``,
-``_ctx``, ``_clock``, ``_started``, ``_poller``, ``_poll_handlers``,
-``_handlers``, ``_schedulers``, ``_sessions``, ``_suspending`` and the server's
-``_send``, ``_error``, ``_bad``, ``_apply``, ``_journal``, ``_end_slice``,
-``_begin_suspend``, ``_wake`` and ``status``.
+A component, :class:`ClusterEndpoint`: it owns the sockets, the ZAP thread,
+the events publisher, the lifecycles and the reclaims under way, and is given
+in its constructor everything else it may touch (the schedulers and sessions it
+reads, the loop's poller, and callables for answering peers, decoding frames,
+carrying out scheduler actions, starting suspensions and writing the journal).
+Every event the daemon publishes goes through :meth:`ClusterEndpoint.event`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -46,14 +48,19 @@ from zmq.utils import z85
 from client_lib import codec
 from client_lib import protocol as p
 from nodeagent import keys, procwatch
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.events import EventPublisher
-from nodeagent.sessions import Session
+from nodeagent.journal_writer import JournalWriter
+from nodeagent.metrics import Metrics
+from nodeagent.sessions import Session, SessionTable
 from sharing import (
     DeviceLifecycle,
     DeviceState,
     LifecycleError,
     ReclaimDue,
     SchedulerPolicy,
+    TokenScheduler,
     Workload,
 )
 
@@ -66,6 +73,17 @@ _MAX_DEADLINE_MS = 3_600_000.0
 _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests are far smaller
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
 _SHUTDOWN_LINGER_MS = 100
+
+SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
+"""Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
+
+Handler = Callable[[bytes, object, object, float], None]  # (route, request, frame, now)
+Send = Callable[[bytes, object], None]  # (route, message)
+Error = Callable[[bytes, int, str, str], None]  # (route, request id, code, message)
+Bad = Callable[[bytes, int, str], None]  # (route, request id, message): E_BAD_REQUEST, counted
+Dispatch = Callable[..., None]  # (route, body, frame, handlers, where, unhandled=...): decode and run
+Apply = Callable[..., None]  # (scheduler actions, now, handoff_from=None): carry them out
+BeginSuspend = Callable[..., None]  # (session, deadline_ms, now, reason=...): ask it to suspend
 
 
 class ClusterRoute(bytes):
@@ -100,35 +118,74 @@ class _Reclaim:
     waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (route, request id) to answer
 
 
-class ClusterMixin:
-    """Cluster endpoint, device lifecycles and placement operations (see the module docstring)."""
+class ClusterEndpoint:
+    """Cluster endpoint, device lifecycles and placement operations (see the module docstring).
 
-    # ------------------------------------------------------------------ setup
+    Owns the ROUTER and events sockets, the ZAP thread, the events publisher, one
+    :class:`sharing.DeviceLifecycle` per device and the reclaims under way. Everything
+    else it touches is given here: the daemon's data objects, and callables for what
+    other parts own (answering a peer, decoding a frame, carrying out scheduler actions,
+    starting a suspension, journal writes)."""
 
-    def _init_cluster(self) -> None:
-        """State and handlers; called by ``__init__`` before the journal is restored."""
-        count = len(self._schedulers)
-        self._lifecycles = [DeviceLifecycle(i, self.config.cluster_protect_s) for i in range(count)]
+    def __init__(self, *, config: ServeConfig, context: zmq.Context, poller: EventLoopPoller,
+                 poll_handlers: dict, schedulers: list[TokenScheduler], sessions: SessionTable,
+                 metrics: Metrics, journal: JournalWriter, handlers: Mapping[type, Handler],
+                 clock: Callable[[], float], started: float, boot: Callable[[], int],
+                 send: Send, error: Error, bad: Bad, dispatch: Dispatch, status: Callable[[float], p.StatusReply],
+                 apply: Apply, end_slice: Callable[[Session, float], None], begin_suspend: BeginSuspend,
+                 suspending: Callable[[Session], bool], wake: Callable[[], None]) -> None:
+        """``poll_handlers``: the loop's readable-target table, where the sockets go once
+        bound; ``journal``: operators' changes are written through it, and restored from
+        its ``journal``; ``handlers``: the daemon's request table, of which the cluster
+        endpoint also serves :data:`SHARED_OPS`; ``boot``: the incarnation (known once
+        the journal is restored); ``suspending(s)``: whether a suspension of ``s`` is
+        under way with its deadline pending; ``wake``: wake the loop (signal-safe)."""
+        self._config = config
+        self._ctx = context
+        self._poller = poller
+        self._poll_handlers = poll_handlers
+        self._schedulers = schedulers
+        self._sessions = sessions
+        self._metrics = metrics
+        self._journal = journal
+        self._clock = clock
+        self._started = started
+        self._boot = boot
+        self._send = send
+        self._error = error
+        self._bad = bad
+        self._dispatch = dispatch
+        self._status = status
+        self._apply = apply
+        self._end_slice = end_slice
+        self._begin_suspend = begin_suspend
+        self._suspending = suspending
+        self._wake = wake
+        count = len(schedulers)
+        self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
-        self._node = self.config.cluster_node or socket.gethostname()
-        self._cluster_router: zmq.Socket | None = None
+        self._node = config.cluster_node or socket.gethostname()
+        self._router: zmq.Socket | None = None
         self._events_sock: zmq.Socket | None = None
-        self._events: EventPublisher | None = None  # None unless the events socket is bound
+        self.events: EventPublisher | None = None  # None unless the events socket is bound (tests may record here)
         self._auth: _Authenticator | None = None
         self._reclaims: dict[int, _Reclaim] = {}
         self._next_health = math.inf
         self._reload_requested = False
-        operator_ops = {p.Inventory: self._on_inventory, p.Lend: self._on_lend, p.Reclaim: self._on_reclaim,
-                        p.Drain: self._on_drain, p.SetPolicy: self._on_set_policy}
-        self._handlers.update(operator_ops)
-        self._cluster_handlers = {**operator_ops, **{kind: self._handlers[kind] for kind in (
-            p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)}}
+        self._cluster_handlers = {p.Inventory: self.on_inventory, p.Lend: self.on_lend, p.Reclaim: self.on_reclaim,
+                                  p.Drain: self.on_drain, p.SetPolicy: self.on_set_policy,
+                                  **{kind: handlers[kind] for kind in SHARED_OPS}}
 
-    def _restore_cluster(self, now: float) -> None:
+    # ------------------------------------------------------------------ life
+
+    def restore(self, now: float) -> None:
         """Policies and lifecycle states from the journal: a LENT device stays lent."""
+        journal = self._journal.journal
+        if journal is None:
+            return
         wall = time.time()
         count = len(self._schedulers)
-        for device, doc in sorted(self.journal.policies().items()):
+        for device, doc in sorted(journal.policies().items()):
             if not 0 <= device < count:
                 continue
             try:
@@ -139,7 +196,7 @@ class ClusterMixin:
                 continue
             self._lifecycles[device].set_protect_s(protect_s)
             self._apply(self._schedulers[device].set_policy(policy, now), now)
-        for device, (state, detail) in sorted(self.journal.device_states().items()):
+        for device, (state, detail) in sorted(journal.device_states().items()):
             if not 0 <= device < count:
                 log.warning("[cluster] journalled state of device %d dropped: the device is gone", device)
                 continue
@@ -154,9 +211,9 @@ class ClusterMixin:
             self._lifecycles[device] = life
             log.info("[cluster] restored device=%d state=%s borrower=%s", device, life.state.value, life.borrower)
 
-    def _bind_cluster(self) -> None:
+    def bind(self) -> None:
         """Bind the CURVE ROUTER and XPUB sockets if ``cluster.endpoint`` is set; raises ClusterError."""
-        cfg = self.config
+        cfg = self._config
         if cfg.cluster_endpoint is None:
             return
         if not zmq.has("curve"):
@@ -173,26 +230,26 @@ class ClusterMixin:
             self._auth.names = names
             self._auth.start()
             self._auth.configure_curve(domain="*", location=os.path.join(cfg.cluster_keys_dir, keys.ALLOWED_DIR))
-            self._cluster_router = self._curve_socket(zmq.ROUTER, public, secret)
-            self._cluster_router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            _bind(self._cluster_router, cfg.cluster_endpoint, "cluster.endpoint")
+            self._router = self._curve_socket(zmq.ROUTER, public, secret)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            _bind(self._router, cfg.cluster_endpoint, "cluster.endpoint")
             if cfg.cluster_events_endpoint:
                 self._events_sock = self._curve_socket(zmq.XPUB, public, secret)
                 _bind(self._events_sock, cfg.cluster_events_endpoint, "cluster.events_endpoint")
         except BaseException:
-            self._close_cluster()
+            self.close()
             raise
-        self._poller.register(self._cluster_router, zmq.POLLIN)
-        self._poll_handlers[self._cluster_router] = self._drain_cluster
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poll_handlers[self._router] = self._drain
         events_at = None
         if self._events_sock is not None:
-            self._events = EventPublisher(self._events_sock, self._node, self.boot)
+            self.events = EventPublisher(self._events_sock, self._node, self._boot())
             self._poller.register(self._events_sock, zmq.POLLIN)  # subscriptions coming in
-            self._poll_handlers[self._events_sock] = self._events.on_subscriptions
+            self._poll_handlers[self._events_sock] = self.events.on_subscriptions
             self._next_health = self._clock() + cfg.cluster_health_interval_s
             events_at = self._events_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("[cluster] listening endpoint=%s events=%s node=%s allowed_clients=%s",
-                 self._cluster_router.getsockopt_string(zmq.LAST_ENDPOINT), events_at, self._node,
+                 self._router.getsockopt_string(zmq.LAST_ENDPOINT), events_at, self._node,
                  ",".join(sorted(names.values())) or "-")
 
     def _curve_socket(self, kind: int, public: bytes, secret: bytes) -> zmq.Socket:
@@ -216,31 +273,31 @@ class ClusterMixin:
         if self._auth is None:
             return
         try:
-            names = {key: name for name, key in keys.load_allowed(self.config.cluster_keys_dir).items()}
+            names = {key: name for name, key in keys.load_allowed(self._config.cluster_keys_dir).items()}
         except keys.KeysError as exc:
             log.error("[cluster] keys reload failed, the old ones stay in force: %s", exc)
             return
         self._auth.names = names
-        self._auth.configure_curve(domain="*", location=os.path.join(self.config.cluster_keys_dir, keys.ALLOWED_DIR))
+        self._auth.configure_curve(domain="*", location=os.path.join(self._config.cluster_keys_dir, keys.ALLOWED_DIR))
         log.info("[cluster] reloaded allowed clients=%s", ",".join(sorted(names.values())) or "-")
 
-    def _close_cluster(self) -> None:
+    def close(self) -> None:
         """Answer pending reclaims, close the sockets, stop the authenticator (shutdown, failed bind)."""
         for pending in list(self._reclaims.values()):
             for route, request_id in pending.waiters:
                 self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
                             f"daemon is shutting down; the reclaim of device {pending.device} did not finish")
         self._reclaims.clear()
-        self._events = None
+        self.events = None
         closed = False
-        if self._cluster_router is not None:
-            self._poll_handlers.pop(self._cluster_router, None)
+        if self._router is not None:
+            self._poll_handlers.pop(self._router, None)
             try:
-                self._poller.unregister(self._cluster_router)
+                self._poller.unregister(self._router)
             except KeyError:
                 pass
-            self._cluster_router.close(linger=_SHUTDOWN_LINGER_MS)
-            self._cluster_router = None
+            self._router.close(linger=_SHUTDOWN_LINGER_MS)
+            self._router = None
             closed = True
         if self._events_sock is not None:
             self._poll_handlers.pop(self._events_sock, None)
@@ -258,14 +315,14 @@ class ClusterMixin:
 
     # ------------------------------------------------------------------ transport
 
-    def _drain_cluster(self) -> None:
+    def _drain(self) -> None:
         for _ in range(_MAX_BATCH):
-            router = self._cluster_router
+            router = self._router
             if router is None or not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            self._on_cluster_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
+            self._on_frames(router.recv_multipart(zmq.NOBLOCK, copy=False))
 
-    def _on_cluster_frames(self, frames: list) -> None:
+    def _on_frames(self, frames: list) -> None:
         route = ClusterRoute(frames[0].bytes)
         if len(frames) != 2:
             self._bad(route, 0, f"expected one frame per message, got {len(frames) - 1}")
@@ -274,13 +331,15 @@ class ClusterMixin:
             self._dispatch(route, frames[1].bytes, frames[1], self._cluster_handlers, "cluster",
                            unhandled=lambda route, msg: self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
                                                                     FORBIDDEN_ON_CLUSTER))
-        except Exception:  # _dispatch contains handler bugs; this catches its own
-            self.metrics.internal_errors.labels("cluster").inc()
+        except Exception:  # dispatch contains handler bugs; this catches its own
+            self._metrics.internal_errors.labels("cluster").inc()
             log.exception("[cluster] internal error while dispatching a frame")
             self._error(route, 0, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
-    def _send_cluster(self, route: ClusterRoute, msg) -> None:
-        router = self._cluster_router
+    def send(self, route: ClusterRoute, msg) -> None:
+        """Put a reply on the cluster ROUTER (the daemon's ``send`` hands a ClusterRoute here);
+        dropped with a warning if that peer is gone or not reading."""
+        router = self._router
         if router is None:
             return
         try:
@@ -290,13 +349,15 @@ class ClusterMixin:
                 raise
             log.warning("[cluster] dropped %s to a placement peer that is gone or not reading", type(msg).__name__)
 
-    def _event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
-        if self._events is not None:
-            self._events.publish(kind, device, session, **data)
+    def event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
+        """Publish one event (a kind of :data:`nodeagent.events.KINDS`) to whoever subscribed to
+        its kind; nothing without the events socket."""
+        if self.events is not None:
+            self.events.publish(kind, device, session, **data)
 
     # ------------------------------------------------------------------ loop hooks
 
-    def _cluster_timers(self, now: float) -> None:
+    def on_timers(self, now: float) -> None:
         """After every loop turn: tell each lifecycle whether inference wants its device
         (O(1) per device when nothing changed), then act on due deadlines."""
         for device in range(len(self._lifecycles)):
@@ -324,7 +385,7 @@ class ClusterMixin:
             self._moved(life.observe(active, now), op=False)
         return life
 
-    def _cluster_wake_at(self) -> float:
+    def next_deadline(self) -> float:
         """The earliest lifecycle deadline or health event (monotonic; inf if none)."""
         wake_at = self._next_health
         for life in self._lifecycles:
@@ -333,14 +394,14 @@ class ClusterMixin:
                 wake_at = deadline
         return wake_at
 
-    def _admission_refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
+    def admission_refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
         """Why the device's lifecycle refuses a new session there, or None."""
         return self._lifecycles[device].admits(workload, borrower)
 
-    def _suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
-        """A suspension ended (``_finish_suspend``): publish it, and move a reclaim waiting on it on."""
-        self._event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
-                    bytes_parked=s.bytes_parked)
+    def suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
+        """A suspension ended: publish it, and move a reclaim waiting on it on."""
+        self.event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
+                   bytes_parked=s.bytes_parked)
         pending = self._reclaims.get(s.device)
         if pending is None or pending.outcomes.get(s.id, "") is not None:
             return
@@ -354,7 +415,7 @@ class ClusterMixin:
         for t in transitions:
             (log.info if op else log.debug)("[cluster] device=%d %s -> %s reason=%s",
                                             t.device, t.old.value, t.new.value, t.reason)
-            self._event("device_state", t.device, old=t.old.value, new=t.new.value, reason=t.reason)
+            self.event("device_state", t.device, old=t.old.value, new=t.new.value, reason=t.reason)
 
     def _journal_lifecycle(self, device: int, now: float) -> None:
         """Write what an operator made of the device; times as unix seconds, to survive a restart."""
@@ -365,13 +426,13 @@ class ClusterMixin:
         for key, at in (("lent_until_unix", life.lent_until), ("protect_until_unix", life.protect_until)):
             if at is not None:
                 detail[key] = wall + (at - now)
-        self._journal(lambda j: j.put_device_state(device, life.state.value, detail))
+        self._journal.write(lambda j: j.put_device_state(device, life.state.value, detail))
 
     def _publish_health(self, now: float) -> None:
-        self._next_health = now + self.config.cluster_health_interval_s
+        self._next_health = now + self._config.cluster_health_interval_s
         states = {f"state.{i}": life.state.value for i, life in enumerate(self._lifecycles)}
-        self._event("health", devices=len(self._lifecycles), sessions=len(self._sessions),
-                    uptime_s=round(now - self._started, 3), **states)
+        self.event("health", devices=len(self._lifecycles), sessions=len(self._sessions),
+                   uptime_s=round(now - self._started, 3), **states)
 
     # ------------------------------------------------------------------ operations
 
@@ -394,7 +455,7 @@ class ClusterMixin:
             return None
         return self._observe_now(device, now)
 
-    def _on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
+    def on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
         self._send(route, self.inventory(now, msg.id))
 
     def inventory(self, now: float | None = None, request_id: int = 0) -> p.InventoryReply:
@@ -402,7 +463,7 @@ class ClusterMixin:
         now = self._clock() if now is None else now
         wall = time.time()
         devices = []
-        for info in self.status(now).devices:
+        for info in self._status(now).devices:
             life = self._observe_now(info.index, now)
             devices.append(p.DeviceInventory(
                 index=info.index, uuid=info.uuid, name=info.name, backend=info.backend,
@@ -411,9 +472,9 @@ class ClusterMixin:
                 lent_until=None if life.lent_until is None else wall + (life.lent_until - now),
                 sessions=info.sessions, policy=self._policy_info(info.index), mps=info.mps,
                 partition=info.partition))
-        return p.InventoryReply(id=request_id, node=self._node, boot=self.boot, devices=devices)
+        return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices)
 
-    def _on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
+    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, "lend devices"):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
@@ -434,13 +495,13 @@ class ClusterMixin:
         self._moved(moved, op=True)
         if changed:
             self._journal_lifecycle(msg.device, now)
-            self._event("lend", msg.device, borrower=msg.borrower, max_s=msg.max_s)
+            self.event("lend", msg.device, borrower=msg.borrower, max_s=msg.max_s)
             log.info("[cluster] lend device=%d borrower=%s max_s=%s by=%s", msg.device, msg.borrower, msg.max_s,
                      _peer(route, frame))
         self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
                                            borrower=life.borrower, changed=changed))
 
-    def _on_reclaim(self, route: bytes, msg: p.Reclaim, frame, now: float) -> None:
+    def on_reclaim(self, route: bytes, msg: p.Reclaim, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, "reclaim devices"):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
@@ -474,8 +535,8 @@ class ClusterMixin:
                   and s.workload is not Workload.INFERENCE]:
             if s.suspend_state in ("suspended", "stopped"):
                 pending.outcomes[s.id] = s.suspend_state
-            elif s.suspend_state == "requested" and s in self._suspending:
-                pending.outcomes[s.id] = None  # under way already: _suspend_finished reports it
+            elif s.suspend_state == "requested" and self._suspending(s):
+                pending.outcomes[s.id] = None  # under way already: suspend_finished reports it
             elif s.suspend_state == "requested":  # missed an earlier deadline unstopped
                 self._take_token(s, now)
                 pending.outcomes[s.id] = "timeout"
@@ -501,12 +562,12 @@ class ClusterMixin:
         tally: dict[str, int] = {}
         for outcome in pending.outcomes.values():
             tally[outcome] = tally.get(outcome, 0) + 1
-        self._event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
-                    sessions=len(pending.outcomes), **tally)
+        self.event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
+                   sessions=len(pending.outcomes), **tally)
         log.info("[cluster] reclaimed device=%d borrower=%s free_ms=%.1f outcomes=%s", pending.device,
                  pending.borrower, free_ms, tally or "{}")
 
-    def _on_drain(self, route: bytes, msg: p.Drain, frame, now: float) -> None:
+    def on_drain(self, route: bytes, msg: p.Drain, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, "drain devices"):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
@@ -525,7 +586,7 @@ class ClusterMixin:
         self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
                                            borrower=life.borrower, changed=bool(moved)))
 
-    def _on_set_policy(self, route: bytes, msg: p.SetPolicy, frame, now: float) -> None:
+    def on_set_policy(self, route: bytes, msg: p.SetPolicy, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, "set policies"):
             return
         if self._lifecycle_for(route, msg.id, msg.device, now) is None:
@@ -539,9 +600,9 @@ class ClusterMixin:
         self._apply(self._schedulers[msg.device].set_policy(policy, now), now)
         info = self._policy_info(msg.device)
         doc = {"quanta_ms": dict(info.quanta_ms), "grace_ms": info.grace_ms, "protect_s": info.protect_s}
-        self._journal(lambda j: j.put_policy(msg.device, doc))
-        self._event("policy", msg.device, grace_ms=info.grace_ms, protect_s=info.protect_s,
-                    **{f"quantum_ms.{w}": ms for w, ms in info.quanta_ms.items()})
+        self._journal.write(lambda j: j.put_policy(msg.device, doc))
+        self.event("policy", msg.device, grace_ms=info.grace_ms, protect_s=info.protect_s,
+                   **{f"quantum_ms.{w}": ms for w, ms in info.quanta_ms.items()})
         log.info("[cluster] policy device=%d quanta_ms=%s grace_ms=%g protect_s=%g by=%s", msg.device,
                  info.quanta_ms, info.grace_ms, info.protect_s, _peer(route, frame))
         self._send(route, p.PolicyReply(id=msg.id, device=msg.device, policy=info))

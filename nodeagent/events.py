@@ -11,8 +11,10 @@ per daemon boot: a subscriber to every kind sees them without gaps unless it
 lost some (PUB drops for a subscriber past its high-water mark, and a late
 one misses the start); ``boot`` changes when the daemon restarts.
 
-Only the daemon's loop thread uses the publisher. The server holds ``None``
-instead of a publisher when the socket is not bound.
+Only the daemon's loop thread uses the publisher. Its owner is the cluster
+endpoint (:class:`nodeagent.cluster.ClusterEndpoint`), which binds the socket
+and holds ``None`` instead of a publisher when it is not bound; the rest of the
+daemon publishes through the endpoint's ``event``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Measured device memory against declarations, and lost devices, as part of
-:class:`nodeagent.server.AgentServer`: a watcher thread reads per-process
-memory off the loop thread (an NVML call can take milliseconds, and /proc is
-read for each process) and the loop applies ``memory.policy`` (warn, revoke,
-stop) to sessions over their declaration, and tells the sessions of a device
-that NVML reports lost.
+"""Measured device memory against declarations, and lost devices: a watcher
+thread reads per-process memory off the loop thread (an NVML call can take
+milliseconds, and /proc is read for each process) and the loop applies
+``memory.policy`` (warn, revoke, stop) to sessions over their declaration, and
+tells the sessions of a device that NVML reports lost.
 
 What the watcher reads, per device: NVML's compute processes and MPS clients
 (:meth:`nodeagent.devices.CudaBackend.processes`), each translated into the
@@ -11,11 +10,13 @@ daemon's pid namespace (:class:`nodeagent.procwatch.PidTranslator`) with its
 chain of parents, so that the loop can give every process to the session that
 owns its tree (:func:`nodeagent.memory.owners`).
 
-A mixin over the server's state: it uses ``_memory_readings``, ``_sessions``,
-``_schedulers``, ``_lost_devices`` (a :class:`LostDevices`), ``config``, ``metrics``
-and the server's ``_stop``, ``_end_slice``, ``_apply``, ``_send``, ``_event`` and
-``_serving_device_lost``. Every token request of a client session goes through
-``_request_token``, which holds it while its device is lost.
+A component, :class:`MemoryPolicy`: it owns the watcher thread and the queue of
+its readings, and is given what it may touch in its constructor: the sessions,
+the schedulers, the shared :class:`LostDevices` table, metrics, and the actions
+it takes (stop a process, end a slice, carry out scheduler actions, send, publish
+an event, tell serving a device is lost). Every token request of a client session
+goes through :meth:`MemoryPolicy.request_token`, which holds it while its device
+is lost.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from typing import Callable, Union
 
 from client_lib import protocol as p
 from nodeagent import memory, procwatch
+from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
-from nodeagent.sessions import Session
-from sharing import SessionState
+from nodeagent.metrics import Metrics
+from nodeagent.sessions import Session, SessionTable
+from sharing import SessionState, TokenScheduler
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -113,46 +116,97 @@ class LostDevices:
             held.pop(session, None)
 
 
-class MemoryPolicyMixin:
-    """The memory policy applied to measured use, and lost devices (see the module docstring)."""
+Stop = Callable[[Session], bool]  # SIGSTOP a session's process: False if it cannot be
+EndSlice = Callable[[Session, float], None]  # (session, now): its slice is over, counted
+Apply = Callable[[list, float], None]  # (scheduler actions, now): carried out
+Send = Callable[[object, object], None]  # (route, message)
+Event = Callable[..., None]  # (kind, device, session, **data): published on the events socket
+ServingDeviceLost = Callable[[int, str, float], None]  # (device, notice, now): serving queues told
 
-    def _apply_memory_readings(self) -> None:
+
+class MemoryPolicy:
+    """The memory policy applied to measured use, and lost devices (see the module
+    docstring). It owns the memory watcher thread and the queue it reads into; the
+    lost-device table is shared (admission, serving and suspension read it)."""
+
+    def __init__(self, *, config: ServeConfig, backend: DeviceBackend, clock: Callable[[], float],
+                 sessions: SessionTable, schedulers: list[TokenScheduler], metrics: Metrics,
+                 lost_devices: LostDevices, wake: Callable[[], None], stop: Stop, end_slice: EndSlice,
+                 apply: Apply, send: Send, event: Event, serving_device_lost: ServingDeviceLost) -> None:
+        self._config = config
+        self._backend = backend
+        self._clock = clock
+        self._sessions = sessions
+        self._schedulers = schedulers
+        self._metrics = metrics
+        self._lost_devices = lost_devices
+        self._wake = wake
+        self._stop = stop
+        self._end_slice = end_slice
+        self._apply = apply
+        self._send = send
+        self._event = event
+        self._serving_device_lost = serving_device_lost
+        self._readings: queue.SimpleQueue = queue.SimpleQueue()  # filled by the watcher thread
+        self._watcher: MemoryWatcher | None = None
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        """Start the watcher thread where the backend measures per-process memory (cuda: NVML)."""
+        if not self._backend.measures_process_memory:
+            return
+        self._watcher = MemoryWatcher(self._backend, self._config.memory_watch_ms / 1000.0, self._readings,
+                                      self._wake, host_proc=self._config.memory_host_proc or None)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    # -------------------------------------------------------------- readings
+
+    def apply_readings(self) -> None:
         """Act on what the memory watcher measured (it runs on its own thread)."""
-        allowance_bytes = context_allowance_mb(self.config.memory_context_allowance_mb, self.backend.name) * memory.MiB
         while True:
             try:
-                readings = self._memory_readings.get_nowait()
+                readings = self._readings.get_nowait()
             except queue.Empty:
                 return
-            now = self._clock()
-            for reading in readings:
-                if isinstance(reading, DeviceLost):
-                    self._on_device_lost(reading, now)
-                    continue
-                if isinstance(reading, DeviceBack):
-                    self._on_device_back(reading.device, now)
-                    continue
-                sessions = [s for s in self._sessions.values() if s.device == reading.device]
-                over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
-                for s in sessions:
-                    if s.id in over and not s.over_memory:
-                        self._on_overuse(s, over[s.id], now)
-                    s.over_memory = s.id in over
+            self.on_readings(readings, self._clock())
+
+    def on_readings(self, readings: list[Reading], now: float) -> None:
+        """Act on one pass of the watcher: over-memory sessions, devices lost or back."""
+        allowance_bytes = context_allowance_mb(self._config.memory_context_allowance_mb,
+                                               self._backend.name) * memory.MiB
+        for reading in readings:
+            if isinstance(reading, DeviceLost):
+                self._on_device_lost(reading, now)
+                continue
+            if isinstance(reading, DeviceBack):
+                self._on_device_back(reading.device, now)
+                continue
+            sessions = [s for s in self._sessions.values() if s.device == reading.device]
+            over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
+            for s in sessions:
+                if s.id in over and not s.over_memory:
+                    self._on_overuse(s, over[s.id], now)
+                s.over_memory = s.id in over
 
     def _on_overuse(self, s: Session, over: memory.Overuse, now: float) -> None:
-        policy = self.config.memory_policy
+        policy = self._config.memory_policy
         log.warning("[memory] over session=%s name=%s device=%d used_mb=%d declared_mb=%d allowed_mb=%d policy=%s",
                     s.id, s.name, s.device, over.used_bytes // memory.MiB, s.memory_mb,
                     over.allowed_bytes // memory.MiB, policy)
-        self.metrics.memory_violations.labels(str(s.device), policy).inc()
+        self._metrics.memory_violations.labels(str(s.device), policy).inc()
         if s.grant is None or policy == "warn":
             return
         if policy == "stop" and self._stop(s):
             self._end_slice(s, now)
             self._apply(self._schedulers[s.device].preempt(s.id, now), now)
-            self.metrics.enforcements.labels("stop").inc()
+            self._metrics.enforcements.labels("stop").inc()
         else:
-            self.metrics.enforcements.labels("revoke").inc()
+            self._metrics.enforcements.labels("revoke").inc()
             self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)
 
     def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
@@ -192,7 +246,9 @@ class MemoryPolicyMixin:
             if sid in scheduler and (s is None or s.suspend_state is None):
                 self._apply(scheduler.request(sid, now, waiting_since=min(since, now)), now)
 
-    def _request_token(self, session: str, device: int, now: float, waiting_since: float | None = None) -> None:
+    # ---------------------------------------------------------------- tokens
+
+    def request_token(self, session: str, device: int, now: float, waiting_since: float | None = None) -> None:
         """Ask ``device``'s scheduler for the token for ``session``; on a lost device the
         request is held, and made when the device answers again."""
         if self._lost_devices.hold(device, session, now if waiting_since is None else waiting_since):

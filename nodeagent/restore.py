@@ -1,23 +1,21 @@
-"""The journal and restore after a restart, as part of
-:class:`nodeagent.server.AgentServer`.
+"""Restore after a restart: the :class:`Restorer` component.
 
-Sessions are journalled on open, close and change (never per grant). A
-starting daemon increments the boot counter, numbers grants from ``boot << 32``,
-restores each journalled session whose process still lives, continues any the
-old daemon left stopped, and opens a restore window per device in which the
-client that was using it reclaims its slice before parked requests run.
+Sessions are journalled on open, close and change (never per grant; the writes
+go through :class:`nodeagent.journal_writer.JournalWriter`). A starting daemon
+increments the boot counter, numbers grants from ``boot << 32``, restores each
+journalled session whose process still lives, continues any the old daemon
+left stopped, and opens a restore window per device in which the client that
+was using it reclaims its slice before parked requests run.
 
-A journal that fails to write (disk full, I/O error) never stops the loop:
-:class:`JournalWriter` logs and counts it, publishes a ``health`` event, and
-marks the sessions it concerned stale (not durable: their clients are told)
-until a later write succeeds. The daemon never SIGSTOPs a process whose stop it
-could not journal (``_stop`` in server.py takes the token away instead), so a
-successor always knows which processes to continue.
+While the journal fails, the restorer's timer probes it every
+``JOURNAL_RETRY_S`` and, once it works, writes the stale sessions again. The
+daemon never SIGSTOPs a process whose stop it could not journal (``Tokens.stop``
+takes the token away instead), so a successor always knows which processes to
+continue.
 
-A mixin over the server's state: it uses ``journal``, ``_journal_writer``,
-``_sessions``, ``_schedulers``, ``_policy``, ``_mps`` (the MPS component), ``_restoring``,
-``_parked``, ``config`` and the server's ``_add_session``, ``_continue`` and ``_apply``,
-and the memory mixin's ``_request_token``.
+A component: it owns the restore windows (restored sessions not yet
+reattached, requests parked until then, the window's deadline) and the retry
+timer, and is given what it may touch in its constructor.
 """
 
 from __future__ import annotations
@@ -25,146 +23,77 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from typing import Callable
 
 from nodeagent import enforce, procwatch
-from nodeagent.journal import Journal, SessionRecord
-from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session
-from sharing import TokenScheduler, Workload
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.mps import MpsPartitions
+from nodeagent.journal import SessionRecord
+from nodeagent.journal_writer import JournalWriter
+from nodeagent.sessions import Session, SessionTable
+from sharing import SchedulerPolicy, TokenScheduler, Workload
 from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.restore")
 
 JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the journal fails
 
-
-class JournalWriter:
-    """Runs the daemon's journal writes and knows whether the journal keeps up.
-
-    A failed write is logged and counted (``nodeagent_journal_write_failures``);
-    the first failure sets ``nodeagent_journal_ok`` to 0 and publishes a
-    ``health`` event with ``journal="failed"``. Only :meth:`probe` sets them back
-    (``journal="ok"``): a write that changes nothing succeeds even on a full disk.
-    A session a failed write concerned is stale (its row is missing or out of
-    date) until a write of it succeeds."""
-
-    def __init__(self, journal: Journal | None, metrics: Metrics, publish: Callable[..., None],
-                 on_durability: Callable[[str | None], None] = lambda session: None) -> None:
-        self.journal = journal
-        self._metrics = metrics
-        self._publish = publish  # publish(**data): a cluster "health" event
-        # on_durability(session): what durable() says of that session (None: of every session) changed
-        self._on_durability = on_durability
-        self.ok = True  # no write has failed since the last successful probe
-        self.stale: set[str] = set()  # session ids whose journal row is missing or out of date
-        self.next_retry: float | None = None  # monotonic: when to probe and write stale sessions again
-        metrics.journal_ok.set(1 if journal is not None else 0)
-
-    def write(self, fn: Callable[[Journal], object], session: str | None = None) -> bool:
-        """Run one write; False if it failed (logged, counted). True when there is no journal to write."""
-        if self.journal is None:
-            return True
-        try:
-            fn(self.journal)
-        except Exception as exc:  # JournalError, KeyError (row missing), or a bug: memory stays right
-            self._metrics.journal_write_failures.inc()
-            newly_stale = session is not None and session not in self.stale
-            if session is not None:
-                self.stale.add(session)
-            log.error("[journal] write failed session=%s: %s", session, exc)
-            if self.ok:
-                self.ok = False
-                self._metrics.journal_ok.set(0)
-                self._publish(journal="failed", error=str(exc)[:200])
-                self._on_durability(None)
-            elif newly_stale:
-                self._on_durability(session)
-            return False
-        if session is not None and session in self.stale:
-            self.stale.discard(session)
-            if self.ok:
-                self._on_durability(session)
-        return True
-
-    def probe(self) -> bool:
-        """Write a row that always changes; True (and healthy again) if the journal took it."""
-        try:
-            self.journal.put_meta("probe_unix", repr(time.time()))
-        except Exception as exc:
-            self._metrics.journal_write_failures.inc()
-            log.debug("[journal] probe failed: %s", exc)
-            return False
-        if not self.ok:
-            self.ok = True
-            self._metrics.journal_ok.set(1)
-            log.warning("[journal] writes succeed again; stale sessions=%d", len(self.stale))
-            self._publish(journal="ok", stale_sessions=len(self.stale))
-            self._on_durability(None)
-        return True
-
-    def durable(self, session_id: str) -> bool:
-        """Whether a daemon restarted now would restore this session as it is."""
-        return self.journal is not None and self.ok and session_id not in self.stale
+RequestToken = Callable[..., None]  # (session id, device, now, waiting_since=None): held if the device is lost
 
 
-class RestoreMixin:
-    """Journal writes and restore after a restart (see the module docstring)."""
+class Restorer:
+    """Restore after a restart and the restore windows (see the module docstring).
 
-    def _journal(self, write, session: str | None = None) -> bool:
-        """Run one journal write (about ``session``, if given); False if it failed. Never raises."""
-        return self._journal_writer.write(write, session)
+    ``schedulers`` is the daemon's list of schedulers, shared with the parts that
+    drive them: :meth:`restore` replaces its contents in place (grant ids
+    continue above the old daemon's), so every holder of the list sees the new ones."""
 
-    def _journal_put(self, s: Session) -> bool:
-        return self._journal(lambda j: j.put_session(SessionRecord(
-            id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
-            start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
-            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped,
-            borrower=s.borrower)), session=s.id)
+    def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
+                 schedulers: list[TokenScheduler], policy: SchedulerPolicy, mps: MpsPartitions,
+                 add_session: Callable[[Session, float], None], continue_process: Callable[[Session], bool],
+                 request_token: RequestToken) -> None:
+        self._config = config
+        self._journal = journal
+        self._sessions = sessions
+        self._schedulers = schedulers
+        self._policy = policy
+        self._mps = mps
+        self._add_session = add_session
+        self._continue = continue_process
+        self._request_token = request_token
+        # Devices whose restored sessions have not all reattached yet. Only the
+        # slice in progress may be granted there; other requests wait (parked).
+        self._restoring: dict[int, set[str]] = {}
+        self._parked: dict[int, list[str]] = {}
+        self._restore_deadline = 0.0
+        self._next_retry: float | None = None  # monotonic: when to probe and write stale sessions again
 
-    def _journal_retry(self, now: float) -> None:
-        """After a failed write, every JOURNAL_RETRY_S: probe the journal, then write stale sessions again."""
-        writer = self._journal_writer
-        if writer.journal is None or (writer.ok and not writer.stale):
-            writer.next_retry = None
-            return
-        if writer.next_retry is None or now < writer.next_retry:
-            if writer.next_retry is None:
-                writer.next_retry = now + JOURNAL_RETRY_S
-            return
-        writer.next_retry = now + JOURNAL_RETRY_S
-        if not writer.probe():
-            return  # still failing; next time
-        for sid in sorted(writer.stale):
-            s = self._sessions.get(sid)
-            done = self._journal_put(s) if s is not None else \
-                self._journal(lambda j, sid=sid: j.delete_session(sid), session=sid)
-            if not done:
-                return
+    # ---------------------------------------------------------------- restore
 
-    def _restore(self, now: float) -> None:
-        """Take back the sessions a previous daemon journalled whose processes still live.
+    def restore(self, now: float) -> int:
+        """Take back the sessions a previous daemon journalled whose processes still live;
+        returns this daemon's boot number (call only with a journal).
 
         Grant ids continue above the old ones (boot << 32). Devices with restored
         sessions enter a restore window: the client that was using the device may
         claim its slice back; other requests wait until every restored session
         has reattached or ``heartbeat_timeout_s`` has passed."""
-        self.boot = self.journal.next_boot()
-        self._schedulers = [TokenScheduler(i, self._policy, first_grant=(self.boot << 32) + 1)
-                            for i in range(len(self._schedulers))]
+        journal = self._journal.journal
+        boot = journal.next_boot()
+        self._schedulers[:] = [TokenScheduler(i, self._policy, first_grant=(boot << 32) + 1)
+                               for i in range(len(self._schedulers))]
         restored = dropped = 0
-        records, bad = self.journal.read_sessions()
+        records, bad = journal.read_sessions()
         for row in bad:  # logged by the journal; a process it stopped must not stay stopped
             continue_orphan(row.values)
-            self._journal(lambda j, seq=row.seq: j.delete_session_row(seq))
+            self._journal.write(lambda j, seq=row.seq: j.delete_session_row(seq))
         for rec in records:
             why = unrestorable(rec, len(self._schedulers))
             if why:
                 log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
                 continue_orphan({"stopped": rec.stopped, "verified_pid": rec.verified_pid,
                                  "start_ticks": rec.start_ticks, "managed_pgid": rec.managed_pgid})
-                self._journal(lambda j, sid=rec.id: j.delete_session(sid))
+                self._journal.write(lambda j, sid=rec.id: j.delete_session(sid))
                 dropped += 1
                 continue
             session = Session(
@@ -186,8 +115,49 @@ class RestoreMixin:
             self._restoring.setdefault(rec.device, set()).add(rec.id)
             self._parked.setdefault(rec.device, [])
             restored += 1
-        self._restore_deadline = now + self.config.heartbeat_timeout_s
-        log.info("[restore] boot=%d restored=%d dropped=%d bad=%d", self.boot, restored, dropped, len(bad))
+        self._restore_deadline = now + self._config.heartbeat_timeout_s
+        log.info("[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
+        return boot
+
+    # --------------------------------------------------------- restore window
+
+    def honour_claim(self, s: Session, claim: int | None, now: float) -> None:
+        """A resumed client that was using the device when it lost us gets the
+        token back first, so its slice in progress completes."""
+        restoring = self._restoring.get(s.device)
+        if restoring is not None:
+            restoring.discard(s.id)
+        if claim is not None and s.grant is None:
+            self._request_token(s.id, s.device, now)
+        if restoring is not None and not restoring:
+            self._end_restore(s.device, now)
+
+    def park(self, s: Session) -> bool:
+        """While ``s``'s device is in its restore window, hold its token request until the
+        window closes (the slice that was running goes first); False if there is no window."""
+        parked = self._parked.get(s.device)
+        if parked is None:
+            return False
+        if s.id not in parked:
+            parked.append(s.id)
+        return True
+
+    def forget(self, s: Session, now: float) -> None:
+        """``s`` ended: it is parked no more, and the window waits for it no longer."""
+        for parked in self._parked.values():
+            if s.id in parked:
+                parked.remove(s.id)
+        restoring = self._restoring.get(s.device)
+        if restoring is not None:
+            restoring.discard(s.id)
+            if not restoring:
+                self._end_restore(s.device, now)
+
+    def on_timers(self, now: float) -> None:
+        """Close every restore window still open at its deadline."""
+        if self._restoring and now >= self._restore_deadline:
+            for device in list(self._restoring):
+                self._end_restore(device, now)
 
     def _end_restore(self, device: int, now: float) -> None:
         """Close a device's restore window and hand its parked requests to the scheduler."""
@@ -198,6 +168,28 @@ class RestoreMixin:
             s = self._sessions.get(sid)
             if s is not None:  # waited through the window: keeps its wait, no sleeper clamp; held if lost
                 self._request_token(sid, device, now, waiting_since=s.wait_started)
+
+    # ---------------------------------------------------------- journal retry
+
+    def retry_journal(self, now: float) -> None:
+        """After a failed write, every JOURNAL_RETRY_S: probe the journal, then write stale sessions again."""
+        writer = self._journal
+        if writer.journal is None or (writer.ok and not writer.stale):
+            self._next_retry = None
+            return
+        if self._next_retry is None or now < self._next_retry:
+            if self._next_retry is None:
+                self._next_retry = now + JOURNAL_RETRY_S
+            return
+        self._next_retry = now + JOURNAL_RETRY_S
+        if not writer.probe():
+            return  # still failing; next time
+        for sid in sorted(writer.stale):
+            s = self._sessions.get(sid)
+            done = writer.put_session(s) if s is not None else \
+                writer.write(lambda j, sid=sid: j.delete_session(sid), session=sid)
+            if not done:
+                return
 
 
 def unrestorable(rec: SessionRecord, devices: int) -> str | None:

@@ -1,11 +1,16 @@
-"""The daemon's loop: wraps one :class:`sharing.TokenScheduler` per device and
-turns its actions into notices to clients.
+"""The daemon's loop, the session handshake, and the components it is built from.
+
+``AgentServer`` builds the components (``Tokens``: the schedulers and their
+actions; ``MemoryPolicy``; ``Serving``; ``Suspensions``; ``Restorer``;
+``ClusterEndpoint``; ``MpsPartitions``; the ``SessionTable`` and the
+``JournalWriter``), each given in its constructor what it may touch (see
+docs/architecture.md), routes requests to them, and runs their timers.
 
 The loop waits in one epoll set (:mod:`nodeagent.daemon.loop`) on the local
 endpoint's listener and connections (:mod:`nodeagent.daemon.local`: framed
 MessagePack over a unix stream socket), a wake-up socket (signals and
 :meth:`AgentServer.request_stop`), the pidfds of verified client processes and
-whatever components registered; the poll timeout is the schedulers' next
+whatever components registered; the poll timeout is the components' next
 deadline, so quantum ends and yield deadlines are acted on without polling.
 
 Bad input never crashes the loop and never changes state: every frame that is
@@ -18,7 +23,6 @@ import hmac
 import logging
 import math
 import os
-import queue
 import signal
 import socket
 import threading
@@ -31,20 +35,22 @@ from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
-from nodeagent.cluster import ClusterMixin, ClusterRoute
+from nodeagent.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
+from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
-from nodeagent.memory_watch import LostDevices, MemoryPolicyMixin, MemoryWatcher
+from nodeagent.journal_writer import JournalWriter
+from nodeagent.memory_watch import LostDevices, MemoryPolicy
 from nodeagent.metrics import Metrics, SessionRow
-from nodeagent.restore import JournalWriter, RestoreMixin
-from nodeagent.serving import ServingMixin
+from nodeagent.restore import Restorer
+from nodeagent.serving import Serving
 from nodeagent.sessions import Session, SessionTable, new_session_id, new_session_key
-from nodeagent.suspension import SuspensionMixin
-from sharing import AskYield, Enforce, Grant, NotHolderError, Revoked, TokenScheduler, Workload
+from nodeagent.suspension import Suspensions
+from sharing import NotHolderError, Workload
 from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.server")
@@ -53,7 +59,7 @@ MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
 
 
-class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin, ClusterMixin):
+class AgentServer:
     """One daemon instance. ``bind()``, then ``serve_forever()`` until
     :meth:`request_stop` (thread- and signal-safe) is called."""
 
@@ -66,16 +72,23 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
         # Every journal write goes through it: failures are counted, published, never fatal.
-        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._event("health", **data),
+        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._cluster.event("health", **data),
                                              on_durability=self._tell_durability)
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
         self._policy = config.policy()
-        self._schedulers = [TokenScheduler(i, self._policy) for i in range(backend.count())]
-        self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
+        # The schedulers and the carrying-out of their actions (a component: see its constructor).
+        self._tokens = Tokens(device_count=backend.count(), policy=self._policy, enforce_mode=config.enforce,
+                              sessions=self._sessions, metrics=self.metrics,
+                              journal=self._journal_writer.write,
+                              send=self._send, event=lambda *a, **k: self._cluster.event(*a, **k),
+                              delegated=lambda sid: self._serving.owns(sid),
+                              delegate=lambda action, now: self._serving.on_action(action, now), clock=clock)
+        self._schedulers = self._tokens.schedulers
+        self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
         self._local: LocalEndpoint | None = None
         self._poller = EventLoopPoller()
@@ -87,23 +100,41 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._started = clock()
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
-        self._wait_hist: dict[tuple[int, Workload], object] = {}
-        self._handoff_hist = [self.metrics.token_handoff.labels(str(i)) for i in range(backend.count())]
-        # After a restart: devices whose restored sessions have not all reattached yet.
-        # Only the slice in progress may be granted there; other requests wait (parked).
-        self._restoring: dict[int, set[str]] = {}
-        self._parked: dict[int, list[str]] = {}
-        self._restore_deadline = 0.0
-        self._suspending: set[Session] = set()  # suspend requested, deadline pending
         # MPS control daemons and SM shares (a component: what it may touch is in its constructor).
         self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error)
-        self._memory_readings: queue.SimpleQueue = queue.SimpleQueue()
-        self._memory_watcher: MemoryWatcher | None = None
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
+        # Memory readings against declarations, lost devices, token requests held on them (a component).
+        self._memory_policy = MemoryPolicy(
+            config=config, backend=backend, clock=clock, sessions=self._sessions, schedulers=self._schedulers,
+            metrics=self.metrics, lost_devices=self._lost_devices, wake=self._wake, stop=self._tokens.stop,
+            end_slice=self._tokens.end_slice, apply=self._tokens.apply, send=self._send,
+            event=lambda *a, **k: self._cluster.event(*a, **k),
+            serving_device_lost=lambda device, notice, now: self._serving.device_lost(device, notice, now))
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
         # workers) poll through this loop: target -> callable run when readable.
         self._poll_handlers: dict = {}
-        self._init_serving()
+        # Registered models, the worker pool and the serving sub-sessions (a component).
+        self._serving = Serving(
+            config=config, backend_name=backend.name, sessions=self._sessions, schedulers=self._schedulers,
+            devices=lambda: self._device_info, lost_devices=self._lost_devices, mps=self._mps,
+            journal=self._journal_writer, poller=self._poller, poll_handlers=self._poll_handlers, clock=clock,
+            send=self._send, error=self._error, apply=self._tokens.apply, session_for=self._session_for)
+        # Whole-device suspensions under way, and plans to make room by suspending (a component).
+        self._suspensions = Suspensions(
+            config=config, sessions=self._sessions, schedulers=self._schedulers, devices=self._device_info,
+            lost_devices=self._lost_devices, metrics=self.metrics, send=self._send, error=self._error,
+            apply=self._tokens.apply, stop=self._tokens.stop, continue_process=self._tokens.cont,
+            end_slice=self._tokens.end_slice, session_for=self._session_for,
+            request_token=self._memory_policy.request_token,
+            event=lambda *a, **k: self._cluster.event(*a, **k),
+            suspend_finished=lambda s, outcome, elapsed_ms, now: self._cluster.suspend_finished(s, outcome, elapsed_ms, now),
+            admission_refusal=lambda device, workload, borrower: self._cluster.admission_refusal(device, workload, borrower),
+            class_cap_problem=self._class_cap_problem, workers_share=self._serving.workers_share)
+        # Restore after a restart, the restore windows, and writing stale sessions again (a component).
+        self._restorer = Restorer(
+            config=config, journal=self._journal_writer, sessions=self._sessions, schedulers=self._schedulers,
+            policy=self._policy, mps=self._mps, add_session=self._add_session, continue_process=self._tokens.cont,
+            request_token=self._memory_policy.request_token)
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -112,21 +143,31 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             p.Cancel: self._on_cancel,
             p.StatusRequest: self._on_status,
             p.Goodbye: self._on_bye,
-            p.SuspendSession: self._on_suspend_session,
-            p.ResumeSession: self._on_resume_session,
-            p.Suspended: self._on_suspended,
-            p.Resumed: self._on_resumed,
+            p.SuspendSession: self._suspensions.on_suspend_session,
+            p.ResumeSession: self._suspensions.on_resume_session,
+            p.Suspended: self._suspensions.on_suspended,
+            p.Resumed: self._suspensions.on_resumed,
             p.Partition: self._on_partition,
-            p.RegisterModel: self._on_register_model,
-            p.UnregisterModel: self._on_unregister_model,
-            p.ModelsRequest: self._on_models,
-            p.Infer: self._on_infer,
+            p.RegisterModel: self._serving.on_register_model,
+            p.UnregisterModel: self._serving.on_unregister_model,
+            p.ModelsRequest: self._serving.on_models,
+            p.Infer: self._serving.on_infer,
         }
         self.metrics.watch_sessions(self._session_rows)
-        self._init_cluster()
+        # The cluster endpoint: its sockets, device lifecycles, placement operations, events (a component).
+        self._cluster = ClusterEndpoint(
+            config=config, context=self._ctx, poller=self._poller, poll_handlers=self._poll_handlers,
+            schedulers=self._schedulers, sessions=self._sessions, metrics=self.metrics,
+            journal=self._journal_writer, handlers=self._handlers, clock=clock, started=self._started,
+            boot=lambda: self.boot, send=self._send, error=self._error, bad=self._bad, dispatch=self._dispatch,
+            status=self.status, apply=self._tokens.apply, end_slice=self._tokens.end_slice,
+            begin_suspend=self._suspensions.begin, suspending=self._suspensions.under_way, wake=self._wake)
+        self._handlers.update({p.Inventory: self._cluster.on_inventory, p.Lend: self._cluster.on_lend,
+                               p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
+                               p.SetPolicy: self._cluster.on_set_policy})
         if journal is not None:
-            self._restore(self._clock())
-            self._restore_cluster(self._clock())
+            self.boot = self._restorer.restore(self._clock())
+            self._cluster.restore(self._clock())
 
     # ------------------------------------------------------------------ life
 
@@ -153,23 +194,19 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self._local = local
         self._poller.register(self._wake_r.fileno(), POLLIN)
         self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
-        self._bind_cluster()
+        self._cluster.bind()
         try:
             self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
         except BaseException:
             self._mps.stop()
             raise
         try:
-            self._start_serving()
+            self._serving.start()
         except BaseException:
-            self._stop_serving()
+            self._serving.stop()
             self._mps.stop()
             raise
-        if self.backend.measures_process_memory:  # cuda: NVML reads it per process
-            self._memory_watcher = MemoryWatcher(self.backend, self.config.memory_watch_ms / 1000.0,
-                                                  self._memory_readings, self._wake,
-                                                  host_proc=self.config.memory_host_proc or None)
-            self._memory_watcher.start()
+        self._memory_policy.start()  # its watcher thread, where NVML reads memory per process (cuda)
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
                  endpoint, self.backend.name, len(self._schedulers), os.getpid(), self.boot)
         return endpoint
@@ -208,7 +245,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                         self._contain("pidfd", self._reap_exited)
                     elif target == wake_fd:
                         self._drain_wakeups()
-                        self._contain("memory", self._apply_memory_readings)
+                        self._contain("memory", self._memory_policy.apply_readings)
                     elif self._mps.owns(target):
                         self._contain("mps", self._mps.on_exit, target)
                     else:
@@ -242,15 +279,14 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                 self._send(s.route, p.Revoke(grant=s.grant, reason="shutdown"))
                 revoked += 1
         log.info("[shutdown] reason=%s step=revoke tokens=%d sessions=%d", reason, revoked, len(self._sessions))
-        self._answer_pending_suspends()  # before the sockets close; reclaims are answered in _close_cluster
-        continued = sum(1 for s in self._sessions.values() if s.stopped and self._continue(s))
+        self._suspensions.answer_pending()  # before the sockets close; reclaims are answered in _cluster.close()
+        continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
-        if self._memory_watcher is not None:
-            self._memory_watcher.stop()
-        self._stop_serving()
+        self._memory_policy.stop()
+        self._serving.stop()
         self._mps.stop()
-        self._close_cluster()
+        self._cluster.close()
         if self._local is not None:
             self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
             self._local = None
@@ -350,12 +386,12 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
             self._welcome(route, msg.id, resumed, resumed=True)
-            self._honour_claim(resumed, msg.holding_grant, now)
+            self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
         device, code, problem = self._pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
         if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
-            device, victims = self._make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
+            device, victims = self._suspensions.make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
                                                    msg.borrower)
         if device is None:
             self._error(route, msg.id, code, problem)
@@ -391,13 +427,13 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         log.info("[session] open session=%s name=%s pid=%d verified=%s workload=%s weight=%g device=%d "
                  "memory_mb=%d managed_pgid=%s", session.id, session.name, session.pid, verified_pid is not None,
                  msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
-        self._journal_put(session)
+        self._journal_writer.put_session(session)
         self._welcome(route, msg.id, session, resumed=False)
-        self._event("session_join", device, session.id, name=session.name, workload=msg.workload,
+        self._cluster.event("session_join", device, session.id, name=session.name, workload=msg.workload,
                     borrower=msg.borrower)
         for victim in victims:  # it may run once their state has left the device
             session.blocked_by.add(victim.id)
-            self._begin_suspend(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
+            self._suspensions.begin(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
 
     def _add_session(self, session: Session, now: float) -> None:
         self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
@@ -416,17 +452,6 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         session.last_seen = now
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
         return session
-
-    def _honour_claim(self, s: Session, claim: int | None, now: float) -> None:
-        """A resumed client that was using the device when it lost us gets the
-        token back first, so its slice in progress completes."""
-        restoring = self._restoring.get(s.device)
-        if restoring is not None:
-            restoring.discard(s.id)
-        if claim is not None and s.grant is None:
-            self._request_token(s.id, s.device, now)
-        if restoring is not None and not restoring:
-            self._end_restore(s.device, now)
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
         policy = self._schedulers[s.device].policy
@@ -459,14 +484,14 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             return None, p.ErrorCode.DEVICE, "; ".join(lost)
         problems, refusals = [], []
         for i in candidates:
-            refusal = self._admission_refusal(i, workload, borrower)  # lent, draining (nodeagent/cluster.py)
+            refusal = self._cluster.admission_refusal(i, workload, borrower)  # lent, draining
             if refusal is not None:
                 refusals.append(refusal)
                 continue
             declared = memory.declared_mb(self._sessions.values(), i)
             problem = (self._class_cap_problem(i, workload, memory_mb)
                        or memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb,
-                                                   declared, memory_mb, self._workers_share(i)))
+                                                   declared, memory_mb, self._serving.workers_share(i)))
             if problem is None:
                 return i, "", ""
             problems.append(problem)
@@ -512,12 +537,9 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             return
         if s.grant is None and s.wait_started is None:
             s.wait_started = now
-        parked = self._parked.get(s.device)
-        if parked is not None:  # restoring: the slice that was running goes first
-            if s.id not in parked:
-                parked.append(s.id)
+        if self._restorer.park(s):  # restoring: the slice that was running goes first
             return
-        self._request_token(s.id, s.device, now)  # held while the device is lost
+        self._memory_policy.request_token(s.id, s.device, now)  # held while the device is lost
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -533,8 +555,8 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         if msg.requeue:
             s.wait_started = now
         # The next holder hears first; bookkeeping and the releaser's reply wait.
-        self._apply(actions, now, handoff_from=now)
-        self._count_slice(s, held_since, now)
+        self._tokens.apply(actions, now, handoff_from=now)
+        self._tokens.count_slice(s, held_since, now)
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
 
@@ -547,7 +569,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         if s.grant is None:
             s.wait_started = None
         self._send(route, p.Ok(id=msg.id))
-        self._apply(actions, now)
+        self._tokens.apply(actions, now)
 
     def _on_bye(self, route: bytes, msg: p.Goodbye, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -567,145 +589,29 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
 
     # ------------------------------------------------------------ scheduler
 
-    def _apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
-        """Carry out scheduler actions: notices to clients, metrics, enforcement."""
-        for action in actions:
-            if action.session in self._serving:  # a client's server-side inference queue
-                self._serving_action(action, now)
-                continue
-            kind = type(action)
-            if kind is Grant:
-                s = self._sessions[action.session]
-                s.grant = action.grant
-                s.granted_at = now
-                s.grants += 1
-                was_stopped = s.stopped
-                if was_stopped:  # its turn again: it runs before it hears it may
-                    enforce.send(s, signal.SIGCONT)
-                    s.stopped = False
-                    s.last_seen = now  # it could not heartbeat while stopped
-                self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
-                if self._events is not None:  # built only when the events socket exists
-                    self._events.publish("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
-                if was_stopped:
-                    self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
-                self._observe_wait(s, now)
-                if handoff_from is not None:
-                    self._handoff_hist[s.device].observe(self._clock() - handoff_from)
-            elif kind is AskYield:
-                s = self._sessions[action.session]
-                self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
-                                                   reason=action.reason))
-                if self._events is not None:
-                    self._events.publish("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
-                                         deadline_ms=action.deadline_ms)
-                self.metrics.yield_requests.labels(str(s.device), action.reason).inc()
-                log.debug("[token] ask-yield session=%s grant=%d reason=%s", s.id, action.grant, action.reason)
-            elif kind is Enforce:
-                self._enforce(action, now)
-            elif kind is Revoked:
-                s = self._sessions[action.session]
-                self._end_slice(s, now)
-                self._send(s.route, p.Revoke(grant=action.grant, reason=action.reason))
-
-    def _enforce(self, action: Enforce, now: float) -> None:
-        """A holder overran its yield deadline: stop it if its identity is
-        verified, policy allows and the stop could be journalled, else take the
-        token away. The waiter is granted before the log line; the journal write
-        stays ahead of SIGSTOP."""
-        s = self._sessions[action.session]
-        if self.config.enforce == "stop" and self._stop(s):
-            self._end_slice(s, now)
-            self._apply(self._schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
-            self.metrics.enforcements.labels("stop").inc()
-            self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
-            log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
-                        s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
-            return
-        self._apply(self._schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
-        self.metrics.enforcements.labels("revoke").inc()
-        self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="revoke")
-        log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
-                    s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
-
-    def _stop(self, s: Session) -> bool:
-        """SIGSTOP a verified session's process; False if it cannot be (or is gone).
-
-        Write-ahead: the journal says "stopped" before the signal is sent, so a
-        daemon killed at any moment after leaves a record that makes its
-        successor continue the process (continuing a running one is harmless).
-        If that write fails (disk full), the process is not stopped: False."""
-        if not enforce.can_signal(s):
-            return False
-        if not self._journal(lambda j: j.set_stopped(s.id, True), session=s.id):
-            # Unjournalled, a stop would outlive a crash of this daemon: take the token instead.
-            log.warning("[token] not stopping session=%s: its stop could not be journalled", s.id)
-            return False
-        if not enforce.send(s, signal.SIGSTOP):
-            return False  # gone: its session ends, and with it the record
-        s.stopped = True
-        return True
-
-    def _continue(self, s: Session) -> bool:
-        """SIGCONT a session the daemon stopped. Never leaves a process stopped it can reach."""
-        if not s.stopped:
-            return False
-        sent = enforce.send(s, signal.SIGCONT)
-        s.stopped = False
-        if s.id in self._sessions:
-            self._journal(lambda j: j.set_stopped(s.id, False), session=s.id)
-        return sent
-
-    def _observe_wait(self, s: Session, now: float) -> None:
-        if s.wait_started is None:
-            return
-        key = (s.device, s.workload)
-        hist = self._wait_hist.get(key)
-        if hist is None:
-            hist = self.metrics.token_wait.labels(str(s.device), s.workload.wire)
-            self._wait_hist[key] = hist
-        hist.observe(now - s.wait_started)
-        s.wait_started = None
-
-    def _end_slice(self, s: Session, now: float) -> None:
-        held_since = s.granted_at
-        s.grant = s.granted_at = None
-        self._count_slice(s, held_since, now)
-
-    def _count_slice(self, s: Session, held_since: float | None, now: float) -> None:
-        if held_since is not None and s.id in self._sessions:
-            self.metrics.slice_seconds.labels(s.id).inc(max(0.0, now - held_since))
-
     def _on_timers(self, now: float) -> None:
-        for scheduler in self._schedulers:
-            deadline = scheduler.next_deadline()
-            if deadline is not None and deadline <= now:
-                self._apply(scheduler.tick(now), now)
+        self._tokens.on_timers(now)
         if now >= self._next_liveness_check:
             self._check_heartbeats(now)
             self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
-        if self._suspending:
-            self._check_suspend_deadlines(now)
-        self._cluster_timers(now)
-        if self._restoring and now >= self._restore_deadline:
-            for device in list(self._restoring):
-                self._end_restore(device, now)
-        self._on_serving_timers(now)
-        self._journal_retry(now)
+        self._suspensions.on_timers(now)
+        self._cluster.on_timers(now)
+        self._restorer.on_timers(now)
+        self._serving.on_timers(now)
+        self._restorer.retry_journal(now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
-        for s in self._suspending:
-            if s.suspend_deadline < wake_at:
-                wake_at = s.suspend_deadline
-        for scheduler in self._schedulers:
-            deadline = scheduler.next_deadline()
-            if deadline is not None and deadline < wake_at:
-                wake_at = deadline
-        cluster_at = self._cluster_wake_at()
+        suspend_at = self._suspensions.next_deadline()
+        if suspend_at is not None and suspend_at < wake_at:
+            wake_at = suspend_at
+        deadline = self._tokens.next_deadline()
+        if deadline is not None and deadline < wake_at:
+            wake_at = deadline
+        cluster_at = self._cluster.next_deadline()
         if cluster_at < wake_at:
             wake_at = cluster_at
-        serving_at = self._serving_deadline()
+        serving_at = self._serving.next_deadline()
         if serving_at is not None and serving_at < wake_at:
             wake_at = serving_at
         # Round up: waking early would spin until the deadline.
@@ -747,33 +653,25 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             # The group outlives its launcher, and may have been stopped by it
             # rather than by us: continue it whatever the reason (harmless if running).
             s.stopped = True
-            self._continue(s)
+            self._tokens.cont(s)
         elif s.stopped and reason != "process_exited":
-            self._continue(s)
+            self._tokens.cont(s)
         self._sessions.close_pidfds(s)
-        self._end_slice(s, now)
-        self._drop_serving(s.id, now)
-        if s.suspend_waiters or s in self._suspending:
-            self._finish_suspend(s, "gone", now)
+        self._tokens.end_slice(s, now)
+        self._serving.forget(s.id, now)
+        self._suspensions.forget(s, now)
         self._mps.leave(s.id, s.device)
         actions = self._schedulers[s.device].remove_session(s.id, now)
         self.metrics.forget_session(s.id)
-        self._journal(lambda j: j.delete_session(s.id), session=s.id)
-        for parked in self._parked.values():
-            if s.id in parked:
-                parked.remove(s.id)
-        restoring = self._restoring.get(s.device)
-        if restoring is not None:
-            restoring.discard(s.id)
-            if not restoring:
-                self._end_restore(s.device, now)
+        self._journal_writer.write(lambda j: j.delete_session(s.id), session=s.id)
+        self._restorer.forget(s, now)
         if reason == "bye":
             log.info("[session] close session=%s name=%s", s.id, s.name)
         else:
             self.metrics.sessions_lost.labels(reason).inc()
             log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
-        self._event("session_leave", s.device, s.id, name=s.name, reason=reason)
-        self._apply(actions, now, handoff_from=now)
+        self._cluster.event("session_leave", s.device, s.id, name=s.name, reason=reason)
+        self._tokens.apply(actions, now, handoff_from=now)
 
     def _reap_exited(self) -> None:
         """Sessions whose process exited (their pidfd became readable)."""
@@ -789,13 +687,11 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                     reason = "process_exited" if procwatch.pidfd_exited(s.pidfd) else "disconnected"
                 self._drop(s, reason, self._clock())
 
-    # -------------------------------------------------------------- output
-
     def _send(self, route: bytes | None, msg) -> None:
         if route is None:  # a restored session that has not reattached yet
             return
         if type(route) is ClusterRoute:  # a placement peer on the cluster endpoint
-            self._send_cluster(route, msg)
+            self._cluster.send(route, msg)
             return
         local = self._local
         if local is not None:
@@ -808,6 +704,10 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
         self.metrics.bad_requests.inc()
         log.debug("[serve] bad request: %s", message)
         self._error(route, request_id, p.ErrorCode.BAD_REQUEST, message)
+
+    def request_reload(self) -> None:
+        """Re-read the cluster's allowed client keys (SIGHUP; nodeagent/cli.py). Safe from signal handlers."""
+        self._cluster.request_reload()
 
     # -------------------------------------------------------------- status
 
@@ -824,7 +724,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
             for view in snap.sessions:
                 s = self._sessions.get(view.session)
                 if s is None:
-                    served = self._serving_session_info(view)
+                    served = self._serving.session_info(view)
                     if served is not None:
                         sessions.append(served)
                     continue
@@ -843,7 +743,7 @@ class AgentServer(SuspensionMixin, RestoreMixin, MemoryPolicyMixin, ServingMixin
                 memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
                 memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
                 mps=self._mps.runs_on(info.index),
-                memory_workers_mb=memory.held_mb(self._workers_share(info.index)),
+                memory_workers_mb=memory.held_mb(self._serving.workers_share(info.index)),
                 partition=self._mps.shares(info.index)))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,

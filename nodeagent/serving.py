@@ -19,10 +19,11 @@ Workers start pointed at their GPU by UUID, with their device's MPS client
 settings on an MPS device and a budget for resident models; what they may hold
 is a standing declaration in admission (:mod:`nodeagent.worker_setup`).
 
-A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
-``_poller``, ``_poll_handlers``, ``config``, ``backend``, ``journal``,
-``metrics``, ``_lost_devices``, ``_device_info``, ``_mps`` (the MPS component) and the server's ``_send``, ``_error``, ``_apply``,
-``_session_for``, ``_journal``.
+A component (:class:`Serving`): it owns the pool, the models, the queues and
+the requests in flight, and is given in its constructor what else it may
+touch: the sessions and schedulers, the devices, the lost devices, the MPS
+component, the journal writer, the loop's poller, and the server's ``send``,
+``error``, ``apply`` and ``session_for``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from client_lib import protocol as p
 from client_lib import tensors
@@ -46,11 +48,22 @@ from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, R
 from ctxpool.pool import PoolError
 from ctxpool.worker import OUTPUT_PREFIX  # outputs are na-out-<worker pid>-...
 from nodeagent import memory, output_segments, procwatch, worker_setup
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.loop import EventLoopPoller
+from nodeagent.daemon.mps import MpsPartitions
+from nodeagent.devices import DeviceInfo
 from nodeagent.journal import ModelRecord
-from nodeagent.memory_watch import context_allowance_mb
-from sharing import AskYield, Enforce, Grant, Revoked, Workload
+from nodeagent.journal_writer import JournalWriter
+from nodeagent.memory_watch import LostDevices, context_allowance_mb
+from nodeagent.sessions import Session, SessionTable
+from sharing import AskYield, Enforce, Grant, Revoked, TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.serving")
+
+Send = Callable[[object, object], None]  # (route, message)
+Error = Callable[[object, int, str, str], None]  # (route, request id, code, message)
+Apply = Callable[..., None]  # (scheduler actions, now, handoff_from=None)
+SessionFor = Callable[[object, int, float], Session | None]  # (route, request id, now)
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
@@ -120,25 +133,55 @@ def ctxpool_wanted(setting: str) -> tuple[bool, str]:
     return True, "ctxpool.enabled = " + setting
 
 
-class ServingMixin:
-    """Model registration and server-side inference (see the module docstring)."""
+class Serving:
+    """Model registration and server-side inference (see the module docstring).
 
-    def _init_serving(self) -> None:
+    Owns the worker pool, the registered models, each client session's serving
+    sub-session (its queue of requests), the requests in flight and what admission
+    holds for the workers. The server hands it the four serving requests, the scheduler
+    actions of the sub-sessions it :meth:`owns`, the end of a client session
+    (:meth:`forget`), a lost device (:meth:`device_lost`) and its timers."""
+
+    def __init__(self, *, config: ServeConfig, backend_name: str, sessions: SessionTable,
+                 schedulers: list[TokenScheduler], devices: Callable[[], list[DeviceInfo]],
+                 lost_devices: LostDevices, mps: MpsPartitions, journal: JournalWriter,
+                 poller: EventLoopPoller, poll_handlers: dict, clock: Callable[[], float],
+                 send: Send, error: Error, apply: Apply, session_for: SessionFor) -> None:
+        self._config = config
+        self._backend_name = backend_name
+        self._sessions = sessions  # read: what sessions declared, when the workers' share is sized
+        self._schedulers = schedulers  # one per device; the sub-sessions take turns there
+        self._devices = devices  # the server's latest device facts (status refreshes them)
+        self._lost_devices = lost_devices
+        self._mps = mps  # a worker of an MPS device is a client of its control daemon
+        self._journal = journal  # models are journalled through it; its .journal is read at start
+        self._poller = poller
+        self._poll_handlers = poll_handlers  # the loop's: target -> callable run when readable
+        self._clock = clock
+        self._send = send
+        self._error = error
+        self._apply = apply  # carries out the scheduler's actions (a grant may come straight back here)
+        self._session_for = session_for  # the client session of a connection, or None (answered)
         self._pool = None
         self._models: dict[str, _Model] = {}
-        self._serving: dict[str, _ServeQueue] = {}
+        self._queues: dict[str, _ServeQueue] = {}  # serving sub-session id -> its queue
         self._inflight: dict[int, tuple[_ServeQueue, _Job]] = {}
         self._job_ids = itertools.count(1)
-        self._serving_why = "not started"
+        self._why_off = "not started"
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
 
+    def owns(self, session_id: str) -> bool:
+        """Whether ``session_id`` is a serving sub-session (its scheduler actions are ours: :meth:`on_action`)."""
+        return session_id in self._queues
+
     # ---------------------------------------------------------------- life
 
-    def _start_serving(self) -> None:
-        wanted, why = ctxpool_wanted(self.config.ctxpool_enabled)
-        self._serving_why = why
+    def start(self) -> None:
+        """Start the workers (if ``ctxpool.enabled`` wants them) and register the journalled models again."""
+        wanted, why = ctxpool_wanted(self._config.ctxpool_enabled)
+        self._why_off = why
         if not wanted:
             log.info("[ctxpool] off: %s", why)
             return
@@ -147,16 +190,16 @@ class ServingMixin:
 
         sweep_stale_segments(EXAMPLE_PREFIX)  # a daemon killed with SIGKILL could not unlink its own
         sweep_stale_segments(OUTPUT_PREFIX)  # nor the outputs its dead workers made and nobody read
-        cfg = self.config
+        cfg = self._config
         self._worker_shares = worker_setup.worker_shares(
-            self._device_info, workers=cfg.ctxpool_workers_per_device, pool_mb=cfg.ctxpool_pool_mb,
-            context_mb=context_allowance_mb(cfg.memory_context_allowance_mb, self.backend.name),
+            self._devices(), workers=cfg.ctxpool_workers_per_device, pool_mb=cfg.ctxpool_pool_mb,
+            context_mb=context_allowance_mb(cfg.memory_context_allowance_mb, self._backend_name),
             resident_mb=cfg.ctxpool_resident_mb, reserve_mb=cfg.memory_reserve_mb,
             declared_mb={i: memory.declared_mb(self._sessions.values(), i) for i in range(len(self._schedulers))})
         for device, share in self._worker_shares.items():
             log.info("[ctxpool] device=%d %s", device, share.describe())
         self._pool = WorkerPool(
-            self.backend.name, list(range(len(self._schedulers))),
+            self._backend_name, list(range(len(self._schedulers))),
             workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
             restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
             output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed,
@@ -165,8 +208,8 @@ class ServingMixin:
         self._pool.start()
         self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
         log.info("[ctxpool] starting workers=%d per device devices=%d backend=%s",
-                 cfg.ctxpool_workers_per_device, len(self._schedulers), self.backend.name)
-        if self.journal is not None:
+                 cfg.ctxpool_workers_per_device, len(self._schedulers), self._backend_name)
+        if self._journal.journal is not None:
             for rec in self._journal_read(lambda j: j.models(), []):
                 why = unrestorable_model(rec)
                 if why is not None:
@@ -177,7 +220,8 @@ class ServingMixin:
                 except (tensors.TensorTransportError, OSError, ValueError, PoolError) as exc:
                     log.error("[ctxpool] cannot restore model name=%s: %s", rec.name, exc)
 
-    def _stop_serving(self) -> None:
+    def stop(self) -> None:
+        """Answer what is open, stop the workers, free the example inputs (at shutdown)."""
         self._answer_pending_at_shutdown()
         if self._pool is not None:
             steps = self._pool.shutdown(5.0)
@@ -200,7 +244,7 @@ class ServingMixin:
             self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
         self._inflight.clear()
         queued = 0
-        for q in self._serving.values():
+        for q in self._queues.values():
             while q.pending:
                 job = q.pending.popleft()
                 self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
@@ -218,10 +262,10 @@ class ServingMixin:
         """What a worker of ``device`` starts with (asked at every spawn): its GPU by UUID, the
         device's MPS client settings on an MPS device, its resident-model budget."""
         control = self._mps.control(device)
-        return worker_setup.setup_for(self.backend.name, self._device_info[device], self._worker_shares[device],
+        return worker_setup.setup_for(self._backend_name, self._devices()[device], self._worker_shares[device],
                                       mps_env=control.client_env() if control is not None else None)
 
-    def _workers_share(self, device: int) -> memory.WorkerShare | None:
+    def workers_share(self, device: int) -> memory.WorkerShare | None:
         """What admission holds on ``device`` for its ctxpool workers; None while they do not run."""
         return self._worker_shares.get(device) if self._pool is not None else None
 
@@ -242,17 +286,17 @@ class ServingMixin:
 
     def _journal_read(self, fn, default):
         try:
-            return fn(self.journal)
+            return fn(self._journal.journal)
         except Exception:
             log.exception("[journal] read failed")
             return default
 
     # ----------------------------------------------------------- requests
 
-    def _on_register_model(self, route: bytes, msg: p.RegisterModel, frame, now: float) -> None:
+    def on_register_model(self, route: bytes, msg: p.RegisterModel, frame, now: float) -> None:
         if self._pool is None:
             self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
-                        f"server-side inference is off on this daemon ({self._serving_why})")
+                        f"server-side inference is off on this daemon ({self._why_off})")
             return
         if procwatch.peer_credentials(frame) is None:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
@@ -312,13 +356,13 @@ class ServingMixin:
             return f"only local peers whose identity the daemon can verify may {what}"
         identity = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
         try:
-            group = self.config.ctxpool_register_gid()
+            group = self._config.ctxpool_register_gid()
         except ValueError as exc:  # the group went away since the start: root only
             log.error("[ctxpool] %s", exc)
             group = None
         if may_register(creds.uid, {identity.gid, *identity.groups}, group, os.geteuid()):
             return None
-        who = "root" if group is None else f"root and members of group {self.config.ctxpool_register_group!r}"
+        who = "root" if group is None else f"root and members of group {self._config.ctxpool_register_group!r}"
         return (f"only {who} may {what} (a model's code runs as the daemon's user in its workers); uid "
                 f"{creds.uid} is not one of them: an administrator may name its group in ctxpool.register_group")
 
@@ -353,7 +397,7 @@ class ServingMixin:
         log.info("[ctxpool] register name=%s factory=%s weights=%s devices=%s restored=%s",
                  record.name, record.factory, record.weights, devices, journalled)
 
-    def _on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
+    def on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
         refusal = self._operator_refusal(frame, "unregister models")
         if refusal is not None:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
@@ -377,10 +421,10 @@ class ServingMixin:
                 except PoolError as exc:  # the pool forgot it already (its registration failed)
                     log.warning("[ctxpool] unregister name=%s: %s", name, exc.message)
             self._free_example(model)
-        self._journal(lambda j: j.delete_model(name))
+        self._journal.write(lambda j: j.delete_model(name))
         log.info("[ctxpool] unregister name=%s", name)
 
-    def _on_models(self, route: bytes, msg: p.ModelsRequest, frame, now: float) -> None:
+    def on_models(self, route: bytes, msg: p.ModelsRequest, frame, now: float) -> None:
         self._send(route, p.ModelsReply(id=msg.id, models=self._model_infos()))
 
     def _model_infos(self) -> list[p.ModelInfo]:
@@ -396,7 +440,7 @@ class ServingMixin:
                 out.append(_replace_resident(m.info, sorted(resident.get(name, ()))))
         return out
 
-    def _on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
+    def on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
@@ -406,7 +450,7 @@ class ServingMixin:
             return
         if self._pool is None:
             self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
-                        f"server-side inference is off on this daemon ({self._serving_why})")
+                        f"server-side inference is off on this daemon ({self._why_off})")
             return
         model = self._models.get(msg.model)
         if model is None or not model.ready:
@@ -427,7 +471,7 @@ class ServingMixin:
         if problem is not None:
             self._error(route, msg.id, *problem)
             return
-        q = self._serving.get(s.id + SERVE_SUFFIX)
+        q = self._queues.get(s.id + SERVE_SUFFIX)
         if q is not None and q.outputs.unread() >= output_segments.MAX_UNREAD:
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"this session left {output_segments.MAX_UNREAD} outputs unread in shared memory; read "
@@ -437,7 +481,7 @@ class ServingMixin:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
                             uid=s.uid, outputs=output_segments.OutputSegments(s.uid))
             self._schedulers[s.device].add_session(q.sid, Workload.INFERENCE, s.weight, now)
-            self._serving[q.sid] = q
+            self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
                               inputs=list(msg.inputs), arrived=now, deadline=now + msg.timeout_ms / 1000.0))
         if q.grant is None and not q.waiting:
@@ -448,9 +492,9 @@ class ServingMixin:
 
     # ------------------------------------------------------- the token
 
-    def _serving_action(self, action, now: float) -> None:
-        """A scheduler action for a serving sub-session (called by ``_apply``)."""
-        q = self._serving[action.session]
+    def on_action(self, action, now: float) -> None:
+        """A scheduler action for a serving sub-session (one this component :meth:`owns`)."""
+        q = self._queues[action.session]
         kind = type(action)
         if kind is Grant:
             q.grant = action.grant
@@ -506,9 +550,9 @@ class ServingMixin:
         if q.owner_gone and q.running is None:
             self._remove_queue(q, now)
 
-    def _drop_serving(self, session_id: str, now: float) -> None:
+    def forget(self, session_id: str, now: float) -> None:
         """The client session ended: its queued requests go; a running one finishes first."""
-        q = self._serving.get(session_id + SERVE_SUFFIX)
+        q = self._queues.get(session_id + SERVE_SUFFIX)
         if q is None:
             return
         q.owner_gone = True
@@ -522,10 +566,10 @@ class ServingMixin:
             else:
                 self._remove_queue(q, now)
 
-    def _serving_device_lost(self, device: int, notice: str, now: float) -> None:
+    def device_lost(self, device: int, notice: str, now: float) -> None:
         """``device`` failed: requests waiting for its token are answered E_DEVICE and their
         queues leave the line (a running request ends with its worker)."""
-        for q in self._serving.values():
+        for q in self._queues.values():
             if q.device != device:
                 continue
             for job in q.pending:  # their input segments stay the clients' (they unlink them)
@@ -536,34 +580,34 @@ class ServingMixin:
                 self._schedulers[device].cancel(q.sid, now)
 
     def _remove_queue(self, q: _ServeQueue, now: float) -> None:
-        if self._serving.pop(q.sid, None) is None:
+        if self._queues.pop(q.sid, None) is None:
             return
         self._apply(self._schedulers[q.device].remove_session(q.sid, now), now, handoff_from=now)
 
     # ------------------------------------------------------- the workers
 
-    def _serving_deadline(self) -> float | None:
+    def next_deadline(self) -> float | None:
         """The earliest of the pool's deadlines (requests it runs or queues, starting workers)
         and those of requests still waiting for their session's token."""
         if self._pool is None:
             return None
-        times = [job.deadline for q in self._serving.values() for job in q.pending]
+        times = [job.deadline for q in self._queues.values() for job in q.pending]
         pool_at = self._pool.next_deadline()
         if pool_at is not None:
             times.append(pool_at)
         return min(times) if times else None
 
-    def _on_serving_timers(self, now: float) -> None:
+    def on_timers(self, now: float) -> None:
         """Requests past their timeout are answered E_TIMEOUT: by the pool for those it has (it
         replaces a worker still running one after the grace), here for those waiting for the token."""
         if self._pool is None:
             return
-        if self._unjournalled and self._journal_writer.ok:
+        if self._unjournalled and self._journal.ok:
             self._journal_models_again()
         pool_at = self._pool.next_deadline()
         if pool_at is not None and pool_at <= now:
             self._on_pool_events(self._pool.on_deadline())
-        for q in list(self._serving.values()):
+        for q in list(self._queues.values()):
             expired = [job for job in q.pending if now >= job.deadline]
             for job in expired:
                 q.pending.remove(job)
@@ -576,7 +620,7 @@ class ServingMixin:
         for name in sorted(self._unjournalled):
             model = self._models.get(name)
             if model is not None and model.ready and not model.journalled:
-                model.journalled = self._journal(lambda j, rec=model.record: j.put_model(rec))
+                model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
                     return  # failing again: the next successful probe brings us back
                 log.warning("[ctxpool] model name=%s journalled now", name)
@@ -634,7 +678,7 @@ class ServingMixin:
             model.ready = True
             model.info = event.info
             if not model.journalled:
-                model.journalled = self._journal(lambda j, rec=model.record: j.put_model(rec))
+                model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
                     self._unjournalled.add(event.name)
                     log.error("[ctxpool] model name=%s is registered but not journalled (the journal write "
@@ -680,7 +724,7 @@ class ServingMixin:
 
     def _sweep_orphan_outputs(self, worker_pid: int) -> None:
         """Outputs a dead worker made but never reported (killed between the two)."""
-        handed = [q.outputs for q in self._serving.values()]
+        handed = [q.outputs for q in self._queues.values()]
         for name in output_segments.orphans_of(worker_pid, OUTPUT_PREFIX, handed):
             tensors.unlink_segment(name)
             log.info("[ctxpool] unlinked orphan output segment=%s of dead worker pid=%d", name, worker_pid)
@@ -693,8 +737,8 @@ class ServingMixin:
 
     # ------------------------------------------------------------ status
 
-    def _serving_session_info(self, view) -> p.SessionInfo | None:
-        q = self._serving.get(view.session)
+    def session_info(self, view) -> p.SessionInfo | None:
+        q = self._queues.get(view.session)
         if q is None:
             return None
         return p.SessionInfo(

@@ -1,4 +1,4 @@
-"""Whole-device suspension, as part of :class:`nodeagent.server.AgentServer`.
+"""Whole-device suspension: the :class:`Suspensions` component.
 
 A suspension moves None -> requested (suspend notice sent) -> suspended (the
 client parked its state and released the device) or -> stopped (deadline
@@ -6,32 +6,120 @@ missed; a verified process is SIGSTOPped) -> None again on resume (a stopped
 one is continued first). ``memory.make_room = "suspend"`` starts suspensions
 to admit an inference session that would not fit.
 
-A mixin over the server's state: it uses ``_sessions``, ``_schedulers``,
-``_suspending``, ``config``, ``metrics`` and the server's ``_send``,
-``_error``, ``_apply``, ``_stop``, ``_continue``, ``_end_slice``,
-``_session_for``, the cluster mixin's ``_event``, ``_suspend_finished``
-and ``_admission_refusal``, and ``_lost_devices`` and ``_request_token``
-(:mod:`nodeagent.memory_watch`), and the serving mixin's ``_workers_share``.
+A component: it owns the suspensions under way (requested, deadline pending;
+the per-session state is on :class:`nodeagent.sessions.Session`) and is given
+what it may touch in its constructor. Plans to make room also read what
+admission reads (device facts, lost devices, the cluster's refusals, class caps,
+the workers' share).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 from client_lib import protocol as p
 from nodeagent import memory, procwatch
 from nodeagent.cluster import ClusterRoute
-from nodeagent.sessions import Session
-from sharing import Workload
+from nodeagent.config import ServeConfig
+from nodeagent.devices import DeviceInfo
+from nodeagent.memory_watch import LostDevices
+from nodeagent.metrics import Metrics
+from nodeagent.sessions import Session, SessionTable
+from sharing import TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.suspension")
 
+Send = Callable[[object, object], None]  # (route, message)
+Error = Callable[[object, int, str, str], None]  # (route, request id, code, message)
 
-class SuspensionMixin:
+
+class Suspensions:
     """Whole-device suspension handlers (see the module docstring)."""
 
-    def _authorize(self, route: bytes, request_id: int, frame, target_id: str) -> Session | None:
+    def __init__(self, *, config: ServeConfig, sessions: SessionTable, schedulers: list[TokenScheduler],
+                 devices: list[DeviceInfo], lost_devices: LostDevices, metrics: Metrics,
+                 send: Send, error: Error,
+                 apply: Callable[..., None],  # (actions, now, handoff_from=None): carry out scheduler actions
+                 stop: Callable[[Session], bool],  # SIGSTOP a verified session (journalled first)
+                 continue_process: Callable[[Session], bool],  # SIGCONT one the daemon stopped
+                 end_slice: Callable[[Session, float], None],
+                 session_for: Callable[[object, int, float], Session | None],  # the sender's session, or an error
+                 request_token: Callable[..., None],  # (session id, device, now): held while the device is lost
+                 event: Callable[..., None],  # (kind, device, session, **data): a cluster event
+                 suspend_finished: Callable[[Session, str, float, float], None],  # (s, outcome, elapsed_ms, now)
+                 admission_refusal: Callable[[int, str, str | None], str | None],  # (device, workload, borrower)
+                 class_cap_problem: Callable[[int, str, int], str | None],  # (device, workload, memory_mb)
+                 workers_share: Callable[[int], memory.WorkerShare | None]) -> None:
+        self._config = config
+        self._sessions = sessions
+        self._schedulers = schedulers
+        self._devices = devices  # admission reads memory_total_bytes only, which does not change
+        self._lost_devices = lost_devices
+        self._metrics = metrics
+        self._send = send
+        self._error = error
+        self._apply = apply
+        self._stop = stop
+        self._continue = continue_process
+        self._end_slice = end_slice
+        self._session_for = session_for
+        self._request_token = request_token
+        self._event = event
+        self._suspend_finished = suspend_finished
+        self._admission_refusal = admission_refusal
+        self._class_cap_problem = class_cap_problem
+        self._workers_share = workers_share
+        self._suspending: set[Session] = set()  # suspend requested, deadline pending
+
+    # ------------------------------------------------------------- for the loop
+
+    def under_way(self, s: Session) -> bool:
+        """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
+        return s in self._suspending
+
+    def next_deadline(self) -> float | None:
+        """The earliest suspend deadline pending, or None."""
+        return min((s.suspend_deadline for s in self._suspending), default=None)
+
+    def on_timers(self, now: float) -> None:
+        """Act on the suspend deadlines that have passed: stop verified sessions, report the rest."""
+        for s in [s for s in self._suspending if now >= s.suspend_deadline]:
+            self._suspending.discard(s)
+            if self._stop(s):
+                scheduler = self._schedulers[s.device]
+                if s.grant is not None:
+                    self._end_slice(s, now)
+                    self._apply(scheduler.revoke(s.id, now, "suspended"), now, handoff_from=now)
+                s.suspend_state = "stopped"
+                self._finish(s, "stopped", now)
+            else:  # reported once; it may still suspend later
+                self._finish(s, "timeout", now)
+
+    def forget(self, s: Session, now: float) -> None:
+        """``s`` ended: a suspension under way, or callers waiting for one, hear ``gone``."""
+        if s.suspend_waiters or s in self._suspending:
+            self._finish(s, "gone", now)
+
+    def answer_pending(self) -> None:
+        """Shutdown: every ``suspend_session`` still waiting for its outcome is answered
+        ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: the cluster endpoint)."""
+        answered = 0
+        for s in self._sessions.values():
+            for route, request_id in s.suspend_waiters:
+                self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
+                            f"daemon is shutting down; the suspension of session {s.id} did not finish "
+                            "(retry when it is back)")
+                answered += 1
+            s.suspend_waiters.clear()
+        self._suspending.clear()
+        if answered:
+            log.info("[shutdown] step=suspend-requests answered=%d", answered)
+
+    # ----------------------------------------------------------------- requests
+
+    def _authorize(self, route, request_id: int, frame, target_id: str) -> Session | None:
         """The target session if the peer may act on it (root, the session's own user, or an
         authenticated placement client on the cluster endpoint)."""
         target = self._sessions.get(target_id)
@@ -48,7 +136,7 @@ class SuspensionMixin:
             return None
         return target
 
-    def _on_suspend_session(self, route: bytes, msg: p.SuspendSession, frame, now: float) -> None:
+    def on_suspend_session(self, route, msg: p.SuspendSession, frame, now: float) -> None:
         if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= 3_600_000):
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"deadline_ms must be in (0, 3600000], got {msg.deadline_ms}")
@@ -62,9 +150,10 @@ class SuspensionMixin:
             return
         s.suspend_waiters.append((route, msg.id))
         if s.suspend_state != "requested":  # else already under way: this caller hears the same result
-            self._begin_suspend(s, msg.deadline_ms, now, reason="requested")
+            self.begin(s, msg.deadline_ms, now, reason="requested")
 
-    def _begin_suspend(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
+    def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
+        """Ask ``s`` to suspend within ``deadline_ms`` (requested, made room, reclaim)."""
         s.suspend_state = "requested"
         s.suspend_started = now
         s.suspend_deadline = now + deadline_ms / 1000.0
@@ -76,8 +165,8 @@ class SuspensionMixin:
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
                  s.id, s.name, deadline_ms, s.grant is not None, reason)
 
-    def _make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int,
-                        borrower: str | None = None) -> tuple[int | None, list[Session]]:
+    def make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int,
+                       borrower: str | None = None) -> tuple[int | None, list[Session]]:
         """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
         count = len(self._schedulers)
         for i in ([wanted] if wanted is not None else range(count)):
@@ -85,7 +174,7 @@ class SuspensionMixin:
                 continue  # draining, lent to another borrower, or failed
             if self._class_cap_problem(i, workload.wire, memory_mb) is not None:
                 continue  # suspending lower classes never lifts this class's own cap
-            capacity = memory.capacity_mb(self._device_info[i], self.config.memory_reserve_mb)
+            capacity = memory.capacity_mb(self._devices[i], self._config.memory_reserve_mb)
             need = (memory.declared_mb(self._sessions.values(), i) + memory.held_mb(self._workers_share(i))
                     + memory_mb - capacity)
             victims = memory.room_makers(self._sessions.values(), i, workload, need)
@@ -102,7 +191,7 @@ class SuspensionMixin:
                     s.acquire_pending = False
                     self._request_token(s.id, s.device, now)  # held while the device is lost
 
-    def _on_suspended(self, route: bytes, msg: p.Suspended, frame, now: float) -> None:
+    def on_suspended(self, route, msg: p.Suspended, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
         if s is None or s.suspend_state != "requested":
             return  # resumed (or stopped) meanwhile: its resume notice is already on the way
@@ -110,24 +199,24 @@ class SuspensionMixin:
             self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
         s.suspend_state = "suspended"
         s.bytes_parked = msg.bytes_parked
-        self.metrics.parked_bytes.inc(max(0, msg.bytes_parked))
-        self.metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
-        self._finish_suspend(s, "suspended", now, suspend_ms=msg.suspend_ms)
+        self._metrics.parked_bytes.inc(max(0, msg.bytes_parked))
+        self._metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
+        self._finish(s, "suspended", now, suspend_ms=msg.suspend_ms)
 
-    def _finish_suspend(self, s: Session, outcome: str, now: float, suspend_ms: float = 0.0) -> None:
+    def _finish(self, s: Session, outcome: str, now: float, suspend_ms: float = 0.0) -> None:
         self._suspending.discard(s)
         elapsed_ms = (now - s.suspend_started) * 1000.0
         for route, request_id in s.suspend_waiters:
             self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
                                               bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
         s.suspend_waiters.clear()
-        self.metrics.suspends.labels(outcome).inc()
+        self._metrics.suspends.labels(outcome).inc()
         self._unblock(s, now)
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
         self._suspend_finished(s, outcome, elapsed_ms, now)  # events, a reclaim waiting on it (cluster.py)
 
-    def _on_resume_session(self, route: bytes, msg: p.ResumeSession, frame, now: float) -> None:
+    def on_resume_session(self, route, msg: p.ResumeSession, frame, now: float) -> None:
         s = self._authorize(route, msg.id, frame, msg.session)
         if s is None:
             return
@@ -137,45 +226,16 @@ class SuspensionMixin:
                 self._continue(s)
                 s.last_seen = now
             elif state == "requested":
-                self._finish_suspend(s, "cancelled", now)
+                self._finish(s, "cancelled", now)
             s.suspend_state = None
             s.bytes_parked = 0
             self._send(s.route, p.ResumeNotice())
-            self.metrics.resumes.inc()
+            self._metrics.resumes.inc()
             self._event("resume", s.device, s.id, was=state)
             log.info("[suspend] resume session=%s was=%s", s.id, state)
         self._send(route, p.Ok(id=msg.id))
 
-    def _on_resumed(self, route: bytes, msg: p.Resumed, frame, now: float) -> None:
+    def on_resumed(self, route, msg: p.Resumed, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
         if s is not None:
-            self.metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
-
-    def _answer_pending_suspends(self) -> None:
-        """Shutdown: every ``suspend_session`` still waiting for its outcome is answered
-        ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: ``_close_cluster``)."""
-        answered = 0
-        for s in self._sessions.values():
-            for route, request_id in s.suspend_waiters:
-                self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
-                            f"daemon is shutting down; the suspension of session {s.id} did not finish "
-                            "(retry when it is back)")
-                answered += 1
-            s.suspend_waiters.clear()
-        self._suspending.clear()
-        if answered:
-            log.info("[shutdown] step=suspend-requests answered=%d", answered)
-
-    def _check_suspend_deadlines(self, now: float) -> None:
-        for s in [s for s in self._suspending if now >= s.suspend_deadline]:
-            self._suspending.discard(s)
-            if self._stop(s):
-                scheduler = self._schedulers[s.device]
-                if s.grant is not None:
-                    self._end_slice(s, now)
-                    self._apply(scheduler.revoke(s.id, now, "suspended"), now, handoff_from=now)
-                s.suspend_state = "stopped"
-                self._finish_suspend(s, "stopped", now)
-            else:  # reported once; it may still suspend later
-                self._finish_suspend(s, "timeout", now)
-
+            self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)

@@ -34,7 +34,7 @@ def two_gpus(workdir):
     backend = ScriptedGpus(2)
     server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
     server.bind()
-    events = server._events = RecordingEvents()
+    events = server._cluster.events = RecordingEvents()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     peers: list[RawPeer] = []

@@ -424,18 +424,19 @@ def test_a_model_whose_journal_write_failed_is_not_taken_as_journalled_and_is_wr
     server = AgentServer(ServeConfig(backend="cpu", endpoint=f"ipc://{tmp_path}/na.sock", state_dir=str(tmp_path),
                                      ctxpool_enabled="off"),
                          CpuBackend(1), metrics=Metrics(CollectorRegistry()), journal=journal, clock=lambda: clock[0])
-    server._pool = _IdlePool()
+    serving = server._serving
+    serving._pool = _IdlePool()
     rec = ModelRecord(name="m", factory="pkg.mod:make", weights=None, device=None, example_refs=[],
                       example_bytes=b"", created_unix=1.0)
-    server._models["m"] = _Model(record=rec, segment=None, example=[])
+    serving._models["m"] = _Model(record=rec, segment=None, example=[])
     info = ModelInfo(name="m", factory=rec.factory, weights=None, model_bytes=0, layers=1, groups=1, devices=[0])
     journal.failing = True
-    server._on_pool_event(ModelReady(name="m", info=info), clock[0])
-    assert server._models["m"].ready and not server._models["m"].journalled
+    serving._on_pool_event(ModelReady(name="m", info=info), clock[0])
+    assert serving._models["m"].ready and not serving._models["m"].journalled
     assert journal.models() == []
     journal.failing = False
     for step_s in (0.0, 2.5, 0.1):  # the journal probe succeeds (every 2 s), then the model is written
         clock[0] += step_s
         server._on_timers(clock[0])
-    assert server._models["m"].journalled and [m.name for m in journal.models()] == ["m"]
+    assert serving._models["m"].journalled and [m.name for m in journal.models()] == ["m"]
     journal.close()

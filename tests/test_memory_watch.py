@@ -222,7 +222,7 @@ def watched_server(workdir):
         backend = ScriptedGpus()
         server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
         server.bind()
-        events = server._events = RecordingEvents()
+        events = server._cluster.events = RecordingEvents()
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         servers.append((server, thread))

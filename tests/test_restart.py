@@ -150,3 +150,68 @@ def test_a_failing_journal_is_logged_and_never_costs_a_session(workdir, caplog):
         server.request_stop()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_requests_until_the_window_closes(
+        tmp_path):
+    """The schedulers list is shared by every part that drives it (tokens, memory policy,
+    serving, suspensions): restore must renew the schedulers inside that list, not bind a
+    new list only the restorer sees. Inside the window the claimed slice goes first and the
+    other restored session's request waits, keeping its wait, until the window closes."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.journal import Journal, SessionRecord
+    from nodeagent.journal_writer import JournalWriter
+    from nodeagent.metrics import Metrics
+    from nodeagent.restore import Restorer
+    from nodeagent.sessions import SessionTable
+    from sharing import Grant, TokenScheduler
+
+    class NoMps:
+        def join(self, session: str, device: int, memory_mb: int) -> None:
+            pass
+
+    journal = Journal(str(tmp_path / "state.db"))
+    assert journal.next_boot() == 1  # the daemon that died
+    for sid in ("s-holder", "s-other"):
+        journal.put_session(SessionRecord(id=sid, key="k", name=sid, claimed_pid=1, verified_pid=None,
+                                          start_ticks=None, uid=None, workload="training", weight=1.0, device=0,
+                                          memory_mb=0, created_unix=1.0))
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{tmp_path}/na.sock", state_dir=str(tmp_path))
+    policy = config.policy()
+    schedulers = [TokenScheduler(i, policy) for i in range(2)]
+    seen_by_another_part = schedulers
+    sessions = SessionTable()
+    grants: list[tuple[str, int]] = []
+    requested: list[tuple[str, float | None]] = []
+
+    def add_session(s, now):
+        schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
+        sessions.add(s)
+
+    def request_token(sid, device, now, waiting_since=None):
+        requested.append((sid, waiting_since))
+        grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
+                      if type(a) is Grant)
+
+    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), lambda **d: None),
+                        sessions=sessions, schedulers=schedulers, policy=policy, mps=NoMps(),
+                        add_session=add_session, continue_process=lambda s: False, request_token=request_token)
+    try:
+        assert restorer.restore(100.0) == 2
+        assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]
+        holder, other = sessions["s-holder"], sessions["s-other"]
+        other.wait_started = 100.5
+        assert restorer.park(other) and restorer.park(other)  # asked twice: parked once
+        assert requested == []
+        restorer.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
+        assert grants == [("s-holder", (2 << 32) + 1)]  # numbered above every grant of boot 1
+        restorer.on_timers(100.0 + config.heartbeat_timeout_s - 0.01)  # window still open
+        assert requested == [("s-holder", None)]
+        restorer.honour_claim(other, None, 102.0)  # the last one back: the window closes
+        assert requested == [("s-holder", None), ("s-other", 100.5)]  # its wait kept
+        assert not restorer.park(other)  # no window any more: requests go straight to the scheduler
+    finally:
+        sessions.close()
+        journal.close()

@@ -176,3 +176,55 @@ def test_a_pending_suspend_request_is_answered_at_shutdown_not_left_to_its_timeo
     assert isinstance(exc, DaemonError) and exc.code == ErrorCode.SHUTTING_DOWN, exc
     assert "shutting down" in str(exc) and sid in str(exc)
     assert answered_at - stopped_at < 2.0  # at once, not after the requester's 30 s
+
+
+def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifiable_session_is_a_timeout():
+    """The component with scripted collaborators and no loop: the deadline it reports is
+    the one the loop sleeps to; missing it with a process it may not stop (``stop`` says no)
+    reports ``timeout`` to the requester and to the cluster once, and the suspension is no
+    longer under way (it may still suspend later)."""
+    from prometheus_client import CollectorRegistry
+
+    from client_lib import protocol as p
+    from nodeagent.config import ServeConfig
+    from nodeagent.memory_watch import LostDevices
+    from nodeagent.metrics import Metrics
+    from nodeagent.sessions import Session, SessionTable
+    from nodeagent.suspension import Suspensions
+    from sharing import TokenScheduler, Workload
+
+    config = ServeConfig(backend="cpu")
+    schedulers = [TokenScheduler(0, config.policy())]
+    sessions = SessionTable()
+    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
+                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+    schedulers[0].add_session(s.id, s.workload, s.weight, 0.0)
+    sessions.add(s)
+    sent, finished, stop_asked = [], [], []
+    suspensions = Suspensions(
+        config=config, sessions=sessions, schedulers=schedulers, devices=[], lost_devices=LostDevices(),
+        metrics=Metrics(CollectorRegistry()), send=lambda route, msg: sent.append((route, msg)),
+        error=lambda *a: sent.append(a), apply=lambda actions, now, handoff_from=None: None,
+        stop=lambda victim: stop_asked.append(victim.id) or False, continue_process=lambda victim: False,
+        end_slice=lambda victim, now: None, session_for=lambda route, request_id, now: None,
+        request_token=lambda *a, **k: None, event=lambda *a, **k: None,
+        suspend_finished=lambda victim, outcome, elapsed_ms, now: finished.append((victim.id, outcome, elapsed_ms)),
+        admission_refusal=lambda *a: None, class_cap_problem=lambda *a: None, workers_share=lambda device: None)
+    try:
+        s.suspend_waiters.append(("operator", 5))
+        suspensions.begin(s, 500.0, 10.0, reason="requested")
+        assert suspensions.under_way(s) and suspensions.next_deadline() == 10.5
+        assert sent == [("trainer", p.SuspendNotice(deadline_ms=500.0, reason="requested"))]
+        suspensions.on_timers(10.49)
+        assert stop_asked == [] and finished == []
+        suspensions.on_timers(10.5)
+        assert stop_asked == ["s-t"] and finished == [("s-t", "timeout", 500.0)]
+        assert not suspensions.under_way(s) and suspensions.next_deadline() is None
+        [(route, result)] = sent[1:]
+        assert (route, result.id, result.outcome) == ("operator", 5, "timeout")
+        assert s.suspend_state == "requested" and s.suspend_waiters == []
+        suspensions.on_timers(20.0)
+        suspensions.forget(s, 20.0)  # reported once: nothing more to tell when it ends
+        assert len(finished) == 1
+    finally:
+        sessions.close()

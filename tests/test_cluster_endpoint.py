@@ -1,0 +1,142 @@
+"""ClusterEndpoint stepped by hand: no daemon and no sockets. It touches only what its
+constructor is given, so these fakes are all it needs (tests/test_cluster.py drives the
+same operations through a real daemon and real CURVE sockets)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from client_lib import protocol as p
+from nodeagent.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndpoint, ClusterRoute
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.loop import EventLoopPoller
+from nodeagent.journal_writer import JournalWriter
+from nodeagent.metrics import Metrics
+from nodeagent.procwatch import PeerCredentials
+from nodeagent.sessions import Session, SessionTable
+from sharing import TokenScheduler, Workload
+
+PLACEMENT = ClusterRoute(b"placement-1")
+
+
+class Recorder:
+    """Stands in for the events publisher (and for everything the endpoint calls out to)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int | None, dict]] = []
+        self.sent: list[tuple[object, object]] = []
+        self.suspends: list[tuple[str, float, str]] = []  # (session, deadline_ms, reason)
+
+    def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
+        self.events.append((kind, device, data))
+
+    def of(self, kind: str) -> list[dict]:
+        return [data for k, _, data in self.events if k == kind]
+
+    def to(self, route) -> list:
+        return [msg for r, msg in self.sent if r == route]
+
+
+@pytest.fixture
+def endpoint():
+    """(endpoint, recorder, sessions, schedulers) for two devices."""
+    config = ServeConfig(backend="cpu", cluster_node="n-test")
+    rec = Recorder()
+    schedulers = [TokenScheduler(i, config.policy()) for i in range(2)]
+    sessions = SessionTable()
+    metrics = Metrics(CollectorRegistry())
+    poller = EventLoopPoller()
+    context = zmq.Context()
+
+    def begin_suspend(s: Session, deadline_ms: float, now: float, reason: str) -> None:
+        rec.suspends.append((s.id, deadline_ms, reason))
+        s.suspend_state = "requested"
+
+    cluster = ClusterEndpoint(
+        config=config, context=context, poller=poller, poll_handlers={}, schedulers=schedulers,
+        sessions=sessions, metrics=metrics, journal=JournalWriter(None, metrics, lambda **data: None),
+        handlers={kind: (lambda *args: None) for kind in SHARED_OPS}, clock=lambda: 0.0, started=0.0,
+        boot=lambda: 7, send=lambda route, msg: rec.sent.append((route, msg)),
+        error=lambda route, rid, code, message: rec.sent.append((route, p.Error(id=rid, code=code, message=message))),
+        bad=lambda route, rid, message: None, dispatch=lambda *args, **kwargs: None, status=lambda now: None,
+        apply=lambda actions, now, handoff_from=None: None, end_slice=lambda s, now: None,
+        begin_suspend=begin_suspend, suspending=lambda s: any(s.id == sid for sid, _, _ in rec.suspends),
+        wake=lambda: None)
+    cluster.events = rec
+    yield cluster, rec, sessions, schedulers
+    cluster.close()
+    sessions.close()
+    context.term()
+
+
+def _borrower_session(sessions: SessionTable, schedulers, sid: str, borrower: str, device: int = 0) -> Session:
+    s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                uid=None, workload=Workload.parse("training"), weight=1.0, device=device, memory_mb=0, created=0.0,
+                last_seen=0.0, borrower=borrower)
+    schedulers[device].add_session(s.id, s.workload, s.weight, 0.0)
+    sessions.add(s)
+    return s
+
+
+def test_a_lent_device_admits_only_its_borrower_and_a_reclaim_answers_once_it_is_off(endpoint):
+    cluster, rec, sessions, schedulers = endpoint
+    cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a"), None, 0.0)
+    assert rec.to(PLACEMENT) == [p.LifecycleReply(id=1, device=0, state="LENT", borrower="job-a", changed=True)]
+    assert rec.of("lend") == [{"borrower": "job-a", "max_s": None}]
+    assert cluster.admission_refusal(0, "training", "job-a") is None
+    assert cluster.admission_refusal(0, "training", "job-b") is not None
+    assert cluster.admission_refusal(1, "training", "job-a") is not None  # the other device is not lent
+
+    s = _borrower_session(sessions, schedulers, "s-a", "job-a")
+    _borrower_session(sessions, schedulers, "s-other", "job-b", device=1)  # not on the device: left alone
+    cluster.on_reclaim(PLACEMENT, p.Reclaim(id=2, device=0, deadline_ms=800.0), None, 1.0)
+    assert rec.suspends == [("s-a", 800.0, "reclaim")]
+    second = ClusterRoute(b"placement-2")
+    cluster.on_reclaim(second, p.Reclaim(id=3, device=0), None, 1.2)  # joins the reclaim under way
+    assert len(rec.suspends) == 1 and len(rec.to(PLACEMENT)) == 1 and rec.to(second) == []
+
+    cluster.suspend_finished(s, "suspended", 300.0, 1.5)
+    for route, request_id in ((PLACEMENT, 2), (second, 3)):
+        reply = rec.to(route)[-1]
+        assert isinstance(reply, p.ReclaimReply) and reply.id == request_id
+        assert reply.outcomes == {"s-a": "suspended"} and reply.changed and reply.free_ms == pytest.approx(500.0)
+        assert reply.state == "PROTECT"
+    assert rec.of("reclaim") == [{"borrower": "job-a", "free_ms": 500.0, "sessions": 1, "suspended": 1}]
+    assert [d["outcome"] for d in rec.of("suspend")] == ["suspended"]
+
+
+def test_a_lend_that_runs_out_starts_a_reclaim_at_its_deadline(endpoint):
+    cluster, rec, sessions, schedulers = endpoint
+    cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a", max_s=10.0), None, 0.0)
+    _borrower_session(sessions, schedulers, "s-a", "job-a")
+    assert cluster.next_deadline() == pytest.approx(10.0)
+    cluster.on_timers(9.9)
+    assert rec.suspends == []
+    cluster.on_timers(10.0)
+    assert rec.suspends == [("s-a", EXPIRY_DEADLINE_MS, "reclaim")]
+    assert ("LENT", "PROTECT") in [(d["old"], d["new"]) for d in rec.of("device_state")]
+
+
+def test_operations_need_root_locally_and_a_reclaim_under_way_is_answered_at_close(endpoint):
+    cluster, rec, sessions, schedulers = endpoint
+    user = SimpleNamespace(creds=PeerCredentials(uid=1000, gid=1000, pid=4242))
+    cluster.on_lend("local-conn", p.Lend(id=1, device=0, borrower="job-a"), user, 0.0)
+    [refused] = rec.to("local-conn")
+    assert refused.code == p.ErrorCode.FORBIDDEN
+    assert cluster.admission_refusal(0, "training", "job-a") is not None  # not lent: the refusal changed nothing
+    root = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1))
+    cluster.on_lend("root-conn", p.Lend(id=2, device=0, borrower="job-a"), root, 0.0)
+    assert rec.to("root-conn")[-1].state == "LENT"
+
+    _borrower_session(sessions, schedulers, "s-a", "job-a")
+    cluster.on_reclaim(PLACEMENT, p.Reclaim(id=3, device=0), None, 1.0)
+    assert rec.to(PLACEMENT) == []
+    cluster.close()
+    [answer] = rec.to(PLACEMENT)
+    assert answer.id == 3 and answer.code == p.ErrorCode.SHUTTING_DOWN
+    assert cluster.events is None  # nothing is published after close
+    cluster.event("health", devices=2)  # and publishing then is a no-op, not an error

@@ -1,0 +1,192 @@
+"""The memory policy component stepped by hand: no server, no sockets, no clock of
+its own. Real schedulers and a real session table; the actions it takes (send,
+apply, stop, publish) are recorded. What a reader learns from its constructor is
+all it touches."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from client_lib import protocol as p
+from nodeagent.config import ServeConfig
+from nodeagent.devices import CpuBackend, DeviceLostError, DeviceProcess
+from nodeagent.memory import MiB, ProcessUse
+from nodeagent.memory_watch import DeviceBack, DeviceLost, DeviceReading, LostDevices, MemoryPolicy
+from nodeagent.metrics import Metrics
+from nodeagent.sessions import Session, SessionTable
+from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
+from tests.conftest import wait_for
+
+
+class ScriptedGpus(CpuBackend):
+    """The cpu backend with per-process device memory and lost devices scripted (what NVML
+    reports on cuda); tests/test_memory_watch.py has the same for a whole daemon."""
+
+    measures_process_memory = True
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.used_bytes: dict[int, int] = {}
+        self.lost: set[int] = set()
+
+    def processes(self, index: int) -> list[DeviceProcess]:
+        if index in self.lost:
+            raise DeviceLostError(index, f"GPU-{index}", "nvmlDeviceGetComputeRunningProcesses failed: GPU is lost")
+        return [DeviceProcess(pid, used, mps_client=False) for pid, used in self.used_bytes.items()]
+
+
+class Harness:
+    """A :class:`MemoryPolicy` over two devices, with every collaborator recorded."""
+
+    def __init__(self, *, policy: str = "warn", stop_works: bool = True, backend=None) -> None:
+        self.config = ServeConfig(backend="cpu", memory_policy=policy, memory_context_allowance_mb=0,
+                                  memory_watch_ms=10)
+        self.sessions = SessionTable()
+        self.schedulers = [TokenScheduler(i) for i in range(2)]
+        self.metrics = Metrics(CollectorRegistry())
+        self.lost = LostDevices()
+        self.applied: list = []
+        self.sent: list[tuple[object, object]] = []
+        self.events: list[tuple] = []
+        self.serving_told: list[tuple[int, str, float]] = []
+        self.stopped: list[str] = []
+        self.slices_ended: list[str] = []
+        self.wakes = threading.Event()
+        self.stop_works = stop_works
+        self.now = 0.0
+        self.policy = MemoryPolicy(
+            config=self.config, backend=backend if backend is not None else ScriptedGpus(2), clock=lambda: self.now,
+            sessions=self.sessions, schedulers=self.schedulers, metrics=self.metrics, lost_devices=self.lost,
+            wake=self.wakes.set, stop=self._stop, end_slice=lambda s, now: self.slices_ended.append(s.id),
+            apply=self._apply, send=lambda route, msg: self.sent.append((route, msg)),
+            event=lambda kind, device=None, session=None, **data: self.events.append((kind, device, data)),
+            serving_device_lost=lambda device, notice, now: self.serving_told.append((device, notice, now)))
+
+    def _stop(self, s: Session) -> bool:
+        self.stopped.append(s.id)
+        return self.stop_works
+
+    def _apply(self, actions: list, now: float) -> None:
+        """What the token component does with actions, as far as this test needs: who holds."""
+        for action in actions:
+            self.applied.append(action)
+            s = self.sessions.get(action.session)
+            if type(action) is Grant and s is not None:
+                s.grant = action.grant
+            elif type(action) is Revoked and s is not None:
+                s.grant = None
+
+    def add(self, sid: str, device: int = 0, *, memory_mb: int = 100, pid: int | None = None) -> Session:
+        s = Session(id=sid, key="k", route=f"route-{sid}", name=sid, claimed_pid=pid or 1, verified_pid=pid,
+                    start_ticks=None, uid=0, workload=Workload.TRAINING, weight=1.0, device=device,
+                    memory_mb=memory_mb, created=0.0, last_seen=0.0)
+        self.schedulers[device].add_session(sid, s.workload, s.weight, 0.0)
+        self.sessions.add(s)
+        return s
+
+    def grants(self) -> list[tuple[str, float]]:
+        return [(a.session, a.waited_s) for a in self.applied if type(a) is Grant]
+
+    def count(self, name: str, labels: dict) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def harness():
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        made.append(Harness(**kw))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.policy.stop()
+        h.sessions.close()
+
+
+def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order_when_back(harness):
+    h = harness()
+    holder, first, second, elsewhere = h.add("s-hold"), h.add("s-first"), h.add("s-second"), h.add("s-other", 1)
+    h.policy.request_token("s-hold", 0, 0.0)
+    first.wait_started, second.wait_started = 1.0, 2.0
+    h.policy.request_token("s-first", 0, 1.0)
+    h.policy.request_token("s-second", 0, 2.0)
+    assert h.grants() == [("s-hold", 0.0)] and holder.grant is not None
+
+    h.policy.on_readings([DeviceLost(0, "GPU is lost")], 3.0)
+    assert h.events == [("health", 0, {"device_state": "lost", "reason": "GPU is lost"})]
+    assert [(a.session, a.reason) for a in h.applied if type(a) is Revoked] == [("s-hold", "device_lost")]
+    assert h.grants() == [("s-hold", 0.0)]  # the revoke granted nobody: the waiters left the line first
+    assert h.schedulers[0].state("s-first") is SessionState.IDLE
+    assert [d for d, _, _ in h.serving_told] == [0]
+    told = {route: msg for route, msg in h.sent}
+    assert set(told) == {"route-s-hold", "route-s-first", "route-s-second"}  # not the session on device 1
+    assert all(m.code == p.ErrorCode.DEVICE and "device 0 has failed (GPU is lost)" in m.message
+               for m in told.values())
+
+    h.policy.request_token("s-hold", 0, 4.0)  # asks again while the device is lost: held
+    assert h.grants() == [("s-hold", 0.0)]
+    h.policy.request_token("s-other", 1, 4.0)  # the other device is not affected
+    assert h.grants()[-1] == ("s-other", 0.0)
+    first.suspend_state = "requested"  # suspended meanwhile: it asks again once resumed
+
+    h.now = 5.0
+    h.policy.on_readings([DeviceBack(0)], 5.0)
+    assert h.events[-1] == ("health", 0, {"device_state": "ok"})
+    assert h.grants()[-1] == ("s-second", 3.0)  # first in line of those held, its wait kept
+    assert h.schedulers[0].state("s-hold") is SessionState.WAITING
+    assert h.schedulers[0].state("s-first") is SessionState.IDLE
+
+
+@pytest.mark.parametrize("policy, stop_works, action", [
+    ("warn", True, None), ("revoke", True, "revoke"), ("stop", True, "stop"), ("stop", False, "revoke")])
+def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, stop_works, action):
+    h = harness(policy=policy, stop_works=stop_works)
+    s = h.add("s-big", memory_mb=100, pid=os.getpid())
+    h.policy.request_token("s-big", 0, 0.0)
+    over = [DeviceReading(0, [ProcessUse(os.getpid(), (), os.getpid(), 300 * MiB)])]
+    h.policy.on_readings(over, 1.0)
+    h.policy.on_readings(over, 2.0)  # still over: flagged once, not at every reading
+    assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 1
+    assert s.over_memory and s.memory_used_bytes == 300 * MiB
+    enforced = {a: h.count("nodeagent_enforcements_total", {"kind": a}) for a in ("stop", "revoke")}
+    assert enforced == {"stop": float(action == "stop"), "revoke": float(action == "revoke")}
+    assert h.stopped == (["s-big"] if policy == "stop" else [])
+    assert h.slices_ended == (["s-big"] if action == "stop" else [])
+    if action == "revoke":
+        assert [(a.session, a.reason) for a in h.applied if type(a) is Revoked] == [("s-big", "memory")]
+    if action == "stop":  # preempted: back in line, and the token free for it again
+        assert h.grants()[-1][0] == "s-big"
+
+    h.policy.on_readings([DeviceReading(0, [ProcessUse(os.getpid(), (), os.getpid(), 50 * MiB)])], 3.0)
+    assert not s.over_memory  # under again: the next overuse counts anew
+    h.policy.on_readings(over, 4.0)
+    assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 2
+
+
+def test_the_watcher_thread_runs_from_start_to_stop_and_wakes_the_loop(harness):
+    backend = ScriptedGpus(2)
+    h = harness(backend=backend)
+    h.add("s-one", memory_mb=100, pid=os.getpid())
+    backend.used_bytes = {os.getpid(): 300 * MiB}
+    h.policy.start()
+    assert h.wakes.wait(5)
+    h.policy.apply_readings()  # what the loop does when woken
+    assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": "warn"}) == 1
+    backend.lost.add(1)
+    wait_for(lambda: (h.policy.apply_readings(), h.lost.is_lost(1))[1])
+    assert h.events[0][:2] == ("health", 1)
+    h.policy.stop()
+
+
+def test_without_per_process_memory_no_watcher_runs(harness):
+    backend = ScriptedGpus(1)
+    backend.measures_process_memory = False
+    h = harness(backend=backend)
+    h.policy.start()
+    assert not h.wakes.wait(0.1)  # a watcher would have read (and woken the loop) every 10 ms
