@@ -238,7 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
     from nodeagent.config import ConfigError
     from nodeagent.devices import DeviceError, open_backend
     from nodeagent.runtime import AlreadyRunningError, InstanceLock, notify_systemd
-    from nodeagent.server import AgentServer
+    from nodeagent.daemon.server import AgentServer
 
     try:
         config = _config_from(args)

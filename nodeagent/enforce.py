@@ -14,7 +14,7 @@ import os
 import signal
 
 from nodeagent import procwatch
-from nodeagent.sessions import Session
+from nodeagent.daemon.sessions import Session
 
 log = logging.getLogger("nodeagent.enforce")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from nodeagent.devices import DeviceInfo
-from nodeagent.sessions import Session
+from nodeagent.daemon.sessions import Session
 
 MiB = 1 << 20
 

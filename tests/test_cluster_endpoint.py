@@ -11,13 +11,13 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from client_lib import protocol as p
-from nodeagent.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndpoint, ClusterRoute
+from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.loop import EventLoopPoller
-from nodeagent.journal_writer import JournalWriter
+from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.metrics import Metrics
 from nodeagent.procwatch import PeerCredentials
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import TokenScheduler, Workload
 
 PLACEMENT = ClusterRoute(b"placement-1")

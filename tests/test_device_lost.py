@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from client_lib import Client
 from client_lib import protocol as p
 from nodeagent.config import ServeConfig
-from nodeagent.memory_watch import LostDevices
+from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
-from nodeagent.server import AgentServer
+from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
 from tests.test_memory_watch import RecordingEvents, ScriptedGpus

@@ -501,7 +501,7 @@ def test_real_nvml_lists_a_process_with_a_context_and_the_watcher_finds_it_under
     import subprocess
     import sys
 
-    from nodeagent.memory_watch import DeviceReading, MemoryWatcher
+    from nodeagent.daemon.memory_watch import DeviceReading, MemoryWatcher
 
     try:
         backend = CudaBackend()

@@ -18,7 +18,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.devices import CpuBackend, DeviceProcess
 from nodeagent.memory import MiB
 from nodeagent.metrics import Metrics
-from nodeagent.server import AgentServer
+from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 
 

@@ -23,7 +23,7 @@ from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.devices import CpuBackend
 from nodeagent.metrics import Metrics
-from nodeagent.server import AgentServer
+from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
 from tests.test_enforce import assert_stopped, proc_state

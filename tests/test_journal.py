@@ -416,8 +416,8 @@ def test_a_model_whose_journal_write_failed_is_not_taken_as_journalled_and_is_wr
     from nodeagent.devices import CpuBackend
     from nodeagent.journal import ModelRecord
     from nodeagent.metrics import Metrics
-    from nodeagent.server import AgentServer
-    from nodeagent.serving import _Model
+    from nodeagent.daemon.server import AgentServer
+    from nodeagent.daemon.serving import _Model
 
     journal = _FlakyJournal(str(tmp_path / "state.db"))
     clock = [100.0]

@@ -15,9 +15,9 @@ from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.devices import CpuBackend, DeviceLostError, DeviceProcess
 from nodeagent.memory import MiB, ProcessUse
-from nodeagent.memory_watch import DeviceBack, DeviceLost, DeviceReading, LostDevices, MemoryPolicy
+from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading, LostDevices, MemoryPolicy
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
 from tests.conftest import wait_for
 

@@ -22,11 +22,11 @@ from nodeagent import memory, procwatch
 from nodeagent.config import ConfigError, ServeConfig
 from nodeagent.devices import CpuBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.memory import MiB, ProcessUse
-from nodeagent.memory_watch import DeviceBack, DeviceLost, DeviceReading, MemoryWatcher, context_allowance_mb
+from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading, MemoryWatcher, context_allowance_mb
 from nodeagent.metrics import Metrics
 from nodeagent.procwatch import INIT_PID_NAMESPACE, PidTranslator
-from nodeagent.server import AgentServer
-from nodeagent.sessions import Session
+from nodeagent.daemon.server import AgentServer
+from nodeagent.daemon.sessions import Session
 from sharing import Workload
 from tests.conftest import wait_for
 

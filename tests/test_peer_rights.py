@@ -296,7 +296,7 @@ os._exit(0)  # no bye: the daemon learns of it from the process's exit
 
 def test_outputs_a_client_never_reads_are_bounded_and_unlinked_when_it_exits(served):
     """Before: no bound, and the outputs of a client that exits unread stayed in /dev/shm."""
-    from nodeagent.output_segments import MAX_UNREAD
+    from nodeagent.daemon.output_segments import MAX_UNREAD
 
     result = _last_json(run_as_nobody(_NEVER_READ, served.endpoint, "mlp"))
     assert len(result["outputs"]) == MAX_UNREAD, result["refused"]

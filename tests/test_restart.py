@@ -126,7 +126,7 @@ def test_a_failing_journal_is_logged_and_never_costs_a_session(workdir, caplog):
     from nodeagent.devices import CpuBackend
     from nodeagent.journal import Journal, JournalError
     from nodeagent.metrics import Metrics
-    from nodeagent.server import AgentServer
+    from nodeagent.daemon.server import AgentServer
 
     class FullDiskJournal(Journal):
         def put_session(self, rec):
@@ -162,10 +162,10 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
 
     from nodeagent.config import ServeConfig
     from nodeagent.journal import Journal, SessionRecord
-    from nodeagent.journal_writer import JournalWriter
+    from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
-    from nodeagent.restore import Restorer
-    from nodeagent.sessions import SessionTable
+    from nodeagent.daemon.restore import Restorer
+    from nodeagent.daemon.sessions import SessionTable
     from sharing import Grant, TokenScheduler
 
     class NoMps:

@@ -256,7 +256,7 @@ def test_unverifiable_peer_may_not_register_a_model(start_daemon):
 def test_outputs_a_session_leaves_unread_are_bounded_and_unlinked_at_bye(served):
     """Outputs are made for the client, which unlinks them once read; what it never
     reads goes when its session ends, and a session may leave only so many unread."""
-    from nodeagent.output_segments import MAX_UNREAD
+    from nodeagent.daemon.output_segments import MAX_UNREAD
     from tests.rawpeer import RawPeer
 
     x = torch.randn(2, 16)

@@ -17,7 +17,7 @@ import torch
 
 from client_lib import Client, DaemonError, DaemonUnavailableError, ModelError, RequestTimeoutError
 from client_lib import protocol as p
-from nodeagent.serving import may_register
+from nodeagent.daemon.serving import may_register
 from tests import serving_models
 from tests.conftest import wait_for
 

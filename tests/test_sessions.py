@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
 from tests.conftest import wait_for
 

@@ -187,10 +187,10 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
 
     from client_lib import protocol as p
     from nodeagent.config import ServeConfig
-    from nodeagent.memory_watch import LostDevices
+    from nodeagent.daemon.memory_watch import LostDevices
     from nodeagent.metrics import Metrics
-    from nodeagent.sessions import Session, SessionTable
-    from nodeagent.suspension import Suspensions
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from nodeagent.daemon.suspension import Suspensions
     from sharing import TokenScheduler, Workload
 
     config = ServeConfig(backend="cpu")

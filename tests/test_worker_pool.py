@@ -682,7 +682,7 @@ def test_cuda_workers_share_pinned_weights_and_match_the_plain_run(loop, example
 def test_cuda_a_worker_named_by_uuid_runs_on_that_gpu_as_its_device_0(loop, examples):
     """NVML's last GPU, whatever CUDA_VISIBLE_DEVICES this process has: the worker sees only it."""
     from nodeagent.devices import CudaBackend as NvmlGpus
-    from nodeagent.worker_setup import worker_env
+    from nodeagent.daemon.worker_setup import worker_env
 
     with NvmlGpus() as gpus:
         info = gpus.device(gpus.count() - 1)

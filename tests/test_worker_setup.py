@@ -9,9 +9,10 @@ import pytest
 
 from client_lib import device_id
 from client_lib.device_id import DeviceNotVisibleError
-from nodeagent import memory, worker_setup
+from nodeagent import memory
+from nodeagent.daemon import worker_setup
 from nodeagent.devices import DeviceBackend, DeviceInfo, DeviceProcess, cuda_visible_name
-from nodeagent.server import welcome_ordinal
+from nodeagent.daemon.server import welcome_ordinal
 
 MiB = 1 << 20
 UUIDS = ["GPU-5ad0a5d2-1b4c-4f7e-9a0e-3c1d2e3f4a5b", "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"]

@@ -24,7 +24,7 @@ from typing import Callable
 from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.daemon.tokens")

@@ -1,4 +1,4 @@
-"""Server-side inference, as part of :class:`nodeagent.server.AgentServer`:
+"""Server-side inference, as part of :class:`nodeagent.daemon.server.AgentServer`:
 registered models run in the ctxpool's warm workers under the device token.
 
 Each client session that sends ``infer`` gets a serving sub-session
@@ -17,7 +17,7 @@ daemon owns, since the client may unlink its own as soon as it is answered.
 
 Workers start pointed at their GPU by UUID, with their device's MPS client
 settings on an MPS device and a budget for resident models; what they may hold
-is a standing declaration in admission (:mod:`nodeagent.worker_setup`).
+is a standing declaration in admission (:mod:`nodeagent.daemon.worker_setup`).
 
 A component (:class:`Serving`): it owns the pool, the models, the queues and
 the requests in flight, and is given in its constructor what else it may
@@ -47,15 +47,16 @@ from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, R
                               WorkerReplaced)
 from ctxpool.pool import PoolError
 from ctxpool.worker import OUTPUT_PREFIX  # outputs are na-out-<worker pid>-...
-from nodeagent import memory, output_segments, procwatch, worker_setup
+from nodeagent import memory, procwatch
+from nodeagent.daemon import output_segments, worker_setup
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.devices import DeviceInfo
 from nodeagent.journal import ModelRecord
-from nodeagent.journal_writer import JournalWriter
-from nodeagent.memory_watch import LostDevices, context_allowance_mb
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.journal_writer import JournalWriter
+from nodeagent.daemon.memory_watch import LostDevices, context_allowance_mb
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.serving")

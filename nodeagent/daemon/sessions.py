@@ -49,7 +49,7 @@ class Session:
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
     over_memory: bool = False  # flagged by the watcher; cleared when back under
-    suspend_state: str | None = None  # requested | suspended | stopped (see nodeagent.server)
+    suspend_state: str | None = None  # requested | suspended | stopped (see nodeagent.daemon.server)
     suspend_started: float = 0.0
     suspend_deadline: float = 0.0
     suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result

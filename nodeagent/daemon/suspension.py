@@ -7,7 +7,7 @@ one is continued first). ``memory.make_room = "suspend"`` starts suspensions
 to admit an inference session that would not fit.
 
 A component: it owns the suspensions under way (requested, deadline pending;
-the per-session state is on :class:`nodeagent.sessions.Session`) and is given
+the per-session state is on :class:`nodeagent.daemon.sessions.Session`) and is given
 what it may touch in its constructor. Plans to make room also read what
 admission reads (device facts, lost devices, the cluster's refusals, class caps,
 the workers' share).
@@ -21,12 +21,12 @@ from typing import Callable
 
 from client_lib import protocol as p
 from nodeagent import memory, procwatch
-from nodeagent.cluster import ClusterRoute
+from nodeagent.daemon.cluster import ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceInfo
-from nodeagent.memory_watch import LostDevices
+from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.suspension")

@@ -4,7 +4,7 @@ A journal that fails to write (disk full, I/O error) never stops the loop: the
 writer logs and counts it, publishes a ``health`` event, and marks the sessions
 it concerned stale (not durable: their clients are told) until a later write
 succeeds. Writing stale sessions again is the restorer's timer
-(:meth:`nodeagent.restore.Restorer.retry_journal`).
+(:meth:`nodeagent.daemon.restore.Restorer.retry_journal`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 
 from nodeagent.journal import Journal, SessionRecord
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session
+from nodeagent.daemon.sessions import Session
 
 log = logging.getLogger("nodeagent.restore")  # the name its log lines have always had
 

@@ -32,7 +32,7 @@ from nodeagent import memory, procwatch
 from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import SessionState, TokenScheduler
 
 log = logging.getLogger("nodeagent.memory_watch")

@@ -1,7 +1,7 @@
 """Restore after a restart: the :class:`Restorer` component.
 
 Sessions are journalled on open, close and change (never per grant; the writes
-go through :class:`nodeagent.journal_writer.JournalWriter`). A starting daemon
+go through :class:`nodeagent.daemon.journal_writer.JournalWriter`). A starting daemon
 increments the boot counter, numbers grants from ``boot << 32``, restores each
 journalled session whose process still lives, continues any the old daemon
 left stopped, and opens a restore window per device in which the client that
@@ -29,8 +29,8 @@ from nodeagent import enforce, procwatch
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
-from nodeagent.journal_writer import JournalWriter
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.journal_writer import JournalWriter
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import SchedulerPolicy, TokenScheduler, Workload
 from sharing.partition import PartitionError
 

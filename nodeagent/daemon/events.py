@@ -12,7 +12,7 @@ lost some (PUB drops for a subscriber past its high-water mark, and a late
 one misses the start); ``boot`` changes when the daemon restarts.
 
 Only the daemon's loop thread uses the publisher. Its owner is the cluster
-endpoint (:class:`nodeagent.cluster.ClusterEndpoint`), which binds the socket
+endpoint (:class:`nodeagent.daemon.cluster.ClusterEndpoint`), which binds the socket
 and holds ``None`` instead of a publisher when it is not bound; the rest of the
 daemon publishes through the endpoint's ``event``.
 """
@@ -82,7 +82,7 @@ class EventPublisher:
         wanted = self._wanted.get(kind)
         if not wanted:
             if wanted is None:
-                raise ValueError(f"unknown event kind {kind!r}; add it to nodeagent.events.KINDS")
+                raise ValueError(f"unknown event kind {kind!r}; add it to nodeagent.daemon.events.KINDS")
             return
         self.seq += 1
         event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=self._wall(), kind=kind,

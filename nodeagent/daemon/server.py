@@ -35,7 +35,7 @@ from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
 from nodeagent import enforce, memory, procwatch, runtime
-from nodeagent.cluster import ClusterEndpoint, ClusterRoute
+from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import POLLIN, EventLoopPoller
@@ -43,13 +43,13 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
-from nodeagent.journal_writer import JournalWriter
-from nodeagent.memory_watch import LostDevices, MemoryPolicy
+from nodeagent.daemon.journal_writer import JournalWriter
+from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
 from nodeagent.metrics import Metrics, SessionRow
-from nodeagent.restore import Restorer
-from nodeagent.serving import Serving
-from nodeagent.sessions import Session, SessionTable, new_session_id, new_session_key
-from nodeagent.suspension import Suspensions
+from nodeagent.daemon.restore import Restorer
+from nodeagent.daemon.serving import Serving
+from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
+from nodeagent.daemon.suspension import Suspensions
 from sharing import NotHolderError, Workload
 from sharing.partition import PartitionError
 

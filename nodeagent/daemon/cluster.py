@@ -1,8 +1,8 @@
-"""The cluster endpoint, as part of :class:`nodeagent.server.AgentServer`: the
+"""The cluster endpoint, as part of :class:`nodeagent.daemon.server.AgentServer`: the
 placement layer's view of this node and its levers.
 
 A second ROUTER on ``cluster.endpoint`` (tcp) and an XPUB socket on
-``cluster.events_endpoint`` (see :mod:`nodeagent.events`), both CURVE servers: only clients whose public key
+``cluster.events_endpoint`` (see :mod:`nodeagent.daemon.events`), both CURVE servers: only clients whose public key
 is in ``keys_dir/allowed/`` complete the handshake (pyzmq's ZAP authenticator
 thread checks it), so an unknown peer never gets a byte back. A peer that got
 in is treated as root for operator requests. Frames go through the same codec
@@ -50,10 +50,10 @@ from client_lib import protocol as p
 from nodeagent import keys, procwatch
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.loop import EventLoopPoller
-from nodeagent.events import EventPublisher
-from nodeagent.journal_writer import JournalWriter
+from nodeagent.daemon.events import EventPublisher
+from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.metrics import Metrics
-from nodeagent.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import (
     DeviceLifecycle,
     DeviceState,
@@ -350,7 +350,7 @@ class ClusterEndpoint:
             log.warning("[cluster] dropped %s to a placement peer that is gone or not reading", type(msg).__name__)
 
     def event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
-        """Publish one event (a kind of :data:`nodeagent.events.KINDS`) to whoever subscribed to
+        """Publish one event (a kind of :data:`nodeagent.daemon.events.KINDS`) to whoever subscribed to
         its kind; nothing without the events socket."""
         if self.events is not None:
             self.events.publish(kind, device, session, **data)

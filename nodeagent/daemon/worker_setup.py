@@ -1,6 +1,6 @@
 """What each device's ctxpool workers start with, and what admission holds for them.
 
-Pure functions of explicit inputs, so the daemon's wiring (:mod:`nodeagent.serving`)
+Pure functions of explicit inputs, so the daemon's wiring (:mod:`nodeagent.daemon.serving`)
 stays a few lines and the arithmetic is tested on its own:
 
 - :func:`worker_env`: the GPU a worker uses, named by UUID in
