@@ -47,6 +47,7 @@ misses = 3                  # silent for this many intervals: the session is los
 
 [local]
 max_connections = 4096      # connections to the local socket; more are refused with E_UNAVAILABLE
+max_connections_per_uid = 1024  # of them, what one user may hold (so that one user cannot take every slot)
 max_queued_kb = 4096        # a peer with more than this queued to it (not reading) is dropped
 
 [memory]
@@ -119,6 +120,7 @@ class ServeConfig:
     heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
     local_max_connections: int = 4096  # local endpoint: more are refused (E_UNAVAILABLE), never an abort
+    local_max_connections_per_uid: int = 1024  # of those, what one user may hold
     local_max_queued_kb: int = 4096  # bytes queued to a peer that does not read before it is dropped
     memory_policy: str = "warn"  # warn | revoke | stop
     memory_watch_ms: float = 1000.0
@@ -214,6 +216,9 @@ class ServeConfig:
                               f"got {self.cluster_health_interval_s}")
         if self.local_max_connections < 1:
             raise ConfigError(f"local.max_connections must be >= 1, got {self.local_max_connections}")
+        if self.local_max_connections_per_uid < 1:
+            raise ConfigError("local.max_connections_per_uid must be >= 1, "
+                              f"got {self.local_max_connections_per_uid}")
         if self.local_max_queued_kb < 64:
             raise ConfigError(f"local.max_queued_kb must be >= 64, got {self.local_max_queued_kb}")
         if self.memory_reserve_mb < 0:
@@ -269,6 +274,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
     "heartbeat.misses": ("heartbeat_misses", (int,)),
     "local.max_connections": ("local_max_connections", (int,)),
+    "local.max_connections_per_uid": ("local_max_connections_per_uid", (int,)),
     "local.max_queued_kb": ("local_max_queued_kb", (int,)),
     "memory.policy": ("memory_policy", (str,)),
     "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),

@@ -17,6 +17,7 @@ from client_lib import protocol as p
 from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
 from tests.test_hostile import rss_kb
+from tests.nonroot import nobody_daemon  # noqa: F401 - a fixture
 
 
 def _config(workdir: str, text: str) -> None:
@@ -68,6 +69,48 @@ def test_connections_over_the_limit_are_refused_with_a_reason(start_daemon, work
     for peer in peers:
         peer.close()
     wait_for(lambda: _status_answers(d.endpoint))  # room again once they closed
+
+
+def test_one_user_cannot_take_every_connection(start_daemon, workdir):
+    """Root's peers fill their per-user share and the next is refused with a reason; a slot
+    freed is a slot to take again. (Another user is still let in: the test below.)"""
+    _config(workdir, "[local]\nmax_connections_per_uid = 3\n")
+    d = start_daemon()
+    peers = [RawPeer(d.endpoint) for _ in range(3)]
+    wait_for(lambda: _answers(peers[0]))
+    extra = RawPeer(d.endpoint)
+    (frame,) = extra.recv_frames(5.0)
+    refusal = codec.decode_reply(frame)
+    assert refusal.code == ErrorCode.UNAVAILABLE and "local.max_connections_per_uid" in refusal.message
+    assert "uid 0" in refusal.message
+    extra.close()
+    peers.pop().close()
+
+    def slot_free_again() -> bool:  # the closed one's slot is counted back
+        peer = RawPeer(d.endpoint)
+        try:
+            if _answers(peer):
+                peers.append(peer)
+                return True
+        except Exception:  # refused: an E_UNAVAILABLE notice, then the connection closes
+            pass
+        peer.close()
+        return False
+    wait_for(slot_free_again)
+    for peer in peers:
+        peer.close()
+
+
+def test_another_user_connects_while_one_user_holds_its_whole_share(nobody_daemon):
+    from tests.nonroot import run_as_nobody
+    d = nobody_daemon(config="[local]\nmax_connections_per_uid = 2\n")
+    peers = [RawPeer(d.endpoint) for _ in range(2)]
+    wait_for(lambda: _answers(peers[0]))
+    done = run_as_nobody("import sys\nfrom client_lib import query_status\n"
+                         "print(len(query_status(sys.argv[1], timeout=10).devices))", d.endpoint)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+    for peer in peers:
+        peer.close()
 
 
 def _answers(peer: RawPeer) -> bool:

@@ -12,8 +12,9 @@ Everything a peer can make the daemon hold is bounded here:
 - frame size: a frame over the request limit is skipped unread and answered
   ``E_BAD_REQUEST``; a header declaring more than 16 MiB is answered and the
   connection closed (no client means that); the codec bounds nesting depth;
-- connections (``max_connections``, and whatever descriptors are left): a
-  connection over the limit gets one ``E_UNAVAILABLE`` frame and is closed, and
+- connections (``max_connections``, ``max_connections_per_uid`` so that one
+  user cannot take every slot, and whatever descriptors are left): a
+  connection over a limit gets one ``E_UNAVAILABLE`` frame and is closed, and
   running out of descriptors never aborts anything (a reserve descriptor lets
   the endpoint accept and close the connection it cannot keep);
 - bytes read per connection per wake-up, so one chatty peer cannot starve
@@ -69,7 +70,8 @@ class LocalEndpoint:
 
     def __init__(self, endpoint: str, poller: EventLoopPoller,
                  on_frame: Callable[[Peer, bytes], None], on_close: Callable[[Peer, str], None], *,
-                 max_connections: int = 4096, max_queued_bytes: int = 4 * 1024 * 1024,
+                 max_connections: int = 4096, max_connections_per_uid: int = 1024,
+                 max_queued_bytes: int = 4 * 1024 * 1024,
                  on_refused: Callable[[str], None] | None = None) -> None:
         self.endpoint = endpoint
         self._poller = poller
@@ -77,7 +79,9 @@ class LocalEndpoint:
         self._on_close = on_close
         self._on_refused = on_refused or (lambda reason: None)
         self.max_connections = max_connections
+        self.max_connections_per_uid = max_connections_per_uid
         self.max_queued_bytes = max_queued_bytes
+        self._per_uid: dict[int | None, int] = {}  # connections by the peer's uid (None: unverified, over TCP)
         self._listener: socket.socket | None = None
         self._peers: dict[int, Peer] = {}
         self._reserve_fd: int | None = None
@@ -172,9 +176,18 @@ class LocalEndpoint:
                 self._refuse(conn, f"the daemon has {len(self._peers)} connections, its limit "
                                    "(local.max_connections); close idle clients or raise it")
                 continue
+            creds = _peer_credentials(conn)
+            uid = creds.uid if creds is not None else None
+            held = self._per_uid.get(uid, 0)
+            if held >= self.max_connections_per_uid:
+                who = f"uid {uid}" if uid is not None else "unverified (TCP) peers"
+                self._refuse(conn, f"{who} already has {held} connections, the limit per user "
+                                   "(local.max_connections_per_uid); close idle clients or raise it")
+                continue
             conn.setblocking(False)
-            peer = Peer(conn, _peer_credentials(conn))
+            peer = Peer(conn, creds)
             self._peers[peer.fd] = peer
+            self._per_uid[uid] = held + 1
             self._poller.register(peer.fd, POLLIN)
 
     def _shed_one(self, exc: OSError) -> None:
@@ -293,7 +306,13 @@ class LocalEndpoint:
         if peer.closed:
             return
         peer.closed = True
-        self._peers.pop(peer.fd, None)
+        if self._peers.pop(peer.fd, None) is not None:
+            uid = peer.creds.uid if peer.creds is not None else None
+            left = self._per_uid.get(uid, 1) - 1
+            if left > 0:
+                self._per_uid[uid] = left
+            else:
+                self._per_uid.pop(uid, None)
         self._unwatch(peer.fd)
         try:
             peer.sock.close()

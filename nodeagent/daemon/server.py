@@ -177,6 +177,7 @@ class AgentServer:
         path = ipc_path(endpoint)
         local = LocalEndpoint(endpoint, self._poller, self._on_frame, self._on_disconnect,
                               max_connections=self.config.local_max_connections,
+                              max_connections_per_uid=self.config.local_max_connections_per_uid,
                               max_queued_bytes=self.config.local_max_queued_kb * 1024,
                               on_refused=lambda why: self.metrics.connections_refused.inc())
         try:
