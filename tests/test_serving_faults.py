@@ -224,3 +224,39 @@ def test_register_group_is_checked_at_start():
     for bad in ("no-such-group-here", -1, True):
         with pytest.raises(ConfigError, match="ctxpool.register_group"):
             ServeConfig(ctxpool_register_group=bad).validate()
+
+
+# ------------------------------------------------------------ bounds
+
+
+def test_a_session_may_queue_only_so_many_infer_requests(start_daemon, workdir):
+    """Before: every request a session sent waited in its queue, without limit. Past
+    MAX_QUEUED waiting, a request is refused E_UNAVAILABLE at once, and the ones queued
+    are still answered (here at their deadline)."""
+    from client_lib import serving
+    from nodeagent.daemon.serving import MAX_QUEUED
+    from tests.rawpeer import RawPeer
+
+    _config(workdir, workers_per_device=1, timeout_grace_ms=300)
+    d = start_daemon("--ctxpool", "on")
+    with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+        c.register_model("sleeps", SLEEPS, example_input=_seconds(0))
+        peer = RawPeer(d.endpoint)
+        try:
+            peer.hello(name="flood", workload="inference")
+            with serving.Packed([_seconds(1.5)], d.endpoint) as packed:
+                ids = [peer.take_id() for _ in range(MAX_QUEUED + 3)]
+                for request_id in ids:  # one running, MAX_QUEUED waiting, the rest refused
+                    peer.send(p.Infer(id=request_id, model="sleeps", inputs=packed.refs, timeout_ms=1000.0))
+                replies = {}
+                deadline = time.monotonic() + 30.0
+                while len(replies) < len(ids) and time.monotonic() < deadline:
+                    reply = peer.recv(30.0)
+                    replies[reply.id] = reply
+            refused = [r for r in replies.values() if isinstance(r, p.Error) and r.code == p.ErrorCode.UNAVAILABLE]
+            assert 1 <= len(refused) <= 2 and all("infer requests waiting" in r.message for r in refused)
+            assert len(replies) == len(ids)  # every other one answered too (E_TIMEOUT at its deadline)
+            assert all(r.code == p.ErrorCode.TIMEOUT for r in replies.values() if r not in refused)
+        finally:
+            peer.close()
+        assert torch.equal(c.infer("sleeps", _seconds(0), timeout=60), _seconds(0) * 2)

@@ -289,29 +289,27 @@ class ClusterEndpoint:
                             f"daemon is shutting down; the reclaim of device {pending.device} did not finish")
         self._reclaims.clear()
         self.events = None
-        closed = False
-        if self._router is not None:
-            self._poll_handlers.pop(self._router, None)
-            try:
-                self._poller.unregister(self._router)
-            except KeyError:
-                pass
-            self._router.close(linger=_SHUTDOWN_LINGER_MS)
-            self._router = None
-            closed = True
-        if self._events_sock is not None:
-            self._poll_handlers.pop(self._events_sock, None)
-            try:
-                self._poller.unregister(self._events_sock)
-            except KeyError:
-                pass
-            self._events_sock.close(linger=_SHUTDOWN_LINGER_MS)
-            self._events_sock = None
+        closed = self._close_socket(self._router)
+        self._router = None
+        self._close_socket(self._events_sock)
+        self._events_sock = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         if closed:
             log.info("[shutdown] step=cluster")
+
+    def _close_socket(self, sock) -> bool:
+        """Stop polling ``sock`` and close it (None: nothing to do); whether it was open."""
+        if sock is None:
+            return False
+        self._poll_handlers.pop(sock, None)
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
+        sock.close(linger=_SHUTDOWN_LINGER_MS)
+        return True
 
     # ------------------------------------------------------------------ transport
 

@@ -69,6 +69,7 @@ SessionFor = Callable[[object, int, float], Session | None]  # (route, request i
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
 MAX_TENSORS = 64
+MAX_QUEUED = 256  # infer requests one session may have waiting; more are refused E_UNAVAILABLE
 SERVE_SUFFIX = ":serve"
 EXAMPLE_PREFIX = "na-example"  # the daemon's copies of example inputs: na-example-<daemon pid>-...
 SHUTTING_DOWN = "daemon is shutting down; retry when it is back"
@@ -477,6 +478,11 @@ class Serving:
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"this session left {output_segments.MAX_UNREAD} outputs unread in shared memory; read "
                         "them (Client.infer does, then unlinks them) before asking for more")
+            return
+        if q is not None and len(q.pending) >= MAX_QUEUED:
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
+                        f"this session has {len(q.pending)} infer requests waiting, the most one session may "
+                        "queue; wait for their replies before sending more")
             return
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
