@@ -26,6 +26,13 @@ machine. ``handoff_idle_over_empty_p50`` is the median over cycles of a
 block's p50 over the p50 of the empty blocks before and after it; p99 is
 compared pooled. Goal: both within 10%.
 
+Status beside a handoff: in the first cycle, one more block runs with the N
+attached while this process asks for ``status`` ``--status-hz`` times a second (each
+lists all N), as a live view would;
+``handoff_status_p99_us`` against the idle blocks' p99
+(``handoff_status_over_idle_p99``) says whether building big statuses holds
+handoffs up (the daemon builds one a chunk of rows per loop turn).
+
 Last, with the daemon stopped, the scheduler's step time in this process at
 10, 1,000 and 10,000 waiting sessions (``sharing.bench_support``).
 """
@@ -37,6 +44,7 @@ import os
 import resource
 import socket
 import statistics
+import threading
 import time
 
 from bench import common
@@ -246,7 +254,7 @@ def run(handle: common.DaemonHandle, args) -> dict:
     counts = split(args.sessions, procs)
     loops = math.ceil((args.handoffs + 5) / 2)
     # round 0 warms up; then empty, idle, empty, ..., empty (cycles idle blocks)
-    plan = [max(100, loops // 4)] + [loops] * (2 * args.cycles + 1)
+    plan = [max(100, loops // 4)] + [loops] * (2 * args.cycles + 2)  # + one block beside statuses
     holder_gate = common.RoundGate(procs, timeout_s=_WORKER_TIMEOUT_S)
     out: dict = {"daemon_pid": pid, "holder_processes": procs, "sessions_per_process": counts,
                  "daemon_fd_limit": fd_soft_limit(pid)}
@@ -277,6 +285,10 @@ def run(handle: common.DaemonHandle, args) -> dict:
                 out.update(first_attach_s=attach_s, rss_before_kb=rss0, rss_after_kb=rss1, fds_before=fds0,
                            fds_after=fds1, idle=idle, empty=empty, status_ms=status_ms, sessions_listed=listed)
             phases.append(("idle", pair.run_round()))
+            if cycle == 0:
+                with StatusStorm(handle.endpoint, args.status_hz) as storm:
+                    phases.append(("status", pair.run_round()))
+                out["statuses_during_block"] = storm.answered
             holder_gate.run_round()  # detach
             time.sleep(_SETTLE_S)
         phases.append(("empty", pair.run_round()))
@@ -288,11 +300,38 @@ def run(handle: common.DaemonHandle, args) -> dict:
     return out
 
 
+class StatusStorm:
+    """Asks for ``status`` ``hz`` times a second from a thread until the block it wraps ends."""
+
+    def __init__(self, endpoint: str, hz: float) -> None:
+        self.endpoint = endpoint
+        self.period_s = 1.0 / hz
+        self.answered = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-storm", daemon=True)
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            common.daemon_status(self.endpoint, timeout_s=30.0)
+            self.answered += 1
+            next_at += self.period_s
+
+    def __enter__(self) -> StatusStorm:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60.0)
+
+
 def summarize(raw: dict, args, backend: str, kind: str, scheduler: dict) -> dict:
     us = 1e-3
     n = args.sessions
     empty_blocks = [b for kind_, b in raw["blocks"] if kind_ == "empty"]
     idle_blocks = [b for kind_, b in raw["blocks"] if kind_ == "idle"]
+    status_all = [h for kind_, b in raw["blocks"] if kind_ == "status" for h in b]
     empty_all = [h for b in empty_blocks for h in b]
     idle_all = [h for b in idle_blocks for h in b]
     ratios = []
@@ -352,6 +391,12 @@ def summarize(raw: dict, args, backend: str, kind: str, scheduler: dict) -> dict
         "handoff_idle_over_empty_p50": common.rounded(ratio50, 3),
         "handoff_idle_over_empty_p50_per_cycle": [common.rounded(r, 3) for r in ratios],
         "handoff_idle_over_empty_p99": common.rounded(ratio99, 3),
+        "handoff_status_p50_us": common.rounded(common.percentile(status_all, 50) * us, 1) if status_all else None,
+        "handoff_status_p99_us": common.rounded(common.percentile(status_all, 99) * us, 1) if status_all else None,
+        "handoff_status_over_idle_p99": (common.rounded(common.percentile(status_all, 99) * us / i99, 3)
+                                         if status_all and i99 else None),
+        "statuses_during_block": raw.get("statuses_during_block"),
+        "status_hz": args.status_hz,
         "handoff_samples_empty": len(empty_all),
         "handoff_samples_idle": len(idle_all),
         "unpaired_releases": raw["unpaired"],
@@ -392,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="blocks with the idle sessions attached, each between two without (default: 3)")
     ap.add_argument("--status-repeats", type=common.positive_int, default=7,
                     help="status requests timed at each size (default: 7)")
+    ap.add_argument("--status-hz", type=common.positive_float, default=20.0,
+                    help="status requests a second beside one handoff block, as a live view such as "
+                         "`nodeagent top` would ask (default: %(default)s)")
     ap.add_argument("--scheduler-samples", type=common.positive_int, default=300,
                     help="scheduler steps timed at each queue length (default: 300)")
     args = ap.parse_args(argv)

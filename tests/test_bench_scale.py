@@ -38,6 +38,9 @@ def test_scale_bench_reports_idle_cost_status_handoffs_and_scheduler_steps():
     assert r["handoff_samples_idle"] >= 200 and r["handoff_samples_empty"] >= 400  # one idle block, two empty
     assert r["handoff_idle_over_empty_p99"] == pytest.approx(
         r["handoff_idle_p99_us"] / r["handoff_empty_p99_us"], rel=0.01)
+    assert r["statuses_during_block"] >= 1 and r["handoff_status_p99_us"] > 0  # a block beside statuses
+    assert r["handoff_status_over_idle_p99"] == pytest.approx(r["handoff_status_p99_us"] / r["handoff_idle_p99_us"],
+                                                              rel=0.01)
     assert set(r["scheduler_step_us"]) == {"10", "1000", "10000"}
     assert all(v > 0 for v in r["scheduler_step_us"].values())
     assert r["scheduler"]["10000"]["waiting"] == 10000
