@@ -79,7 +79,8 @@ class AgentServer:
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
         # Every journal write goes through it: failures are counted, published, never fatal.
-        self._journal_writer = JournalWriter(journal, self.metrics, lambda **data: self._cluster.event("health", **data),
+        self._journal_writer = JournalWriter(journal, self.metrics,
+                                             lambda **data: self._cluster.event("health", **data),
                                              on_durability=self._tell_durability)
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
@@ -107,7 +108,7 @@ class AgentServer:
         self._started = clock()
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
-        self._status_jobs: collections.deque = collections.deque()  # (route, steps) being built, in order
+        self._status_jobs: collections.deque = collections.deque()  # (route, request id, steps) in order
         # MPS control daemons and SM shares (a component: what it may touch is in its constructor).
         self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
@@ -135,8 +136,8 @@ class AgentServer:
             end_slice=self._tokens.end_slice, session_for=self._session_for,
             request_token=self._memory_policy.request_token,
             event=lambda *a, **k: self._cluster.event(*a, **k),
-            suspend_finished=lambda s, outcome, elapsed_ms, now: self._cluster.suspend_finished(s, outcome, elapsed_ms, now),
-            admission_refusal=lambda device, workload, borrower: self._cluster.admission_refusal(device, workload, borrower),
+            suspend_finished=lambda *a: self._cluster.suspend_finished(*a),  # (session, outcome, elapsed_ms, now)
+            admission_refusal=lambda *a: self._cluster.admission_refusal(*a),  # (device, workload, borrower)
             class_cap_problem=self._class_cap_problem, workers_share=self._serving.workers_share)
         # Restore after a restart, the restore windows, and writing stale sessions again (a component).
         self._restorer = Restorer(
