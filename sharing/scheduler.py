@@ -17,7 +17,11 @@ Policy, in order of precedence:
 * a quantum per class: when it ends and a session of the same class waits, the
   holder is asked to yield; when a higher class waits, it is asked at once;
 * a grace period after the ask, then one ``Enforce``. What enforcement means
-  (revoke, SIGSTOP) is the daemon's decision, not the scheduler's.
+  (revoke, SIGSTOP) is the daemon's decision, not the scheduler's;
+* a successor promised in advance (``bind_successor``) gets the token when the
+  holder's slice ends, however it ends, ahead of everything above: a holder told
+  who is next may wake it directly (the one-hop handoff), so no one else may
+  be granted until the daemon withdraws the promise (``unbind_successor``).
 
 Each call costs O(log n) in the sessions waiting (amortised; a line per class
 in :mod:`sharing.fairqueue`); ``tick``, ``next_deadline`` and ``wanted_by`` are
@@ -310,6 +314,7 @@ class TokenScheduler:
         "_enforced",
         "_next_grant",
         "_last_now",
+        "_successor",
     )
 
     def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1) -> None:
@@ -332,6 +337,9 @@ class TokenScheduler:
         self._enforced = False
         self._next_grant = first_grant
         self._last_now = -math.inf
+        # A waiter promised the token when the holder's slice ends, however it ends
+        # (see bind_successor); None: the usual order decides.
+        self._successor: _Session | None = None
 
     @property
     def device(self) -> int:
@@ -377,6 +385,8 @@ class TokenScheduler:
         s = self._get(session)
         self._advance(now)
         del self._sessions[session]
+        if s is self._successor:
+            self._successor = None
         if s.state is SessionState.WAITING:
             self._queues[s.workload].discard(session)
         elif s is self._holder:
@@ -415,6 +425,8 @@ class TokenScheduler:
             s.state = SessionState.IDLE
             s.waiting_since = None
             s.view = None
+            if s is self._successor:
+                self._successor = None
         return []
 
     def release(self, session: str, grant: int, now: float, requeue: bool = False) -> list[Action]:
@@ -471,6 +483,45 @@ class TokenScheduler:
         if self._holder is not None:
             self._slice_end = self._granted_at + self._quantum_s[self._holder.workload]
         return self.tick(now)
+
+    def successor(self) -> str | None:
+        """Who gets the token next if it were free now: the bound successor if there
+        is one, else the first in line (highest class, then fair order); None if
+        nobody waits. A holder that releases with ``requeue`` re-enters the line
+        first and may come before it."""
+        if self._successor is not None:
+            return self._successor.id
+        for line in self._queues:
+            first = line.first()
+            if first is not None:
+                return first.id
+        return None
+
+    def bind_successor(self, session: str) -> int:
+        """Promise the token to the waiter ``session`` when the holder's slice ends,
+        however it ends (release, revoke, preempt, the holder leaving), ahead of the
+        usual order; returns the grant id it will get. For a handoff the holder makes
+        itself: once told who is next it may wake that session directly, so until
+        :meth:`unbind_successor` (the daemon knows the holder saw the change) no one
+        else may be granted. The promise lapses if the session stops waiting."""
+        s = self._get(session)
+        if self._holder is None:
+            raise SchedulerError(f"device {self._device} has no holder to succeed")
+        if s.state is not SessionState.WAITING:
+            raise SchedulerError(f"session {session!r} is {s.state.value}, not waiting: it cannot be promised "
+                                 "the token")
+        if self._successor is not None and self._successor is not s:
+            raise SchedulerError(f"session {self._successor.id!r} is already promised the token of device "
+                                 f"{self._device}; unbind it first")
+        self._successor = s
+        return self._next_grant
+
+    def unbind_successor(self) -> None:
+        """Withdraw the promise of :meth:`bind_successor`; the usual order decides again."""
+        self._successor = None
+
+    def bound_successor(self) -> str | None:
+        return self._successor.id if self._successor is not None else None
 
     def tick(self, now: float) -> list[Action]:
         """Emit what time alone makes due: a quantum or preemption ask, or one Enforce."""
@@ -616,13 +667,19 @@ class TokenScheduler:
         self._queues[s.workload].push(s.vtime_s, waiting_since, s.id, s)
 
     def _grant_next(self, now: float, actions: list[Action]) -> list[Action]:
-        """Give the free token to the first in line (highest class, then fair order)."""
-        for line in self._queues:
-            if line:
-                break
+        """Give the free token to the bound successor, else to the first in line
+        (highest class, then fair order)."""
+        s = self._successor
+        self._successor = None  # a promise covers one slice's end
+        if s is not None and s.state is SessionState.WAITING:
+            self._queues[s.workload].discard(s.id)
         else:
-            return actions
-        s = line.pop_first()
+            for line in self._queues:
+                if line:
+                    break
+            else:
+                return actions
+            s = line.pop_first()
         grant = self._next_grant
         self._next_grant += 1
         waited_s = float(now - s.waiting_since)  # type: ignore[operator]  # WAITING has a time

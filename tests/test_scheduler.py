@@ -818,3 +818,89 @@ def test_a_request_held_back_by_the_caller_keeps_its_wait_and_gets_no_clamp():
     with pytest.raises(ValueError):
         s.request("late", 0.06, waiting_since=0.07)  # cannot have waited since the future
     assert s.state("late") is SessionState.IDLE
+
+
+# ---------------------------------------------------------------- a successor promised in advance
+# The groundwork of the one-hop handoff (docs/architecture.md, "Not built yet"): a holder told
+# who is next may wake that session itself, so from then on the token can go to no one else.
+
+
+def _holding_with_waiters():
+    s = make(("a", TRAIN, 1.0), ("b", TRAIN, 1.0), ("c", TRAIN, 1.0), ("i", INFER, 1.0))
+    [grant_a] = s.request("a", 0.0)
+    assert s.request("b", 0.01) == [] and s.request("c", 0.02) == []
+    return s, grant_a
+
+
+def test_successor_names_who_a_release_would_grant():
+    s, grant_a = _holding_with_waiters()
+    assert s.successor() == "b"
+    [grant] = s.release("a", grant_a.grant, 0.05)
+    assert grant.session == "b" and s.successor() == "c"
+
+
+def test_a_bound_successor_gets_the_token_with_the_grant_id_it_was_promised_even_past_a_higher_class():
+    s, grant_a = _holding_with_waiters()
+    promised = s.bind_successor("c")  # not first in line: the daemon chooses
+    assert s.bound_successor() == "c" and s.successor() == "c"
+    [ask] = s.request("i", 0.03)  # inference arrives after the promise: the holder is asked at once
+    assert isinstance(ask, AskYield) and ask.reason == "preempted"
+    [grant] = s.release("a", grant_a.grant, 0.04)
+    assert grant == Grant("c", promised, grant.slice_ms, grant.waited_s)
+    assert s.bound_successor() is None  # a promise covers one slice's end
+    assert s.successor() == "i"  # then the usual order: inference first
+    [ask] = s.tick(0.04)
+    assert isinstance(ask, AskYield) and ask.session == "c" and ask.reason == "preempted"
+
+
+@pytest.mark.parametrize("end", ["revoke", "preempt", "remove"])
+def test_every_end_of_the_holders_slice_honours_the_promise(end):
+    s, grant_a = _holding_with_waiters()
+    s.bind_successor("c")
+    if end == "revoke":
+        actions = s.revoke("a", 0.05, "overrun")
+    elif end == "preempt":
+        actions = s.preempt("a", 0.05)
+    else:
+        actions = s.remove_session("a", 0.05)
+    grants = [a for a in actions if isinstance(a, Grant)]
+    assert [g.session for g in grants] == ["c"]
+
+
+@pytest.mark.parametrize("gone", ["cancel", "remove"])
+def test_the_promise_lapses_when_the_successor_stops_waiting(gone):
+    s, grant_a = _holding_with_waiters()
+    s.bind_successor("c")
+    if gone == "cancel":
+        s.cancel("c", 0.03)
+    else:
+        s.remove_session("c", 0.03)
+    assert s.bound_successor() is None
+    [grant] = s.release("a", grant_a.grant, 0.05)
+    assert grant.session == "b"
+
+
+def test_unbinding_gives_the_choice_back_to_the_usual_order():
+    s, grant_a = _holding_with_waiters()
+    s.bind_successor("c")
+    s.unbind_successor()
+    [grant] = s.release("a", grant_a.grant, 0.05)
+    assert grant.session == "b"
+
+
+def test_only_a_waiter_can_be_promised_and_only_one_at_a_time():
+    s = make(("a", TRAIN, 1.0), ("b", TRAIN, 1.0), ("c", TRAIN, 1.0))
+    with pytest.raises(SchedulerError, match="no holder"):
+        s.bind_successor("b")
+    [grant_a] = s.request("a", 0.0)
+    with pytest.raises(SchedulerError, match="not waiting"):
+        s.bind_successor("b")  # idle
+    with pytest.raises(SchedulerError, match="not waiting"):
+        s.bind_successor("a")  # the holder itself
+    s.request("b", 0.01)
+    s.request("c", 0.02)
+    assert s.bind_successor("b") == s.bind_successor("b")  # the same promise again: the same id
+    with pytest.raises(SchedulerError, match="already promised"):
+        s.bind_successor("c")
+    with pytest.raises(UnknownSessionError):
+        s.bind_successor("nobody")
