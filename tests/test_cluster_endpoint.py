@@ -15,6 +15,7 @@ from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndp
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.journal_writer import JournalWriter
+from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
 from nodeagent.procwatch import PeerCredentials
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -51,6 +52,7 @@ def endpoint():
     metrics = Metrics(CollectorRegistry())
     poller = EventLoopPoller()
     context = zmq.Context()
+    lost = LostDevices()
 
     def begin_suspend(s: Session, deadline_ms: float, now: float, reason: str) -> None:
         rec.suspends.append((s.id, deadline_ms, reason))
@@ -65,8 +67,9 @@ def endpoint():
         bad=lambda route, rid, message: None, dispatch=lambda *args, **kwargs: None, status=lambda now: None,
         apply=lambda actions, now, handoff_from=None: None, end_slice=lambda s, now: None,
         begin_suspend=begin_suspend, suspending=lambda s: any(s.id == sid for sid, _, _ in rec.suspends),
-        wake=lambda: None)
+        wake=lambda: None, lost_devices=lost)
     cluster.events = rec
+    cluster.test_lost_devices = lost  # the table the test marks devices lost in
     yield cluster, rec, sessions, schedulers
     cluster.close()
     sessions.close()
@@ -140,3 +143,18 @@ def test_operations_need_root_locally_and_a_reclaim_under_way_is_answered_at_clo
     assert answer.id == 3 and answer.code == p.ErrorCode.SHUTTING_DOWN
     assert cluster.events is None  # nothing is published after close
     cluster.event("health", devices=2)  # and publishing then is a no-op, not an error
+
+
+def test_a_lost_device_is_not_lent(endpoint):
+    """Before: a device NVML reported lost was lent like any other, and the borrower's
+    workers then could not start there. Now: E_DEVICE saying why, nothing moves."""
+    cluster, rec, sessions, schedulers = endpoint
+    cluster.test_lost_devices.lose(0, "GPU has fallen off the bus")
+    cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a"), None, 0.0)
+    [refusal] = rec.to(PLACEMENT)
+    assert isinstance(refusal, p.Error) and refusal.code == p.ErrorCode.DEVICE and refusal.id == 1
+    assert "fallen off the bus" in refusal.message and rec.of("lend") == []
+    assert "FREE" in cluster.admission_refusal(0, "training", "job-a")  # not lent: the borrower is not let in
+    cluster.test_lost_devices.back(0)
+    cluster.on_lend(PLACEMENT, p.Lend(id=2, device=0, borrower="job-a"), None, 1.0)
+    assert rec.to(PLACEMENT)[-1] == p.LifecycleReply(id=2, device=0, state="LENT", borrower="job-a", changed=True)

@@ -52,6 +52,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
+from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import (
@@ -133,13 +134,15 @@ class ClusterEndpoint:
                  clock: Callable[[], float], started: float, boot: Callable[[], int],
                  send: Send, error: Error, bad: Bad, dispatch: Dispatch, status: Callable[[float], p.StatusReply],
                  apply: Apply, end_slice: Callable[[Session, float], None], begin_suspend: BeginSuspend,
-                 suspending: Callable[[Session], bool], wake: Callable[[], None]) -> None:
+                 suspending: Callable[[Session], bool], wake: Callable[[], None],
+                 lost_devices: LostDevices) -> None:
         """``poll_handlers``: the loop's readable-target table, where the sockets go once
         bound; ``journal``: operators' changes are written through it, and restored from
         its ``journal``; ``handlers``: the daemon's request table, of which the cluster
         endpoint also serves :data:`SHARED_OPS`; ``boot``: the incarnation (known once
         the journal is restored); ``suspending(s)``: whether a suspension of ``s`` is
-        under way with its deadline pending; ``wake``: wake the loop (signal-safe)."""
+        under way with its deadline pending; ``wake``: wake the loop (signal-safe);
+        ``lost_devices``: GPUs NVML reports lost, which are not lent."""
         self._config = config
         self._ctx = context
         self._poller = poller
@@ -161,6 +164,7 @@ class ClusterEndpoint:
         self._begin_suspend = begin_suspend
         self._suspending = suspending
         self._wake = wake
+        self._lost_devices = lost_devices
         count = len(schedulers)
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
@@ -480,6 +484,10 @@ class ClusterEndpoint:
             return
         if not msg.borrower.strip() or len(msg.borrower) > MAX_BORROWER_CHARS:
             self._error(route, msg.id, p.ErrorCode.INVALID, f"borrower must be 1..{MAX_BORROWER_CHARS} characters")
+            return
+        lost = self._lost_devices.refusal(msg.device)
+        if lost is not None:  # a borrower's workers could not run there
+            self._error(route, msg.id, p.ErrorCode.DEVICE, lost)
             return
         try:
             moved = life.lend(msg.borrower, now, msg.max_s)

@@ -170,7 +170,8 @@ class AgentServer:
             journal=self._journal_writer, handlers=self._handlers, clock=clock, started=self._started,
             boot=lambda: self.boot, send=self._send, error=self._error, bad=self._bad, dispatch=self._dispatch,
             status=self.status, apply=self._tokens.apply, end_slice=self._tokens.end_slice,
-            begin_suspend=self._suspensions.begin, suspending=self._suspensions.under_way, wake=self._wake)
+            begin_suspend=self._suspensions.begin, suspending=self._suspensions.under_way, wake=self._wake,
+            lost_devices=self._lost_devices)
         self._handlers.update({p.Inventory: self._cluster.on_inventory, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy})
