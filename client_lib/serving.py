@@ -44,7 +44,8 @@ class Packed:
 
     def __init__(self, values: Sequence[Any], endpoint: str) -> None:
         group = tensors.share_group(ipc_path(endpoint))
-        self.segment, self.refs = tensors.pack(values, prefix="na-in", group=group)
+        # Reserved: on a full /dev/shm, SharedMemoryFull now rather than SIGBUS while copying.
+        self.segment, self.refs = tensors.pack(values, prefix="na-in", group=group, reserve=True)
 
     def __enter__(self) -> "Packed":
         return self

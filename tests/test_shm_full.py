@@ -78,3 +78,25 @@ def test_the_preparer_refuses_weights_that_do_not_fit_a_tiny_dev_shm_instead_of_
     weights = 2 * (1024 * 1024 + 1024) * 4  # two weights and two biases, each 512-byte aligned already
     assert f"needs {weights} bytes" in refused and "/dev/shm has" in refused and "--shm-size" in refused
     assert left == "left []"  # the failed segment is gone
+
+
+_PACK_INPUTS_IN_A_TINY_SHM = r"""
+import os, torch
+from client_lib import serving, tensors
+try:
+    with serving.Packed([torch.zeros(1 << 20)], "ipc:///tmp/na-none.sock"):  # 4 MiB of inputs
+        print("packed")
+except tensors.SharedMemoryFull as exc:
+    print("refused", exc)
+print("left", sorted(os.listdir("/dev/shm")))
+"""
+
+
+def test_a_clients_inputs_that_do_not_fit_a_tiny_dev_shm_are_refused_instead_of_killing_it():
+    """Before: the input segment was sparse, and copying the inputs into it killed the
+    client with SIGBUS. Now it is reserved first: SharedMemoryFull, naming the size."""
+    run = run_with_private_dev_shm("1m", _PACK_INPUTS_IN_A_TINY_SHM, timeout=120)
+    assert run.returncode == 0, f"the client died (status {run.returncode}):\n{run.stderr[-2000:]}"
+    refused, left = run.stdout.splitlines()[-2:]
+    assert refused.startswith("refused") and f"needs {4 << 20} bytes" in refused, run.stdout
+    assert left == "left []"
