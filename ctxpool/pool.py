@@ -28,7 +28,11 @@ dead workers are not replaced. Deaths that say nothing about the device do not
 count: a worker killed because a request ran past its deadline plus
 ``timeout_grace_s`` (a hung model holds a worker no longer than that), and a
 worker that a registration's own code (factory, weights, example input) ended,
-which fails that registration only (E_MODEL).
+which fails that registration only (E_MODEL). A model whose requests hang is
+held to a budget of its own instead (``hang_budget``: hangs per window): past
+it, its requests are refused (E_MODEL) until the window has passed or it is
+registered again, so a client calling a hanging model in a loop cannot keep
+the device's workers restarting.
 
 Not thread-safe: one owner (the daemon loop thread, which must also be the thread
 that lives as long as the workers: they die with it through PR_SET_PDEATHSIG).
@@ -131,6 +135,7 @@ class _Model:
     model_bytes: int = 0
     layers: int = 0
     groups: int = 0
+    hangs: collections.deque = field(default_factory=collections.deque)  # when its requests' workers were killed
 
     def info(self, resident: list[int]) -> p.ModelInfo:
         return p.ModelInfo(name=self.spec.name, factory=self.spec.factory, weights=self.spec.weights,
@@ -145,6 +150,7 @@ class WorkerPool:
                  memory_budget_bytes: Optional[int] = None, restart_budget: tuple[int, float] = (5, 60.0),
                  extra_sys_path: Sequence[str] = (), output_group: Optional[int] = None,
                  start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
+                 hang_budget: tuple[int, float] = (3, 600.0),
                  on_fds_changed: Optional[Callable[[list[int], list[int]], None]] = None,
                  device_setup: Optional[Callable[[int], WorkerSetup]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -159,6 +165,8 @@ class WorkerPool:
             raise ValueError("a worker pool needs at least one device")
         if not timeout_grace_s >= 0:
             raise ValueError(f"timeout_grace_s must be >= 0, got {timeout_grace_s}")
+        if hang_budget[0] < 1 or not hang_budget[1] > 0:
+            raise ValueError(f"hang_budget must be (hangs >= 1, window_s > 0), got {hang_budget}")
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.cleanup)
         self.backend = backend
@@ -171,6 +179,7 @@ class WorkerPool:
         self.output_group = output_group
         self.start_timeout_s = start_timeout_s
         self.timeout_grace_s = timeout_grace_s
+        self.hang_budget = hang_budget
         self._on_fds_changed = on_fds_changed
         self._device_setup = device_setup
         self._clock = clock
@@ -264,6 +273,9 @@ class WorkerPool:
             if request is not None and request.kill_at is not None and now >= request.kill_at:
                 self._kill(worker, f"still running request {request.request_id} {self.timeout_grace_s:g} s after "
                                    "its timeout (the model hangs or is too slow for the timeout given)", counts=False)
+                model = self._models.get(request.model)
+                if model is not None:
+                    model.hangs.append(now)
             elif (worker.state is WorkerState.STARTING and not worker.ready and not worker.killed_for
                     and now - worker.started_at >= self.start_timeout_s):
                 self._kill(worker, f"not ready within start_timeout_s={self.start_timeout_s:g} s "
@@ -389,6 +401,15 @@ class WorkerPool:
         if device not in registered.devices:
             raise PoolError(E.NO_MODEL, f"model {model!r} is registered on devices {registered.devices}, "
                                         f"not on {device}")
+        hangs, window_s = self.hang_budget
+        now = self._clock()
+        while registered.hangs and now - registered.hangs[0] >= window_s:
+            registered.hangs.popleft()
+        if len(registered.hangs) >= hangs:
+            again_s = registered.hangs[0] + window_s - now
+            raise PoolError(E.MODEL, f"model {model!r} hung {len(registered.hangs)} times in the last "
+                                     f"{window_s:g} s (its requests ran past their timeout and their workers were "
+                                     f"replaced); it is refused for {again_s:.0f} s more, or until registered again")
         if not any(self._can_serve(w, model) for w in self._live(device)):
             raise PoolError(E.UNAVAILABLE, f"no worker on device {device} can run {model!r}: "
                                            f"{self._unavailable(device)}")

@@ -80,6 +80,7 @@ resident_mb = "auto"        # device memory each worker may keep models resident
                             # workers (nodeagent.memory.auto_resident_mb); 0: no bound, not held
 python_path = []            # directories workers add to sys.path to import model factories
 restart_budget = 5          # worker deaths per device in 60 s before it stops replacing them
+hang_budget = 3             # a model's requests hanging (worker replaced) this often in 10 min: refused for a while
 timeout_grace_ms = 2000.0   # a worker still running a request this long after its timeout is replaced
 register_group = ""         # group (name or gid) whose members may register models; "": root only
 
@@ -139,6 +140,7 @@ class ServeConfig:
     ctxpool_resident_mb: int | str = "auto"  # "auto" (memory.auto_resident_mb) | MiB per worker | 0: no bound
     ctxpool_python_path: list[str] = field(default_factory=list)
     ctxpool_restart_budget: int = 5
+    ctxpool_hang_budget: int = 3  # hangs of one model in 10 minutes before its requests are refused
     ctxpool_timeout_grace_ms: float = 2000.0  # past a request's timeout, before its worker is replaced
     ctxpool_register_group: str | int = ""  # name or gid of the group that may register models; "": root only
     cluster_endpoint: str | None = None  # None: no cluster endpoint (and no events socket)
@@ -189,7 +191,8 @@ class ServeConfig:
             raise ConfigError(f"ctxpool.enabled must be auto, on or off, got {self.ctxpool_enabled!r}")
         for name, value, low in (("ctxpool.workers_per_device", self.ctxpool_workers_per_device, 1),
                                  ("ctxpool.pool_mb", self.ctxpool_pool_mb, 0),
-                                 ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0)):
+                                 ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0),
+                                 ("ctxpool.hang_budget", self.ctxpool_hang_budget, 1)):
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
         resident = self.ctxpool_resident_mb
@@ -294,6 +297,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "ctxpool.resident_mb": ("ctxpool_resident_mb", (int, str)),
     "ctxpool.python_path": ("ctxpool_python_path", (list,)),
     "ctxpool.restart_budget": ("ctxpool_restart_budget", (int,)),
+    "ctxpool.hang_budget": ("ctxpool_hang_budget", (int,)),
     "ctxpool.timeout_grace_ms": ("ctxpool_timeout_grace_ms", (int, float)),
     "ctxpool.register_group": ("ctxpool_register_group", (str, int)),
     "cluster.endpoint": ("cluster_endpoint", (str,)),

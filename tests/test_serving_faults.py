@@ -260,3 +260,28 @@ def test_a_session_may_queue_only_so_many_infer_requests(start_daemon, workdir):
         finally:
             peer.close()
         assert torch.equal(c.infer("sleeps", _seconds(0), timeout=60), _seconds(0) * 2)
+
+
+def test_a_model_that_keeps_hanging_is_refused_for_a_while_and_the_device_serves_on(start_daemon, workdir):
+    """Before: every hang replaced the worker without counting, so a client calling a hanging
+    model in a loop kept the device's workers restarting for ever. Past ctxpool.hang_budget
+    hangs of one model, its requests are refused at once (E_MODEL); other models serve on."""
+    _config(workdir, workers_per_device=1, timeout_grace_ms=200, hang_budget=2)
+    d = start_daemon("--ctxpool", "on")
+    with Client("svc", workload="inference", endpoint=d.endpoint) as c:
+        c.register_model("sleeps", SLEEPS, example_input=_seconds(0))
+        c.register_model("mlp", "tests.serving_models:small_mlp", example_input=torch.randn(2, 16))
+        for _ in range(2):
+            with pytest.raises(RequestTimeoutError):
+                c.infer("sleeps", _seconds(HANG_S), timeout=0.5)
+            # The replacement worker serves the next request (the restart budget is untouched).
+            one = torch.ones(1, 16)
+            assert torch.equal(c.infer("mlp", one, timeout=60), serving_models.small_mlp()(one))
+        started = time.monotonic()
+        with pytest.raises(ModelError) as err:
+            c.infer("sleeps", _seconds(0), timeout=30)
+        assert time.monotonic() - started < 1.0  # refused at once, no worker touched
+        assert err.value.code == p.ErrorCode.MODEL and "hung 2 times" in str(err.value)
+        assert "until registered again" in str(err.value)
+        x = torch.randn(2, 16)
+        assert torch.equal(c.infer("mlp", x, timeout=60), serving_models.small_mlp()(x))

@@ -205,7 +205,8 @@ class Serving:
             workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
             restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
             output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed,
-            timeout_grace_s=cfg.ctxpool_timeout_grace_ms / 1000.0, device_setup=self._worker_setup,
+            timeout_grace_s=cfg.ctxpool_timeout_grace_ms / 1000.0, hang_budget=(cfg.ctxpool_hang_budget, 600.0),
+            device_setup=self._worker_setup,
             clock=self._clock)
         self._pool.start()
         self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
