@@ -162,7 +162,7 @@ class HostBuffer:
         # registration does (torch's is_pinned() asks about a tensor's storage, not its data).
         raw = (torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
                if size else torch.empty(0, dtype=torch.uint8))
-        offset, ptr = 0, raw.data_ptr()
+        ptr = raw.data_ptr()
         pinned = False
         if pin and size > 0:
             cudart = self._cudart if self._cudart is not None else torch.cuda.cudart()
@@ -176,8 +176,8 @@ class HostBuffer:
                             "memory instead (slower copies): raise the locked-memory limit (ulimit -l)",
                             size, _error_string(cudart, rc))
         if not pinned and prefault:
-            raw[offset:offset + size].zero_()  # fault the pages in now, not inside a suspend deadline
-        self._view = raw[offset:offset + nbytes]
+            raw.zero_()  # fault the pages in now, not inside a suspend deadline
+        self._view = raw[:nbytes]
         self._pinned = pinned
         self._pin_failed = pin and not pinned
         log.debug("[park] host buffer bytes=%d pinned=%s", nbytes, pinned)
