@@ -106,6 +106,10 @@ def test_another_user_connects_while_one_user_holds_its_whole_share(nobody_daemo
     d = nobody_daemon(config="[local]\nmax_connections_per_uid = 2\n")
     peers = [RawPeer(d.endpoint) for _ in range(2)]
     wait_for(lambda: _answers(peers[0]))
+    extra = RawPeer(d.endpoint)  # root's share is full: the limit is on
+    (frame,) = extra.recv_frames(5.0)
+    assert "local.max_connections_per_uid" in codec.decode_reply(frame).message
+    extra.close()
     done = run_as_nobody("import sys\nfrom client_lib import query_status\n"
                          "print(len(query_status(sys.argv[1], timeout=10).devices))", d.endpoint)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
