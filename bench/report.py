@@ -1,0 +1,419 @@
+"""Render a folder of benchmark results into one page of figures for a ticket.
+
+Every *.json under DIR (recursively) is read and recognised by its content: a
+benchmark's --json output ("benchmark": "switch", ...) and what
+scripts/gpu-check.sh writes beside them (summary.json, env.json,
+mps_30_70.json). OUT gets report.png (every figure on one page),
+report-<kind>.png (one figure per benchmark kind) and report.html: the same
+figures embedded as data: URIs, so that the one file can be attached to a
+ticket, under a header naming the device, host and date found in the results
+and a table of their headline ratios.
+
+A JSON file that is no known result is listed as not rendered; a file that is
+not JSON at all is named in one line on stderr and skipped. Results that
+summary.json repeats from files beside it are drawn once. Needs matplotlib:
+pip install 'nodeagent[plot]'.
+
+example: python -m bench.report bench/results/h100-80gb-hbm3-2026-11-23 --out /tmp/report
+
+exit status: 0 a page was written; 1 nothing under DIR could be drawn
+(report.html still lists what was found); 2 bad arguments or no matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import html
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.report_figures import FIGURES, GPU_CHECK, MPS, Result, as_dict, draw_all, fmt, num, ratio, short
+
+INSTALL_HINT = "bench.report needs matplotlib: pip install 'nodeagent[plot]' (or 'matplotlib>=3.7,<4')"
+MAX_FILE_BYTES = 32 * 1024 * 1024  # a benchmark's JSON is kilobytes; anything this big is something else
+MAX_PER_KIND = 8  # results drawn in one kind's figure
+BENCHMARKS = ("switch", "suspend", "reclaim", "handoff", "scale", "fairness", "preempt", "enforce", "recovery")
+ENVIRONMENT = "environment"  # gpu-check's env.json: read for the header, no figure of its own
+_DATE = re.compile(r"(?<!\d)(20\d\d-[01]\d-[0-3]\d)(?!\d)")
+
+
+def log(message: str) -> None:
+    print(f"[report] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ collection
+
+
+@dataclass
+class Skipped:
+    source: str
+    reason: str
+
+
+@dataclass
+class Collection:
+    results: list[Result] = field(default_factory=list)
+    context: list[Result] = field(default_factory=list)  # env.json: header only
+    not_rendered: list[Skipped] = field(default_factory=list)
+    malformed: list[Skipped] = field(default_factory=list)
+    repeated: list[Skipped] = field(default_factory=list)  # summary.json's copies of files beside it
+    files: int = 0
+
+    def by_kind(self) -> dict[str, list[Result]]:
+        kinds: dict[str, list[Result]] = {}
+        for kind in FIGURES:
+            found = [r for r in self.results if r.kind == kind]
+            if found:
+                kinds[kind] = found
+        return kinds
+
+
+def classify(data) -> str | None:
+    """The kind of result a JSON value is, from its content; None when unknown."""
+    if not isinstance(data, dict):
+        return None
+    if data.get("benchmark") in BENCHMARKS:
+        return data["benchmark"]
+    if isinstance(data.get("steps"), list) and isinstance(data.get("results"), dict):
+        return GPU_CHECK
+    if num(data.get("throughput_ratio")) is not None and isinstance(data.get("matmuls"), dict):
+        return MPS
+    if "kernel" in data and "python" in data and ("torch" in data or "nvml" in data):
+        return ENVIRONMENT
+    return None
+
+
+def _unknown_reason(data) -> str:
+    if isinstance(data, dict) and isinstance(data.get("benchmark"), str):
+        return f"benchmark {data['benchmark']!r} has no figure"
+    if isinstance(data, dict):
+        return "not a result bench.report knows (no known 'benchmark' field)"
+    return f"a JSON {type(data).__name__}, not an object"
+
+
+def _json_files(root: Path) -> list[Path]:
+    found = []
+    for folder, dirs, names in os.walk(root):  # symlinked folders are not followed
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [Path(folder, n) for n in sorted(names) if n.endswith(".json") and os.path.isfile(Path(folder, n))]
+    return found
+
+
+def collect(root: Path) -> Collection:
+    """Read every JSON file under ``root``, sorted into results, header context and what was skipped."""
+    out = Collection()
+    carried: list[tuple[str, dict]] = []  # results inside a gpu-check summary
+    for path in _json_files(root):
+        out.files += 1
+        source = path.relative_to(root).as_posix()
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise ValueError(f"{path.stat().st_size} bytes, larger than any benchmark result")
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            log(f"skipped {source}: not readable JSON ({reason})")
+            out.malformed.append(Skipped(source, reason))
+            continue
+        kind = classify(data)
+        if kind == ENVIRONMENT:
+            out.context.append(Result(kind, source, data))
+        elif kind is None:
+            out.not_rendered.append(Skipped(source, _unknown_reason(data)))
+        else:
+            out.results.append(Result(kind, source, data))
+            if kind == GPU_CHECK:
+                carried += [(f"{source}#results.{name}", value) for name, value in data["results"].items()]
+    seen = {_canonical(r.data): r.source for r in out.results}
+    for source, value in carried:
+        kind = classify(value)
+        if kind is None or kind in (ENVIRONMENT, GPU_CHECK):
+            continue  # a step that wrote nothing
+        if _canonical(value) in seen:
+            out.repeated.append(Skipped(source, f"the same result as {seen[_canonical(value)]}, drawn once"))
+            continue
+        out.results.append(Result(kind, source, value))
+    return out
+
+
+def _canonical(data) -> str:
+    return json.dumps(data, sort_keys=True)
+
+
+# ------------------------------------------------------------------ header and headline ratios
+
+
+def describe(collection: Collection, root: Path) -> dict[str, str]:
+    """Device, host and date as the results record them (each says so when they do not)."""
+    everything = collection.context + collection.results
+    devices: list[str] = []
+    host: dict[str, str] = {}
+    dates: list[str] = []
+    for r in everything:
+        d = r.data
+        env = as_dict(d.get("environment")) if r.kind == GPU_CHECK else d if r.kind == ENVIRONMENT else {}
+        torch_info = as_dict(env.get("torch"))
+        for name in (d.get("device"), torch_info.get("device") if torch_info.get("available") else None):
+            if isinstance(name, str) and name and short(name, 80) not in devices and len(devices) < 4:
+                devices.append(short(name, 80))
+        for key, value in (("host", d.get("hostname") or env.get("hostname")), ("kernel", env.get("kernel")),
+                           ("python", d.get("python") or env.get("python")),
+                           ("torch", d.get("torch") if isinstance(d.get("torch"), str) else torch_info.get("version")),
+                           ("driver", as_dict(env.get("nvml")).get("driver")), ("cores", d.get("cpu_count"))):
+            if isinstance(value, (str, int)) and not isinstance(value, bool) and key not in host:
+                host[key] = short(value, 80)
+        for key in ("date", "started", "started_at", "timestamp", "tag"):
+            match = _DATE.search(str(d.get(key))) if d.get(key) is not None else None
+            if match:
+                dates.append(match.group(1))
+    backends = sorted({r.data["backend"] for r in collection.results if isinstance(r.data.get("backend"), str)})
+    if devices:
+        device = ", ".join(devices)
+    else:
+        device = (f"{', '.join(backends)} backend, " if backends else "") + "no device named in these results"
+    if dates:
+        date = ", ".join(sorted(set(dates)))
+    else:
+        match = _DATE.search(root.resolve().name)
+        date = f"{match.group(1)} (from the folder's name)" if match else "not recorded in these results"
+    host_text = ", ".join(f"{k} {v}" for k, v in host.items()) or "not recorded in these results"
+    return {"device": device, "host": host_text, "date": date}
+
+
+_GOAL = re.compile(r"^\s*(\S+)\s*(<=|>=|==|<|>)\s*(.+?)\s*$")  # the benchmarks' "ratio_pipe_p50 <= 2.5"
+_OPS = {"<=": "≤", ">=": "≥", "==": "=", "<": "<", ">": ">"}
+
+
+@dataclass
+class Headline:
+    source: str
+    benchmark: str
+    what: str
+    value: str
+    goal: str = ""
+    met: bool | None = None
+
+
+def headlines(result: Result) -> list[Headline]:
+    """The few numbers a reader of a ticket wants first, with the goal they are judged by."""
+    d, src, kind = result.data, result.source, result.kind
+    rows: list[Headline] = []
+
+    def row(what: str, value: str, goal: str = "", met=None) -> None:
+        rows.append(Headline(src, kind, what, value, goal, met if isinstance(met, bool) else None))
+
+    if kind == "switch":
+        judged = d.get("backend") == "cuda"
+        for name, m in as_dict(d.get("models")).items():
+            m = as_dict(m)
+            cop = num(m.get("cold_over_pipelined"))
+            row(f"{name}: cold ÷ pipelined", ratio(cop, 0), "≥ 50× (GPU only)" if judged else "not judged on cpu",
+                cop >= 50 if judged and cop is not None else None)
+            overhead = num(m.get("overhead_ratio"))
+            if overhead is not None:
+                row(f"{name}: (pipelined − ready) ÷ (cold − ready)", f"{overhead * 100:.3f}%", "PipeSwitch: 0.11%")
+            por = num(m.get("pipelined_over_ready"))
+            if judged and name == "resnet152":  # bench/README.md: ResNet-152 pipelined ≤ 1.25× ready on a GPU
+                row(f"{name}: pipelined ÷ ready", ratio(por), "≤ 1.25× (GPU)", por <= 1.25 if por else None)
+            else:
+                row(f"{name}: pipelined ÷ ready", ratio(por))
+            if num(m.get("swap_efficiency")) is not None:
+                row(f"{name}: swap efficiency", ratio(m["swap_efficiency"], suffix=""), "≥ 0.85",
+                    m["swap_efficiency"] >= 0.85)
+        if isinstance(d.get("pipelined_never_slower"), bool):
+            row("pipelined never slower than sequential", "yes" if d["pipelined_never_slower"] else "no", "yes",
+                d["pipelined_never_slower"])
+    elif kind in ("handoff", "scale") and isinstance(d.get("goals"), list):
+        for g in d["goals"]:
+            g = as_dict(g)
+            match = _GOAL.match(str(g.get("goal", "?")))
+            what, goal = (match.group(1), f"{_OPS[match.group(2)]} {match.group(3)}") if match else (g.get("goal"), "")
+            value = num(g.get("value"))
+            row(f"{what}" + (f" ({g['sessions']} sessions)" if "sessions" in g else ""),
+                "n/a" if value is None else fmt(value), goal, g.get("met"))
+    elif kind == "handoff":  # before the goals list existed
+        row(f"handoff p50 ÷ zmq round trip ({d.get('sessions')} sessions)", ratio(d.get("ratio_p50")), "≤ 2×",
+            d.get("goal_p50_met"))
+        row("handoff p99", f"{fmt(num(d.get('handoff_p99_us')) or 0)} µs", "< 1 ms", d.get("goal_p99_met"))
+    elif kind == "fairness":
+        row("max error of the share", f"{ratio(d.get('max_error_points'), 2, '')} points", "≤ 2 points",
+            d.get("goal_met"))
+    elif kind == "preempt":
+        row("inference wait p99 ÷ training slice", ratio(d.get("wait_p99_over_slice"), 3), "≤ 1", d.get("goal_met"))
+    elif kind == "enforce":
+        row("launched hog: inference p99 ÷ grace", ratio(d.get("launched_p99_over_grace"), 3), "≤ 1 + 2 ms",
+            d.get("goal_met"))
+        lib = as_dict(d.get("library"))
+        if lib:
+            row("library hog: inference p99 − grace", f"{ratio(lib.get('p99_minus_grace_ms'), 1, ' ms')}", "≤ 2 ms",
+                lib.get("goal_met"))
+    elif kind == "recovery":
+        row("restart → every session attached", ratio(d.get("reattach_s"), 2, " s"))
+        kept, total = d.get("sessions_kept"), d.get("sessions")
+        row("sessions kept", f"{kept} of {total}", "all, no client error",
+            kept == total and d.get("client_errors") == 0 if total is not None else None)
+    elif kind == "suspend":
+        goal = num(d.get("goal_speedup"))
+        for size, s in as_dict(d.get("sizes")).items():
+            speedup = num(as_dict(s).get("speedup"))
+            row(f"{size} MiB: restart ÷ (suspend + resume)", ratio(speedup, 0),
+                f"≥ {goal:.0f}×" if goal else "", speedup >= goal if goal and speedup is not None else None)
+    elif kind == "reclaim":
+        row("cooperative reclaim − trainer's own park", ratio(d.get("cooperative_minus_park_ms"), 1, " ms"),
+            "a few ms")
+        row("enforced reclaim − deadline", ratio(d.get("enforced_minus_deadline_ms"), 2, " ms"), "a few ms")
+    elif kind == MPS:
+        row(f"throughput ratio of the {_shares_text(d)} split", ratio(d.get("throughput_ratio")),
+            f"ideal {ratio(d.get('expected_ratio'))}")
+    elif kind == GPU_CHECK:
+        for suite, t in as_dict(d.get("pytest")).items():
+            t = as_dict(t)
+            if t:
+                row(f"pytest -m gpu ({suite})", f"{t.get('passed')} of {t.get('tests')} passed", "all",
+                    t.get("passed") == t.get("tests"))
+        row("every step ok", "yes" if d.get("ok") else "no", "yes", d.get("ok"))
+    return rows
+
+
+def _headlines_or_note(result: Result) -> list[Headline]:
+    try:
+        return headlines(result)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a known name with an unexpected shape
+        return [Headline(result.source, result.kind, "headline ratios", f"unreadable ({type(exc).__name__})")]
+
+
+def _shares_text(d: dict) -> str:
+    shares = as_dict(d.get("shares"))
+    return "/".join(f"{v}" for v in shares.values()) if shares else "MPS"
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def render(collection: Collection, root: Path, out: Path, dpi: int = 100) -> list[str]:
+    """Write report-<kind>.png, report.png and report.html into ``out``; the kinds drawn."""
+    out.mkdir(parents=True, exist_ok=True)
+    header = describe(collection, root)
+    kinds = collection.by_kind()
+    for kind, results in kinds.items():  # a figure of a hundred panels helps nobody and could exhaust memory
+        collection.not_rendered += [Skipped(r.source, f"only the first {MAX_PER_KIND} {kind} results are drawn")
+                                    for r in results[MAX_PER_KIND:]]
+        del results[MAX_PER_KIND:]
+    collection.results = [r for results in kinds.values() for r in results]
+    drawn = draw_all(kinds, f"nodeagent benchmarks: {root.resolve().name} · {short(header['device'], 80)} · "
+                            f"{header['date']}", dpi, log)
+    for kind, png in drawn.figures.items():
+        _write(out / f"report-{kind}.png", png)
+    for stale in set(FIGURES) - set(drawn.figures):  # only names this tool writes
+        (out / f"report-{stale}.png").unlink(missing_ok=True)
+    if drawn.page is not None:
+        _write(out / "report.png", drawn.page)
+    else:
+        (out / "report.png").unlink(missing_ok=True)
+    for kind, reason in drawn.failed.items():
+        collection.not_rendered += [Skipped(r.source, f"could not draw: {reason}") for r in kinds[kind]]
+    collection.results = [r for r in collection.results if r.kind not in drawn.failed]
+    _write(out / "report.html", render_html(collection, root, header, drawn.figures).encode())
+    return list(drawn.figures)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1600px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;font-size:.9em;
+text-align:left;vertical-align:top}th{background:#f3f3f3}.met{color:#1a7f37}.missed{color:#c62828;font-weight:bold}
+figure{margin:1em 0}img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.85em;color:#555}
+code{font-size:.9em}"""
+
+
+def render_html(collection: Collection, root: Path, header: dict, figures: dict[str, bytes]) -> str:
+    """One self-contained page: every figure a data: URI, every string from a result escaped."""
+    e = html.escape
+    rendered_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+             f"<title>nodeagent benchmarks: {e(root.resolve().name)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>nodeagent benchmarks: {e(root.resolve().name)}</h1><table>",
+             *(f"<tr><th>{k}</th><td>{e(v)}</td></tr>" for k, v in header.items()),
+             f"<tr><th>files</th><td>{collection.files} JSON: {len(collection.results)} results drawn, "
+             f"{len(collection.not_rendered)} not rendered, {len(collection.malformed)} malformed, "
+             f"{len(collection.repeated)} repeated in a summary</td></tr>",
+             f"<tr><th>rendered</th><td>{rendered_at} by <code>python -m bench.report</code></td></tr></table>"]
+    rows = [h for results in collection.by_kind().values() for r in results for h in _headlines_or_note(r)]
+    if rows:
+        parts.append("<h2>Headline ratios</h2><table><tr><th>benchmark</th><th>result</th><th>what</th>"
+                     "<th>value</th><th>goal</th><th>met</th></tr>")
+        for h in rows:
+            met = {True: "<span class='met'>yes</span>", False: "<span class='missed'>no</span>"}.get(h.met, "")
+            parts.append(f"<tr><td>{e(h.benchmark)}</td><td><code>{e(h.source)}</code></td><td>{e(h.what)}</td>"
+                         f"<td>{e(h.value)}</td><td>{e(h.goal)}</td><td>{met}</td></tr>")
+        parts.append("</table>")
+    if figures:
+        parts.append("<h2>Figures</h2><p>The same figures are on one page in <code>report.png</code>, "
+                     "and one by one in <code>report-&lt;kind&gt;.png</code>.</p>")
+    for kind, png in figures.items():
+        sources = ", ".join(r.source for r in collection.results if r.kind == kind)
+        parts.append(f"<figure><img alt='{e(FIGURES[kind].title)}' src='data:image/png;base64,"
+                     f"{base64.b64encode(png).decode()}'><figcaption>{e(kind)}: {e(sources)}</figcaption></figure>")
+    parts.append("<h2>Files</h2><ul>")
+    parts += [f"<li><code>{e(r.source)}</code>: header (device, host)</li>" for r in collection.context]
+    parts += [f"<li><code>{e(s.source)}</code>: {e(s.reason)}</li>" for s in collection.repeated]
+    parts += [f"<li><code>{e(s.source)}</code>: not rendered: {e(s.reason)}</li>" for s in collection.not_rendered]
+    parts += [f"<li><code>{e(s.source)}</code>: malformed, skipped: {e(s.reason)}</li>" for s in collection.malformed]
+    parts.append("</ul></body></html>\n")
+    return "\n".join(parts)
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _dpi(text: str) -> int:
+    value = int(text)
+    if not 50 <= value <= 300:
+        raise argparse.ArgumentTypeError(f"must be 50 to 300, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    doc = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=doc[0],
+                                 epilog="\n\n".join(doc[1:]).strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", metavar="DIR", type=Path, help="a results folder, e.g. bench/results/<machine>-<date>")
+    ap.add_argument("--out", required=True, type=Path,
+                    help="folder for report.html, report.png and report-<kind>.png (made if missing)")
+    ap.add_argument("--dpi", type=_dpi, default=100, help="resolution of the PNGs, 50 to 300 (default 100)")
+    args = ap.parse_args(argv)
+    if not args.dir.is_dir():
+        ap.error(f"DIR {args.dir} is not a folder")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} exists and is not a folder")
+    if not matplotlib_available():
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    collection = collect(args.dir)
+    log(f"{collection.files} JSON files under {args.dir}: {len(collection.results)} results, "
+        f"{len(collection.not_rendered)} not rendered, {len(collection.malformed)} malformed")
+    drawn = render(collection, args.dir, args.out, args.dpi)
+    if not drawn:
+        log(f"nothing under {args.dir} is a benchmark result this tool draws; {args.out / 'report.html'} lists "
+            "what was found")
+        return 1
+    log(f"wrote {args.out / 'report.html'} and {args.out / 'report.png'} ({', '.join(drawn)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""bench.report: a results folder rendered to report.png, report-<kind>.png and a self-contained report.html."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench import report
+from bench.report_figures import SWITCH_CORE, _layout, switch_groups
+from tests.conftest import REPO
+
+RESULTS = REPO / "bench" / "results"
+H100 = RESULTS / "h100-80gb-hbm3-2026-11-23"
+CPU = RESULTS / "cpu-2core-2026-11-23"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+needs_matplotlib = pytest.mark.skipif(not report.matplotlib_available(), reason="needs matplotlib (the plot extra)")
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from the IHDR chunk, which a valid PNG has first."""
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _self_contained(page: str) -> None:
+    sources = re.findall(r"""\bsrc\s*=\s*['"]?([^'" >]*)""", page, flags=re.I)
+    assert sources and all(s.startswith("data:image/png;base64,") for s in sources), sources[:3]
+    for tag in ("<link", "<script", "<iframe", "url(", "@import", "href="):
+        assert tag not in page.lower(), tag
+    for uri in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page):
+        assert base64.b64decode(uri)[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------ the switch figure's data
+
+
+def test_switch_groups_put_the_four_categories_side_by_side_for_every_model_of_the_h100_run():
+    data = json.loads((H100 / "switch.json").read_text())
+    g = switch_groups(data)
+    assert g.models == ["resnet50", "bert-base", "resnet152"]
+    assert g.missing == []
+    for key in SWITCH_CORE:  # cold (stop-and-start), warm, ready, pipelined
+        assert len(g.ms[key]) == 3 and all(v is not None and v > 0 for v in g.ms[key]), key
+    for i, name in enumerate(g.models):
+        for key in g.ms:
+            assert g.ms[key][i] == data["models"][name][key]
+    keys = [key for key, _, _ in g.ways]
+    assert keys == ["cold_ms", "warm_pageable_ms", "pinned_sync_ms", "sequential_ms", "pipelined_ms", "ready_ms"]
+    assert "stop-and-start" in g.ways[0][1]
+
+
+def test_switch_groups_name_a_category_the_run_did_not_measure():
+    g = switch_groups(json.loads((RESULTS / "cpu-2core-2026-11-22" / "switch.json").read_text()))
+    assert [key for key, _, _ in g.ways] == ["cold_ms", "sequential_ms", "pipelined_ms", "ready_ms"]
+    assert g.missing == ["warm process, pageable copy"]
+    assert "warm_pageable_ms" not in g.ms
+
+
+def test_switch_groups_take_what_is_there_from_a_result_of_the_wrong_shape():
+    g = switch_groups({"benchmark": "switch", "models": {"a": {"cold_ms": "slow", "ready_ms": 2, "pipelined_ms": True},
+                                                        "b": [1, 2], "c": {"ready_ms": float("nan")}}})
+    assert g.models == ["a", "c"]
+    assert g.ms == {"ready_ms": [2.0, None]}
+    assert len(g.missing) == 3
+
+
+def test_layout_fills_the_hole_a_full_width_figure_leaves():
+    # half rows: a full-width figure 1 row high, a half, a full-width 1.5 rows high, another half
+    assert _layout([(2, 1), (1, 1), (2, 1.5), (1, 1)]) == [(0, 0), (2, 0), (4, 0), (2, 1)]
+
+
+# ------------------------------------------------------------------ whole folders
+
+
+@pytest.fixture(scope="module")
+def h100_report(tmp_path_factory):
+    """The committed H100 folder, copied, rendered once in this process (its report/ left out)."""
+    if not report.matplotlib_available():
+        pytest.skip("needs matplotlib (the plot extra)")
+    results = tmp_path_factory.mktemp("h100") / H100.name
+    shutil.copytree(H100, results, ignore=shutil.ignore_patterns("report"))
+    out = results / "report"  # inside DIR, as the committed renders are
+    assert report.main([str(results), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow  # the fixture renders the folder: 4 to 8 s on 2 shared cores
+def test_h100_folder_renders_a_self_contained_page(h100_report):
+    page = (h100_report / "report.html").read_text()
+    _self_contained(page)
+    kinds = ["switch", "suspend", "reclaim", "handoff", "mps", "gpu-check"]
+    assert page.count("data:image/png;base64,") == len(kinds)
+    for kind in kinds:
+        png = (h100_report / f"report-{kind}.png").read_bytes()
+        width, height = _png_size(png)
+        assert len(png) > 5_000 and width >= 700 and height >= 400, kind
+    full = (h100_report / "report.png").read_bytes()
+    width, height = _png_size(full)
+    assert len(full) > 40_000 and width == 1500 and height > 1500  # dpi 100: two 7.5-inch columns
+    assert len(full) < 400_000  # small enough to attach
+
+
+@pytest.mark.slow
+def test_h100_page_header_and_headline_ratios_come_from_the_results(h100_report):
+    page = (h100_report / "report.html").read_text()
+    header = page[:page.index("<h2>")]
+    assert "NVIDIA H100 80GB HBM3" in header and "driver 580.159.04" in header and "2026-11-23" in header
+    assert "(from the folder" not in header  # gpu-check's tag carries the date
+    assert "<td>resnet50: cold ÷ pipelined</td><td>449×</td>" in page  # 448.51 in switch.json
+    assert "<td>256 MiB: restart ÷ (suspend + resume)</td><td>732×</td><td>≥ 100×</td>" in page
+    assert "ratio_pipe_p50 (8 sessions)</td><td>10.9</td><td>≤ 2.5</td><td><span class='missed'>no" in page
+    # summary.json carries copies of switch.json etc.: drawn once, and the page says so
+    assert "summary.json#results.switch</code>: the same result as switch.json, drawn once" in page
+    assert "figcaption>switch: switch.json, first-contact/switch-run1.json</figcaption>" in page
+
+
+@pytest.mark.slow
+@needs_matplotlib
+def test_cli_renders_the_cpu_folder_with_progress_on_stderr(tmp_path):
+    results = tmp_path / CPU.name
+    shutil.copytree(CPU, results, ignore=shutil.ignore_patterns("report"))
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "bench.report", str(results), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""
+    assert "[report] drew handoff" in run.stderr and "[report] drew scale" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report-handoff.png", "report-scale.png", "report.html",
+                                                     "report.png"]
+    page = (out / "report.html").read_text()
+    _self_contained(page)
+    assert "<td>2026-11-23 (from the folder&#x27;s name)</td>" in page  # no date inside these two files
+    assert "<td>cpu backend, no device named in these results</td>" in page
+
+
+# ------------------------------------------------------------------ what is not a result
+
+
+@needs_matplotlib
+def test_malformed_and_unknown_json_are_named_and_the_rest_is_drawn(tmp_path, capsys):
+    results = tmp_path / "results"
+    (results / "notes").mkdir(parents=True)
+    shutil.copy(CPU / "handoff.json", results / "handoff.json")
+    (results / "broken.json").write_text('{"benchmark": "switch", "models": {')
+    (results / "empty.json").write_text("")
+    (results / "binary.json").write_bytes(b"\xff\xfe\x00\x01")
+    (results / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (results / "notes" / "other.json").write_text('{"hello": 1}')
+    (results / "list.json").write_text("[1, 2]")
+    (results / "future.json").write_text('{"benchmark": "teleport", "p50_ms": 1}')
+    out = tmp_path / "out"
+    assert report.main([str(results), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    for name in ("broken.json", "empty.json", "binary.json", "deep.json"):
+        lines = [line for line in err.splitlines() if name in line]
+        assert len(lines) == 1 and lines[0].startswith(f"[report] skipped {name}: not readable JSON"), lines
+    assert "Traceback" not in err
+    page = (out / "report.html").read_text()
+    for name in ("broken.json", "empty.json", "binary.json", "deep.json"):
+        assert f"<code>{name}</code>: malformed, skipped" in page
+    assert "<code>notes/other.json</code>: not rendered" in page
+    assert "<code>list.json</code>: not rendered: a JSON list, not an object" in page
+    assert "<code>future.json</code>: not rendered: benchmark &#x27;teleport&#x27; has no figure" in page
+    assert (out / "report-handoff.png").read_bytes()[:8] == PNG_MAGIC
+    assert page.count("data:image/png;base64,") == 1
+
+
+@needs_matplotlib
+def test_a_folder_with_nothing_to_draw_exits_1_and_still_lists_what_it_found(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "x.json").write_text('{"hello": 1}')
+    (results / "y.json").write_text("{")
+    out = tmp_path / "out"
+    assert report.main([str(results), "--out", str(out)]) == 1
+    page = (out / "report.html").read_text()
+    assert "<code>x.json</code>: not rendered" in page and "<code>y.json</code>: malformed" in page
+    assert not (out / "report.png").exists()
+
+
+_WRONG = {"models": {"m": {"cold_ms": "x", "ready_ms": -1, "pipelined_ms": 1e308 * 10}, "n": 5}, "sizes": [1],
+          "by_sessions": {"2": "x", "64": {"handoff_p50_us": "fast"}}, "goals": [1, {"goal": None}],
+          "scheduler": {"10": "x", "ten": {}}, "scheduler_step_us": {"10": None}, "weights": ["a", None],
+          "asked_share": "all", "measured_share": [0.5, "x"], "launched": [], "library": {"inference_wait_p99_ms": {}},
+          "sessions": {"n": 1}, "reattach_s": None, "deadline_ms": -5, "reclaim_enforced_samples_ms": [1, "x", None],
+          "device": "<script>alert(1)</script> $x^{2 \\frac", "backend": ["cpu"], "status_hz": [20],
+          "batch": {"b": 1}, "training_slice_ms": "long", "grace_ms": float("inf")}
+
+
+@pytest.mark.slow
+@needs_matplotlib
+def test_results_of_every_kind_with_fields_of_the_wrong_type_never_crash_the_report(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for kind in report.BENCHMARKS:
+        (results / f"{kind}.json").write_text(json.dumps({"benchmark": kind, **_WRONG}))
+    (results / "summary.json").write_text(json.dumps(
+        {"steps": [1, {"step": 5, "seconds": "x", "status": None}], "results": {"switch": None, "x": [1]},
+         "pytest": {"gpu": "x"}, "device": {"a": 1}, "tag": 7}))
+    (results / "mps.json").write_text(json.dumps({"throughput_ratio": 2, "matmuls": {"a": "x", "b": 3}, "shares": 4}))
+    out = tmp_path / "out"
+    assert report.main([str(results), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    page = (out / "report.html").read_text()
+    _self_contained(page)
+    assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    drawn = {p.name[len("report-"):-len(".png")] for p in out.glob("report-*.png")}
+    assert drawn == {*report.BENCHMARKS, "gpu-check", "mps"}  # all drawn, with what could be read
+
+
+@needs_matplotlib
+def test_a_kind_draws_its_first_results_and_lists_the_others(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for i in range(report.MAX_PER_KIND + 2):
+        shutil.copy(H100 / "mps_30_70.json", results / f"mps_{i:02d}.json")
+    out = tmp_path / "out"
+    assert report.main([str(results), "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count(": not rendered: only the first 8 mps results are drawn") == 2
+    assert "<code>mps_09.json</code>: not rendered" in page and "<code>mps_07.json</code>: not" not in page
+    assert page.count("throughput ratio of the 30/70 split") == report.MAX_PER_KIND
+
+
+def test_without_matplotlib_it_says_in_one_line_how_to_install_it(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None  # an import of it now fails as if it were not installed\n"
+            "from bench import report; sys.exit(report.main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, str(CPU), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "pip install 'nodeagent[plot]'" in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()
+    helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60,
+                            cwd=REPO)
+    assert helped.returncode == 0 and "--out OUT" in helped.stdout and "report.html" in helped.stdout
+
+
+def test_bad_arguments_are_one_usage_error(tmp_path):
+    for argv in ([str(tmp_path / "missing"), "--out", str(tmp_path / "o")], [str(CPU)],
+                 [str(CPU), "--out", str(tmp_path / "o"), "--dpi", "5"]):
+        with pytest.raises(SystemExit) as exited:
+            report.main(argv)
+        assert exited.value.code == 2
