@@ -391,8 +391,11 @@ class MpsControl:
         launch_log = os.path.join(self.log_dir, LAUNCH_LOG)
         with open(launch_log, "wb") as out:
             try:
+                # umask 022 whatever ours is (the unit's UMask=0077): the control daemon and the
+                # per-user servers it starts make the pipes that other users' clients connect to.
                 launcher = subprocess.Popen([self.control_binary, "-d"], env=self._env, stdin=subprocess.DEVNULL,
-                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            umask=0o022)
             except OSError as exc:
                 raise MpsStartError(f"cannot run {self.control_binary} -d for device {self.device_index}: {exc} "
                                     "(is the NVIDIA driver's MPS component installed?)") from None

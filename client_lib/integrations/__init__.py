@@ -9,8 +9,15 @@ ImportError that says what to install when the framework is missing:
 Both hold the token for the whole fit, call ``client.yield_point()`` after
 every optimizer step, and park the model and its optimizers in host memory
 when the daemon asks for the whole device (:class:`client_lib.torch.Yielder`).
-Open the Client before anything touches the GPU: settings the daemon hands
-over in the welcome (an MPS share) reach CUDA only at context creation.
+A suspend asked for before training began is honoured as soon as the model
+and optimizers exist, before the first step (Lightning: ``on_fit_start``,
+ahead of the sanity-check validation; Hugging Face: ``on_train_begin``);
+until then (building the model, moving it to the device) the process does
+not call into the client, and a suspend whose deadline passes meanwhile ends
+in a SIGSTOP. Open the Client before anything touches the GPU: settings the
+daemon hands over in the welcome (an MPS share) reach CUDA only at context
+creation. Runnable examples: ``examples/lightning_yield.py`` and
+``examples/hf_trainer_yield.py``.
 """
 
 from __future__ import annotations
@@ -34,14 +41,31 @@ class TrainingTurns:
         self.park_state = park_state
         self.yielder = None
         self._slice = None
+        self._optimizers: list = []
 
     def start(self, modules: Iterable, optimizers: Iterable) -> None:
-        if self.park_state:
+        """Once the model is on its device and the optimizers exist, before the first
+        step: set up parking, then take the token, which first honours a suspend asked
+        for before training began (without the token: a yield point does)."""
+        self._optimizers = list(optimizers)
+        if self.park_state and self.yielder is None:
             from client_lib.torch import Yielder  # torch only once a framework runs
-            self.yielder = Yielder(self.client, modules=list(modules), optimizers=list(optimizers))
-        if self.hold_token and self._slice is None:
-            self._slice = self.client.slice()
-            self._slice.__enter__()
+            self.yielder = Yielder(self.client, modules=list(modules), optimizers=self._optimizers)
+        if self.hold_token:
+            if self._slice is None:
+                self._slice = self.client.slice()
+                self._slice.__enter__()  # acquire() handles a pending suspend before it asks for the token
+        else:
+            self.client.yield_point()
+
+    def add_optimizers(self, optimizers: Iterable) -> None:
+        """Park optimizers that did not exist at :meth:`start` too (a framework that
+        builds them later)."""
+        for optimizer in optimizers:
+            if not any(optimizer is known for known in self._optimizers):
+                self._optimizers.append(optimizer)
+                if self.yielder is not None:
+                    self.yielder.register_state(optimizer)
 
     def step_end(self) -> None:
         self.client.yield_point()

@@ -4,6 +4,9 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[NodeAgentTrainerCallback(client)])
     trainer.train()
+
+The Trainer needs ``accelerate`` besides ``transformers``. A runnable example:
+``examples/hf_trainer_yield.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class NodeAgentTrainerCallback(TrainerCallback):
         self.turns = TrainingTurns(client, hold_token=hold_token, park_state=park_state)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        # The model is on its device and the optimizer exists; the first step is next. A
+        # suspend asked for before train() is honoured here.
         self.turns.start([model] if model is not None else [], [optimizer] if optimizer is not None else [])
 
     def on_step_end(self, args, state, control, **kwargs):
