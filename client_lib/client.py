@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import select
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -45,6 +46,9 @@ from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailable
 log = logging.getLogger("client_lib.client")
 
 ENV_HANDSHAKE_TIMEOUT = "NODEAGENT_HANDSHAKE_TIMEOUT_S"
+ENV_BORROWER = "NODEAGENT_BORROWER"  # a training session's borrower when none is given (set by a cluster engine)
+_WAKE_TAIL_MAX = 1024  # unmatched wake-channel bytes kept (the newest)
+_WAKE_OUT_MAX = 4  # successors' wake channels a client keeps open (each a descriptor)
 _POLL_SLICE_MS = 50  # longest blind wait: how soon a lost daemon is noticed while blocked
 _UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
 _UNMANAGED_HANDSHAKE_S = 0.2
@@ -64,7 +68,7 @@ class Client:
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, borrower: str | None = None) -> None:
+                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool = True) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -76,7 +80,10 @@ class Client:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.fail_open = fail_open
         self.managed_pgid = managed_pgid
+        if borrower is None and workload != "inference":  # inference has no borrower
+            borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
+        self.one_hop = one_hop  # hand the token on, and take it, through wake channels (protocol 2.1)
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
@@ -106,6 +113,18 @@ class Client:
         self.welcome: p.Welcome | None = None
         self._cuda_ordinal: int | None = None  # found from the welcome's UUID, once
         self.revocations = 0
+        # One-hop handoffs (see nodeagent.daemon.one_hop): this session's wake channel, the promise
+        # the daemon made us while we wait (grant, secret), the successor we wake at our release
+        # (our grant, its grant, its channel, secret), and the last bytes read, should a word straddle two reads.
+        self._wake_fd: int | None = None  # open while waiting for the token (see _listen)
+        self._wake_out: dict[str, int] = {}  # successors' wake channels, kept open for the next handoff
+        self._wake_warned = False
+        self._standby: tuple[int, bytes] | None = None
+        self._woken_grant: int | None = None  # the last grant taken from the wake channel: the daemon's grants up to it are copies
+        self._hint: tuple[int, int, str, bytes] | None = None
+        self._wake_tail = b""
+        self.handed_on = 0  # releases that woke the next holder directly
+        self.woken = 0  # grants taken from the wake channel, ahead of the daemon's notice
         self._connect(claim=None)
 
     # ------------------------------------------------------------ properties
@@ -208,6 +227,7 @@ class Client:
         (see :attr:`holding`, :meth:`wait_event`)."""
         self._check_open()
         if self._grant is None and self._conn is not None:
+            self._listen()
             self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
 
     def release(self, requeue: bool = False) -> None:
@@ -215,13 +235,135 @@ class Client:
         daemon. ``requeue`` asks for it again in the same step."""
         if self._grant is None:
             return
+        if self._conn is None:
+            self._grant = None
+            self._yield_requested = False
+            return
+        if self.one_hop:
+            self._pump(0, raise_async=False)  # a successor notice (or its withdrawal) that came meanwhile
+            if self._grant is None:  # revoked meanwhile: nothing to give back
+                self._yield_requested = False
+                return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        if self._conn is None:
-            return
-        # Send before reading anything: the next holder is waiting on this frame.
-        self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True))
+        hint, self._hint = self._hint, None
+        # The next holder first (through its wake channel, if the daemon told us who it is),
+        # then the daemon: before reading anything, since someone is waiting on one or the other.
+        handed = self._hand_on(hint) if hint is not None and hint[0] == grant else None
+        if requeue:
+            self._listen()
+        self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True, handed=handed))
+        if not requeue:
+            self._unlisten()  # not waiting any more; after the frame left, off the next holder's path
         self._pump(0)
+
+    def _hand_on(self, hint: tuple[int, int, str, bytes]) -> int | None:
+        """Wake the promised successor: one write of its wake word to its FIFO. Its grant id
+        if the word went whole, else None (no reader: it left; full: the daemon's grant wakes it)."""
+        _, next_grant, wake, secret = hint
+        fd = self._wake_out.get(wake)
+        if fd is None:
+            try:
+                fd = os.open(wake, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                return None  # ENXIO: it is not listening (it left, or stopped waiting)
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None
+            if len(self._wake_out) >= _WAKE_OUT_MAX:  # the oldest goes
+                old_path = next(iter(self._wake_out))
+                os.close(self._wake_out.pop(old_path))
+            self._wake_out[wake] = fd
+        word = p.wake_word(secret, next_grant)
+        try:
+            if os.write(fd, word) != len(word):
+                return None
+        except OSError:  # EPIPE: its session ended since; EAGAIN: full (the daemon's grant wakes it)
+            os.close(self._wake_out.pop(wake))
+            return None
+        self.handed_on += 1
+        return next_grant
+
+    def _close_wake_out(self) -> None:
+        for fd in self._wake_out.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_out.clear()
+
+    def _read_wake(self) -> bool:
+        """Drain the wake channel; True if it held the word of the promise we wait on
+        (then we hold its grant). Anything else (late, forged, replayed) is dropped."""
+        fd = self._wake_fd
+        if fd is None:
+            return False
+        data = b""
+        try:
+            while True:
+                chunk = os.read(fd, 4096)
+                data += chunk
+                if len(chunk) < 4096 or len(data) >= 65536:
+                    break
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        return self._match_wake(data)
+
+    def _match_wake(self, data: bytes) -> bool:
+        """Look for our promise's word in what the channel gave (and kept bytes); True: we hold it."""
+        if self._grant is not None:
+            self._wake_tail = b""
+            return False
+        buf = (self._wake_tail + data)[-_WAKE_TAIL_MAX:]
+        standby = self._standby
+        if standby is None or p.wake_word(standby[1], standby[0]) not in buf:
+            self._wake_tail = buf  # kept: the standby it matches may be in a frame not handled yet
+            return False
+        self._wake_tail = b""
+        self._standby = None
+        self._grant = self._woken_grant = standby[0]
+        self._yield_requested = False
+        self.woken += 1
+        return True  # the channel stays open until our release: closing it is not on the way to our work
+
+    def _listen(self) -> None:
+        """Open our wake channel while we wait for the token (read-write, so that it never
+        reports a hang-up). Only while waiting: a holder that finds no reader hands off in
+        two hops, and what was written to a channel nobody holds open is gone."""
+        if self._wake_fd is not None or self._conn is None or self.welcome is None or not self.welcome.wake:
+            return
+        try:
+            fd = os.open(self.welcome.wake, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if not self._wake_warned:
+                self._wake_warned = True
+                log.warning("[client] cannot open the wake channel %s (%s); handoffs to this session take two "
+                            "hops", self.welcome.wake, exc.strerror)
+            return
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        self._wake_fd = fd
+        self._conn.watch_wake(fd)
+
+    def _unlisten(self) -> None:
+        fd, self._wake_fd = self._wake_fd, None
+        self._wake_tail = b""
+        if fd is None:
+            return
+        if self._conn is not None:
+            self._conn.watch_wake(None)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    def _forget_promises(self) -> None:
+        self._unlisten()
+        self._close_wake_out()
+        self._standby = self._hint = self._woken_grant = None
 
     @contextmanager
     def slice(self, timeout: float | None = None) -> Iterator[int]:
@@ -269,12 +411,18 @@ class Client:
             conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
             if conn_fd is not None:
                 poller.register(conn_fd, select.POLLIN)
+            wake_fd = self._wake_fd
+            if wake_fd is not None:
+                poller.register(wake_fd, select.POLLIN)
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             wait_ms = _POLL_SLICE_MS
             if deadline is not None:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
+            if wake_fd is not None and wake_fd in events:
+                with self._io:
+                    self._read_wake()
             if conn_fd is not None and conn_fd in events:
                 self._pump(0)
             ready = [fd for fd in fds if fd in events]
@@ -358,6 +506,7 @@ class Client:
             if self._conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and
                 # not as a vanished client.
+                self._forget_promises()
                 self._say_goodbye()
         self._grant = None
 
@@ -464,6 +613,7 @@ class Client:
             self._conn = None
         claim, self._grant = self._grant, None
         self._yield_requested = False
+        self._forget_promises()  # promises of the old connection
         self._replies.clear()
         self._awaiting.clear()
         self._async_error = None
@@ -489,7 +639,7 @@ class Client:
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
-            borrower=self.borrower)
+            borrower=self.borrower, one_hop=self.one_hop)
         try:
             welcome = self._call(hello, timeout, handshake=True)
         except BaseException:
@@ -509,6 +659,7 @@ class Client:
                 raise
         self.welcome = welcome
         self._cuda_ordinal = None  # a new session may be on another GPU
+        self._standby = self._hint = self._woken_grant = None
         self._durable = welcome.durable
         self._next_heartbeat = (time.monotonic() + welcome.heartbeat_ms / 1000.0) if welcome.heartbeat_ms > 0 else None
         self._next_background_retry = None
@@ -542,6 +693,7 @@ class Client:
     def _wait_for_grant(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._asked_in = self._generation
+        self._listen()
         while self._grant is None:
             if self._unmanaged:
                 return 0
@@ -555,6 +707,8 @@ class Client:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._standby = None  # no longer waiting: a late wake word is not ours to take
+                    self._unlisten()
                     self._send_quiet(p.Cancel(id=self._take_id()))
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
@@ -628,8 +782,10 @@ class Client:
                 frames = conn.recv(timeout_ms / 1000.0)
             except ConnectionError:
                 return False  # the daemon went away: _check_daemon decides what follows
-            if not frames:
-                return False
+            woken = False
+            if conn.woken:  # first: the wake word came before the daemon's copy of its grant
+                conn.woken = False
+                woken = self._read_wake()
             for frame in frames:
                 try:
                     msg = codec.decode_reply(frame)
@@ -637,6 +793,10 @@ class Client:
                     log.warning("[client] ignoring a frame from the daemon: %s", exc)
                     continue
                 self._handle(msg)
+            if not woken and self._wake_tail and self._standby is not None:
+                woken = self._match_wake(b"")  # a word read before the standby it matches was handled
+            if not frames and not woken:
+                return False
         if raise_async and self._async_error is not None:
             err, self._async_error = self._async_error, None
             if isinstance(err, NoSessionError) and self.reconnect:
@@ -648,8 +808,15 @@ class Client:
     def _handle(self, msg: p.DaemonMessage) -> None:
         kind = type(msg)
         if kind is p.Grant:
+            woken = self._woken_grant
+            if woken is not None and msg.grant <= woken:
+                # The daemon's copy of a grant the wake channel gave us (perhaps already given
+                # back, and waiting again on a new promise: copies lag). Grant ids only grow on a device.
+                return
+            self._standby = None
             self._grant = msg.grant
             self._yield_requested = False
+            self._hint = None
         elif kind is p.YieldRequest:
             if msg.grant == self._grant:
                 self._yield_requested = True
@@ -658,10 +825,17 @@ class Client:
             self._resume_received = False
         elif kind is p.ResumeNotice:
             self._resume_received = True
+        elif kind is p.Successor:
+            if msg.grant == self._grant:
+                self._hint = (msg.grant, msg.next, msg.wake, msg.secret) if msg.next is not None else None
+        elif kind is p.Standby:
+            if self._grant is None:
+                self._standby = (msg.grant, msg.secret)
         elif kind is p.Revoke:
             if msg.grant == self._grant:
                 self._grant = None
                 self._yield_requested = False
+                self._hint = None
                 self.revocations += 1
                 log.warning("[client] token revoked grant=%d reason=%s", msg.grant, msg.reason)
         elif msg.id in self._awaiting:

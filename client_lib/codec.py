@@ -10,6 +10,9 @@ nested a thousand deep would otherwise raise ``RecursionError``.
 
 from __future__ import annotations
 
+import re
+import typing
+
 import msgspec
 
 from client_lib import protocol as p
@@ -106,21 +109,97 @@ def _salvage_id(frame: bytes) -> int:
     return 0
 
 
+_SCAN_STEPS = 4096  # elements a scan for the id walks at most: a real request has a few dozen
+
+
+def _skip(frame: bytes, pos: int, steps: int) -> tuple[int, int] | None:
+    """(position after the one object at ``pos``, steps left), iteratively; None if it is
+    cut short, not MessagePack, or takes more than ``steps`` elements to walk."""
+    end = len(frame)
+    remaining = 1  # objects still to skip: a container adds its elements
+    while remaining:
+        if pos >= end or steps <= 0:
+            return None
+        b = frame[pos]
+        pos += 1
+        steps -= 1
+        remaining -= 1
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x8F:
+            remaining += 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            remaining += b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED_SIZE:
+            pos += _FIXED_SIZE[b]
+        elif b in _LENGTH_PREFIXED:
+            width, extra = _LENGTH_PREFIXED[b]
+            pos += width + extra + int.from_bytes(frame[pos:pos + width], "big")
+        elif b in _COUNTED:
+            width, per = _COUNTED[b]
+            remaining += per * int.from_bytes(frame[pos:pos + width], "big")
+            pos += width
+        else:  # 0xC1: never used
+            return None
+    return (pos, steps) if pos <= end else None
+
+
+def _scan_id(frame: bytes) -> int:
+    """Best effort, for a frame the decoder refused as malformed (cut short, trailing
+    bytes, a bad byte or invalid UTF-8 further on, nested too deep): the ``id`` of its
+    top-level map, read by walking the map's keys without decoding anything else, so
+    that the error can still name the request. 0 when there is none to read."""
+    if not frame:
+        return 0
+    b = frame[0]
+    if 0x80 <= b <= 0x8F:
+        pairs, pos = b & 0x0F, 1
+    elif b in (0xDE, 0xDF):
+        width = 2 if b == 0xDE else 4
+        pairs, pos = int.from_bytes(frame[1:1 + width], "big"), 1 + width
+    else:
+        return 0
+    found, steps = 0, _SCAN_STEPS
+    for _ in range(min(pairs, _SCAN_STEPS)):
+        is_id = frame[pos:pos + 3] == b"\xa2id"  # the key "id" as every encoder writes it (fixstr)
+        key = _skip(frame, pos, steps)
+        if key is None:
+            break
+        pos, steps = key
+        if is_id and pos < len(frame):
+            b = frame[pos]
+            if b <= 0x7F:
+                found = b
+            elif b in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
+                width = 1 << ((b - 0xCC) & 3)
+                raw = frame[pos + 1:pos + 1 + width]
+                value = int.from_bytes(raw, "big", signed=b >= 0xD0)
+                if len(raw) == width and 0 <= value < 2**63:
+                    found = value  # a later "id" wins, as when decoding
+        value = _skip(frame, pos, steps)
+        if value is None:
+            break
+        pos, steps = value
+    return found
+
+
 def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.ClientMessage:
     """Decode one client request; :class:`BadFrame` says why it is not one."""
     if len(frame) > max_bytes:
         # Too large to be worth decoding even for its id.
         raise BadFrame(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte request limit")
     if nesting_depth_exceeds(frame, p.MAX_NESTING_DEPTH):
-        raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels")
+        raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels", _scan_id(frame))
     try:
         msg = _request_decoder.decode(frame)
     except msgspec.ValidationError as exc:
-        raise BadFrame(f"invalid request: {exc}", _salvage_id(frame)) from None
+        raise BadFrame(_invalid_text(exc, frame), _salvage_id(frame)) from None
     except msgspec.DecodeError as exc:
-        raise BadFrame(f"not a MessagePack map: {exc}", 0) from None
+        raise BadFrame(_malformed_text(exc, frame), _scan_id(frame)) from None
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a str that is not UTF-8
-        raise BadFrame(f"not valid MessagePack: {type(exc).__name__}", 0) from None
+        raise BadFrame(_malformed_text(exc, frame), _scan_id(frame)) from None
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
     return msg
@@ -137,3 +216,69 @@ def decode_reply(frame: bytes) -> p.DaemonMessage:
         return _reply_decoder.decode(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise BadFrame(f"invalid message from daemon: {exc}", _salvage_id(frame)) from None
+
+
+# ------------------------------------------------------------------ error texts
+# What a peer is told about a frame it got wrong, in the protocol's words
+# (docs/protocol.md: maps, fields, MessagePack types), never msgspec's or Python's.
+
+_TYPE_WORDS = {"object": "map", "array": "array", "int": "integer", "str": "string", "float": "number",
+               "bool": "boolean", "null": "nil", "None": "nil", "bytes": "binary", "ext": "extension",
+               "datetime": "timestamp"}
+_KIND_WORDS = {bool: "boolean", int: "integer", float: "float", str: "string", bytes: "binary", list: "array",
+               dict: "map", type(None): "nil"}
+_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_TICKED = re.compile(r"`([^`]*)`")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]*)`")
+_TRAILING = re.compile(r"trailing characters \(byte (?P<at>\d+)\)")
+_OPCODE = re.compile(r"invalid opcode .* \(byte (?P<at>\d+)\)")
+_OPS = tuple(cls.__struct_config__.tag for cls in typing.get_args(p.ClientMessage))
+
+
+def _invalid_text(exc: msgspec.ValidationError, frame: bytes) -> str:
+    """A frame the typed decoder refused: which field is wrong and how (or that it is no map at all)."""
+    text = str(exc)
+    at = _AT_PATH.search(text)
+    path = at.group("path").lstrip(".") if at else ""
+    if at:
+        text = text[:at.start()]
+    if not path and text.startswith("Expected `object`"):  # the frame itself is not a map
+        try:
+            value = _loose_decoder.decode(frame)
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as loose:
+            return _malformed_text(loose, frame)  # not one MessagePack value at all (b"hello")
+        kind = _KIND_WORDS.get(type(value), "extension")
+        return f"invalid request: the frame is a MessagePack {kind}, not a map; a request is a map with 'op' and 'id'"
+    missing = _MISSING.fullmatch(text)
+    if missing:
+        text = f"missing field '{missing.group('field')}'"
+    elif path == "op" and text.startswith("Invalid value "):
+        return f"invalid request: unknown op {text[len('Invalid value '):]} (ops: {', '.join(_OPS)})"
+    elif text.startswith("Invalid enum value "):
+        text = f"{text[len('Invalid enum value '):]} is not one of its values"
+    else:
+        text = _TICKED.sub(lambda m: " or ".join(_TYPE_WORDS.get(t.strip(), t.strip()) for t in m.group(1).split("|")),
+                           text)
+        text = text[:1].lower() + text[1:]
+    return f"invalid request: field '{path}': {text}" if path else f"invalid request: {text}"
+
+
+def _malformed_text(exc: Exception, frame: bytes) -> str:
+    """A frame that is not (one whole value of) MessagePack."""
+    if isinstance(exc, UnicodeDecodeError):
+        why = "a string in it is not valid UTF-8"
+    elif not isinstance(exc, msgspec.DecodeError):
+        why = "a value in it cannot be decoded"
+    else:
+        text = str(exc).removeprefix("MessagePack data is malformed: ")
+        trailing, opcode = _TRAILING.fullmatch(text), _OPCODE.fullmatch(text)
+        if trailing:
+            why = f"more bytes follow its first value, from offset {trailing.group('at')}"
+        elif opcode:
+            at = int(opcode.group("at"))
+            why = f"byte 0x{frame[at]:02x} at offset {at} is not MessagePack" if at < len(frame) else text
+        elif "truncated" in text:
+            why = "it ends inside a value (cut short)"
+        else:
+            why = text
+    return f"the frame is not a MessagePack map: {why}"

@@ -36,6 +36,7 @@ class DaemonUnavailableError(NodeAgentError):
     def __init__(self, endpoint: str, detail: str) -> None:
         super().__init__(f"nodeagent daemon at {endpoint} is unavailable: {detail}")
         self.endpoint = endpoint
+        self.detail = detail  # why, without the endpoint: "nothing listens there (...)"
 
 
 class HandshakeTimeoutError(DaemonUnavailableError):

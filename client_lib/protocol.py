@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 1)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -86,6 +86,7 @@ class Hello(Request, tag="hello"):
     managed_pgid: Optional[int] = None  # process group of a child the client launched (nodeagent run)
     holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
     borrower: Optional[str] = None  # 1.1: training job this session belongs to, for a device lent to it
+    one_hop: bool = False  # 2.1: this client takes successor/standby notices and a wake channel (welcome.wake)
 
 
 class Heartbeat(Request, tag="heartbeat"):
@@ -112,6 +113,7 @@ class Release(Request, tag="release"):
     grant: int
     requeue: bool = False
     quiet: bool = False  # reply only on error: the releaser is not waiting for it
+    handed: Optional[int] = None  # 2.1: the successor's grant id, when the releaser woke it through its wake channel
 
 
 class Cancel(Request, tag="cancel"):
@@ -319,6 +321,7 @@ class Welcome(Reply, tag="welcome"):
     # 1.2: which GPU, by UUID (the index above is the daemon's, NVML's, not this process's CUDA ordinal)
     device_uuid: str = ""
     cuda_ordinal: Optional[int] = None  # the CUDA ordinal to use, where the daemon can tell (0 when env names the GPU)
+    wake: str = ""  # 2.1: path of this session's wake channel (a FIFO) when hello asked for one_hop; "" none
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):
@@ -348,6 +351,24 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     borrower: Optional[str] = None  # 1.1: hello.borrower, the training job the session belongs to
 
 
+class TokenActivity(msgspec.Struct, kw_only=True):
+    """2.1: a device's recent token history, as ``status_reply.devices[].activity``. Counters run
+    since the daemon started; waits are the last ``waits`` grants' (at most 512); the timeline
+    is ``bucket_ms`` buckets, oldest first, the last one the bucket now is in."""
+
+    grants: int = 0
+    preemptions: int = 0  # yield asked because a higher class waited
+    quantum_yields: int = 0  # yield asked when a slice ended and a session of the class waited
+    enforcements: int = 0  # holders stopped or revoked past their yield deadline
+    suspensions: int = 0  # sessions on the device asked to suspend (give the whole device up)
+    waits: int = 0
+    wait_p50_ms: Optional[float] = None  # None: no grant yet
+    wait_p99_ms: Optional[float] = None
+    bucket_ms: float = 1000.0
+    timeline: list[str] = []  # per bucket: session id that held the token longest, "" idle, "*" many sessions
+    names: dict[str, str] = {}  # session id -> name, for the ids in timeline
+
+
 class DeviceInfo(msgspec.Struct, kw_only=True):
     index: int
     backend: str
@@ -364,6 +385,7 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     mps: bool = False
     partition: dict[str, int] = {}  # SM percent per session, on an MPS device
     memory_workers_mb: int = 0  # 1.2: held for the device's ctxpool workers (contexts, pools, resident budgets)
+    activity: Optional[TokenActivity] = None  # 2.1: recent token history (`nodeagent top`); None from older daemons
 
 
 class StatusReply(Reply, tag="status_reply"):
@@ -399,6 +421,28 @@ class Revoke(Reply, tag="revoke"):
 
     grant: int
     reason: str  # "overrun" | "shutdown" | "memory" | "suspended" | "device_lost" (1.2: NVML reports the GPU lost)
+
+
+class Standby(Reply, tag="standby"):
+    """Notice (2.1, to a one-hop client that waits): you are promised the token next,
+    under ``grant``. The holder may wake you directly by writing ``secret`` and
+    ``grant`` to your wake channel (``welcome.wake``); accept that word only while
+    you wait and it matches this notice. The daemon's ``grant`` follows either way."""
+
+    grant: int
+    secret: bytes  # 16 random bytes, one use
+
+
+class Successor(Reply, tag="successor"):
+    """Notice (2.1, to a one-hop holder of ``grant``): when you release, wake the
+    next holder yourself: write ``secret`` followed by ``next`` (8 bytes, big-endian)
+    to the FIFO at ``wake`` in one write, then send ``release`` with ``handed = next``.
+    ``next = None`` withdraws an earlier successor notice: release without handing."""
+
+    grant: int
+    next: Optional[int] = None
+    wake: str = ""
+    secret: bytes = b""
 
 
 class SuspendNotice(Reply, tag="suspend"):
@@ -541,7 +585,7 @@ class Event(msgspec.Struct, kw_only=True):
 
 
 DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke,
-                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply,
+                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply, Standby, Successor,
                       ModelRegistered, ModelsReply, InferResult,
                       InventoryReply, LifecycleReply, ReclaimReply, PolicyReply, DrainNotice]
 
@@ -551,3 +595,12 @@ MAX_REQUEST_BYTES = 64 * 1024
 MAX_NESTING_DEPTH = 32
 """Deepest nesting of arrays and maps a frame may have (requests need 5); deeper
 frames get E_BAD_REQUEST before any decoding, so no peer can exhaust the stack."""
+
+WAKE_SECRET_BYTES = 16
+"""Length of a ``standby``/``successor`` secret (2.1)."""
+
+
+def wake_word(secret: bytes, grant: int) -> bytes:
+    """What a one-hop holder writes to its successor's wake channel, in one write
+    (atomic: under PIPE_BUF): the 16-byte secret, then the grant id as 8 bytes big-endian."""
+    return bytes(secret) + int(grant).to_bytes(8, "big")

@@ -1,12 +1,14 @@
-"""Command line: ``nodeagent serve | status | run | demo | keys | bench``."""
+"""Command line: ``nodeagent serve | status | top | run | demo | keys | bench``."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -14,7 +16,11 @@ import msgspec
 
 from nodeagent.config import DEFAULT_CONFIG_PATH
 
-EXIT_STATE_UNUSABLE = 74  # sysexits EX_IOERR: the state dir or journal cannot be used; systemd must not restart
+# Exit statuses of `serve` that the systemd unit does not restart on (RestartPreventExitStatus=):
+# a restart cannot fix them. Each comes with one line on stderr saying what to change.
+EXIT_BAD_SETTING = 2  # as argparse: a flag, config value or NODEAGENT_ENDPOINT that is not valid
+EXIT_STATE_UNUSABLE = 74  # sysexits EX_IOERR: the state dir or journal cannot be used
+EXIT_ADDRESS_UNUSABLE = 78  # sysexits EX_CONFIG: a valid address this host cannot bind (in use, not its own)
 
 EPILOG = """\
 environment:
@@ -25,6 +31,7 @@ environment:
 examples:
   nodeagent serve --backend cpu --cpu-devices 2
   nodeagent status --json
+  nodeagent top
   nodeagent run --workload training -- python train.py
   nodeagent demo --seconds 5
 """
@@ -39,13 +46,29 @@ token is given up or when it is taken away.
 signals: SIGINT (Ctrl-C), SIGTERM and SIGHUP are forwarded to CMD's process group,
   followed by SIGCONT so that a stopped CMD can act on them; CMD then runs
   unmanaged until it exits (its session is closed and the token passes on).
-daemon gone: by default (fail-open) CMD is continued and runs unmanaged, and the
-  launcher looks for the daemon every second; once it is back, CMD waits for a
-  grant again. With --fail-closed CMD stays stopped until the daemon returns.
+daemon gone (or not running when CMD starts): by default (fail-open) CMD is
+  continued and runs unmanaged, and the launcher looks for the daemon every
+  second; once it is there, CMD waits for a grant again. With --fail-closed CMD
+  stays stopped until the daemon is there.
 exit status: CMD's, or 128+N if CMD died of signal N; 127 if CMD is not found,
-  126 if it cannot be executed, 2 for a usage error, 1 if the daemon refused
-  the session.
+  126 if it cannot be executed, 2 for a usage error (a malformed --endpoint too),
+  1 if the daemon refused the session.
 """
+
+TOP_DESCRIPTION = """\
+A live view of the daemon, refreshed every --interval seconds (q quits). Per device:
+the token's holder and queue; a strip of the last 60 s, one character a second,
+showing who held the token longest in it (each session a letter, as in the session
+table; '.' idle, '*' many sessions); token waits p50/p99 over the last 512 grants;
+counts of grants, preemptions (a higher class waited), quantum yields, enforcements
+(holders stopped or revoked past their yield deadline) and suspensions; and per
+session its class, state, grants, GPU time and device memory (used/declared, MiB).
+While the daemon is away the view says so and keeps trying.
+
+--once prints a single frame without escape codes and exits: 0, or 1 with one line
+on stderr when the daemon cannot be reached.
+"""
+
 
 KEYS_GENERATE_DESCRIPTION = """\
 Create the daemon's CURVE key pair and one key pair per client, as ZeroMQ
@@ -91,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the daemon until SIGTERM or SIGINT. Exit status: 0 once stopped, "
                                        "2 for a bad setting, 74 when the state dir or its journal cannot be used "
                                        "(disk full, read-only, not a nodeagent journal, from a newer nodeagent), "
-                                       "1 for any other failure to start.")
+                                       "78 when an address to listen on cannot be bound (in use, not an address "
+                                       "of this host, cluster keys missing), 1 for any other failure to start.")
     serve.add_argument("--config", metavar="FILE",
                        help=f"TOML settings file (default: {DEFAULT_CONFIG_PATH} if it exists); "
                             "flags override it; `nodeagent config-example` prints a commented one")
@@ -128,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
+
+    top = sub.add_parser("top", help="live view of holders, queues, recent token history, waits and memory",
+                         description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                     help="seconds between refreshes (default: 1)")
+    top.add_argument("--once", action="store_true",
+                     help="print one frame to stdout, without escape codes, and exit (for scripts and tests)")
+    top.add_argument("--timeout", type=_positive_float, default=5.0,
+                     help="seconds to wait for each status reply (default: 5)")
 
     run = sub.add_parser("run", help="run an unmodified program time-sliced by the daemon",
                          usage="nodeagent run [OPTIONS] -- CMD [ARGS...]", description=RUN_DESCRIPTION,
@@ -183,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "status":
         return _status(args)
+    if args.command == "top":
+        from nodeagent import top
+        return top.run_once(args.endpoint, args.timeout) if args.once else \
+            top.run_live(args.endpoint, args.interval, args.timeout)
     if args.command == "run":
         from nodeagent.launcher import main as run_main
         return run_main(args)
@@ -214,37 +252,123 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
+# (argparse dest, ServeConfig attribute, key in the config file, flag)
+_SERVE_FLAGS = (
+    ("backend", "backend", "backend", "--backend"),
+    ("cpu_devices", "cpu_devices", "cpu_devices", "--cpu-devices"),
+    ("endpoint", "endpoint", "endpoint", "--endpoint"),
+    ("state_dir", "state_dir", "state_dir", "--state-dir"),
+    ("metrics_port", "metrics_port", "metrics.port", "--metrics-port"),
+    ("metrics_addr", "metrics_addr", "metrics.addr", "--metrics-addr"),
+    ("grace_ms", "grace_ms", "scheduler.grace_ms", "--grace-ms"),
+    ("heartbeat_ms", "heartbeat_ms", "heartbeat.interval_ms", "--heartbeat-ms"),
+    ("enforce", "enforce", "scheduler.enforce", "--enforce"),
+    ("memory_policy", "memory_policy", "memory.policy", "--memory-policy"),
+    ("log_level", "log_level", "log_level", "--log-level"),
+    ("ctxpool", "ctxpool_enabled", "ctxpool.enabled", "--ctxpool"),
+)
+
+
+class _Origins:
+    """Where each setting of `serve` came from (a flag, the config file, NODEAGENT_ENDPOINT),
+    so that an error names what the user typed rather than the setting's internal name."""
+
+    def __init__(self) -> None:
+        self.flags: dict[str, str] = {}  # key -> the flag that set it
+        self.env: dict[str, str] = {}  # key -> the environment variable that set it
+        self.file: str | None = None  # the config file, if one was read
+        self.file_keys: set[str] = set()
+
+    def name(self, key: str) -> str:
+        """What to change to change ``key``: its flag, ``key in FILE``, or the variable."""
+        if key in self.flags:
+            return self.flags[key]
+        if key in self.file_keys:
+            return f"{key} in {self.file}"
+        if key in self.env:
+            return self.env[key]
+        return next((flag for _, _, k, flag in _SERVE_FLAGS if k == key), key)
+
+    def explain(self, exc) -> str:
+        """The message of a ConfigError, naming the flag, file or variable the bad value came from."""
+        key = exc.key
+        if key in self.flags:
+            return f"{self.flags[key]} {exc.problem}"
+        if self.file is not None and (key in self.file_keys or key is None) and self.file not in str(exc):
+            return f"{self.file}: {exc}"
+        if key in self.env:
+            return f"{self.env[key]} {exc.problem}"
+        return str(exc)
+
+
 def _config_from(args: argparse.Namespace):
-    """Defaults, then the config file, then flags. Raises ConfigError."""
-    from nodeagent.config import ServeConfig, load_file
-    config = ServeConfig()
-    load_file(config, args.config or DEFAULT_CONFIG_PATH, required=args.config is not None)
-    for flag, attr in (("backend", "backend"), ("cpu_devices", "cpu_devices"), ("endpoint", "endpoint"),
-                       ("state_dir", "state_dir"), ("metrics_port", "metrics_port"),
-                       ("metrics_addr", "metrics_addr"), ("grace_ms", "grace_ms"),
-                       ("heartbeat_ms", "heartbeat_ms"), ("enforce", "enforce"),
-                       ("memory_policy", "memory_policy"), ("log_level", "log_level"),
-                       ("ctxpool", "ctxpool_enabled")):
-        value = getattr(args, flag)
+    """Defaults, then the config file, then flags: (ServeConfig, _Origins).
+    Raises ConfigError whose message names the flag, file or variable at fault."""
+    from client_lib.endpoint import ENV_ENDPOINT
+    from nodeagent.config import ConfigError, ServeConfig, load_file
+    config, origins = ServeConfig(), _Origins()
+    if os.environ.get(ENV_ENDPOINT):
+        origins.env["endpoint"] = ENV_ENDPOINT
+    path = args.config or DEFAULT_CONFIG_PATH
+    if load_file(config, path, required=args.config is not None, applied=origins.file_keys):
+        origins.file = path
+    for dest, attr, key, flag in _SERVE_FLAGS:
+        value = getattr(args, dest)
         if value is not None:
             setattr(config, attr, value)
+            origins.flags[key] = flag
     for name, ms in args.quantum_ms:
         config.quantum_ms[name] = ms
-    config.validate()
-    return config
+        origins.flags[f"scheduler.quantum_ms.{name}"] = "--quantum-ms"
+    try:
+        config.validate()
+    except ConfigError as exc:
+        raise ConfigError(origins.explain(exc), exc.key, exc.problem) from None
+    return config, origins
+
+
+def _address_problem(exc: OSError) -> str | None:
+    """Why an address cannot be bound, when it is the address's fault (a restart would not help); else None."""
+    if isinstance(exc, socket.gaierror):
+        return f"the host name does not resolve ({exc.strerror})"
+    if exc.errno == errno.EADDRINUSE:
+        return "the address is in use (another program, or another nodeagent, listens there)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "it is not an address of this host"
+    if exc.errno == errno.EACCES:
+        return "permission denied"
+    return None
+
+
+def _start_metrics(server, config, origins: _Origins) -> str | None:
+    """Serve /metrics if asked to; why it cannot be, as one line naming what to change, else None."""
+    if config.metrics_port is None:
+        return None
+    addr, port = config.metrics_addr, config.metrics_port
+    try:
+        server.metrics.serve_http(port, addr)
+    except OSError as exc:
+        problem = _address_problem(exc)
+        if problem is None:
+            problem = exc.strerror or str(exc)
+        at_fault = "metrics.port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "metrics.addr"
+        shown = f"[{addr}]" if ":" in addr else addr
+        return f"cannot serve metrics on {shown}:{port}: {problem}; change {origins.name(at_fault)}"
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
     from nodeagent.config import ConfigError
     from nodeagent.devices import DeviceError, open_backend
     from nodeagent.runtime import AlreadyRunningError, InstanceLock, notify_systemd
+    from nodeagent.daemon.cluster import ClusterError
     from nodeagent.daemon.server import AgentServer
 
     try:
-        config = _config_from(args)
+        config, origins = _config_from(args)
     except ConfigError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_SETTING
     _setup_logging(config.log_level)
     try:
         backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
@@ -278,22 +402,38 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server = AgentServer(config, backend, journal=journal)
     except ConfigError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        print(f"nodeagent: error: {origins.explain(exc)}", file=sys.stderr)
         backend.close()
-        return 2
+        return EXIT_BAD_SETTING
     except JournalError as exc:  # the boot counter or the restore could not be read or written
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         journal.close()
         backend.close()
         return EXIT_STATE_UNUSABLE
-    try:
-        endpoint = server.bind()
-    except (AlreadyRunningError, MpsError, OSError) as exc:
-        print(f"nodeagent: error: cannot listen on {config.endpoint}: {exc}", file=sys.stderr)
+
+    def give_up(code: int, message: str) -> int:
+        print(f"nodeagent: error: {message}", file=sys.stderr)
+        journal.close()
         backend.close()
-        return 1
-    if config.metrics_port is not None:
-        server.metrics.serve_http(config.metrics_port, config.metrics_addr)
+        return code
+
+    # Metrics first: a port it cannot have then ends the start before the endpoint
+    # exists, so no socket file is left behind and no client connects in between.
+    problem = _start_metrics(server, config, origins)
+    if problem is not None:
+        return give_up(EXIT_ADDRESS_UNUSABLE, problem)
+    try:
+        endpoint = server.bind()  # removes what it bound again if a later part of it fails
+    except ClusterError as exc:  # names the setting; the address or the keys are at fault
+        return give_up(EXIT_ADDRESS_UNUSABLE, str(exc))
+    except (AlreadyRunningError, MpsError) as exc:
+        return give_up(1, f"cannot listen on {config.endpoint}: {exc}")
+    except OSError as exc:
+        problem = _address_problem(exc)
+        if problem is None:
+            return give_up(1, f"cannot listen on {config.endpoint}: {exc.strerror or exc}")
+        return give_up(EXIT_ADDRESS_UNUSABLE,
+                       f"cannot listen on {config.endpoint}: {problem}; change {origins.name('endpoint')}")
     # Handlers only record the request and wake the loop (the wakeup fd does the waking).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _f: server.request_stop(signal.Signals(s).name))
@@ -335,6 +475,11 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from client_lib import NodeAgentError, query_status
+    from nodeagent.config import client_endpoint_problem
+    problem = client_endpoint_problem(args.endpoint)
+    if problem is not None:  # as `serve` refuses it: a typo, not a daemon that is away
+        print(f"nodeagent: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_SETTING
     try:
         status = query_status(args.endpoint, timeout=args.timeout)
     except NodeAgentError as exc:

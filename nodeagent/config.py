@@ -7,6 +7,7 @@ leaves a default in force.
 
 from __future__ import annotations
 
+import difflib
 import grp
 import math
 import os
@@ -18,7 +19,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from client_lib.endpoint import daemon_endpoint
+from client_lib.endpoint import ENV_ENDPOINT, client_endpoint, daemon_endpoint
+from client_lib.framing import parse_endpoint
 from sharing import SchedulerPolicy, Workload
 
 DEFAULT_CONFIG_PATH = "/etc/nodeagent/nodeagent.toml"
@@ -101,8 +103,72 @@ def default_state_dir() -> str:
     return os.path.join(base, "nodeagent")
 
 
+WORKLOADS = tuple(w.wire for w in Workload)
+
+
 class ConfigError(ValueError):
-    """A setting with a bad value; the message names the setting."""
+    """A setting with a bad value; the message names the setting.
+
+    ``key`` is the setting's dotted name in the file (``scheduler.grace_ms``;
+    None where no one setting is at fault) and ``problem`` the message without
+    its subject, so that the command line can name the flag or the environment
+    variable the value came from instead of the file's key."""
+
+    def __init__(self, message: str, key: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.problem = message if problem is None else problem
+
+
+def _bad(key: str, problem: str, subject: str | None = None) -> ConfigError:
+    """``subject problem``: ``subject`` is the key unless the message reads better naming its table."""
+    return ConfigError(f"{subject or key} {problem}", key, problem)
+
+
+def nearest(name: str, candidates) -> str | None:
+    """The candidate ``name`` was most likely meant to be (a typo, or a key in the wrong table); None if none
+    is close."""
+    candidates = list(candidates)
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for candidate in candidates:
+        by_leaf.setdefault(candidate.rsplit(".", 1)[-1], []).append(candidate)
+    if len(by_leaf.get(leaf, ())) == 1 and by_leaf[leaf][0] != name:  # the right key in the wrong table
+        return by_leaf[leaf][0]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+    if close and len(by_leaf[close[0]]) == 1:
+        return by_leaf[close[0]][0]
+    return None
+
+
+def did_you_mean(name: str, candidates) -> str:
+    """``"; did you mean 'x'?"`` for the nearest candidate, or ``""``."""
+    guess = nearest(name, candidates)
+    return f"; did you mean {guess!r}?" if guess is not None else ""
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be a local endpoint (a clause after its name), or None if it can."""
+    try:
+        _, address = parse_endpoint(endpoint)
+    except ValueError:
+        return f"must be ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
+    if isinstance(address, tuple) and not 0 <= address[1] <= 65535:
+        return f"has a port outside 0..65535: {endpoint!r}"
+    return None
+
+
+def client_endpoint_problem(flag: str | None) -> str | None:
+    """For a command that connects (status, run): why the endpoint it would use, ``--endpoint``
+    if given, else the environment's or the default, cannot be one, naming where it came from."""
+    endpoint = flag or client_endpoint()
+    problem = endpoint_problem(endpoint)
+    if problem is None:
+        return None
+    return f"{'--endpoint' if flag else ENV_ENDPOINT} {problem}"
 
 
 @dataclass
@@ -151,99 +217,109 @@ class ServeConfig:
     cluster_health_interval_s: float = 5.0
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` (with its ``key``) for the first setting that cannot be used."""
         if self.backend not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"backend must be auto, cuda or cpu, got {self.backend!r}")
+            raise _bad("backend", f"must be auto, cuda or cpu, got {self.backend!r}")
         if self.cpu_devices < 1:
-            raise ConfigError(f"cpu_devices must be >= 1, got {self.cpu_devices}")
-        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://")):
-            raise ConfigError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+            raise _bad("cpu_devices", f"must be >= 1, got {self.cpu_devices}")
+        problem = endpoint_problem(self.endpoint)
+        if problem is not None:
+            raise _bad("endpoint", problem)
         if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+            raise _bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics.port must be in 0..65535, got {self.metrics_port}")
+            raise _bad("metrics.port", f"must be in 0..65535, got {self.metrics_port}")
+        for name, ms in self.quantum_ms.items():  # a table of its own: one key per workload class
+            if name not in WORKLOADS:
+                raise _bad(f"scheduler.quantum_ms.{name}", f"has unknown workload class {name!r}"
+                           f"{did_you_mean(name, WORKLOADS)} (classes: {', '.join(WORKLOADS)})",
+                           subject="scheduler.quantum_ms")
+            if not (math.isfinite(ms) and ms > 0):
+                raise _bad(f"scheduler.quantum_ms.{name}", f"must be a positive number of ms, got {name}={ms:g}",
+                           subject="scheduler.quantum_ms")
         for name, value in (("scheduler.grace_ms", self.grace_ms), ("heartbeat.interval_ms", self.heartbeat_ms),
                             ("memory.watch_interval_ms", self.memory_watch_ms)):
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name} must be a positive number, got {value}")
+                raise _bad(name, f"must be a positive number, got {value:g}")
         if self.heartbeat_misses < 1:
-            raise ConfigError(f"heartbeat.misses must be >= 1, got {self.heartbeat_misses}")
+            raise _bad("heartbeat.misses", f"must be >= 1, got {self.heartbeat_misses}")
         if self.enforce not in ("stop", "revoke"):
-            raise ConfigError(f"scheduler.enforce must be stop or revoke, got {self.enforce!r}")
+            raise _bad("scheduler.enforce", f"must be stop or revoke, got {self.enforce!r}")
         if self.memory_policy not in MEMORY_POLICIES:
-            raise ConfigError(f"memory.policy must be one of {', '.join(MEMORY_POLICIES)}, "
-                              f"got {self.memory_policy!r}")
+            raise _bad("memory.policy", f"must be one of {', '.join(MEMORY_POLICIES)}, got {self.memory_policy!r}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices):
-            raise ConfigError(f"mps.devices must be a list of device indices, got {self.mps_devices!r}")
+            raise _bad("mps.devices", f"must be a list of device indices, got {self.mps_devices!r}")
         if not 1 <= self.mps_min_percent <= 100:
-            raise ConfigError(f"mps.min_percent must be in 1..100, got {self.mps_min_percent}")
+            raise _bad("mps.min_percent", f"must be in 1..100, got {self.mps_min_percent}")
         for workload, percent in self.memory_class_cap_percent.items():
-            if workload not in {w.wire for w in Workload}:
-                raise ConfigError(f"memory.class_cap_percent has unknown workload {workload!r} "
-                                  "(workloads: inference, training, best-effort)")
+            key = f"memory.class_cap_percent.{workload}"
+            if workload not in WORKLOADS:
+                raise _bad(key, f"has unknown workload class {workload!r}{did_you_mean(workload, WORKLOADS)} "
+                                f"(classes: {', '.join(WORKLOADS)})", subject="memory.class_cap_percent")
             if not (math.isfinite(percent) and 0 < percent <= 100):
-                raise ConfigError(f"memory.class_cap_percent.{workload} must be in (0, 100], got {percent}")
+                raise _bad(key, f"must be in (0, 100], got {percent:g}")
         if self.memory_make_room not in ("refuse", "suspend"):
-            raise ConfigError(f"memory.make_room must be refuse or suspend, got {self.memory_make_room!r}")
+            raise _bad("memory.make_room", f"must be refuse or suspend, got {self.memory_make_room!r}")
         if not (math.isfinite(self.memory_make_room_deadline_ms) and self.memory_make_room_deadline_ms > 0):
-            raise ConfigError(f"memory.make_room_deadline_ms must be a positive number, "
-                              f"got {self.memory_make_room_deadline_ms}")
+            raise _bad("memory.make_room_deadline_ms",
+                       f"must be a positive number, got {self.memory_make_room_deadline_ms:g}")
         if self.ctxpool_enabled not in ("auto", "on", "off"):
-            raise ConfigError(f"ctxpool.enabled must be auto, on or off, got {self.ctxpool_enabled!r}")
+            raise _bad("ctxpool.enabled", f"must be auto, on or off, got {self.ctxpool_enabled!r}")
         for name, value, low in (("ctxpool.workers_per_device", self.ctxpool_workers_per_device, 1),
                                  ("ctxpool.pool_mb", self.ctxpool_pool_mb, 0),
                                  ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0),
                                  ("ctxpool.hang_budget", self.ctxpool_hang_budget, 1)):
             if value < low:
-                raise ConfigError(f"{name} must be >= {low}, got {value}")
+                raise _bad(name, f"must be >= {low}, got {value}")
         resident = self.ctxpool_resident_mb
         if resident != "auto" and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
-            raise ConfigError(f"ctxpool.resident_mb must be \"auto\" or an integer >= 0, got {resident!r}")
+            raise _bad("ctxpool.resident_mb", f"must be \"auto\" or an integer >= 0, got {resident!r}")
         if not (math.isfinite(self.ctxpool_timeout_grace_ms) and self.ctxpool_timeout_grace_ms >= 0):
-            raise ConfigError(f"ctxpool.timeout_grace_ms must be a number >= 0, got {self.ctxpool_timeout_grace_ms}")
+            raise _bad("ctxpool.timeout_grace_ms", f"must be a number >= 0, got {self.ctxpool_timeout_grace_ms:g}")
         self.ctxpool_register_gid()
         if any(not isinstance(d, str) or not os.path.isabs(d) for d in self.ctxpool_python_path):
-            raise ConfigError(f"ctxpool.python_path must be a list of absolute directories, "
-                              f"got {self.ctxpool_python_path!r}")
+            raise _bad("ctxpool.python_path",
+                       f"must be a list of absolute directories, got {self.ctxpool_python_path!r}")
         if self.cluster_endpoint is not None and not self.cluster_endpoint.startswith("tcp://"):
-            raise ConfigError(f"cluster.endpoint must be tcp://HOST:PORT, got {self.cluster_endpoint!r}")
+            raise _bad("cluster.endpoint", f"must be tcp://HOST:PORT, got {self.cluster_endpoint!r}")
         if self.cluster_events_endpoint and not self.cluster_events_endpoint.startswith("tcp://"):
-            raise ConfigError(f"cluster.events_endpoint must be tcp://HOST:PORT or empty, "
-                              f"got {self.cluster_events_endpoint!r}")
+            raise _bad("cluster.events_endpoint", f"must be tcp://HOST:PORT or empty, "
+                                                  f"got {self.cluster_events_endpoint!r}")
         if self.cluster_endpoint is not None and self.cluster_endpoint == self.cluster_events_endpoint:
             raise ConfigError("cluster.endpoint and cluster.events_endpoint must differ "
                               f"(both are {self.cluster_endpoint!r})")
         if not (math.isfinite(self.cluster_protect_s) and self.cluster_protect_s >= 0):
-            raise ConfigError(f"cluster.protect_s must be a number >= 0, got {self.cluster_protect_s}")
+            raise _bad("cluster.protect_s", f"must be a number >= 0, got {self.cluster_protect_s:g}")
         if not (math.isfinite(self.cluster_health_interval_s) and self.cluster_health_interval_s > 0):
-            raise ConfigError(f"cluster.health_interval_s must be a positive number, "
-                              f"got {self.cluster_health_interval_s}")
+            raise _bad("cluster.health_interval_s",
+                       f"must be a positive number, got {self.cluster_health_interval_s:g}")
         if self.local_max_connections < 1:
-            raise ConfigError(f"local.max_connections must be >= 1, got {self.local_max_connections}")
+            raise _bad("local.max_connections", f"must be >= 1, got {self.local_max_connections}")
         if self.local_max_connections_per_uid < 1:
-            raise ConfigError("local.max_connections_per_uid must be >= 1, "
-                              f"got {self.local_max_connections_per_uid}")
+            raise _bad("local.max_connections_per_uid", f"must be >= 1, got {self.local_max_connections_per_uid}")
         if self.local_max_queued_kb < 64:
-            raise ConfigError(f"local.max_queued_kb must be >= 64, got {self.local_max_queued_kb}")
+            raise _bad("local.max_queued_kb", f"must be >= 64, got {self.local_max_queued_kb}")
         if self.memory_reserve_mb < 0:
-            raise ConfigError(f"memory.reserve_mb must be >= 0, got {self.memory_reserve_mb}")
+            raise _bad("memory.reserve_mb", f"must be >= 0, got {self.memory_reserve_mb}")
         allowance = self.memory_context_allowance_mb
         if allowance != "auto" and (isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0):
-            raise ConfigError(f"memory.context_allowance_mb must be \"auto\" or an integer >= 0, got {allowance!r}")
+            raise _bad("memory.context_allowance_mb", f"must be \"auto\" or an integer >= 0, got {allowance!r}")
         if self.memory_host_proc and not os.path.isabs(self.memory_host_proc):
-            raise ConfigError(f"memory.host_proc must be an absolute directory or empty, "
-                              f"got {self.memory_host_proc!r}")
-        try:
-            self.policy()
-        except ValueError as exc:
-            raise ConfigError(str(exc).replace("quantum_ms", "scheduler.quantum_ms")) from None
+            raise _bad("memory.host_proc", f"must be an absolute directory or empty, got {self.memory_host_proc!r}")
+        self.policy()
 
     def policy(self) -> SchedulerPolicy:
-        unknown = set(self.quantum_ms) - {w.wire for w in Workload}
-        if unknown:
-            raise ConfigError(f"scheduler.quantum_ms has unknown workload(s) {sorted(unknown)}; "
-                              "valid: inference, training, best-effort")
-        quanta = {Workload.parse(name): ms for name, ms in self.quantum_ms.items()}
-        return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms)
+        """The scheduling policy these settings give (validate first: a bad quantum raises ConfigError)."""
+        quanta = {}
+        for name, ms in self.quantum_ms.items():
+            if name not in WORKLOADS:
+                raise _bad(f"scheduler.quantum_ms.{name}", f"has unknown workload class {name!r} "
+                           f"(classes: {', '.join(WORKLOADS)})", subject="scheduler.quantum_ms")
+            quanta[Workload.parse(name)] = ms
+        try:
+            return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms)
+        except ValueError as exc:  # validate() checked each value; this is what the scheduler adds
+            raise ConfigError(f"scheduler: {exc}") from None
 
     def ctxpool_register_gid(self) -> int | None:
         """The gid of ``ctxpool.register_group`` (None: root only). ConfigError if no such group."""
@@ -251,14 +327,14 @@ class ServeConfig:
         if group == "":
             return None
         if isinstance(group, bool) or (isinstance(group, int) and group < 0):
-            raise ConfigError(f"ctxpool.register_group must be a group name or a gid >= 0, got {group!r}")
+            raise _bad("ctxpool.register_group", f"must be a group name or a gid >= 0, got {group!r}")
         if isinstance(group, int) or group.isdigit():
             return int(group)
         try:
             return grp.getgrnam(group).gr_gid
         except KeyError:
-            raise ConfigError(f"ctxpool.register_group names group {group!r}, which does not exist on this host "
-                              "(create it, or give a gid)") from None
+            raise _bad("ctxpool.register_group", f"names group {group!r}, which does not exist on this host "
+                                                 "(create it, or give a gid)") from None
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -311,9 +387,11 @@ _SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "local", "memory"
              "mps", "ctxpool", "cluster"}
 
 
-def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
+def load_file(config: ServeConfig, path: str, *, required: bool, applied: set[str] | None = None) -> bool:
     """Apply the TOML file at ``path`` to ``config``. Returns False if it is absent
-    and not ``required``; raises :class:`ConfigError` naming the key otherwise."""
+    and not ``required``; raises :class:`ConfigError` naming the file and the key
+    otherwise (an unknown key with the nearest valid one). ``applied`` collects
+    the dotted keys the file set."""
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -324,25 +402,34 @@ def load_file(config: ServeConfig, path: str, *, required: bool) -> bool:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     per_workload = {"scheduler.quantum_ms.": config.quantum_ms,
                     "memory.class_cap_percent.": config.memory_class_cap_percent}
     for key, value in _flatten(doc, path):
         table_prefix, workload = key.rsplit(".", 1)[0] + ".", key.rsplit(".", 1)[-1]
         if table_prefix in per_workload:  # [section.table] with one number per workload class
-            if workload not in {w.wire for w in Workload}:
-                raise ConfigError(f"{path}: unknown key {key!r} (workloads: inference, training, best-effort)")
+            if workload not in WORKLOADS:
+                guess = nearest(workload, WORKLOADS)
+                hint = f"; did you mean {table_prefix + guess!r}?" if guess is not None else ""
+                raise ConfigError(f"{path}: unknown key {key!r}{hint} (workload classes: {', '.join(WORKLOADS)})")
             _check_type(path, key, value, (int, float))
             per_workload[table_prefix][workload] = float(value)
-            continue
-        spec = _KEYS.get(key)
-        if spec is None:
-            raise ConfigError(f"{path}: unknown key {key!r}; valid keys: "
-                              f"{', '.join(sorted(_KEYS) + ['scheduler.quantum_ms.<workload>', 'memory.class_cap_percent.<workload>'])}")
-        attr, types = spec
-        _check_type(path, key, value, types)
-        setattr(config, attr, float(value) if float in types else value)
+        else:
+            spec = _KEYS.get(key)
+            if spec is None:
+                raise ConfigError(f"{path}: unknown key {key!r}{did_you_mean(key, _all_keys())} "
+                                  "(`nodeagent config-example` prints every key)")
+            attr, types = spec
+            _check_type(path, key, value, types)
+            setattr(config, attr, float(value) if float in types else value)
+        if applied is not None:
+            applied.add(key)
     return True
+
+
+def _all_keys() -> list[str]:
+    return [*_KEYS, *(f"{table}.{w}" for table in ("scheduler.quantum_ms", "memory.class_cap_percent")
+                      for w in WORKLOADS)]
 
 
 def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
@@ -350,8 +437,9 @@ def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
         key = f"{prefix}{name}"
         if isinstance(value, dict):
             if key not in _SECTIONS:
-                raise ConfigError(f"{path}: unknown section [{key}]; valid sections: "
-                                  f"{', '.join(sorted(_SECTIONS))}")
+                guess = nearest(key, _SECTIONS)
+                hint = f"; did you mean [{guess}]?" if guess is not None else ""
+                raise ConfigError(f"{path}: unknown section [{key}]{hint} (sections: {', '.join(sorted(_SECTIONS))})")
             yield from _flatten(value, path, key + ".")
         else:
             yield key, value
@@ -360,6 +448,19 @@ def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
 def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass in Python; a TOML true is never a number here.
     if isinstance(value, bool) or not isinstance(value, types):
-        expected = " or ".join("number" if t is float else {int: "integer", str: "string", list: "list"}[t] for t in types
-                               if not (t is int and float in types))
-        raise ConfigError(f"{path}: {key} must be a {expected}, got {value!r}")
+        expected = " or ".join("a number" if t is float else {int: "an integer", str: "a string", list: "a list"}[t]
+                               for t in types if not (t is int and float in types))
+        raise ConfigError(f"{path}: {key} must be {expected}, got {_toml(value)}")
+
+
+def _toml(value: Any) -> str:
+    """``value`` as it would be written in the file (true, not True)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "a table"
+    return repr(value) if isinstance(value, (int, float)) else str(value)  # dates and times print as TOML writes them

@@ -169,12 +169,13 @@ class Launcher:
     # ------------------------------------------------------------- managed
 
     def _open_session(self) -> None:
-        """First hello. A daemon that is not there is one that went away;
-        a daemon that refuses the session ends the launch (CMD never ran)."""
+        """First hello. With no daemon there, CMD is handled as if one went away, but
+        the message says there was none; a daemon that refuses the session ends the
+        launch (CMD never ran)."""
         try:
             self.client = self._new_client(handshake_timeout_s=None)
         except DaemonUnavailableError as exc:
-            self._daemon_lost(str(exc))
+            self._no_daemon_yet(exc)
             return
         except NodeAgentError as exc:
             log.error("the daemon refused the session: %s; CMD was not started", exc)
@@ -238,14 +239,26 @@ class Launcher:
             log.warning("daemon lost (%s); CMD runs unmanaged until it returns (fail-open)", reason)
             self._continue_cmd("daemon lost, fail-open")
 
+    def _no_daemon_yet(self, exc: DaemonUnavailableError) -> None:
+        """AWAY from the start: no daemon to attach to (there never was one, for this launcher)."""
+        self.mode = Mode.AWAY
+        self._next_attach = time.monotonic() + self._retry_s()
+        found = f"no nodeagent daemon at {exc.endpoint}: {exc.detail}"
+        if self.fail_closed:
+            log.warning("%s; CMD waits, stopped, until one starts (--fail-closed)", found)
+        else:
+            log.warning("%s; CMD runs unmanaged until one starts (fail-open)", found)
+            self._continue_cmd("no daemon, fail-open")
+
     def _step_away(self) -> None:
         """Try to reattach when due; once back, CMD waits for a grant again."""
         now = time.monotonic()
         if now < self._next_attach:
             return
         self._next_attach = now + self._retry_s()
+        first = self.client is None  # no session yet: the daemon was never there
         try:
-            if self.client is None:
+            if first:
                 self.client = self._new_client(_REATTACH_HANDSHAKE_S)
             elif not self.client.try_resume(_REATTACH_HANDSHAKE_S):
                 return
@@ -253,7 +266,10 @@ class Launcher:
         except NodeAgentError:
             return
         self.mode = Mode.MANAGED
-        log.warning("daemon is back (session %s); CMD is managed again", self.client.session_id)
+        if first:
+            log.warning("daemon found (session %s); CMD is managed from now on", self.client.session_id)
+        else:
+            log.warning("daemon is back (session %s); CMD is managed again", self.client.session_id)
         if not holding:
             self._stop_cmd("waiting for a grant")
             self.client.request()
@@ -464,6 +480,11 @@ def main(args) -> int:
         argv = argv[1:]
     if not argv:
         log.error("no command to run; usage: nodeagent run [OPTIONS] -- CMD [ARGS...]")
+        return 2
+    from nodeagent.config import client_endpoint_problem
+    problem = client_endpoint_problem(args.endpoint)
+    if problem is not None:  # a typo, not a daemon that is away: CMD is not started
+        log.error("%s", problem)
         return 2
     launcher = Launcher(argv, name=args.name, workload=args.workload, weight=args.weight,
                         device=args.device, endpoint=args.endpoint, fail_closed=args.fail_closed)

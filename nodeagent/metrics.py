@@ -1,8 +1,17 @@
 """Prometheus metrics of the daemon.
 
 The registry is injected so tests use a fresh one. Gauges that describe the
-current state (sessions per device, workload and state) are read at scrape
-time by a custom collector instead of being kept in step by hand.
+current state (sessions per device, workload and state; each device's token,
+lifecycle and health) are read at scrape time by a custom collector instead of
+being kept in step by hand, and every label set of a state gauge is exported on
+every scrape: a state that empties reads 0, it never vanishes.
+
+Every label has a bounded set of values (devices, workloads, states, reasons);
+nothing is labelled by session, process or request id, since each new id would
+be a new series for Prometheus to keep. Per-session figures are in
+``nodeagent status``. :meth:`Metrics.catalogue` lists every metric; README's
+table is generated from it (``python -m nodeagent.metrics``) and a test checks
+both against a real daemon's scrape.
 """
 
 from __future__ import annotations
@@ -10,113 +19,218 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, NamedTuple
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from sharing import DeviceState, SessionState, Workload
 
 log = logging.getLogger("nodeagent.metrics")
 
 # Token waits span sub-millisecond handoffs to multi-second queues.
 _WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _HANDOFF_BUCKETS_S = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+_PARK_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_RECLAIM_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+WORKLOADS = tuple(w.wire for w in Workload)
+SESSION_STATES = (*(s.value for s in SessionState), "stopped")  # stopped: SIGSTOPped by enforcement
+DEVICE_STATES = tuple(s.value for s in DeviceState)
+YIELD_REASONS = ("preempted", "quantum")
+ENFORCEMENT_KINDS = ("stop", "revoke")
+SUSPEND_OUTCOMES = ("suspended", "stopped", "timeout", "gone", "cancelled")
+
+
+class MetricDoc(NamedTuple):
+    """One metric as Prometheus stores it: README's table is made of these."""
+
+    name: str  # as exported: a counter's name ends in _total
+    type: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
 
 class SessionRow(NamedTuple):
     device: str
     workload: str
-    state: str  # idle | waiting | holding | yielding | stopped
-    session: str
+    state: str  # one of SESSION_STATES
     memory_bytes: int  # measured where the backend can (cuda), else declared
 
 
-class _SessionCollector(Collector):
-    """State gauges computed at scrape time from the daemon's sessions."""
+class DeviceRow(NamedTuple):
+    device: str
+    lifecycle: str  # one of DEVICE_STATES
+    lost: bool  # NVML reports the GPU lost
+    token_held: bool  # a session holds (or is yielding) the token
+    waiting: int  # sessions waiting for the token
 
-    def __init__(self, rows: Callable[[], Iterable[SessionRow]]) -> None:
-        self._rows = rows
+
+_STATE_DOCS = (
+    MetricDoc("nodeagent_sessions", "gauge", ("device", "workload", "state"),
+              "Sessions by device, workload and state (every combination; 0 when none)"),
+    MetricDoc("nodeagent_device_memory_bytes", "gauge", ("device", "workload"),
+              "Device memory of the sessions of a workload: measured on cuda, declared on cpu"),
+    MetricDoc("nodeagent_token_held", "gauge", ("device",),
+              "1 while a session holds the device's token (or is yielding it), else 0"),
+    MetricDoc("nodeagent_token_queue_length", "gauge", ("device",), "Sessions waiting for the device's token"),
+    MetricDoc("nodeagent_device_state", "gauge", ("device", "state"),
+              "1 for the device's lifecycle state (FREE, RUN, PROTECT, LENT, DRAINING), 0 for the others"),
+    MetricDoc("nodeagent_device_lost", "gauge", ("device",), "1 while NVML reports the device lost, else 0"),
+)
+
+
+class _StateCollector(Collector):
+    """State gauges computed at scrape time from the daemon's devices and sessions.
+    Runs on the HTTP server's thread: the row callables read, never change."""
+
+    def __init__(self, devices: Callable[[], Iterable[DeviceRow]],
+                 sessions: Callable[[], Iterable[SessionRow]]) -> None:
+        self._devices = devices
+        self._sessions = sessions
+
+    def describe(self):
+        return [GaugeMetricFamily(doc.name, doc.help, labels=doc.labels) for doc in _STATE_DOCS]
 
     def collect(self):
-        sessions = GaugeMetricFamily("nodeagent_sessions", "Sessions by device, workload and state",
-                                     labels=["device", "workload", "state"])
-        memory = GaugeMetricFamily("nodeagent_device_memory_bytes",
-                                   "Device memory per session: measured on cuda, declared on cpu",
-                                   labels=["device", "session"])
-        counts: dict[tuple[str, str, str], int] = {}
-        for row in self._rows():
+        sessions, memory, held, queue, state, lost = self.describe()
+        devices = list(self._devices())
+        counts = {(d.device, w, st): 0 for d in devices for w in WORKLOADS for st in SESSION_STATES}
+        used = {(d.device, w): 0 for d in devices for w in WORKLOADS}
+        for row in self._sessions():
             key = (row.device, row.workload, row.state)
             counts[key] = counts.get(key, 0) + 1
-            memory.add_metric([row.device, row.session], row.memory_bytes)
-        for key, n in sorted(counts.items()):
+            used[(row.device, row.workload)] = used.get((row.device, row.workload), 0) + row.memory_bytes
+        for key, n in counts.items():
             sessions.add_metric(list(key), n)
-        yield sessions
-        yield memory
+        for key, n in used.items():
+            memory.add_metric(list(key), n)
+        for d in devices:
+            held.add_metric([d.device], 1 if d.token_held else 0)
+            queue.add_metric([d.device], d.waiting)
+            lost.add_metric([d.device], 1 if d.lost else 0)
+            for name in DEVICE_STATES:
+                state.add_metric([d.device, name], 1 if d.lifecycle == name else 0)
+        return [sessions, memory, held, queue, state, lost]
 
 
 class Metrics:
     """All metrics of one daemon, registered in ``registry``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # The *_created series double the series count and no dashboard reads them. The
+        # switch is process-wide in prometheus_client; the daemon's process has only this registry.
+        prometheus_client.disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.token_wait = Histogram(
+        self._docs: list[MetricDoc] = []
+        self.token_wait = self._histogram(
             "nodeagent_token_wait_seconds", "Time from asking for a device token to its grant",
-            ["device", "workload"], buckets=_WAIT_BUCKETS_S, registry=r)
-        self.token_handoff = Histogram(
+            ("device", "workload"), _WAIT_BUCKETS_S)
+        self.token_handoff = self._histogram(
             "nodeagent_token_handoff_seconds",
-            "Time inside the daemon from a token's release to the next grant being sent",
-            ["device"], buckets=_HANDOFF_BUCKETS_S, registry=r)
-        self.slice_seconds = Counter(
-            "nodeagent_slice_seconds", "Time a session held its device token", ["session"], registry=r)
-        self.yield_requests = Counter(
-            "nodeagent_yield_requests", "Requests to a token holder to yield", ["device", "reason"], registry=r)
-        self.enforcements = Counter(
-            "nodeagent_enforcements", "Holders that overran their yield deadline, by action taken",
-            ["kind"], registry=r)
-        self.bad_requests = Counter(
-            "nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST", registry=r)
-        self.connections_refused = Counter(
-            "nodeagent_connections_refused", "Local connections refused: over local.max_connections or out of descriptors",
-            registry=r)
-        self.internal_errors = Counter(
-            "nodeagent_internal_errors", "Bugs contained by the loop (one request or loop step lost, not the daemon)",
-            ["where"], registry=r)
-        self.suspends = Counter(
-            "nodeagent_suspends", "Whole-device suspensions, by outcome (suspended, stopped, timeout, gone)",
-            ["outcome"], registry=r)
-        self.resumes = Counter("nodeagent_resumes", "Suspended sessions resumed", registry=r)
-        self.parked_bytes = Counter(
-            "nodeagent_parked_bytes", "Bytes of state clients parked in host memory when suspended", registry=r)
-        self.suspend_seconds = Histogram(
-            "nodeagent_suspend_seconds", "Time clients took to park their state (their measurement)",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
-        self.resume_seconds = Histogram(
-            "nodeagent_resume_seconds", "Time clients took to bring their state back (their measurement)",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
-        self.memory_violations = Counter(
-            "nodeagent_memory_violations", "Sessions found using more device memory than they declared",
-            ["device", "policy"], registry=r)
-        self.sessions_lost = Counter(
-            "nodeagent_sessions_lost", "Sessions dropped because their client vanished", ["reason"], registry=r)
-        self.journal_write_failures = Counter(
+            "Time inside the daemon from a token's release to the next grant being sent", ("device",),
+            _HANDOFF_BUCKETS_S)
+        self.slice_seconds = self._counter(
+            "nodeagent_slice_seconds", "Time sessions held their device's token, by workload",
+            ("device", "workload"))
+        self.yield_requests = self._counter(
+            "nodeagent_yield_requests", "Requests to a token holder to yield (reason: preempted, quantum)",
+            ("device", "reason"))
+        self.enforcements = self._counter(
+            "nodeagent_enforcements", "Holders that overran their yield deadline, by action taken (stop, revoke)",
+            ("kind",))
+        self.bad_requests = self._counter("nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST")
+        self.connections_refused = self._counter(
+            "nodeagent_connections_refused",
+            "Local connections refused: over local.max_connections or out of descriptors")
+        self.internal_errors = self._counter(
+            "nodeagent_internal_errors",
+            "Bugs contained by the loop (one request or loop step lost, not the daemon), by where they happened",
+            ("where",))
+        self.suspends = self._counter(
+            "nodeagent_suspends",
+            "Whole-device suspensions, by outcome (suspended, stopped, timeout, gone, cancelled)", ("outcome",))
+        self.resumes = self._counter("nodeagent_resumes", "Suspended sessions resumed")
+        self.parked_bytes = self._counter(
+            "nodeagent_parked_bytes", "Bytes of state clients parked in host memory when suspended")
+        self.suspend_seconds = self._histogram(
+            "nodeagent_suspend_seconds", "Time clients took to park their state (their measurement)", (),
+            _PARK_BUCKETS_S)
+        self.resume_seconds = self._histogram(
+            "nodeagent_resume_seconds", "Time clients took to bring their state back (their measurement)", (),
+            _PARK_BUCKETS_S)
+        self.memory_violations = self._counter(
+            "nodeagent_memory_violations",
+            "Sessions found using more device memory than they declared (policy: warn, revoke, stop)",
+            ("device", "policy"))
+        self.sessions_lost = self._counter(
+            "nodeagent_sessions_lost",
+            "Sessions dropped because their client vanished (reason: process_exited, disconnected, not_reading, "
+            "heartbeat, ...; a bye is not counted)", ("reason",))
+        self.lends = self._counter("nodeagent_lends", "Devices lent to a borrower (a lend that changed the state)",
+                                   ("device",))
+        self.reclaims = self._counter("nodeagent_reclaims", "Reclaims of a lent device that finished",
+                                      ("device",))
+        self.reclaim_seconds = self._histogram(
+            "nodeagent_reclaim_seconds", "Time from a reclaim's start until the borrower's sessions were off the device",
+            (), _RECLAIM_BUCKETS_S)
+        self.journal_write_failures = self._counter(
             "nodeagent_journal_write_failures",
-            "State journal writes that failed (disk full, I/O error); what they carried is not durable", registry=r)
-        self.journal_ok = Gauge(
-            "nodeagent_journal_ok", "1 while the state journal takes writes; 0 from a failed write until one succeeds",
-            registry=r)
-        self._session_collector: _SessionCollector | None = None
+            "State journal writes that failed (disk full, I/O error); what they carried is not durable")
+        self.journal_ok = self._gauge(
+            "nodeagent_journal_ok",
+            "1 while the state journal takes writes; 0 from a failed write until one succeeds (sessions are then "
+            "not durable), and without a journal")
+        self._docs.extend(_STATE_DOCS)
+        # Label values known from the start are exported at 0 from the first scrape (rates need a start).
+        for kind in ENFORCEMENT_KINDS:
+            self.enforcements.labels(kind)
+        for outcome in SUSPEND_OUTCOMES:
+            self.suspends.labels(outcome)
 
-    def watch_sessions(self, rows: Callable[[], Iterable[SessionRow]]) -> None:
-        """Expose ``nodeagent_sessions`` from ``rows`` at scrape time."""
-        self._session_collector = _SessionCollector(rows)
-        self.registry.register(self._session_collector)
+    def _counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
+        self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
+        return Counter(name, help, labels, registry=self.registry)
 
-    def forget_session(self, session: str) -> None:
-        """Drop the label sets of a departed session."""
-        try:
-            self.slice_seconds.remove(session)
-        except KeyError:
-            pass
+    def _gauge(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Gauge:
+        self._docs.append(MetricDoc(name, "gauge", labels, help))
+        return Gauge(name, help, labels, registry=self.registry)
+
+    def _histogram(self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+        self._docs.append(MetricDoc(name, "histogram", labels, help))
+        return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
+
+    def catalogue(self) -> list[MetricDoc]:
+        """Every metric the daemon exports, in README's order."""
+        return list(self._docs)
+
+    def watch(self, device_count: int, devices: Callable[[], Iterable[DeviceRow]],
+              sessions: Callable[[], Iterable[SessionRow]]) -> None:
+        """Expose the state gauges from ``devices`` and ``sessions`` at scrape time, and
+        start each device's counters at 0."""
+        self.registry.register(_StateCollector(devices, sessions))
+        for device in map(str, range(device_count)):
+            self.lends.labels(device)
+            self.reclaims.labels(device)
+            for reason in YIELD_REASONS:
+                self.yield_requests.labels(device, reason)
+            for workload in WORKLOADS:
+                self.slice_seconds.labels(device, workload)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1"):
         server, thread = start_http_server(port, addr=addr, registry=self.registry)
         log.info("[metrics] serving http://%s:%d/metrics", addr, server.server_port)
         return server, thread
+
+
+def markdown_table(docs: Iterable[MetricDoc]) -> str:
+    """README's metrics table."""
+    lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for doc in docs:
+        labels = ", ".join(doc.labels) if doc.labels else "-"
+        lines.append(f"| `{doc.name}` | {doc.type} | {labels} | {doc.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m nodeagent.metrics > the table for README.md
+    print(markdown_table(Metrics(CollectorRegistry()).catalogue()), end="")

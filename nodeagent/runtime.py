@@ -62,7 +62,7 @@ def prepare_socket_dir(socket_path: str) -> None:
     directory = os.path.dirname(socket_path) or "."
     system = os.geteuid() == 0
     os.makedirs(directory, mode=0o750 if system else 0o700, exist_ok=True)
-    gid = _socket_gid() if system else None
+    gid = socket_gid() if system else None
     if gid is not None:
         try:
             os.chown(directory, 0, gid)
@@ -83,7 +83,7 @@ def secure_socket(socket_path: str) -> None:
     os.chmod(socket_path, SOCKET_MODE)
     if os.geteuid() != 0:
         return
-    gid = _socket_gid()
+    gid = socket_gid()
     if gid is None and os.path.dirname(socket_path) == os.path.dirname(SYSTEM_SOCKET):
         log.warning("[runtime] group %s does not exist: only root can use %s (create it with "
                     "systemd-sysusers or groupadd, and add client users to it)", SOCKET_GROUP, socket_path)
@@ -92,7 +92,7 @@ def secure_socket(socket_path: str) -> None:
         os.chown(socket_path, 0, gid)
 
 
-def _socket_gid() -> int | None:
+def socket_gid() -> int | None:
     try:
         return grp.getgrnam(SOCKET_GROUP).gr_gid
     except KeyError:

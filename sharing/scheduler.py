@@ -491,6 +491,11 @@ class TokenScheduler:
         first and may come before it."""
         if self._successor is not None:
             return self._successor.id
+        return self.first_in_line()
+
+    def first_in_line(self) -> str | None:
+        """The first waiter by the usual order (highest class, then fair order),
+        whether or not another session is promised the token; None if nobody waits."""
         for line in self._queues:
             first = line.first()
             if first is not None:
@@ -573,6 +578,10 @@ class TokenScheduler:
     def holder(self) -> str | None:
         """Id of the session holding the token (HOLDING or YIELDING), if any."""
         return self._holder.id if self._holder is not None else None
+
+    def waiting_count(self) -> int:
+        """Sessions WAITING for the token, all classes; O(classes), for metrics."""
+        return sum(len(line) for line in self._queues)
 
     def state(self, session: str) -> SessionState:
         return self._get(session).state

@@ -58,8 +58,8 @@ def test_inference_preempts_training(start_daemon, spawn):
             asked = time.monotonic()
             with client.slice(timeout=5):
                 waits.append(time.monotonic() - asked)
-                holder = d.status().devices[0].holder
-                assert holder == client.session_id
+                # After a one-hop handoff the daemon hears of it a moment later (the releaser's frame).
+                wait_for(lambda: d.status().devices[0].holder == client.session_id, timeout=1)
             time.sleep(0.05)
     # The training quantum is 1 s: only preemption explains waits far below it.
     assert max(waits) < 0.25, waits
@@ -260,7 +260,8 @@ def test_heartbeat_with_wrong_key_is_refused(daemon):
     owner = RawPeer(daemon.endpoint)
     welcome = owner.hello("owner")
     other = RawPeer(daemon.endpoint)
-    assert other.call(p.Heartbeat(id=1, session=welcome.session, key="guess")).code == ErrorCode.NO_SESSION
+    # The session lives: a wrong key is forbidden, not "no session" (tests/test_protocol_behaviour.py).
+    assert other.call(p.Heartbeat(id=1, session=welcome.session, key="guess")).code == ErrorCode.FORBIDDEN
     assert isinstance(other.call(p.Heartbeat(id=2, session=welcome.session, key=welcome.key)), p.HeartbeatAck)
     owner.close()
     other.close()

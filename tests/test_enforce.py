@@ -204,7 +204,7 @@ def test_memory_over_declaration_is_flagged_and_policed(inproc_server, policy, k
         time.sleep(0.1)  # a revoke notice, if any, is on its way
         assert client.holding is keeps_token
         assert registry.get_sample_value("nodeagent_device_memory_bytes",
-                                         {"device": "0", "session": client.session_id}) == 250 * MiB
+                                         {"device": "0", "workload": "training"}) == 250 * MiB
         # Flagged once per episode, not at every reading.
         time.sleep(0.1)
         assert registry.get_sample_value("nodeagent_memory_violations_total", labels) == 1

@@ -400,6 +400,10 @@ class ClusterEndpoint:
         """Why the device's lifecycle refuses a new session there, or None."""
         return self._lifecycles[device].admits(workload, borrower)
 
+    def device_state(self, device: int) -> str:
+        """The device's lifecycle state (FREE, RUN, ...); read by metrics at scrape time."""
+        return self._lifecycles[device].state.value
+
     def suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
         """A suspension ended: publish it, and move a reclaim waiting on it on."""
         self.event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
@@ -501,6 +505,7 @@ class ClusterEndpoint:
         self._moved(moved, op=True)
         if changed:
             self._journal_lifecycle(msg.device, now)
+            self._metrics.lends.labels(str(msg.device)).inc()
             self.event("lend", msg.device, borrower=msg.borrower, max_s=msg.max_s)
             log.info("[cluster] lend device=%d borrower=%s max_s=%s by=%s", msg.device, msg.borrower, msg.max_s,
                      _peer(route, frame))
@@ -561,6 +566,8 @@ class ClusterEndpoint:
             return
         del self._reclaims[pending.device]
         free_ms = (now - pending.started) * 1000.0
+        self._metrics.reclaims.labels(str(pending.device)).inc()
+        self._metrics.reclaim_seconds.observe(free_ms / 1000.0)
         state = self._lifecycles[pending.device].state.value
         for route, request_id in pending.waiters:
             self._send(route, p.ReclaimReply(id=request_id, device=pending.device, state=state, free_ms=free_ms,
@@ -641,7 +648,8 @@ def _bind(sock: zmq.Socket, endpoint: str, setting: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        raise ClusterError(f"cannot bind {setting} = {endpoint!r}: {exc}") from None
+        why = zmq.strerror(exc.errno) if exc.errno else str(exc)  # pyzmq's own text repeats the address
+        raise ClusterError(f"cannot bind {setting} = {endpoint!r}: {why}") from None
 
 
 def _peer(route: bytes, frame) -> str:

@@ -46,7 +46,7 @@ from nodeagent.devices import DeviceBackend, DeviceError
 from nodeagent.journal import Journal
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
-from nodeagent.metrics import Metrics, SessionRow
+from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
 from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
@@ -138,7 +138,8 @@ class AgentServer:
             event=lambda *a, **k: self._cluster.event(*a, **k),
             suspend_finished=lambda *a: self._cluster.suspend_finished(*a),  # (session, outcome, elapsed_ms, now)
             admission_refusal=lambda *a: self._cluster.admission_refusal(*a),  # (device, workload, borrower)
-            class_cap_problem=self._class_cap_problem, workers_share=self._serving.workers_share)
+            class_cap_problem=self._class_cap_problem, workers_share=self._serving.workers_share,
+            suspension_asked=lambda device: self._tokens.stats[device].suspension_asked())
         # Restore after a restart, the restore windows, and writing stale sessions again (a component).
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, schedulers=self._schedulers,
@@ -162,7 +163,7 @@ class AgentServer:
             p.ModelsRequest: self._serving.on_models,
             p.Infer: self._serving.on_infer,
         }
-        self.metrics.watch_sessions(self._session_rows)
+        self.metrics.watch(backend.count(), self._device_rows, self._session_rows)  # read at scrape time
         # The cluster endpoint: its sockets, device lifecycles, placement operations, events (a component).
         self._cluster = ClusterEndpoint(
             config=config, context=self._ctx, poller=self._poller, poll_handlers=self._poll_handlers,
@@ -197,6 +198,7 @@ class AgentServer:
                 self._lock.acquire()
                 runtime.remove_stale_socket(path)
             local.bind()
+            self._tokens.one_hop.start(path)  # wake channels live beside the socket
         except BaseException:
             local.close()
             if self._lock is not None:
@@ -205,17 +207,28 @@ class AgentServer:
         self._local = local
         self._poller.register(self._wake_r.fileno(), POLLIN)
         self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
-        self._cluster.bind()
         try:
-            self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
-        except BaseException:
-            self._mps.stop()
-            raise
-        try:
-            self._serving.start()
-        except BaseException:
-            self._serving.stop()
-            self._mps.stop()
+            self._cluster.bind()
+            try:
+                self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
+            except BaseException:
+                self._mps.stop()
+                raise
+            try:
+                self._serving.start()
+            except BaseException:
+                self._serving.stop()
+                self._mps.stop()
+                raise
+        except BaseException:  # a start that fails here leaves no socket file behind
+            local.close()
+            self._local = None
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                self._lock.release()
             raise
         self._memory_policy.start()  # its watcher thread, where NVML reads memory per process (cuda)
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
@@ -265,6 +278,7 @@ class AgentServer:
                             self._contain("poll", handler)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
+                self._contain("one-hop", self._tokens.one_hop.refresh_all)  # successor hints, after the turn
                 if self._status_jobs:
                     self._contain("status", self._status_step)
         finally:
@@ -296,6 +310,7 @@ class AgentServer:
         continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
+        self._tokens.one_hop.close()
         self._memory_policy.stop()
         self._serving.stop()
         self._mps.stop()
@@ -398,6 +413,7 @@ class AgentServer:
         creds = procwatch.peer_credentials(frame)
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
+            self._open_wake_channel(resumed, msg.one_hop)
             self._welcome(route, msg.id, resumed, resumed=True)
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
@@ -434,6 +450,7 @@ class AgentServer:
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, borrower=msg.borrower)
         self._add_session(session, now)
+        self._open_wake_channel(session, msg.one_hop)
         if verified_pid is not None and verified_pid != msg.pid:
             log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
                         session.id, msg.pid, verified_pid)
@@ -451,6 +468,14 @@ class AgentServer:
     def _add_session(self, session: Session, now: float) -> None:
         self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
         self._sessions.add(session)
+
+    def _open_wake_channel(self, s: Session, one_hop: bool) -> None:
+        """A client that asked for one-hop handoffs gets a wake channel (welcome.wake)."""
+        s.one_hop = one_hop
+        if one_hop:
+            self._tokens.one_hop.open_channel(s)
+        else:
+            self._tokens.one_hop.close_channel(s)
 
     def _try_resume(self, route: bytes, msg: p.Hello, creds, now: float) -> Session | None:
         """Reattach a live or restored session to a new connection of the same client."""
@@ -475,7 +500,7 @@ class AgentServer:
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
-            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env)))
+            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or ""))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -519,9 +544,16 @@ class AgentServer:
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
         session = self._sessions.get(msg.session)
-        if session is None or not hmac.compare_digest(session.key, msg.key):
+        if session is None:
             self._error(route, msg.id, p.ErrorCode.NO_SESSION,
-                        f"no session {msg.session} (it was closed, timed out, or the daemon restarted)")
+                        f"no session {msg.session} (it was closed, timed out, or the daemon restarted); "
+                        "open a new one with hello")
+            return
+        # Session ids are public (status lists them): saying this one lives tells nobody anything.
+        if not hmac.compare_digest(session.key, msg.key):
+            log.info("[session] heartbeat with a wrong key session=%s", session.id)
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
+                        f"session {msg.session} is alive, but that is not its key; send the key its welcome carried")
             return
         session.last_seen = now
         self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot, durable=self._journal_writer.durable(session.id)))
@@ -541,8 +573,11 @@ class AgentServer:
             return
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
-        if s.suspend_state is not None:
-            return  # it asks again once resumed
+        if self._tokens.one_hop.acquire_early(s):  # asks again after an early release: requeued at its grant
+            return
+        if s.suspend_state is not None:  # kept, and made when it is resumed (Suspensions.on_resume_session)
+            s.acquire_pending = s.acquire_pending or s.grant is None  # a holder's acquire is a no-op, as ever
+            return
         if s.blocked_by:  # waits for the sessions suspending to make room for it
             s.acquire_pending = True
             if s.wait_started is None:
@@ -558,15 +593,25 @@ class AgentServer:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
+        # Suspending or suspended: a requeue is kept for the resume, as an acquire would be.
+        requeue = msg.requeue and s.suspend_state is None
+        self._tokens.one_hop.before_release(s, msg.grant, msg.handed)  # a promise stays only if it was woken
         try:
-            actions = self._schedulers[s.device].release(s.id, msg.grant, now, requeue=msg.requeue)
-        except NotHolderError as exc:
-            self._error(route, msg.id, p.ErrorCode.NOT_HOLDER, str(exc))
+            actions = self._schedulers[s.device].release(s.id, msg.grant, now, requeue=requeue)
+        except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
+            if requeue == msg.requeue and self._tokens.one_hop.release_early(s, msg.grant, requeue):
+                if not msg.quiet:  # a woken successor's release overtook its holder's: done at its grant
+                    self._send(route, p.Ok(id=msg.id))
+                return
+            self._error(route, msg.id, p.ErrorCode.NOT_HOLDER,
+                        not_holder_text(s.id, s.device, s.grant, msg.grant, self._schedulers[s.device].holder()))
             return
         held_since = s.granted_at
         s.grant = s.granted_at = None
-        if msg.requeue:
+        if requeue:
             s.wait_started = now
+        elif msg.requeue:
+            s.acquire_pending = True
         # The next holder hears first; bookkeeping and the releaser's reply wait.
         self._tokens.apply(actions, now, handoff_from=now)
         self._tokens.count_slice(s, held_since, now)
@@ -578,7 +623,9 @@ class AgentServer:
         if s is None:
             return
         actions = self._schedulers[s.device].cancel(s.id, now)
+        self._tokens.one_hop.forget(s)
         self._lost_devices.forget(s.id)  # a request held on a lost device goes too
+        s.acquire_pending = False  # and one kept for an unblock or a resume
         if s.grant is None:
             s.wait_started = None
         self._send(route, p.Ok(id=msg.id))
@@ -678,6 +725,11 @@ class AgentServer:
         # session that has not reattached (no connection) gets the timeout to do so.
         for s in [s for s in self._sessions.values()
                   if now - s.last_seen > limit and not s.stopped and (s.pidfd is None or s.route is None)]:
+            # Told, in case it still reads: a notice (id 0), as for a lost device.
+            self._send(s.route, p.Error(id=0, code=p.ErrorCode.NO_SESSION, message=(
+                f"session {s.id} ended: nothing came from it for {limit * 1000:.0f} ms (heartbeat.misses x "
+                "heartbeat.interval_ms); send heartbeats every welcome.heartbeat_ms and open a new session "
+                "with hello")))
             self._drop(s, "heartbeat", now)
 
     # ------------------------------------------------------------- sessions
@@ -694,12 +746,13 @@ class AgentServer:
         elif s.stopped and reason != "process_exited":
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)
+        self._tokens.one_hop.close_channel(s)
+        self._tokens.one_hop.forget(s)
         self._tokens.end_slice(s, now)
         self._serving.forget(s.id, now)
         self._suspensions.forget(s, now)
         self._mps.leave(s.id, s.device)
         actions = self._schedulers[s.device].remove_session(s.id, now)
-        self.metrics.forget_session(s.id)
         self._journal_writer.write(lambda j: j.delete_session(s.id), session=s.id)
         self._restorer.forget(s, now)
         if reason == "bye":
@@ -771,7 +824,8 @@ class AgentServer:
             log.warning("[devices] live query failed, using the last values: %s", exc)
         infos = list(self._device_info)
         snaps = [scheduler.snapshot(now) for scheduler in self._schedulers]
-        for info, snap in zip(infos, snaps):
+        activity = [stats.report(now, snap.holder) for stats, snap in zip(self._tokens.stats, snaps)]
+        for info, snap, recent in zip(infos, snaps, activity):
             sessions = []
             for view in snap.sessions:
                 built += 1
@@ -799,7 +853,7 @@ class AgentServer:
                 memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
                 mps=self._mps.runs_on(info.index),
                 memory_workers_mb=memory.held_mb(self._serving.workers_share(info.index)),
-                partition=self._mps.shares(info.index)))
+                partition=self._mps.shares(info.index), activity=recent))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
                              boot=self.boot)
@@ -812,8 +866,23 @@ class AgentServer:
             except KeyError:
                 continue  # removed while we were reading (scrapes run on another thread)
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
-            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, s.id, used))
+            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used))
         return rows
+
+    def _device_rows(self) -> list[DeviceRow]:
+        return [DeviceRow(str(i), self._cluster.device_state(i), self._lost_devices.is_lost(i),
+                          scheduler.holder() is not None, scheduler.waiting_count())
+                for i, scheduler in enumerate(self._schedulers)]
+
+
+def not_holder_text(session: str, device: int, current: int | None, released: int, holder: str | None) -> str:
+    """Why a release was refused (E_NOT_HOLDER), in the protocol's words."""
+    if current is not None and current != released:  # it holds the token, under another grant
+        return (f"grant {released} is not current: session {session} holds grant {current} of device {device}; "
+                "release with the id of the latest grant notice")
+    held = "no session holds it" if holder is None else f"session {holder} holds it"
+    return (f"session {session} does not hold the token of device {device} ({held}); a release answers a grant "
+            "(a revoke or a restart may have taken it)")
 
 
 def welcome_ordinal(backend: str, uuid: str, env: dict[str, str]) -> int | None:

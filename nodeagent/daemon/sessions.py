@@ -55,12 +55,16 @@ class Session:
     suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
     bytes_parked: int = 0
     blocked_by: set = field(default_factory=set)  # sessions suspending to make room for this one
-    acquire_pending: bool = False  # asked for the token while blocked_by was not empty
+    # Asked for the token while it could not queue (blocked_by not empty, or suspended): asked
+    # for when neither holds any more; cancel clears it.
+    acquire_pending: bool = False
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
     grants: int = field(default=0)
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
+    one_hop: bool = False  # hello.one_hop: its client takes successor/standby notices (nodeagent.daemon.one_hop)
+    wake: str | None = None  # path of its wake FIFO, while it has one
 
     @property
     def pid(self) -> int:

@@ -27,7 +27,7 @@ from nodeagent.devices import DeviceInfo
 from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import TokenScheduler, Workload
+from sharing import SessionState, TokenScheduler, Workload
 
 log = logging.getLogger("nodeagent.suspension")
 
@@ -51,7 +51,8 @@ class Suspensions:
                  suspend_finished: Callable[[Session, str, float, float], None],  # (s, outcome, elapsed_ms, now)
                  admission_refusal: Callable[[int, str, str | None], str | None],  # (device, workload, borrower)
                  class_cap_problem: Callable[[int, str, int], str | None],  # (device, workload, memory_mb)
-                 workers_share: Callable[[int], memory.WorkerShare | None]) -> None:
+                 workers_share: Callable[[int], memory.WorkerShare | None],
+                 suspension_asked: Callable[[int], None] = lambda device: None) -> None:  # (device): for status
         self._config = config
         self._sessions = sessions
         self._schedulers = schedulers
@@ -71,6 +72,7 @@ class Suspensions:
         self._admission_refusal = admission_refusal
         self._class_cap_problem = class_cap_problem
         self._workers_share = workers_share
+        self._suspension_asked = suspension_asked
         self._suspending: set[Session] = set()  # suspend requested, deadline pending
 
     # ------------------------------------------------------------- for the loop
@@ -158,8 +160,12 @@ class Suspensions:
         s.suspend_started = now
         s.suspend_deadline = now + deadline_ms / 1000.0
         self._suspending.add(s)
+        self._suspension_asked(s.device)
         self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
-        self._apply(self._schedulers[s.device].cancel(s.id, now), now)  # a waiter stops waiting
+        scheduler = self._schedulers[s.device]
+        if scheduler.state(s.id) is SessionState.WAITING:
+            s.acquire_pending = True  # a waiter stops waiting; its request is made again at resume
+        self._apply(scheduler.cancel(s.id, now), now)
         s.wait_started = None
         self._event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
@@ -187,7 +193,7 @@ class Suspensions:
         for s in list(self._sessions.values()):
             if victim.id in s.blocked_by:
                 s.blocked_by.discard(victim.id)
-                if not s.blocked_by and s.acquire_pending:
+                if not s.blocked_by and s.acquire_pending and s.suspend_state is None:
                     s.acquire_pending = False
                     self._request_token(s.id, s.device, now)  # held while the device is lost
 
@@ -232,7 +238,11 @@ class Suspensions:
             self._send(s.route, p.ResumeNotice())
             self._metrics.resumes.inc()
             self._event("resume", s.device, s.id, was=state)
-            log.info("[suspend] resume session=%s was=%s", s.id, state)
+            log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state, s.acquire_pending)
+            if s.acquire_pending and not s.blocked_by:  # asked while suspended: honoured now, after the notice
+                s.acquire_pending = False
+                s.wait_started = now
+                self._request_token(s.id, s.device, now)
         self._send(route, p.Ok(id=msg.id))
 
     def on_resumed(self, route, msg: p.Resumed, frame, now: float) -> None:

@@ -5,7 +5,8 @@ should happen; this component makes it happen: a grant or a yield request is
 sent to the session's client, an overrun is enforced (SIGSTOP of a verified
 process, journalled first, else the token is revoked), a stopped process is
 continued when its turn comes again, and the waits, slices and handoffs are
-measured.
+measured. It also owns the successor hints of one-hop handoffs
+(:mod:`nodeagent.daemon.one_hop`).
 
 A component: it owns the schedulers and the measurement state, and is given in
 its constructor what it may touch: the session table, metrics, the journal
@@ -24,6 +25,8 @@ from typing import Callable
 from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
+from nodeagent.daemon.device_stats import DeviceStats
+from nodeagent.daemon.one_hop import OneHop
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, TokenScheduler, Workload
 
@@ -53,6 +56,9 @@ class Tokens:
         self._clock = clock
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
+        # Successor hints and wake channels (one-hop handoffs): a part of this component.
+        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated)
+        self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
 
     # ------------------------------------------------------------------ timers
 
@@ -77,6 +83,7 @@ class Tokens:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
             if self._delegated(action.session):  # a client's server-side inference queue
+                self._note_delegated(action, now)
                 self._delegate(action, now)
                 continue
             kind = type(action)
@@ -91,19 +98,29 @@ class Tokens:
                     s.stopped = False
                     s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
+                self.stats[s.device].granted(s.id, s.name, now, action.waited_s)
                 self._event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
                 self.observe_wait(s, now)
                 if handoff_from is not None:
                     self._handoff_hist[s.device].observe(self._clock() - handoff_from)
+                requeue = self.one_hop.take_early_release(s, action.grant)
+                if requeue is not None:  # it was woken, and is done already: its release came first
+                    self.end_slice(s, now)
+                    if requeue:
+                        s.wait_started = now
+                    self.apply(self.schedulers[s.device].release(s.id, action.grant, now, requeue=requeue), now,
+                               handoff_from=now)
             elif kind is AskYield:
                 s = self._sessions[action.session]
+                self.one_hop.refresh(s.device)  # a withdrawn hint must reach the holder before the ask
                 self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
                                                    reason=action.reason))
                 self._event("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
                             deadline_ms=action.deadline_ms)
                 self._metrics.yield_requests.labels(str(s.device), action.reason).inc()
+                self.stats[s.device].yield_asked(action.reason)
                 log.debug("[token] ask-yield session=%s grant=%d reason=%s", s.id, action.grant, action.reason)
             elif kind is Enforce:
                 self._enforce(action, now)
@@ -118,6 +135,7 @@ class Tokens:
         token away. The waiter is granted before the log line; the journal write
         stays ahead of SIGSTOP."""
         s = self._sessions[action.session]
+        self.stats[s.device].enforced()
         if self._enforce_mode == "stop" and self.stop(s):
             self.end_slice(s, now)
             self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
@@ -181,6 +199,24 @@ class Tokens:
         self.count_slice(s, held_since, now)
 
     def count_slice(self, s: Session, held_since: float | None, now: float) -> None:
+        self.stats[s.device].slice_ended(s.id, now)
         if held_since is not None and s.id in self._sessions:
-            self._metrics.slice_seconds.labels(s.id).inc(max(0.0, now - held_since))
+            self._metrics.slice_seconds.labels(str(s.device), s.workload.wire).inc(max(0.0, now - held_since))
 
+    def _note_delegated(self, action, now: float) -> None:
+        """A serving sub-session's grant, yield request, overrun or revoke counts in its device's history."""
+        device = next((i for i, scheduler in enumerate(self.schedulers) if action.session in scheduler), None)
+        if device is None:
+            return
+        stats = self.stats[device]
+        kind = type(action)
+        if kind is Grant:
+            owner = self._sessions.get(action.session.rpartition(":")[0])  # "<session>:serve"
+            stats.granted(action.session, f"{owner.name} (server-side)" if owner is not None else action.session,
+                          now, action.waited_s)
+        elif kind is AskYield:
+            stats.yield_asked(action.reason)
+        elif kind is Enforce:
+            stats.enforced()
+        elif kind is Revoked:
+            stats.slice_ended(action.session, now)

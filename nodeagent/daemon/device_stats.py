@@ -1,0 +1,187 @@
+"""One device's recent token history, for ``status`` and ``nodeagent top``.
+
+:class:`DeviceStats` is fed by the tokens component (grants, slice ends, yield
+requests, enforcements) and the suspension component (suspensions asked), and
+read when a status is built. Every event costs O(1) and the memory is bounded
+whatever the traffic:
+
+- a **timeline** of ``buckets`` time buckets of ``bucket_s`` each (60 x 1 s):
+  per bucket, how long each session held the token (at most
+  ``MAX_HOLDERS_PER_BUCKET`` sessions, the rest pooled under ``MANY``), so a
+  status can say who held the token longest in each of the last seconds;
+- the last ``wait_window`` grant waits (a ring), for p50 and p99;
+- counters since the daemon started.
+
+A slice whose end is not reported here (a serving sub-session gives the token
+back inside the serving component) ends at the device's next grant, or at the
+next status that finds another holder (or none), whichever comes first.
+Time is passed in (the loop's monotonic clock); nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from client_lib import protocol as p
+
+MAX_HOLDERS_PER_BUCKET = 8
+MANY = "*"  # several sessions beyond MAX_HOLDERS_PER_BUCKET shared the bucket (never a session id: "s-...")
+IDLE = ""  # in a timeline: the token was free for most of the bucket
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of an ascending, non-empty list."""
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+class DeviceStats:
+    """Recent token history of one device (see the module docstring)."""
+
+    def __init__(self, *, bucket_s: float = 1.0, buckets: int = 60, wait_window: int = 512) -> None:
+        if not (bucket_s > 0 and math.isfinite(bucket_s)) or buckets < 1 or wait_window < 1:
+            raise ValueError(f"bad DeviceStats bounds: bucket_s={bucket_s!r} buckets={buckets!r} "
+                             f"wait_window={wait_window!r}")
+        self.bucket_s = bucket_s
+        self.buckets = buckets
+        # Slot b % buckets holds absolute bucket b (its number in _tags); a stale slot is cleared on use.
+        self._tags = [-1] * buckets
+        self._held: list[dict[str, list]] = [{} for _ in range(buckets)]  # session -> [seconds, name]
+        self._best: list[tuple[int, str] | None] = [None] * buckets  # (bucket, its winner) once complete
+        self._open: tuple[str, str, float] | None = None  # (session, name, since): the slice running now
+        self._waits: deque[float] = deque(maxlen=wait_window)  # seconds
+        self.grants = 0
+        self.preemptions = 0  # yield asked because a higher class waited
+        self.quantum_yields = 0  # yield asked at the end of a slice, a session of the class waiting
+        self.enforcements = 0  # holders stopped or revoked past their yield deadline
+        self.suspensions = 0  # sessions on the device asked to give the whole device up
+
+    # ------------------------------------------------------------ events
+
+    def granted(self, session: str, name: str, now: float, waited_s: float) -> None:
+        """``session`` holds the token from ``now``; a slice still open ends here."""
+        self.grants += 1
+        if waited_s >= 0:  # the scheduler's, never negative; NaN would fail this too
+            self._waits.append(waited_s)
+        if self._open is not None:
+            self._close(now)
+        self._open = (session, name, now)
+
+    def slice_ended(self, session: str, now: float) -> None:
+        """``session``'s slice is over (released, revoked, gone); a no-op if another holds the token."""
+        if self._open is not None and self._open[0] == session:
+            self._close(now)
+
+    def yield_asked(self, reason: str) -> None:
+        if reason == "preempted":
+            self.preemptions += 1
+        else:
+            self.quantum_yields += 1
+
+    def enforced(self) -> None:
+        self.enforcements += 1
+
+    def suspension_asked(self) -> None:
+        self.suspensions += 1
+
+    # ------------------------------------------------------------ reading
+
+    def report(self, now: float, holder: str | None) -> p.TokenActivity:
+        """The history as of ``now`` for a status reply. ``holder`` is the scheduler's: an
+        open slice of another session (one whose end this object was not told) ends now."""
+        if self._open is not None and self._open[0] != holder:
+            self._close(now)
+        timeline, names = self._timeline(now)
+        waits = sorted(self._waits)
+        return p.TokenActivity(
+            grants=self.grants, preemptions=self.preemptions, quantum_yields=self.quantum_yields,
+            enforcements=self.enforcements, suspensions=self.suspensions, waits=len(waits),
+            wait_p50_ms=percentile(waits, 50) * 1e3 if waits else None,
+            wait_p99_ms=percentile(waits, 99) * 1e3 if waits else None,
+            bucket_ms=self.bucket_s * 1e3, timeline=timeline, names=names)
+
+    def _timeline(self, now: float) -> tuple[list[str], dict[str, str]]:
+        """Per bucket, oldest first and ending with the one ``now`` is in: the session that
+        held the token longest (or ``MANY``), or ``IDLE`` if it was free for longer. A past
+        bucket's answer is kept until a slice closing into it changes it."""
+        bs = self.bucket_s
+        current = int(now // bs)
+        open_slice = self._open
+        open_from = int(open_slice[2] // bs) if open_slice is not None else current + 1
+        timeline: list[str] = []
+        names: dict[str, str] = {}
+        for b in range(current - self.buckets + 1, current + 1):
+            i = b % self.buckets
+            slot = self._held[i] if self._tags[i] == b else None
+            if b < open_from and b < current:  # complete, and no running slice in it
+                cached = self._best[i]
+                if cached is None or cached[0] != b:
+                    cached = self._best[i] = (b, _winner(slot, bs, None, 0.0))
+                best = cached[1]
+            else:
+                start = b * bs
+                extra = min(now, start + bs) - max(start, open_slice[2]) if open_slice is not None else 0.0
+                best = _winner(slot, min(now, start + bs) - start, open_slice[0] if extra > 0 else None, extra)
+            timeline.append(best)
+            if best != IDLE and best != MANY and best not in names:
+                names[best] = slot[best][1] if slot is not None and best in slot else open_slice[1]
+        return timeline, names
+
+    # ------------------------------------------------------------ bucket arithmetic
+
+    def _close(self, now: float) -> None:
+        session, name, since = self._open
+        self._open = None
+        self._spread(session, name, since, now)
+
+    def _spread(self, session: str, name: str, start: float, end: float) -> None:
+        """Add the held time ``start..end`` to the buckets it covers (at most ``buckets`` of them)."""
+        bs = self.bucket_s
+        b = int(start // bs)
+        if end <= (b + 1) * bs:  # the usual slice: within one bucket
+            if end > start:
+                self._add(b, session, name, end - start)
+            return
+        last = int(end // bs)
+        if last - b >= self.buckets:  # older than the timeline reaches
+            b = last - self.buckets + 1
+            start = b * bs
+        while b <= last:
+            seconds = min(end, (b + 1) * bs) - max(start, b * bs)
+            if seconds > 0:
+                self._add(b, session, name, seconds)
+            b += 1
+
+    def _add(self, b: int, session: str, name: str, seconds: float) -> None:
+        i = b % self.buckets
+        if self._tags[i] != b:  # a bucket of an earlier round: start it afresh
+            self._tags[i] = b
+            self._held[i] = {}
+        self._best[i] = None
+        slot = self._held[i]
+        entry = slot.get(session)
+        if entry is not None:
+            entry[0] += seconds
+        elif len(slot) < MAX_HOLDERS_PER_BUCKET:
+            slot[session] = [seconds, name]
+        else:
+            many = slot.get(MANY)
+            if many is None:
+                slot[MANY] = [seconds, MANY]
+            else:
+                many[0] += seconds
+
+def _winner(slot: dict[str, list] | None, length_s: float, running: str | None, running_s: float) -> str:
+    """Who held the token longest in a bucket ``length_s`` long: a session of ``slot``
+    (``running`` adding ``running_s`` of a slice still open), or ``IDLE`` if it was free longer."""
+    best, best_s, total = IDLE, 0.0, running_s
+    if running is not None and (slot is None or running not in slot):
+        best, best_s = running, running_s
+    if slot:
+        for sid, entry in slot.items():
+            seconds = entry[0] + running_s if sid == running else entry[0]
+            total += entry[0]
+            if seconds > best_s:
+                best, best_s = sid, seconds
+    return best if best_s > length_s - total else IDLE

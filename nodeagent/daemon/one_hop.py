@@ -1,0 +1,259 @@
+"""One-hop token handoffs: a holder told who is next wakes it itself.
+
+A two-hop handoff (the holder's ``release`` to the daemon, the daemon's
+``grant`` to the next holder) costs two process wake-ups in a row, and no
+daemon, however fast, brings that within 2.5x of a pipe ping-pong. So while a
+session holds the token and another waits first in line, the daemon promises
+the waiter the token (:meth:`sharing.TokenScheduler.bind_successor`, grant id
+``g'``) and tells both:
+
+* the waiter S: ``standby(g', secret)``;
+* the holder H: ``successor(g, next=g', wake=S's FIFO, secret)``.
+
+When H releases, its library writes ``secret + g'`` to S's wake channel (a
+named FIFO per session, in ``<socket dir>/wake/``: any language's standard
+library opens one) and then sends ``release(g, handed=g')``. S, which waits on
+its socket and its FIFO, runs on the FIFO's word. The daemon still grants S
+(S takes it as a duplicate), since the scheduler holds S as the promised
+successor.
+
+The promise binds: however H's slice ends (release, revoke, a SIGSTOP, H's
+death), S gets ``g'``, because H may have written the FIFO just before. It is
+undone only by H releasing with ``handed`` empty (H did not write), or by S
+leaving or cancelling (then S ignores any word). A hint that no longer names
+the first in line (a higher class arrived) is withdrawn with a ``successor``
+notice with no ``next``, sent ahead of any yield request on H's connection, so
+a cooperative H releases without handing and the usual order decides; one
+that does not read its socket is enforced, and the token goes to S, which is
+then asked to yield at once. A daemon restart forgets hints; FIFOs left by a
+crashed daemon are removed at start.
+
+Only local, verified sessions that asked for it in ``hello`` (``one_hop``)
+take part; anyone else keeps the two-hop path. The FIFO belongs to S's user
+and the daemon's group (mode 0620 under a root daemon: only S reads it, the
+socket's group may write), and the one-time 16-byte secret keeps other local
+users from forging a wake-up.
+
+A component: it is given the schedulers, the session table, how to send a
+notice and which sessions belong to the serving component.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import Callable
+
+from client_lib import protocol as p
+from nodeagent import runtime
+from nodeagent.daemon.sessions import Session, SessionTable
+from sharing import TokenScheduler
+
+log = logging.getLogger("nodeagent.daemon.one_hop")
+
+WAKE_DIR = "wake"
+FIFO_MODE_SYSTEM = 0o620  # S reads, the socket's group writes
+FIFO_MODE_USER = 0o600  # a per-user daemon: every client is its user
+
+
+@dataclass(slots=True)
+class _Hint:
+    holder: str
+    grant: int
+    successor: str
+    next_grant: int
+    withdrawn: bool = False
+
+
+class OneHop:
+    """Wake channels of one-hop sessions and the successor hints of every device."""
+
+    def __init__(self, *, schedulers: list[TokenScheduler], sessions: SessionTable,
+                 send: Callable[[object, object], None], delegated: Callable[[str], bool]) -> None:
+        self._schedulers = schedulers
+        self._sessions = sessions
+        self._send = send
+        self._delegated = delegated
+        self._dir: str | None = None
+        self._hints: dict[int, _Hint] = {}
+        # Releases that came before their grant: session -> (promised grant, requeue). A woken
+        # successor may finish its slice and release before the daemon has read the holder's
+        # release (two connections, no order between them); it is carried out at the grant.
+        self._early: dict[str, list] = {}
+        self.handed = 0  # releases that woke their successor directly (for tests and logs)
+
+    # ------------------------------------------------------------ channels
+
+    def start(self, socket_path: str | None) -> None:
+        """Prepare ``<socket dir>/wake`` (none for a tcp endpoint: no one-hop there),
+        removing FIFOs a crashed daemon left."""
+        if socket_path is None:
+            return
+        directory = os.path.join(os.path.dirname(socket_path) or ".", WAKE_DIR)
+        try:
+            os.makedirs(directory, mode=0o750 if os.geteuid() == 0 else 0o700, exist_ok=True)
+            st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                log.warning("[one-hop] %s is not a directory of this daemon's user; one-hop handoffs are off",
+                            directory)
+                return
+            if os.geteuid() == 0:
+                gid = runtime.socket_gid()
+                if gid is not None:
+                    os.chown(directory, 0, gid)
+                os.chmod(directory, 0o750)
+            for name in os.listdir(directory):
+                path = os.path.join(directory, name)
+                if stat.S_ISFIFO(os.lstat(path).st_mode):
+                    os.unlink(path)
+        except OSError as exc:
+            log.warning("[one-hop] cannot prepare %s (%s); one-hop handoffs are off", directory, exc.strerror)
+            return
+        self._dir = directory
+
+    def open_channel(self, s: Session) -> str:
+        """Create (or keep, on a resume) ``s``'s wake FIFO; its path, or "" if there is none to have."""
+        if self._dir is None or s.verified_pid is None or s.uid is None:
+            return ""
+        path = os.path.join(self._dir, s.id)
+        if s.wake == path and os.path.exists(path):
+            return path
+        system = os.geteuid() == 0
+        if not system and s.uid != os.geteuid():
+            return ""  # a per-user daemon cannot give another user a FIFO it may read
+        try:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            os.mkfifo(path, 0o600)
+            if system:
+                gid = runtime.socket_gid()
+                os.chown(path, s.uid, gid if gid is not None else 0)
+                os.chmod(path, FIFO_MODE_SYSTEM)
+        except OSError as exc:
+            log.warning("[one-hop] no wake channel for session=%s (%s); it hands off in two hops",
+                        s.id, exc.strerror)
+            self._unlink(path)
+            return ""
+        s.wake = path
+        return path
+
+    def close_channel(self, s: Session) -> None:
+        if s.wake:
+            self._unlink(s.wake)
+            s.wake = None
+
+    def close(self) -> None:
+        for s in self._sessions.values():
+            self.close_channel(s)
+        self._hints.clear()
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------ hints
+
+    def refresh_all(self) -> None:
+        for device in range(len(self._schedulers)):
+            self.refresh(device)
+
+    def refresh(self, device: int) -> None:
+        """Bring ``device``'s hint in line with its scheduler: forget one whose slice
+        ended, withdraw one that no longer names the first in line, give one where
+        a one-hop holder has a one-hop waiter first in line and none is out."""
+        scheduler = self._schedulers[device]
+        holder_id = scheduler.holder()
+        hint = self._hints.get(device)
+        holder = self._sessions.get(holder_id) if holder_id is not None else None
+        if hint is not None and (holder is None or hint.holder != holder_id or holder.grant != hint.grant):
+            del self._hints[device]  # that slice ended; the scheduler's promise ended with it
+            hint = None
+        if holder is None or holder.grant is None:
+            return
+        first = scheduler.first_in_line()
+        if hint is not None:
+            if hint.withdrawn:
+                return  # bound until the slice ends: the holder may have written the FIFO
+            if scheduler.bound_successor() is None:
+                # The successor cancelled or left: it ignores any word, so a new hint may go.
+                del self._hints[device]
+                hint = None
+            elif first == hint.successor:
+                return
+            else:
+                hint.withdrawn = True
+                self._send(holder.route, p.Successor(grant=hint.grant))
+                log.debug("[one-hop] withdraw device=%d holder=%s successor=%s first=%s", device, holder_id,
+                          hint.successor, first)
+                return
+        if first is None or not self._takes_part(holder):
+            return
+        successor = self._sessions.get(first)
+        if successor is None or not successor.wake or not self._takes_part(successor):
+            return
+        next_grant = scheduler.bind_successor(first)
+        secret = os.urandom(p.WAKE_SECRET_BYTES)
+        self._hints[device] = _Hint(holder_id, holder.grant, first, next_grant)
+        # The successor hears first: its secret is in its socket before the holder can write the FIFO.
+        self._send(successor.route, p.Standby(grant=next_grant, secret=secret))
+        self._send(holder.route, p.Successor(grant=holder.grant, next=next_grant, wake=successor.wake,
+                                             secret=secret))
+        log.debug("[one-hop] hint device=%d holder=%s grant=%d successor=%s next=%d", device, holder_id,
+                  holder.grant, first, next_grant)
+
+    def before_release(self, s: Session, grant: int, handed: int | None) -> None:
+        """The holder ``s`` releases ``grant``: unless it woke the promised successor
+        (``handed`` is that promise's grant), the promise goes and the usual order decides."""
+        scheduler = self._schedulers[s.device]
+        if scheduler.holder() != s.id or s.grant != grant or scheduler.bound_successor() is None:
+            return
+        hint = self._hints.get(s.device)
+        if handed is not None and hint is not None and hint.holder == s.id and handed == hint.next_grant:
+            self.handed += 1
+            return
+        scheduler.unbind_successor()
+
+    def promised(self, s: Session) -> int | None:
+        """The grant ``s`` is promised (it is the bound successor of its device), else None."""
+        hint = self._hints.get(s.device)
+        if hint is None or hint.successor != s.id or self._schedulers[s.device].bound_successor() != s.id:
+            return None
+        return hint.next_grant
+
+    def release_early(self, s: Session, grant: int, requeue: bool) -> bool:
+        """``s`` releases ``grant`` before it was granted: if that is the grant it is
+        promised (it was woken, finished, and its release overtook the holder's), keep
+        it for the grant; True if kept. Nothing is done to the holder on its word."""
+        if grant != self.promised(s):
+            return False
+        self._early[s.id] = [grant, requeue]
+        return True
+
+    def acquire_early(self, s: Session) -> bool:
+        """An acquire from ``s`` after its early release: it wants the token again (True: noted)."""
+        early = self._early.get(s.id)
+        if early is None:
+            return False
+        early[1] = True
+        return True
+
+    def take_early_release(self, s: Session, grant: int) -> bool | None:
+        """At ``s``'s grant: None if no release of it came early, else its requeue."""
+        early = self._early.pop(s.id, None)
+        if early is None or early[0] != grant:
+            return None
+        return early[1]
+
+    def forget(self, s: Session) -> None:
+        """``s`` left or cancelled: an early release of a promise it no longer has goes."""
+        self._early.pop(s.id, None)
+
+    def _takes_part(self, s: Session) -> bool:
+        return s.one_hop and s.route is not None and not self._delegated(s.id)

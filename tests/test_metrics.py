@@ -1,0 +1,259 @@
+"""The daemon's Prometheus metrics as an operator meets them: README's table, what a
+real daemon's /metrics serves, label values that stay bounded, state gauges that go
+to 0 rather than vanish, and the Grafana dashboard in deploy/grafana/."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from client_lib import Client
+from client_lib import protocol as p
+from nodeagent.metrics import Metrics, markdown_table
+from tests.conftest import REPO, wait_for
+from tests.test_cluster import write_cluster_config
+
+DASHBOARD = REPO / "deploy" / "grafana" / "nodeagent.json"
+FORBIDDEN_LABELS = {"session", "pid", "id", "session_id", "name"}  # per-session values: a new series each time
+SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def metrics_url(daemon) -> str:
+    """Where a daemon started with ``--metrics-port 0`` serves (it logs the port it got)."""
+    found = wait_for(lambda: re.search(r"\[metrics\] serving (http://\S+/metrics)", daemon.log()))
+    return found.group(1)
+
+
+def scrape(url: str) -> tuple[str, dict]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, family: str, **labels) -> float | None:
+    """The sample of ``family`` with exactly these labels (counters: its _total), or None if absent."""
+    for s in families[family].samples:
+        if s.labels == labels and not s.name.endswith(("_created", "_bucket", "_sum")):
+            return s.value
+    return None
+
+
+def exported_names(families: dict) -> set[str]:
+    """Every series name Prometheus stores for these families (with the suffixes their type adds)."""
+    return {f.name + suffix for f in families.values() for suffix in SUFFIXES.get(f.type, ("",))}
+
+
+# ------------------------------------------------------------------ README and registry
+
+
+def test_readme_table_is_the_registry_catalogue():
+    readme = (REPO / "README.md").read_text()
+    expected = markdown_table(Metrics(CollectorRegistry()).catalogue())
+    header = expected.splitlines()[0]
+    assert header in readme, "README.md has no metrics table: paste `python -m nodeagent.metrics` under ### Metrics"
+    lines = readme[readme.index(header):].splitlines()
+    table = "\n".join(lines[:next((i for i, line in enumerate(lines) if not line.startswith("|")), len(lines))])
+    assert table + "\n" == expected, "README.md's metrics table is stale: regenerate it with python -m nodeagent.metrics"
+
+
+def test_no_metric_is_labelled_by_an_id():
+    for doc in Metrics(CollectorRegistry()).catalogue():
+        assert not FORBIDDEN_LABELS & set(doc.labels), doc
+
+
+def test_a_real_daemon_exports_the_catalogue_without_created_series_or_id_labels(start_daemon):
+    d = start_daemon("--metrics-port", "0", "--quantum-ms", "training=20")
+    url = metrics_url(d)
+    with Client("a", endpoint=d.endpoint) as a, Client("b", workload="inference", endpoint=d.endpoint) as b:
+        a.acquire(timeout=5)
+        t = threading.Thread(target=lambda: (b.acquire(timeout=5), b.release()))
+        t.start()  # b preempts a
+        deadline = time.monotonic() + 5
+        while not a.yield_point():  # asked to yield: gives the token to b and waits for it back
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        t.join()
+        a.release()
+        wait_for(lambda: d.status().devices[0].holder is None)
+        text, families = scrape(url)
+    catalogue = {doc.name: doc for doc in Metrics(CollectorRegistry()).catalogue()}
+    served = {}
+    for family in families.values():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        served[name] = family
+    assert set(served) == set(catalogue)  # every registered metric is in README's table, and the reverse
+    for name, family in served.items():
+        assert family.type == catalogue[name].type, name
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == set(catalogue[name].labels), (name, sample)
+            assert not FORBIDDEN_LABELS & set(sample.labels), (name, sample)
+    assert "_created" not in text
+    assert value(families, "nodeagent_slice_seconds", device="0", workload="training") > 0
+    assert value(families, "nodeagent_slice_seconds", device="0", workload="inference") > 0
+    assert value(families, "nodeagent_yield_requests", device="0", reason="preempted") >= 1
+
+
+def test_state_gauges_read_zero_once_the_state_empties(start_daemon):
+    d = start_daemon("--metrics-port", "0")
+    url = metrics_url(d)
+    with Client("trainer", endpoint=d.endpoint) as trainer:
+        trainer.acquire(timeout=5)
+        _, held = scrape(url)
+        assert value(held, "nodeagent_token_held", device="0") == 1
+        assert value(held, "nodeagent_sessions", device="0", workload="training", state="holding") == 1
+        assert value(held, "nodeagent_device_memory_bytes", device="0", workload="training") == 0  # declared none
+        trainer.release()
+        wait_for(lambda: d.status().devices[0].holder is None)
+    wait_for(lambda: not d.status().devices[0].sessions)
+    _, after = scrape(url)
+    assert value(after, "nodeagent_token_held", device="0") == 0
+    assert value(after, "nodeagent_token_queue_length", device="0") == 0
+    for state in ("idle", "holding"):
+        assert value(after, "nodeagent_sessions", device="0", workload="training", state=state) == 0
+    assert value(after, "nodeagent_device_state", device="0", state="FREE") == 1
+    assert value(after, "nodeagent_device_lost", device="0") == 0
+
+
+def test_token_queue_length_counts_the_waiters(start_daemon):
+    d = start_daemon("--metrics-port", "0")
+    url = metrics_url(d)
+    with Client("holder", endpoint=d.endpoint) as holder, Client("waiter", endpoint=d.endpoint) as waiter:
+        holder.acquire(timeout=5)
+        waiter.request()
+        wait_for(lambda: value(scrape(url)[1], "nodeagent_token_queue_length", device="0") == 1)
+        _, families = scrape(url)
+        assert value(families, "nodeagent_sessions", device="0", workload="training", state="waiting") == 1
+        holder.release()
+        waiter.acquire(timeout=5)
+        assert value(scrape(url)[1], "nodeagent_token_queue_length", device="0") == 0
+        waiter.release()
+
+
+def test_lend_and_reclaim_move_the_device_state_gauge_and_are_counted(workdir, start_daemon):
+    node = write_cluster_config(workdir)
+    node.daemon = start_daemon("--metrics-port", "0")
+    url = metrics_url(node.daemon)
+    peer = node.peer()
+    try:
+        assert peer.call(p.Lend(id=0, device=0, borrower="job")).changed
+        _, lent = scrape(url)
+        states = {s.labels["state"]: s.value for s in lent["nodeagent_device_state"].samples}
+        assert states == {"FREE": 0, "RUN": 0, "PROTECT": 0, "LENT": 1, "DRAINING": 0}
+        assert value(lent, "nodeagent_lends", device="0") == 1
+        assert value(lent, "nodeagent_reclaims", device="0") == 0
+        assert peer.call(p.Reclaim(id=0, device=0)).changed
+        _, back = scrape(url)
+        assert value(back, "nodeagent_device_state", device="0", state="LENT") == 0  # 0, not gone
+        assert value(back, "nodeagent_device_state", device="0", state="PROTECT") == 1
+        assert value(back, "nodeagent_reclaims", device="0") == 1
+        assert value(back, "nodeagent_reclaim_seconds") == 1  # the histogram's _count
+    finally:
+        peer.close()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_finds_nothing_to_complain_about(start_daemon):
+    d = start_daemon("--metrics-port", "0")
+    text, _ = scrape(metrics_url(d))
+    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ the Grafana dashboard
+
+_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                 "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The series names a PromQL expression selects: what is left once strings, label
+    matchers, ranges, label lists, Grafana variables, functions and keywords are set aside."""
+    s = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\$\{?\w+\}?", " ", s)
+    s = _LABEL_LISTS.sub(" ", s)
+    names = set()
+    for m in re.finditer(r"(?<![\w.])[A-Za-z_:][\w:]*", s):
+        if s[m.end():].lstrip().startswith("(") or m.group().lower() in _PROMQL_WORDS:
+            continue  # a function or aggregation, or a keyword
+        names.add(m.group())
+    return names
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    """Every PromQL expression in the dashboard: panel targets, then variable queries."""
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
+    for variable in dashboard["templating"]["list"]:
+        query = variable.get("query")
+        query = query.get("query", "") if isinstance(query, dict) else query or ""
+        m = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", query)
+        exprs.append(m.group(1) if m else query)
+    return exprs
+
+
+def test_metric_names_are_read_from_promql():
+    assert metric_names('histogram_quantile(0.99, sum by (le, device) (rate(nodeagent_a_bucket{device=~"$device",'
+                        ' x="a{b}"}[$__rate_interval]))) / on (device) group_left nodeagent_b * 1e3') == {
+        "nodeagent_a_bucket", "nodeagent_b"}
+    assert metric_names("sum(rate(nodeagent_c_total[5m])) by (kind) > bool 0") == {"nodeagent_c_total"}
+    assert dashboard_queries({"panels": [], "templating": {"list": [
+        {"query": {"query": 'label_values(nodeagent_d{instance=~"$instance"}, device)'}}]}}) == [
+        'nodeagent_d{instance=~"$instance"}']
+
+
+def test_dashboard_is_an_importable_grafana_dashboard():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["schemaVersion"] >= 36 and dashboard["title"] and dashboard["uid"]
+    assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
+        ("DS_PROMETHEUS", "datasource", "prometheus")]
+    source = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+    ids, cells = set(), set()
+    for panel in dashboard["panels"]:
+        assert panel["id"] not in ids, panel["title"]
+        ids.add(panel["id"])
+        g = panel["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, panel["title"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not area & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= area
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == source and panel["targets"], panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == source and target["expr"].strip(), panel["title"]
+    for variable in dashboard["templating"]["list"]:
+        assert variable["datasource"] == source, variable["name"]
+
+
+def test_dashboard_shows_what_operators_watch():
+    exprs = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    used = set().union(*map(metric_names, exprs))
+    assert {"nodeagent_token_held", "nodeagent_token_queue_length", "nodeagent_yield_requests_total",
+            "nodeagent_enforcements_total", "nodeagent_suspends_total", "nodeagent_parked_bytes_total",
+            "nodeagent_device_memory_bytes", "nodeagent_journal_ok", "nodeagent_sessions", "nodeagent_lends_total",
+            "nodeagent_reclaims_total"} <= used
+    for histogram in ("nodeagent_token_wait_seconds", "nodeagent_token_handoff_seconds"):
+        for q in ("0.5", "0.99"):
+            assert any(e.startswith(f"histogram_quantile({q},") and f"{histogram}_bucket" in e for e in exprs), (
+                histogram, q)
+
+
+def test_every_dashboard_expression_names_a_metric_the_daemon_exports(start_daemon):
+    d = start_daemon("--metrics-port", "0")
+    _, families = scrape(metrics_url(d))
+    exported = exported_names(families)
+    for expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        names = metric_names(expr)
+        assert names, f"no metric in {expr!r}"
+        assert names <= exported, f"{sorted(names - exported)} in {expr!r} is not exported by the daemon"

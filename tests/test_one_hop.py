@@ -1,0 +1,274 @@
+"""One-hop handoffs (nodeagent/daemon/one_hop.py): a holder told who is next wakes
+it through its wake channel; the daemon's promise makes every other ending of the
+slice give the same answer. Real daemon, real clients and processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+
+import pytest
+
+from client_lib import Client
+from client_lib import protocol as p
+from tests.conftest import wait_for
+
+
+def _waiter(client: Client, timeout: float = 10.0):
+    """``client.acquire()`` in a thread; returns (thread, result dict)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["grant"] = client.acquire(timeout=timeout)
+            out["at"] = time.monotonic()
+        except Exception as exc:  # surfaced by the test's assertions
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _hinted(holder: Client) -> bool:
+    """True once ``holder`` has heard who comes next (reads its socket)."""
+    holder.holding  # noqa: B018 - the property reads what the daemon sent
+    return holder._hint is not None and holder._hint[1] is not None
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    """Slices long enough that no holder here is asked to yield while a test sleeps, and
+    enforcement by revoke: the holders are this process, which must never be stopped."""
+    return start_daemon("--quantum-ms", "inference=10000", "--quantum-ms", "training=10000", "--enforce", "revoke",
+                        "--grace-ms", "2000")
+
+
+def _holder(daemon) -> str | None:
+    return daemon.status().devices[0].holder
+
+
+def test_a_release_wakes_the_next_holder_through_its_wake_channel(daemon):
+    a = Client("a", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint)
+    wake_dir = os.path.join(os.path.dirname(daemon.socket_path), "wake")
+    for c in (a, b):
+        assert os.path.dirname(c.welcome.wake) == wake_dir
+        mode = os.stat(c.welcome.wake).st_mode
+        # The session's user reads; under a root daemon the socket's group may write (a per-user one: its user alone).
+        assert stat.S_ISFIFO(mode) and stat.S_IMODE(mode) == (0o620 if os.geteuid() == 0 else 0o600)
+    grant = a.acquire()
+    thread, out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    assert a._hint[1] == grant + 1
+    a.release()
+    thread.join(5)
+    assert out.get("grant") == grant + 1, out
+    assert (a.handed_on, b.woken) == (1, 1)  # the word went through the FIFO, ahead of the daemon's grant
+    wait_for(lambda: _holder(daemon) == b.session_id)
+    # Back and forth: every handoff of the pair goes one hop, and the daemon agrees on every holder.
+    for n in range(2, 6):
+        thread, out = _waiter(a)
+        wait_for(lambda: _hinted(b))
+        b.release()
+        thread.join(5)
+        a, b = b, a
+        assert out.get("grant") == grant + n, out
+        wait_for(lambda: _holder(daemon) == b.session_id)
+    assert a.handed_on + b.handed_on == 5 and a.woken + b.woken == 5
+    path = b.welcome.wake
+    b.close()
+    wait_for(lambda: not os.path.exists(path))  # a session's channel goes with it
+    a.close()
+
+
+def test_a_client_that_does_not_ask_keeps_the_two_hop_path(daemon):
+    a = Client("a", endpoint=daemon.endpoint, one_hop=False)
+    b = Client("b", endpoint=daemon.endpoint)
+    c = Client("c", endpoint=daemon.endpoint, one_hop=False)
+    assert a.welcome.wake == "" and c.welcome.wake == ""
+    grant = a.acquire()
+    thread, out = _waiter(b)
+    time.sleep(0.2)
+    a.release()  # a holder that did not ask hears of no successor: the daemon grants
+    thread.join(5)
+    assert out.get("grant") == grant + 1 and b.woken == 0 and a._hint is None
+    thread, out = _waiter(c)
+    time.sleep(0.2)
+    assert b._hint is None  # nor is a waiter without a channel promised anything
+    b.release()
+    thread.join(5)
+    assert out.get("grant") == grant + 2 and b.handed_on == 0
+    for client in (a, b, c):
+        client.close()
+
+
+def test_stale_wake_channels_are_removed_at_start(start_daemon, workdir):
+    wake_dir = os.path.join(workdir, "wake")
+    os.makedirs(wake_dir)
+    stale = os.path.join(wake_dir, "s-0123456789ab")
+    os.mkfifo(stale)
+    d = start_daemon()
+    assert not os.path.exists(stale)
+    with Client("a", endpoint=d.endpoint) as a:
+        assert os.path.exists(a.welcome.wake)
+
+
+def test_forged_and_replayed_wake_words_are_ignored(daemon):
+    a = Client("a", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint)
+    first = a.acquire()
+    thread, out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    promised, secret = b._standby
+    # Anyone who may open the FIFO can write to it; none of these is the word of b's promise.
+    with open(b.welcome.wake, "wb", buffering=0) as fifo:
+        fifo.write(p.wake_word(os.urandom(16), promised))  # a guessed secret
+        fifo.write(p.wake_word(secret, promised + 1))  # the right secret, another grant
+        fifo.write(b"x" * 7)  # misaligns whatever follows
+    time.sleep(0.3)
+    assert "grant" not in out and b.woken == 0
+    assert _holder(daemon) == a.session_id
+    a.release()  # the real word still gets through, after the junk
+    thread.join(5)
+    assert out.get("grant") == promised == first + 1 and (a.handed_on, b.woken) == (1, 1), (a.handed_on, b._wake_tail)
+    b.release()
+    # Replayed later, while b waits again (behind a), the old word is nobody's promise.
+    a.acquire()
+    thread, out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    with open(b.welcome.wake, "wb", buffering=0) as fifo:
+        fifo.write(p.wake_word(secret, promised))
+    time.sleep(0.3)
+    assert "grant" not in out and _holder(daemon) == a.session_id
+    a.release()
+    thread.join(5)
+    assert out.get("grant") == first + 3 and b.woken == 2
+    a.close()
+    b.close()
+
+
+def test_a_release_that_races_a_withdrawal_still_makes_one_holder(daemon):
+    """The holder releases before reading the withdrawal: the successor it woke holds the token,
+    and the inference session that caused the withdrawal waits for it (asked to yield at once)."""
+    a = Client("a", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint)
+    infer = Client("i", workload="inference", endpoint=daemon.endpoint)
+    grant = a.acquire()
+    b_thread, b_out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    i_thread, i_out = _waiter(infer)
+    wait_for(lambda: daemon.status().devices[0].queue[:1] == [infer.session_id])
+    time.sleep(0.1)  # the withdrawal and the yield request are in a's socket, unread
+    # The library's release with the withdrawal landing just after its last read (release()
+    # reads first, so the window is narrow, but it is there): wake the successor it was told
+    # of, then send the release naming it.
+    hint = a._hint
+    assert hint is not None and a._hand_on(hint) == grant + 1
+    a._send_quiet(p.Release(id=a._take_id(), grant=grant, quiet=True, handed=grant + 1))
+    a._grant = None
+    b_thread.join(5)
+    assert b_out.get("grant") == grant + 1 and b.woken == 1
+    assert "grant" not in i_out
+    wait_for(lambda: _holder(daemon) == b.session_id)
+    wait_for(lambda: b.yield_requested)  # asked to give way to inference at once
+    b.release()
+    i_thread.join(5)
+    assert i_out.get("grant") is not None
+    for client in (a, b, infer):
+        client.close()
+
+
+def test_a_holder_that_reads_the_withdrawal_releases_to_the_new_first_in_line(daemon):
+    a = Client("a", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint)
+    infer = Client("i", workload="inference", endpoint=daemon.endpoint)
+    a.acquire()
+    b_thread, b_out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    i_thread, i_out = _waiter(infer)
+    wait_for(lambda: a.yield_requested)  # read: the withdrawal came first, then the yield request
+    assert a._hint is None
+    a.release()
+    i_thread.join(5)
+    assert i_out.get("grant") is not None and a.handed_on == 0 and infer.woken == 0
+    assert "grant" not in b_out  # b waits behind inference
+    infer.release()
+    b_thread.join(5)
+    assert b_out.get("grant") is not None
+    for client in (a, b, infer):
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_promise_binds_when_the_holder_is_enforced_or_dies(start_daemon, spawn):
+    """A holder that never reads its socket may have written the FIFO before it was stopped
+    or died: however its slice ends, the promised successor gets the token, before an
+    inference session that arrived later (which then gets it from the successor's yield)."""
+    d = start_daemon("--grace-ms", "100", "--quantum-ms", "training=100", "--enforce", "revoke")
+    holder = spawn(d.endpoint, "hold", "--name", "holder")
+    holder.expect("GRANT")
+    b = Client("b", endpoint=d.endpoint)
+    b_thread, b_out = _waiter(b)
+    wait_for(lambda: d.status().devices[0].queue == [b.session_id])
+    time.sleep(0.1)  # the hint went to the holder (unread)
+    infer = Client("i", workload="inference", endpoint=d.endpoint)
+    i_thread, i_out = _waiter(infer)
+    b_thread.join(5)  # the holder is revoked at its deadline: the token goes to b, as promised
+    assert "grant" in b_out, b_out
+    assert "grant" not in i_out
+    rows = {s.id: s for s in d.status().devices[0].sessions}
+    assert sum(1 for s in rows.values() if s.state in ("holding", "yielding")) == 1
+    wait_for(lambda: b.yield_requested)  # then gives way to inference
+    b.release()
+    i_thread.join(5)
+    assert "grant" in i_out
+    infer.release()
+    # The same when the holder dies with a promise out.
+    b.acquire()
+    other = spawn(d.endpoint, "hold", "--name", "other")  # waits behind b
+    wait_for(lambda: d.status().devices[0].queue)
+    b.release()
+    other.expect("GRANT")
+    c = Client("c", endpoint=d.endpoint)
+    c_thread, c_out = _waiter(c)
+    wait_for(lambda: d.status().devices[0].queue == [c.session_id])
+    time.sleep(0.1)
+    other.kill()
+    c_thread.join(5)
+    assert "grant" in c_out
+    for client in (b, infer, c):
+        client.close()
+    holder.kill()
+
+
+def test_a_woken_successors_release_that_overtakes_its_holders_is_kept_for_its_grant(daemon):
+    """Two connections, no order between them: the successor, woken, may finish and release
+    before the daemon reads the holder's release. That release is kept for the grant (and an
+    acquire after it requeues), never dropped as "not the holder", which left the daemon
+    granting a slice the client had already given back."""
+    a = Client("a", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint)
+    grant = a.acquire()
+    thread, out = _waiter(b)
+    wait_for(lambda: _hinted(a))
+    hint = a._hint
+    assert a._hand_on(hint) == grant + 1  # a wakes b ...
+    thread.join(5)
+    assert out.get("grant") == grant + 1
+    b.release()  # ... b is done at once, and asks again, before the daemon has heard from a
+    b.request()
+    time.sleep(0.1)
+    assert _holder(daemon) == a.session_id  # nothing was done to a on b's word
+    a._send_quiet(p.Release(id=a._take_id(), grant=grant, quiet=True, handed=grant + 1))
+    a._grant = None
+    # b's slice grant+1 begins and ends at once; its second request gets grant+2.
+    wait_for(lambda: b.holding)
+    assert b._grant == grant + 2
+    wait_for(lambda: _holder(daemon) == b.session_id)
+    b.release()
+    wait_for(lambda: _holder(daemon) is None)
+    a.close()
+    b.close()
