@@ -49,6 +49,31 @@ _LENGTH_PREFIXED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0),   # bin: (length b
 _COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # (count bytes, elements per count)
 
 
+def _header(frame: bytes, pos: int) -> tuple[int, int] | None:
+    """Read the MessagePack header byte at ``pos``: (where the next element starts,
+    how many elements the container it opens holds, -1 if it opens none); None for
+    0xC1, which MessagePack never uses. Payload bytes are skipped unread."""
+    b = frame[pos]
+    pos += 1
+    if b <= 0x7F or b >= 0xE0:
+        return pos, -1
+    if b <= 0x8F:
+        return pos, 2 * (b & 0x0F)
+    if b <= 0x9F:
+        return pos, b & 0x0F
+    if b <= 0xBF:
+        return pos + (b & 0x1F), -1
+    if b in _FIXED_SIZE:
+        return pos + _FIXED_SIZE[b], -1
+    if b in _LENGTH_PREFIXED:
+        width, extra = _LENGTH_PREFIXED[b]
+        return pos + width + extra + int.from_bytes(frame[pos:pos + width], "big"), -1
+    if b in _COUNTED:
+        width, per = _COUNTED[b]
+        return pos + width, per * int.from_bytes(frame[pos:pos + width], "big")
+    return None
+
+
 def nesting_depth_exceeds(frame: bytes, limit: int) -> bool:
     """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut
     short inside a container deeper than that.
@@ -61,28 +86,10 @@ def nesting_depth_exceeds(frame: bytes, limit: int) -> bool:
     pending: list[int] = []  # elements still to read, per open container
     pos, end = 0, len(frame)
     while pos < end:
-        b = frame[pos]
-        pos += 1
-        count = -1  # elements in the container this header opens; -1: not a container
-        if b <= 0x7F or b >= 0xE0:
-            pass
-        elif b <= 0x8F:
-            count = 2 * (b & 0x0F)
-        elif b <= 0x9F:
-            count = b & 0x0F
-        elif b <= 0xBF:
-            pos += b & 0x1F
-        elif b in _FIXED_SIZE:
-            pos += _FIXED_SIZE[b]
-        elif b in _LENGTH_PREFIXED:
-            width, extra = _LENGTH_PREFIXED[b]
-            pos += width + extra + int.from_bytes(frame[pos:pos + width], "big")
-        elif b in _COUNTED:
-            width, per = _COUNTED[b]
-            count = per * int.from_bytes(frame[pos:pos + width], "big")
-            pos += width
-        else:  # 0xC1, never used: not MessagePack; the decoder will say so
+        header = _header(frame, pos)
+        if header is None:  # not MessagePack; the decoder will say so
             return False
+        pos, count = header
         if pending:
             pending[-1] -= 1
         if count >= 0:
@@ -120,29 +127,12 @@ def _skip(frame: bytes, pos: int, steps: int) -> tuple[int, int] | None:
     while remaining:
         if pos >= end or steps <= 0:
             return None
-        b = frame[pos]
-        pos += 1
-        steps -= 1
-        remaining -= 1
-        if b <= 0x7F or b >= 0xE0:
-            continue
-        if b <= 0x8F:
-            remaining += 2 * (b & 0x0F)
-        elif b <= 0x9F:
-            remaining += b & 0x0F
-        elif b <= 0xBF:
-            pos += b & 0x1F
-        elif b in _FIXED_SIZE:
-            pos += _FIXED_SIZE[b]
-        elif b in _LENGTH_PREFIXED:
-            width, extra = _LENGTH_PREFIXED[b]
-            pos += width + extra + int.from_bytes(frame[pos:pos + width], "big")
-        elif b in _COUNTED:
-            width, per = _COUNTED[b]
-            remaining += per * int.from_bytes(frame[pos:pos + width], "big")
-            pos += width
-        else:  # 0xC1: never used
+        header = _header(frame, pos)
+        if header is None:
             return None
+        pos, count = header
+        steps -= 1
+        remaining += max(count, 0) - 1  # this object read; a container's elements to come
     return (pos, steps) if pos <= end else None
 
 
