@@ -1,0 +1,239 @@
+"""What a Ray Train worker on a lent device runs, so that losing or gaining a device costs
+no step of work.
+
+    def train_fn(config):
+        worker = LentWorker(config["job"], config["handoff_dir"])   # the session first: before CUDA
+        model, opt = build()
+        model = ray.train.torch.prepare_model(model)
+        step = worker.start(model, opt)                             # from the newest hand-off
+        while True:
+            train_one_step(model, opt)
+            step += 1
+            if worker.step_done(step):                              # together on every rank
+                break
+        worker.close()
+
+The worker's session names its job as borrower (``NODEAGENT_BORROWER``, which the loan
+node's environment gives every worker on it), so the daemon admits it only on the
+device lent to that job. Three things can happen to it, and none loses a step:
+
+- **Reclaim** (inference wants the device): the daemon asks the session to suspend;
+  at its next ``step_done`` it writes the state to the hand-off directory, parks it in
+  host memory (:class:`client_lib.torch.Yielder`) and waits. If the controller then
+  stops its loan node (the job has other workers), the job restarts on the rest from
+  that hand-off, which is the last step any worker finished: a data-parallel peer
+  cannot finish the next step without it. If the controller keeps the loan (it was the
+  job's last worker), the same process resumes from its parked state when the device
+  is lent again: in-process, no step redone, no hand-off read.
+- **Resize** (a loan node for the job came up): Ray Train restarts the worker group
+  to grow it, stopping the workers wherever they are. The job's tracker passes the
+  controller's notice to rank 0, every rank learns it in the same step (one small
+  all-reduce per step), rank 0 writes the hand-off and all wait to be restarted.
+- **Checkpoint** every ``checkpoint_every`` steps (0: never), from rank 0: what a
+  crash without notice costs at most.
+
+Without Ray (tests, a single process) pass ``tracker=None, rank=0, world_size=1``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import time
+
+import torch
+
+from client_lib import Client
+from client_lib.torch import Yielder
+
+log = logging.getLogger("nodeagent_ray.train")
+
+__all__ = ["HandOff", "LentWorker"]
+
+ENV_BORROWER = "NODEAGENT_BORROWER"
+_STATE_RE = re.compile(r"state-(\d{9})\.pt$")
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
+
+
+class HandOff:
+    """A job's training state on storage every worker reaches, one file per step
+    (``state-<step>.pt``, written whole and renamed into place), the newest ``keep`` kept."""
+
+    def __init__(self, directory: str, keep: int = 3) -> None:
+        self.directory = directory
+        self.keep = max(1, int(keep))
+        os.makedirs(directory, exist_ok=True)
+
+    def steps(self) -> list[int]:
+        out = []
+        for path in glob.glob(os.path.join(self.directory, "state-*.pt")):
+            m = _STATE_RE.search(path)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def write(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+        path = os.path.join(self.directory, f"state-{step:09d}.pt")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save({"step": step, "model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, path)
+        for old in self.steps()[:-self.keep]:
+            try:
+                os.unlink(os.path.join(self.directory, f"state-{old:09d}.pt"))
+            except FileNotFoundError:
+                pass
+        return path
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the newest state into ``model`` and ``optimizer``; returns its step (0: none yet)."""
+        for step in reversed(self.steps()):
+            path = os.path.join(self.directory, f"state-{step:09d}.pt")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # removed, cut short or not ours: try the one before (torch raises many kinds)
+                log.warning("[handoff] %s unreadable (%s); trying an older one", path, exc)
+                continue
+            _unwrapped(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            return int(state["step"])
+        return 0
+
+
+class LentWorker:
+    """One training worker's session with its node's daemon, and its part in hand-offs."""
+
+    def __init__(self, job: str, handoff_dir: str, *, checkpoint_every: int = 0, resize_wait_s: float = 15.0,
+                 tracker=None, rank: int | None = None, world_size: int | None = None,
+                 client: Client | None = None, endpoint: str | None = None) -> None:
+        self.job = job
+        self.handoff = HandOff(handoff_dir)
+        self.checkpoint_every = int(checkpoint_every)
+        self.resize_wait_s = float(resize_wait_s)
+        if rank is None or world_size is None:  # inside Ray Train: its context and the job's tracker
+            import ray.train
+
+            from nodeagent_ray.actors import job_tracker
+            ctx = ray.train.get_context()
+            rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+            tracker = tracker if tracker is not None else job_tracker(job)
+        self.rank, self.world_size, self.tracker = rank, world_size, tracker
+        borrower = os.environ.get(ENV_BORROWER) or job
+        self.client = client or Client(f"{job}/rank{rank}", workload="training", borrower=borrower,
+                                       endpoint=endpoint)
+        self.step = 0
+        self.parks = 0  # suspensions this process went through and resumed from
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._yielder: Yielder | None = None
+        self._slice = None
+        self._acked_epoch = 0
+        self._pending: list = []  # the tracker's answers to step_done not read yet
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the newest hand-off, take the device's token; returns the step to go on from."""
+        self._model, self._optimizer = model, optimizer
+        self.step = self.handoff.load(model, optimizer)
+        self._yielder = Yielder(None, modules=[model], optimizers=[optimizer])
+        self.client.set_suspend_handlers(self._park, self._unpark)
+        if self.tracker is not None and self.rank == 0:
+            import ray
+            self._acked_epoch = ray.get(self.tracker.started.remote(self.world_size, self.step, os.getpid()))
+        self._slice = self.client.slice()
+        self._slice.__enter__()
+        log.info("[train] job=%s rank=%d/%d session=%s starts at step %d", self.job, self.rank, self.world_size,
+                 self.client.session_id, self.step)
+        return self.step
+
+    def step_done(self, step: int) -> bool:
+        """After each optimizer step, on every rank. Takes turns, parks on a reclaim, hands off
+        before a resize. True when the job is to stop (every rank gets True at the same step)."""
+        self.step = step
+        self.client.yield_point()
+        if self.rank == 0 and self.checkpoint_every and step % self.checkpoint_every == 0:
+            self._hand_off("checkpoint")
+        pause, stop = self._agree(*self._read_notices(step))
+        if stop:
+            return True
+        if pause:
+            self._wait_for_resize()
+        return False
+
+    def close(self) -> None:
+        if self._slice is not None:
+            held, self._slice = self._slice, None
+            held.__exit__(None, None, None)
+        self.client.set_suspend_handlers(None, None)
+        if self.tracker is not None and self.rank == 0:
+            self.tracker.finished.remote()
+        self.client.close()
+
+    # ------------------------------------------------------------ notices
+
+    def _read_notices(self, step: int) -> tuple[bool, bool]:
+        """Rank 0: report this step (every step: the tracker counts steps redone from the highest one
+        it heard of) and read the newest answer that has arrived, without waiting for any."""
+        if self.tracker is None or self.rank != 0:
+            return False, False
+        import ray
+        self._pending.append(self.tracker.step_done.remote(step, self.world_size))
+        ready, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        if not ready:
+            return False, False
+        self._pending = [ref for ref in self._pending if ref not in ready]
+        answers = ray.get(ready)
+        epoch = max(a["pause_epoch"] for a in answers)
+        pause = epoch > self._acked_epoch
+        if pause:
+            self._acked_epoch = epoch
+        return pause, any(a["stop"] for a in answers)
+
+    def _agree(self, pause: bool, stop: bool) -> tuple[bool, bool]:
+        """Every rank learns rank 0's notices in the same step."""
+        if self.world_size <= 1 or not torch.distributed.is_initialized():
+            return pause, stop
+        flags = torch.tensor([int(pause), int(stop)], dtype=torch.int64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def _wait_for_resize(self) -> None:
+        """Hand off, then wait to be stopped by the resize; go on if it does not come."""
+        if self.rank == 0:
+            self._hand_off("resize", sync=True)
+        log.info("[train] job=%s rank=%d waits for a resize at step %d", self.job, self.rank, self.step)
+        deadline = time.monotonic() + self.resize_wait_s
+        while time.monotonic() < deadline:
+            self.client.yield_point()  # still answers yields and suspends while it waits
+            time.sleep(0.05)
+        log.info("[train] job=%s rank=%d no resize within %.0f s: training on", self.job, self.rank,
+                 self.resize_wait_s)
+
+    def _hand_off(self, why: str, sync: bool = False) -> None:
+        self.handoff.write(self.step, self._model, self._optimizer)
+        if self.tracker is not None:
+            ref = self.tracker.handed_off.remote(self.step, why, self._acked_epoch if why == "resize" else 0)
+            if sync:
+                import ray
+                ray.get(ref)
+
+    # ------------------------------------------------------------ suspend handlers
+
+    def _park(self) -> int:
+        """The daemon wants the device back: hand the state off, then park it in host memory."""
+        self._hand_off("reclaim")
+        if self.tracker is not None:
+            self.tracker.parked.remote(self.step, os.getpid())
+        self.parks += 1
+        return self._yielder.park()
+
+    def _unpark(self) -> None:
+        self._yielder.unpark()
+        if self.tracker is not None:
+            self.tracker.unparked.remote(self.step, os.getpid())
+        log.info("[train] job=%s rank=%d resumed in-process at step %d", self.job, self.rank, self.step)
