@@ -264,7 +264,7 @@ def measure(handle: common.DaemonHandle, sessions: int, args, pipe: baselines.Pi
     before = daemon_counters(handle)
     run = interleaved(handle.endpoint, sessions, args.handoffs, args.rounds, pipe, args.pipe_round_trips,
                       relay=not args.no_relay, work_device=args.work_device, hold_us=args.hold_us,
-                      one_hop=not args.two_hop)
+                      one_hop=args.one_hop)
     after = daemon_counters(handle)
     us = 1e-3
     pairs = [h for r in run["handoffs"] for h in r]
@@ -304,7 +304,7 @@ def measure(handle: common.DaemonHandle, sessions: int, args, pipe: baselines.Pi
         "unpaired_releases": run["unpaired"],
         "startup_s": common.rounded(run["startup_s"], 2),
         "hold_us": args.hold_us,
-        "one_hop_asked": not args.two_hop,
+        "one_hop_asked": args.one_hop,
         "one_hop_fraction": common.rounded(len(run["one_hop"]) / len(pairs), 3),
     }
     for kind in ("one_hop", "two_hop"):
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-us", type=float, default=0.0,
                     help="each holder spins this long before it releases, as a slice's work would (default: 0, "
                          "back to back: a successor hint then often reaches the holder after its release)")
-    ap.add_argument("--two-hop", action="store_true",
-                    help="clients do not ask for one-hop handoffs (hello.one_hop): the 2.0 path, for comparison")
+    ap.add_argument("--one-hop", action="store_true",
+                    help="clients ask for one-hop handoffs (hello.one_hop; off by default, as in client_lib)")
     args = ap.parse_args(argv)
     if args.hold_us < 0:
         ap.error("--hold-us must be >= 0")

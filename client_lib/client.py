@@ -68,7 +68,7 @@ class Client:
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool = True) -> None:
+                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool = False) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -83,7 +83,9 @@ class Client:
         if borrower is None and workload != "inference":  # inference has no borrower
             borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
-        self.one_hop = one_hop  # hand the token on, and take it, through wake channels (protocol 2.1)
+        # Hand the token on, and take it, through wake channels (protocol 2.1). Off by default:
+        # on a 2-core VM the hints cost more than the hop saves (docs/architecture.md, One-hop handoffs).
+        self.one_hop = one_hop
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s

@@ -12,7 +12,7 @@ import pytest
 
 from client_lib import (Client, DaemonUnavailableError, GrantTimeoutError, HandshakeTimeoutError,
                         NodeAgentError)
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 
 def test_yield_point_without_a_request_keeps_the_token(daemon):
@@ -141,8 +141,8 @@ def test_close_then_immediate_exit_is_a_clean_close_not_a_lost_session(daemon):
             "c = Client('brief', endpoint=sys.argv[1]); c.close(); os._exit(0)")
     for _ in range(10):
         subprocess.run([sys.executable, "-c", code, daemon.endpoint], check=True, cwd=REPO, timeout=30)
-    log = daemon.log()
-    assert log.count("[session] close") == 10
+    # The daemon answers the bye before it writes its log line: read the log once all ten are there.
+    log = wait_for(lambda: (lambda text: text if text.count("[session] close") == 10 else None)(daemon.log()))
     assert "lost session" not in log
 
 

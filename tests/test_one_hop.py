@@ -51,8 +51,8 @@ def _holder(daemon) -> str | None:
 
 
 def test_a_release_wakes_the_next_holder_through_its_wake_channel(daemon):
-    a = Client("a", endpoint=daemon.endpoint)
-    b = Client("b", endpoint=daemon.endpoint)
+    a = Client("a", endpoint=daemon.endpoint, one_hop=True)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
     wake_dir = os.path.join(os.path.dirname(daemon.socket_path), "wake")
     for c in (a, b):
         assert os.path.dirname(c.welcome.wake) == wake_dir
@@ -86,7 +86,7 @@ def test_a_release_wakes_the_next_holder_through_its_wake_channel(daemon):
 
 def test_a_client_that_does_not_ask_keeps_the_two_hop_path(daemon):
     a = Client("a", endpoint=daemon.endpoint, one_hop=False)
-    b = Client("b", endpoint=daemon.endpoint)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
     c = Client("c", endpoint=daemon.endpoint, one_hop=False)
     assert a.welcome.wake == "" and c.welcome.wake == ""
     grant = a.acquire()
@@ -112,13 +112,13 @@ def test_stale_wake_channels_are_removed_at_start(start_daemon, workdir):
     os.mkfifo(stale)
     d = start_daemon()
     assert not os.path.exists(stale)
-    with Client("a", endpoint=d.endpoint) as a:
+    with Client("a", endpoint=d.endpoint, one_hop=True) as a:
         assert os.path.exists(a.welcome.wake)
 
 
 def test_forged_and_replayed_wake_words_are_ignored(daemon):
-    a = Client("a", endpoint=daemon.endpoint)
-    b = Client("b", endpoint=daemon.endpoint)
+    a = Client("a", endpoint=daemon.endpoint, one_hop=True)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
     first = a.acquire()
     thread, out = _waiter(b)
     wait_for(lambda: _hinted(a))
@@ -153,9 +153,9 @@ def test_forged_and_replayed_wake_words_are_ignored(daemon):
 def test_a_release_that_races_a_withdrawal_still_makes_one_holder(daemon):
     """The holder releases before reading the withdrawal: the successor it woke holds the token,
     and the inference session that caused the withdrawal waits for it (asked to yield at once)."""
-    a = Client("a", endpoint=daemon.endpoint)
-    b = Client("b", endpoint=daemon.endpoint)
-    infer = Client("i", workload="inference", endpoint=daemon.endpoint)
+    a = Client("a", endpoint=daemon.endpoint, one_hop=True)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
+    infer = Client("i", workload="inference", endpoint=daemon.endpoint, one_hop=True)
     grant = a.acquire()
     b_thread, b_out = _waiter(b)
     wait_for(lambda: _hinted(a))
@@ -182,9 +182,9 @@ def test_a_release_that_races_a_withdrawal_still_makes_one_holder(daemon):
 
 
 def test_a_holder_that_reads_the_withdrawal_releases_to_the_new_first_in_line(daemon):
-    a = Client("a", endpoint=daemon.endpoint)
-    b = Client("b", endpoint=daemon.endpoint)
-    infer = Client("i", workload="inference", endpoint=daemon.endpoint)
+    a = Client("a", endpoint=daemon.endpoint, one_hop=True)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
+    infer = Client("i", workload="inference", endpoint=daemon.endpoint, one_hop=True)
     a.acquire()
     b_thread, b_out = _waiter(b)
     wait_for(lambda: _hinted(a))
@@ -208,13 +208,13 @@ def test_a_promise_binds_when_the_holder_is_enforced_or_dies(start_daemon, spawn
     or died: however its slice ends, the promised successor gets the token, before an
     inference session that arrived later (which then gets it from the successor's yield)."""
     d = start_daemon("--grace-ms", "100", "--quantum-ms", "training=100", "--enforce", "revoke")
-    holder = spawn(d.endpoint, "hold", "--name", "holder")
+    holder = spawn(d.endpoint, "hold", "--name", "holder", "--one-hop")
     holder.expect("GRANT")
-    b = Client("b", endpoint=d.endpoint)
+    b = Client("b", endpoint=d.endpoint, one_hop=True)
     b_thread, b_out = _waiter(b)
     wait_for(lambda: d.status().devices[0].queue == [b.session_id])
     time.sleep(0.1)  # the hint went to the holder (unread)
-    infer = Client("i", workload="inference", endpoint=d.endpoint)
+    infer = Client("i", workload="inference", endpoint=d.endpoint, one_hop=True)
     i_thread, i_out = _waiter(infer)
     b_thread.join(5)  # the holder is revoked at its deadline: the token goes to b, as promised
     assert "grant" in b_out, b_out
@@ -228,11 +228,11 @@ def test_a_promise_binds_when_the_holder_is_enforced_or_dies(start_daemon, spawn
     infer.release()
     # The same when the holder dies with a promise out.
     b.acquire()
-    other = spawn(d.endpoint, "hold", "--name", "other")  # waits behind b
+    other = spawn(d.endpoint, "hold", "--name", "other", "--one-hop")  # waits behind b
     wait_for(lambda: d.status().devices[0].queue)
     b.release()
     other.expect("GRANT")
-    c = Client("c", endpoint=d.endpoint)
+    c = Client("c", endpoint=d.endpoint, one_hop=True)
     c_thread, c_out = _waiter(c)
     wait_for(lambda: d.status().devices[0].queue == [c.session_id])
     time.sleep(0.1)
@@ -249,8 +249,8 @@ def test_a_woken_successors_release_that_overtakes_its_holders_is_kept_for_its_g
     before the daemon reads the holder's release. That release is kept for the grant (and an
     acquire after it requeues), never dropped as "not the holder", which left the daemon
     granting a slice the client had already given back."""
-    a = Client("a", endpoint=daemon.endpoint)
-    b = Client("b", endpoint=daemon.endpoint)
+    a = Client("a", endpoint=daemon.endpoint, one_hop=True)
+    b = Client("b", endpoint=daemon.endpoint, one_hop=True)
     grant = a.acquire()
     thread, out = _waiter(b)
     wait_for(lambda: _hinted(a))
