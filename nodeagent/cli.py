@@ -493,13 +493,14 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_status(status) -> str:
+    from nodeagent.top import shown  # peers' names reach a terminal: no control characters
     gib = 1024 ** 3
     lines = [f"nodeagent pid {status.daemon_pid}  backend {status.backend}  up {status.uptime_s:.0f} s  "
              f"protocol {status.protocol[0]}.{status.protocol[1]}"]
     for d in status.devices:
         used = "?" if d.memory_used_bytes is None else f"{d.memory_used_bytes / gib:.1f}"
         util = "" if d.utilization_percent is None else f"  util {d.utilization_percent:.0f}%"
-        names = {s.id: s.name for s in d.sessions}
+        names = {s.id: shown(s.name) for s in d.sessions}
         holder = f"{d.holder} ({names.get(d.holder, '?')})" if d.holder else "-"
         queue = ", ".join(f"{sid} ({names.get(sid, '?')})" for sid in d.queue) or "-"
         lines.append("")
@@ -510,7 +511,7 @@ def format_status(status) -> str:
                          f"{'GPU-TIME':>10}{'GRANTS':>8}{'PID':>9}")
             for s in d.sessions:
                 pid = f"{s.pid}" + ("" if s.pid_verified else "?")
-                lines.append(f"  {s.id:<16}{s.name[:19]:<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
+                lines.append(f"  {s.id:<16}{shown(s.name[:19]):<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
                              f"{s.gpu_time_s:>9.2f}s{s.grants:>8}{pid:>9}")
         else:
             lines.append("  no sessions")

@@ -75,7 +75,7 @@ def strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None)
     return "".join(chars)
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """A peer's string (a session name) as it may reach a terminal: no control characters,
     so that a name cannot move the cursor, retitle the window or clear the screen."""
     return "".join(c if c.isprintable() else "?" for c in text)
@@ -134,7 +134,7 @@ def _device_lines(d: p.DeviceInfo, letters: Letters, width: int | None) -> list[
     def who(sid: str) -> str:
         s = sessions.get(sid)
         name = s.name if s is not None else (activity.names.get(sid, "") if activity is not None else "")
-        return f"{book.get(sid, UNKNOWN_CHAR)} {_shown(name or sid)}"
+        return f"{book.get(sid, UNKNOWN_CHAR)} {shown(name or sid)}"
 
     used = "?" if d.memory_used_bytes is None else f"{d.memory_used_bytes / GIB:.1f}"
     util = "" if d.utilization_percent is None else f"  util {d.utilization_percent:.0f}%"
@@ -149,9 +149,9 @@ def _device_lines(d: p.DeviceInfo, letters: Letters, width: int | None) -> list[
     else:
         span = len(activity.timeline) * activity.bucket_ms / 1000.0
         room = None if width is None else max(8, width - 24)  # "  token   -60s |" and "| now" fit beside it
-        shown = strip(activity, book, room)
-        seconds = len(shown) * activity.bucket_ms / 1000.0 if shown else span
-        line = f"  token   -{seconds:g}s |{shown}| now"
+        drawn = strip(activity, book, room)
+        seconds = len(drawn) * activity.bucket_ms / 1000.0 if drawn else span
+        line = f"  token   -{seconds:g}s |{drawn}| now"
         scale = f"   ({activity.bucket_ms / 1000.0:g} s a char)"
         lines.append(line + scale if width is None or len(line) + len(scale) < width else line)
         lines.append(f"  waits   p50 {_ms(activity.wait_p50_ms)}  p99 {_ms(activity.wait_p99_ms)}  "
@@ -164,7 +164,7 @@ def _device_lines(d: p.DeviceInfo, letters: Letters, width: int | None) -> list[
                      f"{'MEM-USED':>10}{'MEM-DECL':>10}{'PID':>9}")
         for s in d.sessions:
             pid = f"{s.pid}" + ("" if s.pid_verified else "?")
-            lines.append(f"  {book.get(s.id, UNKNOWN_CHAR)}  {_shown(s.id):<15}{_shown(s.name[:19]):<20}{s.workload:<12}"
+            lines.append(f"  {book.get(s.id, UNKNOWN_CHAR)}  {shown(s.id):<15}{shown(s.name[:19]):<20}{s.workload:<12}"
                          f"{_state(s):<10}{s.grants:>7}{s.gpu_time_s:>9.2f}s{_mib(s.memory_used_bytes):>10}"
                          f"{s.memory_mb:>10}{pid:>9}")
     else:

@@ -144,3 +144,17 @@ def test_under_journald_log_lines_carry_syslog_priorities(workdir):
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0
     assert "<6>nodeagent.server [serve] listening" in err
+
+
+def test_status_prints_no_control_characters_from_a_peers_name():
+    """Defence in depth (the daemon refuses such names at hello): a name from an older
+    journal or another daemon must not drive the terminal of whoever runs status."""
+    from client_lib import protocol as p
+    from nodeagent.cli import format_status
+    row = p.SessionInfo(id="s-1", name="x\x1b]0;owned\x07\x1b[2J", pid=5, pid_verified=True, workload="training",
+                        weight=1.0, state="holding", gpu_time_s=1.0, grants=1, memory_mb=0)
+    status = p.StatusReply(id=1, protocol=(2, 1), daemon_pid=1, backend="cpu", uptime_s=3.0, devices=[
+        p.DeviceInfo(index=0, backend="cpu", uuid="CPU-0", name="cpu:0", memory_total_bytes=1 << 30,
+                     memory_used_bytes=None, utilization_percent=None, holder="s-1", queue=[], sessions=[row])])
+    text = format_status(status)
+    assert "\x1b" not in text and "\x07" not in text and "x?]0;owned??[2J" in text

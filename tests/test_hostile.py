@@ -7,6 +7,7 @@ The fuzzer's counts are printed (run with ``-s``) for the record.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import typing
@@ -447,3 +448,17 @@ def test_class_caps_refuse_a_class_past_its_share(start_daemon, workdir):
         with Client("train", workload="training", memory_mb=int(capacity * 0.6), endpoint=d.endpoint,
                     reconnect=False):
             pass
+
+
+@pytest.mark.parametrize("field,value", [("name", "ok\n2026-11-23 00:00:00 INFO forged line"),
+                                         ("name", "x\x1b]0;owned\x07"), ("borrower", "job\r")])
+def test_names_with_control_characters_are_refused_at_hello(daemon, field, value):
+    """Names reach the daemon's log and other users' terminals (status, top): a newline would
+    forge a log line, an escape sequence drive a terminal."""
+    peer = RawPeer(daemon.endpoint)
+    fields = {"name": "fine", field: value}
+    reply = peer.call(p.Hello(id=1, protocol=p.PROTOCOL_VERSION, pid=os.getpid(), **fields))
+    assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.INVALID, reply
+    assert "printable" in reply.message
+    assert "forged line" not in daemon.log()
+    peer.close()

@@ -901,6 +901,12 @@ def _check_hello(msg: p.Hello) -> str | None:
     """Why a hello's values are unacceptable, or None."""
     if not msg.name or len(msg.name) > MAX_NAME_CHARS:
         return f"name must be 1..{MAX_NAME_CHARS} characters"
+    # Names reach logs and terminals (status, top): a control character could forge a log line
+    # or drive another user's terminal.
+    if not msg.name.isprintable():
+        return "name must be printable (no control characters)"
+    if msg.borrower is not None and not msg.borrower.isprintable():
+        return "borrower must be printable (no control characters)"
     if not (math.isfinite(msg.weight) and 0 < msg.weight <= MAX_WEIGHT):
         return f"weight must be in (0, {MAX_WEIGHT:g}], got {msg.weight}"
     if msg.borrower is not None and not (msg.borrower.strip() and len(msg.borrower) <= MAX_NAME_CHARS):
