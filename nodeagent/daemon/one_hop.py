@@ -78,6 +78,7 @@ class OneHop:
         self._delegated = delegated
         self._dir: str | None = None
         self._hints: dict[int, _Hint] = {}
+        self._channels: set[str] = set()  # sessions with a wake channel: without any, no hint can be given
         # Releases that came before their grant: session -> (promised grant, requeue). A woken
         # successor may finish its slice and release before the daemon has read the holder's
         # release (two connections, no order between them); it is carried out at the grant.
@@ -139,12 +140,14 @@ class OneHop:
             self._unlink(path)
             return ""
         s.wake = path
+        self._channels.add(s.id)
         return path
 
     def close_channel(self, s: Session) -> None:
         if s.wake:
             self._unlink(s.wake)
             s.wake = None
+        self._channels.discard(s.id)
 
     def close(self) -> None:
         for s in self._sessions.values():
@@ -161,6 +164,8 @@ class OneHop:
     # ------------------------------------------------------------ hints
 
     def refresh_all(self) -> None:
+        if not self._hints and not self._channels:
+            return  # nobody asked for one-hop handoffs: nothing to do each loop turn
         for device in range(len(self._schedulers)):
             self.refresh(device)
 
