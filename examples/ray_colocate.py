@@ -447,10 +447,12 @@ class Scenario:
         return ray.get(self.tracker.progress.remote(), timeout=10)
 
     def training_at(self, world_size: int, since_step: int | None = None, steps: int = 20):
-        """Training with ``world_size`` workers, ``steps`` past ``since_step`` (default: now)."""
+        """Training with ``world_size`` workers, ``steps`` past ``since_step`` (default: now), and that
+        many made by the current worker group: a group that only said it started (its rank 0 calls
+        ``started`` before its ranks take their devices' tokens) has not trained yet."""
         base = self.progress()["step"] if since_step is None else since_step
-        return lambda: (lambda pr: pr["world_size"] == world_size and pr["step"] >= base + steps and pr)(
-            self.progress())
+        return lambda: (lambda pr: pr["world_size"] == world_size
+                        and pr["step"] >= max(base, pr["group_from"]) + steps and pr)(self.progress())
 
     def records(self, kind: str | None = None) -> list[dict]:
         import ray

@@ -40,7 +40,7 @@ from nodeagent_ray.raynode import RayNodeProcess, RayNodeSpec
 
 log = logging.getLogger("nodeagent_ray")
 
-__all__ = ["Controller", "ControllerSettings", "LoanAgent", "LoanSettings", "NodeSettings", "RayJobs",
+__all__ = ["Controller", "ControllerSettings", "JobTracker", "LoanAgent", "LoanSettings", "NodeSettings", "RayJobs",
            "RayLoanNodes", "TrainingJob", "check_name", "create_job", "job_tracker", "loan_resource", "poke_ray_train"]
 
 NAMESPACE = "nodeagent"
@@ -93,7 +93,9 @@ def poke_ray_train(requester: str = "nodeagent") -> bool:
     ``AutoscalingCoordinator`` actor, which re-reads the cluster every 20 s; asking it for a
     reservation with ``recompute=True`` re-reads it at once. An internal actor, so this is
     version-bound (the ``ray`` extra pins 2.60.x): False when it is not there (no Ray Train job
-    has started yet, or another Ray) and nothing was done."""
+    has started yet, or another Ray, or no Ray at all) and nothing was done."""
+    if not ray.is_initialized():  # ray.get_actor would start a local Ray instance of its own
+        return False
     try:
         coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
         ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=_RAY_CALL_S)
@@ -325,14 +327,16 @@ def create_job(job: str, max_workers: int):
                                get_if_exists=True).remote(job, max_workers)
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
-class TrainingJob:
-    """One elastic training job's tracker (named ``job:<name>``; made by :func:`create_job`).
+class JobTracker:
+    """One elastic training job's tracker; :data:`TrainingJob` is this class as a Ray actor (named
+    ``job:<name>``; made by :func:`create_job`).
 
     Rank 0 of the job calls :meth:`step_done` after every step and :meth:`started` when a
     worker group starts; the controller reads :meth:`view` and calls :meth:`resize_coming`
     when a loan node for the job is up. The reply to ``step_done`` carries the notices the
-    workers act on together (``pause``: hand the state off and wait to be resized; ``stop``)."""
+    workers act on together (``pause``: hand the state off and wait to be resized; ``stop``).
+    A stop outranks a pause: once one is asked no pause is given, and a group already waiting
+    for a resize learns it from :meth:`stop_asked` and trains on to the stop step."""
 
     def __init__(self, job: str, max_workers: int) -> None:
         self.job = job
@@ -342,6 +346,7 @@ class TrainingJob:
         self._step_at = 0.0  # when (unix time)
         self._checkpoint_step = 0
         self._world_size = 0
+        self._group_from = 0  # the step the current worker group started from
         self._pause_epoch = 0
         self._handed_off_epoch = 0
         self._stop_at: int | None = None
@@ -362,6 +367,7 @@ class TrainingJob:
             redone = max(0, self._step - resumed_from)
             self._world_size = world_size
             self._step = resumed_from
+            self._group_from = resumed_from
             self._checkpoint_step = resumed_from
             self.history.append({"event": "start", "time": time.time(), "world_size": world_size,
                                  "resumed_from": resumed_from, "redone": redone, "pid": pid_of_rank0})
@@ -404,7 +410,10 @@ class TrainingJob:
         state off at the end of the current step and wait (so a resize redoes no step), then
         make Ray Train look at the cluster now. True when the hand-off came in time."""
         with self._cond:
-            training = self._world_size > 0 and time.time() - self._step_at < 2.0 and not self._finished
+            # Not once a stop is asked: a group waiting for a resize that may never come (the loan node
+            # adds nothing Ray Train can use) would not reach the stop step until its wait ran out.
+            training = self._world_size > 0 and time.time() - self._step_at < 2.0 and not self._finished \
+                and self._stop_at is None
             handed = False
             if training:
                 self._pause_epoch += 1
@@ -420,14 +429,23 @@ class TrainingJob:
             self._stop_at = self._step + max(1, int(after_steps))
             return self._stop_at
 
+    def stop_asked(self) -> bool:
+        """Rank 0 of a group waiting for a resize: True once a stop is asked (stop waiting, train on to it)."""
+        with self._cond:
+            return self._stop_at is not None
+
     def progress(self) -> dict:
         with self._cond:
             return {"step": self._step, "world_size": self._world_size, "step_at": self._step_at,
-                    "checkpoint_step": self._checkpoint_step, "finished": self._finished}
+                    "group_from": self._group_from, "checkpoint_step": self._checkpoint_step,
+                    "finished": self._finished}
 
     def report(self) -> dict:
         with self._cond:
             return {"job": self.job, "step": self._step, "history": list(self.history)}
+
+
+TrainingJob = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
 
 
 # ---------------------------------------------------------------- the controller

@@ -28,7 +28,8 @@ device lent to that job. Three things can happen to it, and none loses a step:
 - **Resize** (a loan node for the job came up): Ray Train restarts the worker group
   to grow it, stopping the workers wherever they are. The job's tracker passes the
   controller's notice to rank 0, every rank learns it in the same step (one small
-  all-reduce per step), rank 0 writes the hand-off and all wait to be restarted.
+  all-reduce per step), rank 0 writes the hand-off and all wait to be restarted
+  (``resize_wait_s`` at most, then they train on; a stop asked meanwhile ends the wait).
 - **Checkpoint** every ``checkpoint_every`` steps (0: never), from rank 0: what a
   crash without notice costs at most.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import re
 import time
@@ -54,6 +56,8 @@ __all__ = ["HandOff", "LentWorker"]
 
 ENV_BORROWER = "NODEAGENT_BORROWER"
 _STATE_RE = re.compile(r"state-(\d{9})\.pt$")
+_WAIT_ROUND_S = 0.25  # while waiting for a resize: how often a stop is looked for (one small all-reduce)
+_TRACKER_TIMEOUT_S = 2.0
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -203,16 +207,34 @@ class LentWorker:
         return bool(flags[0]), bool(flags[1])
 
     def _wait_for_resize(self) -> None:
-        """Hand off, then wait to be stopped by the resize; go on if it does not come."""
+        """Hand off, then wait to be stopped by the resize; go on if it does not come within
+        ``resize_wait_s``, or at once when the job is asked to stop meanwhile (it trains on to
+        the stop step). Every rank waits the same number of rounds and learns a stop in the same one."""
         if self.rank == 0:
             self._hand_off("resize", sync=True)
         log.info("[train] job=%s rank=%d waits for a resize at step %d", self.job, self.rank, self.step)
-        deadline = time.monotonic() + self.resize_wait_s
-        while time.monotonic() < deadline:
+        for _ in range(max(1, math.ceil(self.resize_wait_s / _WAIT_ROUND_S))):
             self.client.yield_point()  # still answers yields and suspends while it waits
-            time.sleep(0.05)
+            time.sleep(_WAIT_ROUND_S)
+            _, stop = self._agree(False, self._stop_asked())
+            if stop:
+                log.info("[train] job=%s rank=%d asked to stop while waiting for a resize: training on to it",
+                         self.job, self.rank)
+                return
         log.info("[train] job=%s rank=%d no resize within %.0f s: training on", self.job, self.rank,
                  self.resize_wait_s)
+
+    def _stop_asked(self) -> bool:
+        """Rank 0, while waiting for a resize: has the job been asked to stop? (False when the tracker
+        does not answer in time: the next round asks again.)"""
+        if self.tracker is None or self.rank != 0:
+            return False
+        import ray
+        try:
+            return bool(ray.get(self.tracker.stop_asked.remote(), timeout=_TRACKER_TIMEOUT_S))
+        except Exception as exc:  # busy or restarting: the wait stays bounded by resize_wait_s
+            log.warning("[train] job=%s the tracker did not say whether to stop: %s", self.job, exc)
+            return False
 
     def _hand_off(self, why: str, sync: bool = False) -> None:
         self.handoff.write(self.step, self._model, self._optimizer)

@@ -284,3 +284,37 @@ def test_a_device_whose_loan_node_cannot_start_is_given_back_and_not_lent_again_
         core.turn()
     assert states(core) == {"n1": ("LENT", JOB), "n2": ("FREE", None), "n3": ("LENT", JOB)}
     assert [r["node"] for r in records if r["kind"] == "lend"] == ["n1", "n2", "n3"]
+
+
+# ---------------------------------------------------------------- the job tracker, without Ray
+
+
+def test_once_a_stop_is_asked_a_loan_node_coming_up_pauses_the_job_no_more():
+    # After the last resize the driver asks for a stop 5 steps on; a late loan_started (a lend
+    # again, a loan node Ray Train cannot use) must not send the workers into a wait for a
+    # restart that never comes: they would not reach the stop step while they wait.
+    from nodeagent_ray.actors import JobTracker
+    job = JobTracker("job-7", max_workers=3)
+    assert job.started(world_size=2, resumed_from=100, pid_of_rank0=1) == 0
+    assert job.step_done(101, 2) == {"pause_epoch": 0, "stop": False}
+    assert not job.stop_asked()
+    assert job.stop(5) == 106
+    assert job.stop_asked()
+    started = time.monotonic()
+    assert job.resize_coming(timeout_s=2.0) is False
+    assert time.monotonic() - started < 1.0  # it did not wait for a hand-off either
+    assert job.step_done(102, 2) == {"pause_epoch": 0, "stop": False}
+    assert [h["event"] for h in job.history] == ["start"]
+    assert job.step_done(106, 2)["stop"] is True
+
+
+def test_a_training_job_is_paused_by_a_loan_node_coming_up_until_a_stop_is_asked():
+    from nodeagent_ray.actors import JobTracker
+    job = JobTracker("job-7", max_workers=3)
+    job.started(world_size=1, resumed_from=0, pid_of_rank0=1)
+    job.step_done(1, 1)
+    assert job.resize_coming(timeout_s=0.05) is False  # nobody handed off in time
+    assert job.step_done(2, 1)["pause_epoch"] == 1
+    job.handed_off(2, "resize", epoch=1)
+    assert job.started(world_size=2, resumed_from=2, pid_of_rank0=2) == 1
+    assert job.progress()["group_from"] == 2  # the scenario waits for steps past it, not for started() alone

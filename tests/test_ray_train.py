@@ -156,3 +156,46 @@ def test_the_borrower_reaches_a_training_session_through_the_environment(daemon,
         with Client("worker", workload="training", endpoint=daemon.endpoint) as worker:
             device = placement.inventory()["local"].reply.devices[0]
             assert [(s.id, s.borrower) for s in device.sessions] == [(worker.session_id, JOB)]
+
+
+class StopAsked(LentWorker):
+    """A worker whose tracker says "stop" from ``stop_from`` (monotonic) on: the rank-0 question
+    the resize wait asks, without a Ray cluster."""
+
+    stop_from = float("inf")
+
+    def _stop_asked(self) -> bool:
+        return time.monotonic() >= self.stop_from
+
+
+def test_a_group_waiting_for_a_resize_that_does_not_come_trains_on_when_asked_to_stop(daemon, tmp_path):
+    # The scenario's hang: a pause came (a loan node Ray Train could not use), the driver asked the
+    # job to stop, and the workers kept waiting for a restart instead of training on to the stop step.
+    with PlacementClient({"local": daemon.endpoint}, keys=None, timeout_ms=5000) as placement:
+        placement.lend("local", 0, JOB)
+        worker = StopAsked(JOB, str(tmp_path / "handoff"), resize_wait_s=20.0, tracker=None, rank=0, world_size=1,
+                           endpoint=daemon.endpoint)
+        model, opt = model_and_optimizer()
+        worker.start(model, opt)
+        worker.step = 12
+        worker.stop_from = time.monotonic() + 0.3
+        started = time.monotonic()
+        worker._wait_for_resize()
+        waited = time.monotonic() - started
+        assert 0.3 <= waited < 2.0, f"waited {waited:.1f} s for a resize after the stop was asked"
+        assert worker.handoff.steps() == [12]  # the hand-off was still written before the wait
+        worker.close()
+
+
+def test_a_group_waiting_for_a_resize_that_does_not_come_trains_on_after_resize_wait_s(daemon, tmp_path):
+    with PlacementClient({"local": daemon.endpoint}, keys=None, timeout_ms=5000) as placement:
+        placement.lend("local", 0, JOB)
+        worker = StopAsked(JOB, str(tmp_path / "handoff"), resize_wait_s=0.6, tracker=None, rank=0, world_size=1,
+                           endpoint=daemon.endpoint)
+        model, opt = model_and_optimizer()
+        worker.start(model, opt)
+        started = time.monotonic()
+        worker._wait_for_resize()
+        assert 0.5 <= time.monotonic() - started < 3.0
+        worker.close()
+
