@@ -83,7 +83,6 @@ class OneHop:
         # successor may finish its slice and release before the daemon has read the holder's
         # release (two connections, no order between them); it is carried out at the grant.
         self._early: dict[str, list] = {}
-        self.handed = 0  # releases that woke their successor directly (for tests and logs)
 
     # ------------------------------------------------------------ channels
 
@@ -221,7 +220,6 @@ class OneHop:
             return
         hint = self._hints.get(s.device)
         if handed is not None and hint is not None and hint.holder == s.id and handed == hint.next_grant:
-            self.handed += 1
             return
         scheduler.unbind_successor()
 
