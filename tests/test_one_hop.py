@@ -272,3 +272,15 @@ def test_a_woken_successors_release_that_overtakes_its_holders_is_kept_for_its_g
     wait_for(lambda: _holder(daemon) is None)
     a.close()
     b.close()
+
+
+def test_a_tcp_peer_gets_no_wake_channel(start_daemon):
+    """Over tcp the daemon cannot tell who a peer is, and has no socket directory: it makes
+    no FIFO for anyone (a file it would create for an unknown user), and asking for one-hop
+    handoffs there still gets the token, in two hops."""
+    from tests.test_enforce import _free_port
+    d = start_daemon(endpoint=f"tcp://127.0.0.1:{_free_port()}")
+    with Client("remote", endpoint=d.endpoint, one_hop=True) as c:
+        assert c.welcome.wake == ""
+        assert c.acquire(timeout=5)
+    assert not os.path.exists(os.path.join(d.workdir, "wake")) or not os.listdir(os.path.join(d.workdir, "wake"))
