@@ -6,8 +6,10 @@
 # 1. installs the wheels in .whl/ (scripts/gpu-wheels.sh fetched them on a networked machine) into a
 #    private target and puts it on PYTHONPATH; 2. records the machine (env.txt, env.json: GPU, driver,
 #    torch, and what the daemon relies on: pidfd_open, SO_PEERCRED, SIGSTOP, /dev/shm, page-locking);
-# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim and bench.handoff on cuda; 5. the
-#    MPS tests (30/70 split) last, as they start an MPS control daemon. Each step has its own time
+# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim and bench.handoff on cuda, and
+#    bench.handoff two-hop against one-hop on the host's cores; with .whl/ray-site.tar.xz
+#    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. the MPS tests (30/70 split) last, as they
+#    start an MPS control daemon. Each step has its own time
 #    limit and the whole run a budget (GPU_CHECK_BUDGET_S, default 540 s): a hang costs one step, and
 #    a failing step is recorded and the next one runs. Everything lands in ONE tarball,
 #    OUT_DIR/gpu-check-<gpu>-<date>.tar.gz (a folder <gpu>-<date>/ to untar into bench/results/),
@@ -123,6 +125,19 @@ install_wheels() {
         record wheels unpacked 0 $((SECONDS - t0)) "pip install --target $site $wheels/*.whl"
         say "wheels: $found unpacked into $site for Python 3.12; this is $("$python" -V 2>&1): its own packages are used"
     fi
+}
+
+install_ray() {  # .whl/ray-site.tar.xz (scripts/gpu-wheels.sh --ray): Ray, trimmed, for the Ray GPU test
+    local bundle=$wheels/ray-site.tar.xz t0=$SECONDS
+    [ -f "$bundle" ] || return 0
+    if ! tar -xJf "$bundle" -C "$site" >>"$stage/wheels.log" 2>&1; then
+        record ray-wheels failed 1 $((SECONDS - t0)) "tar -xJf $bundle -C $site"
+        return
+    fi
+    # pip --target wrote the console script for the interpreter that built it: point it at ours.
+    sed -i "1s|.*|#!$(command -v "$python")|" "$site/bin/ray" && export PATH="$site/bin:$PATH"
+    record ray-wheels ok 0 $((SECONDS - t0)) "tar -xJf $bundle -C $site"
+    say "ray: unpacked into $site ($("$python" -c 'import ray; print(ray.__version__)' 2>&1 | tail -n1))"
 }
 
 # ------------------------------------------------------------------ environment
@@ -280,6 +295,7 @@ PY
 # ------------------------------------------------------------------ run
 
 install_wheels
+install_ray
 probe_env
 torch_line=$("$python" - "$stage/env.json" <<'PY' 2>/dev/null
 import json, sys
@@ -304,6 +320,18 @@ run_step switch 200 "$stage/switch.json" "$python" -m bench.switch --backend cud
 run_step suspend 100 "$stage/suspend.json" "$python" -m bench.suspend --device cuda --state-mb 256,1024 --repeats 5 --json
 run_step reclaim 90 "$stage/reclaim.json" "$python" -m bench.reclaim --device cuda --repeats 5 --state-mb 256 --json
 run_step handoff 80 "$stage/handoff.json" "$python" -m bench.handoff --sessions 8 --handoffs 2000 --work-device cuda --json
+# The one-hop question (docs/architecture.md, "One-hop handoffs") on a many-core host: on 2 cores the
+# extra notices cost more than the saved hop. Same sessions, back to back and with a 200 us slice.
+for hold in 0 200; do
+    for hop in "" --one-hop; do
+        run_step "handoff-hold$hold${hop:+-one-hop}" 75 "$stage/handoff-hold$hold${hop:+-one-hop}.json" \
+            "$python" -m bench.handoff --sessions 2,64 --handoffs 3000 --hold-us "$hold" $hop --json
+    done
+done
+if [ -f "$wheels/ray-site.tar.xz" ]; then  # a loan raylet given the GPU by UUID (nodeagent_ray, docs/cluster.md)
+    run_step ray-gpu 120 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=110 \
+        --junitxml="$stage/pytest-ray-gpu.xml" tests/test_ray_gpu.py
+fi
 run_step mps 120 - env NODEAGENT_RESULTS_DIR="$stage" "$python" -m pytest -m gpu -p no:cacheprovider -q -rs \
     -o timeout=90 --junitxml="$stage/pytest-mps.xml" tests/test_mps.py tests/test_mps_daemon.py
 if [ "$dry" = 0 ]; then
@@ -355,8 +383,8 @@ def headline(step):
                 if gpu else f"no CUDA device; torch {torch_env.get('version', '?')}, python {env.get('python')}")
     if name == "wheels":
         return step["command"]
-    if name in ("pytest-gpu", "mps"):
-        j = junit("pytest-gpu.xml" if name == "pytest-gpu" else "pytest-mps.xml")
+    if name in ("pytest-gpu", "mps", "ray-gpu"):
+        j = junit({"pytest-gpu": "pytest-gpu.xml", "mps": "pytest-mps.xml", "ray-gpu": "pytest-ray-gpu.xml"}[name])
         text = (f"{j['passed']} passed, {j['failures'] + j['errors']} failed, {j['skipped']} skipped"
                 if j else "no junit report")
         mps = load("mps_30_70.json") if name == "mps" else None
@@ -383,6 +411,11 @@ def headline(step):
     if name == "handoff":
         return (f"p50 {r['handoff_p50_us']} us p99 {r['handoff_p99_us']} us, raw RTT p50 "
                 f"{r['baseline_rtt_p50_us']} us (ratio {r['ratio_p50']})")
+    if name.startswith("handoff-"):
+        return "; ".join(
+            f"{n} sessions p50 {b['handoff_p50_us']} us ({b['ratio_pipe_p50']}x pipe) p99 {b['handoff_p99_us']} us"
+            + (f", one-hop share {b['one_hop_fraction']}" if r.get("one_hop_asked") else "")
+            for n, b in r["by_sessions"].items())
     return ""
 
 def last_words(step):
@@ -413,13 +446,15 @@ summary = {
     "device": gpu,
     "environment": env,
     "steps": rows,
-    "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "handoff", "mps_30_70")},
-    "pytest": {"gpu": junit("pytest-gpu.xml"), "mps": junit("pytest-mps.xml")},
+    "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "handoff", "mps_30_70",
+                                                    *(f"handoff-hold{h}{o}" for h in (0, 200)
+                                                      for o in ("", "-one-hop")))},
+    "pytest": {"gpu": junit("pytest-gpu.xml"), "mps": junit("pytest-mps.xml"), "ray_gpu": junit("pytest-ray-gpu.xml")},
     "ok": all(r["status"] in ("ok", "planned", "unpacked") for r in rows),
 }
 lines = [f"gpu-check {tag}" + (" (dry run: nothing ran on a GPU)" if dry else ""),
-         f"{'step':<11} {'status':<14} {'secs':>5}  result"]
-lines += [f"{r['step']:<11} {r['status']:<14} {r['seconds']:>5}  {r['result'][:400]}" for r in rows]
+         f"{'step':<22} {'status':<14} {'secs':>5}  result"]
+lines += [f"{r['step']:<22} {r['status']:<14} {r['seconds']:>5}  {r['result'][:400]}" for r in rows]
 text = "\n".join(lines) + "\n"
 for name, content in (("summary.json", json.dumps(summary, indent=2) + "\n"), ("summary.txt", text)):
     for folder in (stage, out_dir):
