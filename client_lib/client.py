@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import select
 import stat
@@ -47,6 +48,8 @@ log = logging.getLogger("client_lib.client")
 
 ENV_HANDSHAKE_TIMEOUT = "NODEAGENT_HANDSHAKE_TIMEOUT_S"
 ENV_BORROWER = "NODEAGENT_BORROWER"  # a training session's borrower when none is given (set by a cluster engine)
+ENV_ONE_HOP = "NODEAGENT_ONE_HOP"  # 1, 0 or auto: whether a Client not told asks for one-hop handoffs
+ONE_HOP_MIN_CPUS = 8  # auto: one-hop where this process may use at least this many CPUs
 _WAKE_TAIL_MAX = 1024  # unmatched wake-channel bytes kept (the newest)
 _WAKE_OUT_MAX = 4  # successors' wake channels a client keeps open (each a descriptor)
 _POLL_SLICE_MS = 50  # longest blind wait: how soon a lost daemon is noticed while blocked
@@ -55,20 +58,57 @@ _UNMANAGED_HANDSHAKE_S = 0.2
 _BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if path is not None:
+            with open(os.path.join("/sys/fs/cgroup", path.lstrip("/"), "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            if quota != "max" and int(period) > 0:
+                cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, IndexError):
+        pass
+    return cpus
+
+
+def one_hop_default() -> bool:
+    """Whether a :class:`Client` not told asks for one-hop handoffs: ``NODEAGENT_ONE_HOP`` (1 or 0)
+    decides; unset or ``auto``, yes where this process may use at least ``ONE_HOP_MIN_CPUS`` CPUs.
+    Measured (docs/architecture.md, One-hop handoffs): on 16 cores, holders that work 200 us a
+    slice hand on in 31.5 us p50 one-hop against 72.7 us two-hop; on 2 cores the extra notices
+    compete with the processes being woken and one-hop is slower."""
+    value = os.environ.get(ENV_ONE_HOP, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("", "auto"):
+        raise ValueError(f"{ENV_ONE_HOP} must be 1, 0 or auto, got {value!r}")
+    return usable_cpus() >= ONE_HOP_MIN_CPUS
+
+
 class Client:
     """One session with the local nodeagent daemon.
 
     ``reconnect``: when the daemon goes away, wait up to ``reconnect_timeout_s``
     for it to come back (resuming the session) instead of raising
     :class:`DaemonUnavailableError`. ``fail_open``: while it is away and the
-    lease is over, run without the token rather than wait.
+    lease is over, run without the token rather than wait. ``one_hop``: take and
+    hand on the token through wake channels (protocol 2.1); None decides by
+    :func:`one_hop_default` (``NODEAGENT_ONE_HOP``, else the CPUs at hand).
     """
 
     def __init__(self, name: str, workload: str = "training", weight: float = 1.0,
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool = False) -> None:
+                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
@@ -83,9 +123,9 @@ class Client:
         if borrower is None and workload != "inference":  # inference has no borrower
             borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
-        # Hand the token on, and take it, through wake channels (protocol 2.1). Off by default:
-        # on a 2-core VM the hints cost more than the hop saves (docs/architecture.md, One-hop handoffs).
-        self.one_hop = one_hop
+        # Hand the token on, and take it, through wake channels (protocol 2.1). None: decided by
+        # one_hop_default(), on where there are cores to spare (docs/architecture.md, One-hop handoffs).
+        self.one_hop = one_hop_default() if one_hop is None else bool(one_hop)
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s

@@ -284,3 +284,32 @@ def test_a_tcp_peer_gets_no_wake_channel(start_daemon):
         assert c.welcome.wake == ""
         assert c.acquire(timeout=5)
     assert not os.path.exists(os.path.join(d.workdir, "wake")) or not os.listdir(os.path.join(d.workdir, "wake"))
+
+
+def test_the_default_asks_for_one_hop_where_there_are_cores_to_spare(daemon, monkeypatch):
+    """Measured: one-hop wins on 16 cores and loses on 2 (docs/architecture.md, One-hop
+    handoffs). NODEAGENT_ONE_HOP overrides; a value it does not know is an error, not a guess."""
+    from client_lib import client as client_mod
+
+    monkeypatch.delenv(client_mod.ENV_ONE_HOP, raising=False)
+    for cpus, expected in ((2, False), (client_mod.ONE_HOP_MIN_CPUS - 1, False), (client_mod.ONE_HOP_MIN_CPUS, True),
+                           (16, True)):
+        monkeypatch.setattr(client_mod, "usable_cpus", lambda cpus=cpus: cpus)
+        with Client("auto", endpoint=daemon.endpoint) as c:
+            assert c.one_hop is expected and (c.welcome.wake != "") is expected, cpus
+    monkeypatch.setattr(client_mod, "usable_cpus", lambda: 2)
+    for value, expected in (("1", True), ("on", True), ("0", False), ("auto", False)):
+        monkeypatch.setenv(client_mod.ENV_ONE_HOP, value)
+        assert client_mod.one_hop_default() is expected, value
+    monkeypatch.setenv(client_mod.ENV_ONE_HOP, "0")
+    with Client("told", endpoint=daemon.endpoint, one_hop=True) as c:  # an explicit choice wins
+        assert c.one_hop is True
+    monkeypatch.setenv(client_mod.ENV_ONE_HOP, "maybe")
+    with pytest.raises(ValueError, match="NODEAGENT_ONE_HOP must be 1, 0 or auto, got 'maybe'"):
+        Client("bad", endpoint=daemon.endpoint)
+
+
+def test_usable_cpus_counts_the_affinity_mask():
+    from client_lib.client import usable_cpus
+
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
