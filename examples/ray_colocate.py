@@ -20,8 +20,12 @@ up to three workers. Then:
 6. ``n3``'s demand falls: ``n3`` is lent again, the parked worker resumes in-process.
 7. ``n2``'s demand falls: ``n2`` is lent again and the job grows back to two workers.
 
-Every process it starts is stopped by its pid (never ``ray stop``), and the run
-directory is removed (``--keep`` keeps it, with every log).
+The script is two processes: a supervisor, which never imports Ray, and the scenario's
+Ray driver, its child. Every process the driver starts has a pidfile in the run directory;
+when the driver is done (or fails, or is stopped: SIGTERM, Ctrl-C), the supervisor stops
+each of them by its pid (never ``ray stop``), then anything descending from them that still
+runs, and removes the run directory (``--keep`` keeps it, with every log). A Ray driver
+cannot do this itself: it dies with its cluster.
 """
 
 from __future__ import annotations
@@ -147,21 +151,16 @@ class Node:
 
 
 class Run:
-    """Everything the scenario starts, and its stopping, in reverse order, by pid."""
+    """Everything the scenario's driver starts, each with a pidfile in the run directory, so that
+    the supervisor (which never touches Ray) can stop it by pid whatever became of the driver."""
 
-    def __init__(self, workdir: str | None, keep: bool) -> None:
-        self.dir = workdir or tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: unix socket paths
+    def __init__(self, workdir: str) -> None:
+        self.dir = workdir
         os.makedirs(self.dir, exist_ok=True)
-        self.keep = keep
         self.ray_tmp = os.path.join(self.dir, "ray")
         self.nodes: dict[str, Node] = {}
         self.ray_nodes: list[RayNodeProcess] = []
-        self.shm_before = set(os.listdir("/dev/shm"))
-        self.pidwatch = PidWatch(self.started_pids)
-
-    def started_pids(self) -> list[int]:
-        return [os.getpid(), *(p.pid for p in self.ray_nodes),
-                *(n.daemon.pid for n in self.nodes.values() if n.daemon is not None)]
+        self.fit_proc: subprocess.Popen | None = None  # the training job's driver
 
     # -------- nodeagent daemons
 
@@ -192,6 +191,7 @@ class Run:
                     [sys.executable, "-m", "nodeagent", "serve", "--config", os.path.join(d, "nodeagent.toml"),
                      "--backend", "cpu", "--endpoint", node.endpoint, "--state-dir", os.path.join(d, "state"),
                      "--ctxpool", "off"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            write_pidfile(node.daemon.pid, os.path.join(d, "daemon.json"), {"what": f"daemon {name}"})
             self.nodes[name] = node
         for node in self.nodes.values():
             deadline = time.monotonic() + 30
@@ -201,7 +201,8 @@ class Run:
                     break
                 except Exception:
                     if node.daemon.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"daemon {node.name} did not start; see {node.dir}/daemon.log") from None
+                        raise RuntimeError(f"daemon {node.name} did not start; the end of its log: "
+                                           f"{log_tail(os.path.join(node.dir, 'daemon.log'))}") from None
                     time.sleep(0.05)
         return controller_secret
 
@@ -210,7 +211,8 @@ class Run:
     def spec(self, resources: dict, env: dict | None = None, labels: dict | None = None) -> RayNodeSpec:
         return RayNodeSpec(temp_dir=self.ray_tmp, plasma_dir=self.dir, num_cpus=1, memory_bytes=512 * MiB,
                            object_store_bytes=80 * MiB, resources=resources, labels=labels or {},
-                           env={"PYTHONPATH": str(REPO), **(env or {})})
+                           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                                **(env or {})})
 
     def start_ray(self) -> str:
         """A head, then one Ray node per nodeagent node (one at a time: nodes of one host that
@@ -219,7 +221,11 @@ class Run:
                                     log_path=os.path.join(self.dir, "ray-head.log"),
                                     pidfile=os.path.join(self.dir, "ray-head.json"))
         self.ray_nodes.append(head)
-        address = wait_for_head_address(self.ray_tmp, head._proc)
+        try:
+            address = wait_for_head_address(self.ray_tmp, head._proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; the end of ray-head.log: {log_tail(os.path.join(self.dir, 'ray-head.log'))}") \
+                from None
         import ray
         ray.init(address=address, namespace="nodeagent", logging_level="WARNING", log_to_driver=False)
         for name, node in self.nodes.items():
@@ -232,47 +238,10 @@ class Run:
             deadline = time.monotonic() + 60
             while ray.cluster_resources().get(f"nodeagent_node:{name}", 0) < 100:
                 if not proc.alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"Ray node {name} did not join; see {self.dir}/ray-{name}.log")
+                    raise RuntimeError(f"Ray node {name} did not join; the end of ray-{name}.log: "
+                                       f"{log_tail(os.path.join(self.dir, f'ray-{name}.log'))}")
                 time.sleep(0.05)
         return address
-
-    # -------- cleanup
-
-    def cleanup(self) -> dict:
-        """Stop everything started, newest first, by pid; report what was left."""
-        report: dict = {"loan_nodes": [], "ray_nodes": [], "daemons": {}}
-        self.pidwatch.sample()
-        self.pidwatch.stop()
-        try:
-            import ray
-            if ray.is_initialized():
-                ray.shutdown()
-        except Exception as exc:
-            report["ray_shutdown_error"] = str(exc)
-        # Loan nodes: started by the loan agents, found by their pidfiles.
-        for pidfile in sorted(Path(self.dir).glob("*/loans/loan-*.json")):
-            proc = RayNodeProcess.from_pidfile(str(pidfile))
-            if proc is not None:
-                report["loan_nodes"].append(proc.stop())
-        for proc in reversed(self.ray_nodes):
-            report["ray_nodes"].append(proc.stop())
-        for name, node in self.nodes.items():
-            if node.daemon is not None and node.daemon.poll() is None:
-                node.daemon.send_signal(signal.SIGTERM)
-                try:
-                    node.daemon.wait(10)
-                    report["daemons"][name] = "sigterm"
-                except subprocess.TimeoutExpired:
-                    node.daemon.kill()
-                    node.daemon.wait()
-                    report["daemons"][name] = "sigkill"
-        report["leftover_processes"] = leftover_processes(self.dir)
-        new = set(os.listdir("/dev/shm")) - self.shm_before
-        report["shm_left"] = ours_in_shm(new, self.pidwatch.pids)
-        report["shm_new_not_ours"] = len(new) - len(report["shm_left"])  # other people's tests, same machine
-        if not self.keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        return report
 
 
 class PidWatch:
@@ -282,6 +251,7 @@ class PidWatch:
     def __init__(self, roots) -> None:
         self._roots = roots  # a callable: the pids started so far
         self.pids: set[int] = set()
+        self.start_ticks: dict[int, int] = {}  # pid -> its start time: to know it is still the same process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pidwatch", daemon=True)
         self._thread.start()
@@ -296,12 +266,28 @@ class PidWatch:
                     children.setdefault(int(stat[stat.rfind(b")") + 2:].split()[1]), []).append(int(entry))
                 except (OSError, IndexError, ValueError):
                     pass
-        todo = list(self._roots())
+        from nodeagent.procwatch import process_start_ticks
+        # From the roots and from every process seen before that is still that process: what a
+        # driver started lives on, re-parented, after the driver exits.
+        todo = [*self._roots(), *(pid for pid, ticks in self.start_ticks.items() if process_start_ticks(pid) == ticks)]
+        expanded: set[int] = set()
         while todo:
             pid = todo.pop()
+            if pid in expanded:
+                continue
+            expanded.add(pid)
             if pid not in self.pids:
                 self.pids.add(pid)
-                todo.extend(children.get(pid, ()))
+                ticks = process_start_ticks(pid)
+                if ticks is not None:
+                    self.start_ticks[pid] = ticks
+            todo.extend(children.get(pid, ()))
+
+    def still_running(self) -> list[int]:
+        """Descendants seen during the run that are still the same processes (start time checked)."""
+        from nodeagent.procwatch import process_start_ticks
+        return sorted(pid for pid, ticks in self.start_ticks.items()
+                      if pid != os.getpid() and process_start_ticks(pid) == ticks)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
@@ -320,8 +306,9 @@ def ours_in_shm(names, pids: set[int]) -> list[str]:
 
 
 def leftover_processes(marker: str) -> list[int]:
-    """Processes whose command line names our run directory (there should be none), other than
-    this one and its parents (a wrapper that passed us the directory)."""
+    """Processes whose command line names our run directory, or that hold a file in it open
+    (Ray's agents rename themselves ``ray::...`` but keep their logs there): there should be
+    none, other than this one and its parents (a wrapper that passed us the directory)."""
     from nodeagent.procwatch import ancestors
     mine = {os.getpid(), *ancestors(os.getpid())}
     out = []
@@ -330,11 +317,65 @@ def leftover_processes(marker: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    out.append(int(entry))
+                found = marker.encode() in f.read()
+            if not found:
+                fds = f"/proc/{entry}/fd"
+                found = any(os.readlink(os.path.join(fds, fd)).startswith(marker) for fd in os.listdir(fds))
         except OSError:
-            pass
+            continue
+        if found:
+            out.append(int(entry))
     return out
+
+
+def write_pidfile(pid: int, path: str, meta: dict) -> None:
+    """What :meth:`RayNodeProcess.from_pidfile` reads: the pid and its start time, so that the
+    supervisor signals that very process and never one that reused its pid."""
+    from nodeagent.procwatch import process_start_ticks
+    with open(f"{path}.tmp", "w") as f:
+        json.dump({"pid": pid, "start_ticks": process_start_ticks(pid), "meta": meta}, f)
+    os.replace(f"{path}.tmp", path)
+
+
+def stop_everything(run_dir: str, pidwatch: PidWatch, shm_before: set[str]) -> dict:
+    """The supervisor's cleanup: every process the driver started, by its pidfile, newest first
+    (the job's driver, which takes Ray Train with it; loan nodes; Ray nodes, the head last;
+    daemons), then whatever descends from them and still runs, by start time; report what is left."""
+    report: dict = {"loan_nodes": [], "ray_nodes": [], "daemons": {}}
+    pidwatch.sample()
+    pidwatch.stop()
+
+    def stop(pidfile: Path) -> str:
+        proc = RayNodeProcess.from_pidfile(str(pidfile))  # None: that process is gone already
+        return proc.stop() if proc is not None else "exited"
+
+    if (Path(run_dir) / "fit.json").exists():
+        report["fit_driver"] = stop(Path(run_dir) / "fit.json")
+    for pidfile in sorted(Path(run_dir).glob("*/loans/loan-*.json")):
+        report["loan_nodes"].append(stop(pidfile))
+    # Ray nodes: every other one first, newest first, then the head.
+    nodes = sorted(Path(run_dir).glob("ray-*.json"), key=lambda f: (f.name == "ray-head.json", -f.stat().st_mtime))
+    for pidfile in nodes:
+        report["ray_nodes"].append(stop(pidfile))
+    for pidfile in sorted(Path(run_dir).glob("*/daemon.json")):
+        report["daemons"][pidfile.parent.name] = stop(pidfile)
+    # Workers a raylet did not take down with it (Ray's own helper actors, renamed ``ray::...``):
+    # descendants of what we started that are still the same processes, or that still hold a file
+    # in the run directory. Stopped by pid.
+    stragglers = sorted(set(pidwatch.still_running()) | set(leftover_processes(run_dir)))
+    for pid in stragglers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    report["stragglers_killed"] = stragglers
+    if stragglers:
+        time.sleep(0.5)
+    report["leftover_processes"] = leftover_processes(run_dir)
+    new = set(os.listdir("/dev/shm")) - shm_before
+    report["shm_left"] = ours_in_shm(new, pidwatch.pids)
+    report["shm_new_not_ours"] = len(new) - len(report["shm_left"])  # other people's tests, same machine
+    return report
 
 
 # ---------------------------------------------------------------- the scenario
@@ -349,7 +390,6 @@ class Scenario:
         self.marks: dict[str, float] = {}
         self.serving: dict[str, tuple[object, object]] = {}  # name -> (replica, serve ref)
         self.inference: list[dict] = []
-        self.fit_error: str | None = None
 
     def mark(self, what: str) -> None:
         self.marks[what] = round(time.time() - self.t0, 2)
@@ -362,8 +402,9 @@ class Scenario:
             if value:
                 self.mark(what)
                 return value
-            if self.fit_error:
-                raise RuntimeError(f"the training job failed while waiting for {what}: {self.fit_error}")
+            failed = self.fit_failed()
+            if failed:
+                raise RuntimeError(f"the training job failed while waiting for {what}: {failed}")
             time.sleep(0.1)
         raise TimeoutError(f"{what}: not within {timeout_s:g} s")
 
@@ -376,7 +417,7 @@ class Scenario:
         run = self.run
         controller_key = run.start_daemons()
         self.mark("daemons up")
-        address = run.start_ray()
+        address = self.address = run.start_ray()
         self.mark("Ray cluster up (head + 3 nodes)")
         self.agents = {}  # held: an actor nobody holds a handle to is stopped by Ray
         for name, node in run.nodes.items():
@@ -420,27 +461,23 @@ class Scenario:
         self.inference.append(stats)
 
     def start_training(self) -> None:
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
+        """The job's driver, a process of its own as in production: it runs ``fit()`` and then
+        ends the job (``finish_job``). Stopping it by pid at cleanup takes Ray Train down with it
+        (its controller and workers are owned by it), whatever state the run is in."""
+        self.fit_log = os.path.join(self.run.dir, "fit.log")
+        with open(self.fit_log, "ab") as log:
+            self.run.fit_proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--fit-driver", self.address, "--workdir", self.run.dir],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **TRAIN_ENV))
+        write_pidfile(self.run.fit_proc.pid, os.path.join(self.run.dir, "fit.json"), {"what": "the job's driver"})
 
-        from nodeagent_ray.actors import loan_resource
-        trainer = TorchTrainer(
-            train_fn,
-            train_loop_config={"job": JOB, "handoff_dir": os.path.join(self.run.dir, "handoff"), "step_s": STEP_S,
-                               "checkpoint_every": 200},
-            scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={loan_resource(JOB): 1},
-                                         elastic_resize_monitor_interval_s=1.0),
-            run_config=RunConfig(name=JOB, storage_path=os.path.join(self.run.dir, "train"),
-                                 failure_config=FailureConfig(max_failures=-1)))
-        self.fit_error = None
-
-        def fit() -> None:
-            try:
-                trainer.fit()
-            except Exception as exc:  # reported by wait()
-                self.fit_error = f"{type(exc).__name__}: {exc}"
-        self.fit_thread = threading.Thread(target=fit, name="fit", daemon=True)
-        self.fit_thread.start()
+    def fit_failed(self) -> str | None:
+        """Why the job's driver exited with an error, if it did."""
+        code = self.run.fit_proc.poll()
+        if code is None or code == 0:
+            return None
+        return f"its driver exited with status {code}: {log_tail(self.fit_log)}"
 
     def progress(self) -> dict:
         import ray
@@ -491,9 +528,12 @@ class Scenario:
         self.stop_serving("n2")
         self.wait("7. n2 lent again: the job grows back to two", self.training_at(2, steps=10), 120)
         stop_at = ray.get(self.tracker.stop.remote(5))
-        self.fit_thread.join(60)
-        if self.fit_thread.is_alive() or self.fit_error:
-            raise RuntimeError(f"the job did not finish at step {stop_at}: {self.fit_error or 'still running'}")
+        try:
+            self.run.fit_proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the job did not finish at step {stop_at}: its driver is still running") from None
+        if self.fit_failed():
+            raise RuntimeError(f"the job did not finish at step {stop_at}: {self.fit_failed()}")
         self.mark("job finished")
         self.stop_serving("n1")
 
@@ -548,7 +588,10 @@ class Scenario:
             "phases_s": self.marks,
         }
         released = [r for r in reclaims if r["then"] == "release"]
+        done = [h["time"] for h in report["history"] if h["event"] == "workers_done"]
+        finish = [h["time"] for h in report["history"] if h["event"] == "finish"]
         checks = {
+            "job_ended_by_its_driver_after_its_workers": bool(done and finish) and finish[-1] >= done[-1],
             "three_nodes": len(out["nodes"]) >= 3,
             "n1_never_lent": all(lend["node"] != "n1" for lend in lends),
             "grew_to_two": out["train_workers_max"] >= 2,
@@ -581,12 +624,13 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    head = RayNodeProcess.start(run.spec({"nodeagent_head": 100}), None, log_path=os.path.join(run.dir, "ray-head.log"))
+    head = RayNodeProcess.start(run.spec({"nodeagent_head": 100}), None, log_path=os.path.join(run.dir, "ray-head.log"),
+                                pidfile=os.path.join(run.dir, "ray-head.json"))
     run.ray_nodes.append(head)
     address = wait_for_head_address(run.ray_tmp, head._proc)
     ray.init(address=address, namespace="nodeagent", logging_level="WARNING", log_to_driver=False)
     node = RayNodeProcess.start(run.spec({"nodeagent_lend": 1, "nodeagent_node:n1": 100}), address,
-                                log_path=os.path.join(run.dir, "ray-n1.log"))
+                                log_path=os.path.join(run.dir, "ray-n1.log"), pidfile=os.path.join(run.dir, "ray-n1.json"))
     run.ray_nodes.append(node)
     until(lambda: ray.cluster_resources().get("nodeagent_lend", 0) >= 1, 60)
 
@@ -622,7 +666,8 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
     def loan(i: int) -> RayNodeProcess:
         t = time.monotonic()
         proc = RayNodeProcess.start(run.spec({"nodeagent_loan": 1, f"nodeagent_loan:probe{i}": 1}), address,
-                                    log_path=os.path.join(run.dir, f"ray-loan{i}.log"))
+                                    log_path=os.path.join(run.dir, f"ray-loan{i}.log"),
+                                    pidfile=os.path.join(run.dir, f"ray-loan{i}.json"))
         run.ray_nodes.append(proc)
         until(lambda: ray.cluster_resources().get(f"nodeagent_loan:probe{i}", 0) >= 1, 60)
         b["lend_ms"].append(ms(t))
@@ -652,12 +697,149 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
     return {"repeats": repeats, "median": med, "all": {"A": a, "B": b}, "B_sigkill_node_dead_s": sigkill_s}
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> str:
+    """SIGTERM, then SIGKILL after ``timeout_s``; how it ended ("exited" if it already had)."""
+    if proc.poll() is not None:
+        return "exited"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+        return "sigterm"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return "sigkill"
+
+
+def make_trainer(run_dir: str):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from nodeagent_ray.actors import loan_resource
+    return TorchTrainer(
+        train_fn,
+        train_loop_config={"job": JOB, "handoff_dir": os.path.join(run_dir, "handoff"), "step_s": STEP_S,
+                           "checkpoint_every": 200},
+        scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={loan_resource(JOB): 1},
+                                     elastic_resize_monitor_interval_s=1.0),
+        run_config=RunConfig(name=JOB, storage_path=os.path.join(run_dir, "train"),
+                             failure_config=FailureConfig(max_failures=-1)))
+
+
+def fit_driver(address: str, run_dir: str) -> int:
+    """``--fit-driver``: the training job's driver (the scenario starts it; the job is registered)."""
+    import ray
+
+    from nodeagent_ray.actors import NAMESPACE, finish_job
+    ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    try:
+        make_trainer(run_dir).fit()
+    except Exception as exc:
+        say(f"fit failed: {type(exc).__name__}: {exc}")
+        return 1
+    finish_job(JOB)  # only now: a loan stopped before every rank has returned is a failed worker to Ray Train
+    say("fit returned; job finished")
+    return 0
+
+
+def log_tail(path: str, lines: int = 6) -> str:
+    """The last lines of a log, on one line, for an error that the run directory will not outlive."""
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.readlines()[-lines:] if line.strip()) or "(empty)"
+    except OSError as exc:
+        return f"(unreadable: {exc.strerror})"
+
+
 def until(predicate, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"not within {timeout_s:g} s")
         time.sleep(0.005)
+
+
+def drive(args) -> None:
+    """``--driver``: the scenario (or the design measurement) as a Ray driver. Its result goes to
+    ``result.json`` in the run directory, and it exits without cleaning up: the supervisor does
+    that, because a Ray driver dies with its cluster (``ray.shutdown()`` after an interrupted
+    call, or its raylet stopped under it) before its own cleanup could finish."""
+    result: dict = {"ok": False}
+    try:
+        run = Run(args.workdir)
+        if args.measure_designs:
+            result = measure_designs(run)
+            result["checks"] = {}
+        else:
+            scenario = Scenario(run)
+            scenario.start()
+            scenario.phases()
+            result = scenario.result()
+    except BaseException as exc:  # SIGTERM arrives as SystemExit (Ray's handler), Ctrl-C as KeyboardInterrupt
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["interrupted"] = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        say(f"FAILED: {result['error']}")
+    path = os.path.join(args.workdir, "result.json")
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(f"{path}.tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not Ray's exit hooks: the supervisor stops the cluster
+
+
+def supervise(args) -> int:
+    """Run the driver as a child, then stop everything it started by pid, whatever became of it;
+    print the driver's result with what the cleanup found."""
+    started = time.monotonic()
+    run_dir = args.workdir or tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: unix socket paths
+    os.makedirs(run_dir, exist_ok=True)
+    shm_before = set(os.listdir("/dev/shm"))
+    # Ray writes warnings to a driver's stdout: the driver's goes to our stderr, stdout is the JSON's.
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", "--workdir", run_dir,
+                              *(["--measure-designs"] if args.measure_designs else [])],
+                             stdout=sys.stderr, stdin=subprocess.DEVNULL, cwd=REPO)
+    pidwatch = PidWatch(lambda: [child.pid])
+    stopping: list[int] = []
+
+    def on_signal(signum, frame):  # a test's timeout, Ctrl-C: the driver writes what it has, then we clean up
+        stopping.append(signum)
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    deadline = None
+    while child.poll() is None:
+        if stopping and deadline is None:
+            deadline = time.monotonic() + 30.0
+        if deadline is not None and time.monotonic() > deadline:
+            child.kill()
+        try:
+            child.wait(0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        with open(os.path.join(run_dir, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = {"ok": False, "error": f"the scenario's driver exited with status {child.returncode} and no result"}
+    if stopping:
+        result["interrupted"] = True
+    if "error" in result:
+        say(f"FAILED: {result['error']} (run dir {run_dir}{'' if args.keep else ', removed'})")
+    result["cleanup"] = stop_everything(run_dir, pidwatch, shm_before)
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    checks = result.setdefault("checks", {})
+    checks["nothing_left_running"] = not result["cleanup"]["leftover_processes"]
+    checks["nothing_left_in_dev_shm"] = not result["cleanup"]["shm_left"]
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    result["ok"] = "error" not in result and all(checks.values())
+    if args.json:
+        print(json.dumps(result, indent=1), flush=True)
+    else:
+        say(json.dumps({k: v for k, v in result.items() if k not in ("lends", "cleanup")}, indent=1))
+    return 0 if result["ok"] else 1
 
 
 def main() -> int:
@@ -667,43 +849,14 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run directory and its logs")
     ap.add_argument("--measure-designs", action="store_true",
                     help="instead of the scenario: time Ray's side of a lend and a reclaim in designs A and B")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the scenario's Ray driver (internal)
+    ap.add_argument("--fit-driver", metavar="ADDRESS", help=argparse.SUPPRESS)  # the job's driver (internal)
     args = ap.parse_args()
-    started = time.monotonic()
-    # Ray writes warnings to the driver's stdout: keep fd 1 for the JSON, everything else to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def on_sigterm(signum, frame):  # a test's timeout: clean up as for Ctrl-C
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, on_sigterm)
-    run = Run(args.workdir, args.keep)
-    scenario = Scenario(run)
-    result: dict = {"ok": False}
-    try:
-        if args.measure_designs:
-            result = measure_designs(run)
-            result["checks"] = {}
-        else:
-            scenario.start()
-            scenario.phases()
-            result = scenario.result()
-    except BaseException as exc:  # the cleanup below runs whatever happened; the JSON says what
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        say(f"FAILED: {result['error']} (run dir {run.dir}{'' if args.keep else ', removed'})")
-        if isinstance(exc, KeyboardInterrupt):
-            result["interrupted"] = True
-    finally:
-        result["cleanup"] = run.cleanup()
-    checks = result.setdefault("checks", {})
-    checks["nothing_left_running"] = not result["cleanup"]["leftover_processes"]
-    checks["nothing_left_in_dev_shm"] = not result["cleanup"]["shm_left"]
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    result["ok"] = "error" not in result and all(checks.values())
-    if args.json:
-        print(json.dumps(result, indent=1), file=out, flush=True)
-    else:
-        say(json.dumps({k: v for k, v in result.items() if k not in ("lends", "cleanup")}, indent=1))
-    return 0 if result["ok"] else 1
+    if args.fit_driver:
+        return fit_driver(args.fit_driver, args.workdir)
+    if args.driver:
+        drive(args)
+    return supervise(args)
 
 
 if __name__ == "__main__":

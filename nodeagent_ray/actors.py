@@ -41,7 +41,8 @@ from nodeagent_ray.raynode import RayNodeProcess, RayNodeSpec
 log = logging.getLogger("nodeagent_ray")
 
 __all__ = ["Controller", "ControllerSettings", "JobTracker", "LoanAgent", "LoanSettings", "NodeSettings", "RayJobs",
-           "RayLoanNodes", "TrainingJob", "check_name", "create_job", "job_tracker", "loan_resource", "poke_ray_train"]
+           "RayLoanNodes", "TrainingJob", "check_name", "create_job", "finish_job", "job_tracker", "loan_resource",
+           "poke_ray_train"]
 
 NAMESPACE = "nodeagent"
 CONTROLLER_NAME = "controller"
@@ -318,6 +319,13 @@ def job_tracker(job: str):
     return ray.get_actor(job_tracker_name(check_name("job", job)), namespace=NAMESPACE)
 
 
+def finish_job(job: str, timeout_s: float = 10.0) -> None:
+    """Training job ``job`` is over (call it after ``fit()`` returns): the controller takes its
+    loans back and lends it nothing more. A driver that exits without it ends the job too (the
+    tracker goes with it), only later. Not from a worker: other ranks may still be returning."""
+    ray.get(job_tracker(job).finished.remote(), timeout=timeout_s)
+
+
 def create_job(job: str, max_workers: int):
     """The tracker of training job ``job`` (made if it does not exist): the controller lends to it from now on."""
     if not (isinstance(max_workers, int) and max_workers >= 1):
@@ -398,7 +406,13 @@ class JobTracker:
         with self._cond:
             self.history.append({"event": "resume", "time": time.time(), "step": step, "pid": pid})
 
+    def workers_done(self, step: int) -> None:
+        """Rank 0 left its loop at ``step`` (the job is not over until its driver says so)."""
+        with self._cond:
+            self.history.append({"event": "workers_done", "time": time.time(), "step": step})
+
     def finished(self) -> None:
+        """The driver's word, once fit() returned: the controller takes the job's loans back."""
         with self._cond:
             self._finished = True
             self.history.append({"event": "finish", "time": time.time(), "step": self._step})

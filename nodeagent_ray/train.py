@@ -13,6 +13,11 @@ no step of work.
                 break
         worker.close()
 
+    # the driver: the controller lends to the job from create_job() until finish_job()
+    create_job(job, max_workers=3)
+    TorchTrainer(train_fn, ...).fit()
+    finish_job(job)                                                 # its loans are taken back
+
 The worker's session names its job as borrower (``NODEAGENT_BORROWER``, which the loan
 node's environment gives every worker on it), so the daemon admits it only on the
 device lent to that job. Three things can happen to it, and none loses a step:
@@ -175,7 +180,10 @@ class LentWorker:
             held.__exit__(None, None, None)
         self.client.set_suspend_handlers(None, None)
         if self.tracker is not None and self.rank == 0:
-            self.tracker.finished.remote()
+            # Not the job's end: the other ranks may still be returning, and Ray Train counts a rank
+            # whose loan node is stopped before it returns as a failure. The driver ends the job
+            # once fit() has returned (nodeagent_ray.actors.finish_job), or by going away.
+            self.tracker.workers_done.remote(self.step)
         self.client.close()
 
     # ------------------------------------------------------------ notices

@@ -179,14 +179,3 @@ def spawn():
     yield make
     for child in children:
         child.kill()
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The Ray scenario first. Run after other tests in the same pytest process it has failed
-    three times out of three at its very end (the training job not reaching its stop step within
-    60 s of the last grow), and never when it ran first or alone (11 runs): a cause not found
-    yet, recorded in docs/cluster.md. Running it first keeps CI honest about everything else
-    while that is found."""
-    first = [item for item in items if item.nodeid.startswith("tests/test_ray_scenario.py")]
-    if first:
-        items[:] = first + [item for item in items if item not in first]

@@ -53,3 +53,45 @@ def test_ray_colocate_lends_reclaims_resizes_and_loses_no_work():
     assert result["inference_wait_p99_ms"] is not None and result["controller_restarts"] == 1
     cleanup = result["cleanup"]
     assert cleanup["leftover_processes"] == [] and cleanup["shm_left"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_stopped_while_the_job_trains_stops_everything_it_started():
+    """The failure path: SIGTERM (a test's timeout, Ctrl-C) while Ray Train is mid-run. Every
+    process goes, by pid, and the JSON says so; checked here again from /proc, independently."""
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="rc-stop-", dir="/tmp")
+    proc = subprocess.Popen([sys.executable, "examples/ray_colocate.py", "--json", "--workdir", workdir], cwd=REPO,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    try:
+        for line in proc.stderr:  # until the job trains: its driver, Ray Train and loan nodes are all up
+            lines.append(line)
+            if "1. job trains with one worker" in line or "FAILED" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    result = json.loads(stdout)
+    assert result.get("interrupted") and not result["ok"], "".join(lines) + stderr[-3000:]
+    cleanup = result["cleanup"]
+    assert cleanup["fit_driver"] in ("sigterm", "sigkill") and cleanup["loan_nodes"], cleanup
+    assert cleanup["leftover_processes"] == [] and cleanup["shm_left"] == [], cleanup
+    time.sleep(1.0)  # a straggler the cleanup missed would still be here
+    left = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                named = workdir.encode() in f.read()
+            fds = f"/proc/{entry}/fd"
+            if named or any(os.readlink(f"{fds}/{fd}").startswith(workdir) for fd in os.listdir(fds)):
+                left.append(int(entry))  # Ray's agents rename themselves, but keep their logs open there
+        except OSError:
+            pass
+    assert left == [], left
+    assert not os.path.exists(workdir)
