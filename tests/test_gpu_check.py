@@ -24,7 +24,8 @@ from tests.conftest import REPO
 pytest.importorskip("torch")
 
 PROBE = "nodeagent_gpucheck_probe"
-GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "handoff", "mps"]
+GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
+             "handoff-hold200", "handoff-hold200-one-hop", "ray-gpu", "mps"]
 
 
 def _probe_wheel(folder: Path) -> Path:
@@ -46,10 +47,19 @@ def _probe_wheel(folder: Path) -> Path:
     return path
 
 
+def _ray_bundle(folder: Path) -> None:
+    """What gpu-wheels.sh --ray packs, reduced to its console script (written for another Python)."""
+    staging = folder.parent / "ray-site"
+    (staging / "bin").mkdir(parents=True)
+    (staging / "bin" / "ray").write_text("#!/somewhere/else/python3.11\nprint('ray')\n")
+    subprocess.run(["tar", "-cJf", str(folder / "ray-site.tar.xz"), "-C", str(staging), "."], check=True)
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-check")
     _probe_wheel(tmp / "whl")
+    _ray_bundle(tmp / "whl")
     out, site = tmp / "out", tmp / "site"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp / "whl"),
            "GPU_CHECK_SITE": str(site), "TMPDIR": str(tmp)}
@@ -70,9 +80,11 @@ def test_the_dry_run_installs_the_wheels_probes_the_machine_and_packs_one_tarbal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["device"] is None
     steps = {s["step"]: s for s in summary["steps"]}
-    assert list(steps) == ["wheels", "env", *GPU_STEPS]
+    assert list(steps) == ["wheels", "ray-wheels", "env", *GPU_STEPS]
     assert steps["wheels"]["status"] in ("ok", "unpacked")  # "ok" where this is Python 3.12
     assert (site / f"{PROBE}.py").read_text() == "VALUE = 42\n"
+    assert steps["ray-wheels"]["status"] == "ok"  # the Ray bundle unpacked, its script pointed at our Python
+    assert (site / "bin" / "ray").read_text().splitlines()[0] == f"#!{sys.executable}"
     probe = summary["environment"]
     assert probe["python"] == sys.version.split()[0] and probe["torch"]["version"]
     for key in ("pidfd_open", "so_peercred", "sigstop", "dev_shm", "libcudart", "page_lock", "zmq", "msgspec"):
@@ -95,7 +107,9 @@ class _Parsed(Exception):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step, expect", [("switch", {"backend": "cuda"}), ("suspend", {"device": "cuda"}),
-                                          ("reclaim", {"device": "cuda"}), ("handoff", {"work_device": "cuda"})])
+                                          ("reclaim", {"device": "cuda"}), ("handoff", {"work_device": "cuda"}),
+                                          ("handoff-hold0", {"hold_us": 0.0, "one_hop": False}),
+                                          ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True})])
 def test_each_planned_benchmark_command_line_parses(dry_run, monkeypatch, step, expect):
     """The options the script passes must exist: parse them with the benchmark's own parser, then stop."""
     run, out, _ = dry_run
@@ -119,7 +133,7 @@ def test_each_planned_benchmark_command_line_parses(dry_run, monkeypatch, step, 
 def test_the_planned_pytest_steps_name_test_files_that_exist(dry_run):
     _, out, _ = dry_run
     steps = {s["step"]: s["command"] for s in json.loads((out / "summary.json").read_text())["steps"]}
-    for name in ("pytest-gpu", "mps"):
+    for name in ("pytest-gpu", "ray-gpu", "mps"):
         argv = shlex.split(steps[name])
         assert argv[argv.index("-m", argv.index("pytest")) + 1] == "gpu"
         named = [a for a in argv if a.startswith("tests/") or a.startswith("--ignore=")]
