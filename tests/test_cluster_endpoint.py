@@ -158,3 +158,16 @@ def test_a_lost_device_is_not_lent(endpoint):
     cluster.test_lost_devices.back(0)
     cluster.on_lend(PLACEMENT, p.Lend(id=2, device=0, borrower="job-a"), None, 1.0)
     assert rec.to(PLACEMENT)[-1] == p.LifecycleReply(id=2, device=0, state="LENT", borrower="job-a", changed=True)
+
+
+def test_a_borrower_with_control_characters_is_not_lent_to(endpoint):
+    """Hello refuses such a borrower (a newline forges a log line; escapes reach operators'
+    terminals through status), so a loan to one could only be written to the log and matched by
+    no session. Refused the same way, and the device stays FREE."""
+    cluster, rec, _, _ = endpoint
+    cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a\nlend device=1 borrower=x"), None, 0.0)
+    cluster.on_lend(PLACEMENT, p.Lend(id=2, device=0, borrower="job-\x1b[2Ja"), None, 0.0)
+    errors = rec.to(PLACEMENT)
+    assert [(e.id, e.code, e.message) for e in errors] == [
+        (rid, p.ErrorCode.INVALID, "borrower must be printable (no control characters)") for rid in (1, 2)]
+    assert rec.of("lend") == [] and cluster.device_state(0) == "FREE"

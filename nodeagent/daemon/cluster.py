@@ -489,6 +489,9 @@ class ClusterEndpoint:
         if not msg.borrower.strip() or len(msg.borrower) > MAX_BORROWER_CHARS:
             self._error(route, msg.id, p.ErrorCode.INVALID, f"borrower must be 1..{MAX_BORROWER_CHARS} characters")
             return
+        if not msg.borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
+            self._error(route, msg.id, p.ErrorCode.INVALID, "borrower must be printable (no control characters)")
+            return
         lost = self._lost_devices.refusal(msg.device)
         if lost is not None:  # a borrower's workers could not run there
             self._error(route, msg.id, p.ErrorCode.DEVICE, lost)
