@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="each holder spins this long before it releases, as a slice's work would (default: 0, "
                          "back to back: a successor hint then often reaches the holder after its release)")
     ap.add_argument("--one-hop", action="store_true",
-                    help="clients ask for one-hop handoffs (hello.one_hop; off by default, as in client_lib)")
+                    help="clients ask for one-hop handoffs (hello.one_hop); without it they take two hops, "
+                         "whatever client_lib would choose on this host (one-hop where 8+ CPUs)")
     args = ap.parse_args(argv)
     if args.hold_us < 0:
         ap.error("--hold-us must be >= 0")
