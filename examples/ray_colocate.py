@@ -159,7 +159,6 @@ class Run:
         os.makedirs(self.dir, exist_ok=True)
         self.ray_tmp = os.path.join(self.dir, "ray")
         self.nodes: dict[str, Node] = {}
-        self.ray_nodes: list[RayNodeProcess] = []
         self.fit_proc: subprocess.Popen | None = None  # the training job's driver
 
     # -------- nodeagent daemons
@@ -220,7 +219,6 @@ class Run:
         head = RayNodeProcess.start(self.spec({"nodeagent_head": 100}), None,
                                     log_path=os.path.join(self.dir, "ray-head.log"),
                                     pidfile=os.path.join(self.dir, "ray-head.json"))
-        self.ray_nodes.append(head)
         try:
             address = wait_for_head_address(self.ray_tmp, head._proc)
         except (RuntimeError, TimeoutError) as exc:
@@ -234,7 +232,6 @@ class Run:
                           {"nodeagent.io/node": name}),
                 address, log_path=os.path.join(self.dir, f"ray-{name}.log"),
                 pidfile=os.path.join(self.dir, f"ray-{name}.json"))
-            self.ray_nodes.append(proc)
             deadline = time.monotonic() + 60
             while ray.cluster_resources().get(f"nodeagent_node:{name}", 0) < 100:
                 if not proc.alive() or time.monotonic() > deadline:
@@ -253,6 +250,7 @@ class PidWatch:
         self.pids: set[int] = set()
         self.start_ticks: dict[int, int] = {}  # pid -> its start time: to know it is still the same process
         self._stop = threading.Event()
+        self.sample()  # now: the root is surely the process just started
         self._thread = threading.Thread(target=self._run, name="pidwatch", daemon=True)
         self._thread.start()
 
@@ -267,9 +265,11 @@ class PidWatch:
                 except (OSError, IndexError, ValueError):
                     pass
         from nodeagent.procwatch import process_start_ticks
-        # From the roots and from every process seen before that is still that process: what a
-        # driver started lives on, re-parented, after the driver exits.
-        todo = [*self._roots(), *(pid for pid, ticks in self.start_ticks.items() if process_start_ticks(pid) == ticks)]
+        # From every process seen before that is still that process (what a driver started lives on,
+        # re-parented, after the driver exits), and from a root not seen yet. A pid that no longer
+        # is the process first seen under it (exited, perhaps reused) leads nowhere.
+        todo = [*(pid for pid in self._roots() if pid not in self.start_ticks),
+                *(pid for pid, ticks in self.start_ticks.items() if process_start_ticks(pid) == ticks)]
         expanded: set[int] = set()
         while todo:
             pid = todo.pop()
@@ -284,10 +284,15 @@ class PidWatch:
             todo.extend(children.get(pid, ()))
 
     def still_running(self) -> list[int]:
-        """Descendants seen during the run that are still the same processes (start time checked)."""
-        from nodeagent.procwatch import process_start_ticks
-        return sorted(pid for pid, ticks in self.start_ticks.items()
-                      if pid != os.getpid() and process_start_ticks(pid) == ticks)
+        """Descendants seen during the run that are still the same processes (start time checked)
+        and not zombies (dead, waiting for a parent to reap them)."""
+        from nodeagent.procwatch import read_stat
+        running = []
+        for pid, ticks in self.start_ticks.items():
+            stat = read_stat(pid)
+            if pid != os.getpid() and stat is not None and stat.start_ticks == ticks and stat.state != "Z":
+                running.append(pid)
+        return sorted(running)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
@@ -308,9 +313,11 @@ def ours_in_shm(names, pids: set[int]) -> list[str]:
 def leftover_processes(marker: str) -> list[int]:
     """Processes whose command line names our run directory, or that hold a file in it open
     (Ray's agents rename themselves ``ray::...`` but keep their logs there): there should be
-    none, other than this one and its parents (a wrapper that passed us the directory)."""
+    none, other than this one and its parents (a wrapper that passed us the directory).
+    Reported, never signalled: that a process names a path is no proof that we started it."""
     from nodeagent.procwatch import ancestors
     mine = {os.getpid(), *ancestors(os.getpid())}
+    inside = marker.rstrip(os.sep) + os.sep
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in mine:
@@ -320,7 +327,7 @@ def leftover_processes(marker: str) -> list[int]:
                 found = marker.encode() in f.read()
             if not found:
                 fds = f"/proc/{entry}/fd"
-                found = any(os.readlink(os.path.join(fds, fd)).startswith(marker) for fd in os.listdir(fds))
+                found = any(os.readlink(os.path.join(fds, fd)).startswith(inside) for fd in os.listdir(fds))
         except OSError:
             continue
         if found:
@@ -360,9 +367,8 @@ def stop_everything(run_dir: str, pidwatch: PidWatch, shm_before: set[str]) -> d
     for pidfile in sorted(Path(run_dir).glob("*/daemon.json")):
         report["daemons"][pidfile.parent.name] = stop(pidfile)
     # Workers a raylet did not take down with it (Ray's own helper actors, renamed ``ray::...``):
-    # descendants of what we started that are still the same processes, or that still hold a file
-    # in the run directory. Stopped by pid.
-    stragglers = sorted(set(pidwatch.still_running()) | set(leftover_processes(run_dir)))
+    # descendants of what we started that are still those very processes. Stopped by pid.
+    stragglers = pidwatch.still_running()
     for pid in stragglers:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -626,12 +632,10 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
 
     head = RayNodeProcess.start(run.spec({"nodeagent_head": 100}), None, log_path=os.path.join(run.dir, "ray-head.log"),
                                 pidfile=os.path.join(run.dir, "ray-head.json"))
-    run.ray_nodes.append(head)
     address = wait_for_head_address(run.ray_tmp, head._proc)
     ray.init(address=address, namespace="nodeagent", logging_level="WARNING", log_to_driver=False)
-    node = RayNodeProcess.start(run.spec({"nodeagent_lend": 1, "nodeagent_node:n1": 100}), address,
-                                log_path=os.path.join(run.dir, "ray-n1.log"), pidfile=os.path.join(run.dir, "ray-n1.json"))
-    run.ray_nodes.append(node)
+    RayNodeProcess.start(run.spec({"nodeagent_lend": 1, "nodeagent_node:n1": 100}), address,
+                         log_path=os.path.join(run.dir, "ray-n1.log"), pidfile=os.path.join(run.dir, "ray-n1.json"))
     until(lambda: ray.cluster_resources().get("nodeagent_lend", 0) >= 1, 60)
 
     @ray.remote(num_cpus=0)
@@ -668,7 +672,6 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
         proc = RayNodeProcess.start(run.spec({"nodeagent_loan": 1, f"nodeagent_loan:probe{i}": 1}), address,
                                     log_path=os.path.join(run.dir, f"ray-loan{i}.log"),
                                     pidfile=os.path.join(run.dir, f"ray-loan{i}.json"))
-        run.ray_nodes.append(proc)
         until(lambda: ray.cluster_resources().get(f"nodeagent_loan:probe{i}", 0) >= 1, 60)
         b["lend_ms"].append(ms(t))
         return proc
@@ -695,20 +698,6 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
     proc.stop()
     med = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in (("A", a), ("B", b))}
     return {"repeats": repeats, "median": med, "all": {"A": a, "B": b}, "B_sigkill_node_dead_s": sigkill_s}
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> str:
-    """SIGTERM, then SIGKILL after ``timeout_s``; how it ended ("exited" if it already had)."""
-    if proc.poll() is not None:
-        return "exited"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-        return "sigterm"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return "sigkill"
 
 
 def make_trainer(run_dir: str):
@@ -792,6 +781,11 @@ def supervise(args) -> int:
     """Run the driver as a child, then stop everything it started by pid, whatever became of it;
     print the driver's result with what the cleanup found."""
     started = time.monotonic()
+    if args.workdir and os.path.exists(args.workdir) and (not os.path.isdir(args.workdir)
+                                                            or os.listdir(args.workdir)):
+        say(f"--workdir {args.workdir} must be a new or empty directory: the run removes it at the end "
+            "(unless --keep)")
+        return 2
     run_dir = args.workdir or tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: unix socket paths
     os.makedirs(run_dir, exist_ok=True)
     shm_before = set(os.listdir("/dev/shm"))

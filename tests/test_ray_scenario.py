@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 
@@ -89,9 +89,65 @@ def test_a_run_stopped_while_the_job_trains_stops_everything_it_started():
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 named = workdir.encode() in f.read()
             fds = f"/proc/{entry}/fd"
-            if named or any(os.readlink(f"{fds}/{fd}").startswith(workdir) for fd in os.listdir(fds)):
+            if named or any(os.readlink(f"{fds}/{fd}").startswith(workdir + os.sep) for fd in os.listdir(fds)):
                 left.append(int(entry))  # Ray's agents rename themselves, but keep their logs open there
         except OSError:
             pass
     assert left == [], left
     assert not os.path.exists(workdir)
+
+
+def test_a_workdir_with_something_in_it_is_refused_before_anything_starts(tmp_path):
+    """The run removes its directory at the end: one of the user's must not be it."""
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "examples/ray_colocate.py", "--json", "--workdir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().endswith(f"--workdir {tmp_path} must be a new or empty directory: the run removes it "
+                                        "at the end (unless --keep)")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_the_supervisor_keeps_track_of_what_outlives_the_driver():
+    """What the driver started lives on, re-parented, after the driver exits, and may start
+    more (a raylet starting workers): found from what was seen before, by start time. Once a
+    process exits it is no longer reported, whatever process may take its pid."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ray_colocate", REPO / "examples" / "ray_colocate.py")
+    rc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rc  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(rc)
+    finally:
+        del sys.modules[spec.name]
+    # The driver starts a shell that, a second later, starts a child of its own (the `true` keeps
+    # the shell from exec-ing into it).
+    driver = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               "p = subprocess.Popen(['sh', '-c', 'sleep 1; sleep 30; true']); "
+                               "print(p.pid, flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    shell = int(driver.stdout.readline())
+    first = wait_for(lambda: _children(shell), timeout=5)  # sleep 1
+    watch = rc.PidWatch(lambda: [driver.pid])
+    try:
+        driver.stdin.close()
+        driver.wait(10)  # the shell is re-parented now
+        later = wait_for(lambda: [pid for pid in _children(shell) if pid not in first], timeout=10)  # sleep 30
+        watch.sample()
+        assert watch.still_running() == sorted([shell, *later])
+        for pid in (shell, *later):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: watch.still_running() == [], timeout=5)  # dead at once; a zombie does not count
+    finally:
+        watch.stop()
+        for pid in watch.still_running():
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
