@@ -178,7 +178,7 @@ class PartitionTable:
         self._options = {"min_percent": min_percent, "total": total, "memory_total_mb": memory_total_mb}
         self._percent: dict[str, float | None] = {}
         self._memory_mb: dict[str, int] = {}
-        self._issued: dict[str, tuple[int, dict[str, str]]] = {}  # session -> (ordinal, env)
+        self._issued: dict[str, tuple[int, bool, dict[str, str]]] = {}  # session -> (ordinal, uncapped, env)
         self._plan = plan_partition({}, **self._options)  # also validates the options
 
     @property
@@ -223,15 +223,24 @@ class PartitionTable:
         memory_by = dict(memory_mb) if memory_mb is not None else dict(self._memory_mb)
         return self._commit(percent_by, memory_by)
 
-    def issue(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
-        """The environment to give ``session`` now; remembered as what it runs with."""
-        env = self._plan.env_for(session, device_ordinal)
-        self._issued[session] = (device_ordinal, env)
+    def issue(self, session: str, device_ordinal: int = 0, uncapped: bool = False) -> dict[str, str]:
+        """The environment to give ``session`` now; remembered as what it runs with.
+        ``uncapped``: a session whose share nobody set explicitly gets no SM cap (co-run,
+        where MPS client priority rather than a split decides who runs)."""
+        env = self._env(session, device_ordinal, uncapped)
+        self._issued[session] = (device_ordinal, uncapped, env)
         return dict(env)
 
     def stale(self) -> list[str]:
         """Sessions whose issued environment differs from what the plan gives them now."""
-        return sorted(s for s, (ordinal, env) in self._issued.items() if self._plan.env_for(s, ordinal) != env)
+        return sorted(s for s, (ordinal, uncapped, env) in self._issued.items()
+                      if self._env(s, ordinal, uncapped) != env)
+
+    def _env(self, session: str, device_ordinal: int, uncapped: bool) -> dict[str, str]:
+        env = self._plan.env_for(session, device_ordinal)
+        if uncapped and self._percent.get(session) is None:
+            env.pop(ACTIVE_THREAD_PERCENTAGE_ENV, None)
+        return env
 
     def _commit(self, percent_by: dict[str, float | None], memory_by: dict[str, int]) -> PartitionPlan:
         plan = plan_partition(percent_by, memory_requests_mb=memory_by, **self._options)

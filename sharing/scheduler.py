@@ -18,6 +18,9 @@ Policy, in order of precedence:
   holder is asked to yield; when a higher class waits, it is asked at once;
 * a grace period after the ask, then one ``Enforce``. What enforcement means
   (revoke, SIGSTOP) is the daemon's decision, not the scheduler's;
+* a linger (``linger_ms``): a holder that releases while only lower classes
+  wait leaves the token free that long for its own class, so a burst of short
+  higher-class slices preempts the lower class once, not once per slice;
 * a successor promised in advance (``bind_successor``) gets the token when the
   holder's slice ends, however it ends, ahead of everything above: a holder told
   who is next may wake it directly (the one-hop handoff), so no one else may
@@ -112,6 +115,10 @@ class SchedulerPolicy:
 
     quantum_ms: Mapping[Workload, float] = field(default_factory=_default_quantum_ms, hash=False)
     grace_ms: float = 100.0
+    # After a holder releases while only lower classes wait, the token stays free this long for
+    # the holder's class to ask again: a burst of short requests pays one preemption of the
+    # lower class, not one per request. 0: the lower class is granted at once.
+    linger_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.quantum_ms, Mapping):
@@ -130,6 +137,10 @@ class SchedulerPolicy:
             quanta[workload] = _positive_finite(f"quantum_ms[{workload.wire}]", given[workload])
         object.__setattr__(self, "quantum_ms", MappingProxyType(quanta))
         object.__setattr__(self, "grace_ms", _positive_finite("grace_ms", self.grace_ms))
+        linger = self.linger_ms
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger < math.inf:
+            raise ValueError(f"linger_ms must be a finite number >= 0, got {linger!r}")
+        object.__setattr__(self, "linger_ms", float(linger))
 
     def quantum_s(self, workload: Workload) -> float:
         """Slice length of ``workload`` in seconds."""
@@ -303,6 +314,7 @@ class TokenScheduler:
         "_policy",
         "_quantum_s",
         "_grace_s",
+        "_linger_s",
         "_sessions",
         "_queues",
         "_holder",
@@ -313,15 +325,21 @@ class TokenScheduler:
         "_yield_deadline",
         "_enforced",
         "_next_grant",
+        "_grant_step",
         "_last_now",
         "_successor",
+        "_linger_until",
+        "_linger_class",
     )
 
-    def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1) -> None:
+    def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
+                 grant_step: int = 1) -> None:
         if isinstance(device, bool) or not isinstance(device, int):
             raise TypeError(f"device must be an int, got {device!r}")
         if isinstance(first_grant, bool) or not isinstance(first_grant, int) or first_grant < 1:
             raise ValueError(f"first_grant must be an int >= 1, got {first_grant!r}")
+        if isinstance(grant_step, bool) or not isinstance(grant_step, int) or grant_step < 1:
+            raise ValueError(f"grant_step must be an int >= 1, got {grant_step!r}")
         self._device = device
         self._set_policy_fields(SchedulerPolicy() if policy is None else policy)
         self._sessions: dict[str, _Session] = {}
@@ -336,10 +354,17 @@ class TokenScheduler:
         self._yield_deadline = 0.0  # valid while the holder is YIELDING
         self._enforced = False
         self._next_grant = first_grant
+        # Grant ids go first_grant, first_grant + grant_step, ...: the co-run scheduler's
+        # lanes share a device's id space without ever issuing the same id.
+        self._grant_step = grant_step
         self._last_now = -math.inf
         # A waiter promised the token when the holder's slice ends, however it ends
         # (see bind_successor); None: the usual order decides.
         self._successor: _Session | None = None
+        # While the token lingers after a release (see SchedulerPolicy.linger_ms): until when,
+        # and for which class and those above it. None: not lingering.
+        self._linger_until: float | None = None
+        self._linger_class = Workload.INFERENCE
 
     @property
     def device(self) -> int:
@@ -411,6 +436,10 @@ class TokenScheduler:
         self._enqueue(s, now if waiting_since is None else waiting_since)
         holder = self._holder
         if holder is None:
+            if self._linger_until is not None:
+                if s.workload > self._linger_class:
+                    return []  # the token waits for the class that just had it
+                self._linger_until = None
             return self._grant_next(now, [])
         if holder.state is SessionState.HOLDING and s.workload < holder.workload:
             return [self._ask_yield(holder, now, "preempted")]
@@ -441,6 +470,10 @@ class TokenScheduler:
         self._take_token(s, now)
         if requeue:  # no sleeper clamp: a quick re-request keeps its fair share
             self._enqueue(s, now)
+        elif self._linger_s > 0 and self._successor is None and self._only_lower_classes_wait(s.workload):
+            self._linger_until = now + self._linger_s
+            self._linger_class = s.workload
+            return []
         return self._grant_next(now, [])
 
     def revoke(self, session: str, now: float, reason: str) -> list[Action]:
@@ -533,6 +566,9 @@ class TokenScheduler:
         self._advance(now)
         h = self._holder
         if h is None:
+            if self._linger_until is not None and now >= self._linger_until:
+                self._linger_until = None
+                return self._grant_next(now, [])
             return []
         if h.state is SessionState.HOLDING:
             # A HOLDING holder with a higher class waiting cannot arise through the
@@ -568,7 +604,7 @@ class TokenScheduler:
         """
         h = self._holder
         if h is None:
-            return None
+            return self._linger_until
         if h.state is SessionState.HOLDING:
             if self._higher_class_waiting(h.workload):
                 return self._last_now
@@ -578,6 +614,26 @@ class TokenScheduler:
     def holder(self) -> str | None:
         """Id of the session holding the token (HOLDING or YIELDING), if any."""
         return self._holder.id if self._holder is not None else None
+
+    # The shape a co-run device (sharing.corun.CoRunScheduler) has too: one lane here.
+    corun = False
+
+    def holders(self) -> tuple[str, ...]:
+        """Every holder of the device: at most one on an exclusive device."""
+        return (self._holder.id,) if self._holder is not None else ()
+
+    def lanes(self) -> tuple[TokenScheduler, ...]:
+        """The schedulers a session may be on: this one (a co-run device has one per class)."""
+        return (self,)
+
+    def lane_of(self, session: str) -> TokenScheduler:
+        """The lane ``session`` is on: this scheduler; UnknownSessionError if it is not here."""
+        self._get(session)
+        return self
+
+    def pace(self) -> tuple[tuple[int, bool], ...]:
+        """Per class: nobody is paced on an exclusive device (a higher class preempts instead)."""
+        return ((0, False),) * len(Workload)
 
     def waiting_count(self) -> int:
         """Sessions WAITING for the token, all classes; O(classes), for metrics."""
@@ -613,6 +669,7 @@ class TokenScheduler:
         self._policy = policy
         self._quantum_s = tuple(policy.quantum_s(w) for w in Workload)
         self._grace_s = policy.grace_ms / 1000.0
+        self._linger_s = policy.linger_ms / 1000.0
 
     def _get(self, session: str) -> _Session:
         try:
@@ -638,6 +695,11 @@ class TokenScheduler:
     def _advance(self, now: float) -> None:
         self._check_now(now)
         self._last_now = now
+
+    def _only_lower_classes_wait(self, workload: Workload) -> bool:
+        """True if somebody waits and nobody of ``workload`` or a higher class does."""
+        queues = self._queues
+        return not any(queues[w] for w in range(workload + 1)) and any(queues[w] for w in range(workload + 1, len(queues)))
 
     def _higher_class_waiting(self, workload: Workload) -> bool:
         queues = self._queues
@@ -690,7 +752,7 @@ class TokenScheduler:
                 return actions
             s = line.pop_first()
         grant = self._next_grant
-        self._next_grant += 1
+        self._next_grant += self._grant_step
         waited_s = float(now - s.waiting_since)  # type: ignore[operator]  # WAITING has a time
         s.state = SessionState.HOLDING
         s.waiting_since = None
