@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from client_lib import codec, cuda_probe, device_id, framing, liveness
+from client_lib import pace as pace_board
 from client_lib import protocol as p
 from client_lib import serving
 from client_lib.endpoint import ENV_ENDPOINT, client_endpoint
@@ -108,11 +109,13 @@ class Client:
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool | None = None) -> None:
+                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool | None = None,
+                 slo_ms: float | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
         self.name = name
         self.workload = workload
+        self.slo_ms = None if slo_ms is None else float(slo_ms)
         self.weight = float(weight)
         self.memory_mb = int(memory_mb)
         self.endpoint = endpoint or client_endpoint()
@@ -167,6 +170,10 @@ class Client:
         self._wake_tail = b""
         self.handed_on = 0  # releases that woke the next holder directly
         self.woken = 0  # grants taken from the wake channel, ahead of the daemon's notice
+        # Co-run pacing (client_lib.pace): where this lower-class session makes way for a higher
+        # class; None where the device does not co-run (or this is the highest class).
+        self._pace: pace_board.PacePoint | None = None
+        self._fence: Callable[[], None] | None = None  # run before the token leaves (torch: finish queued work)
         self._connect(claim=None)
 
     # ------------------------------------------------------------ properties
@@ -231,6 +238,23 @@ class Client:
         """True once the daemon asked this client to give up the whole device."""
         self._pump(0)
         return self._suspend_requested
+
+    @property
+    def pacing(self) -> pace_board.PacePoint | None:
+        """The co-run pause point of this session (None where the device does not pace it)."""
+        return self._pace
+
+    def set_fence(self, fence: Callable[[], None] | None) -> None:
+        """``fence()`` runs before this client gives the token up at a yield or suspend, so that
+        work it queued on the device finishes first (client_lib.torch.Pacer sets one)."""
+        self._fence = fence
+
+    def pace_point(self) -> float:
+        """Co-run: wait while a higher class holds the device and the daemon's pacing says so;
+        seconds waited (0 at once otherwise: one memory read). Call between units of work
+        finer than a step (client_lib.torch.Pacer calls it between layers)."""
+        pace = self._pace
+        return pace.wait() if pace is not None else 0.0
 
     def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None) -> None:
         """What to do when the daemon asks for the whole device: ``park()`` moves
@@ -428,7 +452,11 @@ class Client:
         if self._suspend_requested:
             self._suspend_in_place()
             return True
+        if self._pace is not None:
+            self._pace.wait()
         if self._yield_requested and self._grant is not None:
+            if self._fence is not None:
+                self._fence()  # the next holder gets the device, not a queue of our work
             # requeue: released and waiting again in one step, so no acquire to send.
             self.release(requeue=True)
             self._wait_for_grant(None)
@@ -544,6 +572,9 @@ class Client:
             return
         self._closed = True
         liveness.forget(self)
+        if self._pace is not None:
+            self._pace.reader.close()
+            self._pace = None
         with self._io:
             if self._conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and
@@ -574,6 +605,8 @@ class Client:
             self._suspend_requested = self._resume_received = False
             return
         started = time.perf_counter()
+        if self._fence is not None and self._park is None:
+            self._fence()  # a park handler finishes the device's work itself
         bytes_parked = self._park() if self._park is not None else 0
         suspend_ms = (time.perf_counter() - started) * 1000.0
         self.release()
@@ -681,7 +714,7 @@ class Client:
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
-            borrower=self.borrower, one_hop=self.one_hop)
+            borrower=self.borrower, one_hop=self.one_hop, slo_ms=self.slo_ms)
         try:
             welcome = self._call(hello, timeout, handshake=True)
         except BaseException:
@@ -700,6 +733,7 @@ class Client:
                 self._abandon()
                 raise
         self.welcome = welcome
+        self._open_pace(welcome.pace)
         self._cuda_ordinal = None  # a new session may be on another GPU
         self._standby = self._hint = self._woken_grant = None
         self._durable = welcome.durable
@@ -713,6 +747,43 @@ class Client:
         liveness.watcher().watch(self)
         log.debug("[client] session=%s device=%d slice_ms=%.0f resumed=%s", welcome.session, welcome.device,
                   welcome.slice_ms, welcome.resumed)
+
+    def _open_pace(self, path: str) -> None:
+        """Map the pace board the welcome names (co-run), or drop the one we had."""
+        old = self._pace
+        if old is not None and old.reader.path == path:
+            return
+        self._pace = None
+        if old is not None:
+            old.reader.close()
+        if not path:
+            return
+        try:
+            reader = pace_board.PaceBoardReader(path)
+        except OSError as exc:  # not fatal: MPS priority and the daemon still make way
+            log.warning("[client] cannot read the pace board %s (%s); this session is not paced finer than its "
+                        "yield points", path, exc)
+            return
+        self._pace = pace_board.PacePoint(reader, p.WORKLOADS.index(self.workload), alive=self._daemon_there)
+
+    def _daemon_there(self) -> bool:
+        """For a wait on the pace board: False once the daemon hung up (the board may be stale)."""
+        conn = self._conn
+        if conn is None or conn.closed_by_peer:
+            return False
+        try:
+            select_ready = select.select([conn.fileno()], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+        if select_ready and self._io.acquire(blocking=False):
+            try:
+                self._pump(0, raise_async=False)
+            except Exception:  # a reattach or an error is the owner's to see at its next call
+                pass
+            finally:
+                self._io.release()
+        conn = self._conn
+        return conn is not None and not conn.closed_by_peer
 
     def _abandon(self) -> None:
         """Close the session the daemon just opened, when this client cannot use it."""

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 1)
+PROTOCOL_VERSION: tuple[int, int] = (2, 2)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -87,6 +87,7 @@ class Hello(Request, tag="hello"):
     holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
     borrower: Optional[str] = None  # 1.1: training job this session belongs to, for a device lent to it
     one_hop: bool = False  # 2.1: this client takes successor/standby notices and a wake channel (welcome.wake)
+    slo_ms: Optional[float] = None  # 2.2: co-run: the slice time this (higher-class) session asks pacing to keep
 
 
 class Heartbeat(Request, tag="heartbeat"):
@@ -322,6 +323,7 @@ class Welcome(Reply, tag="welcome"):
     device_uuid: str = ""
     cuda_ordinal: Optional[int] = None  # the CUDA ordinal to use, where the daemon can tell (0 when env names the GPU)
     wake: str = ""  # 2.1: path of this session's wake channel (a FIFO) when hello asked for one_hop; "" none
+    pace: str = ""  # 2.2: co-run: the device's pace board (read-only; client_lib.pace) for a lower class; "" none
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):

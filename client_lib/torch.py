@@ -75,6 +75,8 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
+from client_lib.pacer import Pacer  # noqa: F401  (co-run pacing: client_lib.torch is where users look)
+
 log = logging.getLogger("client_lib.torch")
 
 _ALIGN_BYTES = 512  # each storage's slice of the host buffer starts aligned (DMA-friendly)

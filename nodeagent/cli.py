@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce", choices=["stop", "revoke"],
                        help="a holder past its yield deadline: stop (SIGSTOP it if its identity is verified, "
                             "else revoke) or revoke (never signal) (default: stop)")
+    serve.add_argument("--sharing", choices=["auto", "corun", "exclusive"],
+                       help="how classes share a device: corun (each class its own token; a higher class is "
+                            "granted at once and lower ones are paced) or exclusive (one holder; a higher class "
+                            "preempts); auto: corun on cuda, exclusive on cpu (default: auto)")
+    serve.add_argument("--corun-duty", metavar="adaptive|pause|free|PERMILLE",
+                       help="co-run: how lower classes are paced while a higher class holds: adaptive (steered "
+                            "by the higher class's slice times), pause, free (MPS priority only) or the permille "
+                            "of each period they may run (default: adaptive)")
     serve.add_argument("--memory-policy", choices=["warn", "revoke", "stop"],
                        help="a session using more device memory than it declared (default: warn)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
@@ -263,6 +271,8 @@ _SERVE_FLAGS = (
     ("grace_ms", "grace_ms", "scheduler.grace_ms", "--grace-ms"),
     ("heartbeat_ms", "heartbeat_ms", "heartbeat.interval_ms", "--heartbeat-ms"),
     ("enforce", "enforce", "scheduler.enforce", "--enforce"),
+    ("sharing", "sharing", "scheduler.sharing", "--sharing"),
+    ("corun_duty", "corun_duty", "corun.duty", "--corun-duty"),
     ("memory_policy", "memory_policy", "memory.policy", "--memory-policy"),
     ("log_level", "log_level", "log_level", "--log-level"),
     ("ctxpool", "ctxpool_enabled", "ctxpool.enabled", "--ctxpool"),

@@ -22,9 +22,11 @@ except ModuleNotFoundError:  # Python 3.10
 from client_lib.endpoint import ENV_ENDPOINT, client_endpoint, daemon_endpoint
 from client_lib.framing import parse_endpoint
 from sharing import SchedulerPolicy, Workload
+from sharing.corun import PaceController
 
 DEFAULT_CONFIG_PATH = "/etc/nodeagent/nodeagent.toml"
 MEMORY_POLICIES = ("warn", "revoke", "stop")
+SHARING_MODES = ("auto", "corun", "exclusive")
 
 EXAMPLE_TOML = """\
 # /etc/nodeagent/nodeagent.toml: every key is optional; these are the defaults.
@@ -37,6 +39,17 @@ log_level = "info"          # debug | info | warning | error
 [scheduler]
 grace_ms = 100.0            # a holder asked to yield has this long before enforcement
 enforce = "stop"            # stop: SIGSTOP verified processes (else revoke) | revoke: never signal
+sharing = "auto"            # corun: each class its own token, lower classes paced (auto: on cuda)
+                            # | exclusive: one holder per device, a higher class preempts
+linger_ms = 2.0             # exclusive: after a higher class's slice, the token waits this long for its
+                            # next request before a lower class gets it (a burst pays one preemption)
+
+[corun]
+duty = "adaptive"           # how lower classes are paced while a higher class holds: adaptive
+                            # (a controller steers by the higher class's slice times) | pause | free
+                            # (MPS priority only) | a permille 0..1000 of each period they may run
+tolerance_percent = 10.0    # adaptive: how much longer than its reference a higher-class slice may take
+period_ms = 10.0            # the pacing period lower classes run and pause in
 
 [scheduler.quantum_ms]
 inference = 50.0
@@ -184,6 +197,11 @@ class ServeConfig:
         default_factory=lambda: {"inference": 50.0, "training": 200.0, "best-effort": 200.0})
     grace_ms: float = 100.0
     enforce: str = "stop"  # stop | revoke
+    sharing: str = "auto"  # auto (corun on cuda, else exclusive) | corun | exclusive
+    linger_ms: float = 2.0  # exclusive: how long a higher class's token waits for its next request
+    corun_duty: str | int = "adaptive"  # adaptive | pause | free | permille 0..1000
+    corun_tolerance_percent: float = 10.0
+    corun_period_ms: float = 10.0
     heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
     local_max_connections: int = 4096  # local endpoint: more are refused (E_UNAVAILABLE), never an abort
@@ -245,6 +263,15 @@ class ServeConfig:
             raise _bad("heartbeat.misses", f"must be >= 1, got {self.heartbeat_misses}")
         if self.enforce not in ("stop", "revoke"):
             raise _bad("scheduler.enforce", f"must be stop or revoke, got {self.enforce!r}")
+        if self.sharing not in SHARING_MODES:
+            raise _bad("scheduler.sharing", f"must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}")
+        if not (math.isfinite(self.linger_ms) and 0 <= self.linger_ms <= 1000):
+            raise _bad("scheduler.linger_ms", f"must be a number of ms in 0..1000, got {self.linger_ms:g}")
+        self.corun_fixed_duty()
+        if not (math.isfinite(self.corun_tolerance_percent) and 0 < self.corun_tolerance_percent <= 500):
+            raise _bad("corun.tolerance_percent", f"must be in (0, 500], got {self.corun_tolerance_percent:g}")
+        if not (math.isfinite(self.corun_period_ms) and 1 <= self.corun_period_ms <= 1000):
+            raise _bad("corun.period_ms", f"must be in 1..1000, got {self.corun_period_ms:g}")
         if self.memory_policy not in MEMORY_POLICIES:
             raise _bad("memory.policy", f"must be one of {', '.join(MEMORY_POLICIES)}, got {self.memory_policy!r}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices):
@@ -317,9 +344,37 @@ class ServeConfig:
                            f"(classes: {', '.join(WORKLOADS)})", subject="scheduler.quantum_ms")
             quanta[Workload.parse(name)] = ms
         try:
-            return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms)
+            return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms, linger_ms=self.linger_ms)
         except ValueError as exc:  # validate() checked each value; this is what the scheduler adds
             raise ConfigError(f"scheduler: {exc}") from None
+
+    def sharing_for(self, backend: str) -> str:
+        """"corun" or "exclusive" for a daemon on ``backend``: auto means co-run on cuda, where
+        a GPU runs processes side by side, and exclusive elsewhere (a cpu device is its cores)."""
+        if self.sharing != "auto":
+            return self.sharing
+        return "corun" if backend == "cuda" else "exclusive"
+
+    def pace_controller(self) -> PaceController:
+        """A co-run device's controller as these settings make it (validate first)."""
+        return PaceController(tolerance=self.corun_tolerance_percent / 100.0,
+                              fixed_duty_permille=self.corun_fixed_duty(),
+                              period_us=int(round(self.corun_period_ms * 1000)))
+
+    def corun_fixed_duty(self) -> int | None:
+        """The duty ``corun.duty`` pins, in permille (None: adaptive). ConfigError if it is neither."""
+        duty = self.corun_duty
+        if isinstance(duty, str) and duty.strip().isdigit():
+            duty = int(duty.strip())
+        if duty == "adaptive":
+            return None
+        if duty == "pause":
+            return 0
+        if duty == "free":
+            return 1000
+        if isinstance(duty, bool) or not isinstance(duty, int) or not 0 <= duty <= 1000:
+            raise _bad("corun.duty", f"must be adaptive, pause, free or a permille in 0..1000, got {duty!r}")
+        return duty
 
     def ctxpool_register_gid(self) -> int | None:
         """The gid of ``ctxpool.register_group`` (None: root only). ConfigError if no such group."""
@@ -350,6 +405,11 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "log_level": ("log_level", (str,)),
     "scheduler.grace_ms": ("grace_ms", (int, float)),
     "scheduler.enforce": ("enforce", (str,)),
+    "scheduler.sharing": ("sharing", (str,)),
+    "scheduler.linger_ms": ("linger_ms", (int, float)),
+    "corun.duty": ("corun_duty", (str, int)),
+    "corun.tolerance_percent": ("corun_tolerance_percent", (int, float)),
+    "corun.period_ms": ("corun_period_ms", (int, float)),
     "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
     "heartbeat.misses": ("heartbeat_misses", (int,)),
     "local.max_connections": ("local_max_connections", (int,)),
@@ -384,7 +444,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cluster.health_interval_s": ("cluster_health_interval_s", (int, float)),
 }
 _SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "local", "memory", "memory.class_cap_percent", "metrics",
-             "mps", "ctxpool", "cluster"}
+             "mps", "ctxpool", "cluster", "corun"}
 
 
 def load_file(config: ServeConfig, path: str, *, required: bool, applied: set[str] | None = None) -> bool:

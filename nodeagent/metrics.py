@@ -139,6 +139,14 @@ class Metrics:
         self.enforcements = self._counter(
             "nodeagent_enforcements", "Holders that overran their yield deadline, by action taken (stop, revoke)",
             ("kind",))
+        self.pace_changes = self._counter(
+            "nodeagent_pace_changes",
+            "Co-run: changes of the duty lower classes run at while a higher class holds (the controller's steps)",
+            ("device",))
+        self.pace_duty = self._gauge(
+            "nodeagent_pace_duty_permille",
+            "Co-run: permille of each pacing period lower classes may issue work while a higher class holds "
+            "(0: paused, 1000: MPS priority alone)", ("device",))
         self.bad_requests = self._counter("nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST")
         self.connections_refused = self._counter(
             "nodeagent_connections_refused",

@@ -196,7 +196,8 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
                       if type(a) is Grant)
 
     restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), lambda **d: None),
-                        sessions=sessions, schedulers=schedulers, policy=policy, mps=NoMps(),
+                        sessions=sessions, schedulers=schedulers,
+                        new_scheduler=lambda i, first: TokenScheduler(i, policy, first_grant=first), mps=NoMps(),
                         add_session=add_session, continue_process=lambda s: False, request_token=request_token)
     try:
         assert restorer.restore(100.0) == 2

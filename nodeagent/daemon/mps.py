@@ -120,12 +120,13 @@ class MpsPartitions:
         if table is not None:
             table.leave(session)
 
-    def client_env(self, session: str, device: int) -> dict[str, str]:
-        """What the client must set before CUDA initialises: its MPS daemon and share."""
+    def client_env(self, session: str, device: int, uncapped: bool = False) -> dict[str, str]:
+        """What the client must set before CUDA initialises: its MPS daemon and share
+        (``uncapped``: no SM cap unless a partition set one; see PartitionTable.issue)."""
         control, table = self._controls.get(device), self._tables.get(device)
         if control is None or table is None:
             return {}
-        return {**control.client_env(), **table.issue(session)}
+        return {**control.client_env(), **table.issue(session, uncapped=uncapped)}
 
     def shares(self, device: int) -> dict[str, int]:
         """SM percent per session on ``device`` as planned now (empty off MPS)."""

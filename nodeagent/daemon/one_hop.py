@@ -77,7 +77,8 @@ class OneHop:
         self._send = send
         self._delegated = delegated
         self._dir: str | None = None
-        self._hints: dict[int, _Hint] = {}
+        # Per (device, lane): a co-run device has a token, and so a successor, per class.
+        self._hints: dict[tuple[int, int], _Hint] = {}
         self._channels: set[str] = set()  # sessions with a wake channel: without any, no hint can be given
         # Releases that came before their grant: session -> (promised grant, requeue). A woken
         # successor may finish its slice and release before the daemon has read the holder's
@@ -169,15 +170,20 @@ class OneHop:
             self.refresh(device)
 
     def refresh(self, device: int) -> None:
-        """Bring ``device``'s hint in line with its scheduler: forget one whose slice
-        ended, withdraw one that no longer names the first in line, give one where
-        a one-hop holder has a one-hop waiter first in line and none is out."""
-        scheduler = self._schedulers[device]
+        """Bring ``device``'s hints (one per lane) in line with its scheduler."""
+        for lane_index, lane in enumerate(self._schedulers[device].lanes()):
+            self._refresh_lane((device, lane_index), lane)
+
+    def _refresh_lane(self, key: tuple[int, int], scheduler: TokenScheduler) -> None:
+        """Bring a lane's hint in line with it: forget one whose slice ended, withdraw one
+        that no longer names the first in line, give one where a one-hop holder has a
+        one-hop waiter first in line and none is out."""
+        device = key[0]
         holder_id = scheduler.holder()
-        hint = self._hints.get(device)
+        hint = self._hints.get(key)
         holder = self._sessions.get(holder_id) if holder_id is not None else None
         if hint is not None and (holder is None or hint.holder != holder_id or holder.grant != hint.grant):
-            del self._hints[device]  # that slice ended; the scheduler's promise ended with it
+            del self._hints[key]  # that slice ended; the scheduler's promise ended with it
             hint = None
         if holder is None or holder.grant is None:
             return
@@ -187,7 +193,7 @@ class OneHop:
                 return  # bound until the slice ends: the holder may have written the FIFO
             if scheduler.bound_successor() is None:
                 # The successor cancelled or left: it ignores any word, so a new hint may go.
-                del self._hints[device]
+                del self._hints[key]
                 hint = None
             elif first == hint.successor:
                 return
@@ -202,9 +208,11 @@ class OneHop:
         successor = self._sessions.get(first)
         if successor is None or not successor.wake or not self._takes_part(successor):
             return
+        if successor.workload > holder.workload and scheduler.policy.linger_ms > 0:
+            return  # the token lingers for the holder's class after its slice: no promise to a lower one
         next_grant = scheduler.bind_successor(first)
         secret = os.urandom(p.WAKE_SECRET_BYTES)
-        self._hints[device] = _Hint(holder_id, holder.grant, first, next_grant)
+        self._hints[key] = _Hint(holder_id, holder.grant, first, next_grant)
         # The successor hears first: its secret is in its socket before the holder can write the FIFO.
         self._send(successor.route, p.Standby(grant=next_grant, secret=secret))
         self._send(holder.route, p.Successor(grant=holder.grant, next=next_grant, wake=successor.wake,
@@ -215,18 +223,19 @@ class OneHop:
     def before_release(self, s: Session, grant: int, handed: int | None) -> None:
         """The holder ``s`` releases ``grant``: unless it woke the promised successor
         (``handed`` is that promise's grant), the promise goes and the usual order decides."""
-        scheduler = self._schedulers[s.device]
-        if scheduler.holder() != s.id or s.grant != grant or scheduler.bound_successor() is None:
+        key, scheduler = self._lane(s)
+        if scheduler is None or scheduler.holder() != s.id or s.grant != grant or scheduler.bound_successor() is None:
             return
-        hint = self._hints.get(s.device)
+        hint = self._hints.get(key)
         if handed is not None and hint is not None and hint.holder == s.id and handed == hint.next_grant:
             return
         scheduler.unbind_successor()
 
     def promised(self, s: Session) -> int | None:
         """The grant ``s`` is promised (it is the bound successor of its device), else None."""
-        hint = self._hints.get(s.device)
-        if hint is None or hint.successor != s.id or self._schedulers[s.device].bound_successor() != s.id:
+        key, scheduler = self._lane(s)
+        hint = self._hints.get(key)
+        if hint is None or scheduler is None or hint.successor != s.id or scheduler.bound_successor() != s.id:
             return None
         return hint.next_grant
 
@@ -257,6 +266,14 @@ class OneHop:
     def forget(self, s: Session) -> None:
         """``s`` left or cancelled: an early release of a promise it no longer has goes."""
         self._early.pop(s.id, None)
+
+    def _lane(self, s: Session) -> tuple[tuple[int, int], TokenScheduler | None]:
+        """The key of ``s``'s lane and the lane (None if ``s`` is on no scheduler)."""
+        device = self._schedulers[s.device]
+        lanes = device.lanes()
+        index = 0 if len(lanes) == 1 else int(s.workload)
+        lane = lanes[index]
+        return (s.device, index), (lane if s.id in lane else None)
 
     def _takes_part(self, s: Session) -> bool:
         return s.one_hop and s.route is not None and not self._delegated(s.id)

@@ -31,7 +31,7 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import SchedulerPolicy, TokenScheduler, Workload
+from sharing import TokenScheduler, Workload
 from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.restore")
@@ -49,14 +49,15 @@ class Restorer:
     continue above the old daemon's), so every holder of the list sees the new ones."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
-                 schedulers: list[TokenScheduler], policy: SchedulerPolicy, mps: MpsPartitions,
+                 schedulers: list[TokenScheduler], new_scheduler: Callable[[int, int], TokenScheduler],
+                 mps: MpsPartitions,
                  add_session: Callable[[Session, float], None], continue_process: Callable[[Session], bool],
                  request_token: RequestToken) -> None:
         self._config = config
         self._journal = journal
         self._sessions = sessions
         self._schedulers = schedulers
-        self._policy = policy
+        self._new_scheduler = new_scheduler  # (device, first grant id) -> a fresh scheduler of the daemon's kind
         self._mps = mps
         self._add_session = add_session
         self._continue = continue_process
@@ -80,8 +81,7 @@ class Restorer:
         has reattached or ``heartbeat_timeout_s`` has passed."""
         journal = self._journal.journal
         boot = journal.next_boot()
-        self._schedulers[:] = [TokenScheduler(i, self._policy, first_grant=(boot << 32) + 1)
-                               for i in range(len(self._schedulers))]
+        self._schedulers[:] = [self._new_scheduler(i, (boot << 32) + 1) for i in range(len(self._schedulers))]
         restored = dropped = 0
         records, bad = journal.read_sessions()
         for row in bad:  # logged by the journal; a process it stopped must not stay stopped

@@ -64,6 +64,7 @@ STATUS_JOBS_MAX = 64  # statuses being built at once; past it one is answered E_
 
 MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
+MAX_SLO_MS = 3_600_000.0
 
 
 class AgentServer:
@@ -94,7 +95,8 @@ class AgentServer:
                               journal=self._journal_writer.write,
                               send=self._send, event=lambda *a, **k: self._cluster.event(*a, **k),
                               delegated=lambda sid: self._serving.owns(sid),
-                              delegate=lambda action, now: self._serving.on_action(action, now), clock=clock)
+                              delegate=lambda action, now: self._serving.on_action(action, now), clock=clock,
+                              sharing=config.sharing_for(backend.name), pace_controller=config.pace_controller)
         self._schedulers = self._tokens.schedulers
         self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
@@ -143,7 +145,8 @@ class AgentServer:
         # Restore after a restart, the restore windows, and writing stale sessions again (a component).
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, schedulers=self._schedulers,
-            policy=self._policy, mps=self._mps, add_session=self._add_session, continue_process=self._tokens.cont,
+            new_scheduler=self._tokens.new_scheduler, mps=self._mps, add_session=self._add_session,
+            continue_process=self._tokens.cont,
             request_token=self._memory_policy.request_token)
         self._handlers = {
             p.Hello: self._on_hello,
@@ -199,6 +202,7 @@ class AgentServer:
                 runtime.remove_stale_socket(path)
             local.bind()
             self._tokens.one_hop.start(path)  # wake channels live beside the socket
+            self._tokens.pacing.start(path, self.config.state_dir)  # and the co-run devices' pace boards
         except BaseException:
             local.close()
             if self._lock is not None:
@@ -279,6 +283,7 @@ class AgentServer:
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
                 self._contain("one-hop", self._tokens.one_hop.refresh_all)  # successor hints, after the turn
+                self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
                 if self._status_jobs:
                     self._contain("status", self._status_step)
         finally:
@@ -311,6 +316,7 @@ class AgentServer:
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
         self._tokens.one_hop.close()
+        self._tokens.pacing.close()  # a board left behind says nobody is paced
         self._memory_policy.stop()
         self._serving.stop()
         self._mps.stop()
@@ -448,7 +454,7 @@ class AgentServer:
             uid=creds.uid if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
-            managed_pidfd=managed_pidfd, borrower=msg.borrower)
+            managed_pidfd=managed_pidfd, borrower=msg.borrower, slo_ms=msg.slo_ms)
         self._add_session(session, now)
         self._open_wake_channel(session, msg.one_hop)
         if verified_pid is not None and verified_pid != msg.pid:
@@ -493,14 +499,19 @@ class AgentServer:
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
         policy = self._schedulers[s.device].policy
-        env = self._mps.client_env(s.id, s.device)
+        env = self._mps.client_env(s.id, s.device, uncapped=self._schedulers[s.device].corun)
+        if env and s.workload is not Workload.INFERENCE:
+            # Under MPS the server schedules a higher-priority client's work first: a lower
+            # class yields the SMs to inference without any of its work being stopped.
+            env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
         uuid = self._device_info[s.device].uuid
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
-            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or ""))
+            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or "",
+            pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else ""))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -604,7 +615,8 @@ class AgentServer:
                     self._send(route, p.Ok(id=msg.id))
                 return
             self._error(route, msg.id, p.ErrorCode.NOT_HOLDER,
-                        not_holder_text(s.id, s.device, s.grant, msg.grant, self._schedulers[s.device].holder()))
+                        not_holder_text(s.id, s.device, s.grant, msg.grant,
+                                        self._schedulers[s.device].lane_of(s.id).holder()))
             return
         held_since = s.granted_at
         s.grant = s.granted_at = None
@@ -915,4 +927,6 @@ def _check_hello(msg: p.Hello) -> str | None:
         return f"memory_mb must be >= 0, got {msg.memory_mb}"
     if msg.pid <= 0:
         return f"pid must be > 0, got {msg.pid}"
+    if msg.slo_ms is not None and not (math.isfinite(msg.slo_ms) and 0 < msg.slo_ms <= MAX_SLO_MS):
+        return f"slo_ms must be in (0, {MAX_SLO_MS:g}] or absent, got {msg.slo_ms}"
     return None

@@ -27,8 +27,10 @@ from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.one_hop import OneHop
+from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, TokenScheduler, Workload
+from sharing.corun import CoRunScheduler, PaceController
 
 log = logging.getLogger("nodeagent.daemon.tokens")
 
@@ -43,8 +45,13 @@ class Tokens:
     def __init__(self, *, device_count: int, policy: SchedulerPolicy, enforce_mode: str, sessions: SessionTable,
                  metrics: Metrics, journal: JournalWrite, send: Send, event: Event,
                  delegated: Callable[[str], bool], delegate: Callable[[object, float], None],
-                 clock: Callable[[], float]) -> None:
-        self.schedulers = [TokenScheduler(i, policy) for i in range(device_count)]
+                 clock: Callable[[], float], sharing: str = "exclusive",
+                 pace_controller: Callable[[], PaceController] = PaceController) -> None:
+        if sharing not in ("corun", "exclusive"):
+            raise ValueError(f"sharing must be corun or exclusive, got {sharing!r}")
+        self.sharing = sharing
+        self._policy = policy
+        self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
         self._enforce_mode = enforce_mode  # "stop" (SIGSTOP a verified overrunner) or "revoke"
         self._sessions = sessions
         self._metrics = metrics
@@ -59,6 +66,15 @@ class Tokens:
         # Successor hints and wake channels (one-hop handoffs): a part of this component.
         self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated)
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
+        # Co-run devices: their pace boards and controllers (a part of this component).
+        controllers = {i: pace_controller() for i in range(device_count)} if sharing == "corun" else {}
+        self.pacing = Pacing(schedulers=self.schedulers, sessions=sessions, controllers=controllers, metrics=metrics)
+
+    def new_scheduler(self, device: int, first_grant: int = 1) -> TokenScheduler | CoRunScheduler:
+        """A fresh scheduler for ``device``: one lane per class under co-run, else one token."""
+        if self.sharing == "corun":
+            return CoRunScheduler(device, self._policy, first_grant=first_grant)
+        return TokenScheduler(device, self._policy, first_grant=first_grant)
 
     # ------------------------------------------------------------------ timers
 
@@ -98,6 +114,7 @@ class Tokens:
                     s.stopped = False
                     s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
+                self.pacing.granted(s)
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s)
                 self._event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
@@ -202,6 +219,9 @@ class Tokens:
         self.stats[s.device].slice_ended(s.id, now)
         if held_since is not None and s.id in self._sessions:
             self._metrics.slice_seconds.labels(str(s.device), s.workload.wire).inc(max(0.0, now - held_since))
+            self.pacing.slice_ended(s, now - held_since)
+        else:
+            self.pacing.forget(s)
 
     def _note_delegated(self, action, now: float) -> None:
         """A serving sub-session's grant, yield request, overrun or revoke counts in its device's history."""

@@ -1,0 +1,234 @@
+"""The pace board: how the daemon tells a lower class, in nanoseconds, to slow down.
+
+Under co-run (see :mod:`sharing.corun`) an inference request beside a training
+job is granted at once and both run; the trainer is paced instead of stopped.
+It must hear "a higher class is on the device now" within a fraction of a
+millisecond and at a cost it can pay between every two layers, which no
+socket round trip allows. So the daemon keeps, per device, a 64-byte file that
+clients map read-only (``welcome.pace`` names it) and read with one memory
+load per pause point.
+
+Layout, little-endian unsigned 32-bit words::
+
+    0  magic 0x4E415043 ("NAPC")     1  version (1)
+    2  sequence (odd while the daemon writes; see read())
+    3  daemon pid
+    4 + 4k .. 7 + 4k, for class k (0 inference, 1 training, 2 best-effort):
+       present    sessions of higher classes on the device
+       active     1 while one of them holds its token
+       duty       permille of each period the class may issue GPU work while active
+       period_us  the period
+
+A reader that finds the sequence odd, or changed across its read, reads again
+(a seqlock). The file is the daemon's (mode 0640, the socket's group, under a
+root daemon); a client can only read it, and a client that ignores it is
+slowed by MPS client priority and, past a grace, by the daemon.
+
+No torch here: :mod:`client_lib.torch` adds bounded run-ahead and pause points
+between layers on top of :class:`PacePoint`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+MAGIC = 0x4E415043
+VERSION = 1
+CLASSES = 3
+SIZE = 64
+_WORDS = struct.Struct("<16I")
+_SLOT = 4  # words per class
+_READ_TRIES = 64
+
+
+class PaceBoardError(OSError):
+    """A pace board that cannot be opened or does not hold the expected layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """One class's slot as read: see the module docstring."""
+
+    present: int
+    active: bool
+    duty_permille: int
+    period_us: int
+
+    @property
+    def throttled(self) -> bool:
+        """True while a higher class holds the device and this class may not run freely."""
+        return self.active and self.duty_permille < 1000
+
+
+FREE = Pace(0, False, 1000, 10_000)
+
+
+class PaceBoardWriter:
+    """The daemon's side: one device's board, created (or reset) at ``path``."""
+
+    def __init__(self, path: str, mode: int = 0o600, gid: int | None = None) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PaceBoardError(f"{path} is not a regular file")
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._words = [0] * 16
+        self._words[0], self._words[1], self._words[3] = MAGIC, VERSION, os.getpid() & 0xFFFFFFFF
+        for k in range(CLASSES):
+            self._words[4 + _SLOT * k: 8 + _SLOT * k] = [0, 0, 1000, FREE.period_us]
+        self._publish()
+
+    def set(self, workload: int, pace: Pace) -> bool:
+        """Write class ``workload``'s slot; False (nothing written) when it already says that."""
+        base = 4 + _SLOT * workload
+        new = [min(pace.present, 0xFFFFFFFF), 1 if pace.active else 0, pace.duty_permille, pace.period_us]
+        if self._words[base:base + _SLOT] == new:
+            return False
+        self._words[base:base + _SLOT] = new
+        self._publish()
+        return True
+
+    def _publish(self) -> None:
+        seq = (self._words[2] + 1) & 0xFFFFFFFF  # odd: being written
+        self._map[8:12] = struct.pack("<I", seq)
+        self._words[2] = seq
+        packed = _WORDS.pack(*self._words)
+        self._map[0:8] = packed[0:8]
+        self._map[12:SIZE] = packed[12:]
+        self._words[2] = (seq + 1) & 0xFFFFFFFF
+        self._map[8:12] = struct.pack("<I", self._words[2])
+
+    def clear(self) -> None:
+        """Nobody is paced: what the board says once the daemon stops."""
+        for k in range(CLASSES):
+            self.set(k, Pace(0, False, 1000, FREE.period_us))
+
+    def close(self, unlink: bool = True) -> None:
+        try:
+            self.clear()
+            self._map.close()
+        except (ValueError, OSError):
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+class PaceBoardReader:
+    """A client's side: the board mapped read-only."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PaceBoardError(exc.errno, f"cannot open the pace board {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < SIZE:
+                raise PaceBoardError(f"{path} is not a pace board (not a regular file of {SIZE} bytes)")
+            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        words = _WORDS.unpack_from(self._map, 0)
+        if words[0] != MAGIC or words[1] != VERSION:
+            self._map.close()
+            raise PaceBoardError(f"{path} is not a version-{VERSION} pace board")
+        self.path = path
+
+    def read(self, workload: int) -> Pace:
+        """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon
+        killed while writing leaves it so: pacing fails open)."""
+        base = 4 + _SLOT * workload
+        m = self._map
+        try:
+            for _ in range(_READ_TRIES):
+                words = _WORDS.unpack_from(m, 0)
+                seq = words[2]
+                if seq & 1:
+                    continue
+                if struct.unpack_from("<I", m, 8)[0] != seq:
+                    continue
+                return Pace(words[base], words[base + 1] != 0, min(words[base + 2], 1000),
+                            max(words[base + 3], 1))
+        except (ValueError, TypeError):  # closed meanwhile (the session ended): nothing to wait for
+            pass
+        return FREE
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (ValueError, OSError):
+            pass
+
+
+class PacePoint:
+    """Where a lower-class process may be held while a higher class uses the device.
+
+    :meth:`wait` returns at once unless the board says this class is throttled;
+    then it holds the caller through the off part of each period (all of it at
+    duty 0) until the higher class releases. ``alive`` is asked every
+    ``check_s`` while held: when it says the daemon is gone the wait ends (a
+    board left behind by a dead daemon must not stop anyone for good).
+    """
+
+    def __init__(self, reader: PaceBoardReader, workload: int, *, alive: Callable[[], bool] = lambda: True,
+                 check_s: float = 0.05, poll_s: float = 0.0001,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.reader = reader
+        self.workload = workload
+        self._alive = alive
+        self._check_s = check_s
+        self._poll_s = poll_s
+        self._clock = clock
+        self._sleep = sleep
+        self.paused_s = 0.0  # total time held, for reports
+        self.pauses = 0
+
+    def pace(self) -> Pace:
+        return self.reader.read(self.workload)
+
+    def wait(self) -> float:
+        """Hold while throttled (see the class docstring); seconds held."""
+        pace = self.reader.read(self.workload)
+        if not pace.throttled or _in_on_phase(pace, self._clock()):
+            return 0.0
+        start = self._clock()
+        next_check = start + self._check_s
+        while True:
+            now = self._clock()
+            if now >= next_check:
+                next_check = now + self._check_s
+                if not self._alive():
+                    break
+            pace = self.reader.read(self.workload)
+            if not pace.throttled or _in_on_phase(pace, now):
+                break
+            self._sleep(self._poll_s)
+        held = self._clock() - start
+        self.paused_s += held
+        self.pauses += 1
+        return held
+
+
+def _in_on_phase(pace: Pace, now: float) -> bool:
+    """Whether ``now`` falls in the part of the period a throttled class may run (duty > 0):
+    periods are aligned to the clock, so processes paced alike run and pause together."""
+    if pace.duty_permille <= 0:
+        return False
+    period_us = pace.period_us
+    return (int(now * 1e6) % period_us) * 1000 < pace.duty_permille * period_us

@@ -1,0 +1,421 @@
+"""Co-run sharing: lanes per class, the pace controller, the pace board, the linger of
+an exclusive token, and the daemon carrying them out (issue 20)."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from client_lib import Client
+from client_lib import pace as pb
+from sharing import AskYield, Grant, SchedulerPolicy, SessionState, TokenScheduler, Workload
+from sharing.corun import DUTY_STEPS_PERMILLE, CoRunScheduler, PaceController
+from sharing.scheduler import DuplicateSessionError, NotHolderError, UnknownSessionError
+from tests.conftest import REPO, wait_for
+
+I, T, B = Workload.INFERENCE, Workload.TRAINING, Workload.BEST_EFFORT
+
+
+def grants(actions):
+    return [a for a in actions if type(a) is Grant]
+
+
+# --------------------------------------------------------------------- lanes
+
+
+def test_a_higher_class_is_granted_beside_a_lower_holder_and_nobody_is_asked_to_yield():
+    s = CoRunScheduler(0)
+    s.add_session("t", T, 1.0, 0.0)
+    s.add_session("i", I, 1.0, 0.0)
+    (gt,) = grants(s.request("t", 0.0))
+    actions = s.request("i", 1.0)
+    (gi,) = grants(actions)
+    assert not [a for a in actions if type(a) is AskYield]
+    assert s.holders() == ("i", "t") and s.holder() == "i"
+    assert s.state("t") is SessionState.HOLDING and s.state("i") is SessionState.HOLDING
+    assert gt.grant != gi.grant and gi.grant % 3 == 1 and gt.grant % 3 == 2  # lane k: 1 + k + 3n
+    assert s.pace() == ((0, False), (1, True), (2, True))  # training: one higher session, holding
+    assert s.tick(100.0) == []  # no quantum or preemption ask across lanes, however long
+    s.release("i", gi.grant, 101.0)
+    assert s.pace() == ((0, False), (1, False), (2, True)) and s.holders() == ("t",)  # best-effort: below t
+    snap = s.snapshot(102.0)
+    assert snap.holder == "t" and {v.session for v in snap.sessions} == {"t", "i"}
+
+
+def test_inside_a_lane_the_token_is_still_taken_in_turns():
+    s = CoRunScheduler(0, SchedulerPolicy(quantum_ms={"inference": 50, "training": 100, "best-effort": 100}))
+    for name in ("a", "b"):
+        s.add_session(name, T, 1.0, 0.0)
+    (ga,) = grants(s.request("a", 0.0))
+    assert s.request("b", 0.01) == []
+    assert s.next_deadline() == pytest.approx(0.1)
+    (ask,) = s.tick(0.1)
+    assert type(ask) is AskYield and ask.session == "a" and ask.reason == "quantum"
+    (gb,) = grants(s.release("a", ga.grant, 0.12, requeue=True))
+    assert gb.session == "b" and gb.grant == ga.grant + 3  # the lane's ids step by the class count
+    with pytest.raises(NotHolderError):
+        s.release("a", ga.grant, 0.13)
+
+
+def test_lanes_refuse_what_a_scheduler_refuses():
+    s = CoRunScheduler(0)
+    s.add_session("x", T, 1.0, 0.0)
+    with pytest.raises(DuplicateSessionError):
+        s.add_session("x", I, 1.0, 0.0)
+    with pytest.raises(UnknownSessionError):
+        s.request("nobody", 0.0)
+    s.remove_session("x", 1.0)
+    assert "x" not in s and len(s) == 0
+    with pytest.raises(TypeError):
+        s.add_session("y", "training", 1.0, 2.0)
+
+
+def test_a_lane_holder_leaving_passes_its_token_within_the_lane_only():
+    s = CoRunScheduler(0)
+    for name, w in (("i", I), ("t1", T), ("t2", T)):
+        s.add_session(name, w, 1.0, 0.0)
+    s.request("i", 0.0)
+    s.request("t1", 0.0)
+    s.request("t2", 0.0)
+    (g,) = grants(s.remove_session("t1", 1.0))
+    assert g.session == "t2" and s.holders() == ("i", "t2")
+
+
+# ------------------------------------------------------------- the controller
+
+
+def _feed(c: PaceController, held_s: float, n: int, lower_active: bool = True) -> None:
+    for _ in range(n):
+        c.observe(held_s, c.duty_permille, lower_active)
+
+
+def test_the_controller_starts_paused_and_relaxes_while_slices_stay_near_the_reference():
+    c = PaceController(window=8, probe_every=10_000)
+    assert c.duty_permille == 0 and c.reference_s() is None
+    _feed(c, 0.010, 8)  # paused: these are the reference
+    assert c.reference_s() == pytest.approx(0.010)
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
+    for step in DUTY_STEPS_PERMILLE[2:]:
+        _feed(c, 0.0105, 8)  # 5% over: within 10%
+        assert c.duty_permille == step
+    _feed(c, 0.0105, 8)
+    assert c.duty_permille == 1000  # stays at the top
+
+
+def test_the_controller_tightens_a_step_past_the_tolerance_and_pauses_past_twice_it():
+    c = PaceController(window=8, probe_every=10_000)
+    _feed(c, 0.010, 8)
+    _feed(c, 0.010, 8)
+    _feed(c, 0.010, 8)
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[3]
+    _feed(c, 0.0115, 8)  # 15%: one step back
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[2]
+    _feed(c, 0.0125, 8)  # 25%: paused outright
+    assert c.duty_permille == 0
+
+
+def test_the_controller_probes_its_reference_again_and_returns():
+    c = PaceController(window=4, probe_every=8)
+    _feed(c, 0.010, 4)  # the reference, paused: step 1
+    _feed(c, 0.010, 4)  # step 2, and 8 slices above 0 since the last probe: probe now
+    assert c.duty_permille == 0
+    _feed(c, 0.020, 4)  # the service got slower alone: a new reference
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[2]  # back where it was
+    assert c.reference_s() > 0.010
+
+
+def test_a_declared_slo_is_the_reference_and_slices_under_another_duty_are_not_counted():
+    c = PaceController(window=4)
+    c.set_slo(0.050)
+    assert c.reference_s() == 0.050
+    _feed(c, 0.030, 4)
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
+    for _ in range(4):
+        assert c.observe(0.030, 0, True) is False  # ran under the old duty: ignored for the window
+    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
+    assert c.observe(math.nan, c.duty_permille, True) is False
+
+
+def test_a_fixed_duty_never_moves():
+    for fixed in (0, 1000, 300):
+        c = PaceController(window=2, fixed_duty_permille=fixed)
+        _feed(c, 0.5, 20)
+        _feed(c, 0.001, 20)
+        assert c.duty_permille == fixed and c.changes == 0
+
+
+def test_slices_with_no_lower_class_holding_are_reference_only():
+    c = PaceController(window=4)
+    _feed(c, 0.010, 20, lower_active=False)
+    assert c.duty_permille == 0 and c.reference_s() == pytest.approx(0.010)
+
+
+# --------------------------------------------------------------- the linger
+
+
+def _lingering(linger_ms: float) -> TokenScheduler:
+    s = TokenScheduler(0, SchedulerPolicy(linger_ms=linger_ms))
+    s.add_session("i", I, 1.0, 0.0)
+    s.add_session("t", T, 1.0, 0.0)
+    return s
+
+
+def test_a_burst_of_higher_class_slices_preempts_the_lower_class_once():
+    s = _lingering(5.0)
+    (gt,) = grants(s.request("t", 0.0))
+    now, asks, training_grants = 1.0, 0, 0
+    for n in range(20):  # back-to-back requests, 1 ms each
+        actions = s.request("i", now)
+        asks += sum(type(a) is AskYield for a in actions)
+        if n == 0:
+            (g,) = grants(s.release("t", gt.grant, now + 0.0001, requeue=True))
+        else:
+            (g,) = grants(actions)
+        assert g.session == "i"
+        now += 0.001
+        training_grants += len(grants(s.release("i", g.grant, now)))
+        now += 0.0002
+        training_grants += len(grants(s.tick(now)))
+    assert asks == 1 and training_grants == 0
+    assert s.next_deadline() == pytest.approx(now - 0.0002 + 0.005)
+    (g,) = grants(s.tick(now + 0.005))  # the burst is over: the lower class gets it
+    assert g.session == "t"
+
+
+def test_without_a_linger_every_slice_of_a_burst_preempts_again():
+    s = _lingering(0.0)
+    (gt,) = grants(s.request("t", 0.0))
+    asks, now = 0, 1.0
+    for _ in range(5):
+        asks += sum(type(a) is AskYield for a in s.request("i", now))
+        (g,) = grants(s.release("t", s.snapshot(now).grant, now, requeue=True))
+        (back,) = grants(s.release("i", g.grant, now + 0.001))
+        assert back.session == "t"
+        now += 0.002
+    assert asks == 5
+
+
+def test_a_linger_is_only_for_the_released_class_and_never_when_nobody_lower_waits():
+    s = _lingering(5.0)
+    s.add_session("b", B, 1.0, 0.0)
+    (gi,) = grants(s.request("i", 0.0))
+    assert s.release("i", gi.grant, 0.1) == []  # nobody waits: the token is just free
+    assert s.next_deadline() is None
+    (gi,) = grants(s.request("i", 0.2))
+    s.request("t", 0.2)
+    assert s.release("i", gi.grant, 0.3) == []  # training waits: the token lingers
+    assert s.request("b", 0.301) == []  # a lower class still waits for the linger's end
+    (g,) = grants(s.tick(0.305))
+    assert g.session == "t"
+    with pytest.raises(ValueError):
+        SchedulerPolicy(linger_ms=-1)
+
+
+# -------------------------------------------------------------- the board
+
+
+def test_the_board_carries_each_class_slot_to_readers(tmp_path):
+    path = str(tmp_path / "dev0")
+    writer = pb.PaceBoardWriter(path)
+    reader = pb.PaceBoardReader(path)
+    assert reader.read(1) == pb.Pace(0, False, 1000, 10_000)
+    assert writer.set(1, pb.Pace(2, True, 250, 4000)) is True
+    assert writer.set(1, pb.Pace(2, True, 250, 4000)) is False  # unchanged: nothing written
+    assert reader.read(1) == pb.Pace(2, True, 250, 4000) and reader.read(1).throttled
+    assert reader.read(2) == pb.Pace(0, False, 1000, 10_000)
+    writer.close()
+    assert not os.path.exists(path)
+    assert reader.read(1) == pb.Pace(0, False, 1000, 10_000)  # cleared before it went
+    reader.close()
+    assert reader.read(1) == pb.FREE  # a closed map reads as free, never raises
+
+
+def test_a_board_left_mid_write_reads_as_free_and_a_foreign_file_is_refused(tmp_path):
+    path = str(tmp_path / "dev0")
+    writer = pb.PaceBoardWriter(path)
+    writer.set(1, pb.Pace(1, True, 0, 10_000))
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 7))  # an odd sequence: a daemon killed while writing
+    assert pb.PaceBoardReader(path).read(1) == pb.FREE
+    other = tmp_path / "other"
+    other.write_bytes(b"\0" * 64)
+    with pytest.raises(pb.PaceBoardError):
+        pb.PaceBoardReader(str(other))
+    with pytest.raises(pb.PaceBoardError):
+        pb.PaceBoardReader(str(tmp_path / "missing"))
+
+
+def test_a_pause_point_holds_while_paused_and_lets_go_when_the_daemon_is_gone(tmp_path):
+    path = str(tmp_path / "dev0")
+    writer = pb.PaceBoardWriter(path)
+    point = pb.PacePoint(pb.PaceBoardReader(path), 1)
+    assert point.wait() == 0.0
+    writer.set(1, pb.Pace(1, True, 0, 10_000))
+    threading.Timer(0.05, writer.set, (1, pb.Pace(1, False, 1000, 10_000))).start()
+    held = point.wait()
+    assert 0.04 < held < 1.0 and point.pauses == 1
+    writer.set(1, pb.Pace(1, True, 0, 10_000))
+    gone = pb.PacePoint(pb.PaceBoardReader(path), 1, alive=lambda: False, check_s=0.01)
+    assert gone.wait() < 0.5  # a stale board must not hold anyone for good
+
+
+def test_a_duty_lets_the_class_run_in_the_first_part_of_each_period(tmp_path):
+    path = str(tmp_path / "dev0")
+    writer = pb.PaceBoardWriter(path)
+    writer.set(1, pb.Pace(1, True, 250, 10_000))
+    now = [100.0]  # 100 s: a period boundary
+    point = pb.PacePoint(pb.PaceBoardReader(path), 1, clock=lambda: now[0],
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))
+    now[0] = 100.001  # 1 ms into the period: on
+    assert point.wait() == 0.0
+    now[0] = 100.003  # 3 ms in: off until the next period
+    held = point.wait()
+    assert held == pytest.approx(0.007, abs=0.0005)
+
+
+# --------------------------------------------------------------- the daemon
+
+_TRAINER = r"""
+import os, sys, time
+from client_lib import Client
+c = Client("trainer", workload="training", endpoint=os.environ["NODEAGENT_ENDPOINT"])
+with c.slice():
+    print("GRANT", flush=True)
+    while True:
+        time.sleep(0.05)            # a 50 ms training step
+        c.yield_point()
+"""
+
+
+def _start_trainer(endpoint: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "NODEAGENT_ENDPOINT": endpoint, "PYTHONPATH": REPO})
+    assert proc.stdout.readline().startswith("GRANT")
+    return proc
+
+
+def _token_waits_ms(endpoint: str, n: int) -> list[float]:
+    waits = []
+    with Client("ranker", workload="inference", endpoint=endpoint) as client:
+        for _ in range(n):
+            started = time.monotonic()
+            with client.slice():
+                waits.append((time.monotonic() - started) * 1e3)
+                time.sleep(0.002)  # the request's work
+            time.sleep(0.01)
+    return sorted(waits)
+
+
+@pytest.mark.parametrize("sharing", ["corun", "exclusive"])
+def test_beside_a_trainer_with_50_ms_steps_inference_waits_under_5_ms_only_under_corun(start_daemon, sharing):
+    d = start_daemon("--sharing", sharing)
+    trainer = _start_trainer(d.endpoint)
+    try:
+        waits = _token_waits_ms(d.endpoint, 40)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    p99 = waits[int(0.99 * (len(waits) - 1))]
+    if sharing == "corun":
+        assert p99 < 5.0, waits
+    else:  # the exclusive token waits for the trainer's next yield point: the test tells them apart
+        assert waits[len(waits) // 2] > 5.0, waits
+
+
+def test_a_trainer_reads_from_its_board_that_inference_holds_and_pauses_at_its_points(start_daemon):
+    d = start_daemon("--sharing", "corun", "--corun-duty", "pause")
+    steps: list[float] = []
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def train() -> None:
+        with Client("trainer", workload="training", endpoint=d.endpoint) as t:
+            assert t.welcome.pace and t.pacing is not None
+            with t.slice():
+                ready.set()
+                while not stop.is_set():
+                    t.pace_point()
+                    steps.append(time.monotonic())
+                    time.sleep(0.001)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        with Client("ranker", workload="inference", endpoint=d.endpoint) as inf:
+            assert inf.welcome.pace == "" and inf.pacing is None  # the highest class is never paced
+            with inf.slice():
+                time.sleep(0.02)  # the pause takes effect at the trainer's next point
+                held_from = time.monotonic()
+                time.sleep(0.2)
+                held_to = time.monotonic()
+            wait_for(lambda: steps and steps[-1] > held_to)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not [t for t in steps if held_from < t < held_to], "the trainer stepped while inference held"
+    status = d.status()
+    assert status.devices[0].holder is None or status.devices[0].holder.startswith("s-")
+
+
+def test_exclusive_burst_of_20_requests_costs_the_trainer_one_yield(start_daemon):
+    d = start_daemon("--sharing", "exclusive")
+    yields = [0]
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def train() -> None:
+        with Client("trainer", workload="training", endpoint=d.endpoint) as t:
+            with t.slice():
+                ready.set()
+                while not stop.is_set():
+                    time.sleep(0.005)
+                    yields[0] += t.yield_point()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        with Client("ranker", workload="inference", endpoint=d.endpoint) as inf:
+            for _ in range(20):  # back to back: the next asks within the linger
+                with inf.slice():
+                    time.sleep(0.001)
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert yields[0] == 1
+
+
+def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, start_daemon):
+    if os.geteuid() != 0:
+        pytest.skip("the MPS stand-in's directories need root here (as tests/test_mps_daemon.py)")
+    from tests.test_mps import write_fake_control
+    binary = write_fake_control(workdir)
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write(f'[mps]\ndevices = [0]\ncontrol_binary = "{binary}"\n')
+    saved = {k: os.environ.get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
+                                            "CUDA_VISIBLE_DEVICES", "CUDA_MPS_CLIENT_PRIORITY",
+                                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")}
+    d = start_daemon("--sharing", "corun")
+    try:
+        with Client("t", workload="training", endpoint=d.endpoint) as t, \
+                Client("i", workload="inference", endpoint=d.endpoint) as i:
+            assert t.welcome.env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+            assert "CUDA_MPS_CLIENT_PRIORITY" not in i.welcome.env
+            assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in t.welcome.env
+            assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in i.welcome.env
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
