@@ -205,7 +205,7 @@ class PacePoint:
     def wait(self) -> float:
         """Hold while throttled (see the class docstring); seconds held."""
         pace = self.reader.read(self.workload)
-        if not pace.throttled or _in_on_phase(pace, self._clock()):
+        if not pace.throttled or in_on_phase(pace, self._clock()):
             return 0.0
         start = self._clock()
         next_check = start + self._check_s
@@ -216,7 +216,7 @@ class PacePoint:
                 if not self._alive():
                     break
             pace = self.reader.read(self.workload)
-            if not pace.throttled or _in_on_phase(pace, now):
+            if not pace.throttled or in_on_phase(pace, now):
                 break
             self._sleep(self._poll_s)
         held = self._clock() - start
@@ -225,7 +225,7 @@ class PacePoint:
         return held
 
 
-def _in_on_phase(pace: Pace, now: float) -> bool:
+def in_on_phase(pace: Pace, now: float) -> bool:
     """Whether ``now`` falls in the part of the period a throttled class may run (duty > 0):
     periods are aligned to the clock, so processes paced alike run and pause together."""
     if pace.duty_permille <= 0:

@@ -8,6 +8,8 @@ the session holds its device's token:
     grant              -> SIGCONT the group
     yield requested    -> SIGSTOP the group, then release and queue again
     token revoked      -> SIGSTOP the group, ask again
+    paced (co-run)     -> SIGSTOP the group while the device's pace board says a
+                          higher class holds and this class must pause, SIGCONT after
 
 The group is always stopped before the token is given away, so CMD never runs
 without it. The launcher complies by itself; the daemon, which can verify that
@@ -47,6 +49,7 @@ import types
 from typing import Callable, NoReturn, Sequence
 
 from client_lib import Client, DaemonUnavailableError, NodeAgentError
+from client_lib.pace import in_on_phase
 
 log = logging.getLogger("nodeagent.launcher")
 
@@ -60,6 +63,8 @@ _RETRY_CLOSED_S = 0.5  # fail-closed: CMD is waiting on it, so look more often
 _REATTACH_HANDSHAKE_S = 0.3
 _TICK_S = 0.25  # longest wait between looks at the daemon's health
 _CHILD_POLL_S = 0.05  # without a pidfd: how often to look for CMD's exit
+_PACE_TICK_S = 0.001  # co-run, while a higher class is on the device: how often to read the pace board
+_PACE_IDLE_TICK_S = 0.01  # co-run, while none is
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -103,6 +108,7 @@ class Launcher:
         self._saved_handlers: dict[int, object] = {}
         self._next_attach = 0.0
         self._env_w: int | None = None  # write end of the pipe CMD reads its extra environment from
+        self._was_paced = False  # co-run: CMD was last stopped for pacing (logged at debug: it is frequent)
 
     # ------------------------------------------------------------------ run
 
@@ -155,6 +161,11 @@ class Launcher:
         if self._pidfd is not None:
             fds.append(self._pidfd)
         timeout = _TICK_S if self._pidfd is not None else _CHILD_POLL_S
+        if self.mode is Mode.MANAGED and self.client is not None and self.client.pacing is not None:
+            # Co-run: the board is read, not heard. While a higher class is on the device it may
+            # take its token at any moment; before one joins, a first request waits at most this.
+            present = self.client.pacing.pace().present
+            timeout = min(timeout, _PACE_TICK_S if present else _PACE_IDLE_TICK_S)
         if self.mode is Mode.MANAGED:
             try:
                 return self.client.wait_event(timeout, fds)
@@ -218,8 +229,10 @@ class Launcher:
                 if client.yield_requested:
                     self._stop_cmd("yield requested")  # before the token goes, never after
                     client.release(requeue=True)
+                elif self._paced():
+                    self._stop_cmd("paced: a higher class holds the device", quiet=True)
                 elif not self._cmd_running:
-                    self._continue_cmd("granted")
+                    self._continue_cmd("granted", quiet=self._was_paced)
             elif self._cmd_running:
                 self._stop_cmd("token revoked")
                 client.request()
@@ -364,17 +377,26 @@ class Launcher:
         self.exit_code = 128 - code if code < 0 else code
         log.info("CMD exited with status %d", self.exit_code)
 
-    def _stop_cmd(self, why: str) -> None:
+    def _paced(self) -> bool:
+        """Co-run: whether the board says CMD must pause now (a higher class holds the device)."""
+        pacing = self.client.pacing if self.client is not None else None
+        if pacing is None:
+            return False
+        pace = pacing.pace()
+        self._was_paced = pace.throttled and not in_on_phase(pace, time.monotonic())
+        return self._was_paced
+
+    def _stop_cmd(self, why: str, quiet: bool = False) -> None:
         if self._cmd_running and self.exit_code is None:
             self._killpg(signal.SIGSTOP)
             self._cmd_running = False
-            log.info("CMD stopped (%s)", why)
+            (log.debug if quiet else log.info)("CMD stopped (%s)", why)
 
-    def _continue_cmd(self, why: str) -> None:
+    def _continue_cmd(self, why: str, quiet: bool = False) -> None:
         if not self._cmd_running and self.exit_code is None:
             self._killpg(signal.SIGCONT)
             self._cmd_running = True
-            log.info("CMD continued (%s)", why)
+            (log.debug if quiet else log.info)("CMD continued (%s)", why)
 
     def _killpg(self, signum: int) -> None:
         try:

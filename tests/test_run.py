@@ -130,6 +130,25 @@ def test_cmd_makes_no_progress_while_another_session_holds_the_token(start_daemo
     assert proc.poll() is None
 
 
+@pytest.mark.parametrize("duty", ["pause", "free"])
+def test_under_corun_cmd_is_paced_while_inference_holds_and_never_asked_to_yield(start_daemon, launch, duty):
+    d = start_daemon("--sharing", "corun", "--corun-duty", duty)
+    proc = launch(d.endpoint, "--name", "trainer")
+    counter = launch.counter
+    counter.wait_advancing()
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=1) as grant:  # granted at once, beside the trainer
+            assert grant
+            time.sleep(0.05)
+            before, after = counter.frozen_for(0.5)
+    if duty == "pause":
+        assert before > 0 and after == before, "CMD ran while inference held and the duty said pause"
+    else:
+        assert after > before + 20, "with duty free CMD keeps running beside inference"
+    counter.wait_advancing(timeout=2)
+    assert proc.poll() is None
+
+
 @pytest.mark.parametrize("code, expected", [
     ("raise SystemExit(7)", 7),
     ("import signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL),
