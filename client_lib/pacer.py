@@ -53,7 +53,7 @@ class Pacer:
 
     def __init__(self, client, modules: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (), *,
-                 ahead: int = 2, points: int = 32, device: torch.device | str | None = None) -> None:
+                 ahead: int = 2, points: int = 16, device: torch.device | str | None = None) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be >= 1, got {ahead}")
         if points < 1:

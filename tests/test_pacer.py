@@ -109,3 +109,44 @@ def test_a_paced_trainer_stops_between_layers_while_inference_holds(start_daemon
         stop.set()
         thread.join(10)
     assert not [t for t in layers if held_from < t < held_to]
+
+
+class _PresentBoard:
+    """A pace point whose board says a higher class is on the device (present) but not holding."""
+
+    def pace(self):
+        from client_lib.pace import Pace
+        return Pace(1, False, 1000, 10_000)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_run_ahead_is_bounded_while_a_higher_class_is_on_the_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(32))).to(device)
+    x = torch.randn(8192, 4096, device=device)
+
+    def drain_ms() -> tuple[float, float]:
+        """(ms the CPU took to issue a forward, ms the GPU still had queued after it)."""
+        with torch.inference_mode():
+            for _ in range(3):
+                model(x)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            model(x)
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
+        return (issued - started) * 1e3, (done - issued) * 1e3
+
+    _, unbounded = drain_ms()
+    client = _FakeClient()
+    client.pacing = _PresentBoard()
+    pacer = Pacer(client, model, points=32, ahead=2)
+    _, bounded = drain_ms()
+    layer_ms = unbounded / 32
+    pacer.close()
+    print(f"queued after issue: {unbounded:.2f} ms unbounded, {bounded:.2f} ms bounded (layer {layer_ms:.2f} ms)")
+    assert unbounded > 10 * layer_ms * 0.9  # the CPU ran far ahead on its own
+    assert bounded < 4 * layer_ms  # at most ahead (2) layers and the running one were left
