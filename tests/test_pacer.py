@@ -128,7 +128,7 @@ def test_on_cuda_the_run_ahead_is_bounded_while_a_higher_class_is_on_the_device(
     x = torch.randn(8192, 4096, device=device)
 
     def drain_ms() -> tuple[float, float]:
-        """(ms the CPU took to issue a forward, ms the GPU still had queued after it)."""
+        """(ms a forward took on the GPU, ms of it still queued when the CPU had issued it all)."""
         with torch.inference_mode():
             for _ in range(3):
                 model(x)
@@ -138,15 +138,15 @@ def test_on_cuda_the_run_ahead_is_bounded_while_a_higher_class_is_on_the_device(
             issued = time.perf_counter()
             torch.cuda.synchronize()
             done = time.perf_counter()
-        return (issued - started) * 1e3, (done - issued) * 1e3
+        return (done - started) * 1e3, (done - issued) * 1e3
 
-    _, unbounded = drain_ms()
+    total, unbounded = drain_ms()
     client = _FakeClient()
     client.pacing = _PresentBoard()
     pacer = Pacer(client, model, points=32, ahead=2)
     _, bounded = drain_ms()
-    layer_ms = unbounded / 32
     pacer.close()
+    layer_ms = total / 32
     print(f"queued after issue: {unbounded:.2f} ms unbounded, {bounded:.2f} ms bounded (layer {layer_ms:.2f} ms)")
-    assert unbounded > 10 * layer_ms * 0.9  # the CPU ran far ahead on its own
-    assert bounded < 4 * layer_ms  # at most ahead (2) layers and the running one were left
+    assert unbounded > 0.5 * total  # on its own the CPU ran far ahead of the GPU
+    assert bounded < 4 * layer_ms  # bounded: at most two layers queued beyond the running one
