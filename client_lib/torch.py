@@ -11,7 +11,8 @@ When the daemon asks for the whole device, :meth:`Yielder.park` copies every
 parameter, gradient, buffer and optimizer-state tensor into one host buffer
 (:class:`HostBuffer`) and frees the device memory; :meth:`Yielder.unpark`
 copies it all back into the same tensors. Both are public and need no daemon
-(tests, other schedulers).
+(tests, other schedulers). On CUDA the state keeps its device addresses across
+(see "Keeping addresses" below), so CUDA graphs and compiled models survive.
 
 The host buffer, on CUDA: exactly the size of the state, page-locked with
 ``cudaHostRegister``, and reserved when the Yielder is made (and again after
@@ -59,16 +60,48 @@ tensor before anything changes: tensors in shared memory or wrapping foreign
 memory (their storage cannot be resized), sparse tensors, and tensor
 subclasses with their own ``__torch_dispatch__`` (DTensor and other wrapper
 subclasses: their storage is not where their data lives; register the plain
-tensors they wrap instead). CUDA graphs that captured the old addresses are not
-supported either (they cannot be detected).
+tensors they wrap instead).
+
+Keeping addresses (``keep_addresses``, on by default where the state is on CUDA
+and the driver's virtual memory calls work): the storages above are freed and
+grown back at new addresses, which a CUDA graph captured before the park (and
+so ``torch.compile(mode="reduce-overhead")``) would still read. Instead, the
+Yielder moves the state once, when it is made (and after each optimizer's first
+step, and at :meth:`Yielder.reserve`), into address ranges of its own
+(:class:`client_lib.vmm.Region`: one reserved range of device addresses per
+device, gradients in one apart, with physical memory mapped at it); each known
+tensor is pointed at its place there, so every reference stays valid. A park
+copies each region into the host buffer and unmaps its physical memory (the
+device gets it back: another process can use it; torch's allocator never saw
+it); an unpark maps new physical memory at the same addresses and copies back.
+Make the Yielder before capturing graphs or compiling: a graph captured earlier
+read the old addresses. State that appears later (a gradient made since, a
+registered tensor) is parked in place at the next park and moved into a region
+at the unpark, its addresses changing that once; state held by something the
+Yielder does not know of (a view elsewhere, DDP's gradient buckets) is always
+parked in place, as without keeping addresses; state in a CUDA graph's memory
+pool (made during a capture) belongs to the graph and stays on the device
+(:attr:`Yielder.bytes_left_on_device`). cuBLAS's workspaces are not freed
+(a captured graph may use them).
+
+Verified restore (``verify``, on by default when keeping addresses): a park
+takes checksums of what it copies, on the device (per 64 KiB the wrapping sum
+of its 8-byte words: :func:`client_lib.vmm.block_sums`), an unpark takes them
+again of what it restored and raises :class:`RestoreVerifyError` naming the
+first differing bytes. It catches a host buffer written while parked, a copy
+that went wrong or went elsewhere, and blocks restored in the wrong place. Its
+cost, one read of the state on the device each way, is in
+:attr:`Yielder.checksum_ms` and :attr:`Yielder.verify_ms`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import mmap
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Union
@@ -76,6 +109,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import torch
 
 from client_lib.pacer import Pacer  # noqa: F401  (co-run pacing: client_lib.torch is where users look)
+from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend
 
 log = logging.getLogger("client_lib.torch")
 
@@ -97,12 +131,25 @@ class NotParkedError(ParkError):
     """:meth:`Yielder.unpark` with nothing parked."""
 
 
+class KeepAddressesError(ParkError):
+    """``keep_addresses=True``, and the addresses cannot be kept (no CUDA, no VMM, a region refused)."""
+
+
+class RestoreVerifyError(RuntimeError):
+    """:meth:`Yielder.unpark` restored bytes that differ from those parked. The state is unparked,
+    with the difference: do not train on; restore from a checkpoint."""
+
+
 @dataclass
 class _ParkedStorage:
     storage: torch.UntypedStorage
     device: torch.device
-    nbytes: int
-    offset: int  # into the host buffer
+    nbytes: int  # bytes parked: the storage's, or a region's span
+    offset: int = 0  # into the host buffer
+    kind: str = "resize"  # "resize": freed and grown back; "region": unmapped, remapped; "adopt": into a new region
+    region: Region | None = None
+    grad: bool = True  # only gradients use it (they get regions of their own)
+    name: str = ""  # of its first tensor, for messages
 
 
 @dataclass
@@ -203,23 +250,47 @@ class Yielder:
     asks. ``pin_memory``: pin the host buffer (default: when a parked tensor is
     on CUDA); a pinned buffer is reserved at once, and again after each
     optimizer's first step. ``host_buffer``: the :class:`HostBuffer` to use.
+
+    ``keep_addresses``: park with the device addresses kept (see "Keeping
+    addresses" above): ``"auto"`` (default) where the state is on CUDA and the
+    driver's virtual memory calls work, ``True`` (a :class:`ParkError` where it
+    cannot be done, e.g. on cpu), ``False`` (storages freed and grown back).
+    :attr:`keeps_addresses` says which it is and :attr:`address_note` why not.
+    ``verify``: check the restored state against checksums taken at the park
+    (default: when keeping addresses); a mismatch raises
+    :class:`RestoreVerifyError`. ``vmm``: the :class:`client_lib.vmm.VmmBackend`
+    regions are made with (default: CUDA's, through libcuda).
     """
 
     def __init__(self, client=None, modules: Iterable[torch.nn.Module] = (),
                  optimizers: Iterable[torch.optim.Optimizer] = (), *,
                  device: torch.device | str | None = None, pin_memory: bool | None = None,
-                 host_buffer: HostBuffer | None = None) -> None:
+                 host_buffer: HostBuffer | None = None, keep_addresses: bool | str = "auto",
+                 verify: bool | None = None, vmm: VmmBackend | None = None) -> None:
+        if keep_addresses not in (True, False, "auto"):
+            raise ValueError(f"keep_addresses is True, False or 'auto', not {keep_addresses!r}")
         self._modules = list(modules)
         self._optimizers = list(optimizers)
         self._extra: list[StateSource] = []
         self._device = torch.device(device) if device is not None else None
         self._pin_memory = pin_memory
         self._host = host_buffer if host_buffer is not None else HostBuffer()
+        self._keep_addresses = keep_addresses
+        self._keep: bool | None = False if keep_addresses is False else None  # None: decided at the first state
+        self.address_note: str | None = "keep_addresses=False" if keep_addresses is False else None
+        self._vmm = vmm
+        self._verify = verify
         self._storages: list[_ParkedStorage] = []
         self._tensors: list[_ParkedTensor] = []
+        self._sums: list[torch.Tensor] | None = None  # checksums of the parked bytes, per storage
+        self._adoption_error: Exception | None = None
         self._parked = False
+        self._warned_left = 0
         self.bytes_parked = 0  # of the last park: device memory it released
         self.bytes_copied = 0  # of the last park: the state's bytes moved to the host
+        self.bytes_left_on_device = 0  # of the last plan: state in CUDA graphs' pools, never parked
+        self.checksum_ms = 0.0  # of the last park: taking the checksums (0 without verify)
+        self.verify_ms = 0.0  # of the last unpark: checking the restored bytes against them
         self.client = client
         self._first_step_hooks: list = []
         try:
@@ -227,9 +298,12 @@ class Yielder:
         except ParkError as exc:  # raised again, with the same words, by park()
             log.warning("[park] this state cannot be parked: %s", exc)
             storages = None
-        if storages is not None and self._pin_for(storages):
+        if storages is not None and self._keeping(storages):
+            self._adopt()  # before any graph is captured: from here on the state's addresses stay
+        elif storages is not None and self._pin_for(storages):
             # Pinning takes seconds for tens of GB: now, not inside a suspend deadline.
             self._reserve(storages, prefault=True)
+        if storages is not None and (self._keep or self._pin_for(storages)):
             self._first_step_hooks = [opt.register_step_post_hook(self._after_first_step)
                                       for opt in self._optimizers]
         if client is not None:
@@ -243,7 +317,8 @@ class Yielder:
         tuples; other values are ignored). A callable is called at every park,
         so state created later is found. The tensors must be the live ones, not
         copies: parking works in place (``state_dict()`` of most objects other
-        than modules and optimizers returns copies)."""
+        than modules and optimizers returns copies). When keeping addresses,
+        call :meth:`reserve` afterwards (before capturing graphs over it)."""
         if not isinstance(state, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not callable(state):
             raise TypeError("register_state takes a tensor, a module, an optimizer or a callable returning "
                             f"tensors, got {type(state).__name__}")
@@ -252,6 +327,11 @@ class Yielder:
     @property
     def parked(self) -> bool:
         return self._parked
+
+    @property
+    def keeps_addresses(self) -> bool:
+        """Whether parks keep the state's device addresses (decided once the state is seen)."""
+        return bool(self._keep)
 
     @property
     def host_buffer(self) -> torch.Tensor | None:
@@ -263,84 +343,120 @@ class Yielder:
         device bytes released (:attr:`bytes_parked`; see the module docstring).
 
         Nothing is changed when it raises (:class:`AlreadyParkedError`, a
-        :class:`ParkError` for a tensor that cannot be parked, or out of host memory)."""
+        :class:`ParkError` for a tensor that cannot be parked, or out of host memory),
+        except for a :class:`client_lib.vmm.DriverError` from unmapping a region: the
+        state is then parked, that region's memory still mapped."""
         if self._parked:
             raise AlreadyParkedError("the state is already parked; call unpark() first")
-        storages, tensors = self._plan()
-        total = sum(s.nbytes for s in storages)
-        devices = sorted({s.device for s in storages}, key=str)
-        for device in devices:
-            _synchronize(device)  # the last step's kernels write what we are about to copy
+        storages, tensors = self._plan_now()
         if _needed(storages) > self._host.nbytes and self._host.tensor is not None:
             log.warning("[park] the state grew to %d bytes since the host buffer was reserved (%d): growing it "
                         "inside the suspend; call Yielder.reserve() after creating new state", _needed(storages),
                         self._host.nbytes)
-        host = self._reserve(storages)
-        non_blocking = self._host.pinned
-        reserved_before = {d: _reserved_bytes(d) for d in devices}
-        for s in storages:
-            host[s.offset:s.offset + s.nbytes].copy_(_bytes_of(s.storage, s.device), non_blocking=non_blocking)
-        for device in devices:
-            _synchronize(device)  # the copies are done before the memory goes
-        for t in tensors:
-            t.tensor.data = torch.empty(0, dtype=t.tensor.dtype, device=t.tensor.device)
-        for s in storages:
-            s.storage.resize_(0)
-        for device_type in {d.type for d in devices}:
-            _release_cached(device_type)
-        released = 0
-        for device in devices:
-            before = reserved_before[device]
-            # Where the allocator cannot say (cpu backend), the freed storages are what was released.
-            released += (sum(s.nbytes for s in storages if s.device == device) if before is None
-                         else max(0, before - (_reserved_bytes(device) or 0)))
-        self._storages, self._tensors = storages, tensors
-        self._parked = True
-        self.bytes_parked, self.bytes_copied = released, total
-        log.debug("[park] storages=%d tensors=%d bytes_copied=%d bytes_released=%d", len(storages), len(tensors),
-                  total, released)
-        return released
+        return self._park_planned(storages, tensors)
 
     def unpark(self) -> None:
-        """Copy the parked state back into the same storages and tensors.
+        """Copy the parked state back: into the same storages, or at the same addresses.
 
-        If the device is out of memory, what was regrown is freed again and the
-        state stays parked (call it again later)."""
+        If the device is out of memory, what was remapped or regrown is freed
+        again and the state stays parked (call it again later). A
+        :class:`RestoreVerifyError` comes after the state is back in place."""
         if not self._parked:
             raise NotParkedError("nothing is parked: unpark() needs a park() first")
-        host = self._host.tensor
+        storages, tensors = self._storages, self._tensors
+        if any(s.kind != "resize" for s in storages):
+            self._backend().drain()
+        fresh = self._new_regions(storages)  # storage index -> (region tensor, offset in it)
+        remapped: list[_ParkedStorage] = []
         grown: list[_ParkedStorage] = []
         try:
-            for s in self._storages:
-                s.storage.resize_(s.nbytes)
-                grown.append(s)
+            for i, s in enumerate(storages):
+                if s.kind == "region":
+                    s.region.remap()
+                    remapped.append(s)
+                elif i not in fresh:
+                    s.storage.resize_(s.nbytes)
+                    grown.append(s)
         except RuntimeError:  # out of device memory, typically: stay parked, try again later
+            for s in remapped:
+                s.region.unmap()
             for s in grown:
                 s.storage.resize_(0)
+            fresh.clear()  # their regions go with their tensors
             for device_type in {s.device.type for s in grown}:
-                _release_cached(device_type)
+                _release_cached(device_type, workspaces=not self._keep)
             raise
-        for s in self._storages:
-            _bytes_of(s.storage, s.device).copy_(host[s.offset:s.offset + s.nbytes], non_blocking=self._host.pinned)
-        for t in self._tensors:
-            s = self._storages[t.storage_index]
+        host = self._host.tensor
+        targets = [fresh[i][0][fresh[i][1]:fresh[i][1] + s.nbytes] if i in fresh
+                   else _bytes_of(s.storage, s.device)[:s.nbytes] for i, s in enumerate(storages)]
+        for s, target in zip(storages, targets):
+            target.copy_(host[s.offset:s.offset + s.nbytes], non_blocking=self._host.pinned)
+        mismatch = None
+        if self._sums is not None:
+            t0 = time.perf_counter()
+            mismatch = _first_mismatch(storages, self._sums, _checksums(targets))  # waits for the copies
+            self.verify_ms = (time.perf_counter() - t0) * 1000.0
+        for t in tensors:
+            s = storages[t.storage_index]
+            if t.storage_index in fresh:
+                region_tensor, start = fresh[t.storage_index]
+                storage, offset = region_tensor.untyped_storage(), start // t.tensor.element_size() + t.storage_offset
+            else:
+                storage, offset = s.storage, t.storage_offset
             view = torch.empty(0, dtype=t.tensor.dtype, device=s.device)
-            view.set_(s.storage, t.storage_offset, t.size, t.stride)
+            view.set_(storage, offset, t.size, t.stride)
             t.tensor.data = view
-        for device in sorted({s.device for s in self._storages}, key=str):
+        for device in sorted({s.device for s in storages}, key=str):
             _synchronize(device)  # the host buffer may be reused (next park) only once read
-        log.debug("[unpark] storages=%d bytes=%d", len(self._storages), self.bytes_copied)
-        self._storages, self._tensors = [], []
+        log.debug("[unpark] storages=%d bytes=%d regions_remapped=%d regions_new=%d verify_ms=%.2f", len(storages),
+                  self.bytes_copied, len(remapped), len({id(v[0]) for v in fresh.values()}), self.verify_ms)
+        self._storages, self._tensors, self._sums = [], [], None
         self._parked = False
+        if mismatch is not None:
+            raise RestoreVerifyError(mismatch)
 
     def reserve(self) -> int:
         """Allocate (and pin, on CUDA) the host buffer now, sized exactly for the
-        current state, so that the next suspend does not pay for it; returns its bytes."""
+        current state, so that the next suspend does not pay for it; when keeping
+        addresses, first move state created since into a region (its addresses
+        change now, not at the next park). Returns the host buffer's bytes."""
         if self._parked:
             return self._host.nbytes  # the parked state's buffer is in use and already fits
-        return self._reserve(self._plan()[0], prefault=True).numel()
+        storages, _ = self._plan_now()
+        if self._keep:
+            self._adopt()
+            return self._host.nbytes
+        return self._reserve(storages, prefault=True).numel()
 
     # ------------------------------------------------------------- internals
+
+    def _backend(self) -> VmmBackend:
+        return self._vmm if self._vmm is not None else default_backend()
+
+    def _verifying(self) -> bool:
+        return self._verify if self._verify is not None else bool(self._keep)
+
+    def _keeping(self, storages: list[_ParkedStorage]) -> bool:
+        """Whether to keep addresses, decided (once) from where the state is."""
+        if self._keep is None and storages:
+            vmm = self._backend()
+            reasons = [vmm.unavailable_reason(d) for d in sorted({s.device for s in storages}, key=str)]
+            reason = next((r for r in reasons if r), None)
+            if reason is None:
+                self._keep, self.address_note = True, None
+            elif self._keep_addresses is True:
+                raise KeepAddressesError(f"keep_addresses=True, but {reason}")
+            else:
+                self._keep, self.address_note = False, reason
+                log.info("[park] parking without keeping addresses: %s", reason)
+        return bool(self._keep)
+
+    def _plan_now(self) -> tuple[list[_ParkedStorage], list[_ParkedTensor]]:
+        if self._keep is None:
+            storages, tensors = self._plan()
+            if not self._keeping(storages):
+                return storages, tensors
+        return self._plan(keep=bool(self._keep))
 
     def _pin_for(self, storages: list[_ParkedStorage]) -> bool:
         if self._pin_memory is not None:
@@ -351,8 +467,114 @@ class Yielder:
     def _reserve(self, storages: list[_ParkedStorage], prefault: bool = False) -> torch.Tensor:
         return self._host.ensure(_needed(storages), self._pin_for(storages), prefault=prefault)
 
+    def _adopt(self) -> None:
+        """Move the state that is in no region yet into new ones (through the host buffer, so the
+        device never holds it twice), then size the host buffer for all of it."""
+        storages, tensors = self._plan(keep=True)
+        if any(s.kind == "adopt" for s in storages) and not _capturing(storages):
+            # Sized (and pinned) once, for all of the state: each new region adds at most a block's rounding.
+            new_regions = len({(s.device, s.grad) for s in storages if s.kind == "adopt"})
+            self._host.ensure(_needed(storages) + new_regions * VERIFY_BLOCK_BYTES, self._pin_for(storages),
+                              prefault=True)
+            stats = self.bytes_parked, self.bytes_copied, self.checksum_ms, self.verify_ms
+            adopt, adopt_tensors = _subset(storages, tensors, "adopt")
+            self._adoption_error = None
+            self._park_planned(adopt, adopt_tensors)
+            self.unpark()  # into new regions (in place, with a warning, if they cannot be made)
+            self.bytes_parked, self.bytes_copied, self.checksum_ms, self.verify_ms = stats
+            if self._keep_addresses is True and self._adoption_error is not None:
+                raise KeepAddressesError(f"keep_addresses=True, but {self.address_note}") from self._adoption_error
+            storages, _ = self._plan(keep=bool(self._keep))
+        self._reserve(storages, prefault=True)
+
+    def _park_planned(self, storages: list[_ParkedStorage], tensors: list[_ParkedTensor]) -> int:
+        devices = sorted({s.device for s in storages}, key=str)
+        if _capturing(storages):
+            raise ParkError("cannot park while a CUDA graph is being captured on this thread's stream")
+        for device in devices:
+            _synchronize(device)  # the last step's kernels write what we are about to copy
+        if any(s.kind != "resize" for s in storages):
+            self._backend().drain()
+        host = self._reserve(storages)
+        non_blocking = self._host.pinned
+        reserved_before = {d: _reserved_bytes(d) for d in devices}
+        sources = [_bytes_of(s.storage, s.device)[:s.nbytes] for s in storages]
+        sums = None
+        if self._verifying():
+            t0 = time.perf_counter()
+            sums = _checksums(sources)
+            self.checksum_ms = (time.perf_counter() - t0) * 1000.0
+        for s, source in zip(storages, sources):
+            host[s.offset:s.offset + s.nbytes].copy_(source, non_blocking=non_blocking)
+        del sources
+        for device in devices:
+            _synchronize(device)  # the copies are done before the memory goes
+        for t in tensors:
+            t.tensor.data = torch.empty(0, dtype=t.tensor.dtype, device=t.tensor.device)
+        unmapped, unmap_error = 0, None
+        for s in storages:
+            if s.kind != "region":
+                s.storage.resize_(0)
+                continue
+            try:
+                s.region.unmap()
+                unmapped += s.region.nbytes
+            except DriverError as exc:  # the state is safe in host memory; this region's memory stays
+                unmap_error = unmap_error or exc
+        for device_type in {d.type for d in devices}:
+            _release_cached(device_type, workspaces=not self._keep)  # captured graphs may use cuBLAS's
+        released = unmapped
+        for device in devices:
+            before = reserved_before[device]
+            # Where the allocator cannot say (cpu backend), the freed storages are what was released.
+            released += (sum(s.nbytes for s in storages if s.device == device and s.kind != "region")
+                         if before is None else max(0, before - (_reserved_bytes(device) or 0)))
+        total = sum(s.nbytes for s in storages)
+        self._storages, self._tensors, self._sums = storages, tensors, sums
+        self._parked = True
+        self.bytes_parked, self.bytes_copied = released, total
+        log.debug("[park] storages=%d tensors=%d bytes_copied=%d bytes_released=%d regions=%d checksum_ms=%.2f",
+                  len(storages), len(tensors), total, released, sum(s.kind == "region" for s in storages),
+                  self.checksum_ms if sums is not None else 0.0)
+        if unmap_error is not None:
+            raise unmap_error
+        return released
+
+    def _new_regions(self, storages: list[_ParkedStorage]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Regions for the storages being adopted, one per device and kind (gradients apart: they
+        come and go with ``zero_grad(set_to_none=True)``, and a region goes when all it holds does)."""
+        groups: dict[tuple[torch.device, bool], list[int]] = {}
+        for i, s in enumerate(storages):
+            if s.kind == "adopt":
+                groups.setdefault((s.device, s.grad), []).append(i)
+        fresh: dict[int, tuple[torch.Tensor, int]] = {}
+        for (device, _), indices in groups.items():
+            starts, end = [], 0
+            for i in indices:
+                start = _aligned(end)
+                starts.append(start)
+                end = start + storages[i].nbytes
+            try:
+                _, region_tensor = Region.create(self._backend(), device, end)
+            except Exception as exc:  # a driver that refuses, torch that will not alias the memory
+                self._adoption_failed(device, end, exc)
+                continue  # restored in place instead
+            for i, start in zip(indices, starts):
+                fresh[i] = (region_tensor, start)
+        return fresh
+
+    def _adoption_failed(self, device: torch.device, nbytes: int, exc: Exception) -> None:
+        self._adoption_error = exc
+        log.warning("[park] making an address-keeping region of %d bytes on %s failed (%s); that state is "
+                    "restored in place, its addresses changed%s", nbytes, device, exc,
+                    "" if self._keep_addresses is True else "; parking without keeping addresses from now on")
+        if self._keep_addresses is not True:
+            self._keep, self.address_note = False, f"making a region failed: {exc}"
+        else:
+            self.address_note = f"making a region failed: {exc}"
+
     def _after_first_step(self, optimizer, args, kwargs) -> None:
-        """Optimizers create their state (Adam's moments) in their first step: grow the buffer now."""
+        """Optimizers create their state (Adam's moments) in their first step: adopt it, grow the buffer."""
         for i, opt in enumerate(self._optimizers):
             if opt is optimizer and self._first_step_hooks[i] is not None:
                 self._first_step_hooks[i].remove()
@@ -360,8 +582,10 @@ class Yielder:
         if not self._parked:
             try:
                 self.reserve()
-            except ParkError:
-                pass  # park() says it, when asked to park
+            except KeepAddressesError:
+                raise
+            except ParkError as exc:
+                log.debug("[park] after the first step: %s", exc)  # park() says it, when asked to park
 
     def _sources(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of the state with a name for messages, in a stable order (duplicates possible)."""
@@ -384,9 +608,10 @@ class Yielder:
             else:
                 yield from _walk(state(), label + "()")
 
-    def _plan(self) -> tuple[list[_ParkedStorage], list[_ParkedTensor]]:
-        """Which storages to park (each once, however many tensors share it) and
-        where each goes in the host buffer; refuses before anything changes."""
+    def _plan(self, keep: bool = False) -> tuple[list[_ParkedStorage], list[_ParkedTensor]]:
+        """Which storages to park (each once, however many tensors share it), how, and where each
+        goes in the host buffer; refuses before anything changes. ``keep``: state outside a region
+        is to be adopted into one at the unpark, and state in a CUDA graph's pool stays."""
         candidates: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for name, t in self._sources():
@@ -400,10 +625,12 @@ class Yielder:
             wanted = lambda d: d.type != "cpu"  # noqa: E731
         else:
             wanted = lambda d: True  # noqa: E731  (cpu backend: host memory is the device)
+        vmm = self._backend()
+        pools = _PrivatePools()
         storages: list[_ParkedStorage] = []
         by_key: dict[tuple[str, int], int] = {}
+        left: dict[tuple[str, int], tuple[str, int]] = {}
         tensors: list[_ParkedTensor] = []
-        offset = 0
         for name, t in candidates:
             if not wanted(t.device):
                 continue
@@ -421,18 +648,41 @@ class Yielder:
             if storage.nbytes() == 0:
                 continue
             key = (str(t.device), storage.data_ptr())
+            if key in left:
+                continue
             index = by_key.get(key)
             if index is None:
-                # Shared host memory would come back private: other processes would stop seeing it.
-                # (is_shared() is always true for CUDA storages, which are not shared that way.)
-                if not storage.resizable() or (t.device.type == "cpu" and storage.is_shared()):
-                    raise ParkError(f"cannot park {described}: its storage is not resizable (shared memory, "
-                                    "or memory torch does not own)")
+                region = vmm.region_at(storage.data_ptr())
+                if region is not None and region.device == t.device:
+                    item = _ParkedStorage(storage, t.device, region.span_bytes, kind="region", region=region,
+                                          name=name)
+                else:
+                    # Shared host memory would come back private: other processes would stop seeing it.
+                    # (is_shared() is always true for CUDA storages, which are not shared that way.)
+                    if not storage.resizable() or (t.device.type == "cpu" and storage.is_shared()):
+                        raise ParkError(f"cannot park {described}: its storage is not resizable (shared memory, "
+                                        "or memory torch does not own)")
+                    if keep and pools.holds(t.device, storage.data_ptr()):
+                        left[key] = (name, storage.nbytes())  # a CUDA graph's: moving it would break the graph
+                        continue
+                    item = _ParkedStorage(storage, t.device, storage.nbytes(), name=name)
                 index = by_key[key] = len(storages)
-                storages.append(_ParkedStorage(storage, t.device, storage.nbytes(), offset))
-                offset += _aligned(storage.nbytes())
+                storages.append(item)
+            storages[index].grad = storages[index].grad and name.endswith(".grad")
             tensors.append(_ParkedTensor(t, name, index, t.storage_offset(), tuple(t.size()), tuple(t.stride())))
+        if keep:
+            _mark_adoptable(storages, tensors, vmm)
+            self._note_left(left)
+        _layout(storages)
         return storages, tensors
+
+    def _note_left(self, left: dict[tuple[str, int], tuple[str, int]]) -> None:
+        self.bytes_left_on_device = sum(nbytes for _, nbytes in left.values())
+        if left and len(left) != self._warned_left:
+            self._warned_left = len(left)
+            log.warning("[park] %d bytes of state live in a CUDA graph's memory pool (made during a capture) and "
+                        "stay on the device when parked: %s", self.bytes_left_on_device,
+                        ", ".join(name for name, _ in list(left.values())[:5]) + (" ..." if len(left) > 5 else ""))
 
 
 def _module_tensors(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -469,6 +719,100 @@ def _walk(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _walk(value, f"{name}[{i}]")
 
 
+def _layout(storages: list[_ParkedStorage]) -> None:
+    """Each storage's place in the host buffer: one after another, each start aligned."""
+    offset = 0
+    for s in storages:
+        s.offset = offset
+        offset = _aligned(offset + s.nbytes)
+
+
+def _subset(storages: list[_ParkedStorage], tensors: list[_ParkedTensor],
+            kind: str) -> tuple[list[_ParkedStorage], list[_ParkedTensor]]:
+    """The storages of one kind and their tensors, laid out afresh."""
+    index: dict[int, int] = {}
+    picked: list[_ParkedStorage] = []
+    for i, s in enumerate(storages):
+        if s.kind == kind:
+            index[i] = len(picked)
+            picked.append(dataclasses.replace(s))
+    _layout(picked)
+    return picked, [dataclasses.replace(t, storage_index=index[t.storage_index])
+                    for t in tensors if t.storage_index in index]
+
+
+def _mark_adoptable(storages: list[_ParkedStorage], tensors: list[_ParkedTensor], vmm: VmmBackend) -> None:
+    """State outside any region goes into one at the unpark, unless its device has none or something
+    else holds its storage (a view we do not know of: moving the storage would strand it on the old
+    memory; it is parked in place instead, as without keep_addresses)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # a private API: without it, nothing moves
+    known: dict[int, set[int]] = {}
+    for t in tensors:
+        known.setdefault(t.storage_index, set()).add(id(t.tensor))
+    usable: dict[torch.device, bool] = {}
+    kept_in_place = []
+    for i, s in enumerate(storages):
+        if s.kind != "resize":
+            continue
+        if s.device not in usable:
+            usable[s.device] = vmm.unavailable_reason(s.device) is None
+        # Held by: our Python storage object (1) and each tensor we know of, if by nothing else.
+        if usable[s.device] and use_count is not None and use_count(s.storage._cdata) == 1 + len(known[i]):
+            s.kind = "adopt"
+        else:
+            kept_in_place.append(s.name)
+    if kept_in_place:
+        log.debug("[park] held elsewhere too, parked in place (addresses not kept): %s", ", ".join(kept_in_place))
+
+
+class _PrivatePools:
+    """Address ranges of torch's private memory pools (CUDA graphs', MemPools'), read when first asked."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int, int]] | None = None
+
+    def holds(self, device: torch.device, ptr: int) -> bool:
+        if device.type != "cuda":
+            return False
+        if self._ranges is None:
+            self._ranges = [(seg["device"], seg["address"], seg["address"] + seg["total_size"])
+                            for seg in torch.cuda.memory_snapshot()
+                            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
+        return any(d == device.index and lo <= ptr < hi for d, lo, hi in self._ranges)
+
+
+def _capturing(storages: list[_ParkedStorage]) -> bool:
+    return (any(s.device.type == "cuda" for s in storages) and torch.cuda.is_initialized()
+            and torch.cuda.is_current_stream_capturing())
+
+
+def _checksums(datas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`client_lib.vmm.block_sums` of each (flat uint8) tensor, in host memory: one
+    transfer per device (which waits for the work queued before)."""
+    sums = [block_sums(d) for d in datas]
+    out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * len(sums)
+    for device in {s.device for s in sums}:
+        indices = [i for i, s in enumerate(sums) if s.device == device]
+        host = torch.cat([sums[i] for i in indices]).cpu()
+        for i, part in zip(indices, host.split([sums[i].numel() for i in indices])):
+            out[i] = part
+    return out
+
+
+def _first_mismatch(storages: list[_ParkedStorage], parked: list[torch.Tensor],
+                    restored: list[torch.Tensor]) -> str | None:
+    """Where the restored state first differs from the parked one, in words; None if nowhere."""
+    for s, before, after in zip(storages, parked, restored):
+        if not torch.equal(before, after):
+            block = int((before != after).nonzero()[0])
+            lo, hi = block * VERIFY_BLOCK_BYTES, min((block + 1) * VERIFY_BLOCK_BYTES, s.nbytes)
+            return (f"the restored state differs from what was parked: {s.name}'s storage ({s.nbytes} bytes on "
+                    f"{s.device}, {'its region' if s.kind == 'region' else s.kind}) at bytes {lo}-{hi} first "
+                    f"(block checksum {int(before[block])} parked, {int(after[block])} restored): the host copy or "
+                    "the device memory changed while parked; the state is unparked with it")
+    return None
+
+
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """The whole storage as a flat uint8 tensor (shares its memory)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -503,13 +847,14 @@ def _reserved_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _release_cached(device_type: str) -> None:
+def _release_cached(device_type: str, workspaces: bool = True) -> None:
     """Hand what is now free back to the driver, so the memory is free for others:
-    cuBLAS's workspaces (one per handle and stream, kept by torch) first, then
-    every cached block left empty."""
+    cuBLAS's workspaces (one per handle and stream, kept by torch) first, unless
+    ``workspaces`` is false (a captured CUDA graph may use them), then every
+    cached block left empty."""
     if device_type == "cuda":
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:
+        if workspaces and clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()
     elif device_type == "mps":
