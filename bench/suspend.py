@@ -44,10 +44,27 @@ own, or NODEAGENT_ENDPOINT's): a client thread doing real work units with
 `yield_point()` between them is suspended with `suspend_session` and resumed
 with `resume_session` (`daemon_roundtrip`; `elapsed_ms` is the daemon's time
 from the request to the device being free). `--no-daemon` skips it.
+
+The rows above park in place (Yielder(keep_addresses=False): storages freed and
+grown back at new addresses). `--keep-addresses` adds, per size, the same
+cycles with the device addresses kept (`keep_addresses`: the state moved once
+into regions of CUDA virtual memory, unmapped at a park and mapped again at the
+same addresses at an unpark, each restore verified against checksums):
+
+  adopt_ms     making the Yielder: moving the state into its regions (and
+               pinning the host buffer)
+  suspend_ms, resume_ms, *_gb_per_s   as above
+  checksum_ms  of them, the park's checksums of the state (median)
+  verify_ms    of them, the unpark's check of the restored state (median)
+  addresses_kept   every tensor's data_ptr() after the last cycle is what it
+               was after the Yielder was made
+
+On cpu there is no device address to keep: the row says why instead.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import statistics
@@ -61,7 +78,7 @@ import torch
 
 from bench import common
 from client_lib import Client, resume_session, suspend_session
-from client_lib.torch import Yielder
+from client_lib.torch import ParkError, Yielder
 
 _TENSOR_BYTES = 4 << 20  # one parameter tensor: 4 MiB of fp32
 _BYTES_PER_PARAM_BYTE = 4  # parameter + gradient + exp_avg + exp_avg_sq
@@ -164,10 +181,11 @@ def _import_ms() -> float:
 
 
 def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: torch.device, workdir: str,
-                  roundtrip: bool) -> tuple[dict, dict | None]:
+                  roundtrip: bool, keep_addresses: bool = False) -> tuple[dict, dict | None]:
     common.log(f"[suspend] {state_mb} MiB: building parameters, gradients and Adam state")
     state = TrainingState(state_mb, device)
-    yielder = Yielder(modules=(), optimizers=[state.opt])  # the optimizer's params and grads, and its state
+    # The optimizer's params and grads, and its state; parked in place (addresses not kept).
+    yielder = Yielder(modules=(), optimizers=[state.opt], keep_addresses=False)
     reference = [t.detach().clone() for t in (state.params[0], state.params[-1].grad,
                                                *state.opt.state[state.params[-1]].values())]
     bytes_expected = device_storage_bytes(state.tensors(), device)
@@ -213,8 +231,58 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
     }
     common.log(f"[suspend] {state_mb} MiB: restart {restart_ms:.0f} ms (save {restart['save_ms']:.0f} + "
                f"process {restart['process_ms']:.0f}); speedup {result['speedup']}x")
-    del yielder, state
+    yielder.client = None
+    del yielder  # its pinned host buffer goes before the next one is pinned
+    gc.collect()
+    if keep_addresses:
+        result["keep_addresses"] = _measure_keeping_addresses(state, state_mb, repeats, device, bytes_expected)
+    del state
     return result, daemon_result
+
+
+def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int, device: torch.device,
+                               bytes_expected: int) -> dict:
+    """Park and unpark ``state`` with its device addresses kept; timings as for the in-place rows."""
+    t0 = time.perf_counter()
+    try:
+        yielder = Yielder(modules=(), optimizers=[state.opt], keep_addresses=True)
+    except ParkError as exc:
+        common.log(f"[suspend] {state_mb} MiB keeping addresses: not here ({exc})")
+        return {"skipped": str(exc)}
+    adopt_ms = (time.perf_counter() - t0) * 1000.0
+    tensors = state.tensors()
+    addresses = [t.data_ptr() for t in tensors]
+    reference = [t.detach().clone() for t in (state.params[0], state.params[-1].grad,
+                                               *state.opt.state[state.params[-1]].values())]
+    suspends, resumes, checksums, verifies = [], [], [], []
+    for _ in range(repeats + 1):  # the first cycle is left out of the medians, as above
+        suspends.append(_timed_ms(yielder.park, device))
+        checksums.append(yielder.checksum_ms)
+        resumes.append(_timed_ms(yielder.unpark, device))
+        verifies.append(yielder.verify_ms)
+    after = [state.params[0], state.params[-1].grad, *state.opt.state[state.params[-1]].values()]
+    suspend_ms, resume_ms = statistics.median(suspends[1:]), statistics.median(resumes[1:])
+    out = {
+        "adopt_ms": common.rounded(adopt_ms),
+        "bytes_copied": yielder.bytes_copied,  # the regions' spans: the state, each region rounded up to 64 KiB
+        "bytes_parked": yielder.bytes_parked,
+        "suspend_ms": common.rounded(suspend_ms),
+        "resume_ms": common.rounded(resume_ms),
+        "suspend_samples_ms": [common.rounded(v) for v in suspends[1:]],
+        "resume_samples_ms": [common.rounded(v) for v in resumes[1:]],
+        "suspend_gb_per_s": common.rounded(yielder.bytes_copied / 1e6 / suspend_ms, 2),
+        "resume_gb_per_s": common.rounded(yielder.bytes_copied / 1e6 / resume_ms, 2),
+        "checksum_ms": common.rounded(statistics.median(checksums[1:])),
+        "verify_ms": common.rounded(statistics.median(verifies[1:])),
+        "addresses_kept": [t.data_ptr() for t in tensors] == addresses,
+        "verified": yielder.bytes_copied >= bytes_expected and all(torch.equal(a, b) for a, b in
+                                                                    zip(after, reference)),
+    }
+    common.log(f"[suspend] {state_mb} MiB keeping addresses: park {suspend_ms:.1f} ms "
+               f"({out['suspend_gb_per_s']} GB/s), unpark {resume_ms:.1f} ms ({out['resume_gb_per_s']} GB/s), "
+               f"of which checksums {out['checksum_ms']} ms + verify {out['verify_ms']} ms; "
+               f"moving the state in {adopt_ms:.0f} ms; addresses kept: {out['addresses_kept']}")
+    return out
 
 
 def _daemon_roundtrip(state: TrainingState, yielder: Yielder, state_mb: int) -> dict:
@@ -293,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the state lives: cuda when available, else cpu (default)")
     ap.add_argument("--no-daemon", action="store_true",
                     help="skip the one suspend and resume through a daemon")
+    ap.add_argument("--keep-addresses", action="store_true",
+                    help="also park and unpark each size with its device addresses kept (cuda)")
     args = ap.parse_args(argv)
 
     wall0 = time.monotonic()
@@ -305,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         for state_mb in args.state_mb:
             want_roundtrip = not args.no_daemon and state_mb == smallest and roundtrip is None
             sizes[str(state_mb)], got = _measure_size(state_mb, args.repeats, args.restart_repeats, device,
-                                                      workdir, roundtrip=want_roundtrip)
+                                                      workdir, roundtrip=want_roundtrip,
+                                                      keep_addresses=args.keep_addresses)
             roundtrip = roundtrip or got
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -327,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         "min_speedup": min(speedups),
         "goal_speedup": 100,
         "goal_met": min(speedups) >= 100,
-        "all_verified": all(s["verified"] for s in sizes.values()),
+        "all_verified": all(s["verified"] and s.get("keep_addresses", {}).get("verified", True)
+                            for s in sizes.values()),
+        "keep_addresses": args.keep_addresses,
         "daemon_roundtrip": roundtrip,
     }
     common.log(f"[suspend] speedup over a restart {', '.join(f'{k} MiB {v}x' for k, v in zip(sizes, speedups))} "
