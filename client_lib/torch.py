@@ -557,6 +557,8 @@ class Yielder:
             try:
                 _, region_tensor = Region.create(self._backend(), device, end)
             except Exception as exc:  # a driver that refuses, torch that will not alias the memory
+                if device.type == "cuda":
+                    _clear_cuda_error()  # torch's next kernel-launch check would blame it on the kernel
                 self._adoption_failed(device, end, exc)
                 continue  # restored in place instead
             for i, start in zip(indices, starts):

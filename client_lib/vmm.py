@@ -96,10 +96,11 @@ class DriverError(RuntimeError):
 
 
 class CudaDriver:
-    """``libcuda.so.1`` through ctypes, each call checked (:class:`DriverError`)."""
+    """``libcuda.so.1`` through ctypes, each call checked (:class:`DriverError`). ``lib``: an
+    object with the driver's functions as attributes, instead (tests)."""
 
-    def __init__(self, soname: str = "libcuda.so.1") -> None:
-        self._lib = ctypes.CDLL(soname)
+    def __init__(self, soname: str = "libcuda.so.1", lib: Any = None) -> None:
+        self._lib = lib if lib is not None else ctypes.CDLL(soname)
         self._fns: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)  # AttributeError: a driver without VMM (older than CUDA 10.2)
@@ -230,10 +231,10 @@ class CudaVmm(VmmBackend):
 
     device_type = "cuda"
 
-    def __init__(self, soname: str = "libcuda.so.1") -> None:
+    def __init__(self, soname: str = "libcuda.so.1", driver: CudaDriver | None = None) -> None:
         super().__init__()
         self._soname = soname
-        self._driver: CudaDriver | None = None
+        self._driver = driver
         self._granularity: dict[int, int] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -285,7 +286,7 @@ class CudaVmm(VmmBackend):
 
     def reserve(self, nbytes: int, device: torch.device) -> int:
         va = ctypes.c_uint64()
-        self._call(device, "cuMemAddressReserve", ctypes.byref(va), nbytes, 0, 0, 0,
+        self._call(device, "cuMemAddressReserve", ctypes.byref(va), nbytes, self.granularity(device), 0, 0,
                    what=f"{nbytes} bytes for {device}")
         return va.value
 

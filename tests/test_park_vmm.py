@@ -364,7 +364,7 @@ def test_a_region_that_cannot_be_made_leaves_the_state_in_place():
     assert torch.equal(model.fc.weight, weight)  # restored in place
 
 
-def test_driver_errors_name_the_call_its_arguments_and_the_curesult(monkeypatch):
+def test_driver_errors_name_the_call_its_arguments_and_the_curesult():
     calls = []
 
     def returns(code):
@@ -384,13 +384,17 @@ def test_driver_errors_name_the_call_its_arguments_and_the_curesult(monkeypatch)
         setattr(lib, name, returns(0))
     lib.cuMemCreate = returns(2)
     lib.cuGetErrorName, lib.cuGetErrorString = error_text(b"CUDA_ERROR_OUT_OF_MEMORY"), error_text(b"out of memory")
-    monkeypatch.setattr(vmm.ctypes, "CDLL", lambda soname: lib)
-    backend = vmm.CudaVmm()
+    backend = vmm.CudaVmm(driver=vmm.CudaDriver(lib=lib))
+    assert calls == [(0,)]  # cuInit
     with pytest.raises(DriverError) as err:
         backend.create(1 << 21, torch.device("cuda", 0))
     assert str(err.value) == ("cuMemCreate(2097152 bytes on cuda:0) failed: CUDA_ERROR_OUT_OF_MEMORY (2): "
                               "out of memory")
     assert err.value.code == 2 and err.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+    # cuInit, then cuDeviceGet, the primary context retained and pushed, cuMemCreate, the context popped
+    assert len(calls) == 6 and calls[4][1] == 1 << 21 and calls[4][3] == 0
+    prop = calls[4][2]._obj  # what cuMemCreate was given: pinned device memory on cuda:0, no handle type
+    assert (prop.type, prop.requestedHandleTypes, prop.location.type, prop.location.id) == (1, 0, 1, 0)
     assert backend.unavailable_reason(torch.device("cpu")).startswith("the state is on cpu")
 
 
@@ -409,9 +413,35 @@ print(n)
 
 def fill_freed_memory_from_another_process() -> int:
     """Another process takes (nearly) all free device memory, writes garbage in it and exits."""
-    out = subprocess.run([sys.executable, "-c", _FILL_FREE_MEMORY], check=True, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", _FILL_FREE_MEMORY], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, f"the other process failed ({out.returncode}): {out.stderr[-3000:]}"
     return int(out.stdout.split()[-1])
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_cuda_region_keeps_its_address_and_gives_its_memory_back_between_unmap_and_remap():
+    backend = vmm.default_backend()
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert backend.unavailable_reason(device) is None
+    size = 256 << 20
+    region, tensor = Region.create(backend, device, size)
+    assert tensor.data_ptr() == region.va and tensor.device == device and region.nbytes == size
+    tensor.fill_(7)
+    torch.cuda.synchronize()
+    free_mapped = torch.cuda.mem_get_info()[0]
+    region.unmap()
+    free_unmapped = torch.cuda.mem_get_info()[0]
+    region.remap()
+    tensor.copy_(torch.full((size,), 9, dtype=torch.uint8, device=device))
+    assert tensor.data_ptr() == region.va and int(tensor[::4096].min()) == int(tensor[::4096].max()) == 9
+    print(f"\n[park-vmm] a 256 MiB region: granularity {backend.granularity(device)} bytes, unmapping freed "
+          f"{(free_unmapped - free_mapped) >> 20} MiB")
+    assert free_unmapped - free_mapped >= size - (8 << 20)
+    va = region.va
+    del region, tensor
+    gc.collect()
+    assert backend.region_at(va) is None
 
 
 @pytest.mark.gpu
