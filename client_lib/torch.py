@@ -82,7 +82,8 @@ Yielder does not know of (a view elsewhere, DDP's gradient buckets) is always
 parked in place, as without keeping addresses; state in a CUDA graph's memory
 pool (made during a capture) belongs to the graph and stays on the device
 (:attr:`Yielder.bytes_left_on_device`). cuBLAS's workspaces are not freed
-(a captured graph may use them).
+(a captured graph may use them). The host buffer holds each region's span (its
+state rounded up to 64 KiB), reserved and pinned once when state moves in.
 
 Verified restore (``verify``, on by default when keeping addresses): a park
 takes checksums of what it copies, on the device (per 64 KiB the wrapping sum
