@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import threading
 import weakref
 from typing import Any
@@ -185,6 +186,8 @@ class VmmBackend:
 
     def bury(self, mapping: _Mapping) -> None:
         """A region died: free its memory now, or at the next :meth:`drain` if it cannot be now."""
+        if sys.is_finalizing():
+            return  # the process's end frees it; the driver may be gone already
         with self._lock:
             self._graveyard.append(mapping)
         try:
