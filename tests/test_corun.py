@@ -3,6 +3,7 @@ an exclusive token, and the daemon carrying them out (issue 20)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -419,3 +420,28 @@ def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, s
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def test_a_second_user_on_an_mps_device_runs_outside_mps_and_still_reads_the_board(tmp_path):
+    from tests.nonroot import reachable_daemon, run_as_nobody
+    from tests.test_mps import write_fake_control
+    os.chmod(tmp_path, 0o755)
+    binary = write_fake_control(str(tmp_path))
+    saved = dict(os.environ)
+    try:
+        with reachable_daemon("--sharing", "corun",
+                              config=f'[mps]\ndevices = [0]\ncontrol_binary = "{binary}"\n') as d:
+            with Client("root-service", workload="inference", endpoint=d.endpoint) as service:
+                assert service.welcome.env  # the first user has the device's MPS server
+                done = run_as_nobody(
+                    "import json, sys\n"
+                    "from client_lib import Client\n"
+                    "c = Client('trainer', workload='training', endpoint=sys.argv[1])\n"
+                    "print(json.dumps(c.welcome.env)); print(c.pacing.pace().present)\n", d.endpoint)
+                assert done.returncode == 0, done.stderr
+                env_line, present = done.stdout.splitlines()[:2]
+                assert json.loads(env_line) == {}  # outside MPS: MPS would hold it until root's clients left
+                assert present == "1"  # and paced through the board all the same
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -169,8 +169,8 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from sharing import Grant, TokenScheduler
 
     class NoMps:
-        def join(self, session: str, device: int, memory_mb: int) -> None:
-            pass
+        def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
+            return False
 
     journal = Journal(str(tmp_path / "state.db"))
     assert journal.next_boot() == 1  # the daemon that died

@@ -45,6 +45,7 @@ class MpsPartitions:
         self._error = error
         self._controls: dict[int, MpsControl] = {}  # device -> its control daemon (started in start())
         self._by_fd: dict[int, int] = {}  # watch fd -> device
+        self._users: dict[int, dict[str, int | None]] = {}  # device -> its MPS sessions' uids (one user at a time)
         self._tables: dict[int, PartitionTable] = {
             i: PartitionTable(i, min_percent=config.mps_min_percent,
                               memory_total_mb=memory.capacity_mb(devices[i], config.memory_reserve_mb))
@@ -109,23 +110,40 @@ class MpsPartitions:
     def control(self, device: int) -> MpsControl | None:
         return self._controls.get(device)
 
-    def join(self, session: str, device: int, memory_mb: int) -> None:
-        """Give ``session`` a share of ``device`` (no-op off MPS). Raises PartitionError."""
+    def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
+        """Give ``session`` a share of ``device``; False (it runs outside MPS) off MPS, or when
+        another user's session is on the device's MPS already. Raises PartitionError.
+
+        MPS runs one server per Linux user and makes a second user's clients wait until the
+        first user's server has no clients left (NVIDIA's MPS docs, "Multi-user support"), and
+        the clients of one server share a fault domain: so one user at a time is on a device's
+        MPS, and other users' sessions get a plain context (time-sliced beside it, and paced
+        under co-run). An unverified uid (None) counts as a user of its own."""
         table = self._tables.get(device)
-        if table is not None:
-            table.join(session, None, memory_mb or None)
+        if table is None:
+            return False
+        users = self._users.setdefault(device, {})
+        others = {u for u in users.values() if u != uid or uid is None}
+        if others:
+            log.info("[mps] device=%d session=%s uid=%s runs outside MPS: uid %s has the device's MPS server",
+                     device, session, uid, sorted(others, key=str)[0])
+            return False
+        table.join(session, None, memory_mb or None)
+        users[session] = uid
+        return True
 
     def leave(self, session: str, device: int) -> None:
         table = self._tables.get(device)
         if table is not None:
             table.leave(session)
+        self._users.get(device, {}).pop(session, None)
 
     def client_env(self, session: str, device: int, uncapped: bool = False) -> dict[str, str]:
         """What the client must set before CUDA initialises: its MPS daemon and share
         (``uncapped``: no SM cap unless a partition set one; see PartitionTable.issue)."""
         control, table = self._controls.get(device), self._tables.get(device)
-        if control is None or table is None:
-            return {}
+        if control is None or table is None or session not in self._users.get(device, {}):
+            return {}  # off MPS, or outside it (another user's server has the device)
         return {**control.client_env(), **table.issue(session, uncapped=uncapped)}
 
     def shares(self, device: int) -> dict[str, int]:

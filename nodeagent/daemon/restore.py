@@ -106,7 +106,7 @@ class Restorer:
                 session.managed_pgid = rec.managed_pgid
                 session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
             try:
-                self._mps.join(rec.id, rec.device, rec.memory_mb)
+                self._mps.join(rec.id, rec.device, rec.memory_mb, rec.uid)
             except PartitionError as exc:
                 log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
             self._add_session(session, now)

@@ -443,7 +443,7 @@ class AgentServer:
         workload = Workload.parse(msg.workload)
         session_id = new_session_id()
         try:
-            self._mps.join(session_id, device, msg.memory_mb)
+            self._mps.join(session_id, device, msg.memory_mb, creds.uid if creds is not None else None)
         except PartitionError as exc:
             self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
             return
