@@ -5,6 +5,9 @@
 - ``bert-base``: 12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522, with the pooler
   (109.5 M parameters); input: token ids
 - ``tiny-cnn``: three conv/BatchNorm blocks and a classifier (for tests and as a filler model)
+- ``gpt-small``: a decoder-only transformer (pre-norm, causal attention, tied embeddings): 6 layers,
+  hidden 768, 12 heads, FFN 3072, vocab 32000 (67.9 M parameters); input: token ids; output: logits
+- ``tiny-gpt``, ``tiny-bert``: the same shapes at hidden 64, 2 layers (for tests on the cpu)
 
 Also the child side of ``bench.switch``'s cold start, run as
 ``python -m bench.models cold --model NAME --weights FILE ...``: it imports
@@ -151,6 +154,51 @@ class Bert(nn.Module):
         return x, torch.tanh(self.pooler(x[:, 0]))
 
 
+# ---------------------------------------------------------------------- decoder
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: causal self-attention, then the MLP, each on a residual."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(context.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Gpt(nn.Module):
+    """A GPT-2-like decoder: token and position embeddings, pre-norm layers, tied output head."""
+
+    def __init__(self, layers: int = 6, hidden: int = 768, heads: int = 12, ffn: int = 3072, vocab: int = 32000,
+                 max_positions: int = 1024) -> None:
+        super().__init__()
+        self.word = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(max_positions, hidden)
+        self.layers = nn.ModuleList(DecoderLayer(hidden, heads, ffn) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.word.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word(input_ids) + self.position(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
 # ------------------------------------------------------------------------- small
 
 
@@ -179,6 +227,7 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     kind: str  # "image" or "tokens"
     params_note: str
+    vocab: int = 30522  # token ids of a "tokens" model are drawn below this
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -186,6 +235,11 @@ MODELS: dict[str, ModelSpec] = {
     "resnet152": ModelSpec("resnet152", lambda: ResNet([3, 8, 36, 3]), "image", "60.2 M"),
     "bert-base": ModelSpec("bert-base", Bert, "tokens", "109.5 M"),
     "tiny-cnn": ModelSpec("tiny-cnn", TinyCnn, "image", "23 k"),
+    "gpt-small": ModelSpec("gpt-small", Gpt, "tokens", "67.9 M", vocab=32000),
+    "tiny-gpt": ModelSpec("tiny-gpt", lambda: Gpt(layers=2, hidden=64, heads=4, ffn=256, vocab=1024,
+                                                  max_positions=512), "tokens", "0.2 M", vocab=1024),
+    "tiny-bert": ModelSpec("tiny-bert", lambda: Bert(layers=2, hidden=64, heads=4, ffn=256, vocab=1024,
+                                                     max_positions=512), "tokens", "0.2 M", vocab=1024),
 }
 
 
@@ -211,7 +265,7 @@ def example_input(name: str, batch: int, input_size: int, seq_len: int, seed: in
     """The batch every path of the benchmark feeds to ``name`` (host memory)."""
     generator = torch.Generator().manual_seed(seed)
     if spec(name).kind == "tokens":
-        return torch.randint(0, 30522, (batch, seq_len), generator=generator)
+        return torch.randint(0, spec(name).vocab, (batch, seq_len), generator=generator)
     return torch.randn(batch, 3, input_size, input_size, generator=generator)
 
 
