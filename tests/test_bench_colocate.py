@@ -1,0 +1,212 @@
+"""bench.colocate on the cpu: an inference service beside a trainer in every mode this machine can run,
+with real processes (the driver, its two workers per mode, its own daemons)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import colocate
+from bench.colocate_worker import poisson_arrivals, serve_phase
+from tests.conftest import REPO
+
+LOAD_FIELDS = {"p50_ms", "p99_ms", "max_ms", "mean_ms", "p50_over_alone", "p99_over_alone", "service_p50_ms",
+               "service_p99_ms", "offered", "completed", "dropped", "queued_at_end", "latency_ms", "steps",
+               "steps_per_s", "kept", "system_throughput"}
+TOP_FIELDS = {"benchmark", "backend", "device", "date", "hostname", "cpu_count", "python", "parameters", "trainer",
+              "loads", "default_mode", "modes_asked", "modes", "skipped", "failed", "interrupted", "elapsed_s"}
+CPU_ARGS = ["--device", "cpu", "--loads", "light=tiny-cnn:4:0.3,bert=tiny-bert:2:0.3", "--phase-s", "0.6",
+            "--trainer", "tiny-gpt:8", "--seq-len", "16"]
+
+
+def _bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.colocate", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cpu_run():
+    pytest.importorskip("torch")
+    started = time.monotonic()
+    run = _bench(*CPU_ARGS, "--modes", "no-daemon,mps,mps-priority,corun-mps,exclusive,corun", "--json")
+    return run, time.monotonic() - started
+
+
+@pytest.mark.slow  # the driver starts two torch processes per mode: about 40 s on 2 cores
+def test_the_cpu_run_prints_one_json_object_with_every_field_for_every_mode_it_ran(cpu_run):
+    run, seconds = cpu_run
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("\n") == 1  # exactly one object, one line
+    r = json.loads(run.stdout)
+    assert TOP_FIELDS <= set(r) and r["benchmark"] == "colocate" and r["backend"] == "cpu"
+    assert r["device"].startswith("cpu") and not r["failed"] and not r["interrupted"]
+    assert r["modes_asked"] == ["alone", "no-daemon", "mps", "mps-priority", "corun-mps", "exclusive", "corun"]
+    ran = [m for m, e in r["modes"].items() if e["status"] == "ok"]
+    assert ran == ["alone", "no-daemon", "exclusive", "corun"]
+    assert r["trainer"]["alone_steps_per_s"] > 0
+    for name, load in r["loads"].items():
+        assert load["alone_service_ms"] > 0 and load["rate_per_s"] == pytest.approx(
+            load["rate_fraction"] * load["capacity_per_s"], rel=0.01)
+    for mode in ran:
+        entry = r["modes"][mode]
+        assert entry["seconds"] > 0 and entry["setup"], mode
+        assert set(entry["loads"]) == set(r["loads"]), mode
+        for name, e in entry["loads"].items():
+            assert LOAD_FIELDS <= set(e), (mode, name)
+            assert e["completed"] + e["dropped"] == e["offered"] > 0, (mode, name)
+            assert len(e["latency_ms"]) == e["completed"]
+            assert 0 < e["p50_ms"] <= e["p99_ms"] <= e["max_ms"], (mode, name)
+            assert e["p99_over_alone"] == pytest.approx(e["p99_ms"] / r["modes"]["alone"]["loads"][name]["p99_ms"],
+                                                        rel=0.01)
+            if mode == "alone":
+                assert e["kept"] is None and e["system_throughput"] is None
+                continue
+            assert e["steps"] > 0 and e["kept"] == pytest.approx(e["steps_per_s"] / r["trainer"]["alone_steps_per_s"],
+                                                                 rel=0.01)
+            assert e["system_throughput"] == pytest.approx(e["completed"] / e["offered"] + e["kept"], abs=0.002)
+            if mode in ("exclusive", "corun"):  # the daemon's own count of what happened in the phase
+                assert e["daemon"]["grants"] > 0, (mode, name)
+    assert r["modes"]["corun"]["pacer"]["points"] > 0  # the trainer ran with a Pacer attached
+    assert "--sharing exclusive" in r["modes"]["exclusive"]["setup"]
+    assert "--sharing corun --corun-duty adaptive" in r["modes"]["corun"]["setup"]
+    assert seconds < 60
+
+
+@pytest.mark.slow
+def test_cuda_only_modes_are_skipped_on_the_cpu_with_the_reason(cpu_run):
+    r = json.loads(cpu_run[0].stdout)
+    for mode in ("mps", "mps-priority", "corun-mps"):
+        assert r["skipped"][mode] == "needs cuda (MPS); this run is on cpu"
+        assert r["modes"][mode] == {"status": "skipped", "reason": r["skipped"][mode]}
+    table = cpu_run[0].stderr
+    assert "mps-priority      skipped: needs cuda (MPS)" in table and "p99/alone" in table
+
+
+def test_unknown_modes_are_refused_in_one_line_naming_the_valid_ones():
+    run = _bench("--modes", "alone,turbo,corun", timeout=30)
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown mode(s) turbo" in lines[0]
+    assert "valid: " + ", ".join(colocate.MODES) in lines[0]
+
+
+@pytest.mark.parametrize("loads, words", [("light=resnet50:8", "is not NAME=MODEL:BATCH:FRACTION"),
+                                          ("light=vgg:8:0.3", "unknown model 'vgg'"),
+                                          ("light=resnet50:0:0.3", "batch must be >= 1"),
+                                          ("a=tiny-cnn:1:0.3,a=tiny-cnn:2:0.3", "each name once")])
+def test_bad_loads_are_refused_in_one_line(loads, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        colocate.main(["--loads", loads])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "--loads" in lines[0]
+
+
+def test_help_explains_every_option_and_every_mode():
+    run = _bench("--help", timeout=30)
+    assert run.returncode == 0
+    for option in ("--json", "--device", "--modes", "--loads", "--trainer", "--phase-s", "--settle-s", "--input-size",
+                   "--seq-len", "--max-backlog", "--threads", "--seed"):
+        assert option in run.stdout, option
+    for mode in colocate.MODES.values():
+        assert f"  {mode.name} " in run.stdout and mode.what[:40] in " ".join(run.stdout.split())
+    assert "--worker" not in run.stdout  # the driver's own business
+
+
+def test_the_driver_knows_every_model_bench_models_builds():
+    models = pytest.importorskip("bench.models")
+    assert set(colocate.MODEL_NAMES) == set(models.MODELS)
+
+
+def test_a_full_backlog_drops_arrivals_and_counts_them():
+    now = time.monotonic_ns()
+    burst = [now - 1000] * 30  # thirty requests, all due at once
+
+    def request():  # 1 ms of work
+        until = time.monotonic_ns() + 1_000_000
+        while time.monotonic_ns() < until:
+            pass
+    result = serve_phase(request, burst, end_ns=now + 10**9, max_backlog=8)
+    assert (result["offered"], result["completed"], result["dropped"]) == (30, 8, 22)
+    assert result["latency_ms"] == sorted(result["latency_ms"])  # first come, first served: each waited longer
+    assert result["latency_ms"][-1] >= 8 * 1.0 and all(s >= 1.0 for s in result["service_ms"])
+
+
+def test_arrivals_are_the_same_for_a_seed_and_come_at_the_rate_asked():
+    a = poisson_arrivals(200.0, seed=7, start_ns=0, end_ns=10 * 10**9)
+    assert a == poisson_arrivals(200.0, seed=7, start_ns=0, end_ns=10 * 10**9)
+    assert a != poisson_arrivals(200.0, seed=8, start_ns=0, end_ns=10 * 10**9)
+    assert 1900 < len(a) < 2100 and a == sorted(a) and 0 < a[0] and a[-1] < 10 * 10**9
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_child_fails_its_mode_in_one_line_the_next_mode_runs_and_ctrl_c_stops_everything():
+    pytest.importorskip("torch")
+    driver = subprocess.Popen([sys.executable, "-m", "bench.colocate", *CPU_ARGS, "--loads", "light=tiny-cnn:4:0.3",
+                               "--modes", "no-daemon,corun-pause,corun-free", "--json"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started: set[int] = set()
+    err = []
+    try:
+        for line in driver.stderr:
+            err.append(line)
+            started.update(_children_of(driver.pid))
+            if line.startswith("  [no-daemon] [trainer]"):  # printed as the trainer reports ready
+                trainer = [p for p in _children_of(driver.pid) if "--worker trainer" in _cmdline(p)]
+                assert len(trainer) == 1
+                os.kill(trainer[0], signal.SIGKILL)
+            if line.startswith("  [corun-free] [trainer]"):  # a daemon and both workers are up: Ctrl-C
+                assert len(_children_of(driver.pid)) == 3
+                driver.send_signal(signal.SIGINT)
+                break
+        out, rest = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    err = "".join(err) + rest
+    assert driver.returncode == 130, err[-3000:]
+    r = json.loads(out)
+    assert r["interrupted"] and list(r["modes"]) == ["alone", "no-daemon", "corun-pause"]
+    assert r["failed"] == {"no-daemon": r["modes"]["no-daemon"]["error"]}
+    assert r["failed"]["no-daemon"].startswith("trainer exited -9: ")
+    assert f"[colocate] no-daemon failed: {r['failed']['no-daemon']}\n" in err  # one line
+    assert r["modes"]["corun-pause"]["status"] == "ok" and "--corun-duty pause" in r["modes"]["corun-pause"]["setup"]
+    assert "interrupted: everything started was stopped" in err
+    assert len(started) >= 8  # two workers per mode, daemons of two modes
+    assert not [p for p in started if _alive(p)], [(_cmdline(p)) for p in started if _alive(p)]
