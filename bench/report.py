@@ -33,12 +33,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report_figures import FIGURES, GPU_CHECK, MPS, Result, as_dict, draw_all, fmt, num, ratio, short
+from bench.report_figures import (FIGURES, GPU_CHECK, MPS, Result, as_dict, colocate_modes, draw_all, fmt, num, ratio,
+                                  short)
 
 INSTALL_HINT = "bench.report needs matplotlib: pip install 'nodeagent[plot]' (or 'matplotlib>=3.7,<4')"
 MAX_FILE_BYTES = 32 * 1024 * 1024  # a benchmark's JSON is kilobytes; anything this big is something else
 MAX_PER_KIND = 8  # results drawn in one kind's figure
-BENCHMARKS = ("switch", "suspend", "reclaim", "handoff", "scale", "fairness", "preempt", "enforce", "recovery")
+BENCHMARKS = ("colocate", "switch", "suspend", "reclaim", "handoff", "scale", "fairness", "preempt", "enforce",
+              "recovery")
 ENVIRONMENT = "environment"  # gpu-check's env.json: read for the header, no figure of its own
 _DATE = re.compile(r"(?<!\d)(20\d\d-[01]\d-[0-3]\d)(?!\d)")
 
@@ -230,6 +232,8 @@ def headlines(result: Result) -> list[Headline]:
         if isinstance(d.get("pipelined_never_slower"), bool):
             row("pipelined never slower than sequential", "yes" if d["pipelined_never_slower"] else "no", "yes",
                 d["pipelined_never_slower"])
+    elif kind == "colocate":
+        rows += _colocate_headlines(result)
     elif kind in ("handoff", "scale") and isinstance(d.get("goals"), list):
         for g in d["goals"]:
             g = as_dict(g)
@@ -279,6 +283,59 @@ def headlines(result: Result) -> list[Headline]:
                 row(f"pytest -m gpu ({suite})", f"{t.get('passed')} of {t.get('tests')} passed", "all",
                     t.get("passed") == t.get("tests"))
         row("every step ok", "yes" if d.get("ok") else "no", "yes", d.get("ok"))
+    return rows
+
+
+# issue 20's goals on a GPU: p99 within 1.10x of alone, training kept at least this much, per load
+COLOCATE_KEPT_GOAL = {"light": 0.90, "heavy": 0.70}
+COLOCATE_P99_GOAL = 1.10
+COLOCATE_BASELINES = ("no-daemon", "mps", "mps-priority")
+
+
+def _colocate_headlines(result: Result) -> list[Headline]:
+    """Per load: nodeagent's default mode (p99 ÷ alone, training kept) against the best baseline
+    (the lowest p99 ÷ alone of no daemon and MPS) and against no daemon at all."""
+    d, src = result.data, result.source
+    judged = d.get("backend") == "cuda"
+    modes = colocate_modes(d)
+    default = d.get("default_mode") if d.get("default_mode") in modes else next(
+        (m for m in ("corun", "corun-mps", "corun-pause", "corun-free") if m in modes), None)
+    rows = []
+
+    def row(what, value, goal="", met=None):
+        rows.append(Headline(src, "colocate", what, value, goal, met if isinstance(met, bool) else None))
+
+    def pct(value) -> str:
+        return "n/a" if num(value) is None else f"{num(value) * 100:.0f}%"
+
+    for load in as_dict(d.get("loads")):
+        entries = {m: as_dict(as_dict(loads).get(load)) for m, loads in modes.items()}
+        baselines = [m for m in COLOCATE_BASELINES if num(entries.get(m, {}).get("p99_over_alone")) is not None]
+        best = min(baselines, key=lambda m: entries[m]["p99_over_alone"]) if baselines else None
+        if default is not None:
+            e = entries[default]
+            p99, kept = num(e.get("p99_over_alone")), num(e.get("kept"))
+            kept_goal = COLOCATE_KEPT_GOAL.get(load)
+            row(f"{load}: {default} p99 ÷ alone", ratio(p99), f"≤ {COLOCATE_P99_GOAL:.2f}×" if judged else
+                "not judged on cpu", p99 <= COLOCATE_P99_GOAL if judged and p99 is not None else None)
+            row(f"{load}: {default} training kept", pct(kept),
+                (f"≥ {kept_goal * 100:.0f}%" if judged else "not judged on cpu") if kept_goal else "",
+                kept >= kept_goal if judged and kept_goal and kept is not None else None)
+            own, none_ = num(e.get("p99_ms")), num(entries.get("no-daemon", {}).get("p99_ms"))
+            if own is not None and none_ is not None:
+                row(f"{load}: {default} p99 against no daemon", f"{fmt(own)} vs {fmt(none_)} ms", "never worse",
+                    own <= none_)
+        if best is not None:
+            b = entries[best]
+            row(f"{load}: best baseline ({best}) p99 ÷ alone · kept",
+                f"{ratio(b.get('p99_over_alone'))} · {pct(b.get('kept'))}")
+        dropped = [f"{m} ({e['dropped']:,} of {e.get('offered')})" for m, e in entries.items()
+                   if isinstance(e.get("dropped"), int) and e["dropped"] > 0]
+        if dropped:
+            row(f"{load}: requests dropped (backlog full)", ", ".join(dropped))
+    failed = as_dict(d.get("failed"))
+    if failed:
+        row("modes that failed", ", ".join(short(m, 20) for m in failed), "none", False)
     return rows
 
 

@@ -357,6 +357,50 @@ def draw_mps(fig, results: list[Result]) -> None:
                    f"(ideal {ratio(d.get('expected_ratio'))})")
 
 
+LOAD_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+
+
+def colocate_modes(data: dict) -> dict[str, dict]:
+    """A colocate result's modes that ran, as {mode: {load: entry}}, in the order they ran."""
+    return {str(name): as_dict(entry.get("loads")) for name, entry in as_dict(data.get("modes")).items()
+            if isinstance(entry, dict) and entry.get("status") == "ok"}
+
+
+def draw_colocate(fig, results: list[Result]) -> None:
+    """Per result, per mode: inference p99 ÷ alone (log) and training kept, one bar per load."""
+    axes = fig.subplots(len(results), 2, squeeze=False)
+    for (left, right), r in zip(axes, results):
+        d = r.data
+        modes = colocate_modes(d)
+        names = [m for m in modes if m != "alone"][:2 * MAX_GROUPS] or list(modes)[:1]
+        loads = [str(name) for name in as_dict(d.get("loads"))][:len(LOAD_COLOURS)]
+
+        def series(key: str, scale: float = 1.0):
+            return [(short(load, 24), [None if num(as_dict(modes[m].get(load)).get(key)) is None else
+                                       num(as_dict(modes[m].get(load)).get(key)) * scale for m in names], colour)
+                    for load, colour in zip(loads, LOAD_COLOURS)]
+        labels = [short(m, 18).replace("-", "-\n", 1) for m in names]
+        _grouped_bars(left, labels, series("p99_over_alone"), log=True, unit="inference p99 ÷ alone (log)")
+        _hline(left, 1.0, "alone", "#555555")
+        _hline(left, 1.10, "goal: 1.10×", "#d62728")
+        shown = [v for _, values, _ in series("p99_over_alone") for v in values if v is not None and v > 0]
+        left.set_ylim(bottom=min([0.8, *shown]) * 0.8)  # bars grow from below 1, where "alone" is
+        left.tick_params(axis="x", labelsize=6.5)
+        left.legend(fontsize=7)
+        trainer = as_dict(d.get("trainer"))
+        _title(left, f"{_where(r)}\ntrainer {short(trainer.get('model', '?'), 20)} batch "
+                     f"{short(trainer.get('batch', '?'), 6)}, {ratio(trainer.get('alone_steps_per_s'), 1, '')} "
+                     "steps/s alone")
+        _grouped_bars(right, labels, series("kept", 100.0), log=False, unit="training kept, % of alone")
+        _hline(right, 100.0, "alone", "#555555")
+        right.tick_params(axis="x", labelsize=6.5)
+        right.legend(fontsize=7)
+        rates = ", ".join(f"{short(name, 12)}: {short(as_dict(v).get('model', '?'), 12)} b"
+                          f"{short(as_dict(v).get('batch', '?'), 5)} at {ratio(as_dict(v).get('rate_per_s'), 0, '')}"
+                          " req/s" for name, v in list(as_dict(d.get("loads")).items())[:3])
+        _title(right, f"per load: {rates}" if rates else "training kept")
+
+
 _STEP_COLOURS = {"ok": "#2ca02c", "failed": "#d62728", "timeout": "#ff7f0e"}
 
 
@@ -389,6 +433,8 @@ def _paired(results: list[Result]) -> tuple[int, int]:
 
 
 FIGURES: dict[str, FigureSpec] = {
+    "colocate": FigureSpec("Inference beside training on one device: p99 ÷ alone and training kept, per mode",
+                           draw_colocate, lambda rs: (2, len(rs))),
     "switch": FigureSpec("Model switch: request for B while A is active → B's output ready", draw_switch,
                          lambda rs: (2, math.ceil(len(rs) / 2) * 1.5)),
     "suspend": FigureSpec("Suspend and resume a training job vs restarting it", draw_suspend, _paired),

@@ -210,3 +210,66 @@ def test_a_killed_child_fails_its_mode_in_one_line_the_next_mode_runs_and_ctrl_c
     assert "interrupted: everything started was stopped" in err
     assert len(started) >= 8  # two workers per mode, daemons of two modes
     assert not [p for p in started if _alive(p)], [(_cmdline(p)) for p in started if _alive(p)]
+
+
+# ------------------------------------------------------------------ bench.report
+
+
+def _result(backend: str = "cuda") -> dict:
+    """A colocate result shaped as the bench writes it, with the issue's H100 numbers (not a measurement)."""
+    def load(p99, kept, alone_p99, dropped=0):
+        return {"p50_ms": p99 / 3, "p99_ms": p99, "max_ms": p99 * 1.2, "p99_over_alone": round(p99 / alone_p99, 3),
+                "offered": 300, "completed": 300 - dropped, "dropped": dropped, "kept": kept}
+    table = {"alone": ((17.2, None), (33.1, None)), "no-daemon": ((17.8, .87), (294.8, .63)),
+             "mps-priority": ((17.3, .93), (41.5, .72)), "exclusive": ((10658, .91), (3630, .70)),
+             "corun": ((18.0, .92), (40.0, .69))}
+    modes = {m: {"status": "ok", "loads": {"light": load(*light, 17.2), "heavy": load(*heavy, 33.1,
+                                                                                  40 if m == "exclusive" else 0)}}
+             for m, (light, heavy) in table.items()}
+    modes["mps"] = {"status": "failed", "error": "MPS: control daemon did not answer"}
+    return {"benchmark": "colocate", "backend": backend, "device": "NVIDIA H100 80GB HBM3", "default_mode": "corun",
+            "trainer": {"model": "resnet50", "batch": 64, "alone_steps_per_s": 32.3},
+            "loads": {"light": {"model": "resnet50", "batch": 8, "rate_per_s": 50.0},
+                      "heavy": {"model": "resnet50", "batch": 64, "rate_per_s": 30.0}},
+            "modes": modes, "skipped": {}, "failed": {"mps": modes["mps"]["error"]}}
+
+
+def _rows(result: dict) -> dict[str, tuple]:
+    from bench import report
+    from bench.report_figures import Result
+    return {h.what: (h.value, h.goal, h.met) for h in report.headlines(Result("colocate", "colocate.json", result))}
+
+
+def test_the_headline_puts_the_default_mode_against_the_best_baseline_and_no_daemon():
+    rows = _rows(_result())
+    assert rows["light: corun p99 ÷ alone"] == ("1.05×", "≤ 1.10×", True)
+    assert rows["light: corun training kept"] == ("92%", "≥ 90%", True)
+    assert rows["heavy: corun p99 ÷ alone"] == ("1.21×", "≤ 1.10×", False)
+    assert rows["heavy: corun training kept"] == ("69%", "≥ 70%", False)
+    assert rows["light: corun p99 against no daemon"] == ("18 vs 17.8 ms", "never worse", False)
+    assert rows["heavy: corun p99 against no daemon"] == ("40 vs 295 ms", "never worse", True)
+    assert rows["heavy: best baseline (mps-priority) p99 ÷ alone · kept"][0] == "1.25× · 72%"
+    assert rows["heavy: requests dropped (backlog full)"][0] == "exclusive (40 of 300)"
+    assert "light: requests dropped (backlog full)" not in rows
+    assert rows["modes that failed"] == ("mps", "none", False)
+
+
+def test_cpu_figures_are_shown_but_not_judged():
+    rows = _rows(_result("cpu"))
+    assert rows["light: corun p99 ÷ alone"] == ("1.05×", "not judged on cpu", None)
+    assert rows["heavy: corun training kept"] == ("69%", "not judged on cpu", None)
+
+
+def test_bench_report_draws_a_colocate_result_beside_its_headline(tmp_path):
+    from bench import report
+    if not report.matplotlib_available():
+        pytest.skip("needs matplotlib (the plot extra)")
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "colocate.json").write_text(json.dumps(_result()))
+    assert report.main([str(results), "--out", str(tmp_path / "out")]) == 0
+    png = (tmp_path / "out" / "report-colocate.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5_000
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<td>light: corun p99 ÷ alone</td><td>1.05×</td><td>≤ 1.10×</td>" in page
+    assert "NVIDIA H100 80GB HBM3" in page[:page.index("<h2>")]  # the card, in the page's header
