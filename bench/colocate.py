@@ -90,7 +90,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 )}
 
 DEFAULTS = {  # per device: what the issue measured on an H100, and tiny models that finish fast on 2 cores
-    "cuda": {"loads": "light=resnet50:8:0.3,heavy=resnet50:64:0.35", "trainer": "resnet50:64", "phase_s": 7.0,
+    "cuda": {"loads": "light=resnet50:8:0.3,heavy=resnet50:64:0.35", "trainer": "resnet50:64", "phase_s": 6.0,
              "settle_s": 1.0, "input_size": 224, "seq_len": 128, "threads": 0, "warmup_steps": 5,
              "warmup_requests": 5, "calibrate": 40, "calibrate_s": 3.0},
     "cpu": {"loads": "light=tiny-cnn:4:0.3,heavy=tiny-cnn:16:0.35", "trainer": "tiny-cnn:16", "phase_s": 2.0,

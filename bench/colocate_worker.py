@@ -242,10 +242,12 @@ def trainer(spec: dict, chan: Channel) -> None:
 class Service:
     """One load's model and batch, resident on the device; a request runs it and copies the result home."""
 
-    def __init__(self, load: dict, spec: dict, device) -> None:
+    def __init__(self, load: dict, spec: dict, device, built: dict) -> None:
         from bench import models
         self.name = load["name"]
-        self.model = models.build(load["model"], seed=spec["seed"]).to(device)
+        if load["model"] not in built:  # loads of one model share it, as one service would
+            built[load["model"]] = models.build(load["model"], seed=spec["seed"]).to(device)
+        self.model = built[load["model"]]
         self.x = models.example_input(load["model"], load["batch"], spec["input_size"], spec["seq_len"],
                                       seed=spec["seed"] + 3).to(device)
 
@@ -310,7 +312,8 @@ def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> 
 def inference(spec: dict, chan: Channel) -> None:
     client = open_client(spec, "inference")
     device = torch_device(spec, client)
-    services = {load["name"]: Service(load, spec, device) for load in spec["loads"]}
+    built: dict = {}
+    services = {load["name"]: Service(load, spec, device, built) for load in spec["loads"]}
 
     def request(service):
         with held(client):
