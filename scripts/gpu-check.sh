@@ -6,8 +6,9 @@
 # 1. installs the wheels in .whl/ (scripts/gpu-wheels.sh fetched them on a networked machine) into a
 #    private target and puts it on PYTHONPATH; 2. records the machine (env.txt, env.json: GPU, driver,
 #    torch, and what the daemon relies on: pidfd_open, SO_PEERCRED, SIGSTOP, /dev/shm, page-locking);
-# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim and bench.handoff on cuda, and
-#    bench.handoff two-hop against one-hop on the host's cores; with .whl/ray-site.tar.xz
+# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim and bench.handoff on cuda,
+#    bench.handoff two-hop against one-hop on the host's cores, and bench.colocate (inference p99 and
+#    training kept beside each other, per sharing mode: no daemon, MPS, nodeagent); with .whl/ray-site.tar.xz
 #    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. the MPS tests (30/70 split) last, as they
 #    start an MPS control daemon. Each step has its own time
 #    limit and the whole run a budget (GPU_CHECK_BUDGET_S, default 540 s): a hang costs one step, and
@@ -328,6 +329,10 @@ for hold in 0 200; do
             "$python" -m bench.handoff --sessions 2,64 --handoffs 3000 --hold-us "$hold" $hop --json
     done
 done
+# Issue 20's question: an inference service (ResNet-50, batch 8 and 64) beside a ResNet-50 trainer, per
+# sharing mode, baselines in the same run; 5 s phases and the modes that answer it keep it inside 240 s.
+run_step colocate 240 "$stage/colocate.json" "$python" -m bench.colocate --device cuda --phase-s 5 \
+    --modes alone,no-daemon,mps-priority,exclusive,corun,corun-mps,corun-pause,corun-free --json
 if [ -f "$wheels/ray-site.tar.xz" ]; then  # a loan raylet given the GPU by UUID (nodeagent_ray, docs/cluster.md)
     run_step ray-gpu 120 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=110 \
         --junitxml="$stage/pytest-ray-gpu.xml" tests/test_ray_gpu.py
@@ -411,6 +416,20 @@ def headline(step):
     if name == "handoff":
         return (f"p50 {r['handoff_p50_us']} us p99 {r['handoff_p99_us']} us, raw RTT p50 "
                 f"{r['baseline_rtt_p50_us']} us (ratio {r['ratio_p50']})")
+    if name == "colocate":  # per load: p99 / alone and training kept, per mode that ran
+        parts = []
+        for load_name, spec in r["loads"].items():
+            cells = []
+            for mode, e in r["modes"].items():
+                if e["status"] == "ok" and mode != "alone":
+                    cell = e["loads"][load_name]
+                    cells.append(f"{mode} {cell['p99_over_alone']:.2f}x"
+                                 + (f"/{cell['kept']:.0%}" if cell["kept"] is not None else ""))
+            parts.append(f"{load_name} ({spec['model']} b{spec['batch']}, {spec['rate_per_s'] or 0:.0f}/s) "
+                         "p99 vs alone/kept: " + ", ".join(cells))
+        if r["failed"]:
+            parts.append("failed: " + ", ".join(r["failed"]))
+        return "; ".join(parts) + ("; interrupted" if r.get("interrupted") else "")
     if name.startswith("handoff-"):
         return "; ".join(
             f"{n} sessions p50 {b['handoff_p50_us']} us ({b['ratio_pipe_p50']}x pipe) p99 {b['handoff_p99_us']} us"
@@ -447,6 +466,7 @@ summary = {
     "environment": env,
     "steps": rows,
     "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "handoff", "mps_30_70",
+                                                    "colocate",
                                                     *(f"handoff-hold{h}{o}" for h in (0, 200)
                                                       for o in ("", "-one-hop")))},
     "pytest": {"gpu": junit("pytest-gpu.xml"), "mps": junit("pytest-mps.xml"), "ray_gpu": junit("pytest-ray-gpu.xml")},

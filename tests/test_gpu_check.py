@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 
 PROBE = "nodeagent_gpucheck_probe"
 GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
-             "handoff-hold200", "handoff-hold200-one-hop", "ray-gpu", "mps"]
+             "handoff-hold200", "handoff-hold200-one-hop", "colocate", "ray-gpu", "mps"]
 
 
 def _probe_wheel(folder: Path) -> Path:
@@ -109,7 +109,10 @@ class _Parsed(Exception):
 @pytest.mark.parametrize("step, expect", [("switch", {"backend": "cuda"}), ("suspend", {"device": "cuda"}),
                                           ("reclaim", {"device": "cuda"}), ("handoff", {"work_device": "cuda"}),
                                           ("handoff-hold0", {"hold_us": 0.0, "one_hop": False}),
-                                          ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True})])
+                                          ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True}),
+                                          ("colocate", {"device": "cuda", "phase_s": 5.0, "json": True,
+                                                        "modes": ["alone", "no-daemon", "mps-priority", "exclusive",
+                                                                  "corun", "corun-mps", "corun-pause", "corun-free"]})])
 def test_each_planned_benchmark_command_line_parses(dry_run, monkeypatch, step, expect):
     """The options the script passes must exist: parse them with the benchmark's own parser, then stop."""
     run, out, _ = dry_run
