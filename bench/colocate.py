@@ -230,23 +230,24 @@ class Child:
         return f"{self.role} {state}: {self.last_words()}"
 
     def close(self) -> str:
-        """Ask it to stop, then SIGTERM, then SIGKILL; the step that ended it."""
+        """Ask it to stop, then SIGTERM, then SIGKILL, each given a while; the step that ended it."""
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
                 self.proc.stdin.close()
-        for step, action in (("stop", None), ("sigterm", self.proc.terminate), ("sigkill", self.proc.kill)):
-            if self.proc.poll() is not None and action is not None:
-                break
+        taken = "stop"
+        for taken, action in (("stop", None), ("sigterm", self.proc.terminate), ("sigkill", self.proc.kill)):
             if action is not None:
-                log(f"[colocate] {self.mode} {self.role} pid={self.proc.pid} still runs: {step}")
+                log(f"[colocate] {self.mode} {self.role} pid={self.proc.pid} still runs: {taken}")
                 action()
             try:
                 self.proc.wait(timeout=_CHILD_STOP_S)
-                return step
+                break
             except subprocess.TimeoutExpired:
                 continue
-        return "sigkill"
+        for t in self._threads:
+            t.join(2)  # its last words are logged before the next mode begins
+        return taken
 
     def __enter__(self) -> "Child":
         return self
@@ -479,6 +480,8 @@ def run_mode(mode: Mode, run: Run) -> dict:
         start_ns = time.monotonic_ns() + int(run.settle_s * 1e9)
         loads = {}
         for index, load in enumerate(run.loads):
+            if setup.endpoint is not None:  # the daemon's counters from just before the phase
+                _sleep_until(start_ns - int(0.05e9))
             before = daemon_view(setup.endpoint)
             phase = run_phase(run, inference, load, index, start_ns)
             loads[load.name] = {**inference_stats(run, load, phase), "_window": (phase["start_ns"], phase["end_ns"])}
@@ -614,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     gpu = first_gpu() if args.device != "cpu" else None
     device = args.device or ("cuda" if gpu else "cpu")
+    if device == "cuda" and gpu is None:
+        log("[colocate] NVML names no GPU here: the workers will ask torch, and the MPS modes cannot run")
     d = DEFAULTS[device]
     run = Run(device=device, loads=args.loads or parse_loads(d["loads"]),
               trainer=args.trainer or parse_trainer(d["trainer"]), phase_s=args.phase_s or d["phase_s"],
