@@ -606,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _defaults_text(device: str) -> str:
     d = DEFAULTS[device]
     return (f"--loads {d['loads']} --trainer {d['trainer']} --phase-s {d['phase_s']:g} "
-            f"--input-size {d['input_size']} --seq-len {d['seq_len']}")
+            f"--settle-s {d['settle_s']:g} --input-size {d['input_size']} --seq-len {d['seq_len']}")
 
 
 def main(argv: list[str] | None = None) -> int:
