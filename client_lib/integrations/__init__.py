@@ -9,6 +9,9 @@ ImportError that says what to install when the framework is missing:
 Both hold the token for the whole fit, call ``client.yield_point()`` after
 every optimizer step, and park the model and its optimizers in host memory
 when the daemon asks for the whole device (:class:`client_lib.torch.Yielder`).
+They also attach a :class:`client_lib.torch.Pacer`: pause points between
+layers and a bounded GPU run-ahead while an inference service co-runs on the
+device, and a fence before each yield.
 A suspend asked for before training began is honoured as soon as the model
 and optimizers exist, before the first step (Lightning: ``on_fit_start``,
 ahead of the sanity-check validation; Hugging Face: ``on_train_begin``);
@@ -35,11 +38,13 @@ class TrainingTurns:
     turns. ``park_state``: on a suspend, park the model and optimizers in host
     memory (otherwise only the token is given up and the memory stays)."""
 
-    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
+    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True, pace: bool = True) -> None:
         self.client = client
         self.hold_token = hold_token
         self.park_state = park_state
+        self.pace = pace
         self.yielder = None
+        self.pacer = None
         self._slice = None
         self._optimizers: list = []
 
@@ -48,9 +53,13 @@ class TrainingTurns:
         step: set up parking, then take the token, which first honours a suspend asked
         for before training began (without the token: a yield point does)."""
         self._optimizers = list(optimizers)
+        modules = list(modules)
         if self.park_state and self.yielder is None:
             from client_lib.torch import Yielder  # torch only once a framework runs
-            self.yielder = Yielder(self.client, modules=list(modules), optimizers=self._optimizers)
+            self.yielder = Yielder(self.client, modules=modules, optimizers=self._optimizers)
+        if self.pace and self.pacer is None:
+            from client_lib.torch import Pacer
+            self.pacer = Pacer(self.client, modules, self._optimizers)
         if self.hold_token:
             if self._slice is None:
                 self._slice = self.client.slice()
@@ -77,3 +86,6 @@ class TrainingTurns:
         if self.yielder is not None:
             self.client.set_suspend_handlers(None, None)
             self.yielder = None
+        if self.pacer is not None:
+            self.pacer.close()
+            self.pacer = None
