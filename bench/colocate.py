@@ -65,7 +65,11 @@ class Mode:
     duty: str | None = None  # --corun-duty
     bench_mps: bool = False  # an MPS control daemon started by the bench, both children its clients
     priority: bool = False  # the trainer at CUDA_MPS_CLIENT_PRIORITY=1 (bench MPS)
-    daemon_mps: str = ""  # "always" / "cuda": the daemon runs MPS on device 0 ([mps] devices = [0])
+    # The daemon's MPS: "" its default (mps.devices = "auto": MPS on every GPU when it co-runs on cuda
+    # as root and finds nvidia-cuda-mps-control); "always" / "cuda": [mps] devices = [0] (cuda only /
+    # on cuda, off on cpu); "off": [mps] devices = [].
+    daemon_mps: str = ""
+    daemon_config: str = ""  # more of the daemon's config file
     pacer: bool = False  # the trainer attaches client_lib.torch.Pacer
 
 
@@ -79,14 +83,19 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          "slice per request", sharing="exclusive"),
     Mode("exclusive-fenced", "as exclusive, the trainer with Pacer (fences the device before a yield)",
          sharing="exclusive", pacer=True),
-    Mode("corun", "nodeagent --sharing corun (adaptive duty); trainer with Pacer and yield_point()",
-         sharing="corun", duty="adaptive", pacer=True),
-    Mode("corun-mps", "as corun, the daemon runs MPS on device 0 (trainer at MPS client priority 1)",
+    Mode("corun", "nodeagent's default: --sharing corun, adaptive duty, its default MPS (auto: on for a root "
+         "daemon on cuda); trainer with Pacer and yield_point()", sharing="corun", duty="adaptive", pacer=True),
+    Mode("corun-nomps", "as corun with MPS off ([mps] devices = []): the two contexts time-sliced, the trainer "
+         "paced", sharing="corun", duty="adaptive", daemon_mps="off", pacer=True),
+    Mode("corun-mps", "as corun, MPS on device 0 named in the config (trainer at MPS client priority 1)",
          cuda_only=True, sharing="corun", duty="adaptive", daemon_mps="always", pacer=True),
     Mode("corun-pause", "as corun-mps on cuda (corun on cpu), --corun-duty pause: the trainer paused while "
          "inference holds", sharing="corun", duty="pause", daemon_mps="cuda", pacer=True),
     Mode("corun-free", "as corun-mps on cuda (corun on cpu), --corun-duty free: never paused",
          sharing="corun", duty="free", daemon_mps="cuda", pacer=True),
+    Mode("corun-cap", "as corun-mps, the trainer capped to 60% of the SMs ([corun] lower_sm_percent = 60)",
+         cuda_only=True, sharing="corun", duty="adaptive", daemon_mps="always", pacer=True,
+         daemon_config="[corun]\nlower_sm_percent = 60\n"),
 )}
 
 DEFAULTS = {  # per device: what the issue measured on an H100, and tiny models that finish fast on 2 cores
@@ -266,6 +275,7 @@ class Setup:
     client: bool = False
     endpoint: str | None = None
     note: str = ""
+    daemon_log: str | None = None
 
 
 @dataclass
@@ -331,21 +341,27 @@ def daemon_note(mode: Mode, device: str) -> str:
     return (f"nodeagent serve --backend {device} --sharing {mode.sharing}"
             + (f" --corun-duty {mode.duty}" if mode.duty else "")
             + ("; MPS on device 0 ([mps] devices = [0])" if daemon_mps(mode, device) else "")
+            + ("; MPS off ([mps] devices = [])" if mode.daemon_mps == "off" else "")
+            + (f"; {mode.daemon_config.strip()}" if mode.daemon_config else "")
             + ("; trainer with Pacer" if mode.pacer else ""))
 
 
 def daemon_args(mode: Mode, run: Run, workdir: str, endpoint: str) -> list[str]:
     config = os.path.join(workdir, "nodeagent.toml")
     with open(config, "w") as f:  # hermetic: never the host's /etc/nodeagent/nodeagent.toml
-        f.write("[mps]\ndevices = [0]\n" if daemon_mps(mode, run.device) else "")
+        if daemon_mps(mode, run.device):
+            f.write("[mps]\ndevices = [0]\n")
+        elif mode.daemon_mps == "off":
+            f.write("[mps]\ndevices = []\n")
+        f.write(mode.daemon_config)
     return [sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", run.device,
-            "--endpoint", endpoint, "--state-dir", os.path.join(workdir, "state"), "--log-level", "warning",
+            "--endpoint", endpoint, "--state-dir", os.path.join(workdir, "state"), "--log-level", "info",
             "--ctxpool", "off", "--sharing", mode.sharing, *(("--corun-duty", mode.duty) if mode.duty else ())]
 
 
 @contextlib.contextmanager
-def nodeagent_daemon(mode: Mode, run: Run) -> Iterator[str]:
-    """A private ``nodeagent serve`` for this mode, on a socket in a private folder; its endpoint."""
+def nodeagent_daemon(mode: Mode, run: Run) -> Iterator[tuple[str, str]]:
+    """A private ``nodeagent serve`` for this mode, on a socket in a private folder: (endpoint, log file)."""
     workdir = tempfile.mkdtemp(prefix="na-coloc-")
     endpoint = f"ipc://{workdir}/agent.sock"
     args = daemon_args(mode, run, workdir, endpoint)
@@ -358,12 +374,25 @@ def nodeagent_daemon(mode: Mode, run: Run) -> Iterator[str]:
             wait_for_daemon(endpoint, _DAEMON_START_S, proc)
         except RuntimeError as exc:
             raise ModeFailed(f"daemon: {exc}: {_last_line(log_path)}") from None
-        yield endpoint
+        yield endpoint, log_path
     finally:
         stop_process(proc)
         if proc.returncode not in (0, -signal.SIGTERM):
             log(f"[colocate] {mode.name}: the daemon exited {proc.returncode}: {_last_line(log_path)}")
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+_DAEMON_LINES_MAX = 40
+
+
+def daemon_lines(path: str) -> list[str]:
+    """What the daemon said about MPS and pacing (the controller's duty changes), the last few lines."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip()[:300] for line in f if "[pace]" in line or "[mps]" in line]
+    except OSError:
+        return []
+    return lines[-_DAEMON_LINES_MAX:]
 
 
 def _last_line(path: str) -> str:
@@ -384,9 +413,10 @@ def mode_setup(mode: Mode, run: Run) -> Iterator[Setup]:
             yield Setup(trainer_env, {**base, **mps_env},
                         note="MPS" + (", trainer at client priority 1" if mode.priority else ""))
     elif mode.sharing is not None:
-        with nodeagent_daemon(mode, run) as endpoint:
+        with nodeagent_daemon(mode, run) as (endpoint, log_path):
             env = {**base, "NODEAGENT_ENDPOINT": endpoint}
-            yield Setup(env, env, client=True, endpoint=endpoint, note=daemon_note(mode, run.device))
+            yield Setup(env, env, client=True, endpoint=endpoint, note=daemon_note(mode, run.device),
+                        daemon_log=log_path)
     else:
         yield Setup(base, base)
 
@@ -494,6 +524,8 @@ def run_mode(mode: Mode, run: Run) -> dict:
         steps_ns = paused["steps_ns"]
         if paused.get("pacer"):
             out["pacer"] = paused["pacer"]
+        if setup.daemon_log is not None:
+            out["daemon_log"] = daemon_lines(setup.daemon_log)
     for entry in loads.values():
         start, end = entry.pop("_window")
         steps = _steps_in(steps_ns, start, end)

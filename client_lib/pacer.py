@@ -21,9 +21,17 @@ step:
 * **A bounded run-ahead.** A training step's CPU side runs ahead of its GPU
   work by up to a whole step, and work already queued cannot be called back.
   While a higher-class session is on the device, each point records a CUDA
-  event and waits until the event ``ahead`` points back has completed, so at
-  most ``ahead`` segments are queued when a pause begins. With no higher class
-  on the device nothing is recorded: a trainer alone pays one read per point.
+  event and waits until the GPU has at most ``ahead_ms`` of this process's
+  work queued (estimated from the measured time between consecutive points),
+  so a pause leaves at most that much to drain. The bound is in time, not in
+  points, because eager training is nearly CPU-bound on a fast GPU: on an H100
+  a ResNet-50 step's backward issues kernels about as fast as the GPU runs
+  them, and a bound of two segments (about 1 ms) cost 15-20% of its throughput
+  (bench/results/h100-80gb-hbm3-2026-11-27); the forward's lead is what keeps
+  the backward fed. Under MPS client priority, work already queued yields to
+  the higher class block by block, so a longer bound costs the higher class
+  little. With no higher class on the device nothing is recorded: a trainer
+  alone pays one read per point.
 
 And a **fence**: before the client hands the token on at a yield or a
 suspend (exclusive sharing, training beside training), the device's queued
@@ -48,18 +56,24 @@ log = logging.getLogger("client_lib.pacer")
 class Pacer:
     """Pause points, bounded run-ahead and a yield fence for ``modules`` of a lower-class session
     (see the module docstring). ``optimizers``: an optimizer or several, paused before each step.
-    ``ahead``: segments that may be queued on the GPU beyond the one running. ``points``: about
-    how many pause points to place in each module tree."""
+    ``ahead_ms``: GPU time of this process's work that may stay queued while a higher class is on
+    the device (None: 8 ms under MPS client priority, where queued work yields block by block,
+    else 4 ms). ``points``: about how many pause points to place in each module tree."""
 
     def __init__(self, client, modules: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (), *,
-                 ahead: int = 2, points: int = 16, device: torch.device | str | None = None) -> None:
-        if ahead < 1:
-            raise ValueError(f"ahead must be >= 1, got {ahead}")
+                 ahead_ms: float | None = None, points: int = 16,
+                 device: torch.device | str | None = None) -> None:
+        if ahead_ms is None:
+            ahead_ms = 8.0 if _mps_low_priority(client) else 4.0
+        if not ahead_ms > 0:
+            raise ValueError(f"ahead_ms must be > 0, got {ahead_ms}")
         if points < 1:
             raise ValueError(f"points must be >= 1, got {points}")
         self.client = client
-        self.ahead = int(ahead)
+        self.ahead_ms = float(ahead_ms)
+        self._segment_ms = 0.0  # EWMA of the GPU time between two points (0: not measured yet)
+        self._last_done = None  # the last event seen complete, for the next segment's time
         modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         self._device = torch.device(device) if device is not None else _device_of(modules)
@@ -102,7 +116,11 @@ class Pacer:
             elif self._events:
                 self._recycle_all()
         if pace.throttled:
-            self.waited_s += self.client.pace_point()
+            held = self.client.pace_point()
+            self.waited_s += held
+            if held and self._last_done is not None:  # the next segment's time would include the pause
+                self._free.append(self._last_done)
+                self._last_done = None
 
     def close(self) -> None:
         """Remove the hooks and the fence."""
@@ -130,24 +148,42 @@ class Pacer:
         self.point()
 
     def _bound(self) -> None:
-        """Record an event here; wait until at most ``ahead`` recorded segments are unfinished."""
-        event = self._free.pop() if self._free else torch.cuda.Event()
+        """Record an event here; wait until the queued segments add up to at most ``ahead_ms``."""
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self._device))
         events = self._events
         events.append(event)
-        while len(events) > self.ahead + 1:
+        while events and events[0].query():  # done already: learn the segment time, no wait
+            self._retire(events.popleft())
+        segment_ms = self._segment_ms or 1.0
+        allowed = max(2, int(self.ahead_ms / segment_ms))
+        while len(events) > allowed:
             oldest = events[0]
-            if not oldest.query():
-                started = time.perf_counter()
-                oldest.synchronize()
-                waited = time.perf_counter() - started
-                self.bounded_s += waited
-                self.waited_s += waited
-            self._free.append(events.popleft())
+            started = time.perf_counter()
+            oldest.synchronize()
+            waited = time.perf_counter() - started
+            self.bounded_s += waited
+            self.waited_s += waited
+            self._retire(events.popleft())
+
+    def _retire(self, event) -> None:
+        """``event`` completed: its time since the previous completed one is a segment's GPU time."""
+        last = self._last_done
+        if last is not None:
+            ms = last.elapsed_time(event)
+            if self._segment_ms:  # a gap (the CPU late, a step boundary) counts as at most 4 segments
+                self._segment_ms = 0.9 * self._segment_ms + 0.1 * min(ms, 4 * self._segment_ms)
+            elif 0 < ms < 1000:
+                self._segment_ms = ms
+            self._free.append(last)
+        self._last_done = event
 
     def _recycle_all(self) -> None:
         while self._events:
             self._free.append(self._events.popleft())
+        if self._last_done is not None:
+            self._free.append(self._last_done)
+            self._last_done = None
 
 
 def pause_modules(root: torch.nn.Module, points: int) -> list[torch.nn.Module]:
@@ -175,6 +211,13 @@ def pause_modules(root: torch.nn.Module, points: int) -> list[torch.nn.Module]:
 
     visit(root)
     return chosen
+
+
+def _mps_low_priority(client) -> bool:
+    """Whether the client runs under MPS at a lower client priority (from its welcome's env)."""
+    welcome = getattr(client, "welcome", None)
+    env = getattr(welcome, "env", None) or {}
+    return env.get("CUDA_MPS_CLIENT_PRIORITY", "0") not in ("", "0")
 
 
 def _device_of(modules: list[torch.nn.Module]) -> torch.device | None:

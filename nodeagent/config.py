@@ -11,6 +11,7 @@ import difflib
 import grp
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +49,10 @@ linger_ms = 2.0             # exclusive: after a higher class's slice, the token
 duty = "adaptive"           # how lower classes are paced while a higher class holds: adaptive
                             # (a controller steers by the higher class's slice times) | pause | free
                             # (MPS priority only) | a permille 0..1000 of each period they may run
-tolerance_percent = 10.0    # adaptive: how much longer than its reference a higher-class slice may take
+tolerance_percent = 5.0     # adaptive: how much longer than its reference a higher-class slice may take
 period_ms = 10.0            # the pacing period lower classes run and pause in
+lower_sm_percent = 0        # on an MPS device, cap lower classes to this percent of the SMs (0: no cap),
+                            # so that a higher class arriving finds SMs free; a partition overrides it
 
 [scheduler.quantum_ms]
 inference = 50.0
@@ -82,7 +85,9 @@ make_room_deadline_ms = 5000.0  # how long those sessions get to park their stat
 addr = "127.0.0.1"
 
 [mps]
-devices = []                # device indices that get an MPS control daemon; empty: MPS off
+devices = "auto"            # device indices that get an MPS control daemon; [] : MPS off; auto: every GPU
+                            # when the daemon co-runs on cuda as root and control_binary is found (lower
+                            # classes then run at MPS client priority 1: see docs/architecture.md, Co-run)
 control_binary = "nvidia-cuda-mps-control"
 min_percent = 5             # smallest SM share a partition may give a session
 
@@ -200,8 +205,9 @@ class ServeConfig:
     sharing: str = "auto"  # auto (corun on cuda, else exclusive) | corun | exclusive
     linger_ms: float = 2.0  # exclusive: how long a higher class's token waits for its next request
     corun_duty: str | int = "adaptive"  # adaptive | pause | free | permille 0..1000
-    corun_tolerance_percent: float = 10.0
+    corun_tolerance_percent: float = 5.0
     corun_period_ms: float = 10.0
+    corun_lower_sm_percent: int = 0  # MPS devices under co-run: SM cap of lower classes; 0: none
     heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
     heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
     local_max_connections: int = 4096  # local endpoint: more are refused (E_UNAVAILABLE), never an abort
@@ -215,7 +221,7 @@ class ServeConfig:
     memory_make_room: str = "suspend"  # suspend | refuse: may a higher class push lower-class declarations out
     memory_class_cap_percent: dict[str, float] = field(default_factory=dict)  # workload -> percent; absent: 100
     memory_make_room_deadline_ms: float = 5000.0
-    mps_devices: list[int] = field(default_factory=list)
+    mps_devices: list[int] | str = "auto"  # indices, or "auto" (see mps_devices_for)
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_min_percent: int = 5
     ctxpool_enabled: str = "auto"  # auto | on | off
@@ -272,10 +278,13 @@ class ServeConfig:
             raise _bad("corun.tolerance_percent", f"must be in (0, 500], got {self.corun_tolerance_percent:g}")
         if not (math.isfinite(self.corun_period_ms) and 1 <= self.corun_period_ms <= 1000):
             raise _bad("corun.period_ms", f"must be in 1..1000, got {self.corun_period_ms:g}")
+        if not 0 <= self.corun_lower_sm_percent <= 100:
+            raise _bad("corun.lower_sm_percent", f"must be in 0..100, got {self.corun_lower_sm_percent}")
         if self.memory_policy not in MEMORY_POLICIES:
             raise _bad("memory.policy", f"must be one of {', '.join(MEMORY_POLICIES)}, got {self.memory_policy!r}")
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices):
-            raise _bad("mps.devices", f"must be a list of device indices, got {self.mps_devices!r}")
+        if self.mps_devices != "auto" and (not isinstance(self.mps_devices, list) or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices)):
+            raise _bad("mps.devices", f"must be \"auto\" or a list of device indices, got {self.mps_devices!r}")
         if not 1 <= self.mps_min_percent <= 100:
             raise _bad("mps.min_percent", f"must be in 1..100, got {self.mps_min_percent}")
         for workload, percent in self.memory_class_cap_percent.items():
@@ -355,6 +364,16 @@ class ServeConfig:
             return self.sharing
         return "corun" if backend == "cuda" else "exclusive"
 
+    def mps_devices_for(self, backend: str, count: int) -> tuple[list[int], bool]:
+        """(the devices that get an MPS control daemon, whether "auto" chose them). Auto: every
+        device when the daemon co-runs on cuda as root and ``mps.control_binary`` is found; MPS
+        client priority is the strongest lever co-run has (bench/results/h100-80gb-hbm3-2026-11-27)."""
+        if self.mps_devices != "auto":
+            return list(self.mps_devices), False
+        wanted = (backend == "cuda" and self.sharing_for(backend) == "corun" and os.geteuid() == 0
+                  and shutil.which(self.mps_control_binary) is not None)
+        return (list(range(count)) if wanted else []), True
+
     def pace_controller(self) -> PaceController:
         """A co-run device's controller as these settings make it (validate first)."""
         return PaceController(tolerance=self.corun_tolerance_percent / 100.0,
@@ -410,6 +429,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "corun.duty": ("corun_duty", (str, int)),
     "corun.tolerance_percent": ("corun_tolerance_percent", (int, float)),
     "corun.period_ms": ("corun_period_ms", (int, float)),
+    "corun.lower_sm_percent": ("corun_lower_sm_percent", (int,)),
     "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
     "heartbeat.misses": ("heartbeat_misses", (int,)),
     "local.max_connections": ("local_max_connections", (int,)),
@@ -424,7 +444,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory.make_room_deadline_ms": ("memory_make_room_deadline_ms", (int, float)),
     "metrics.port": ("metrics_port", (int,)),
     "metrics.addr": ("metrics_addr", (str,)),
-    "mps.devices": ("mps_devices", (list,)),
+    "mps.devices": ("mps_devices", (list, str)),
     "mps.control_binary": ("mps_control_binary", (str,)),
     "mps.min_percent": ("mps_min_percent", (int,)),
     "ctxpool.enabled": ("ctxpool_enabled", (str,)),

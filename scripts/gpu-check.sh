@@ -332,7 +332,7 @@ done
 # Issue 20's question: an inference service (ResNet-50, batch 8 and 64) beside a ResNet-50 trainer, per
 # sharing mode, baselines in the same run; 5 s phases and the modes that answer it keep it inside 240 s.
 run_step colocate 240 "$stage/colocate.json" "$python" -m bench.colocate --device cuda --phase-s 5 \
-    --modes alone,no-daemon,mps-priority,exclusive,corun,corun-mps,corun-pause,corun-free --json
+    --modes alone,no-daemon,mps-priority,exclusive,corun,corun-nomps,corun-pause,corun-free --json
 if [ -f "$wheels/ray-site.tar.xz" ]; then  # a loan raylet given the GPU by UUID (nodeagent_ray, docs/cluster.md)
     run_step ray-gpu 120 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=110 \
         --junitxml="$stage/pytest-ray-gpu.xml" tests/test_ray_gpu.py

@@ -209,9 +209,12 @@ class CoRunScheduler:
     bind_successor = unbind_successor = bound_successor = successor  # type: ignore[assignment]
 
 
-#: The duties the controller moves between, in permille of each period a lower class may issue work
-#: while a higher class holds: 0 is a pause, 1000 leaves the pacing to MPS client priority.
-DUTY_STEPS_PERMILLE = (0, 125, 250, 500, 1000)
+#: The duties the controller moves between by default, in permille of each period a lower class may
+#: issue work while a higher class holds: 0 is a pause, 1000 leaves the pacing to MPS client priority.
+#: Two: on an H100 the duties between (a trainer running part of each period) kept the worst of both,
+#: the higher class's slices slowed while the lower class ran and the lower class's time lost while it
+#: paused (bench/results/h100-80gb-hbm3-2026-11-27). Finer steps can be given to the controller.
+DUTY_STEPS_PERMILLE = (0, 1000)
 
 
 class PaceController:
@@ -224,7 +227,9 @@ class PaceController:
     daemon can observe. Every ``window`` slices the controller compares the
     window's median with the reference: within ``tolerance`` it relaxes one
     step (more for the lower class), beyond it tightens one step, beyond twice
-    the tolerance it pauses outright. Every ``probe_every`` slices spent above
+    the tolerance it pauses outright. With the default steps (0 and 1000) that
+    is: pause the lower class while the higher one holds, unless running beside
+    it costs the higher class's slices less than the tolerance. Every ``probe_every`` slices spent above
     duty 0 it spends one window at duty 0 to measure the reference again (the
     service or the trainer may have changed). TGS (NSDI'23) adapts an
     opportunistic job's rate to the productive job's measured throughput the
@@ -234,9 +239,9 @@ class PaceController:
     "pause" or "priority only"); observations are then only counted.
     """
 
-    def __init__(self, *, tolerance: float = 0.10, window: int = 16, probe_every: int = 256,
+    def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 256,
                  fixed_duty_permille: int | None = None, period_us: int = 10_000,
-                 reference_window: int = 64) -> None:
+                 reference_window: int = 64, steps: tuple[int, ...] = DUTY_STEPS_PERMILLE) -> None:
         if not 0 < tolerance < 10:
             raise ValueError(f"tolerance must be in (0, 10), got {tolerance!r}")
         if window < 1 or probe_every < window or reference_window < 1:
@@ -245,6 +250,9 @@ class PaceController:
             raise ValueError(f"fixed_duty_permille must be in 0..1000, got {fixed_duty_permille!r}")
         if not 1000 <= period_us <= 1_000_000:
             raise ValueError(f"period_us must be in 1000..1000000, got {period_us!r}")
+        if not steps or steps[0] != 0 or list(steps) != sorted(set(steps)) or steps[-1] > 1000:
+            raise ValueError(f"steps must rise from 0 to at most 1000, got {steps!r}")
+        self.steps = tuple(int(step) for step in steps)
         self.tolerance = float(tolerance)
         self.window = int(window)
         self.probe_every = int(probe_every)
@@ -261,7 +269,7 @@ class PaceController:
 
     @property
     def duty_permille(self) -> int:
-        return self.fixed if self.fixed is not None else DUTY_STEPS_PERMILLE[self._step]
+        return self.fixed if self.fixed is not None else self.steps[self._step]
 
     def reference_s(self) -> float | None:
         """The slice length the controller holds the higher class to: the SLO if declared,
@@ -299,7 +307,7 @@ class PaceController:
             if ref is not None:
                 measured = _median(window)
                 if measured <= ref * (1.0 + self.tolerance):
-                    self._step = min(self._step + 1, len(DUTY_STEPS_PERMILLE) - 1)
+                    self._step = min(self._step + 1, len(self.steps) - 1)
                 elif measured > ref * (1.0 + 2.0 * self.tolerance):
                     self._step = 0
                 else:

@@ -22,6 +22,7 @@ from sharing.scheduler import DuplicateSessionError, NotHolderError, UnknownSess
 from tests.conftest import REPO, wait_for
 
 I, T, B = Workload.INFERENCE, Workload.TRAINING, Workload.BEST_EFFORT
+FINE = (0, 125, 250, 500, 1000)  # finer duty steps than the default pause-or-run
 
 
 def grants(actions):
@@ -98,12 +99,12 @@ def _feed(c: PaceController, held_s: float, n: int, lower_active: bool = True) -
 
 
 def test_the_controller_starts_paused_and_relaxes_while_slices_stay_near_the_reference():
-    c = PaceController(window=8, probe_every=10_000)
+    c = PaceController(window=8, probe_every=10_000, tolerance=0.10, steps=FINE)
     assert c.duty_permille == 0 and c.reference_s() is None
     _feed(c, 0.010, 8)  # paused: these are the reference
     assert c.reference_s() == pytest.approx(0.010)
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
-    for step in DUTY_STEPS_PERMILLE[2:]:
+    assert c.duty_permille == FINE[1]
+    for step in FINE[2:]:
         _feed(c, 0.0105, 8)  # 5% over: within 10%
         assert c.duty_permille == step
     _feed(c, 0.0105, 8)
@@ -111,37 +112,49 @@ def test_the_controller_starts_paused_and_relaxes_while_slices_stay_near_the_ref
 
 
 def test_the_controller_tightens_a_step_past_the_tolerance_and_pauses_past_twice_it():
-    c = PaceController(window=8, probe_every=10_000)
+    c = PaceController(window=8, probe_every=10_000, tolerance=0.10, steps=FINE)
     _feed(c, 0.010, 8)
     _feed(c, 0.010, 8)
     _feed(c, 0.010, 8)
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[3]
+    assert c.duty_permille == FINE[3]
     _feed(c, 0.0115, 8)  # 15%: one step back
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[2]
+    assert c.duty_permille == FINE[2]
     _feed(c, 0.0125, 8)  # 25%: paused outright
     assert c.duty_permille == 0
 
 
 def test_the_controller_probes_its_reference_again_and_returns():
-    c = PaceController(window=4, probe_every=8)
+    c = PaceController(window=4, probe_every=8, steps=FINE)
     _feed(c, 0.010, 4)  # the reference, paused: step 1
     _feed(c, 0.010, 4)  # step 2, and 8 slices above 0 since the last probe: probe now
     assert c.duty_permille == 0
     _feed(c, 0.020, 4)  # the service got slower alone: a new reference
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[2]  # back where it was
+    assert c.duty_permille == FINE[2]  # back where it was
     assert c.reference_s() > 0.010
 
 
 def test_a_declared_slo_is_the_reference_and_slices_under_another_duty_are_not_counted():
-    c = PaceController(window=4)
+    c = PaceController(window=4, steps=FINE)
     c.set_slo(0.050)
     assert c.reference_s() == 0.050
     _feed(c, 0.030, 4)
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
+    assert c.duty_permille == FINE[1]
     for _ in range(4):
         assert c.observe(0.030, 0, True) is False  # ran under the old duty: ignored for the window
-    assert c.duty_permille == DUTY_STEPS_PERMILLE[1]
+    assert c.duty_permille == FINE[1]
     assert c.observe(math.nan, c.duty_permille, True) is False
+
+
+def test_by_default_the_lower_class_is_paused_unless_running_beside_costs_under_5_percent():
+    c = PaceController(window=8)
+    assert c.steps == DUTY_STEPS_PERMILLE == (0, 1000)
+    _feed(c, 0.010, 8)  # paused: the reference
+    assert c.duty_permille == 1000  # try running beside it
+    _feed(c, 0.0109, 8)  # 9% slower beside the trainer: back to pausing
+    assert c.duty_permille == 0
+    _feed(c, 0.010, 8)
+    _feed(c, 0.0104, 8)  # 4%: running beside it is worth it
+    assert c.duty_permille == 1000
 
 
 def test_a_fixed_duty_never_moves():
@@ -413,6 +426,14 @@ def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, s
             assert t.welcome.env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
             assert "CUDA_MPS_CLIENT_PRIORITY" not in i.welcome.env
             assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in t.welcome.env
+            assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in i.welcome.env
+        d.stop()
+        with open(os.path.join(workdir, "nodeagent.toml"), "a") as f:
+            f.write("[corun]\nlower_sm_percent = 60\n")
+        d = start_daemon("--sharing", "corun")
+        with Client("t", workload="training", endpoint=d.endpoint) as t, \
+                Client("i", workload="inference", endpoint=d.endpoint) as i:
+            assert t.welcome.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"  # the optional cap
             assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in i.welcome.env
     finally:
         for key, value in saved.items():

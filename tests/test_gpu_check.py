@@ -112,7 +112,7 @@ class _Parsed(Exception):
                                           ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True}),
                                           ("colocate", {"device": "cuda", "phase_s": 5.0, "json": True,
                                                         "modes": ["alone", "no-daemon", "mps-priority", "exclusive",
-                                                                  "corun", "corun-mps", "corun-pause", "corun-free"]})])
+                                                                  "corun", "corun-nomps", "corun-pause", "corun-free"]})])
 def test_each_planned_benchmark_command_line_parses(dry_run, monkeypatch, step, expect):
     """The options the script passes must exist: parse them with the benchmark's own parser, then stop."""
     run, out, _ = dry_run

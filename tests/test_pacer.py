@@ -143,10 +143,11 @@ def test_on_cuda_the_run_ahead_is_bounded_while_a_higher_class_is_on_the_device(
     total, unbounded = drain_ms()
     client = _FakeClient()
     client.pacing = _PresentBoard()
-    pacer = Pacer(client, model, points=32, ahead=2)
+    pacer = Pacer(client, model, points=32, ahead_ms=2.0)
     _, bounded = drain_ms()
     pacer.close()
     layer_ms = total / 32
     print(f"queued after issue: {unbounded:.2f} ms unbounded, {bounded:.2f} ms bounded (layer {layer_ms:.2f} ms)")
     assert unbounded > 0.5 * total  # on its own the CPU ran far ahead of the GPU
-    assert bounded < 4 * layer_ms  # bounded: at most two layers queued beyond the running one
+    # Bounded: two layers (the least it keeps), the one running and the one issued after the last point.
+    assert bounded < 5 * layer_ms and bounded < unbounded / 3

@@ -34,10 +34,12 @@ class MpsPartitions:
     that plans integer SM shares for the sessions that :meth:`join` it."""
 
     def __init__(self, config: ServeConfig, devices: list[DeviceInfo], poller: EventLoopPoller,
-                 send: Send, error: Error) -> None:
-        bad = [d for d in config.mps_devices if not 0 <= d < len(devices)]
+                 send: Send, error: Error, backend: str = "cpu") -> None:
+        wanted, self._auto = config.mps_devices_for(backend, len(devices))
+        bad = [d for d in wanted if not 0 <= d < len(devices)]
         if bad:
             raise ConfigError(f"mps.devices names {bad}, but this node has devices 0..{len(devices) - 1}")
+        self._wanted = wanted
         self._config = config
         self._devices = devices
         self._poller = poller
@@ -49,16 +51,25 @@ class MpsPartitions:
         self._tables: dict[int, PartitionTable] = {
             i: PartitionTable(i, min_percent=config.mps_min_percent,
                               memory_total_mb=memory.capacity_mb(devices[i], config.memory_reserve_mb))
-            for i in config.mps_devices}
+            for i in wanted}
 
     # ------------------------------------------------------------------ life
 
     def start(self, runtime_dir: str) -> None:
         """One control daemon per configured device, watched through its pidfd."""
-        for device in self._config.mps_devices:
+        for device in self._wanted:
             control = MpsControl(device, self._devices[device].uuid, runtime_dir, self._config.mps_control_binary,
                                  dir_mode=0o755 if os.geteuid() == 0 else 0o700)
-            control.start()
+            try:
+                control.start()
+            except MpsError as exc:
+                if not self._auto:
+                    raise
+                # Chosen by "auto", not asked for: the daemon serves without MPS on this device.
+                log.warning("[mps] device=%d: no MPS (%s); co-run paces lower classes without MPS client priority "
+                            "(set mps.devices to silence this)", device, exc)
+                self._tables.pop(device, None)
+                continue
             self._controls[device] = control
             self._watch(device)
             log.info("[mps] device=%d control daemon pid=%s", device, control.pid)

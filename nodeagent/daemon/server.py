@@ -52,7 +52,7 @@ from nodeagent.daemon.serving import Serving
 from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
 from nodeagent.daemon.suspension import Suspensions
 from sharing import NotHolderError, Workload
-from sharing.partition import PartitionError
+from sharing.partition import ACTIVE_THREAD_PERCENTAGE_ENV as ACTIVE_THREADS_ENV, PartitionError
 
 log = logging.getLogger("nodeagent.server")
 
@@ -112,7 +112,8 @@ class AgentServer:
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
         self._status_jobs: collections.deque = collections.deque()  # (route, request id, steps) in order
         # MPS control daemons and SM shares (a component: what it may touch is in its constructor).
-        self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error)
+        self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error,
+                                  backend=backend.name)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
         # Memory readings against declarations, lost devices, token requests held on them (a component).
         self._memory_policy = MemoryPolicy(
@@ -504,6 +505,9 @@ class AgentServer:
             # Under MPS the server schedules a higher-priority client's work first: a lower
             # class yields the SMs to inference without any of its work being stopped.
             env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
+            cap = self.config.corun_lower_sm_percent
+            if cap and self._schedulers[s.device].corun and ACTIVE_THREADS_ENV not in env:
+                env[ACTIVE_THREADS_ENV] = str(cap)  # SMs left free for the higher class when it comes
         uuid = self._device_info[s.device].uuid
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
