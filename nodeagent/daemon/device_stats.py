@@ -13,8 +13,12 @@ whatever the traffic:
 - counters since the daemon started.
 
 A slice whose end is not reported here (a serving sub-session gives the token
-back inside the serving component) ends at the device's next grant, or at the
-next status that finds another holder (or none), whichever comes first.
+back inside the serving component) ends at the next grant of its lane, or at
+the next status that finds another holder (or none), whichever comes first.
+A lane is the token a grant is of: a device's only one when it is exclusive,
+one per class when it co-runs (see :mod:`sharing.corun`), where the slices of
+different lanes overlap; a bucket's time then adds up past its length, and
+"idle" means that no lane held the token for most of it.
 Time is passed in (the loop's monotonic clock); nothing here touches a socket.
 """
 
@@ -49,7 +53,7 @@ class DeviceStats:
         self._tags = [-1] * buckets
         self._held: list[dict[str, list]] = [{} for _ in range(buckets)]  # session -> [seconds, name]
         self._best: list[tuple[int, str] | None] = [None] * buckets  # (bucket, its winner) once complete
-        self._open: tuple[str, str, float] | None = None  # (session, name, since): the slice running now
+        self._open: dict[int, tuple[str, str, float]] = {}  # lane -> (session, name, since): slices running now
         self._waits: deque[float] = deque(maxlen=wait_window)  # seconds
         self.grants = 0
         self.preemptions = 0  # yield asked because a higher class waited
@@ -59,19 +63,20 @@ class DeviceStats:
 
     # ------------------------------------------------------------ events
 
-    def granted(self, session: str, name: str, now: float, waited_s: float) -> None:
-        """``session`` holds the token from ``now``; a slice still open ends here."""
+    def granted(self, session: str, name: str, now: float, waited_s: float, lane: int = 0) -> None:
+        """``session`` holds ``lane``'s token from ``now``; a slice of that lane still open ends here."""
         self.grants += 1
         if waited_s >= 0:  # the scheduler's, never negative; NaN would fail this too
             self._waits.append(waited_s)
-        if self._open is not None:
-            self._close(now)
-        self._open = (session, name, now)
+        if lane in self._open:
+            self._close(lane, now)
+        self._open[lane] = (session, name, now)
 
     def slice_ended(self, session: str, now: float) -> None:
-        """``session``'s slice is over (released, revoked, gone); a no-op if another holds the token."""
-        if self._open is not None and self._open[0] == session:
-            self._close(now)
+        """``session``'s slice is over (released, revoked, gone); a no-op if it holds no token."""
+        for lane, (holder, _, _) in list(self._open.items()):
+            if holder == session:
+                self._close(lane, now)
 
     def yield_asked(self, reason: str) -> None:
         if reason == "preempted":
@@ -87,11 +92,14 @@ class DeviceStats:
 
     # ------------------------------------------------------------ reading
 
-    def report(self, now: float, holder: str | None) -> p.TokenActivity:
-        """The history as of ``now`` for a status reply. ``holder`` is the scheduler's: an
-        open slice of another session (one whose end this object was not told) ends now."""
-        if self._open is not None and self._open[0] != holder:
-            self._close(now)
+    def report(self, now: float, holders: tuple[str, ...] | str | None) -> p.TokenActivity:
+        """The history as of ``now`` for a status reply. ``holders`` are the scheduler's (one
+        per lane): an open slice of another session (whose end this object was not told) ends now."""
+        if holders is None or isinstance(holders, str):
+            holders = () if holders is None else (holders,)
+        for lane, (session, _, _) in list(self._open.items()):
+            if session not in holders:
+                self._close(lane, now)
         timeline, names = self._timeline(now)
         waits = sorted(self._waits)
         return p.TokenActivity(
@@ -107,8 +115,8 @@ class DeviceStats:
         bucket's answer is kept until a slice closing into it changes it."""
         bs = self.bucket_s
         current = int(now // bs)
-        open_slice = self._open
-        open_from = int(open_slice[2] // bs) if open_slice is not None else current + 1
+        running = list(self._open.values())
+        open_from = min((int(since // bs) for _, _, since in running), default=current + 1)
         timeline: list[str] = []
         names: dict[str, str] = {}
         for b in range(current - self.buckets + 1, current + 1):
@@ -117,22 +125,26 @@ class DeviceStats:
             if b < open_from and b < current:  # complete, and no running slice in it
                 cached = self._best[i]
                 if cached is None or cached[0] != b:
-                    cached = self._best[i] = (b, _winner(slot, bs, None, 0.0))
+                    cached = self._best[i] = (b, _winner(slot, bs, {}))
                 best = cached[1]
             else:
                 start = b * bs
-                extra = min(now, start + bs) - max(start, open_slice[2]) if open_slice is not None else 0.0
-                best = _winner(slot, min(now, start + bs) - start, open_slice[0] if extra > 0 else None, extra)
+                extra = {}
+                for session, _, since in running:
+                    seconds = min(now, start + bs) - max(start, since)
+                    if seconds > 0:
+                        extra[session] = extra.get(session, 0.0) + seconds
+                best = _winner(slot, min(now, start + bs) - start, extra)
             timeline.append(best)
             if best != IDLE and best != MANY and best not in names:
-                names[best] = slot[best][1] if slot is not None and best in slot else open_slice[1]
+                names[best] = (slot[best][1] if slot is not None and best in slot
+                               else next(name for session, name, _ in running if session == best))
         return timeline, names
 
     # ------------------------------------------------------------ bucket arithmetic
 
-    def _close(self, now: float) -> None:
-        session, name, since = self._open
-        self._open = None
+    def _close(self, lane: int, now: float) -> None:
+        session, name, since = self._open.pop(lane)
         self._spread(session, name, since, now)
 
     def _spread(self, session: str, name: str, start: float, end: float) -> None:
@@ -172,16 +184,18 @@ class DeviceStats:
             else:
                 many[0] += seconds
 
-def _winner(slot: dict[str, list] | None, length_s: float, running: str | None, running_s: float) -> str:
-    """Who held the token longest in a bucket ``length_s`` long: a session of ``slot``
-    (``running`` adding ``running_s`` of a slice still open), or ``IDLE`` if it was free longer."""
-    best, best_s, total = IDLE, 0.0, running_s
-    if running is not None and (slot is None or running not in slot):
-        best, best_s = running, running_s
+def _winner(slot: dict[str, list] | None, length_s: float, running: dict[str, float]) -> str:
+    """Who held a token longest in a bucket ``length_s`` long: a session of ``slot`` (plus what
+    ``running`` adds: session -> seconds of a slice still open), or ``IDLE`` if no token was held
+    for longer than the longest holder held one."""
+    best, best_s, total = IDLE, 0.0, sum(running.values())
+    for sid, seconds in running.items():
+        if (slot is None or sid not in slot) and seconds > best_s:
+            best, best_s = sid, seconds
     if slot:
         for sid, entry in slot.items():
-            seconds = entry[0] + running_s if sid == running else entry[0]
+            seconds = entry[0] + running.get(sid, 0.0)
             total += entry[0]
             if seconds > best_s:
                 best, best_s = sid, seconds
-    return best if best_s > length_s - total else IDLE
+    return best if best_s > length_s - min(total, length_s) else IDLE

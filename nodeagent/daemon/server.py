@@ -840,7 +840,8 @@ class AgentServer:
             log.warning("[devices] live query failed, using the last values: %s", exc)
         infos = list(self._device_info)
         snaps = [scheduler.snapshot(now) for scheduler in self._schedulers]
-        activity = [stats.report(now, snap.holder) for stats, snap in zip(self._tokens.stats, snaps)]
+        activity = [stats.report(now, scheduler.holders())
+                    for stats, scheduler in zip(self._tokens.stats, self._schedulers)]
         for info, snap, recent in zip(infos, snaps, activity):
             sessions = []
             for view in snap.sessions:

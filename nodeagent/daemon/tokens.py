@@ -115,7 +115,7 @@ class Tokens:
                     s.last_seen = now  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self.pacing.granted(s)
-                self.stats[s.device].granted(s.id, s.name, now, action.waited_s)
+                self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
                 self._event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
@@ -223,6 +223,10 @@ class Tokens:
         else:
             self.pacing.forget(s)
 
+    def _lane(self, device: int, workload: Workload) -> int:
+        """Which token of ``device`` a grant to ``workload`` is of: its class's on a co-run device."""
+        return int(workload) if self.schedulers[device].corun else 0
+
     def _note_delegated(self, action, now: float) -> None:
         """A serving sub-session's grant, yield request, overrun or revoke counts in its device's history."""
         device = next((i for i, scheduler in enumerate(self.schedulers) if action.session in scheduler), None)
@@ -233,7 +237,7 @@ class Tokens:
         if kind is Grant:
             owner = self._sessions.get(action.session.rpartition(":")[0])  # "<session>:serve"
             stats.granted(action.session, f"{owner.name} (server-side)" if owner is not None else action.session,
-                          now, action.waited_s)
+                          now, action.waited_s, lane=self._lane(device, Workload.INFERENCE))
         elif kind is AskYield:
             stats.yield_asked(action.reason)
         elif kind is Enforce:
