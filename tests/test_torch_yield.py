@@ -673,7 +673,7 @@ def test_a_dtensor_is_refused_with_a_park_error():
 def test_park_frees_device_memory_on_cuda():
     model, opt = make("adam", "cuda")
     big = torch.nn.Linear(4096, 4096, device="cuda")  # 64 MiB, so the drop is unmistakable
-    yielder = Yielder(modules=[model, big], optimizers=[opt])
+    yielder = Yielder(modules=[model, big], optimizers=[opt], keep_addresses=False)  # the in-place path
     assert yielder.host_buffer is not None and yielder.host_buffer.is_pinned()  # reserved before any park
     for batch in batches("cuda", steps=2):
         step(model, opt, batch)
