@@ -13,7 +13,8 @@ counted. Training: steps completed inside the phase's window. Ratios are
 against ``alone`` in the same run: p99 / alone p99, kept = steps/s / alone
 steps/s, and system throughput = served / offered + kept (Tally's and Orion's
 sum of both normalised). A load's rate is a fraction of the capacity measured
-alone (1 / median back-to-back service time at its batch).
+alone with the trainer paused (1 / median service time of requests made one at
+a time, 10 ms apart, at its batch).
 
 The driver imports no torch and never initialises CUDA: the environment of each
 child (MPS pipe directory, client priority, daemon endpoint) is what sets a mode
@@ -552,9 +553,10 @@ def _alone(run: Run, trainer: Child, inference: Child, inference_ready: dict, ou
     run.alone_steps_per_s = steps / run.phase_s
     out["training"] = {"steps": steps, "steps_per_s": rounded(run.alone_steps_per_s),
                        "step_ms": rounded(1e3 / run.alone_steps_per_s)}
+    inference.send(op="calibrate")  # now: the trainer is paused, nothing else runs on the device
+    service = inference.expect("calibrated", _PHASE_SLACK_S)["service_ms"]
     for load in run.loads:
-        service_ms = inference_ready["service_ms"][load.name]
-        run.rate_per_s[load.name] = load.fraction * 1e3 / service_ms
+        run.rate_per_s[load.name] = load.fraction * 1e3 / service[load.name]
     loads = {}
     for index, load in enumerate(run.loads):
         phase = run_phase(run, inference, load, index, time.monotonic_ns() + int(0.2e9))
@@ -565,7 +567,7 @@ def _alone(run: Run, trainer: Child, inference: Child, inference_ready: dict, ou
         loads[load.name] = {**inference_stats(run, load, phase), "steps": None, "steps_per_s": None, "kept": None,
                             "system_throughput": None}
     out["loads"] = loads
-    out["service_ms"] = {name: rounded(ms) for name, ms in inference_ready["service_ms"].items()}
+    out["service_ms"] = {name: rounded(ms) for name, ms in service.items()}
     return out
 
 

@@ -229,7 +229,12 @@ class PaceController:
     step (more for the lower class), beyond it tightens one step, beyond twice
     the tolerance it pauses outright. With the default steps (0 and 1000) that
     is: pause the lower class while the higher one holds, unless running beside
-    it costs the higher class's slices less than the tolerance. Every ``probe_every`` slices spent above
+    it costs the higher class's slices less than the tolerance. A step up is a
+    try: a quarter window far beyond the tolerance ends it early, and after a
+    failed try the controller holds that many windows before the next (1, 2,
+    4, ... up to 64), so where running beside costs too much it pauses nearly
+    always (the first H100 run's controller, without this, alternated window by
+    window and kept the worst of both). Every ``probe_every`` slices spent above
     duty 0 it spends one window at duty 0 to measure the reference again (the
     service or the trainer may have changed). TGS (NSDI'23) adapts an
     opportunistic job's rate to the productive job's measured throughput the
@@ -265,6 +270,12 @@ class PaceController:
         self._since_probe = 0
         self._probing = False
         self._resume_step = 0  # where a probe returns to
+        # Trying a step up: a window decides; a quarter of one that is far off ends the try early.
+        self._trial = False
+        self._early = max(4, self.window // 4)
+        self._backoff = 1  # windows to hold after the next failed try (doubles per failure)
+        self._hold = 0  # windows left before the next try
+        self.max_backoff = 64
         self.changes = 0  # duty changes made, for metrics
 
     @property
@@ -295,30 +306,40 @@ class PaceController:
         if duty_permille != self.duty_permille:
             return False  # ran under an older duty: says nothing about this one
         self._current.append(held_s)
-        if len(self._current) < self.window:
+        ref = self.reference_s()
+        early = self._trial and len(self._current) >= self._early and ref is not None and \
+            _median(self._current) > ref * (1.0 + 2.0 * self.tolerance)
+        if len(self._current) < self.window and not early:
             return False
         window, self._current = self._current, []
         before = self._step
         if self._probing:
             self._probing = False
             self._step = self._resume_step
-        else:
-            ref = self.reference_s()
-            if ref is not None:
-                measured = _median(window)
-                if measured <= ref * (1.0 + self.tolerance):
-                    self._step = min(self._step + 1, len(self.steps) - 1)
-                elif measured > ref * (1.0 + 2.0 * self.tolerance):
-                    self._step = 0
-                else:
-                    self._step = max(self._step - 1, 0)
-            if self._step > 0:
-                self._since_probe += len(window)
-                if self.slo_s is None and self._since_probe >= self.probe_every:
-                    self._since_probe = 0
-                    self._probing = True
-                    self._resume_step = self._step
-                    self._step = 0
+        elif ref is not None:
+            measured = _median(window)
+            if measured <= ref * (1.0 + self.tolerance):
+                if self._trial:  # the step up held: the next try may come soon
+                    self._trial, self._backoff = False, 1
+                if self._hold > 0:
+                    self._hold -= 1  # a failed try is not repeated at once
+                elif self._step + 1 < len(self.steps):
+                    self._step += 1
+                    self._trial = True
+            else:
+                self._step = 0 if measured > ref * (1.0 + 2.0 * self.tolerance) else max(self._step - 1, 0)
+                # A failed try waits twice as long as the last before the next; a step that held
+                # and then stopped holding (the load changed) may be tried again after one window.
+                self._backoff = min(self._backoff * 2, self.max_backoff) if self._trial else 1
+                self._hold = self._backoff
+                self._trial = False
+        if self._step > 0 and not self._probing:
+            self._since_probe += len(window)
+            if self.slo_s is None and self._since_probe >= self.probe_every:
+                self._since_probe = 0
+                self._probing = True
+                self._resume_step = self._step
+                self._step = 0
         if self._step != before:
             self.changes += 1
             return True

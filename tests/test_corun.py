@@ -152,9 +152,31 @@ def test_by_default_the_lower_class_is_paused_unless_running_beside_costs_under_
     assert c.duty_permille == 1000  # try running beside it
     _feed(c, 0.0109, 8)  # 9% slower beside the trainer: back to pausing
     assert c.duty_permille == 0
+    _feed(c, 0.010, 16)  # a failed try is not repeated at once: two windows paused
     _feed(c, 0.010, 8)
-    _feed(c, 0.0104, 8)  # 4%: running beside it is worth it
+    assert c.duty_permille == 1000  # the next try
+    _feed(c, 0.0104, 8)  # 4%: running beside it is worth it, and stays
+    _feed(c, 0.0104, 8)
     assert c.duty_permille == 1000
+
+
+def test_each_failed_try_waits_twice_as_long_and_a_far_worse_one_ends_early():
+    c = PaceController(window=8, probe_every=10_000)
+    _feed(c, 0.010, 8)
+    held = []
+    for _ in range(4):
+        assert c.duty_permille == 1000
+        for n in range(8):
+            c.observe(0.030, 1000, True)  # 3x the reference: ends after a quarter window
+            if c.duty_permille == 0:
+                break
+        assert n + 1 == 4
+        windows = 0
+        while c.duty_permille == 0:
+            _feed(c, 0.010, 8)
+            windows += 1
+        held.append(windows)
+    assert held == [3, 5, 9, 17]  # 2, 4, 8, 16 windows held, then the window that steps up
 
 
 def test_a_fixed_duty_never_moves():
