@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 from client_lib import vmm  # noqa: E402
 from client_lib.torch import KeepAddressesError, RestoreVerifyError, Yielder  # noqa: E402
 from client_lib.vmm import DriverError, Region, VmmBackend, block_sums  # noqa: E402
+from tests.test_torch_yield import Net  # noqa: E402  (every kind of state: weights, BatchNorm buffers)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -121,16 +122,6 @@ class HostVmm(VmmBackend):
 
 # ------------------------------------------------------------------ helpers
 
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = torch.nn.BatchNorm2d(8)
-        self.fc = torch.nn.Linear(8 * 8 * 8, 10)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
 def make(device="cpu"):
