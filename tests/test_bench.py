@@ -134,8 +134,10 @@ def test_enforce_bench_reports_both_hogs():
         assert s["hog_units_while_inference_held"] == 0, name  # and never while inference held the token
     assert r["inference_wait_p99_ms"] == r["launched"]["inference_wait_p99_ms"]
     assert r["launched"]["inference_wait_p99_ms"] < r["grace_ms"]  # the launcher stops the hog itself
-    assert r["library"]["inference_wait_p50_ms"] >= r["grace_ms"]  # the daemon waits out the grace period
-    assert r["library"]["stops"] >= r["library"]["requests"] - 1
+    # The daemon waits out the grace period; a request already due when the one before it ends
+    # is served in the token's linger (scheduler.linger_ms), without stopping the hog again.
+    assert r["library"]["inference_wait_p99_ms"] >= r["grace_ms"]
+    assert r["library"]["requests"] // 2 - 1 <= r["library"]["stops"] <= r["library"]["requests"]
     assert r["library"]["p99_minus_grace_ms"] == pytest.approx(
         r["library"]["inference_wait_p99_ms"] - r["grace_ms"], abs=0.002)
     assert r["idle_wait_p50_ms"] > 0
