@@ -394,6 +394,26 @@ class Client:
         self.woken += 1
         return True  # the channel stays open until our release: closing it is not on the way to our work
 
+    def _answer_withdrawal(self, grant: int) -> None:
+        """The daemon took back its promise of ``grant``: stop listening for its word (what the
+        channel holds unread is dropped, never taken) and say whether we had taken it already."""
+        woken = self._woken_grant == grant
+        if self._standby is not None and self._standby[0] == grant:
+            self._standby = None
+            self._drain_wake()
+        self._send_quiet(p.StandbyAck(id=self._take_id(), grant=grant, woken=woken))
+
+    def _drain_wake(self) -> None:
+        """Read and drop whatever the wake channel holds (no standby: nothing in it is ours)."""
+        fd = self._wake_fd
+        if fd is not None:
+            try:
+                while len(os.read(fd, 4096)) == 4096:
+                    pass
+            except OSError:
+                pass
+        self._wake_tail = b""
+
     def _listen(self) -> None:
         """Open our wake channel while we wait for the token (read-write, so that it never
         reports a hang-up). Only while waiting: a holder that finds no reader hands off in
@@ -604,6 +624,11 @@ class Client:
         if self._resume_received:  # resumed before we got here (the suspend was cancelled): nothing to do
             self._suspend_requested = self._resume_received = False
             return
+        # Suspended, we wait for nothing: a promise's word must not wake us now (the daemon
+        # withdraws it too and waits for our answer before granting anyone else).
+        if self._grant is None:
+            self._standby = None
+            self._unlisten()
         started = time.perf_counter()
         if self._fence is not None and self._park is None:
             self._fence()  # a park handler finishes the device's work itself
@@ -895,10 +920,10 @@ class Client:
                 frames = conn.recv(timeout_ms / 1000.0)
             except ConnectionError:
                 return False  # the daemon went away: _check_daemon decides what follows
-            woken = False
-            if conn.woken:  # first: the wake word came before the daemon's copy of its grant
-                conn.woken = False
-                woken = self._read_wake()
+            # The daemon's notices first, then the wake word: a withdrawn promise (standby
+            # with withdrawn) read in the same pump as its word must win over the word, or a
+            # successor stopped meanwhile would wake on a promise the daemon took back. The
+            # daemon's copy of a grant taken from the word is recognised as a copy either way.
             for frame in frames:
                 try:
                     msg = codec.decode_reply(frame)
@@ -906,6 +931,10 @@ class Client:
                     log.warning("[client] ignoring a frame from the daemon: %s", exc)
                     continue
                 self._handle(msg)
+            woken = False
+            if conn.woken:
+                conn.woken = False
+                woken = self._read_wake()
             if not woken and self._wake_tail and self._standby is not None:
                 woken = self._match_wake(b"")  # a word read before the standby it matches was handled
             if not frames and not woken:
@@ -942,7 +971,9 @@ class Client:
             if msg.grant == self._grant:
                 self._hint = (msg.grant, msg.next, msg.wake, msg.secret) if msg.next is not None else None
         elif kind is p.Standby:
-            if self._grant is None:
+            if msg.withdrawn:
+                self._answer_withdrawal(msg.grant)
+            elif self._grant is None:
                 self._standby = (msg.grant, msg.secret)
         elif kind is p.Revoke:
             if msg.grant == self._grant:

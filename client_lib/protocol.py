@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 2)
+PROTOCOL_VERSION: tuple[int, int] = (2, 3)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -119,6 +119,16 @@ class Release(Request, tag="release"):
 
 class Cancel(Request, tag="cancel"):
     """Withdraw a pending ``acquire`` (no-op when not waiting)."""
+
+
+class StandbyAck(Request, tag="standby_ack"):
+    """2.3, the answer to a withdrawn ``standby`` notice for ``grant``: ``woken`` if this
+    client had already taken that grant from its wake channel (it holds it), else it has
+    stopped listening for it and never will take it. The daemon grants nobody the token
+    until it has this answer (or enforces past the grace). No reply unless an error."""
+
+    grant: int
+    woken: bool = False
 
 
 class StatusRequest(Request, tag="status"):
@@ -279,7 +289,7 @@ class SetPolicy(Request, tag="set_policy"):
 ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
                       SuspendSession, ResumeSession, Partition, Suspended, Resumed,
                       RegisterModel, UnregisterModel, ModelsRequest, Infer,
-                      Inventory, Lend, Reclaim, Drain, SetPolicy]
+                      Inventory, Lend, Reclaim, Drain, SetPolicy, StandbyAck]
 
 
 # --------------------------------------------------------------------------
@@ -429,10 +439,14 @@ class Standby(Reply, tag="standby"):
     """Notice (2.1, to a one-hop client that waits): you are promised the token next,
     under ``grant``. The holder may wake you directly by writing ``secret`` and
     ``grant`` to your wake channel (``welcome.wake``); accept that word only while
-    you wait and it matches this notice. The daemon's ``grant`` follows either way."""
+    you wait and it matches this notice. The daemon's ``grant`` follows either way.
+    2.3: ``withdrawn`` takes the promise of ``grant`` back: stop accepting its word
+    (drop what the channel holds unread) and answer ``standby_ack``, saying whether
+    you had taken it already."""
 
     grant: int
     secret: bytes  # 16 random bytes, one use
+    withdrawn: bool = False  # 2.3
 
 
 class Successor(Reply, tag="successor"):

@@ -206,7 +206,8 @@ class CoRunScheduler:
     def successor(self) -> str | None:
         raise SchedulerError("a co-run device has a successor per lane; ask lane_of(session)")
 
-    bind_successor = unbind_successor = bound_successor = successor  # type: ignore[assignment]
+    bind_successor = withdraw_successor = settle_successor = bound_successor = successor  # type: ignore[assignment]
+    promised_grant = promise_withdrawing = successor  # type: ignore[assignment]
 
 
 #: The duties the controller moves between by default, in permille of each period a lower class may

@@ -23,8 +23,11 @@ Policy, in order of precedence:
   higher-class slices preempts the lower class once, not once per slice;
 * a successor promised in advance (``bind_successor``) gets the token when the
   holder's slice ends, however it ends, ahead of everything above: a holder told
-  who is next may wake it directly (the one-hop handoff), so no one else may
-  be granted until the daemon withdraws the promise (``unbind_successor``).
+  who is next may wake it directly (the one-hop handoff). A promise is taken
+  back only with the successor's word: ``withdraw_successor`` (or the successor
+  cancelling) reserves the token, which nobody gets until ``settle_successor``
+  says whether the successor woke on it (then it holds the promised grant) or
+  not (then the promised id is burnt: no grant id is ever given twice).
 
 Each call costs O(log n) in the sessions waiting (amortised; a line per class
 in :mod:`sharing.fairqueue`); ``tick``, ``next_deadline`` and ``wanted_by`` are
@@ -145,6 +148,9 @@ class SchedulerPolicy:
     def quantum_s(self, workload: Workload) -> float:
         """Slice length of ``workload`` in seconds."""
         return self.quantum_ms[workload] / 1000.0
+
+
+_OUT, _WITHDRAWING, _WOKEN = "out", "withdrawing", "woken"  # where a promise stands (TokenScheduler._promise)
 
 
 class SessionState(enum.Enum):
@@ -328,6 +334,7 @@ class TokenScheduler:
         "_grant_step",
         "_last_now",
         "_successor",
+        "_promise",
         "_linger_until",
         "_linger_class",
     )
@@ -359,8 +366,11 @@ class TokenScheduler:
         self._grant_step = grant_step
         self._last_now = -math.inf
         # A waiter promised the token when the holder's slice ends, however it ends
-        # (see bind_successor); None: the usual order decides.
+        # (see bind_successor); None: the usual order decides. _promise says where the
+        # promise stands: OUT, WITHDRAWING (nobody else is granted until settled) or
+        # WOKEN (settled: the successor took it; it holds when the slice ends).
         self._successor: _Session | None = None
+        self._promise = _OUT
         # While the token lingers after a release (see SchedulerPolicy.linger_ms): until when,
         # and for which class and those above it. None: not lingering.
         self._linger_until: float | None = None
@@ -410,8 +420,8 @@ class TokenScheduler:
         s = self._get(session)
         self._advance(now)
         del self._sessions[session]
-        if s is self._successor:
-            self._successor = None
+        if s is self._successor:  # gone: it wakes on nothing any more
+            self._drop_promise()
         if s.state is SessionState.WAITING:
             self._queues[s.workload].discard(session)
         elif s is self._holder:
@@ -454,8 +464,9 @@ class TokenScheduler:
             s.state = SessionState.IDLE
             s.waiting_since = None
             s.view = None
-            if s is self._successor:
-                self._successor = None
+            if s is self._successor and self._promise is _OUT:
+                # It may still wake on the holder's word: taken back only with its answer.
+                self._promise = _WITHDRAWING
         return []
 
     def release(self, session: str, grant: int, now: float, requeue: bool = False) -> list[Action]:
@@ -548,18 +559,48 @@ class TokenScheduler:
         if s.state is not SessionState.WAITING:
             raise SchedulerError(f"session {session!r} is {s.state.value}, not waiting: it cannot be promised "
                                  "the token")
-        if self._successor is not None and self._successor is not s:
+        if self._successor is not None and (self._successor is not s or self._promise is not _OUT):
             raise SchedulerError(f"session {self._successor.id!r} is already promised the token of device "
-                                 f"{self._device}; unbind it first")
+                                 f"{self._device}; settle that promise first")
         self._successor = s
+        self._promise = _OUT
         return self._next_grant
 
-    def unbind_successor(self) -> None:
-        """Withdraw the promise of :meth:`bind_successor`; the usual order decides again."""
-        self._successor = None
+    def withdraw_successor(self) -> None:
+        """Take the promise back: from now on nobody is granted the token (a holder's slice
+        that ends leaves it free) until :meth:`settle_successor` says whether the successor,
+        told of the withdrawal, woke on the holder's word first. A no-op without a promise
+        out; withdrawing twice is withdrawing once."""
+        if self._successor is not None and self._promise is _OUT:
+            self._promise = _WITHDRAWING
+
+    def settle_successor(self, woken: bool, now: float) -> list[Action]:
+        """The withdrawn promise's successor answered: ``woken`` (it took the promised grant
+        from the holder's word: it holds it now if the token is free, else when the holder's
+        slice ends) or not (the promise goes and its grant id is never given). A no-op
+        unless a promise is being withdrawn."""
+        s = self._successor
+        if s is None or self._promise is not _WITHDRAWING:
+            return []
+        self._advance(now)
+        if woken:
+            self._promise = _WOKEN
+        else:
+            self._drop_promise()
+        if self._holder is None and self._linger_until is None:
+            return self._grant_next(now, [])
+        return []
 
     def bound_successor(self) -> str | None:
         return self._successor.id if self._successor is not None else None
+
+    def promised_grant(self) -> int | None:
+        """The grant id a bound successor was promised (None without a promise)."""
+        return self._next_grant if self._successor is not None else None
+
+    def promise_withdrawing(self) -> bool:
+        """True while a promise is being taken back (the token is held for its answer)."""
+        return self._successor is not None and self._promise is _WITHDRAWING
 
     def tick(self, now: float) -> list[Action]:
         """Emit what time alone makes due: a quantum or preemption ask, or one Enforce."""
@@ -741,10 +782,18 @@ class TokenScheduler:
         """Give the free token to the bound successor, else to the first in line
         (highest class, then fair order)."""
         s = self._successor
-        self._successor = None  # a promise covers one slice's end
-        if s is not None and s.state is SessionState.WAITING:
-            self._queues[s.workload].discard(s.id)
-        else:
+        if s is not None:
+            if self._promise is _WITHDRAWING:
+                return actions  # held for the successor's answer (settle_successor)
+            woken = self._promise is _WOKEN
+            self._successor, self._promise = None, _OUT  # a promise covers one slice's end
+            if s.state is SessionState.WAITING:
+                self._queues[s.workload].discard(s.id)
+            elif not woken:  # not waiting, and did not take it: its id is never given
+                self._next_grant += self._grant_step
+                s = None
+            # else: it took the grant from the holder's word, whatever it asked of us since
+        if s is None:
             for line in self._queues:
                 if line:
                     break
@@ -753,7 +802,7 @@ class TokenScheduler:
             s = line.pop_first()
         grant = self._next_grant
         self._next_grant += self._grant_step
-        waited_s = float(now - s.waiting_since)  # type: ignore[operator]  # WAITING has a time
+        waited_s = float(now - s.waiting_since) if s.waiting_since is not None else 0.0
         s.state = SessionState.HOLDING
         s.waiting_since = None
         s.grants += 1
@@ -764,6 +813,13 @@ class TokenScheduler:
         self._slice_end = now + self._quantum_s[s.workload]
         actions.append(Grant(s.id, grant, self._policy.quantum_ms[s.workload], waited_s))
         return actions
+
+    def _drop_promise(self) -> None:
+        """The promise goes without being kept: its grant id was told to the holder and the
+        successor, so it is never given to anyone (a late word for it names no grant)."""
+        self._successor = None
+        self._promise = _OUT
+        self._next_grant += self._grant_step
 
     def _ask_yield(self, h: _Session, now: float, reason: str) -> AskYield:
         h.state = SessionState.YIELDING

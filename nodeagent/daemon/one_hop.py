@@ -17,19 +17,25 @@ its socket and its FIFO, runs on the FIFO's word. The daemon still grants S
 (S takes it as a duplicate), since the scheduler holds S as the promised
 successor.
 
-The promise binds: however H's slice ends (release, revoke, a SIGSTOP, H's
-death), S gets ``g'``, because H may have written the FIFO just before. It is
-undone only by H releasing with ``handed`` empty (H did not write), or by S
-leaving or cancelling (then S ignores any word). A hint that no longer names
-the first in line (a higher class arrived) is withdrawn with a ``successor``
-notice with no ``next``, sent ahead of any yield request on H's connection, so
-a cooperative H releases without handing and the usual order decides; one
-that does not read its socket is enforced, and the token goes to S, which is
-then asked to yield at once. A daemon restart forgets hints; FIFOs left by a
-crashed daemon are removed at start.
+The promise binds: however H's slice ends (release with or without
+``handed``, revoke, a SIGSTOP, H's death), S gets ``g'``, because H may have
+written the FIFO, whatever it says. It is taken back only with S's word, since
+only S knows whether it woke (issue 21: a suspended successor and a lying
+holder each made two honest clients hold one grant). When the promise must go
+(a higher class now comes first, S cancels or is being suspended) the daemon
+withdraws it from both ends, H first (a ``successor`` notice with no ``next``,
+ahead of any yield request) then S (``standby`` with ``withdrawn``), and
+grants nobody the token until S answers ``standby_ack``: ``woken`` (S took
+``g'`` from the word, so S holds it, and gives way at once if a higher class
+waits) or not (S stopped listening first: ``g'`` is burnt, never given, and
+the usual order decides). An S that does not answer within the grace period
+is stopped (it is verified: one-hop needs it) and counted as not woken. S
+leaving ends the promise at once (it wakes on nothing). A daemon restart
+forgets hints; FIFOs left by a crashed daemon are removed at start.
 
 Only local, verified sessions that asked for it in ``hello`` (``one_hop``)
-take part; anyone else keeps the two-hop path. The FIFO belongs to S's user
+and speak protocol 2.3 or later (they answer a withdrawal) take part; anyone
+else keeps the two-hop path. The FIFO belongs to S's user
 and the daemon's group (mode 0620 under a root daemon: only S reads it, the
 socket's group may write), and the one-time 16-byte secret keeps other local
 users from forging a wake-up.
@@ -65,17 +71,25 @@ class _Hint:
     successor: str
     next_grant: int
     withdrawn: bool = False
+    answer_by: float | None = None  # while withdrawn: when the successor's standby_ack is due
 
 
 class OneHop:
     """Wake channels of one-hop sessions and the successor hints of every device."""
 
     def __init__(self, *, schedulers: list[TokenScheduler], sessions: SessionTable,
-                 send: Callable[[object, object], None], delegated: Callable[[str], bool]) -> None:
+                 send: Callable[[object, object], None], delegated: Callable[[str], bool],
+                 clock: Callable[[], float], grace_s: float,
+                 stop: Callable[[Session], bool], apply: Callable[[list, float], None]) -> None:
         self._schedulers = schedulers
         self._sessions = sessions
         self._send = send
         self._delegated = delegated
+        self._clock = clock
+        self._grace_s = grace_s  # how long a successor has to answer a withdrawal
+        self._stop = stop  # SIGSTOP a verified session (journalled first); False if it could not be
+        self._apply = apply  # carry out scheduler actions (a settled promise may grant)
+        self.unanswered = 0  # withdrawals whose successor did not answer in time (stopped instead)
         self._dir: str | None = None
         # Per (device, lane): a co-run device has a token, and so a successor, per class.
         self._hints: dict[tuple[int, int], _Hint] = {}
@@ -175,34 +189,30 @@ class OneHop:
             self._refresh_lane((device, lane_index), lane)
 
     def _refresh_lane(self, key: tuple[int, int], scheduler: TokenScheduler) -> None:
-        """Bring a lane's hint in line with it: forget one whose slice ended, withdraw one
-        that no longer names the first in line, give one where a one-hop holder has a
-        one-hop waiter first in line and none is out."""
+        """Bring a lane's hint in line with it: forget one whose promise the scheduler no longer
+        holds (kept or dropped), withdraw one that no longer names the first in line or whose
+        successor stopped waiting, give one where a one-hop holder has a one-hop waiter first
+        in line and none is out."""
         device = key[0]
-        holder_id = scheduler.holder()
         hint = self._hints.get(key)
-        holder = self._sessions.get(holder_id) if holder_id is not None else None
-        if hint is not None and (holder is None or hint.holder != holder_id or holder.grant != hint.grant):
-            del self._hints[key]  # that slice ended; the scheduler's promise ended with it
+        if hint is not None and (scheduler.bound_successor() != hint.successor
+                                 or scheduler.promised_grant() != hint.next_grant):
+            del self._hints[key]  # kept (the successor was granted) or gone with its successor
             hint = None
+        if hint is not None:
+            if hint.withdrawn:
+                return  # the token is held for the successor's answer
+            successor = self._sessions.get(hint.successor)
+            if scheduler.promise_withdrawing() or scheduler.first_in_line() != hint.successor:
+                scheduler.withdraw_successor()
+                self._withdraw(hint, successor, why="successor stopped waiting" if scheduler.promise_withdrawing()
+                               and scheduler.first_in_line() == hint.successor else "not first in line")
+            return
+        holder_id = scheduler.holder()
+        holder = self._sessions.get(holder_id) if holder_id is not None else None
         if holder is None or holder.grant is None:
             return
         first = scheduler.first_in_line()
-        if hint is not None:
-            if hint.withdrawn:
-                return  # bound until the slice ends: the holder may have written the FIFO
-            if scheduler.bound_successor() is None:
-                # The successor cancelled or left: it ignores any word, so a new hint may go.
-                del self._hints[key]
-                hint = None
-            elif first == hint.successor:
-                return
-            else:
-                hint.withdrawn = True
-                self._send(holder.route, p.Successor(grant=hint.grant))
-                log.debug("[one-hop] withdraw device=%d holder=%s successor=%s first=%s", device, holder_id,
-                          hint.successor, first)
-                return
         if first is None or not self._takes_part(holder):
             return
         successor = self._sessions.get(first)
@@ -220,16 +230,53 @@ class OneHop:
         log.debug("[one-hop] hint device=%d holder=%s grant=%d successor=%s next=%d", device, holder_id,
                   holder.grant, first, next_grant)
 
-    def before_release(self, s: Session, grant: int, handed: int | None) -> None:
-        """The holder ``s`` releases ``grant``: unless it woke the promised successor
-        (``handed`` is that promise's grant), the promise goes and the usual order decides."""
+    def _withdraw(self, hint: _Hint, successor: Session | None, why: str) -> None:
+        """Take a promise back from both ends: the holder (if it still holds that slice) is told
+        not to hand on, the successor to stop listening and answer; nobody is granted meanwhile."""
+        hint.withdrawn = True
+        hint.answer_by = self._clock() + self._grace_s
+        holder = self._sessions.get(hint.holder)
+        if holder is not None and holder.grant == hint.grant and holder.route is not None:
+            self._send(holder.route, p.Successor(grant=hint.grant))
+        if successor is not None and successor.route is not None:
+            self._send(successor.route, p.Standby(grant=hint.next_grant, secret=b"", withdrawn=True))
+        log.debug("[one-hop] withdraw holder=%s grant=%d successor=%s next=%d (%s)", hint.holder, hint.grant,
+                  hint.successor, hint.next_grant, why)
+
+    def on_answer(self, s: Session, grant: int, woken: bool, now: float) -> None:
+        """``s`` answered the withdrawal of its promise of ``grant`` (standby_ack): settle it.
+        An answer for anything else (late, or a promise already settled) is ignored."""
         key, scheduler = self._lane(s)
-        if scheduler is None or scheduler.holder() != s.id or s.grant != grant or scheduler.bound_successor() is None:
-            return
         hint = self._hints.get(key)
-        if handed is not None and hint is not None and hint.holder == s.id and handed == hint.next_grant:
+        if scheduler is None or hint is None or not hint.withdrawn or hint.successor != s.id \
+                or hint.next_grant != grant or scheduler.bound_successor() != s.id:
             return
-        scheduler.unbind_successor()
+        del self._hints[key]
+        log.debug("[one-hop] answered session=%s next=%d woken=%s", s.id, grant, woken)
+        self._apply(scheduler.settle_successor(bool(woken), now), now)
+
+    def next_deadline(self) -> float | None:
+        """When the earliest withdrawal's answer is due (None: none is awaited)."""
+        due = [h.answer_by for h in self._hints.values() if h.withdrawn and h.answer_by is not None]
+        return min(due) if due else None
+
+    def on_timers(self, now: float) -> None:
+        """A successor that did not answer its withdrawal in time: it may have woken, so it is
+        stopped (verified: one-hop needs it) before anyone else is granted; then not woken."""
+        for key, hint in list(self._hints.items()):
+            if not hint.withdrawn or hint.answer_by is None or hint.answer_by > now:
+                continue
+            del self._hints[key]
+            scheduler = self._schedulers[key[0]].lanes()[key[1]]
+            successor = self._sessions.get(hint.successor)
+            if successor is not None and not successor.stopped:
+                stopped = self._stop(successor)
+                log.warning("[one-hop] session=%s did not answer the withdrawal of grant %d within %.0f ms; %s",
+                            hint.successor, hint.next_grant, self._grace_s * 1e3,
+                            "stopped until its next grant" if stopped else "it could not be stopped")
+            self.unanswered += 1
+            if scheduler.bound_successor() == hint.successor:
+                self._apply(scheduler.settle_successor(False, now), now)
 
     def promised(self, s: Session) -> int | None:
         """The grant ``s`` is promised (it is the bound successor of its device), else None."""
@@ -264,8 +311,10 @@ class OneHop:
         return early[1]
 
     def forget(self, s: Session) -> None:
-        """``s`` left or cancelled: an early release of a promise it no longer has goes."""
-        self._early.pop(s.id, None)
+        """``s`` left or cancelled: an early release of a promise it no longer has goes (one it
+        still has, being withdrawn, stays: it may answer that it woke, and hold until then)."""
+        if self.promised(s) is None:
+            self._early.pop(s.id, None)
 
     def _lane(self, s: Session) -> tuple[tuple[int, int], TokenScheduler | None]:
         """The key of ``s``'s lane and the lane (None if ``s`` is on no scheduler)."""

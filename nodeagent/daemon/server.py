@@ -155,6 +155,7 @@ class AgentServer:
             p.Acquire: self._on_acquire,
             p.Release: self._on_release,
             p.Cancel: self._on_cancel,
+            p.StandbyAck: self._on_standby_ack,
             p.StatusRequest: self._on_status,
             p.Goodbye: self._on_bye,
             p.SuspendSession: self._suspensions.on_suspend_session,
@@ -420,7 +421,7 @@ class AgentServer:
         creds = procwatch.peer_credentials(frame)
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
-            self._open_wake_channel(resumed, msg.one_hop)
+            self._open_wake_channel(resumed, one_hop_capable(msg))
             self._welcome(route, msg.id, resumed, resumed=True)
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
@@ -457,7 +458,7 @@ class AgentServer:
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, borrower=msg.borrower, slo_ms=msg.slo_ms)
         self._add_session(session, now)
-        self._open_wake_channel(session, msg.one_hop)
+        self._open_wake_channel(session, one_hop_capable(msg))
         if verified_pid is not None and verified_pid != msg.pid:
             log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
                         session.id, msg.pid, verified_pid)
@@ -610,7 +611,6 @@ class AgentServer:
             return
         # Suspending or suspended: a requeue is kept for the resume, as an acquire would be.
         requeue = msg.requeue and s.suspend_state is None
-        self._tokens.one_hop.before_release(s, msg.grant, msg.handed)  # a promise stays only if it was woken
         try:
             actions = self._schedulers[s.device].release(s.id, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
@@ -646,6 +646,12 @@ class AgentServer:
             s.wait_started = None
         self._send(route, p.Ok(id=msg.id))
         self._tokens.apply(actions, now)
+
+    def _on_standby_ack(self, route: bytes, msg: p.StandbyAck, frame, now: float) -> None:
+        """A successor's answer to the withdrawal of its one-hop promise (no reply: errors only)."""
+        s = self._session_for(route, msg.id, now)
+        if s is not None:
+            self._tokens.one_hop.on_answer(s, msg.grant, msg.woken, now)
 
     def _on_bye(self, route: bytes, msg: p.Goodbye, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -912,6 +918,12 @@ def welcome_ordinal(backend: str, uuid: str, env: dict[str, str]) -> int | None:
         return device_id.ordinal_in_visible(uuid, env["CUDA_VISIBLE_DEVICES"])
     except device_id.DeviceNotVisibleError:
         return None
+
+
+def one_hop_capable(msg: p.Hello) -> bool:
+    """Whether a hello's client takes part in one-hop handoffs: it asked, and it answers a
+    withdrawn promise (protocol 2.3): without that answer no promise could be taken back."""
+    return bool(msg.one_hop) and tuple(msg.protocol) >= (2, 3)
 
 
 def _check_hello(msg: p.Hello) -> str | None:

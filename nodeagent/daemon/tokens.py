@@ -64,7 +64,9 @@ class Tokens:
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         # Successor hints and wake channels (one-hop handoffs): a part of this component.
-        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated)
+        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated,
+                              clock=clock, grace_s=policy.grace_ms / 1000.0, stop=self.stop,
+                              apply=lambda actions, now: self.apply(actions, now, handoff_from=now))
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component).
         controllers = {i: pace_controller() for i in range(device_count)} if sharing == "corun" else {}
@@ -79,8 +81,9 @@ class Tokens:
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        """The earliest scheduler deadline of any device (a yield or slice timer), or None."""
-        soonest = None
+        """The earliest scheduler deadline of any device (a yield or slice timer), or the
+        answer due for a withdrawn one-hop promise; None if nothing is pending."""
+        soonest = self.one_hop.next_deadline()
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and (soonest is None or deadline < soonest):
@@ -88,6 +91,7 @@ class Tokens:
         return soonest
 
     def on_timers(self, now: float) -> None:
+        self.one_hop.on_timers(now)
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and deadline <= now:
