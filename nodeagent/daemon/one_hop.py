@@ -87,7 +87,8 @@ class OneHop:
         self._delegated = delegated
         self._clock = clock
         self._grace_s = grace_s  # how long a successor has to answer a withdrawal
-        self._stop = stop  # SIGSTOP a verified session (journalled first); False if it could not be
+        self._stop = stop  # SIGSTOP a verified session (journalled first); False if it could not be or
+        # may not be (scheduler.enforce = "revoke" never signals: the promise is then settled unanswered)
         self._apply = apply  # carry out scheduler actions (a settled promise may grant)
         self.unanswered = 0  # withdrawals whose successor did not answer in time (stopped instead)
         self._dir: str | None = None

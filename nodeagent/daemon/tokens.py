@@ -65,7 +65,8 @@ class Tokens:
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         # Successor hints and wake channels (one-hop handoffs): a part of this component.
         self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated,
-                              clock=clock, grace_s=policy.grace_ms / 1000.0, stop=self.stop,
+                              clock=clock, grace_s=policy.grace_ms / 1000.0,
+                              stop=lambda s: self._enforce_mode == "stop" and self.stop(s),
                               apply=lambda actions, now: self.apply(actions, now, handoff_from=now))
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component).
