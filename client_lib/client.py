@@ -296,6 +296,16 @@ class Client:
             self._listen()
             self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
 
+    def cancel(self) -> None:
+        """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting).
+        A promise of the token made meanwhile is given up: its wake word is no longer taken."""
+        self._check_open()
+        if self._grant is not None or self._conn is None:
+            return
+        self._standby = None
+        self._unlisten()
+        self._send_quiet(p.Cancel(id=self._take_id()))
+
     def release(self, requeue: bool = False) -> None:
         """Give the token back (no-op when not holding). Does not wait for the
         daemon. ``requeue`` asks for it again in the same step."""
