@@ -317,14 +317,21 @@ class DeviceLifecycle:
     def admits(self, workload: str | Workload, borrower: str | None) -> str | None:
         """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not.
 
-        DRAINING admits nothing. A non-inference session with a borrower (a cluster training job) is
-        admitted only on a device LENT to that borrower. Inference (its borrower is ignored) and
-        sessions without a borrower (local jobs) are admitted in every other state.
+        DRAINING admits nothing. A LENT device admits inference and its borrower's sessions only
+        (docs/cluster.md): a local job without a borrower would take the lent job's time. A
+        non-inference session with a borrower (a cluster training job) is admitted only on a
+        device LENT to that borrower. Inference (its borrower is ignored) and sessions without
+        a borrower (local jobs) are admitted in every other state.
         """
         workload = _workload_name(workload)
         if self._state is DeviceState.DRAINING:
             return f"device {self.device} is DRAINING and admits no new sessions"
-        if workload == "inference" or borrower is None:
+        if workload == "inference":
+            return None
+        if borrower is None:
+            if self._state is DeviceState.LENT:
+                return (f"device {self.device} is lent to {self._borrower!r}: only its sessions (hello.borrower = "
+                        f"{self._borrower!r}) and inference may join; pick another device")
             return None
         if self._state is DeviceState.LENT and self._borrower == borrower:
             return None

@@ -304,7 +304,8 @@ def test_admits_by_state_workload_and_borrower():
     assert life.admits(Workload.TRAINING, "job-a") is None
     assert "lent to 'job-a', not to 'job-b'" in life.admits("training", "job-b")
     assert life.admits("inference", "job-b") is None  # inference is never kept off a lent device
-    assert life.admits("training", None) is None
+    assert "only its sessions" in life.admits("training", None)  # nor a local job (issue 21)
+    assert "only its sessions" in life.admits(Workload.BEST_EFFORT, None)
     life.reclaim(1.0)
     assert "PROTECT" in life.admits("training", "job-a")
     life.drain(2.0)

@@ -198,6 +198,7 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), lambda **d: None),
                         sessions=sessions, schedulers=schedulers,
                         new_scheduler=lambda i, first: TokenScheduler(i, policy, first_grant=first), mps=NoMps(),
+                        capacities_mb=[1 << 20, 1 << 20],
                         add_session=add_session, continue_process=lambda s: False, request_token=request_token)
     try:
         assert restorer.restore(100.0) == 2
@@ -216,3 +217,21 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     finally:
         sessions.close()
         journal.close()
+
+
+def test_a_journal_row_declaring_more_memory_than_its_device_has_is_not_restored():
+    """Issue 21: a row declaring 10^15 MB was restored as is; admission never let it in."""
+    from nodeagent.daemon.restore import unrestorable
+    from nodeagent.journal import SessionRecord
+
+    def row(memory_mb: int, device: int = 0) -> SessionRecord:
+        return SessionRecord(id="s-x", key="k", name="x", claimed_pid=1, verified_pid=None, start_ticks=None,
+                             uid=None, workload="training", weight=1.0, device=device, memory_mb=memory_mb,
+                             created_unix=1.0)
+
+    capacities = [16_000, 80_000]
+    assert unrestorable(row(15_000), capacities) is None
+    assert unrestorable(row(80_000, device=1), capacities) is None
+    assert "beyond device 0's 16000 MB" in unrestorable(row(10**15), capacities)
+    assert "beyond" in unrestorable(row(-1), capacities)
+    assert "no longer exists" in unrestorable(row(0, device=2), capacities)

@@ -50,7 +50,7 @@ class Restorer:
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
                  schedulers: list[TokenScheduler], new_scheduler: Callable[[int, int], TokenScheduler],
-                 mps: MpsPartitions,
+                 mps: MpsPartitions, capacities_mb: list[int],
                  add_session: Callable[[Session, float], None], continue_process: Callable[[Session], bool],
                  request_token: RequestToken) -> None:
         self._config = config
@@ -59,6 +59,7 @@ class Restorer:
         self._schedulers = schedulers
         self._new_scheduler = new_scheduler  # (device, first grant id) -> a fresh scheduler of the daemon's kind
         self._mps = mps
+        self._capacities_mb = capacities_mb  # per device: the most a session may have declared
         self._add_session = add_session
         self._continue = continue_process
         self._request_token = request_token
@@ -88,7 +89,7 @@ class Restorer:
             continue_orphan(row.values)
             self._journal.write(lambda j, seq=row.seq: j.delete_session_row(seq))
         for rec in records:
-            why = unrestorable(rec, len(self._schedulers))
+            why = unrestorable(rec, self._capacities_mb)
             if why:
                 log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
                 continue_orphan({"stopped": rec.stopped, "verified_pid": rec.verified_pid,
@@ -192,10 +193,14 @@ class Restorer:
                 return
 
 
-def unrestorable(rec: SessionRecord, devices: int) -> str | None:
-    """Why a journalled session cannot be restored, or None."""
-    if not 0 <= rec.device < devices:
+def unrestorable(rec: SessionRecord, capacities_mb: list[int]) -> str | None:
+    """Why a journalled session cannot be restored, or None. ``capacities_mb``: what each
+    device can hold (admission's capacity): a row declaring more never passed admission."""
+    if not 0 <= rec.device < len(capacities_mb):
         return f"device {rec.device} no longer exists"
+    if not 0 <= rec.memory_mb <= capacities_mb[rec.device]:
+        return (f"it declares {rec.memory_mb} MB of device memory, beyond device {rec.device}'s "
+                f"{capacities_mb[rec.device]} MB (a damaged or forged row)")
     if rec.verified_pid is not None:
         stat = procwatch.read_stat(rec.verified_pid)
         if stat is None or stat.start_ticks != rec.start_ticks:

@@ -146,7 +146,9 @@ class AgentServer:
         # Restore after a restart, the restore windows, and writing stale sessions again (a component).
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, schedulers=self._schedulers,
-            new_scheduler=self._tokens.new_scheduler, mps=self._mps, add_session=self._add_session,
+            new_scheduler=self._tokens.new_scheduler, mps=self._mps,
+            capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in self._device_info],
+            add_session=self._add_session,
             continue_process=self._tokens.cont,
             request_token=self._memory_policy.request_token)
         self._handlers = {
