@@ -13,13 +13,13 @@ from prometheus_client import CollectorRegistry
 from client_lib import protocol as p
 from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.loop import EventLoopPoller
+from nodeagent.daemon.bus import Bus, ServerView
 from nodeagent.daemon.journal_writer import JournalWriter
-from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
 from nodeagent.procwatch import PeerCredentials
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import TokenScheduler, Workload
+from sharing import Workload
+from tests.daemon_parts import FakeDevices, loop_handle, make_tokens, replies
 
 PLACEMENT = ClusterRoute(b"placement-1")
 
@@ -47,29 +47,29 @@ def endpoint():
     """(endpoint, recorder, sessions, schedulers) for two devices."""
     config = ServeConfig(backend="cpu", cluster_node="n-test")
     rec = Recorder()
-    schedulers = [TokenScheduler(i, config.policy()) for i in range(2)]
     sessions = SessionTable()
     metrics = Metrics(CollectorRegistry())
-    poller = EventLoopPoller()
     context = zmq.Context()
-    lost = LostDevices()
+    devices = FakeDevices(2)
+    tokens = make_tokens(count=2, sessions=sessions, metrics=metrics, config=config)
+    schedulers = tokens.schedulers
 
-    def begin_suspend(s: Session, deadline_ms: float, now: float, reason: str) -> None:
-        rec.suspends.append((s.id, deadline_ms, reason))
-        s.suspend_state = "requested"
+    class ScriptedSuspensions:
+        def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
+            rec.suspends.append((s.id, deadline_ms, reason))
+            s.suspend_state = "requested"
 
-    cluster = ClusterEndpoint(
-        config=config, context=context, poller=poller, poll_handlers={}, schedulers=schedulers,
-        sessions=sessions, metrics=metrics, journal=JournalWriter(None, metrics, lambda **data: None),
-        handlers={kind: (lambda *args: None) for kind in SHARED_OPS}, clock=lambda: 0.0, started=0.0,
-        boot=lambda: 7, send=lambda route, msg: rec.sent.append((route, msg)),
-        error=lambda route, rid, code, message: rec.sent.append((route, p.Error(id=rid, code=code, message=message))),
-        bad=lambda route, rid, message: None, dispatch=lambda *args, **kwargs: None, status=lambda now: None,
-        apply=lambda actions, now, handoff_from=None: None, end_slice=lambda s, now: None,
-        begin_suspend=begin_suspend, suspending=lambda s: any(s.id == sid for sid, _, _ in rec.suspends),
-        wake=lambda: None, lost_devices=lost)
+        def under_way(self, s: Session) -> bool:
+            return any(s.id == sid for sid, _, _ in rec.suspends)
+
+    server = ServerView(context=context, handlers={kind: (lambda *args: None) for kind in SHARED_OPS},
+                        dispatch=lambda *args, **kwargs: None, status=lambda now: None, boot=lambda: 7, started=0.0,
+                        metrics=metrics, replies=replies(rec.sent))
+    cluster = ClusterEndpoint(config=config, loop=loop_handle(clock=lambda: 0.0), server=server, tokens=tokens,
+                              sessions=sessions, journal=JournalWriter(None, metrics, Bus()),
+                              suspensions=ScriptedSuspensions(), devices=devices)
     cluster.events = rec
-    cluster.test_lost_devices = lost  # the table the test marks devices lost in
+    cluster.test_lost_devices = devices.lost  # the table the test marks devices lost in
     yield cluster, rec, sessions, schedulers
     cluster.close()
     sessions.close()

@@ -19,7 +19,10 @@ from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading,
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
+from nodeagent.daemon.bus import Bus, LoopHandle, Published
+from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from tests.conftest import wait_for
+from tests.daemon_parts import FakeDevices
 
 
 class ScriptedGpus(CpuBackend):
@@ -37,6 +40,41 @@ class ScriptedGpus(CpuBackend):
         if index in self.lost:
             raise DeviceLostError(index, f"GPU-{index}", "nvmlDeviceGetComputeRunningProcesses failed: GPU is lost")
         return [DeviceProcess(pid, used, mps_client=False) for pid, used in self.used_bytes.items()]
+
+
+class RecordingTokens:
+    """What MemoryPolicy asks of the tokens component, over real schedulers, every action
+    recorded by the harness (stops as the harness scripts them)."""
+
+    device_count = 2
+
+    def __init__(self, harness: "Harness") -> None:
+        self.h = harness
+        self.schedulers = [TokenScheduler(i) for i in range(2)]
+
+    def state(self, device, sid):
+        return self.schedulers[device].state(sid)
+
+    def on_device(self, device, sid):
+        return sid in self.schedulers[device]
+
+    def cancel(self, device, sid, now):
+        self.h._apply(self.schedulers[device].cancel(sid, now), now)
+
+    def revoke(self, device, sid, now, reason):
+        self.h._apply(self.schedulers[device].revoke(sid, now, reason), now)
+
+    def preempt(self, device, sid, now):
+        self.h._apply(self.schedulers[device].preempt(sid, now), now)
+
+    def request(self, device, sid, now, waiting_since=None):
+        self.h._apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)
+
+    def stop(self, s):
+        return self.h._stop(s)
+
+    def end_slice(self, s, now):
+        self.h.slices_ended.append(s.id)
 
 
 class Harness:
@@ -58,13 +96,17 @@ class Harness:
         self.wakes = threading.Event()
         self.stop_works = stop_works
         self.now = 0.0
+        devices = FakeDevices(2, backend=backend if backend is not None else ScriptedGpus(2))
+        devices.lost = self.lost
+        self.tokens = RecordingTokens(self)
+        self.schedulers = self.tokens.schedulers
+        bus = Bus()
+        bus.subscribe(Published, lambda e: self.events.append((e.kind, e.device, e.data)))
+        bus.subscribe(BusDeviceLost, lambda e: self.serving_told.append((e.device, e.notice, e.now)))
         self.policy = MemoryPolicy(
-            config=self.config, backend=backend if backend is not None else ScriptedGpus(2), clock=lambda: self.now,
-            sessions=self.sessions, schedulers=self.schedulers, metrics=self.metrics, lost_devices=self.lost,
-            wake=self.wakes.set, stop=self._stop, end_slice=lambda s, now: self.slices_ended.append(s.id),
-            apply=self._apply, send=lambda route, msg: self.sent.append((route, msg)),
-            event=lambda kind, device=None, session=None, **data: self.events.append((kind, device, data)),
-            serving_device_lost=lambda device, notice, now: self.serving_told.append((device, notice, now)))
+            config=self.config, devices=devices, loop=LoopHandle(None, {}, lambda: self.now, self.wakes.set),
+            sessions=self.sessions, tokens=self.tokens, metrics=self.metrics,
+            send=lambda route, msg: self.sent.append((route, msg)), bus=bus)
 
     def _stop(self, s: Session) -> bool:
         self.stopped.append(s.id)

@@ -161,6 +161,7 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from prometheus_client import CollectorRegistry
 
     from nodeagent.config import ServeConfig
+    from nodeagent.daemon.bus import Bus
     from nodeagent.journal import Journal, SessionRecord
     from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
@@ -186,6 +187,16 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     grants: list[tuple[str, int]] = []
     requested: list[tuple[str, float | None]] = []
 
+    class RenewingTokens:
+        """What the restorer asks of the tokens component: new schedulers (ids above the old
+        daemon's) in the list every other part holds, and continuing a stopped process."""
+
+        def renew(self, first_grant):
+            schedulers[:] = [TokenScheduler(i, policy, first_grant=first_grant) for i in range(len(schedulers))]
+
+        def cont(self, s):
+            return False
+
     def add_session(s, now):
         schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
         sessions.add(s)
@@ -195,11 +206,10 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
                       if type(a) is Grant)
 
-    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), lambda **d: None),
-                        sessions=sessions, schedulers=schedulers,
-                        new_scheduler=lambda i, first: TokenScheduler(i, policy, first_grant=first), mps=NoMps(),
+    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), Bus()),
+                        sessions=sessions, tokens=RenewingTokens(), mps=NoMps(),
                         capacities_mb=[1 << 20, 1 << 20],
-                        add_session=add_session, continue_process=lambda s: False, request_token=request_token)
+                        add_session=add_session, request_token=request_token)
     try:
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]

@@ -187,29 +187,42 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
 
     from client_lib import protocol as p
     from nodeagent.config import ServeConfig
-    from nodeagent.daemon.memory_watch import LostDevices
+    from nodeagent.daemon.bus import Bus, SuspendFinished
     from nodeagent.metrics import Metrics
+    from tests.daemon_parts import replies
     from nodeagent.daemon.sessions import Session, SessionTable
     from nodeagent.daemon.suspension import Suspensions
     from sharing import TokenScheduler, Workload
 
     config = ServeConfig(backend="cpu")
-    schedulers = [TokenScheduler(0, config.policy())]
+    scheduler = TokenScheduler(0, config.policy())
     sessions = SessionTable()
     s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
                 uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
-    schedulers[0].add_session(s.id, s.workload, s.weight, 0.0)
+    scheduler.add_session(s.id, s.workload, s.weight, 0.0)
     sessions.add(s)
     sent, finished, stop_asked = [], [], []
-    suspensions = Suspensions(
-        config=config, sessions=sessions, schedulers=schedulers, devices=[], lost_devices=LostDevices(),
-        metrics=Metrics(CollectorRegistry()), send=lambda route, msg: sent.append((route, msg)),
-        error=lambda *a: sent.append(a), apply=lambda actions, now, handoff_from=None: None,
-        stop=lambda victim: stop_asked.append(victim.id) or False, continue_process=lambda victim: False,
-        end_slice=lambda victim, now: None, session_for=lambda route, request_id, now: None,
-        request_token=lambda *a, **k: None, event=lambda *a, **k: None,
-        suspend_finished=lambda victim, outcome, elapsed_ms, now: finished.append((victim.id, outcome, elapsed_ms)),
-        admission_refusal=lambda *a: None, class_cap_problem=lambda *a: None, workers_share=lambda device: None)
+
+    class ScriptedTokens:
+        """What Suspensions asks of the tokens component: this scheduler's state, and a stop
+        that is refused (an unverifiable process)."""
+
+        device_count = 1
+
+        def state(self, device, sid):
+            return scheduler.state(sid)
+
+        def cancel(self, device, sid, now):
+            scheduler.cancel(sid, now)
+
+        def stop(self, victim):
+            stop_asked.append(victim.id)
+            return False
+
+    bus = Bus()
+    bus.subscribe(SuspendFinished, lambda e: finished.append((e.session.id, e.outcome, e.elapsed_ms)))
+    suspensions = Suspensions(sessions=sessions, tokens=ScriptedTokens(), metrics=Metrics(CollectorRegistry()),
+                              replies=replies(sent), bus=bus, request_token=lambda *a, **k: None)
     try:
         s.suspend_waiters.append(("operator", 5))
         suspensions.begin(s, 500.0, 10.0, reason="requested")

@@ -107,19 +107,14 @@ def test_counters():
 def test_a_serving_queue_counts_in_its_devices_history():
     """Actions for a serving sub-session go to the serving component; the tokens
     component still counts them in the device's history, under the owner's name."""
-    from prometheus_client import CollectorRegistry
-
     from nodeagent.daemon.sessions import Session, SessionTable
-    from nodeagent.daemon.tokens import Tokens
-    from nodeagent.metrics import Metrics
-    from sharing import SchedulerPolicy, Workload
+    from sharing import Workload
+    from tests.daemon_parts import make_tokens
 
     delegated = []
     sessions = SessionTable()
-    tokens = Tokens(device_count=1, policy=SchedulerPolicy(), enforce_mode="revoke", sessions=sessions,
-                    metrics=Metrics(CollectorRegistry()), journal=lambda *a, **k: True, send=lambda *a: None,
-                    event=lambda *a, **k: None, delegated=lambda sid: sid.endswith(":serve"),
-                    delegate=lambda action, now: delegated.append(action), clock=time.monotonic)
+    tokens = make_tokens(sessions=sessions)
+    tokens.delegate(lambda sid: sid.endswith(":serve"), lambda action, now: delegated.append(action))
     try:
         owner = Session(id="s-owner", key="k", route="r", name="ranker", claimed_pid=1, verified_pid=None,
                         start_ticks=None, uid=0, workload=Workload.INFERENCE, weight=1.0, device=0, memory_mb=0,

@@ -38,7 +38,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -49,19 +49,17 @@ from client_lib import codec
 from client_lib import protocol as p
 from nodeagent import keys, procwatch
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
-from nodeagent.daemon.memory_watch import LostDevices
-from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.bus import DeviceFacts, LoopHandle, Published, ServerView, SuspendFinished
+from nodeagent.daemon.tokens import Tokens
 from sharing import (
     DeviceLifecycle,
     DeviceState,
     LifecycleError,
     ReclaimDue,
     SchedulerPolicy,
-    TokenScheduler,
     Workload,
 )
 
@@ -79,12 +77,6 @@ SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
 """Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
 
 Handler = Callable[[bytes, object, object, float], None]  # (route, request, frame, now)
-Send = Callable[[bytes, object], None]  # (route, message)
-Error = Callable[[bytes, int, str, str], None]  # (route, request id, code, message)
-Bad = Callable[[bytes, int, str], None]  # (route, request id, message): E_BAD_REQUEST, counted
-Dispatch = Callable[..., None]  # (route, body, frame, handlers, where, unhandled=...): decode and run
-Apply = Callable[..., None]  # (scheduler actions, now, handoff_from=None): carry them out
-BeginSuspend = Callable[..., None]  # (session, deadline_ms, now, reason=...): ask it to suspend
 
 
 class ClusterRoute(bytes):
@@ -128,44 +120,36 @@ class ClusterEndpoint:
     other parts own (answering a peer, decoding a frame, carrying out scheduler actions,
     starting a suspension, journal writes)."""
 
-    def __init__(self, *, config: ServeConfig, context: zmq.Context, poller: EventLoopPoller,
-                 poll_handlers: dict, schedulers: list[TokenScheduler], sessions: SessionTable,
-                 metrics: Metrics, journal: JournalWriter, handlers: Mapping[type, Handler],
-                 clock: Callable[[], float], started: float, boot: Callable[[], int],
-                 send: Send, error: Error, bad: Bad, dispatch: Dispatch, status: Callable[[float], p.StatusReply],
-                 apply: Apply, end_slice: Callable[[Session, float], None], begin_suspend: BeginSuspend,
-                 suspending: Callable[[Session], bool], wake: Callable[[], None],
-                 lost_devices: LostDevices) -> None:
-        """``poll_handlers``: the loop's readable-target table, where the sockets go once
-        bound; ``journal``: operators' changes are written through it, and restored from
-        its ``journal``; ``handlers``: the daemon's request table, of which the cluster
-        endpoint also serves :data:`SHARED_OPS`; ``boot``: the incarnation (known once
-        the journal is restored); ``suspending(s)``: whether a suspension of ``s`` is
-        under way with its deadline pending; ``wake``: wake the loop (signal-safe);
-        ``lost_devices``: GPUs NVML reports lost, which are not lent."""
+    def __init__(self, *, config: ServeConfig, loop: LoopHandle, server: ServerView, tokens: Tokens,
+                 sessions: SessionTable, journal: JournalWriter, suspensions, devices: DeviceFacts) -> None:
+        """``loop``: where the sockets are polled once bound; ``server``: the request table this
+        endpoint shares (:data:`SHARED_OPS`), dispatch, status, boot, metrics and replies;
+        ``journal``: operators' changes are written through it, and restored from its
+        ``journal``; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``)
+        and asks whether one is under way with its deadline pending (``under_way``);
+        ``devices``: GPUs NVML reports lost are not lent."""
         self._config = config
-        self._ctx = context
-        self._poller = poller
-        self._poll_handlers = poll_handlers
-        self._schedulers = schedulers
+        self._ctx = server.context
+        self._poller = loop.poller
+        self._poll_handlers = loop.poll_handlers
+        self._tokens = tokens  # token commands and views
         self._sessions = sessions
-        self._metrics = metrics
+        self._metrics = server.metrics
         self._journal = journal
-        self._clock = clock
-        self._started = started
-        self._boot = boot
-        self._send = send
-        self._error = error
-        self._bad = bad
-        self._dispatch = dispatch
-        self._status = status
-        self._apply = apply
-        self._end_slice = end_slice
-        self._begin_suspend = begin_suspend
-        self._suspending = suspending
-        self._wake = wake
-        self._lost_devices = lost_devices
-        count = len(schedulers)
+        self._clock = loop.clock
+        self._started = server.started
+        self._boot = server.boot
+        self._send = server.replies.send
+        self._error = server.replies.error
+        self._bad = server.replies.bad
+        self._dispatch = server.dispatch
+        self._status = server.status
+        self._begin_suspend = suspensions.begin
+        self._suspending = suspensions.under_way
+        self._wake = loop.wake
+        self._lost_devices = devices.lost
+        handlers = server.handlers
+        count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
         self._node = config.cluster_node or socket.gethostname()
@@ -188,7 +172,7 @@ class ClusterEndpoint:
         if journal is None:
             return
         wall = time.time()
-        count = len(self._schedulers)
+        count = self._tokens.device_count
         for device, doc in sorted(journal.policies().items()):
             if not 0 <= device < count:
                 continue
@@ -199,7 +183,7 @@ class ClusterEndpoint:
                 log.warning("[cluster] journalled policy of device %d ignored: %s", device, exc)
                 continue
             self._lifecycles[device].set_protect_s(protect_s)
-            self._apply(self._schedulers[device].set_policy(policy, now), now)
+            self._tokens.set_policy(device, policy, now)
         for device, (state, detail) in sorted(journal.device_states().items()):
             if not 0 <= device < count:
                 log.warning("[cluster] journalled state of device %d dropped: the device is gone", device)
@@ -357,6 +341,14 @@ class ClusterEndpoint:
         if self.events is not None:
             self.events.publish(kind, device, session, **data)
 
+    def on_published(self, event: Published) -> None:
+        """The bus's :class:`Published`: out on the events socket."""
+        self.event(event.kind, event.device, event.session, **event.data)
+
+    def on_suspend_finished(self, event: SuspendFinished) -> None:
+        """The bus's :class:`SuspendFinished`: see :meth:`suspend_finished`."""
+        self.suspend_finished(event.session, event.outcome, event.elapsed_ms, event.now)
+
     # ------------------------------------------------------------------ loop hooks
 
     def on_timers(self, now: float) -> None:
@@ -381,7 +373,7 @@ class ClusterEndpoint:
         """The device's lifecycle, told first what inference did in the frames handled so far
         this loop turn (an operation must not act on the state of the turn before)."""
         life = self._lifecycles[device]
-        active = self._schedulers[device].wanted_by(Workload.INFERENCE)
+        active = self._tokens.wanted_by(device, Workload.INFERENCE)
         if active is not self._inference_seen[device]:
             self._inference_seen[device] = active
             self._moved(life.observe(active, now), op=False)
@@ -561,8 +553,8 @@ class ClusterEndpoint:
 
     def _take_token(self, s: Session, now: float) -> None:
         if s.grant is not None:
-            self._end_slice(s, now)
-            self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
+            self._tokens.end_slice(s, now)
+            self._tokens.revoke(s.device, s.id, now, "suspended")
 
     def _finish_reclaim_if_done(self, pending: _Reclaim, now: float) -> None:
         if any(outcome is None for outcome in pending.outcomes.values()):
@@ -613,7 +605,7 @@ class ClusterEndpoint:
             self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
             return
         self._lifecycles[msg.device].set_protect_s(protect_s)
-        self._apply(self._schedulers[msg.device].set_policy(policy, now), now)
+        self._tokens.set_policy(msg.device, policy, now)
         info = self._policy_info(msg.device)
         doc = {"quanta_ms": dict(info.quanta_ms), "grace_ms": info.grace_ms, "protect_s": info.protect_s}
         self._journal.write(lambda j: j.put_policy(msg.device, doc))
@@ -625,7 +617,7 @@ class ClusterEndpoint:
 
     def _policy_from(self, device: int, quanta_ms, grace_ms, protect_s) -> tuple[SchedulerPolicy, float]:
         """The device's policy with the given fields changed (None: keep); ValueError names a bad one."""
-        current = self._schedulers[device].policy
+        current = self._tokens.policy(device)
         quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
         quanta.update(quanta_ms or {})
         policy = SchedulerPolicy(quantum_ms=quanta, grace_ms=current.grace_ms if grace_ms is None else grace_ms)
@@ -637,7 +629,7 @@ class ClusterEndpoint:
         return policy, float(protect_s)
 
     def _policy_info(self, device: int) -> p.PolicyInfo:
-        policy = self._schedulers[device].policy
+        policy = self._tokens.policy(device)
         return p.PolicyInfo(quanta_ms={w.wire: ms for w, ms in policy.quantum_ms.items()},
                             grace_ms=policy.grace_ms, protect_s=self._lifecycles[device].protect_s)
 

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Callable
 
+from nodeagent.daemon.bus import Bus, DurabilityChanged
 from nodeagent.journal import Journal, SessionRecord
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session
@@ -30,13 +31,12 @@ class JournalWriter:
     A session a failed write concerned is stale (its row is missing or out of
     date) until a write of it succeeds."""
 
-    def __init__(self, journal: Journal | None, metrics: Metrics, publish: Callable[..., None],
-                 on_durability: Callable[[str | None], None] = lambda session: None) -> None:
+    def __init__(self, journal: Journal | None, metrics: Metrics, bus: Bus) -> None:
+        """``bus``: a failed or recovered journal is published (a cluster "health" event), and
+        so is a change in what :meth:`durable` says of a session (DurabilityChanged)."""
         self.journal = journal
         self._metrics = metrics
-        self._publish = publish  # publish(**data): a cluster "health" event
-        # on_durability(session): what durable() says of that session (None: of every session) changed
-        self._on_durability = on_durability
+        self._bus = bus
         self.ok = True  # no write has failed since the last successful probe
         self.stale: set[str] = set()  # session ids whose journal row is missing or out of date
         metrics.journal_ok.set(1 if journal is not None else 0)
@@ -56,15 +56,15 @@ class JournalWriter:
             if self.ok:
                 self.ok = False
                 self._metrics.journal_ok.set(0)
-                self._publish(journal="failed", error=str(exc)[:200])
-                self._on_durability(None)
+                self._bus.event("health", journal="failed", error=str(exc)[:200])
+                self._bus.publish(DurabilityChanged(None))
             elif newly_stale:
-                self._on_durability(session)
+                self._bus.publish(DurabilityChanged(session))
             return False
         if session is not None and session in self.stale:
             self.stale.discard(session)
             if self.ok:
-                self._on_durability(session)
+                self._bus.publish(DurabilityChanged(session))
         return True
 
     def put_session(self, s: Session) -> bool:
@@ -87,8 +87,8 @@ class JournalWriter:
             self.ok = True
             self._metrics.journal_ok.set(1)
             log.warning("[journal] writes succeed again; stale sessions=%d", len(self.stale))
-            self._publish(journal="ok", stale_sessions=len(self.stale))
-            self._on_durability(None)
+            self._bus.event("health", journal="ok", stale_sessions=len(self.stale))
+            self._bus.publish(DurabilityChanged(None))
         return True
 
     def durable(self, session_id: str) -> bool:

@@ -33,7 +33,10 @@ from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import SessionState, TokenScheduler
+from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle
+from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
+from nodeagent.daemon.tokens import Tokens
+from sharing import SessionState
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -116,12 +119,7 @@ class LostDevices:
             held.pop(session, None)
 
 
-Stop = Callable[[Session], bool]  # SIGSTOP a session's process: False if it cannot be
-EndSlice = Callable[[Session, float], None]  # (session, now): its slice is over, counted
-Apply = Callable[[list, float], None]  # (scheduler actions, now): carried out
 Send = Callable[[object, object], None]  # (route, message)
-Event = Callable[..., None]  # (kind, device, session, **data): published on the events socket
-ServingDeviceLost = Callable[[int, str, float], None]  # (device, notice, now): serving queues told
 
 
 class MemoryPolicy:
@@ -129,24 +127,21 @@ class MemoryPolicy:
     docstring). It owns the memory watcher thread and the queue it reads into; the
     lost-device table is shared (admission, serving and suspension read it)."""
 
-    def __init__(self, *, config: ServeConfig, backend: DeviceBackend, clock: Callable[[], float],
-                 sessions: SessionTable, schedulers: list[TokenScheduler], metrics: Metrics,
-                 lost_devices: LostDevices, wake: Callable[[], None], stop: Stop, end_slice: EndSlice,
-                 apply: Apply, send: Send, event: Event, serving_device_lost: ServingDeviceLost) -> None:
+    def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
+                 tokens: Tokens, metrics: Metrics, send: Send, bus: Bus) -> None:
+        """``devices``: the backend (which measures per-process memory on cuda) and the lost-
+        device table this component keeps; ``bus``: health events and :class:`DeviceLost` (the
+        serving component's queues hear it there) are published on it."""
         self._config = config
-        self._backend = backend
-        self._clock = clock
+        self._backend = devices.backend
+        self._clock = loop.clock
         self._sessions = sessions
-        self._schedulers = schedulers
+        self._tokens = tokens  # token commands, stopping a verified process
         self._metrics = metrics
-        self._lost_devices = lost_devices
-        self._wake = wake
-        self._stop = stop
-        self._end_slice = end_slice
-        self._apply = apply
+        self._lost_devices = devices.lost
+        self._wake = loop.wake
         self._send = send
-        self._event = event
-        self._serving_device_lost = serving_device_lost
+        self._bus = bus
         self._readings: queue.SimpleQueue = queue.SimpleQueue()  # filled by the watcher thread
         self._watcher: MemoryWatcher | None = None
 
@@ -201,13 +196,13 @@ class MemoryPolicy:
         self._metrics.memory_violations.labels(str(s.device), policy).inc()
         if s.grant is None or policy == "warn":
             return
-        if policy == "stop" and self._stop(s):
-            self._end_slice(s, now)
-            self._apply(self._schedulers[s.device].preempt(s.id, now), now)
+        if policy == "stop" and self._tokens.stop(s):
+            self._tokens.end_slice(s, now)
+            self._tokens.preempt(s.device, s.id, now)
             self._metrics.enforcements.labels("stop").inc()
         else:
             self._metrics.enforcements.labels("revoke").inc()
-            self._apply(self._schedulers[s.device].revoke(s.id, now, "memory"), now)
+            self._tokens.revoke(s.device, s.id, now, "memory")
 
     def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
         """A failed GPU is a device failure: a health event, the holder's token
@@ -218,18 +213,18 @@ class MemoryPolicy:
         sessions = [s for s in self._sessions.values() if s.device == lost.device]
         log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
         self._lost_devices.lose(lost.device, lost.message)
-        self._event("health", lost.device, None, device_state="lost", reason=lost.message)
+        self._bus.event("health", lost.device, None, device_state="lost", reason=lost.message)
         notice = (f"device {lost.device} has failed ({lost.message}); the work on it is lost: "
                   "end this session and start again on another device")
-        scheduler = self._schedulers[lost.device]
+        tokens = self._tokens
         for s in sessions:
-            if scheduler.state(s.id) is SessionState.WAITING:
-                scheduler.cancel(s.id, now)
+            if tokens.state(s.device, s.id) is SessionState.WAITING:
+                tokens.cancel(s.device, s.id, now)
                 self._lost_devices.hold(lost.device, s.id, s.wait_started if s.wait_started is not None else now)
-        self._serving_device_lost(lost.device, notice, now)
+        self._bus.publish(BusDeviceLost(lost.device, notice, now))  # serving's queues on it hear first
         for s in sessions:
             if s.grant is not None:
-                self._apply(scheduler.revoke(s.id, now, "device_lost"), now)
+                tokens.revoke(s.device, s.id, now, "device_lost")
         for s in sessions:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
@@ -239,12 +234,11 @@ class MemoryPolicy:
         held = self._lost_devices.back(device)
         log.warning("[device] device=%d answers NVML again: open for sessions and grants, held requests=%d",
                     device, len(held))
-        self._event("health", device, None, device_state="ok")
-        scheduler = self._schedulers[device]
+        self._bus.event("health", device, None, device_state="ok")
         for sid, since in held.items():
             s = self._sessions.get(sid)
-            if sid in scheduler and (s is None or s.suspend_state is None):
-                self._apply(scheduler.request(sid, now, waiting_since=min(since, now)), now)
+            if self._tokens.on_device(device, sid) and (s is None or s.suspend_state is None):
+                self._tokens.request(device, sid, now, waiting_since=min(since, now))
 
     # ---------------------------------------------------------------- tokens
 
@@ -254,7 +248,7 @@ class MemoryPolicy:
         if self._lost_devices.hold(device, session, now if waiting_since is None else waiting_since):
             log.debug("[device] held a token request session=%s on lost device=%d", session, device)
             return
-        self._apply(self._schedulers[device].request(session, now, waiting_since=waiting_since), now)
+        self._tokens.request(device, session, now, waiting_since=waiting_since)
 
 
 class MemoryWatcher(threading.Thread):

@@ -9,7 +9,7 @@ from the scheduler's lanes and the device's :class:`sharing.corun.PaceController
 which it feeds with the higher class's slices.
 
 A part of :class:`nodeagent.daemon.tokens.Tokens` (which owns the schedulers);
-given the schedulers and the session table to read, and the metrics.
+given the tokens component's views and the session table to read, and the metrics.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ PACE_DIR = "pace"
 class Pacing:
     """Boards and controllers of the co-run devices (see the module docstring)."""
 
-    def __init__(self, *, schedulers: list, sessions: SessionTable, controllers: dict[int, PaceController],
+    def __init__(self, *, tokens, sessions: SessionTable, controllers: dict[int, PaceController],
                  metrics=None) -> None:
-        self._schedulers = schedulers  # read only: lanes' holders and sessions
+        self._tokens = tokens  # read only: each device's lanes (pace()) and holders
         self._sessions = sessions
         self._controllers = controllers  # device -> its controller (co-run devices only)
         self._metrics = metrics
@@ -93,13 +93,12 @@ class Pacing:
     def refresh_all(self) -> None:
         """Write every board from its device's lanes and controller (after each loop turn)."""
         for device, board in self._boards.items():
-            scheduler = self._schedulers[device]
             controller = self._controllers[device]
             duty, period_us = controller.duty_permille, controller.period_us
             if self._metrics is not None and self._duty_shown.get(device) != duty:
                 self._duty_shown[device] = duty
                 self._metrics.pace_duty.labels(str(device)).set(duty)
-            for workload, (present, active) in enumerate(scheduler.pace()):
+            for workload, (present, active) in enumerate(self._tokens.pace(device)):
                 board.set(workload, Pace(present, active, duty if active else 1000, period_us))
 
     # ---------------------------------------------------------------- slices
@@ -130,5 +129,5 @@ class Pacing:
         self._open.pop(s.id, None)
 
     def _lower_active(self, s: Session) -> bool:
-        holders = self._schedulers[s.device].holders()
+        holders = self._tokens.holders(s.device)
         return any(self._sessions[h].workload > s.workload for h in holders if h in self._sessions)

@@ -31,7 +31,8 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import TokenScheduler, Workload
+from nodeagent.daemon.tokens import Tokens
+from sharing import Workload
 from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.restore")
@@ -44,24 +45,19 @@ RequestToken = Callable[..., None]  # (session id, device, now, waiting_since=No
 class Restorer:
     """Restore after a restart and the restore windows (see the module docstring).
 
-    ``schedulers`` is the daemon's list of schedulers, shared with the parts that
-    drive them: :meth:`restore` replaces its contents in place (grant ids
-    continue above the old daemon's), so every holder of the list sees the new ones."""
+    :meth:`restore` renews the schedulers through ``tokens`` (grant ids continue
+    above the old daemon's)."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
-                 schedulers: list[TokenScheduler], new_scheduler: Callable[[int, int], TokenScheduler],
-                 mps: MpsPartitions, capacities_mb: list[int],
-                 add_session: Callable[[Session, float], None], continue_process: Callable[[Session], bool],
-                 request_token: RequestToken) -> None:
+                 tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int],
+                 add_session: Callable[[Session, float], None], request_token: RequestToken) -> None:
         self._config = config
         self._journal = journal
         self._sessions = sessions
-        self._schedulers = schedulers
-        self._new_scheduler = new_scheduler  # (device, first grant id) -> a fresh scheduler of the daemon's kind
+        self._tokens = tokens
         self._mps = mps
         self._capacities_mb = capacities_mb  # per device: the most a session may have declared
         self._add_session = add_session
-        self._continue = continue_process
         self._request_token = request_token
         # Devices whose restored sessions have not all reattached yet. Only the
         # slice in progress may be granted there; other requests wait (parked).
@@ -82,7 +78,7 @@ class Restorer:
         has reattached or ``heartbeat_timeout_s`` has passed."""
         journal = self._journal.journal
         boot = journal.next_boot()
-        self._schedulers[:] = [self._new_scheduler(i, (boot << 32) + 1) for i in range(len(self._schedulers))]
+        self._tokens.renew((boot << 32) + 1)
         restored = dropped = 0
         records, bad = journal.read_sessions()
         for row in bad:  # logged by the journal; a process it stopped must not stay stopped
@@ -112,7 +108,7 @@ class Restorer:
                 log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
             self._add_session(session, now)
             if session.stopped:  # the old daemon died holding it stopped: let it run
-                self._continue(session)
+                self._tokens.cont(session)
             self._restoring.setdefault(rec.device, set()).add(rec.id)
             self._parked.setdefault(rec.device, [])
             restored += 1

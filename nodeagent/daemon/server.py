@@ -41,8 +41,12 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
+from nodeagent.daemon.admission import Admission
+from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, LoopHandle, Published, Replies, ServerView,
+                                  SuspendFinished, SuspensionAsked)
+from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
-from nodeagent.devices import DeviceBackend, DeviceError
+from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
@@ -79,26 +83,10 @@ class AgentServer:
         self.backend = backend
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
-        # Every journal write goes through it: failures are counted, published, never fatal.
-        self._journal_writer = JournalWriter(journal, self.metrics,
-                                             lambda **data: self._cluster.event("health", **data),
-                                             on_durability=self._tell_durability)
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
-        self._policy = config.policy()
-        self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
-        # The schedulers and the carrying-out of their actions (a component: see its constructor).
-        self._tokens = Tokens(device_count=backend.count(), policy=self._policy, enforce_mode=config.enforce,
-                              sessions=self._sessions, metrics=self.metrics,
-                              journal=self._journal_writer.write,
-                              send=self._send, event=lambda *a, **k: self._cluster.event(*a, **k),
-                              delegated=lambda sid: self._serving.owns(sid),
-                              delegate=lambda action, now: self._serving.on_action(action, now), clock=clock,
-                              sharing=config.sharing_for(backend.name), pace_controller=config.pace_controller)
-        self._schedulers = self._tokens.schedulers
-        self._device_info = backend.devices()  # static facts for admission; refreshed by status
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
         self._local: LocalEndpoint | None = None
         self._poller = EventLoopPoller()
@@ -111,46 +99,42 @@ class AgentServer:
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
         self._status_jobs: collections.deque = collections.deque()  # (route, request id, steps) in order
-        # MPS control daemons and SM shares (a component: what it may touch is in its constructor).
-        self._mps = MpsPartitions(config, self._device_info, self._poller, self._send, self._error,
-                                  backend=backend.name)
-        self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
-        # Memory readings against declarations, lost devices, token requests held on them (a component).
-        self._memory_policy = MemoryPolicy(
-            config=config, backend=backend, clock=clock, sessions=self._sessions, schedulers=self._schedulers,
-            metrics=self.metrics, lost_devices=self._lost_devices, wake=self._wake, stop=self._tokens.stop,
-            end_slice=self._tokens.end_slice, apply=self._tokens.apply, send=self._send,
-            event=lambda *a, **k: self._cluster.event(*a, **k),
-            serving_device_lost=lambda device, notice, now: self._serving.device_lost(device, notice, now))
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
         # workers) poll through this loop: target -> callable run when readable.
         self._poll_handlers: dict = {}
-        # Registered models, the worker pool and the serving sub-sessions (a component).
-        self._serving = Serving(
-            config=config, backend_name=backend.name, sessions=self._sessions, schedulers=self._schedulers,
-            devices=lambda: self._device_info, lost_devices=self._lost_devices, mps=self._mps,
-            journal=self._journal_writer, poller=self._poller, poll_handlers=self._poll_handlers, clock=clock,
-            send=self._send, error=self._error, apply=self._tokens.apply, session_for=self._session_for)
-        # Whole-device suspensions under way, and plans to make room by suspending (a component).
-        self._suspensions = Suspensions(
-            config=config, sessions=self._sessions, schedulers=self._schedulers, devices=self._device_info,
-            lost_devices=self._lost_devices, metrics=self.metrics, send=self._send, error=self._error,
-            apply=self._tokens.apply, stop=self._tokens.stop, continue_process=self._tokens.cont,
-            end_slice=self._tokens.end_slice, session_for=self._session_for,
-            request_token=self._memory_policy.request_token,
-            event=lambda *a, **k: self._cluster.event(*a, **k),
-            suspend_finished=lambda *a: self._cluster.suspend_finished(*a),  # (session, outcome, elapsed_ms, now)
-            admission_refusal=lambda *a: self._cluster.admission_refusal(*a),  # (device, workload, borrower)
-            class_cap_problem=self._class_cap_problem, workers_share=self._serving.workers_share,
-            suspension_asked=lambda device: self._tokens.stats[device].suspension_asked())
-        # Restore after a restart, the restore windows, and writing stale sessions again (a component).
+
+        # What components are handed: the bus they publish on, the loop, how to answer peers,
+        # the devices. Each component below names in its constructor what it may touch, and
+        # every subscription is made here, after all of them exist: no component calls into
+        # one built after it.
+        bus = self._bus = Bus()
+        loop = LoopHandle(self._poller, self._poll_handlers, clock, self._wake)
+        replies = Replies(self._send, self._error, self._bad, self._session_for)
+        self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
+        devices = self._devices = DeviceFacts(backend, self._lost_devices)
+        self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
+        # Every journal write goes through it: failures are counted, published, never fatal.
+        self._journal_writer = JournalWriter(journal, self.metrics, bus)
+        # The schedulers and the carrying-out of their actions.
+        self._tokens = Tokens(config=config, devices=devices, sessions=self._sessions, metrics=self.metrics,
+                              journal=self._journal_writer.write, send=self._send, bus=bus, clock=clock)
+        # MPS control daemons and SM shares.
+        self._mps = MpsPartitions(config, devices.info(), self._poller, self._send, self._error,
+                                  backend=backend.name)
+        # Memory readings against declarations, lost devices, token requests held on them.
+        self._memory_policy = MemoryPolicy(config=config, devices=devices, loop=loop, sessions=self._sessions,
+                                           tokens=self._tokens, metrics=self.metrics, send=self._send, bus=bus)
+        # Registered models, the worker pool and the serving sub-sessions.
+        self._serving = Serving(config=config, devices=devices, loop=loop, sessions=self._sessions,
+                                tokens=self._tokens, mps=self._mps, journal=self._journal_writer, replies=replies)
+        # Whole-device suspensions under way.
+        self._suspensions = Suspensions(sessions=self._sessions, tokens=self._tokens, metrics=self.metrics,
+                                        replies=replies, bus=bus, request_token=self._memory_policy.request_token)
+        # Restore after a restart, the restore windows, and writing stale sessions again.
         self._restorer = Restorer(
-            config=config, journal=self._journal_writer, sessions=self._sessions, schedulers=self._schedulers,
-            new_scheduler=self._tokens.new_scheduler, mps=self._mps,
-            capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in self._device_info],
-            add_session=self._add_session,
-            continue_process=self._tokens.cont,
-            request_token=self._memory_policy.request_token)
+            config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
+            mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
+            add_session=self._add_session, request_token=self._memory_policy.request_token)
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -171,18 +155,24 @@ class AgentServer:
             p.Infer: self._serving.on_infer,
         }
         self.metrics.watch(backend.count(), self._device_rows, self._session_rows)  # read at scrape time
-        # The cluster endpoint: its sockets, device lifecycles, placement operations, events (a component).
-        self._cluster = ClusterEndpoint(
-            config=config, context=self._ctx, poller=self._poller, poll_handlers=self._poll_handlers,
-            schedulers=self._schedulers, sessions=self._sessions, metrics=self.metrics,
-            journal=self._journal_writer, handlers=self._handlers, clock=clock, started=self._started,
-            boot=lambda: self.boot, send=self._send, error=self._error, bad=self._bad, dispatch=self._dispatch,
-            status=self.status, apply=self._tokens.apply, end_slice=self._tokens.end_slice,
-            begin_suspend=self._suspensions.begin, suspending=self._suspensions.under_way, wake=self._wake,
-            lost_devices=self._lost_devices)
+        # The cluster endpoint: its sockets, device lifecycles, placement operations, events.
+        server_view = ServerView(self._ctx, self._handlers, self._dispatch, self.status, lambda: self.boot,
+                                 self._started, self.metrics, replies)
+        self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
+                                        sessions=self._sessions, journal=self._journal_writer,
+                                        suspensions=self._suspensions, devices=devices)
         self._handlers.update({p.Inventory: self._cluster.on_inventory, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy})
+        # Which device a new session joins, and whom to suspend to make room for it.
+        self._admission = Admission(config=config, devices=devices, sessions=self._sessions, tokens=self._tokens,
+                                    refusal=self._cluster.admission_refusal, workers_share=self._serving.workers_share)
+        # Who hears what.
+        bus.subscribe(Published, self._cluster.on_published)
+        bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)
+        bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
+        bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
+        bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         if journal is not None:
             self.boot = self._restorer.restore(self._clock())
             self._cluster.restore(self._clock())
@@ -240,7 +230,7 @@ class AgentServer:
             raise
         self._memory_policy.start()  # its watcher thread, where NVML reads memory per process (cuda)
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
-                 endpoint, self.backend.name, len(self._schedulers), os.getpid(), self.boot)
+                 endpoint, self.backend.name, self._tokens.device_count, os.getpid(), self.boot)
         return endpoint
 
     def request_stop(self, reason: str = "requested") -> None:
@@ -427,10 +417,10 @@ class AgentServer:
             self._welcome(route, msg.id, resumed, resumed=True)
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
-        device, code, problem = self._pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
+        device, code, problem = self._admission.pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
         if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
-            device, victims = self._suspensions.make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
+            device, victims = self._admission.make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
                                                    msg.borrower)
         if device is None:
             self._error(route, msg.id, code, problem)
@@ -469,14 +459,14 @@ class AgentServer:
                  msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
         self._journal_writer.put_session(session)
         self._welcome(route, msg.id, session, resumed=False)
-        self._cluster.event("session_join", device, session.id, name=session.name, workload=msg.workload,
+        self._bus.event("session_join", device, session.id, name=session.name, workload=msg.workload,
                     borrower=msg.borrower)
         for victim in victims:  # it may run once their state has left the device
             session.blocked_by.add(victim.id)
             self._suspensions.begin(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
 
     def _add_session(self, session: Session, now: float) -> None:
-        self._schedulers[session.device].add_session(session.id, session.workload, session.weight, now)
+        self._tokens.add(session.device, session.id, session.workload, session.weight, now)
         self._sessions.add(session)
 
     def _open_wake_channel(self, s: Session, one_hop: bool) -> None:
@@ -502,16 +492,16 @@ class AgentServer:
         return session
 
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
-        policy = self._schedulers[s.device].policy
-        env = self._mps.client_env(s.id, s.device, uncapped=self._schedulers[s.device].corun)
+        policy = self._tokens.policy(s.device)
+        env = self._mps.client_env(s.id, s.device, uncapped=self._tokens.corun(s.device))
         if env and s.workload is not Workload.INFERENCE:
             # Under MPS the server schedules a higher-priority client's work first: a lower
             # class yields the SMs to inference without any of its work being stopped.
             env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
             cap = self.config.corun_lower_sm_percent
-            if cap and self._schedulers[s.device].corun and ACTIVE_THREADS_ENV not in env:
+            if cap and self._tokens.corun(s.device) and ACTIVE_THREADS_ENV not in env:
                 env[ACTIVE_THREADS_ENV] = str(cap)  # SMs left free for the higher class when it comes
-        uuid = self._device_info[s.device].uuid
+        uuid = self._devices.info()[s.device].uuid
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
@@ -522,43 +512,6 @@ class AgentServer:
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
-
-    def _pick_device(self, wanted: int | None, memory_mb: int, workload: str = "training",
-                     borrower: str | None = None) -> tuple[int | None, str, str]:
-        """(device, "", "") for a new session (the least loaded that fits), or (None, code, why)."""
-        count = len(self._schedulers)
-        if wanted is not None and not 0 <= wanted < count:
-            return None, p.ErrorCode.DEVICE, (f"no device {wanted}; this node has devices 0..{count - 1} "
-                                              f"(backend {self.backend.name})")
-        if wanted is not None:
-            candidates = [wanted]
-        else:  # least loaded first
-            candidates = sorted(range(count), key=lambda i: (len(self._schedulers[i]), i))
-        lost = [self._lost_devices.refusal(i) for i in candidates if self._lost_devices.is_lost(i)]
-        candidates = [i for i in candidates if not self._lost_devices.is_lost(i)]
-        if not candidates:  # a failed GPU takes no session until it answers again
-            return None, p.ErrorCode.DEVICE, "; ".join(lost)
-        problems, refusals = [], []
-        for i in candidates:
-            refusal = self._cluster.admission_refusal(i, workload, borrower)  # lent, draining
-            if refusal is not None:
-                refusals.append(refusal)
-                continue
-            declared = memory.declared_mb(self._sessions.values(), i)
-            problem = (self._class_cap_problem(i, workload, memory_mb)
-                       or memory.admission_problem(self._device_info[i], self.config.memory_reserve_mb,
-                                                   declared, memory_mb, self._serving.workers_share(i)))
-            if problem is None:
-                return i, "", ""
-            problems.append(problem)
-        if not problems:
-            return None, p.ErrorCode.STATE, "; ".join(refusals)
-        return None, p.ErrorCode.NO_MEMORY, "; ".join(problems)
-
-    def _class_cap_problem(self, device: int, workload: str, memory_mb: int) -> str | None:
-        cap = self.config.memory_class_cap_percent.get(workload)
-        return memory.class_cap_problem(self._device_info[device], self.config.memory_reserve_mb,
-                                        self._sessions.values(), Workload.parse(workload), memory_mb, cap)
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
         session = self._sessions.get(msg.session)
@@ -614,7 +567,7 @@ class AgentServer:
         # Suspending or suspended: a requeue is kept for the resume, as an acquire would be.
         requeue = msg.requeue and s.suspend_state is None
         try:
-            actions = self._schedulers[s.device].release(s.id, msg.grant, now, requeue=requeue)
+            self._tokens.release_session(s, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
             if requeue == msg.requeue and self._tokens.one_hop.release_early(s, msg.grant, requeue):
                 if not msg.quiet:  # a woken successor's release overtook its holder's: done at its grant
@@ -622,17 +575,10 @@ class AgentServer:
                 return
             self._error(route, msg.id, p.ErrorCode.NOT_HOLDER,
                         not_holder_text(s.id, s.device, s.grant, msg.grant,
-                                        self._schedulers[s.device].lane_of(s.id).holder()))
+                                        self._tokens.lane_holder(s.device, s.id)))
             return
-        held_since = s.granted_at
-        s.grant = s.granted_at = None
-        if requeue:
-            s.wait_started = now
-        elif msg.requeue:
-            s.acquire_pending = True
-        # The next holder hears first; bookkeeping and the releaser's reply wait.
-        self._tokens.apply(actions, now, handoff_from=now)
-        self._tokens.count_slice(s, held_since, now)
+        if msg.requeue and not requeue:
+            s.acquire_pending = True  # kept for the resume
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
 
@@ -640,14 +586,10 @@ class AgentServer:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
-        actions = self._schedulers[s.device].cancel(s.id, now)
-        self._tokens.one_hop.forget(s)
         self._lost_devices.forget(s.id)  # a request held on a lost device goes too
         s.acquire_pending = False  # and one kept for an unblock or a resume
-        if s.grant is None:
-            s.wait_started = None
         self._send(route, p.Ok(id=msg.id))
-        self._tokens.apply(actions, now)
+        self._tokens.cancel_session(s, now)
 
     def _on_standby_ack(self, route: bytes, msg: p.StandbyAck, frame, now: float) -> None:
         """A successor's answer to the withdrawal of its one-hop promise (no reply: errors only)."""
@@ -771,12 +713,10 @@ class AgentServer:
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)
         self._tokens.one_hop.close_channel(s)
-        self._tokens.one_hop.forget(s)
         self._tokens.end_slice(s, now)
         self._serving.forget(s.id, now)
         self._suspensions.forget(s, now)
         self._mps.leave(s.id, s.device)
-        actions = self._schedulers[s.device].remove_session(s.id, now)
         self._journal_writer.write(lambda j: j.delete_session(s.id), session=s.id)
         self._restorer.forget(s, now)
         if reason == "bye":
@@ -784,8 +724,9 @@ class AgentServer:
         else:
             self.metrics.sessions_lost.labels(reason).inc()
             log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
-        self._cluster.event("session_leave", s.device, s.id, name=s.name, reason=reason)
-        self._tokens.apply(actions, now, handoff_from=now)
+        self._bus.event("session_leave", s.device, s.id, name=s.name, reason=reason)
+        self._tokens.remove(s.device, s.id, now)  # a token it held passes on now
+        self._tokens.one_hop.forget(s)
 
     def _reap_exited(self) -> None:
         """Sessions whose process exited (their pidfd became readable)."""
@@ -842,14 +783,9 @@ class AgentServer:
         and a session that left meanwhile is left out."""
         devices = []
         built = 0
-        try:
-            self._device_info = self.backend.devices()
-        except DeviceError as exc:
-            log.warning("[devices] live query failed, using the last values: %s", exc)
-        infos = list(self._device_info)
-        snaps = [scheduler.snapshot(now) for scheduler in self._schedulers]
-        activity = [stats.report(now, scheduler.holders())
-                    for stats, scheduler in zip(self._tokens.stats, self._schedulers)]
+        infos = list(self._devices.refresh())
+        snaps = [self._tokens.snapshot(i, now) for i in range(self._tokens.device_count)]
+        activity = [stats.report(now, self._tokens.holders(i)) for i, stats in enumerate(self._tokens.stats)]
         for info, snap, recent in zip(infos, snaps, activity):
             sessions = []
             for view in snap.sessions:
@@ -887,7 +823,7 @@ class AgentServer:
         rows = []
         for s in list(self._sessions.values()):
             try:
-                state = self._schedulers[s.device].state(s.id).value
+                state = self._tokens.state(s.device, s.id).value
             except KeyError:
                 continue  # removed while we were reading (scrapes run on another thread)
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
@@ -895,9 +831,10 @@ class AgentServer:
         return rows
 
     def _device_rows(self) -> list[DeviceRow]:
+        tokens = self._tokens
         return [DeviceRow(str(i), self._cluster.device_state(i), self._lost_devices.is_lost(i),
-                          scheduler.holder() is not None, scheduler.waiting_count())
-                for i, scheduler in enumerate(self._schedulers)]
+                          bool(tokens.holders(i)), tokens.waiting_count(i))
+                for i in range(tokens.device_count)]
 
 
 def not_holder_text(session: str, device: int, current: int | None, released: int, holder: str | None) -> str:

@@ -50,21 +50,17 @@ from ctxpool.worker import OUTPUT_PREFIX  # outputs are na-out-<worker pid>-...
 from nodeagent import memory, procwatch
 from nodeagent.daemon import output_segments, worker_setup
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
-from nodeagent.devices import DeviceInfo
 from nodeagent.journal import ModelRecord
 from nodeagent.daemon.journal_writer import JournalWriter
-from nodeagent.daemon.memory_watch import LostDevices, context_allowance_mb
+from nodeagent.daemon.memory_watch import context_allowance_mb
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import AskYield, Enforce, Grant, Revoked, TokenScheduler, Workload
+from nodeagent.daemon.bus import DeviceFacts, DeviceLost, LoopHandle, Replies
+from nodeagent.daemon.tokens import Tokens
+from sharing import AskYield, Enforce, Grant, Revoked, Workload
 
 log = logging.getLogger("nodeagent.serving")
 
-Send = Callable[[object, object], None]  # (route, message)
-Error = Callable[[object, int, str, str], None]  # (route, request id, code, message)
-Apply = Callable[..., None]  # (scheduler actions, now, handoff_from=None)
-SessionFor = Callable[[object, int, float], Session | None]  # (route, request id, now)
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
@@ -144,26 +140,24 @@ class Serving:
     actions of the sub-sessions it :meth:`owns`, the end of a client session
     (:meth:`forget`), a lost device (:meth:`device_lost`) and its timers."""
 
-    def __init__(self, *, config: ServeConfig, backend_name: str, sessions: SessionTable,
-                 schedulers: list[TokenScheduler], devices: Callable[[], list[DeviceInfo]],
-                 lost_devices: LostDevices, mps: MpsPartitions, journal: JournalWriter,
-                 poller: EventLoopPoller, poll_handlers: dict, clock: Callable[[], float],
-                 send: Send, error: Error, apply: Apply, session_for: SessionFor) -> None:
+    def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
+                 tokens: Tokens, mps: MpsPartitions, journal: JournalWriter, replies: Replies) -> None:
+        """``tokens``: the serving sub-sessions take turns at each device's token there, and
+        their actions come back here (this constructor registers them with ``tokens``)."""
         self._config = config
-        self._backend_name = backend_name
+        self._backend_name = devices.name
         self._sessions = sessions  # read: what sessions declared, when the workers' share is sized
-        self._schedulers = schedulers  # one per device; the sub-sessions take turns there
-        self._devices = devices  # the server's latest device facts (status refreshes them)
-        self._lost_devices = lost_devices
+        self._tokens = tokens
+        self._devices = devices.info  # the latest device facts (status refreshes them)
+        self._lost_devices = devices.lost
         self._mps = mps  # a worker of an MPS device is a client of its control daemon
         self._journal = journal  # models are journalled through it; its .journal is read at start
-        self._poller = poller
-        self._poll_handlers = poll_handlers  # the loop's: target -> callable run when readable
-        self._clock = clock
-        self._send = send
-        self._error = error
-        self._apply = apply  # carries out the scheduler's actions (a grant may come straight back here)
-        self._session_for = session_for  # the client session of a connection, or None (answered)
+        self._poller = loop.poller
+        self._poll_handlers = loop.poll_handlers  # the loop's: target -> callable run when readable
+        self._clock = loop.clock
+        self._send = replies.send
+        self._error = replies.error
+        self._session_for = replies.session_for  # the client session of a connection, or None (answered)
         self._pool = None
         self._models: dict[str, _Model] = {}
         self._queues: dict[str, _ServeQueue] = {}  # serving sub-session id -> its queue
@@ -173,6 +167,11 @@ class Serving:
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
+        tokens.delegate(self.owns, self.on_action)
+
+    def on_device_lost(self, event: DeviceLost) -> None:
+        """The bus's :class:`DeviceLost`: see :meth:`device_lost`."""
+        self.device_lost(event.device, event.notice, event.now)
 
     def owns(self, session_id: str) -> bool:
         """Whether ``session_id`` is a serving sub-session (its scheduler actions are ours: :meth:`on_action`)."""
@@ -197,11 +196,11 @@ class Serving:
             self._devices(), workers=cfg.ctxpool_workers_per_device, pool_mb=cfg.ctxpool_pool_mb,
             context_mb=context_allowance_mb(cfg.memory_context_allowance_mb, self._backend_name),
             resident_mb=cfg.ctxpool_resident_mb, reserve_mb=cfg.memory_reserve_mb,
-            declared_mb={i: memory.declared_mb(self._sessions.values(), i) for i in range(len(self._schedulers))})
+            declared_mb={i: memory.declared_mb(self._sessions.values(), i) for i in range(self._tokens.device_count)})
         for device, share in self._worker_shares.items():
             log.info("[ctxpool] device=%d %s", device, share.describe())
         self._pool = WorkerPool(
-            self._backend_name, list(range(len(self._schedulers))),
+            self._backend_name, list(range(self._tokens.device_count)),
             workers_per_device=cfg.ctxpool_workers_per_device, pool_bytes=cfg.ctxpool_pool_mb << 20,
             restart_budget=(cfg.ctxpool_restart_budget, 60.0), extra_sys_path=tuple(cfg.ctxpool_python_path),
             output_group=tensors.socket_group(ipc_path(cfg.endpoint)), on_fds_changed=self._pool_fds_changed,
@@ -211,7 +210,7 @@ class Serving:
         self._pool.start()
         self._pool_fds_changed(added=self._pool.watch_targets(), removed=())
         log.info("[ctxpool] starting workers=%d per device devices=%d backend=%s",
-                 cfg.ctxpool_workers_per_device, len(self._schedulers), self._backend_name)
+                 cfg.ctxpool_workers_per_device, self._tokens.device_count, self._backend_name)
         if self._journal.journal is not None:
             for rec in self._journal_read(lambda j: j.models(), []):
                 why = unrestorable_model(rec)
@@ -377,8 +376,8 @@ class Serving:
             return p.ErrorCode.MODEL, f"factory must look like 'package.module:callable', got {msg.factory!r}"
         if msg.weights is not None and not msg.weights.startswith("/"):
             return p.ErrorCode.MODEL, f"weights must be an absolute path (the daemon has another cwd), got {msg.weights!r}"
-        if msg.device is not None and not 0 <= msg.device < len(self._schedulers):
-            return p.ErrorCode.DEVICE, f"no device {msg.device}; this node has devices 0..{len(self._schedulers) - 1}"
+        if msg.device is not None and not 0 <= msg.device < self._tokens.device_count:
+            return p.ErrorCode.DEVICE, f"no device {msg.device}; this node has devices 0..{self._tokens.device_count - 1}"
         if len(msg.example_input) > MAX_TENSORS:
             return p.ErrorCode.INVALID, f"at most {MAX_TENSORS} example tensors, got {len(msg.example_input)}"
         return None
@@ -387,7 +386,7 @@ class Serving:
                             reader: peer_open.PeerIdentity | None = None) -> None:
         segment, example = _example_segment(record)
         model = _Model(record=record, segment=segment, example=example, journalled=journalled)
-        devices = [record.device] if record.device is not None else list(range(len(self._schedulers)))
+        devices = [record.device] if record.device is not None else list(range(self._tokens.device_count))
         try:
             self._pool.register_model(ModelSpec(name=record.name, factory=record.factory, weights=record.weights,
                                                 devices=devices, example_input=example, reader=reader))
@@ -488,13 +487,13 @@ class Serving:
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
                             uid=s.uid, outputs=output_segments.OutputSegments(s.uid))
-            self._schedulers[s.device].add_session(q.sid, Workload.INFERENCE, s.weight, now)
+            self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
                               inputs=list(msg.inputs), arrived=now, deadline=now + msg.timeout_ms / 1000.0))
         if q.grant is None and not q.waiting:
             q.waiting = True
-            self._apply(self._schedulers[q.device].request(q.sid, now), now)
+            self._tokens.request(q.device, q.sid, now)
         elif q.grant is not None and q.running is None and not q.yield_asked:
             self._serve_next(q, now)
 
@@ -514,7 +513,7 @@ class Serving:
             if q.running is None:
                 self._serve_release(q, now)
         elif kind is Enforce:
-            self._apply(self._schedulers[q.device].revoke(q.sid, now, "overrun"), now, handoff_from=now)
+            self._tokens.revoke(q.device, q.sid, now, "overrun")
             log.warning("[ctxpool] serving session=%s overran its yield deadline by %.1f ms: token revoked "
                         "(the running request completes)", q.sid, action.overrun_ms)
         elif kind is Revoked:
@@ -522,7 +521,7 @@ class Serving:
             q.yield_asked = False
             if q.pending and q.running is None:
                 q.waiting = True
-                self._apply(self._schedulers[q.device].request(q.sid, now), now)
+                self._tokens.request(q.device, q.sid, now)
 
     def _serve_next(self, q: _ServeQueue, now: float) -> None:
         while q.pending and q.running is None:
@@ -553,8 +552,7 @@ class Serving:
         q.yield_asked = False
         requeue = bool(q.pending) and not q.owner_gone
         q.waiting = requeue
-        actions = self._schedulers[q.device].release(q.sid, grant, now, requeue=requeue)
-        self._apply(actions, now, handoff_from=now)
+        self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
         if q.owner_gone and q.running is None:
             self._remove_queue(q, now)
 
@@ -585,12 +583,12 @@ class Serving:
             q.pending.clear()
             if q.waiting:
                 q.waiting = False
-                self._schedulers[device].cancel(q.sid, now)
+                self._tokens.cancel(device, q.sid, now)
 
     def _remove_queue(self, q: _ServeQueue, now: float) -> None:
         if self._queues.pop(q.sid, None) is None:
             return
-        self._apply(self._schedulers[q.device].remove_session(q.sid, now), now, handoff_from=now)
+        self._tokens.remove(q.device, q.sid, now)
 
     # ------------------------------------------------------- the workers
 
@@ -726,7 +724,7 @@ class Serving:
                 self._remove_queue(q, now)
             elif q.pending and not q.waiting:
                 q.waiting = True
-                self._apply(self._schedulers[q.device].request(q.sid, now), now)
+                self._tokens.request(q.device, q.sid, now)
             return
         self._serve_next(q, now)
 

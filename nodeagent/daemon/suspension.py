@@ -8,9 +8,8 @@ to admit an inference session that would not fit.
 
 A component: it owns the suspensions under way (requested, deadline pending;
 the per-session state is on :class:`nodeagent.daemon.sessions.Session`) and is given
-what it may touch in its constructor. Plans to make room also read what
-admission reads (device facts, lost devices, the cluster's refusals, class caps,
-the workers' share).
+what it may touch in its constructor. Which sessions to suspend to make room is
+admission's plan (:mod:`nodeagent.daemon.admission`).
 """
 
 from __future__ import annotations
@@ -20,59 +19,35 @@ import math
 from typing import Callable
 
 from client_lib import protocol as p
-from nodeagent import memory, procwatch
+from nodeagent import procwatch
+from nodeagent.daemon.bus import Bus, Replies, SuspendFinished, SuspensionAsked
 from nodeagent.daemon.cluster import ClusterRoute
-from nodeagent.config import ServeConfig
-from nodeagent.devices import DeviceInfo
-from nodeagent.daemon.memory_watch import LostDevices
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import SessionState, TokenScheduler, Workload
+from nodeagent.daemon.tokens import Tokens
+from sharing import SessionState
 
 log = logging.getLogger("nodeagent.suspension")
 
-Send = Callable[[object, object], None]  # (route, message)
-Error = Callable[[object, int, str, str], None]  # (route, request id, code, message)
 
 
 class Suspensions:
     """Whole-device suspension handlers (see the module docstring)."""
 
-    def __init__(self, *, config: ServeConfig, sessions: SessionTable, schedulers: list[TokenScheduler],
-                 devices: list[DeviceInfo], lost_devices: LostDevices, metrics: Metrics,
-                 send: Send, error: Error,
-                 apply: Callable[..., None],  # (actions, now, handoff_from=None): carry out scheduler actions
-                 stop: Callable[[Session], bool],  # SIGSTOP a verified session (journalled first)
-                 continue_process: Callable[[Session], bool],  # SIGCONT one the daemon stopped
-                 end_slice: Callable[[Session, float], None],
-                 session_for: Callable[[object, int, float], Session | None],  # the sender's session, or an error
-                 request_token: Callable[..., None],  # (session id, device, now): held while the device is lost
-                 event: Callable[..., None],  # (kind, device, session, **data): a cluster event
-                 suspend_finished: Callable[[Session, str, float, float], None],  # (s, outcome, elapsed_ms, now)
-                 admission_refusal: Callable[[int, str, str | None], str | None],  # (device, workload, borrower)
-                 class_cap_problem: Callable[[int, str, int], str | None],  # (device, workload, memory_mb)
-                 workers_share: Callable[[int], memory.WorkerShare | None],
-                 suspension_asked: Callable[[int], None] = lambda device: None) -> None:  # (device): for status
-        self._config = config
+    def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
+                 request_token: Callable[..., None]) -> None:
+        """``tokens``: the token commands, and stopping and continuing verified processes;
+        ``bus``: suspension events (the cluster's, and SuspendFinished, SuspensionAsked);
+        ``request_token(session id, device, now)``: ask for the token again (held while the
+        device is lost)."""
         self._sessions = sessions
-        self._schedulers = schedulers
-        self._devices = devices  # admission reads memory_total_bytes only, which does not change
-        self._lost_devices = lost_devices
+        self._tokens = tokens
         self._metrics = metrics
-        self._send = send
-        self._error = error
-        self._apply = apply
-        self._stop = stop
-        self._continue = continue_process
-        self._end_slice = end_slice
-        self._session_for = session_for
+        self._send = replies.send
+        self._error = replies.error
+        self._session_for = replies.session_for
+        self._bus = bus
         self._request_token = request_token
-        self._event = event
-        self._suspend_finished = suspend_finished
-        self._admission_refusal = admission_refusal
-        self._class_cap_problem = class_cap_problem
-        self._workers_share = workers_share
-        self._suspension_asked = suspension_asked
         self._suspending: set[Session] = set()  # suspend requested, deadline pending
 
     # ------------------------------------------------------------- for the loop
@@ -89,11 +64,10 @@ class Suspensions:
         """Act on the suspend deadlines that have passed: stop verified sessions, report the rest."""
         for s in [s for s in self._suspending if now >= s.suspend_deadline]:
             self._suspending.discard(s)
-            if self._stop(s):
-                scheduler = self._schedulers[s.device]
+            if self._tokens.stop(s):
                 if s.grant is not None:
-                    self._end_slice(s, now)
-                    self._apply(scheduler.revoke(s.id, now, "suspended"), now, handoff_from=now)
+                    self._tokens.end_slice(s, now)
+                    self._tokens.revoke(s.device, s.id, now, "suspended")
                 s.suspend_state = "stopped"
                 self._finish(s, "stopped", now)
             else:  # reported once; it may still suspend later
@@ -160,33 +134,15 @@ class Suspensions:
         s.suspend_started = now
         s.suspend_deadline = now + deadline_ms / 1000.0
         self._suspending.add(s)
-        self._suspension_asked(s.device)
+        self._bus.publish(SuspensionAsked(s.device))
         self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
-        scheduler = self._schedulers[s.device]
-        if scheduler.state(s.id) is SessionState.WAITING:
+        if self._tokens.state(s.device, s.id) is SessionState.WAITING:
             s.acquire_pending = True  # a waiter stops waiting; its request is made again at resume
-        self._apply(scheduler.cancel(s.id, now), now)
+        self._tokens.cancel(s.device, s.id, now)
         s.wait_started = None
-        self._event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
+        self._bus.event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
                  s.id, s.name, deadline_ms, s.grant is not None, reason)
-
-    def make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int,
-                       borrower: str | None = None) -> tuple[int | None, list[Session]]:
-        """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
-        count = len(self._schedulers)
-        for i in ([wanted] if wanted is not None else range(count)):
-            if self._admission_refusal(i, workload.wire, borrower) is not None or self._lost_devices.is_lost(i):
-                continue  # draining, lent to another borrower, or failed
-            if self._class_cap_problem(i, workload.wire, memory_mb) is not None:
-                continue  # suspending lower classes never lifts this class's own cap
-            capacity = memory.capacity_mb(self._devices[i], self._config.memory_reserve_mb)
-            need = (memory.declared_mb(self._sessions.values(), i) + memory.held_mb(self._workers_share(i))
-                    + memory_mb - capacity)
-            victims = memory.room_makers(self._sessions.values(), i, workload, need)
-            if victims:
-                return i, victims
-        return None, []
 
     def _unblock(self, victim: Session, now: float) -> None:
         """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
@@ -202,7 +158,7 @@ class Suspensions:
         if s is None or s.suspend_state != "requested":
             return  # resumed (or stopped) meanwhile: its resume notice is already on the way
         if s.grant is not None:  # it should have released; make sure the device is free
-            self._apply(self._schedulers[s.device].revoke(s.id, now, "suspended"), now, handoff_from=now)
+            self._tokens.revoke(s.device, s.id, now, "suspended")
         s.suspend_state = "suspended"
         s.bytes_parked = msg.bytes_parked
         self._metrics.parked_bytes.inc(max(0, msg.bytes_parked))
@@ -220,7 +176,7 @@ class Suspensions:
         self._unblock(s, now)
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
-        self._suspend_finished(s, outcome, elapsed_ms, now)  # events, a reclaim waiting on it (cluster.py)
+        self._bus.publish(SuspendFinished(s, outcome, elapsed_ms, now))  # events, a reclaim waiting on it
 
     def on_resume_session(self, route, msg: p.ResumeSession, frame, now: float) -> None:
         s = self._authorize(route, msg.id, frame, msg.session)
@@ -229,7 +185,7 @@ class Suspensions:
         state = s.suspend_state
         if state is not None:
             if state == "stopped":
-                self._continue(s)
+                self._tokens.cont(s)
                 s.last_seen = now
             elif state == "requested":
                 self._finish(s, "cancelled", now)
@@ -237,7 +193,7 @@ class Suspensions:
             s.bytes_parked = 0
             self._send(s.route, p.ResumeNotice())
             self._metrics.resumes.inc()
-            self._event("resume", s.device, s.id, was=state)
+            self._bus.event("resume", s.device, s.id, was=state)
             log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state, s.acquire_pending)
             if s.acquire_pending and not s.blocked_by:  # asked while suspended: honoured now, after the notice
                 s.acquire_pending = False

@@ -25,59 +25,166 @@ from typing import Callable
 from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.bus import Bus, DeviceFacts
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.one_hop import OneHop
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, TokenScheduler, Workload
-from sharing.corun import CoRunScheduler, PaceController
+from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
+from sharing.corun import CoRunScheduler
 
 log = logging.getLogger("nodeagent.daemon.tokens")
 
 Send = Callable[[object, object], None]  # (route, message)
-Event = Callable[..., None]  # (kind, device, session, **data)
 JournalWrite = Callable[..., bool]  # (write(journal), session=...) -> written
 
 
 class Tokens:
     """The schedulers of every device and the carrying-out of their actions."""
 
-    def __init__(self, *, device_count: int, policy: SchedulerPolicy, enforce_mode: str, sessions: SessionTable,
-                 metrics: Metrics, journal: JournalWrite, send: Send, event: Event,
-                 delegated: Callable[[str], bool], delegate: Callable[[object, float], None],
-                 clock: Callable[[], float], sharing: str = "exclusive",
-                 pace_controller: Callable[[], PaceController] = PaceController) -> None:
-        if sharing not in ("corun", "exclusive"):
-            raise ValueError(f"sharing must be corun or exclusive, got {sharing!r}")
-        self.sharing = sharing
+    def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, metrics: Metrics,
+                 journal: JournalWrite, send: Send, bus: Bus, clock: Callable[[], float]) -> None:
+        """``config``: the policy, enforcement and sharing settings; ``devices``: how many
+        and on which backend (co-run is the default on cuda); ``bus``: where grants and
+        preemptions are published for the cluster's events."""
+        device_count = devices.count
+        policy = config.policy()
+        self.sharing = config.sharing_for(devices.name)
         self._policy = policy
         self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
-        self._enforce_mode = enforce_mode  # "stop" (SIGSTOP a verified overrunner) or "revoke"
+        self._enforce_mode = config.enforce  # "stop" (SIGSTOP a verified overrunner) or "revoke"
         self._sessions = sessions
         self._metrics = metrics
         self._journal = journal
         self._send = send
-        self._event = event
-        self._delegated = delegated
-        self._delegate = delegate
+        self._bus = bus
+        # Sub-sessions another component holds the token for (serving's queues): it says
+        # which ids are its and carries out their actions (delegate()).
+        self._delegated: Callable[[str], bool] = lambda sid: False
+        self._delegate: Callable[[object, float], None] = lambda action, now: None
         self._clock = clock
         self._wait_hist: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         # Successor hints and wake channels (one-hop handoffs): a part of this component.
-        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send, delegated=delegated,
+        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send,
+                              delegated=lambda sid: self._delegated(sid),
                               clock=clock, grace_s=policy.grace_ms / 1000.0,
                               stop=lambda s: self._enforce_mode == "stop" and self.stop(s),
                               apply=lambda actions, now: self.apply(actions, now, handoff_from=now))
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component).
-        controllers = {i: pace_controller() for i in range(device_count)} if sharing == "corun" else {}
-        self.pacing = Pacing(schedulers=self.schedulers, sessions=sessions, controllers=controllers, metrics=metrics)
+        controllers = ({i: config.pace_controller() for i in range(device_count)} if self.sharing == "corun"
+                       else {})
+        self.pacing = Pacing(tokens=self, sessions=sessions, controllers=controllers, metrics=metrics)
+
+    def delegate(self, owns: Callable[[str], bool], on_action: Callable[[object, float], None]) -> None:
+        """Hand the actions of the sub-sessions ``owns`` says are its to ``on_action`` (the serving
+        component's queues hold the token for their clients' requests)."""
+        self._delegated, self._delegate = owns, on_action
 
     def new_scheduler(self, device: int, first_grant: int = 1) -> TokenScheduler | CoRunScheduler:
         """A fresh scheduler for ``device``: one lane per class under co-run, else one token."""
         if self.sharing == "corun":
             return CoRunScheduler(device, self._policy, first_grant=first_grant)
         return TokenScheduler(device, self._policy, first_grant=first_grant)
+
+    # ------------------------------------------------------------------ commands
+    # The only way a scheduler changes: every component asks here, and what the scheduler
+    # decides is carried out at once (``apply``), in the same loop turn. Sessions and the
+    # serving component's sub-sessions are named the same way, by (device, id).
+
+    def add(self, device: int, sid: str, workload: Workload, weight: float, now: float) -> None:
+        self.schedulers[device].add_session(sid, workload, weight, now)
+
+    def remove(self, device: int, sid: str, now: float) -> None:
+        """``sid`` left the device: a token it held passes on at once."""
+        self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
+
+    def request(self, device: int, sid: str, now: float, waiting_since: float | None = None) -> None:
+        self.apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)
+
+    def cancel(self, device: int, sid: str, now: float) -> None:
+        self.apply(self.schedulers[device].cancel(sid, now), now)
+
+    def release(self, device: int, sid: str, grant: int, now: float, requeue: bool = False) -> None:
+        """``sid`` gives ``grant`` back; NotHolderError (nothing changed) if it does not hold it."""
+        self.apply(self.schedulers[device].release(sid, grant, now, requeue=requeue), now, handoff_from=now)
+
+    def release_session(self, s: Session, grant: int, now: float, requeue: bool = False) -> None:
+        """Client session ``s`` gives ``grant`` back (NotHolderError, nothing changed, if it does
+        not hold it): its slice is over, and the next holder hears before anything is counted."""
+        actions = self.schedulers[s.device].release(s.id, grant, now, requeue=requeue)
+        held_since = s.granted_at
+        s.grant = s.granted_at = None
+        if requeue:
+            s.wait_started = now
+        self.apply(actions, now, handoff_from=now)
+        self.count_slice(s, held_since, now)
+
+    def cancel_session(self, s: Session, now: float) -> None:
+        """Client session ``s`` stops waiting (a no-op for a holder: it must release)."""
+        actions = self.schedulers[s.device].cancel(s.id, now)
+        self.one_hop.forget(s)
+        if s.grant is None:
+            s.wait_started = None
+        self.apply(actions, now)
+
+    def revoke(self, device: int, sid: str, now: float, reason: str) -> None:
+        self.apply(self.schedulers[device].revoke(sid, now, reason), now, handoff_from=now)
+
+    def preempt(self, device: int, sid: str, now: float) -> None:
+        """Put the holder ``sid`` back in line without its consent (the daemon stopped it)."""
+        self.apply(self.schedulers[device].preempt(sid, now), now, handoff_from=now)
+
+    def set_policy(self, device: int, policy: SchedulerPolicy, now: float) -> None:
+        self.apply(self.schedulers[device].set_policy(policy, now), now)
+
+    def renew(self, first_grant: int) -> None:
+        """Fresh schedulers whose grant ids start at ``first_grant`` (a restart: ids continue above
+        the old daemon's); in place, so every view of the list sees them."""
+        self.schedulers[:] = [self.new_scheduler(i, first_grant) for i in range(len(self.schedulers))]
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def device_count(self) -> int:
+        return len(self.schedulers)
+
+    def state(self, device: int, sid: str) -> SessionState:
+        return self.schedulers[device].state(sid)
+
+    def on_device(self, device: int, sid: str) -> bool:
+        return sid in self.schedulers[device]
+
+    def sessions_on(self, device: int) -> int:
+        return len(self.schedulers[device])
+
+    def policy(self, device: int) -> SchedulerPolicy:
+        return self.schedulers[device].policy
+
+    def corun(self, device: int) -> bool:
+        return self.schedulers[device].corun
+
+    def holders(self, device: int) -> tuple[str, ...]:
+        return self.schedulers[device].holders()
+
+    def lane_holder(self, device: int, sid: str) -> str | None:
+        """Who holds the token ``sid`` takes turns at (its class's, on a co-run device)."""
+        return self.schedulers[device].lane_of(sid).holder()
+
+    def pace(self, device: int) -> tuple[tuple[int, bool], ...]:
+        """Per class: sessions of higher classes on ``device``, and whether one holds (co-run)."""
+        return self.schedulers[device].pace()
+
+    def wanted_by(self, device: int, workload: Workload) -> bool:
+        return self.schedulers[device].wanted_by(workload)
+
+    def waiting_count(self, device: int) -> int:
+        return self.schedulers[device].waiting_count()
+
+    def snapshot(self, device: int, now: float):
+        return self.schedulers[device].snapshot(now)
 
     # ------------------------------------------------------------------ timers
 
@@ -121,7 +228,7 @@ class Tokens:
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self.pacing.granted(s)
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
-                self._event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
+                self._bus.event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
                 self.observe_wait(s, now)
@@ -139,7 +246,7 @@ class Tokens:
                 self.one_hop.refresh(s.device)  # a withdrawn hint must reach the holder before the ask
                 self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
                                                    reason=action.reason))
-                self._event("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
+                self._bus.event("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
                             deadline_ms=action.deadline_ms)
                 self._metrics.yield_requests.labels(str(s.device), action.reason).inc()
                 self.stats[s.device].yield_asked(action.reason)
@@ -162,13 +269,13 @@ class Tokens:
             self.end_slice(s, now)
             self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
             self._metrics.enforcements.labels("stop").inc()
-            self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
+            self._bus.event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
                         s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
             return
         self.apply(self.schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
         self._metrics.enforcements.labels("revoke").inc()
-        self._event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="revoke")
+        self._bus.event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="revoke")
         log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
                     s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
 

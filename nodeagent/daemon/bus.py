@@ -1,0 +1,172 @@
+"""The daemon's synchronous event bus, and the small handles components are given.
+
+When several components must react to one thing (a suspension finished, a device
+failed, a cluster event to publish), the owner publishes a typed event and the
+others subscribe, so that no component calls back into another through a lambda
+pointing at an object built later. The bus is synchronous on purpose: a
+subscriber runs inside ``publish``, in the same loop turn, so a grant is still
+written in the same wake-up as the release that caused it. Subscriptions are
+made by whoever wires the daemon (the server), so a component's constructor
+says what it publishes (it takes the bus) and not whom it notifies.
+
+The handles bundle what a component needs of the loop (:class:`LoopHandle`),
+of the peers (:class:`Replies`) and of the devices (:class:`DeviceFacts`):
+each one thing a component is given, read-only where it is state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+log = logging.getLogger("nodeagent.daemon.bus")
+
+E = TypeVar("E")
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """Something placement clients hear on the events socket (``kind``: grant, preempt,
+    session_join, suspend, health, ...); the cluster endpoint's publisher subscribes."""
+
+    kind: str
+    device: int | None
+    session: str | None
+    data: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SuspendFinished:
+    """A suspension ended (``outcome``: suspended, stopped, timeout, gone, cancelled)."""
+
+    session: Any  # nodeagent.daemon.sessions.Session
+    outcome: str
+    elapsed_ms: float
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class SuspensionAsked:
+    """A session on ``device`` was asked to give the whole device up (counted for status)."""
+
+    device: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLost:
+    """``device`` failed: everything on it is told ``notice``."""
+
+    device: int
+    notice: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class DurabilityChanged:
+    """Whether ``session`` (None: every session) is journalled changed."""
+
+    session: str | None
+
+
+# ------------------------------------------------------------------ the bus
+
+
+class Bus:
+    """Synchronous publish/subscribe by event type. A subscriber that raises costs that one
+    delivery (logged), never the publisher or the other subscribers."""
+
+    def __init__(self) -> None:
+        self._subscribers: dict[type, list[Callable[[Any], None]]] = defaultdict(list)
+
+    def subscribe(self, kind: type[E], handler: Callable[[E], None]) -> None:
+        self._subscribers[kind].append(handler)
+
+    def publish(self, event: object) -> None:
+        for handler in self._subscribers.get(type(event), ()):
+            try:
+                handler(event)
+            except Exception:
+                log.exception("[bus] a subscriber of %s failed; the others still hear it", type(event).__name__)
+
+    def event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
+        """Shorthand for publishing a :class:`Published` event."""
+        self.publish(Published(kind, device, session, data))
+
+
+# ------------------------------------------------------------------ handles
+
+
+@dataclass(frozen=True, slots=True)
+class LoopHandle:
+    """What a component needs of the loop: its poller and readable-target table (where a
+    component registers the sockets and pipes it owns), its clock, and a wake-up."""
+
+    poller: Any  # nodeagent.daemon.loop.EventLoopPoller
+    poll_handlers: dict  # readable target -> callable run when it is readable
+    clock: Callable[[], float]
+    wake: Callable[[], None]  # wake the loop (signal- and thread-safe)
+
+
+@dataclass(frozen=True, slots=True)
+class Replies:
+    """Answering peers: ``send(route, message)``, ``error(route, request id, code, text)``,
+    ``bad(route, request id, why)`` (E_BAD_REQUEST, counted), and ``session_for(route, request
+    id, now)``: the session of a connection, or None after answering E_NO_SESSION."""
+
+    send: Callable[[object, object], None]
+    error: Callable[[object, int, str, str], None]
+    bad: Callable[[object, int, str], None]
+    session_for: Callable[[object, int, float], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerView:
+    """What another endpoint of the daemon (the cluster endpoint) needs of the server: the
+    ZeroMQ context, the request table it shares (``handlers``) and how a frame is dispatched
+    into it, a status snapshot, the incarnation (``boot()``, known once the journal is read),
+    the metrics, and how to answer peers."""
+
+    context: Any  # zmq.Context
+    handlers: Any  # Mapping[type, handler]
+    dispatch: Callable[..., None]  # (route, body, frame, handlers, where, unhandled=None)
+    status: Callable[[float], Any]  # (now) -> StatusReply
+    boot: Callable[[], int]
+    started: float  # the loop's clock when the daemon started
+    metrics: Any  # nodeagent.metrics.Metrics
+    replies: Replies
+
+
+class DeviceFacts:
+    """The devices as admission and the components see them: the backend, its devices'
+    latest facts (refreshed by status), and which have failed (the lost-devices table)."""
+
+    def __init__(self, backend, lost) -> None:
+        self.backend = backend
+        self.lost = lost  # nodeagent.daemon.memory_watch.LostDevices: owned by the memory policy
+        self._info = backend.devices()
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def count(self) -> int:
+        return len(self._info)
+
+    def info(self) -> list:
+        """The latest facts of every device (index order)."""
+        return self._info
+
+    def refresh(self) -> list:
+        """Ask the backend again (status does, each time); keep the last facts if it fails."""
+        from nodeagent.devices import DeviceError
+        try:
+            self._info = self.backend.devices()
+        except DeviceError as exc:
+            log.warning("[devices] live query failed, using the last values: %s", exc)
+        return self._info

@@ -1,0 +1,68 @@
+"""The daemon's shape, checked as its purity test checks sharing/ (issue 22): one owner of
+the schedulers, and constructors that name a handful of collaborators."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DAEMON = REPO / "nodeagent" / "daemon"
+# The tokens component and its parts (one-hop promises live on the lanes it owns).
+SCHEDULER_OWNERS = {"tokens.py", "one_hop.py"}
+MUTATORS = {"add_session", "remove_session", "request", "cancel", "release", "revoke", "preempt", "set_weight",
+            "set_policy", "tick", "bind_successor", "withdraw_successor", "settle_successor"}
+MAX_COLLABORATORS = 8
+
+
+def _python_files():
+    return sorted(p for p in (REPO / "nodeagent").rglob("*.py"))
+
+
+def _scheduler_like(node: ast.AST) -> bool:
+    """A scheduler, as code outside the owner would reach one: ``...schedulers[i]``, or a
+    name or attribute called scheduler or lane."""
+    if isinstance(node, ast.Subscript):
+        return _scheduler_like(node.value)
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("schedulers", "_schedulers", "scheduler", "_scheduler", "lane")
+    if isinstance(node, ast.Name):
+        return node.id in ("schedulers", "scheduler", "lane")
+    return False
+
+
+def test_the_schedulers_change_only_in_the_tokens_component():
+    offenders = []
+    for path in _python_files():
+        if path.parent == DAEMON and path.name in SCHEDULER_OWNERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in MUTATORS and _scheduler_like(node.func.value)):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.func.attr}()")
+            if isinstance(node, ast.Attribute) and node.attr == "_schedulers":
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} holds the schedulers")
+    assert not offenders, "schedulers changed outside nodeagent/daemon/tokens.py: " + ", ".join(offenders)
+
+
+def test_the_checks_above_see_a_scheduler_change_where_one_is():
+    """The grep is not vacuous: the owner itself is caught by it."""
+    tree = ast.parse((DAEMON / "tokens.py").read_text())
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr in MUTATORS and _scheduler_like(node.func.value)]
+    assert len(found) >= 8
+
+
+def test_no_component_constructor_takes_more_than_8_collaborators():
+    too_many = []
+    for path in sorted(DAEMON.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    count = len(args.args) - 1 + len(args.kwonlyargs)  # less self
+                    if count > MAX_COLLABORATORS:
+                        too_many.append(f"{path.name}:{node.name} ({count})")
+    assert not too_many, f"constructors over {MAX_COLLABORATORS} parameters: {too_many}"
