@@ -649,8 +649,16 @@ class Client:
         self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms))
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f", bytes_parked, suspend_ms)
         generation = self._generation
-        while not self._resume_received and self._generation == generation:
-            # A daemon that restarted meanwhile knows nothing of the suspension: carry on.
+        while not self._resume_received:
+            if self._generation != generation or self._suspend_requested:
+                # Reattached to a restarted daemon (or asked again). One that kept the suspension
+                # (protocol 2.3: welcome.suspended) hears that we are parked, and we wait on; one
+                # that knows nothing of it lets us carry on.
+                if self._generation != generation and not (self.welcome and self.welcome.suspended):
+                    break
+                generation = self._generation
+                self._suspend_requested = False
+                self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms))
             if not self._pump(_POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()

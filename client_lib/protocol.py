@@ -334,6 +334,7 @@ class Welcome(Reply, tag="welcome"):
     cuda_ordinal: Optional[int] = None  # the CUDA ordinal to use, where the daemon can tell (0 when env names the GPU)
     wake: str = ""  # 2.1: path of this session's wake channel (a FIFO) when hello asked for one_hop; "" none
     pace: str = ""  # 2.2: co-run: the device's pace board (read-only; client_lib.pace) for a lower class; "" none
+    suspended: bool = False  # 2.3: a resumed session that is suspended (a restarted daemon kept it): stay parked
 
 
 class HeartbeatAck(Reply, tag="heartbeat_ack"):

@@ -66,6 +66,9 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     # 4: who registered a model (JSON: uid, gid, groups), so that a restart reads its weights with
     # that user's rights; NULL in rows of older journals (see ModelRecord.registrant)
     ("ALTER TABLE models ADD COLUMN registrant TEXT",),
+    # 5: a whole-device suspension in force or under way (JSON: sharing.suspension.Suspension.to_record),
+    # written before the notice or signal it stands for, so a restarted daemon finishes it; NULL: none
+    ("ALTER TABLE sessions ADD COLUMN suspension TEXT",),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -100,6 +103,7 @@ class SessionRecord:
     managed_pgid: int | None = None  # process group the daemon may signal (nodeagent run), verified
     stopped: bool = False  # the daemon SIGSTOPped it and has not yet continued it
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
+    suspension: dict | None = None  # sharing.suspension.Suspension.to_record(); None: not suspended
 
 
 _SESSION_COLUMNS = [f.name for f in fields(SessionRecord)]
@@ -227,7 +231,8 @@ class Journal:
         """Insert or replace by id; a replaced session keeps its place in creation order."""
         if not isinstance(rec.workload, str):  # a sharing.Workload (an IntEnum) would be stored as a bare int
             raise TypeError(f"workload must be the wire name (str), not {type(rec.workload).__name__}")
-        values = tuple(getattr(rec, c) for c in _SESSION_COLUMNS)
+        values = tuple(_to_json(rec.suspension, f"suspension of session {rec.id}") if c == "suspension"
+                       and rec.suspension is not None else getattr(rec, c) for c in _SESSION_COLUMNS)
         updates = ", ".join(f"{c}=excluded.{c}" for c in _SESSION_COLUMNS[1:])
         with self._write() as db:
             db.execute(f"INSERT INTO sessions ({', '.join(_SESSION_COLUMNS)}) "
@@ -254,6 +259,15 @@ class Journal:
             raise KeyError(f"no session {session_id!r} in the journal {self.path}")
         log.debug("[journal] stopped session=%s stopped=%s", session_id, stopped)
 
+    def set_suspension(self, session_id: str, record: dict | None) -> None:
+        """Record a session's suspension (None: none any more); KeyError if it is not journaled."""
+        text = None if record is None else _to_json(record, f"suspension of session {session_id}")
+        with self._write() as db:
+            changed = db.execute("UPDATE sessions SET suspension=? WHERE id=?", (text, session_id)).rowcount
+        if not changed:
+            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        log.debug("[journal] suspension session=%s state=%s", session_id, record and record.get("state"))
+
     def sessions(self) -> list[SessionRecord]:
         """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""
         return self.read_sessions()[0]
@@ -271,6 +285,7 @@ class Journal:
                 bad.append(BadSessionRow(seq, problem, values))
                 continue
             values["stopped"] = bool(values["stopped"])  # stored as 0/1
+            values["suspension"] = _json_object(values["suspension"]) if values["suspension"] is not None else None
             values["weight"] = float(values["weight"])
             values["created_unix"] = float(values["created_unix"])
             records.append(SessionRecord(**values))
@@ -483,6 +498,8 @@ def _session_problem(v: dict) -> str | None:
         return f"stopped {_short(v['stopped'])} is not 0 or 1"
     if not (v["borrower"] is None or isinstance(v["borrower"], str)):
         return f"borrower {_short(v['borrower'])} is not a string"
+    if v["suspension"] is not None and _json_object(v["suspension"]) is None:
+        return f"suspension {_short(v['suspension'])} is not a JSON object"
     return None
 
 

@@ -17,7 +17,6 @@ import torch
 
 from client_lib import Client, DaemonError, DaemonUnavailableError, ModelError, RequestTimeoutError
 from client_lib import protocol as p
-from nodeagent.daemon.serving import may_register
 from tests import serving_models
 from tests.conftest import wait_for
 
@@ -159,15 +158,6 @@ def test_a_pool_refusal_keeps_its_code_and_never_becomes_e_internal(start_daemon
 
 
 # ------------------------------------------------------------ defect 5: registering is an operator's act
-
-
-def test_who_may_register():
-    daemon_uid = 0
-    assert may_register(0, {0}, None, daemon_uid)
-    assert not may_register(1000, {1000, 27}, None, daemon_uid)  # default: root only
-    assert may_register(1000, {1000, 27}, 27, daemon_uid)  # a member of ctxpool.register_group
-    assert not may_register(1000, {1000}, 27, daemon_uid)
-    assert may_register(1000, {1000}, None, 1000)  # a daemon run by that user runs its code as that user anyway
 
 
 _NOBODY_CLIENT = """

@@ -188,6 +188,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     from client_lib import protocol as p
     from nodeagent.config import ServeConfig
     from nodeagent.daemon.bus import Bus, SuspendFinished
+    from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
     from tests.daemon_parts import replies
     from nodeagent.daemon.sessions import Session, SessionTable
@@ -215,6 +216,9 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         def cancel(self, device, sid, now):
             scheduler.cancel(sid, now)
 
+        def end_slice(self, victim, now):
+            pass
+
         def stop(self, victim):
             stop_asked.append(victim.id)
             return False
@@ -222,7 +226,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     bus = Bus()
     bus.subscribe(SuspendFinished, lambda e: finished.append((e.session.id, e.outcome, e.elapsed_ms)))
     suspensions = Suspensions(sessions=sessions, tokens=ScriptedTokens(), metrics=Metrics(CollectorRegistry()),
-                              replies=replies(sent), bus=bus, request_token=lambda *a, **k: None)
+                              replies=replies(sent), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
     try:
         s.suspend_waiters.append(("operator", 5))
         suspensions.begin(s, 500.0, 10.0, reason="requested")

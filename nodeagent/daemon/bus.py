@@ -67,6 +67,17 @@ class DeviceLost:
 
 
 @dataclass(frozen=True, slots=True)
+class MayAsk:
+    """Ask for the token again for ``session`` (id), which first asked ``since`` (None: now): what
+    kept its request back ended. The token gate (:mod:`nodeagent.daemon.gate`) hears it."""
+
+    session: str
+    now: float
+    since: float | None = None
+    claimed: bool = False  # the slice a restarted daemon's restore window lets go first
+
+
+@dataclass(frozen=True, slots=True)
 class DurabilityChanged:
     """Whether ``session`` (None: every session) is journalled changed."""
 

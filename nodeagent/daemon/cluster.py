@@ -52,6 +52,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.authz import Act, peer_of, refusal
 from nodeagent.daemon.bus import DeviceFacts, LoopHandle, Published, ServerView, SuspendFinished
 from nodeagent.daemon.tokens import Tokens
 from sharing import (
@@ -434,15 +435,13 @@ class ClusterEndpoint:
 
     # ------------------------------------------------------------------ operations
 
-    def _operator(self, route: bytes, request_id: int, frame, what: str) -> bool:
-        """True for a CURVE-authenticated placement peer or local root; else answers E_FORBIDDEN."""
-        if type(route) is ClusterRoute:
+    def _operator(self, route: bytes, request_id: int, frame, act: Act) -> bool:
+        """True if the peer may do ``act`` (:mod:`nodeagent.daemon.authz`: a CURVE-authenticated
+        placement client or local root); else answers E_FORBIDDEN."""
+        why = refusal(act, peer_of(route, frame))
+        if why is None:
             return True
-        creds = procwatch.peer_credentials(frame)
-        if creds is not None and creds.uid == 0:
-            return True
-        self._error(route, request_id, p.ErrorCode.FORBIDDEN,
-                    f"only root or an authenticated placement client may {what}")
+        self._error(route, request_id, p.ErrorCode.FORBIDDEN, why)
         return False
 
     def _lifecycle_for(self, route: bytes, request_id: int, device: int, now: float) -> DeviceLifecycle | None:
@@ -473,7 +472,7 @@ class ClusterEndpoint:
         return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices)
 
     def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
-        if not self._operator(route, msg.id, frame, "lend devices"):
+        if not self._operator(route, msg.id, frame, Act.LEND):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
@@ -508,7 +507,7 @@ class ClusterEndpoint:
                                            borrower=life.borrower, changed=changed))
 
     def on_reclaim(self, route: bytes, msg: p.Reclaim, frame, now: float) -> None:
-        if not self._operator(route, msg.id, frame, "reclaim devices"):
+        if not self._operator(route, msg.id, frame, Act.RECLAIM):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
@@ -576,7 +575,7 @@ class ClusterEndpoint:
                  pending.borrower, free_ms, tally or "{}")
 
     def on_drain(self, route: bytes, msg: p.Drain, frame, now: float) -> None:
-        if not self._operator(route, msg.id, frame, "drain devices"):
+        if not self._operator(route, msg.id, frame, Act.DRAIN):
             return
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
@@ -595,7 +594,7 @@ class ClusterEndpoint:
                                            borrower=life.borrower, changed=bool(moved)))
 
     def on_set_policy(self, route: bytes, msg: p.SetPolicy, frame, now: float) -> None:
-        if not self._operator(route, msg.id, frame, "set policies"):
+        if not self._operator(route, msg.id, frame, Act.SET_POLICY):
             return
         if self._lifecycle_for(route, msg.id, msg.device, now) is None:
             return

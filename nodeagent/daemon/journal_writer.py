@@ -73,7 +73,7 @@ class JournalWriter:
             id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
             start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
             memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped,
-            borrower=s.borrower)), session=s.id)
+            borrower=s.borrower, suspension=s.suspension.to_record(time.monotonic(), time.time()))), session=s.id)
 
     def probe(self) -> bool:
         """Write a row that always changes; True (and healthy again) if the journal took it."""

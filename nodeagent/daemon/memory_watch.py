@@ -33,7 +33,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle
+from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MayAsk
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from sharing import SessionState
@@ -235,20 +235,8 @@ class MemoryPolicy:
         log.warning("[device] device=%d answers NVML again: open for sessions and grants, held requests=%d",
                     device, len(held))
         self._bus.event("health", device, None, device_state="ok")
-        for sid, since in held.items():
-            s = self._sessions.get(sid)
-            if self._tokens.on_device(device, sid) and (s is None or s.suspend_state is None):
-                self._tokens.request(device, sid, now, waiting_since=min(since, now))
-
-    # ---------------------------------------------------------------- tokens
-
-    def request_token(self, session: str, device: int, now: float, waiting_since: float | None = None) -> None:
-        """Ask ``device``'s scheduler for the token for ``session``; on a lost device the
-        request is held, and made when the device answers again."""
-        if self._lost_devices.hold(device, session, now if waiting_since is None else waiting_since):
-            log.debug("[device] held a token request session=%s on lost device=%d", session, device)
-            return
-        self._tokens.request(device, session, now, waiting_since=waiting_since)
+        for sid, since in held.items():  # through the token gate again: suspended ones are kept
+            self._bus.publish(MayAsk(sid, now, min(since, now)))
 
 
 class MemoryWatcher(threading.Thread):

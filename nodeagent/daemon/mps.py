@@ -164,12 +164,8 @@ class MpsPartitions:
 
     # --------------------------------------------------------------- request
 
-    def on_partition(self, route, msg: p.Partition, is_operator: bool) -> None:
-        """The ``partition`` request; ``is_operator``: root on the local socket, or any
-        (already authenticated) cluster peer."""
-        if not is_operator:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "only root may set MPS partitions")
-            return
+    def on_partition(self, route, msg: p.Partition) -> None:
+        """The ``partition`` request, from a peer allowed to make it (nodeagent.daemon.authz)."""
         table = self._tables.get(msg.device)
         if table is None:
             self._error(route, msg.id, p.ErrorCode.DEVICE, f"device {msg.device} has no MPS daemon "

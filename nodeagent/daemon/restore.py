@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Callable
 
 from nodeagent import enforce, procwatch
@@ -31,15 +32,16 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.bus import Bus, MayAsk
 from nodeagent.daemon.tokens import Tokens
 from sharing import Workload
+from sharing.suspension import Suspension
 from sharing.partition import PartitionError
 
 log = logging.getLogger("nodeagent.restore")
 
 JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the journal fails
 
-RequestToken = Callable[..., None]  # (session id, device, now, waiting_since=None): held if the device is lost
 
 
 class Restorer:
@@ -50,7 +52,9 @@ class Restorer:
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int],
-                 add_session: Callable[[Session, float], None], request_token: RequestToken) -> None:
+                 add_session: Callable[[Session, float], None], bus: Bus) -> None:
+        """``bus``: token requests this component held back (a restore window's) are made again
+        through the token gate (:class:`MayAsk`)."""
         self._config = config
         self._journal = journal
         self._sessions = sessions
@@ -58,7 +62,7 @@ class Restorer:
         self._mps = mps
         self._capacities_mb = capacities_mb  # per device: the most a session may have declared
         self._add_session = add_session
-        self._request_token = request_token
+        self._bus = bus
         # Devices whose restored sessions have not all reattached yet. Only the
         # slice in progress may be granted there; other requests wait (parked).
         self._restoring: dict[int, set[str]] = {}
@@ -106,6 +110,10 @@ class Restorer:
                 self._mps.join(rec.id, rec.device, rec.memory_mb, rec.uid)
             except PartitionError as exc:
                 log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
+            try:
+                session.suspension = Suspension.from_record(rec.suspension, now, time.time())
+            except ValueError as exc:
+                log.warning("[restore] session=%s: its suspension is not restored: %s", rec.id, exc)
             self._add_session(session, now)
             if session.stopped:  # the old daemon died holding it stopped: let it run
                 self._tokens.cont(session)
@@ -125,9 +133,18 @@ class Restorer:
         if restoring is not None:
             restoring.discard(s.id)
         if claim is not None and s.grant is None:
-            self._request_token(s.id, s.device, now)
+            self._bus.publish(MayAsk(s.id, now, claimed=True))
         if restoring is not None and not restoring:
             self._end_restore(s.device, now)
+
+    def restoring(self, device: int) -> bool:
+        """Whether ``device`` is in its restore window (only the slice that was running goes first)."""
+        return device in self._parked
+
+    def restored(self) -> list[Session]:
+        """The sessions :meth:`restore` brought back that are still in a restore window."""
+        ids = {sid for pending in self._restoring.values() for sid in pending}
+        return [s for s in self._sessions.values() if s.id in ids]
 
     def park(self, s: Session) -> bool:
         """While ``s``'s device is in its restore window, hold its token request until the
@@ -164,7 +181,7 @@ class Restorer:
         for sid in parked:
             s = self._sessions.get(sid)
             if s is not None:  # waited through the window: keeps its wait, no sleeper clamp; held if lost
-                self._request_token(sid, device, now, waiting_since=s.wait_started)
+                self._bus.publish(MayAsk(sid, now, s.wait_started))
 
     # ---------------------------------------------------------- journal retry
 

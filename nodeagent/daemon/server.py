@@ -42,8 +42,10 @@ from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
-from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, LoopHandle, Published, Replies, ServerView,
-                                  SuspendFinished, SuspensionAsked)
+from nodeagent.daemon.authz import Act, peer_of, refusal
+from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, LoopHandle, MayAsk, Published, Replies,
+                                  ServerView, SuspendFinished, SuspensionAsked)
+from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend
@@ -127,14 +129,16 @@ class AgentServer:
         # Registered models, the worker pool and the serving sub-sessions.
         self._serving = Serving(config=config, devices=devices, loop=loop, sessions=self._sessions,
                                 tokens=self._tokens, mps=self._mps, journal=self._journal_writer, replies=replies)
-        # Whole-device suspensions under way.
+        # Whole-device suspensions, journalled.
         self._suspensions = Suspensions(sessions=self._sessions, tokens=self._tokens, metrics=self.metrics,
-                                        replies=replies, bus=bus, request_token=self._memory_policy.request_token)
+                                        replies=replies, bus=bus, journal=self._journal_writer)
         # Restore after a restart, the restore windows, and writing stale sessions again.
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
             mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
-            add_session=self._add_session, request_token=self._memory_policy.request_token)
+            add_session=self._add_session, bus=bus)
+        # Every request for a session's token passes here, whoever makes it.
+        self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices, restorer=self._restorer)
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -173,9 +177,14 @@ class AgentServer:
         bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
+        bus.subscribe(MayAsk, self._gate.on_may_ask)
         if journal is not None:
-            self.boot = self._restorer.restore(self._clock())
-            self._cluster.restore(self._clock())
+            now = self._clock()
+            self.boot = self._restorer.restore(now)
+            for s in self._restorer.restored():
+                if s.suspension.active:  # a suspension the old daemon had under way or in force
+                    self._suspensions.restored(s, now)
+            self._cluster.restore(now)
 
     # ------------------------------------------------------------------ life
 
@@ -415,6 +424,7 @@ class AgentServer:
         if resumed is not None:
             self._open_wake_channel(resumed, one_hop_capable(msg))
             self._welcome(route, msg.id, resumed, resumed=True)
+            self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
         device, code, problem = self._admission.pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
@@ -508,7 +518,8 @@ class AgentServer:
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or "",
-            pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else ""))
+            pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else "",
+            suspended=resumed and s.suspension.active))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -546,19 +557,9 @@ class AgentServer:
             self._send(route, p.Ok(id=msg.id))
         if self._tokens.one_hop.acquire_early(s):  # asks again after an early release: requeued at its grant
             return
-        if s.suspend_state is not None:  # kept, and made when it is resumed (Suspensions.on_resume_session)
-            s.acquire_pending = s.acquire_pending or s.grant is None  # a holder's acquire is a no-op, as ever
-            return
-        if s.blocked_by:  # waits for the sessions suspending to make room for it
-            s.acquire_pending = True
-            if s.wait_started is None:
-                s.wait_started = now
-            return
-        if s.grant is None and s.wait_started is None:
+        if s.grant is None and s.wait_started is None and not s.suspension.active:
             s.wait_started = now
-        if self._restorer.park(s):  # restoring: the slice that was running goes first
-            return
-        self._memory_policy.request_token(s.id, s.device, now)  # held while the device is lost
+        self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -578,7 +579,7 @@ class AgentServer:
                                         self._tokens.lane_holder(s.device, s.id)))
             return
         if msg.requeue and not requeue:
-            s.acquire_pending = True  # kept for the resume
+            self._gate.ask(s, now)  # kept for the resume
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
 
@@ -605,10 +606,11 @@ class AgentServer:
         self._drop(s, "bye", now)
 
     def _on_partition(self, route, msg: p.Partition, frame, now: float) -> None:
-        creds = procwatch.peer_credentials(frame)
-        # Cluster peers were authenticated by their CURVE key: root-equivalent.
-        operator = type(route) is ClusterRoute or (creds is not None and creds.uid == 0)
-        self._mps.on_partition(route, msg, operator)
+        why = refusal(Act.PARTITION, peer_of(route, frame))
+        if why is not None:
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, why)
+            return
+        self._mps.on_partition(route, msg)
 
     def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
         """Answer a status: at once when it is small, else built a chunk per loop turn."""

@@ -55,6 +55,8 @@ from nodeagent.journal import ModelRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import context_allowance_mb
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.authz import Act, peer_of
+from nodeagent.daemon.authz import refusal as authz_refusal
 from nodeagent.daemon.bus import DeviceFacts, DeviceLost, LoopHandle, Replies
 from nodeagent.daemon.tokens import Tokens
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
@@ -114,12 +116,6 @@ class _Model:
     info: p.ModelInfo | None = None
     waiters: list = field(default_factory=list)  # (route, request id) of register calls to answer
     journalled: bool = False
-
-
-def may_register(uid: int, gids: set[int], register_gid: int | None, daemon_uid: int) -> bool:
-    """Whether a peer of ``uid`` in groups ``gids`` is an operator who may register models: root,
-    the daemon's own user, or a member of ``register_gid`` (``ctxpool.register_group``)."""
-    return uid == 0 or uid == daemon_uid or (register_gid is not None and register_gid in gids)
 
 
 def ctxpool_wanted(setting: str) -> tuple[bool, str]:
@@ -305,7 +301,7 @@ class Serving:
                         "registering a model runs its factory in the daemon's workers: only local peers whose "
                         "identity the daemon can verify may do it")
             return
-        refusal = self._operator_refusal(frame, "register models")
+        refusal = self._operator_refusal(route, frame, Act.REGISTER)
         if refusal is not None:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
             return
@@ -349,24 +345,19 @@ class Serving:
         except PoolError as exc:  # refused at once (no live worker, shutting down): nothing registered
             self._error(route, msg.id, exc.code, exc.message)
 
-    def _operator_refusal(self, frame, what: str) -> str | None:
-        """Why this peer may not ``what`` (an operator's act: the factory runs as the daemon's
-        user in its workers), or None. Operators: root, the daemon's own user, and members of
-        ``ctxpool.register_group``."""
-        creds = procwatch.peer_credentials(frame)
-        if creds is None:
-            return f"only local peers whose identity the daemon can verify may {what}"
-        identity = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
+    def _operator_refusal(self, route, frame, act: Act) -> str | None:
+        """Why this peer may not register or unregister models (an operator's act: the factory
+        runs as the daemon's user in its workers), or None (:mod:`nodeagent.daemon.authz`)."""
         try:
             group = self._config.ctxpool_register_gid()
         except ValueError as exc:  # the group went away since the start: root only
             log.error("[ctxpool] %s", exc)
             group = None
-        if may_register(creds.uid, {identity.gid, *identity.groups}, group, os.geteuid()):
+        why = authz_refusal(act, peer_of(route, frame, register_gid=group))
+        if why is None:
             return None
-        who = "root" if group is None else f"root and members of group {self._config.ctxpool_register_group!r}"
-        return (f"only {who} may {what} (a model's code runs as the daemon's user in its workers); uid "
-                f"{creds.uid} is not one of them: an administrator may name its group in ctxpool.register_group")
+        return (f"{why} (a model's code runs as the daemon's user in its workers); an administrator may name "
+                "a group in ctxpool.register_group")
 
     def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
         if not MODEL_NAME.match(msg.name):
@@ -400,7 +391,7 @@ class Serving:
                  record.name, record.factory, record.weights, devices, journalled)
 
     def on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
-        refusal = self._operator_refusal(frame, "unregister models")
+        refusal = self._operator_refusal(route, frame, Act.UNREGISTER)
         if refusal is not None:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
             return

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from nodeagent import procwatch
 from sharing import Workload
+from sharing.suspension import Suspension
 
 
 def new_session_id() -> str:
@@ -49,14 +50,12 @@ class Session:
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
     over_memory: bool = False  # flagged by the watcher; cleared when back under
-    suspend_state: str | None = None  # requested | suspended | stopped (see nodeagent.daemon.server)
-    suspend_started: float = 0.0
-    suspend_deadline: float = 0.0
+    # Its whole-device suspension (sharing.suspension): written by the suspension component only.
+    suspension: Suspension = field(default_factory=Suspension)
     suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
-    bytes_parked: int = 0
     blocked_by: set = field(default_factory=set)  # sessions suspending to make room for this one
-    # Asked for the token while it could not queue (blocked_by not empty, or suspended): asked
-    # for when neither holds any more; cancel clears it.
+    # Asked for the token while blocked_by was not empty (the gate kept it): asked for when it is
+    # empty; cancel clears it. (A wish made while suspended is the suspension's: keep_request.)
     acquire_pending: bool = False
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
@@ -66,6 +65,15 @@ class Session:
     one_hop: bool = False  # hello.one_hop: its client takes successor/standby notices (nodeagent.daemon.one_hop)
     wake: str | None = None  # path of its wake FIFO, while it has one
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
+
+    @property
+    def suspend_state(self) -> str | None:
+        """``SessionInfo.suspended``: requested | suspended | stopped, None when not suspended."""
+        return self.suspension.state.wire
+
+    @property
+    def bytes_parked(self) -> int:
+        return self.suspension.bytes_parked
 
     @property
     def pid(self) -> int:

@@ -1,45 +1,50 @@
 """Whole-device suspension: the :class:`Suspensions` component.
 
-A suspension moves None -> requested (suspend notice sent) -> suspended (the
-client parked its state and released the device) or -> stopped (deadline
-missed; a verified process is SIGSTOPped) -> None again on resume (a stopped
-one is continued first). ``memory.make_room = "suspend"`` starts suspensions
-to admit an inference session that would not fit.
+The state of each session's suspension is the pure machine
+:class:`sharing.suspension.Suspension` (its states and transitions are drawn
+there); this component feeds it (requests, the client's report, deadlines,
+resumes, sessions ending) and carries out the actions it returns: notices to
+the client, SIGSTOP and SIGCONT of a verified process (through ``tokens``),
+taking the token, results for the callers waiting on a suspension. Every change
+of state is journalled before the notice or the signal it stands for, so a
+daemon killed mid-suspension is restarted with it and finishes it
+(:meth:`restored`). ``memory.make_room = "suspend"`` starts suspensions to admit
+an inference session (admission's plan, :mod:`nodeagent.daemon.admission`).
 
-A component: it owns the suspensions under way (requested, deadline pending;
-the per-session state is on :class:`nodeagent.daemon.sessions.Session`) and is given
-what it may touch in its constructor. Which sessions to suspend to make room is
-admission's plan (:mod:`nodeagent.daemon.admission`).
+A component: it owns the suspensions (the machine on each session, written only
+here), the callers waiting on them and the deadlines, and is given in its
+constructor what it may touch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+import time
 
 from client_lib import protocol as p
-from nodeagent import procwatch
-from nodeagent.daemon.bus import Bus, Replies, SuspendFinished, SuspensionAsked
-from nodeagent.daemon.cluster import ClusterRoute
-from nodeagent.metrics import Metrics
+from nodeagent.daemon.authz import Act, may_act_on_session
+from nodeagent.daemon.bus import Bus, MayAsk, Replies, SuspendFinished, SuspensionAsked
+from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
+from nodeagent.metrics import Metrics
 from sharing import SessionState
+from sharing.suspension import (AskToken, ContinueProcess, LeaveLine, Notify, Report, StopProcess, SuspendState,
+                                TakeToken)
 
 log = logging.getLogger("nodeagent.suspension")
-
 
 
 class Suspensions:
     """Whole-device suspension handlers (see the module docstring)."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
-                 request_token: Callable[..., None]) -> None:
+                 journal: JournalWriter) -> None:
         """``tokens``: the token commands, and stopping and continuing verified processes;
-        ``bus``: suspension events (the cluster's, and SuspendFinished, SuspensionAsked);
-        ``request_token(session id, device, now)``: ask for the token again (held while the
-        device is lost)."""
+        ``bus``: suspension events (the cluster's, SuspendFinished, SuspensionAsked) and MayAsk
+        (a session's request for the token, made again at its resume); ``journal``: each state
+        is written there before what it stands for is done."""
         self._sessions = sessions
         self._tokens = tokens
         self._metrics = metrics
@@ -47,40 +52,35 @@ class Suspensions:
         self._error = replies.error
         self._session_for = replies.session_for
         self._bus = bus
-        self._request_token = request_token
-        self._suspending: set[Session] = set()  # suspend requested, deadline pending
+        self._journal = journal
+        self._pending: set[Session] = set()  # requested, deadline not yet acted on
 
     # ------------------------------------------------------------- for the loop
 
     def under_way(self, s: Session) -> bool:
         """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
-        return s in self._suspending
+        return s.suspension.pending_deadline
 
     def next_deadline(self) -> float | None:
         """The earliest suspend deadline pending, or None."""
-        return min((s.suspend_deadline for s in self._suspending), default=None)
+        return min((s.suspension.deadline for s in self._pending if s.suspension.deadline is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         """Act on the suspend deadlines that have passed: stop verified sessions, report the rest."""
-        for s in [s for s in self._suspending if now >= s.suspend_deadline]:
-            self._suspending.discard(s)
-            if self._tokens.stop(s):
-                if s.grant is not None:
-                    self._tokens.end_slice(s, now)
-                    self._tokens.revoke(s.device, s.id, now, "suspended")
-                s.suspend_state = "stopped"
-                self._finish(s, "stopped", now)
-            else:  # reported once; it may still suspend later
-                self._finish(s, "timeout", now)
+        for s in [s for s in self._pending if s.suspension.due(now)]:
+            self._pending.discard(s)
+            self._carry_out(s, s.suspension.expire(now), now)
 
     def forget(self, s: Session, now: float) -> None:
-        """``s`` ended: a suspension under way, or callers waiting for one, hear ``gone``."""
-        if s.suspend_waiters or s in self._suspending:
-            self._finish(s, "gone", now)
+        """``s`` ended: a suspension under way is reported ``gone`` to whoever waits on it."""
+        self._pending.discard(s)
+        self._carry_out(s, s.suspension.gone(now), now, journal=False)
+        s.suspend_waiters.clear()
 
     def answer_pending(self) -> None:
         """Shutdown: every ``suspend_session`` still waiting for its outcome is answered
-        ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: the cluster endpoint)."""
+        ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: the cluster endpoint).
+        The suspensions themselves stay journalled: the next daemon finishes them."""
         answered = 0
         for s in self._sessions.values():
             for route, request_id in s.suspend_waiters:
@@ -89,85 +89,143 @@ class Suspensions:
                             "(retry when it is back)")
                 answered += 1
             s.suspend_waiters.clear()
-        self._suspending.clear()
+        self._pending.clear()
         if answered:
             log.info("[shutdown] step=suspend-requests answered=%d", answered)
 
     # ----------------------------------------------------------------- requests
-
-    def _authorize(self, route, request_id: int, frame, target_id: str) -> Session | None:
-        """The target session if the peer may act on it (root, the session's own user, or an
-        authenticated placement client on the cluster endpoint)."""
-        target = self._sessions.get(target_id)
-        if target is None:
-            self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
-            return None
-        if type(route) is ClusterRoute:  # proved an allowed CURVE key: root-equivalent
-            return target
-        creds = procwatch.peer_credentials(frame)
-        if creds is None or (creds.uid != 0 and creds.uid != target.uid):
-            who = "an unverifiable peer" if creds is None else f"uid {creds.uid}"
-            self._error(route, request_id, p.ErrorCode.FORBIDDEN,
-                        f"{who} may not suspend or resume session {target_id} (root or its owner only)")
-            return None
-        return target
 
     def on_suspend_session(self, route, msg: p.SuspendSession, frame, now: float) -> None:
         if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= 3_600_000):
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"deadline_ms must be in (0, 3600000], got {msg.deadline_ms}")
             return
-        s = self._authorize(route, msg.id, frame, msg.session)
+        s = self._target(route, msg.id, frame, msg.session, Act.SUSPEND)
         if s is None:
             return
-        if s.suspend_state in ("suspended", "stopped"):
-            self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=s.suspend_state, elapsed_ms=0.0,
+        state = s.suspension.state
+        if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
+            self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=state.value, elapsed_ms=0.0,
                                               bytes_parked=s.bytes_parked))
             return
         s.suspend_waiters.append((route, msg.id))
-        if s.suspend_state != "requested":  # else already under way: this caller hears the same result
+        if state is SuspendState.RUNNING:  # else already under way: this caller hears the same result
             self.begin(s, msg.deadline_ms, now, reason="requested")
 
     def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
         """Ask ``s`` to suspend within ``deadline_ms`` (requested, made room, reclaim)."""
-        s.suspend_state = "requested"
-        s.suspend_started = now
-        s.suspend_deadline = now + deadline_ms / 1000.0
-        self._suspending.add(s)
+        waiting = self._tokens.state(s.device, s.id) is SessionState.WAITING
+        actions = s.suspension.request(now, deadline_ms, reason, waiting)
+        self._pending.add(s)
         self._bus.publish(SuspensionAsked(s.device))
-        self._send(s.route, p.SuspendNotice(deadline_ms=deadline_ms, reason=reason))
-        if self._tokens.state(s.device, s.id) is SessionState.WAITING:
-            s.acquire_pending = True  # a waiter stops waiting; its request is made again at resume
-        self._tokens.cancel(s.device, s.id, now)
-        s.wait_started = None
+        self._carry_out(s, actions, now)
         self._bus.event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
                  s.id, s.name, deadline_ms, s.grant is not None, reason)
 
-    def _unblock(self, victim: Session, now: float) -> None:
-        """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
-        for s in list(self._sessions.values()):
-            if victim.id in s.blocked_by:
-                s.blocked_by.discard(victim.id)
-                if not s.blocked_by and s.acquire_pending and s.suspend_state is None:
-                    s.acquire_pending = False
-                    self._request_token(s.id, s.device, now)  # held while the device is lost
-
     def on_suspended(self, route, msg: p.Suspended, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
-        if s is None or s.suspend_state != "requested":
-            return  # resumed (or stopped) meanwhile: its resume notice is already on the way
-        if s.grant is not None:  # it should have released; make sure the device is free
-            self._tokens.revoke(s.device, s.id, now, "suspended")
-        s.suspend_state = "suspended"
-        s.bytes_parked = msg.bytes_parked
+        if s is None:
+            return  # answered E_NO_SESSION
+        actions = s.suspension.suspended(now, msg.bytes_parked)
+        if not actions:
+            return  # resumed (or stopped, or already suspended) meanwhile
+        self._pending.discard(s)
         self._metrics.parked_bytes.inc(max(0, msg.bytes_parked))
         self._metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
-        self._finish(s, "suspended", now, suspend_ms=msg.suspend_ms)
+        self._carry_out(s, actions, now, suspend_ms=msg.suspend_ms)
 
-    def _finish(self, s: Session, outcome: str, now: float, suspend_ms: float = 0.0) -> None:
-        self._suspending.discard(s)
-        elapsed_ms = (now - s.suspend_started) * 1000.0
+    def on_resume_session(self, route, msg: p.ResumeSession, frame, now: float) -> None:
+        s = self._target(route, msg.id, frame, msg.session, Act.RESUME)
+        if s is None:
+            return
+        state = s.suspension.state
+        if state is not SuspendState.RUNNING:
+            self._pending.discard(s)
+            log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state.value, s.suspension.keep_request)
+            self._carry_out(s, s.suspension.resume(now), now)
+            self._metrics.resumes.inc()
+            self._bus.event("resume", s.device, s.id, was=state.value)
+        self._send(route, p.Ok(id=msg.id))
+
+    def on_resumed(self, route, msg: p.Resumed, frame, now: float) -> None:
+        s = self._session_for(route, msg.id, now)
+        if s is not None:
+            self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+
+    # ------------------------------------------------------------------ restart
+
+    def restored(self, s: Session, now: float) -> None:
+        """``s`` came back from the journal with a suspension (its machine is set): a request whose
+        deadline was pending is pending again (what is left of it), and one the old daemon had
+        stopped is asked again (the restarted daemon continued every process it finds stopped)."""
+        state = s.suspension.state
+        if state is SuspendState.STOPPED:
+            s.suspension.state = SuspendState.RUNNING
+            s.suspension.request(now, 5000.0, "restart", waiting=False)
+        if s.suspension.pending_deadline:
+            self._pending.add(s)
+
+    def reattached(self, s: Session, now: float) -> None:
+        """A restored session's client is back: a suspension not yet reported parked is asked of it
+        again (it parks, or reports that it already has); the welcome told it it is suspended."""
+        machine = s.suspension
+        if machine.state is SuspendState.REQUESTED:
+            left_ms = max(1.0, ((machine.deadline or now) - now) * 1000.0)
+            self._send(s.route, p.SuspendNotice(deadline_ms=left_ms, reason=machine.reason or "restart"))
+
+    # ---------------------------------------------------------------- internals
+
+    def _target(self, route, request_id: int, frame, target_id: str, act: Act) -> Session | None:
+        """The target session if the peer may act on it (:mod:`nodeagent.daemon.authz`)."""
+        target = self._sessions.get(target_id)
+        if target is None:
+            self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
+            return None
+        refusal = may_act_on_session(route, frame, target.uid, act)
+        if refusal is not None:
+            self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"session {target_id}: {refusal}")
+            return None
+        return target
+
+    def _carry_out(self, s: Session, actions: list, now: float, *, journal: bool = True,
+                   suspend_ms: float = 0.0) -> None:
+        """Do what the machine said, in order; its new state is journalled first."""
+        if journal and actions:
+            self._journal_state(s, now)
+        for action in actions:
+            kind = type(action)
+            if kind is Notify:
+                if action.what == "suspend":
+                    self._send(s.route, p.SuspendNotice(deadline_ms=action.deadline_ms, reason=action.reason))
+                else:
+                    self._send(s.route, p.ResumeNotice())
+            elif kind is LeaveLine:
+                self._tokens.cancel(s.device, s.id, now)
+                s.wait_started = None
+            elif kind is StopProcess:
+                if not self._tokens.stop(s):  # unverifiable (or gone): it was not stopped after all
+                    self._carry_out(s, s.suspension.not_stopped(now), now)
+                    return
+            elif kind is ContinueProcess:
+                self._tokens.cont(s)
+                s.last_seen = now
+            elif kind is TakeToken:
+                if s.grant is not None:  # it should have released; make sure the device is free
+                    self._tokens.end_slice(s, now)
+                    self._tokens.revoke(s.device, s.id, now, action.reason)
+            elif kind is AskToken:
+                s.wait_started = now
+                self._bus.publish(MayAsk(s.id, now))
+            elif kind is Report:
+                self._report(s, action.outcome, action.elapsed_ms, now, suspend_ms)
+
+    def _journal_state(self, s: Session, now: float) -> None:
+        record = s.suspension.to_record(now, time.time())
+        if s.id in self._sessions:
+            self._journal.write(lambda j: j.set_suspension(s.id, record), session=s.id)
+
+    def _report(self, s: Session, outcome: str, elapsed_ms: float, now: float, suspend_ms: float) -> None:
         for route, request_id in s.suspend_waiters:
             self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
                                               bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
@@ -178,30 +236,11 @@ class Suspensions:
                  s.bytes_parked)
         self._bus.publish(SuspendFinished(s, outcome, elapsed_ms, now))  # events, a reclaim waiting on it
 
-    def on_resume_session(self, route, msg: p.ResumeSession, frame, now: float) -> None:
-        s = self._authorize(route, msg.id, frame, msg.session)
-        if s is None:
-            return
-        state = s.suspend_state
-        if state is not None:
-            if state == "stopped":
-                self._tokens.cont(s)
-                s.last_seen = now
-            elif state == "requested":
-                self._finish(s, "cancelled", now)
-            s.suspend_state = None
-            s.bytes_parked = 0
-            self._send(s.route, p.ResumeNotice())
-            self._metrics.resumes.inc()
-            self._bus.event("resume", s.device, s.id, was=state)
-            log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state, s.acquire_pending)
-            if s.acquire_pending and not s.blocked_by:  # asked while suspended: honoured now, after the notice
-                s.acquire_pending = False
-                s.wait_started = now
-                self._request_token(s.id, s.device, now)
-        self._send(route, p.Ok(id=msg.id))
-
-    def on_resumed(self, route, msg: p.Resumed, frame, now: float) -> None:
-        s = self._session_for(route, msg.id, now)
-        if s is not None:
-            self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+    def _unblock(self, victim: Session, now: float) -> None:
+        """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
+        for s in list(self._sessions.values()):
+            if victim.id in s.blocked_by:
+                s.blocked_by.discard(victim.id)
+                if not s.blocked_by and s.acquire_pending:
+                    s.acquire_pending = False
+                    self._bus.publish(MayAsk(s.id, now, s.wait_started))

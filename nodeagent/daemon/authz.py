@@ -1,0 +1,107 @@
+"""Who may do what to the daemon: one table, one function (issue 22).
+
+A request is made by a peer the daemon knows in one or more roles: a placement
+client on the cluster endpoint (it proved an allowed CURVE key: root-equivalent),
+root on the local socket, the daemon's own user, the owner of the session a
+request names, a member of ``ctxpool.register_group``, any other verified local
+user, or a peer whose identity cannot be verified (no peer credentials). Each
+act is allowed to some roles; :func:`refusal` says why a peer may not, in words
+a user can act on, or None. Identity comes from the transport (the local
+socket's peer credentials, the cluster's CURVE handshake), never from a claim.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from nodeagent import procwatch
+
+
+class Act(enum.Enum):
+    """An act that needs rights; the value is how a refusal names it."""
+
+    SUSPEND = "suspend sessions"
+    RESUME = "resume sessions"
+    PARTITION = "set MPS partitions"
+    REGISTER = "register models"
+    UNREGISTER = "unregister models"
+    LEND = "lend devices"
+    RECLAIM = "reclaim devices"
+    DRAIN = "drain devices"
+    SET_POLICY = "set policies"
+
+
+class Role(enum.Enum):
+    """What the daemon knows a peer to be."""
+
+    CLUSTER = "an authenticated placement client"
+    ROOT = "root"
+    DAEMON_USER = "the daemon's own user"
+    OWNER = "the session's owner"
+    REGISTRANT = "a member of ctxpool.register_group"
+    LOCAL = "a local user"
+    UNVERIFIED = "an unverifiable peer"
+
+
+_PLACEMENT = frozenset({Role.CLUSTER, Role.ROOT})
+ALLOWED: dict[Act, frozenset[Role]] = {
+    Act.SUSPEND: frozenset({Role.CLUSTER, Role.ROOT, Role.OWNER}),
+    Act.RESUME: frozenset({Role.CLUSTER, Role.ROOT, Role.OWNER}),
+    Act.PARTITION: _PLACEMENT,
+    # A model's factory runs as the daemon's user in its workers: an operator's act, local only.
+    Act.REGISTER: frozenset({Role.ROOT, Role.DAEMON_USER, Role.REGISTRANT}),
+    Act.UNREGISTER: frozenset({Role.ROOT, Role.DAEMON_USER, Role.REGISTRANT}),
+    Act.LEND: _PLACEMENT,
+    Act.RECLAIM: _PLACEMENT,
+    Act.DRAIN: _PLACEMENT,
+    Act.SET_POLICY: _PLACEMENT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A requester as the daemon knows it: its roles, and how a refusal names it."""
+
+    roles: frozenset[Role]
+    label: str  # "uid 1000", "an unverifiable peer", "an authenticated placement client"
+
+
+def peer_of(route, frame, *, owner_uid: int | None = None, register_gid: int | None = None,
+            daemon_uid: int | None = None) -> Peer:
+    """The peer that sent a request on ``route`` (``frame``: what its identity is read from).
+    ``owner_uid``: the uid of the session the request names, if any."""
+    from nodeagent.daemon.cluster import ClusterRoute  # the route's type is what the cluster endpoint proved
+    if type(route) is ClusterRoute:
+        return Peer(frozenset({Role.CLUSTER}), Role.CLUSTER.value)
+    creds = procwatch.peer_credentials(frame)
+    if creds is None:
+        return Peer(frozenset({Role.UNVERIFIED}), Role.UNVERIFIED.value)
+    found = {Role.LOCAL}
+    if creds.uid == 0:
+        found.add(Role.ROOT)
+    if creds.uid == (os.geteuid() if daemon_uid is None else daemon_uid):
+        found.add(Role.DAEMON_USER)
+    if owner_uid is not None and creds.uid == owner_uid:
+        found.add(Role.OWNER)
+    if register_gid is not None:
+        from ctxpool import peer_open
+        identity = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
+        if register_gid in {identity.gid, *identity.groups}:
+            found.add(Role.REGISTRANT)
+    return Peer(frozenset(found), f"uid {creds.uid}")
+
+
+def refusal(act: Act, peer: Peer) -> str | None:
+    """Why ``peer`` may not do ``act`` (one line, naming who may), or None."""
+    allowed = ALLOWED[act]
+    if peer.roles & allowed:
+        return None
+    who = " or ".join(role.value for role in list(Role) if role in allowed)
+    return f"{peer.label} may not {act.value}: only {who} may"
+
+
+def may_act_on_session(route, frame, owner_uid: int | None, act: Act = Act.SUSPEND) -> str | None:
+    """:func:`refusal` for an act on a session owned by ``owner_uid``."""
+    return refusal(act, peer_of(route, frame, owner_uid=owner_uid))

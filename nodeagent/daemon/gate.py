@@ -1,0 +1,65 @@
+"""The token gate: every request for a session's token passes here, in one order.
+
+A session asks for the token with ``acquire``; the daemon also asks again on its
+behalf when what kept it waiting ends (it is resumed, the sessions suspending to
+make room for it are off the device, a restart's restore window closes, a failed
+device answers again). Wherever the request comes from, it passes
+:func:`sharing.suspension.token_gate`: kept while the session is suspended or
+blocked by make-room, parked during a restore window, held on a failed device,
+else made to the device's scheduler.
+
+A component: it owns nothing but the order. It reads the suspension state the
+suspension component keeps on each session, and the restorer's and the lost
+devices' tables; it asks ``tokens`` for the token. Requests made again on a
+session's behalf come as :class:`MayAsk` events on the bus (the restorer, the
+memory policy and the suspension component publish them), so none of those
+components calls this one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nodeagent.daemon.bus import DeviceFacts, MayAsk
+from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.tokens import Tokens
+from sharing.suspension import Gate, token_gate
+
+log = logging.getLogger("nodeagent.daemon.gate")
+
+
+class TokenGate:
+    """See the module docstring."""
+
+    def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts, restorer) -> None:
+        """``restorer``: its ``restoring(device)`` and ``park(session)`` (a restart's window)."""
+        self._sessions = sessions
+        self._tokens = tokens
+        self._lost = devices.lost
+        self._restorer = restorer
+
+    def ask(self, s: Session, now: float, since: float | None = None, claimed: bool = False) -> Gate:
+        """Where ``s``'s request for the token went (see the module docstring). ``claimed``: it is
+        the slice a restart's restore window lets go first."""
+        decision = token_gate(suspended=s.suspension.active, blocked=bool(s.blocked_by),
+                              restoring=not claimed and self._restorer.restoring(s.device),
+                              device_lost=self._lost.is_lost(s.device))
+        if decision is Gate.KEEP:
+            if s.suspension.active:
+                s.suspension.keep_request = s.suspension.keep_request or s.grant is None
+            else:
+                s.acquire_pending = True
+        elif decision is Gate.PARK:
+            self._restorer.park(s)
+        elif decision is Gate.HOLD:
+            self._lost.hold(s.device, s.id, now if since is None else since)
+            log.debug("[device] held a token request session=%s on lost device=%d", s.id, s.device)
+        else:
+            self._tokens.request(s.device, s.id, now, waiting_since=since)
+        return decision
+
+    def on_may_ask(self, event: MayAsk) -> None:
+        """The bus's :class:`MayAsk`: ask again, if the session is still there and on its device."""
+        s = self._sessions.get(event.session)
+        if s is not None and self._tokens.on_device(s.device, s.id):
+            self.ask(s, event.now, event.since, event.claimed)
