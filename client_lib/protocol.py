@@ -362,6 +362,9 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     suspended: Optional[str] = None  # requested | suspended | stopped, while a suspend is in force
     bytes_parked: int = 0
     borrower: Optional[str] = None  # 1.1: hello.borrower, the training job the session belongs to
+    # 2.3: the cgroup v2 (as /proc/PID/cgroup names it) the daemon freezes to stop a
+    # launched program; None where it stops the process group (managed_pgid) instead
+    managed_cgroup: Optional[str] = None
 
 
 class TokenActivity(msgspec.Struct, kw_only=True):

@@ -39,20 +39,25 @@ examples:
 
 RUN_DESCRIPTION = """\
 Run CMD as a session of the daemon, time-sliced with no change to its code. CMD
-starts stopped, in its own process group; it is continued (SIGCONT to the group)
-when the session is granted the device token and stopped (SIGSTOP) before the
-token is given up or when it is taken away.
+starts stopped, in its own process group and, on cgroup v2, its own cgroup; it
+is continued when the session is granted the device token and stopped before
+the token is given up or when it is taken away: the cgroup frozen and thawed
+(cgroup.freeze), so that no process CMD starts escapes, or where no cgroup can
+be made, SIGSTOP and SIGCONT to the process group (which setsid escapes).
 
 signals: SIGINT (Ctrl-C), SIGTERM and SIGHUP are forwarded to CMD's process group,
-  followed by SIGCONT so that a stopped CMD can act on them; CMD then runs
+  followed by SIGCONT (or a thaw) so that a stopped CMD can act on them; CMD then runs
   unmanaged until it exits (its session is closed and the token passes on).
 daemon gone (or not running when CMD starts): by default (fail-open) CMD is
   continued and runs unmanaged, and the launcher looks for the daemon every
   second; once it is there, CMD waits for a grant again. With --fail-closed CMD
   stays stopped until the daemon is there.
+launcher killed: CMD and everything it started are killed (a keeper process
+  watches the launcher), never left running unmanaged. When CMD exits, what it
+  left in its cgroup is killed and the cgroup removed.
 exit status: CMD's, or 128+N if CMD died of signal N; 127 if CMD is not found,
   126 if it cannot be executed, 2 for a usage error (a malformed --endpoint too),
-  1 if the daemon refused the session.
+  1 if the daemon refused the session (or --cgroup require found no cgroup).
 """
 
 TOP_DESCRIPTION = """\
@@ -182,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", help="session name shown by `nodeagent status` (default: CMD's name)")
     run.add_argument("--fail-closed", action="store_true",
                      help="keep CMD stopped while the daemon is away (default: fail-open, CMD runs)")
+    run.add_argument("--cgroup", choices=["auto", "off", "require"],
+                     help="hold CMD in a cgroup v2 of its own (frozen, killed as one: setsid cannot escape it): "
+                          "auto uses one where it can be made, else the process group; off: the process group; "
+                          "require: refuse to start CMD without one (default: $NODEAGENT_RUN_CGROUP, else auto)")
     run.add_argument("-v", "--verbose", action="store_true", help="log each grant and stop to stderr")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD [ARGS...]", help="the program to run")
 
@@ -523,6 +532,10 @@ def format_status(status) -> str:
                 pid = f"{s.pid}" + ("" if s.pid_verified else "?")
                 lines.append(f"  {s.id:<16}{shown(s.name[:19]):<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
                              f"{s.gpu_time_s:>9.2f}s{s.grants:>8}{pid:>9}")
+                if s.managed_pgid is not None:  # nodeagent run: how the daemon would stop its program
+                    how = (f"cgroup {shown(s.managed_cgroup)} (cgroup.freeze)" if s.managed_cgroup
+                           else f"process group {s.managed_pgid} (SIGSTOP)")
+                    lines.append(f"  {'':<16}launched program: {how}")
         else:
             lines.append("  no sessions")
     return "\n".join(lines)

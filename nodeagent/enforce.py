@@ -2,18 +2,29 @@
 
 A library client's pid comes from the kernel (SO_PEERCRED) and is held as a
 pidfd, so a signal sent through it can only reach that process, never one
-that reused its pid. A program launched by ``nodeagent run`` is signalled as
-its process group, which the daemon accepts only when the group is led by a
-child of the verified launcher. A pid claimed in a hello is never signalled.
+that reused its pid. A program launched by ``nodeagent run`` is accepted only
+when its process group is led by a child of the verified launcher; then
+
+- if the kernel says that child is in a cgroup v2 of its own, a direct child
+  of the launcher's cgroup owned by the launcher's uid (the launcher made it:
+  :func:`nodeagent.cgroup.open_verified`), the daemon holds that directory open
+  and stops the program by freezing it (``cgroup.freeze``), continues it by
+  thawing, and, when the launcher's process dies, kills it (``cgroup.kill``):
+  nothing the program starts escapes, setsid or not;
+- else it signals the process group (SIGSTOP, SIGCONT; SIGKILL when the
+  launcher dies), while the leader's pidfd proves the group is the one verified.
+
+A pid claimed in a hello, or a cgroup path a peer names, is never acted on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 
-from nodeagent import procwatch
+from nodeagent import cgroup, procwatch
 from nodeagent.daemon.sessions import Session
 
 log = logging.getLogger("nodeagent.enforce")
@@ -31,15 +42,39 @@ def verify_managed_pgid(pgid: int, parent_pid: int) -> str | None:
     return None
 
 
+@functools.cache
+def hierarchy() -> cgroup.Hierarchy | None:
+    """The cgroup v2 mount the daemon sees (read once)."""
+    return cgroup.v2_hierarchy()
+
+
+def open_managed_cgroup(pgid: int, launcher_pid: int, launcher_uid: int | None) -> tuple[cgroup.Cgroup | None, str]:
+    """The cgroup of the launched group's leader ``pgid`` (already verified as the child of
+    ``launcher_pid``), if it is the launcher's own for it; else (None, why)."""
+    return cgroup.open_verified(pgid, launcher_pid, launcher_uid, hierarchy())
+
+
+def describe_hold(s: Session) -> str:
+    """How the daemon would stop the session's launched program (for its log)."""
+    if s.managed_cgroup is not None:
+        return f"cgroup:{s.managed_cgroup.name}"
+    return "pgroup" if s.managed_pidfd is not None else "-"
+
+
 def can_signal(s: Session) -> bool:
     """True when the daemon may stop this session's process (its identity is verified)."""
     return s.managed_pidfd is not None or s.pidfd is not None
 
 
 def send(s: Session, sig: int) -> bool:
-    """Send ``sig`` to the session's verified process (or managed group). False if it is gone."""
+    """Send ``sig`` to the session's verified process (or managed group). False if it is gone.
+    A launched program in a verified cgroup is frozen for SIGSTOP and thawed for SIGCONT."""
     try:
-        if s.managed_pidfd is not None:
+        if s.managed_cgroup is not None and sig in (signal.SIGSTOP, signal.SIGCONT):
+            # Not waiting for "frozen 1": this runs on the handoff path, as a SIGSTOP is not waited on.
+            if not cgroup.act(s.managed_cgroup, "freeze" if sig == signal.SIGSTOP else "thaw"):
+                return False
+        elif s.managed_pidfd is not None:
             # The leader's pidfd proves the group is still the one we verified.
             signal.pidfd_send_signal(s.managed_pidfd, 0)
             os.killpg(s.managed_pgid, sig)
@@ -50,7 +85,25 @@ def send(s: Session, sig: int) -> bool:
     except ProcessLookupError:
         return False
     # debug only: this runs on the handoff path; the daemon logs the decision after the grant.
-    log.debug("[enforce] %s session=%s %s=%d", signal.Signals(sig).name, s.id,
-              "pgid" if s.managed_pidfd is not None else "pid",
-              s.managed_pgid if s.managed_pidfd is not None else s.pid)
+    log.debug("[enforce] %s session=%s %s", signal.Signals(sig).name, s.id,
+              describe_hold(s) if s.managed_pidfd is not None else f"pid={s.pid}")
     return True
+
+
+def end_launched(s: Session) -> bool:
+    """The launcher of ``s`` died: kill the program it launched (its verified cgroup, or its
+    group while the leader's pidfd proves it is the one verified). False if nothing was done."""
+    try:
+        if s.managed_cgroup is not None:
+            done = cgroup.act(s.managed_cgroup, "kill")
+        elif s.managed_pidfd is not None:
+            signal.pidfd_send_signal(s.managed_pidfd, 0)
+            os.killpg(s.managed_pgid, signal.SIGKILL)
+            done = True
+        else:
+            return False
+    except ProcessLookupError:
+        return False
+    if done:
+        log.warning("[enforce] launcher of session=%s died; killed its program (%s)", s.id, describe_hold(s))
+    return done

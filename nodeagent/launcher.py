@@ -1,20 +1,43 @@
 """``nodeagent run``: time-slice an unmodified program as a session of the daemon.
 
 The launcher starts CMD in a new session and process group (its pgid is its
-pid), stopped before it executes anything, opens a daemon session whose hello
-names that group (``managed_pgid``), and from then on lets CMD run only while
-the session holds its device's token:
+pid), stopped before it executes anything, and holds it by one of two means
+(a :class:`Hold`), chosen once at start and logged:
 
-    grant              -> SIGCONT the group
-    yield requested    -> SIGSTOP the group, then release and queue again
-    token revoked      -> SIGSTOP the group, ask again
-    paced (co-run)     -> SIGSTOP the group while the device's pace board says a
-                          higher class holds and this class must pause, SIGCONT after
+- **its own cgroup** (cgroup v2, :mod:`nodeagent.cgroup`): a child of the
+  launcher's cgroup, ``nodeagent-run.<launcher pid>``. Stopped by
+  ``cgroup.freeze`` (the launcher waits for the kernel to say frozen), continued
+  by thawing, ended by ``cgroup.kill``: no process CMD starts can leave it,
+  whether it calls setsid, double-forks or starts threads.
+- **its process group** (the fallback where no cgroup can be made: cgroup v1
+  only, no permission, no freezer): SIGSTOP, SIGCONT and SIGKILL to the group.
+  A child that calls setsid leaves the group and is not stopped.
 
-The group is always stopped before the token is given away, so CMD never runs
+``--cgroup off`` (or ``NODEAGENT_RUN_CGROUP=off``) asks for the process group,
+``require`` refuses to start CMD without a cgroup. The launcher then opens a
+daemon session whose hello names the group (``managed_pgid``; the daemon finds
+the cgroup from the kernel) and from then on lets CMD run only while the
+session holds its device's token:
+
+    grant              -> continue CMD
+    yield requested    -> stop CMD, then release and queue again
+    token revoked      -> stop CMD, ask again
+    paced (co-run)     -> stop CMD while the device's pace board says a higher
+                          class holds and this class must pause, continue after
+
+CMD is always stopped before the token is given away, so it never runs
 without it. The launcher complies by itself; the daemon, which can verify that
-the group is led by a child of this process, may also stop it should the
-launcher fail to.
+the group is led by a child of this process (and that the cgroup is the one
+this launcher made for it), may also stop it should the launcher fail to.
+
+The launcher's death ends CMD, never leaves it running unmanaged: a keeper
+process, forked at start into a session of its own, holds a pipe from the
+launcher and, when it reads end-of-file without the launcher's word that it
+exited cleanly, kills CMD's cgroup (or its group) and removes the cgroup.
+CMD itself gets SIGKILL as its parent-death signal, and the daemon, seeing the
+launcher's process exit, kills the cgroup (or the group) it verified too.
+When CMD exits, what it left in its cgroup is killed and the cgroup removed
+(in the fallback, what it left in its group is continued, as before).
 
 One loop in one thread owns everything, in one of three modes::
 
@@ -29,7 +52,7 @@ One loop in one thread owns everything, in one of three modes::
 
 Signal handlers only wake the loop (``signal.set_wakeup_fd``); CMD's exit is
 an event (a pidfd). The launcher exits with CMD's status, 128+N if CMD died of
-signal N, and never leaves CMD stopped behind it.
+signal N, and never leaves CMD stopped (or a cgroup frozen) behind it.
 """
 
 from __future__ import annotations
@@ -50,6 +73,7 @@ from typing import Callable, NoReturn, Sequence
 
 from client_lib import Client, DaemonUnavailableError, NodeAgentError
 from client_lib.pace import in_on_phase
+from nodeagent import cgroup
 
 log = logging.getLogger("nodeagent.launcher")
 
@@ -66,6 +90,10 @@ _CHILD_POLL_S = 0.05  # without a pidfd: how often to look for CMD's exit
 _PACE_TICK_S = 0.001  # co-run, while a higher class is on the device: how often to read the pace board
 _PACE_IDLE_TICK_S = 0.01  # co-run, while none is
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_FREEZE_WAIT_S = 0.5  # longest wait for the kernel to say CMD's cgroup is frozen before going on
+_EMPTY_WAIT_S = 5.0  # longest wait for a killed cgroup to empty before removing it
+CGROUP_MODES = ("auto", "off", "require")
+_KEEPER_DONE = b"d"  # launcher -> keeper: CMD is ended and cleaned up; exit without acting
 
 
 class Mode(enum.Enum):
@@ -86,7 +114,7 @@ class Launcher:
 
     def __init__(self, argv: Sequence[str], *, name: str | None = None, workload: str = "training",
                  weight: float = 1.0, device: int | None = None, endpoint: str | None = None,
-                 fail_closed: bool = False) -> None:
+                 fail_closed: bool = False, cgroup_mode: str = "auto") -> None:
         if not argv:
             raise ValueError("no command to run")
         self.argv = list(argv)
@@ -96,11 +124,15 @@ class Launcher:
         self.device = device
         self.endpoint = endpoint
         self.fail_closed = fail_closed
+        if cgroup_mode not in CGROUP_MODES:
+            raise ValueError(f"cgroup mode {cgroup_mode!r} is not one of {', '.join(CGROUP_MODES)}")
+        self.cgroup_mode = cgroup_mode
+        self.hold: Hold | None = None  # how CMD is stopped, continued and ended (set once it is stopped)
         self.mode = Mode.MANAGED
         self.pid: int | None = None  # CMD's pid, which is also its process group id
         self.exit_code: int | None = None  # set once CMD has been reaped
         self.client: Client | None = None
-        self._cmd_running = False  # False while the launcher holds the group stopped
+        self._cmd_running = False  # False while the launcher holds CMD stopped
         self._pidfd: int | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -109,6 +141,8 @@ class Launcher:
         self._next_attach = 0.0
         self._env_w: int | None = None  # write end of the pipe CMD reads its extra environment from
         self._was_paced = False  # co-run: CMD was last stopped for pacing (logged at debug: it is frequent)
+        self._keeper_pid: int | None = None
+        self._keeper_w: int | None = None  # its end-of-file, without _KEEPER_DONE first, makes the keeper end CMD
 
     # ------------------------------------------------------------------ run
 
@@ -123,6 +157,7 @@ class Launcher:
             self._install_signal_handlers()
             self._spawn_stopped()
             if self.exit_code is None:
+                self._start_keeper()  # before the client's threads: it is forked
                 self._open_session()
             self._hand_over_env()
             while self.exit_code is None:
@@ -190,7 +225,7 @@ class Launcher:
             return
         except NodeAgentError as exc:
             log.error("the daemon refused the session: %s; CMD was not started", exc)
-            self._killpg(signal.SIGKILL)
+            self.hold.kill()
             self._reap(block=True)
             self.exit_code = EXIT_REFUSED
             return
@@ -299,8 +334,8 @@ class Launcher:
         self._close_client()
 
     def _on_signals(self) -> None:
-        """Forward each signal the handlers noted to CMD's group, with a SIGCONT
-        so that a stopped CMD acts on it; CMD then runs unmanaged until it
+        """Forward each signal the handlers noted to CMD's group, then continue CMD
+        (a thaw, or SIGCONT) so that it acts on it; CMD then runs unmanaged until it
         exits, so that its shutdown never waits on another session's slice."""
         try:
             received = self._wake_r.recv(64)
@@ -311,7 +346,7 @@ class Launcher:
                 continue
             log.info("forwarding %s to CMD", signal.Signals(signum).name)
             self._killpg(signum)
-            self._killpg(signal.SIGCONT)
+            self.hold.cont()  # so that a stopped CMD acts on it (SIGCONT to the group, or a thaw)
             self._cmd_running = True
             if self.mode is not Mode.UNMANAGED:
                 self._go_unmanaged()
@@ -319,7 +354,8 @@ class Launcher:
     # --------------------------------------------------------------- child
 
     def _spawn_stopped(self) -> None:
-        """Fork CMD into its own session, stopped before exec; wait until it is stopped.
+        """Fork CMD into its own session, stopped before exec; wait until it is stopped,
+        then hold it (its own cgroup, frozen, or its process group, stopped).
 
         Not subprocess: Popen waits for the exec to succeed, which a child that
         stops itself before exec never reports."""
@@ -342,6 +378,11 @@ class Launcher:
             self._pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # older kernel: _loop polls waitpid instead
             self._pidfd = None
+        self.hold = choose_hold(pid, self.cgroup_mode)
+        if self.hold is None:  # --cgroup require, and there is none
+            os.killpg(pid, signal.SIGKILL)
+            self._reap(block=True)
+            self.exit_code = EXIT_REFUSED
 
     def _exec_child(self, parent: int, set_pdeathsig: Callable[[int], None], env_r: int) -> NoReturn:
         """In the child: new session, shell-like signal dispositions, stop, exec."""
@@ -351,9 +392,9 @@ class Launcher:
             signal.set_wakeup_fd(-1)
             for signum in (*self._saved_handlers, signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(signum, signal.SIG_DFL)  # Python ignores PIPE and XFSZ; CMD must not
-            # Should the launcher be killed outright, the kernel continues CMD.
-            set_pdeathsig(signal.SIGCONT)
-            if os.getppid() != parent:  # the launcher is already gone: nobody would continue us
+            # Should the launcher be killed outright, the kernel ends CMD (the keeper ends the rest).
+            set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != parent:  # the launcher is already gone: nobody would manage us
                 os._exit(1)
             os.kill(os.getpid(), signal.SIGSTOP)
             env = dict(os.environ)
@@ -388,20 +429,62 @@ class Launcher:
 
     def _stop_cmd(self, why: str, quiet: bool = False) -> None:
         if self._cmd_running and self.exit_code is None:
-            self._killpg(signal.SIGSTOP)
+            self.hold.stop()
             self._cmd_running = False
             (log.debug if quiet else log.info)("CMD stopped (%s)", why)
 
     def _continue_cmd(self, why: str, quiet: bool = False) -> None:
         if not self._cmd_running and self.exit_code is None:
-            self._killpg(signal.SIGCONT)
+            self.hold.cont()
             self._cmd_running = True
             (log.debug if quiet else log.info)("CMD continued (%s)", why)
 
     def _killpg(self, signum: int) -> None:
+        """A signal to CMD's process group (forwarded signals go there, as a shell's do)."""
+        _killpg(self.pid, signum)
+
+    # -------------------------------------------------------------- keeper
+
+    def _start_keeper(self) -> None:
+        """Fork the keeper: in a session of its own (so that a terminal's or a group's
+        signals meant for the launcher miss it), it waits on a pipe from us and ends
+        CMD if the pipe closes without our word (we died). See the module docstring."""
+        r, w = os.pipe()
+        keep = {r, 2, *self.hold.fds()}
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                signal.set_wakeup_fd(-1)
+                for signum in (*self._saved_handlers, signal.SIGPIPE):
+                    signal.signal(signum, signal.SIG_DFL)
+                _close_all_but(keep)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                os.dup2(devnull, 0)
+                os.dup2(devnull, 1)  # never the launcher's stdout: a reader waits for its end-of-file
+                os.close(devnull)
+                if os.read(r, 1) != _KEEPER_DONE:
+                    self.hold.end_orphaned()
+                    os.write(2, f"nodeagent run: the launcher of CMD (pid {self.pid}) died; "
+                                f"CMD's {self.hold.kind} was killed\n".encode())
+            finally:
+                os._exit(0)
+        os.close(r)
+        self._keeper_pid, self._keeper_w = pid, w
+
+    def _dismiss_keeper(self) -> None:
+        """Tell the keeper we are done with CMD (it exits without acting) and reap it."""
+        if self._keeper_w is None:
+            return
         try:
-            os.killpg(self.pid, signum)
-        except ProcessLookupError:  # the whole group has exited
+            os.write(self._keeper_w, _KEEPER_DONE)
+        except OSError:  # it is gone already
+            pass
+        os.close(self._keeper_w)
+        self._keeper_w = None
+        try:
+            os.waitpid(self._keeper_pid, 0)
+        except ChildProcessError:
             pass
 
     # ---------------------------------------------------- signals, clean-up
@@ -422,17 +505,24 @@ class Launcher:
             signal.signal(signum, _wake_only)
 
     def _clean_up(self) -> None:
-        """Never leave CMD (or what remains of its group) stopped; end the session."""
+        """Never leave CMD running unmanaged, nor anything stopped or frozen; end the session."""
         if self._env_w is not None:  # CMD must not wait on a pipe nobody will write
             os.close(self._env_w)
             self._env_w = None
-        if self.pid is not None:
+        done = True
+        if self.hold is not None:
             if self.exit_code is None:
-                self._killpg(signal.SIGCONT)
-                log.warning("exiting while CMD (pid %d) still runs; it continues without the launcher",
-                            self.pid)
-            elif not self._cmd_running:
-                self._killpg(signal.SIGCONT)  # CMD is gone; what it left in its group must not stay stopped
+                log.error("exiting while CMD (pid %d) still runs; ending it (the launcher's death ends CMD)",
+                          self.pid)
+                self.hold.kill()
+                self._reap(block=True)
+            try:
+                self.hold.finish(self._cmd_running)
+            except OSError as exc:
+                log.error("cleaning up after CMD failed (%s); its keeper tries again once we exit", exc)
+                done = False
+        if done:
+            self._dismiss_keeper()
         self._close_client()
         for signum, handler in self._saved_handlers.items():
             signal.signal(signum, handler)
@@ -453,6 +543,122 @@ class Launcher:
                 client.close()
             except Exception:  # the session dies with our connection anyway
                 log.debug("closing the session failed", exc_info=True)
+
+
+class Hold:
+    """How CMD is stopped, continued and ended: its process group (this class, the
+    fallback) or its cgroup (:class:`CgroupHold`)."""
+
+    kind = "process group"
+
+    def __init__(self, pgid: int, why: str = "") -> None:
+        self.pgid = pgid
+        self.why = why  # why there is no cgroup
+
+    def describe(self) -> str:
+        return f"process group {self.pgid}, stopped by SIGSTOP (a child that calls setsid escapes it: {self.why})"
+
+    def fds(self) -> tuple[int, ...]:
+        return ()
+
+    def stop(self) -> None:
+        _killpg(self.pgid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        _killpg(self.pgid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        _killpg(self.pgid, signal.SIGKILL)
+
+    def finish(self, cmd_running: bool) -> None:
+        """CMD has exited: what it left in its group must not stay stopped."""
+        if not cmd_running:
+            self.cont()
+
+    def end_orphaned(self) -> None:
+        """In the keeper, the launcher dead: end what is left of CMD."""
+        self.kill()
+
+
+class CgroupHold(Hold):
+    """CMD in a cgroup of its own: frozen, thawed, killed as one; removed when CMD is gone."""
+
+    kind = "cgroup"
+
+    def __init__(self, pgid: int, cg: cgroup.Cgroup) -> None:
+        super().__init__(pgid)
+        self.cgroup = cg
+
+    def describe(self) -> str:
+        return f"cgroup {self.cgroup.path}, stopped by cgroup.freeze"
+
+    def fds(self) -> tuple[int, ...]:
+        return self.cgroup.fds()
+
+    def stop(self) -> None:
+        if not self.cgroup.stop(_FREEZE_WAIT_S):
+            log.warning("CMD's cgroup is not frozen %.0f ms after it was told to freeze (a task in an "
+                        "uninterruptible wait freezes when it leaves it)", _FREEZE_WAIT_S * 1e3)
+
+    def cont(self) -> None:
+        self.cgroup.thaw()
+
+    def kill(self) -> None:
+        self.cgroup.kill()
+
+    def finish(self, cmd_running: bool) -> None:
+        """CMD has exited: end what it left in its cgroup, thaw, remove the cgroup."""
+        try:
+            left = self.cgroup.procs()
+        except OSError:
+            left = []
+        if left:
+            log.warning("CMD left %d process(es) in its cgroup (%s); ending them", len(left),
+                        " ".join(map(str, left[:8])))
+        self.end_orphaned()
+
+    def end_orphaned(self) -> None:
+        if self.cgroup.populated():
+            self.cgroup.kill()
+            self.cgroup.wait(lambda: not self.cgroup.populated(), _EMPTY_WAIT_S)
+        if not self.cgroup.remove():
+            log.warning("cannot remove %s: processes are still in it (thawed)", self.cgroup.path)
+
+
+def choose_hold(pid: int, mode: str) -> Hold | None:
+    """Hold the stopped child ``pid``: in a cgroup of its own if one can be made (``mode``
+    auto or require), frozen, the child then continued inside it; else its process
+    group, left stopped. None if ``mode`` is require and there is no cgroup."""
+    if mode == "off":
+        hold = Hold(pid, "asked for (--cgroup off)")
+    else:
+        cg = None
+        adopted = False
+        try:
+            cg = cgroup.create_child(f"nodeagent-run.{os.getpid()}")
+            cg.adopt(pid)
+            adopted = True
+            cg.stop(_FREEZE_WAIT_S)  # a stopped task counts as frozen: at once
+            os.kill(pid, signal.SIGCONT)  # no longer stopped; held by the freezer from now on
+            hold = CgroupHold(pid, cg)
+        except (cgroup.Unavailable, OSError) as exc:
+            why = str(exc) if isinstance(exc, cgroup.Unavailable) else \
+                f"cannot move CMD into {cg.path}: {exc.strerror} (cgroup v2 delegation: the launcher needs " \
+                f"write access to cgroup.procs of its own cgroup and of the new one)"
+            if adopted:  # back where it came from, so that the directory can go
+                why = f"cannot freeze {cg.path}: {exc}"
+                try:
+                    cg.eject(pid)
+                except OSError:
+                    pass
+            if cg is not None:
+                cg.remove()
+            if mode == "require":
+                log.error("no cgroup for CMD (--cgroup require): %s", why)
+                return None
+            hold = Hold(pid, why)
+    (log.info if hold.kind == "cgroup" else log.warning)("CMD (pid %d) runs in %s", pid, hold.describe())
+    return hold
 
 
 def check_program(program: str) -> tuple[int, str] | None:
@@ -478,6 +684,24 @@ def _read_env(fd: int) -> dict[str, str]:
         return {}
     env = json.loads(b"".join(chunks))
     return {str(k): str(v) for k, v in env.items()}
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the whole group has exited
+        pass
+
+
+def _close_all_but(keep: set[int]) -> None:
+    """In a forked child: close every descriptor not in ``keep``."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, closed already
+                pass
 
 
 def _wake_only(signum: int, frame: types.FrameType | None) -> None:
@@ -508,6 +732,11 @@ def main(args) -> int:
     if problem is not None:  # a typo, not a daemon that is away: CMD is not started
         log.error("%s", problem)
         return 2
+    cgroup_mode = args.cgroup or os.environ.get("NODEAGENT_RUN_CGROUP", "auto")
+    if cgroup_mode not in CGROUP_MODES:
+        log.error("NODEAGENT_RUN_CGROUP=%s: expected one of %s", cgroup_mode, ", ".join(CGROUP_MODES))
+        return 2
     launcher = Launcher(argv, name=args.name, workload=args.workload, weight=args.weight,
-                        device=args.device, endpoint=args.endpoint, fail_closed=args.fail_closed)
+                        device=args.device, endpoint=args.endpoint, fail_closed=args.fail_closed,
+                        cgroup_mode=cgroup_mode)
     return launcher.run()

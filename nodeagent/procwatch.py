@@ -204,6 +204,26 @@ class PidTranslator:
         return local
 
 
+_PF_EXITING = 0x4  # <linux/sched.h>: set as a process starts to exit, before its files are closed
+
+
+def exiting(pidfd: int | None, pid: int | None) -> bool:
+    """True if the process behind ``pidfd`` has exited or is exiting. A connection it held
+    closes while it exits, before its pidfd becomes readable: so the flags of
+    /proc/PID/stat too (the pidfd not yet readable, ``pid`` is still that process)."""
+    if pidfd is None or pid is None:
+        return False
+    if pidfd_exited(pidfd):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        flags = int(stat[stat.rfind(b")") + 2:].split()[6])
+    except (OSError, IndexError, ValueError):
+        return pidfd_exited(pidfd)
+    return bool(flags & _PF_EXITING) or pidfd_exited(pidfd)
+
+
 def pidfd_exited(pidfd: int | None) -> bool:
     """True if the process behind ``pidfd`` has exited (its pidfd is readable)."""
     if pidfd is None:

@@ -26,7 +26,7 @@ import signal
 import time
 from typing import Callable
 
-from nodeagent import enforce, procwatch
+from nodeagent import cgroup, enforce, procwatch
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
@@ -93,7 +93,8 @@ class Restorer:
             if why:
                 log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
                 continue_orphan({"stopped": rec.stopped, "verified_pid": rec.verified_pid,
-                                 "start_ticks": rec.start_ticks, "managed_pgid": rec.managed_pgid})
+                                 "start_ticks": rec.start_ticks, "managed_pgid": rec.managed_pgid,
+                                 "uid": rec.uid})
                 self._journal.write(lambda j, sid=rec.id: j.delete_session(sid))
                 dropped += 1
                 continue
@@ -106,6 +107,9 @@ class Restorer:
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid
                 session.managed_pidfd = procwatch.open_pidfd(rec.managed_pgid)
+                if session.managed_pidfd is not None:  # found again from the kernel, as at hello
+                    session.managed_cgroup, _ = enforce.open_managed_cgroup(rec.managed_pgid, rec.verified_pid,
+                                                                            rec.uid)
             try:
                 self._mps.join(rec.id, rec.device, rec.memory_mb, rec.uid)
             except PartitionError as exc:
@@ -241,6 +245,11 @@ def continue_orphan(values: dict) -> bool:
         signal.pidfd_send_signal(pidfd, signal.SIGCONT)
         if _small_int(pgid) and pgid > 0 and enforce.verify_managed_pgid(pgid, pid) is None:
             os.killpg(pgid, signal.SIGCONT)
+            uid = values.get("uid")
+            cg, _ = enforce.open_managed_cgroup(pgid, pid, uid if _small_int(uid) else None)
+            if cg is not None:  # a launched program the old daemon froze
+                cgroup.act(cg, "thaw")
+                cg.close()
     except ProcessLookupError:
         return False
     finally:

@@ -436,7 +436,7 @@ class AgentServer:
             self._error(route, msg.id, code, problem)
             return
         verified_pid = creds.pid if creds is not None else None
-        managed_pidfd = None
+        managed_pidfd = managed_cgroup = None
         if msg.managed_pgid is not None:
             why = ("the connection's process cannot be verified" if verified_pid is None
                    else enforce.verify_managed_pgid(msg.managed_pgid, verified_pid))
@@ -444,6 +444,10 @@ class AgentServer:
                 self._error(route, msg.id, p.ErrorCode.INVALID, f"managed_pgid {msg.managed_pgid} refused: {why}")
                 return
             managed_pidfd = procwatch.open_pidfd(msg.managed_pgid)
+            if managed_pidfd is not None:  # its own cgroup, if the kernel says it has one the launcher made
+                managed_cgroup, why = enforce.open_managed_cgroup(msg.managed_pgid, verified_pid, creds.uid)
+                if managed_cgroup is None:
+                    log.info("[session] launched group %d is held by its process group: %s", msg.managed_pgid, why)
         workload = Workload.parse(msg.workload)
         session_id = new_session_id()
         try:
@@ -458,15 +462,16 @@ class AgentServer:
             uid=creds.uid if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
-            managed_pidfd=managed_pidfd, borrower=msg.borrower, slo_ms=msg.slo_ms)
+            managed_pidfd=managed_pidfd, managed_cgroup=managed_cgroup, borrower=msg.borrower, slo_ms=msg.slo_ms)
         self._add_session(session, now)
         self._open_wake_channel(session, one_hop_capable(msg))
         if verified_pid is not None and verified_pid != msg.pid:
             log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
                         session.id, msg.pid, verified_pid)
         log.info("[session] open session=%s name=%s pid=%d verified=%s workload=%s weight=%g device=%d "
-                 "memory_mb=%d managed_pgid=%s", session.id, session.name, session.pid, verified_pid is not None,
-                 msg.workload, session.weight, device, session.memory_mb, session.managed_pgid)
+                 "memory_mb=%d managed_pgid=%s hold=%s", session.id, session.name, session.pid,
+                 verified_pid is not None, msg.workload, session.weight, device, session.memory_mb,
+                 session.managed_pgid, enforce.describe_hold(session))
         self._journal_writer.put_session(session)
         self._welcome(route, msg.id, session, resumed=False)
         self._bus.event("session_join", device, session.id, name=session.name, workload=msg.workload,
@@ -706,9 +711,15 @@ class AgentServer:
         """End a session; a token it held passes on at once."""
         if not self._sessions.remove(s):
             return
-        if s.managed_pidfd is not None:
-            # The group outlives its launcher, and may have been stopped by it
-            # rather than by us: continue it whatever the reason (harmless if running).
+        if s.managed_pidfd is not None and reason != "bye" and (
+                reason == "process_exited" or procwatch.exiting(s.pidfd, s.verified_pid)):
+            # Its launcher died (the launcher ends its program itself whenever it exits
+            # alive; its connection may close before its pidfd says it exited): nothing
+            # may run unmanaged, so the program goes with it.
+            enforce.end_launched(s)
+        elif s.managed_pidfd is not None:
+            # The launcher lives (bye, a lost connection) and may have stopped its
+            # program rather than us: continue it whatever the reason (harmless if running).
             s.stopped = True
             self._tokens.cont(s)
         elif s.stopped and reason != "process_exited":
@@ -805,6 +816,7 @@ class AgentServer:
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
                     gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
+                    managed_cgroup=s.managed_cgroup.name if s.managed_cgroup is not None else None,
                     attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked,
                     borrower=s.borrower))
             devices.append(p.DeviceInfo(

@@ -47,6 +47,7 @@ class Session:
     pidfd: int | None = None
     managed_pgid: int | None = None  # verified process group of a program launched by nodeagent run
     managed_pidfd: int | None = None  # pidfd of that group's leader
+    managed_cgroup: object | None = None  # nodeagent.cgroup.Cgroup: the leader's own cgroup, verified and held open
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
     over_memory: bool = False  # flagged by the watcher; cleared when back under
@@ -156,10 +157,13 @@ class SessionTable:
         return True
 
     def close_pidfds(self, session: Session) -> None:
-        """Stop watching ``session``'s process (and its launched group's leader)."""
+        """Stop watching ``session``'s process (and its launched group's leader and cgroup)."""
         if session.managed_pidfd is not None:
             os.close(session.managed_pidfd)
             session.managed_pidfd = None
+        if session.managed_cgroup is not None:
+            session.managed_cgroup.close()
+            session.managed_cgroup = None
         if session.pidfd is None:
             return
         self._by_pidfd.pop(session.pidfd, None)

@@ -1,0 +1,355 @@
+"""cgroup v2: a launched program's own cgroup, stopped, continued and ended as one.
+
+``nodeagent run`` puts CMD in a cgroup of its own, a child of the launcher's
+cgroup. Every process CMD starts stays in it whatever it does (``setsid``,
+double forks, threads), so where the process group leaks this does not::
+
+    stop      cgroup.freeze <- 1, then wait for cgroup.events "frozen 1"
+    continue  cgroup.freeze <- 0
+    end       cgroup.kill <- 1 (Linux 5.14); before that: frozen, every pid
+              in cgroup.procs SIGKILLed until none is left, thawed
+
+The cgroup v2 delegation rules apply: the launcher must be able to create the
+directory and to write ``cgroup.procs`` of its own cgroup (the source) and of
+the new one (the target). Where it cannot (cgroup v1 only, no permission, a
+kernel without ``cgroup.freeze``), :func:`create_child` raises
+:class:`Unavailable` with the reason and the launcher keeps to the process
+group and SIGSTOP.
+
+The daemon finds the same cgroup from the kernel (``/proc/PID/cgroup`` of the
+launcher's verified child), never from a path a peer names, and accepts it
+only as a direct child of the launcher's own cgroup, owned by the launcher's
+uid, holding that child (:func:`open_verified`).
+
+The v2 hierarchy is found in ``/proc/self/mountinfo`` (``/sys/fs/cgroup`` on a
+pure v2 host, ``/sys/fs/cgroup/unified`` on a hybrid one), and cgroup paths are
+mapped through the mount's root, so a daemon in a cgroup namespace reads them
+right.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import select
+import signal
+import time
+from dataclasses import dataclass
+
+_FROZEN = b"frozen 1"
+_POPULATED = b"populated 1"
+_POLL_MS = 10  # longest wait between looks at cgroup.events (poll wakes us sooner on a change)
+_GONE = (errno.ENOENT, errno.ENODEV)  # the directory was removed under an open file
+
+
+class Unavailable(Exception):
+    """No cgroup can be made or used here; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hierarchy:
+    """A mounted cgroup v2 hierarchy: where it is mounted, and which cgroup its root is."""
+
+    mount: str  # e.g. /sys/fs/cgroup or /sys/fs/cgroup/unified
+    root: str  # the cgroup path the mount shows at its top ("/" unless bind-mounted from below)
+
+    def fs_path(self, cgroup: str) -> str | None:
+        """The directory of ``cgroup`` (a path as /proc/PID/cgroup gives it), or None if
+        it is not under this mount (or outside our cgroup namespace: "/..")."""
+        if not cgroup.startswith("/") or "/../" in cgroup + "/":
+            return None
+        root = self.root.rstrip("/")
+        if cgroup != root and not cgroup.startswith(root + "/"):
+            return None
+        return self.mount.rstrip("/") + cgroup[len(root):].rstrip("/")
+
+
+def v2_hierarchy(mountinfo: str = "/proc/self/mountinfo") -> Hierarchy | None:
+    """The cgroup v2 mount this process sees, or None (cgroup v1 only, or none at all)."""
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or right.split()[:1] != ["cgroup2"]:
+            continue
+        found.append(Hierarchy(mount=_unescape(fields[4]), root=_unescape(fields[3])))
+    found.sort(key=lambda h: h.root != "/")  # the whole hierarchy before a bind mount of part of it
+    return found[0] if found else None
+
+
+def cgroup_of(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
+    """``pid``'s cgroup v2 path (the ``0::`` line of /proc/PID/cgroup), or None."""
+    try:
+        with open(f"{proc_root}/{pid}/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].rstrip("\n")
+    except OSError:
+        return None
+    return None
+
+
+def probe() -> str | None:
+    """Why no cgroup can be made for a launched program here, or None if one can
+    (made and removed again: the check a test skips on)."""
+    try:
+        cg = create_child(f"nodeagent-probe.{os.getpid()}")
+    except Unavailable as exc:
+        return str(exc)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a process to move in and back: the moves the launcher needs
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        cg.adopt(pid)
+        cg.eject(pid)
+    except OSError as exc:
+        return f"cannot move a process into {cg.path}: {exc.strerror}"
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+        cg.remove()
+    return None
+
+
+class Cgroup:
+    """One cgroup v2 directory, held open: its freeze and events files, and the
+    directory itself for the rest (a rename cannot redirect what is open)."""
+
+    def __init__(self, path: str, name: str, dirfd: int) -> None:
+        self.path = path  # where it is in this process's filesystem
+        self.name = name  # its cgroup path, as /proc/PID/cgroup shows it
+        self._dirfd = dirfd
+        self._freeze_fd: int | None = None
+        self._events_fd: int | None = None
+        try:
+            self._freeze_fd = os.open("cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC, dir_fd=dirfd)
+            self._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+        except OSError:
+            self.close()
+            raise
+
+    @classmethod
+    def open(cls, path: str, name: str) -> "Cgroup":
+        dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return cls(path, name, dirfd)
+        except OSError:
+            os.close(dirfd)
+            raise
+
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors it holds (a forked keeper keeps them)."""
+        return tuple(fd for fd in (self._dirfd, self._freeze_fd, self._events_fd) if fd is not None)
+
+    def owner_uid(self) -> int:
+        return os.fstat(self._dirfd).st_uid
+
+    # ------------------------------------------------------------ reading
+
+    def _events(self) -> bytes:
+        return os.pread(self._events_fd, 256, 0)
+
+    def frozen(self) -> bool:
+        return _FROZEN in self._events()
+
+    def populated(self) -> bool:
+        return _POPULATED in self._events()
+
+    def procs(self) -> list[int]:
+        fd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+        try:
+            data = b""
+            while chunk := os.read(fd, 65536):
+                data += chunk
+        finally:
+            os.close(fd)
+        return [int(x) for x in data.split()]
+
+    def wait(self, done, timeout_s: float) -> bool:
+        """Wait until ``done()`` (a look at cgroup.events) is true; False at the timeout.
+        The kernel wakes a poll on cgroup.events when it changes."""
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(self._events_fd, select.POLLPRI | select.POLLERR)
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            poller.poll(min(_POLL_MS, max(1, int(left * 1000))))
+        return True
+
+    # ------------------------------------------------------------ acting
+
+    def adopt(self, pid: int) -> None:
+        """Move ``pid`` (all its threads) in; OSError as the kernel refuses it."""
+        fd = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+        try:
+            os.write(fd, str(pid).encode())
+        finally:
+            os.close(fd)
+
+    def eject(self, pid: int) -> None:
+        """Move ``pid`` back to the parent cgroup (it was adopted, and must not stay)."""
+        _write_at(os.path.dirname(self.path), "cgroup.procs", str(pid))
+
+    def freeze(self) -> None:
+        """Start freezing (every process, every thread); :meth:`stop` also waits for it."""
+        os.write(self._freeze_fd, b"1")
+
+    def thaw(self) -> None:
+        os.write(self._freeze_fd, b"0")
+
+    def stop(self, timeout_s: float) -> bool:
+        """Freeze and wait until the kernel says frozen; False if it took longer (a task
+        in an uninterruptible wait freezes when it leaves it)."""
+        self.freeze()
+        return self.wait(self.frozen, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL everything in it (thawed after, so nothing is left frozen)."""
+        try:
+            _write_fd_at(self._dirfd, "cgroup.kill", "1")
+        except FileNotFoundError:  # before Linux 5.14: frozen, nothing can fork; kill what is there
+            self.freeze()
+            self.wait(self.frozen, 1.0)
+            for _ in range(100):
+                pids = self.procs()
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                self.wait(lambda: not self.populated(), 0.05)
+        self.thaw()
+
+    def remove(self) -> bool:
+        """Thaw, close and remove the directory; False if processes are still in it."""
+        try:
+            self.thaw()
+        except OSError:
+            pass
+        self.close()
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        for name in ("_freeze_fd", "_events_fd", "_dirfd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+
+
+def create_child(name: str, hierarchy: Hierarchy | None = None) -> Cgroup:
+    """Make and open cgroup ``name`` under this process's own cgroup; :class:`Unavailable`
+    if it cannot be made or cannot be frozen."""
+    hierarchy = hierarchy or v2_hierarchy()
+    if hierarchy is None:
+        raise Unavailable("no cgroup v2 hierarchy is mounted (cgroup v1 only)")
+    own = cgroup_of("self")
+    parent = hierarchy.fs_path(own) if own is not None else None
+    if parent is None:
+        raise Unavailable(f"this process's cgroup v2 path {own!r} is not under {hierarchy.mount}")
+    path = os.path.join(parent, name)
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # left by a launcher whose pid we now have: empty, or not ours to take
+        try:
+            os.rmdir(path)
+            os.mkdir(path)
+        except OSError as exc:
+            raise Unavailable(f"cannot create {path}: {exc.strerror}") from None
+    except OSError as exc:
+        raise Unavailable(f"cannot create {path}: {exc.strerror} (cgroup v2 delegation: the launcher "
+                          f"needs write access to its own cgroup {parent})") from None
+    try:
+        return Cgroup.open(path, own.rstrip("/") + "/" + name)
+    except FileNotFoundError:
+        os.rmdir(path)
+        raise Unavailable("the kernel has no cgroup.freeze (cgroup v2 freezer: Linux 5.2)") from None
+    except OSError as exc:
+        os.rmdir(path)
+        raise Unavailable(f"cannot open {path}: {exc.strerror}") from None
+
+
+def open_verified(child_pid: int, launcher_pid: int, launcher_uid: int | None,
+                  hierarchy: Hierarchy | None) -> tuple[Cgroup | None, str]:
+    """The cgroup the kernel says ``child_pid`` is in, if it is the launcher's own for
+    that child: a direct child of ``launcher_pid``'s cgroup, owned by ``launcher_uid``,
+    freezable. Else (None, why). The caller verified ``child_pid`` as the launcher's child."""
+    if hierarchy is None:
+        return None, "no cgroup v2 hierarchy is mounted"
+    if launcher_uid is None:
+        return None, "the launcher's uid is not known"
+    theirs, mine = cgroup_of(launcher_pid), cgroup_of(child_pid)
+    if theirs is None or mine is None:
+        return None, "no cgroup v2 path for the launcher or its child"
+    if mine == theirs:
+        return None, "the child shares its launcher's cgroup"
+    if os.path.dirname(mine) != theirs:
+        return None, f"the child's cgroup {mine} is not a child of its launcher's {theirs}"
+    path = hierarchy.fs_path(mine)
+    if path is None:
+        return None, f"cgroup {mine} is not under {hierarchy.mount}"
+    try:
+        cg = Cgroup.open(path, mine)
+    except OSError as exc:
+        return None, f"cannot open {path}: {exc.strerror}"
+    try:
+        why = ""
+        if cg.owner_uid() != launcher_uid:
+            why = f"{path} is owned by uid {cg.owner_uid()}, not the launcher's {launcher_uid}"
+        elif cgroup_of(child_pid) != mine:  # moved while we opened it: the open one may not be it
+            why = f"the child left {mine}"
+    except OSError as exc:
+        why = f"cannot read {path}: {exc.strerror}"
+    if why:
+        cg.close()
+        return None, why
+    return cg, ""
+
+
+def act(cg: Cgroup, what: str) -> bool:
+    """freeze, thaw or kill ``cg``; False if it is gone (removed once its program ended)."""
+    try:
+        getattr(cg, what)()
+    except OSError as exc:
+        if exc.errno in _GONE or exc.errno == errno.EBADF:
+            return False
+        raise
+    return True
+
+
+def _write_at(directory: str, name: str, value: str) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(value)
+
+
+def _write_fd_at(dirfd: int, name: str, value: str) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
