@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -245,3 +246,48 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         assert len(finished) == 1
     finally:
         sessions.close()
+
+
+@pytest.mark.parametrize("when", ["suspended", "requested"])
+def test_a_daemon_sigkilled_mid_suspension_finishes_it_after_a_restart(start_daemon, spawn, when):
+    """Issue 22: a suspension is journalled before its notice; a restarted daemon keeps it.
+    ``suspended``: the client had parked; after the restart it stays parked (the welcome says
+    so) and only a resume brings it back. ``requested``: the client had not parked yet (stopped
+    by the test meanwhile); the restarted daemon asks again and the suspension completes."""
+    import signal as signals
+    d = start_daemon("--heartbeat-ms", "200")
+    trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "30", "--park-bytes", "4096")
+    trainer.expect("GRANT")
+    sid = session_by_name(d, "trainer").id
+    if when == "requested":
+        os.kill(trainer.proc.pid, signals.SIGSTOP)  # it cannot park before the daemon dies
+        threading.Thread(target=lambda: _suspend_quietly(sid, d.endpoint), daemon=True).start()
+        wait_for(lambda: session_by_name(d, "trainer").suspended == "requested")
+    else:
+        assert suspend_session(sid, deadline_ms=5000, endpoint=d.endpoint).outcome == "suspended"
+        trainer.expect("PARKED")
+    d.kill()  # SIGKILL: no goodbye, the journal is all the next one has
+    d2 = start_daemon("--heartbeat-ms", "200")
+    if when == "requested":
+        os.kill(trainer.proc.pid, signals.SIGCONT)
+        trainer.expect("PARKED", timeout=10)  # asked again by the restarted daemon, it parks now
+    wait_for(lambda: getattr(_session_or_none(d2, "trainer"), "suspended", None) == "suspended", timeout=10)
+    info = session_by_name(d2, "trainer")
+    assert info.id == sid and info.bytes_parked == 4096 and info.attached
+    time.sleep(0.3)
+    assert not trainer.events("UNPARKED")  # still parked: the restart did not resume it
+    resume_session(sid, endpoint=d2.endpoint)
+    trainer.expect("UNPARKED", timeout=10)
+    wait_for(lambda: session_by_name(d2, "trainer").suspended is None)
+
+
+def _session_or_none(daemon, name):
+    return next((s for d in daemon.status().devices for s in d.sessions if s.name == name), None)
+
+
+def _suspend_quietly(sid: str, endpoint: str) -> None:
+    """A suspend whose caller dies with the daemon (its answer never comes)."""
+    try:
+        suspend_session(sid, deadline_ms=10_000, endpoint=endpoint, timeout=15)
+    except Exception:
+        pass
