@@ -126,16 +126,18 @@ def test_the_engine_keeps_its_addresses_across_a_park_and_generates_the_same():
     # Every weight and both halves of the KV cache moved into regions before anything ran.
     assert all(host.region_at(p.untyped_storage().data_ptr()) for p in engine.model.parameters())
     assert host.region_at(engine.cache.k.untyped_storage().data_ptr()) is not None
-    seen = engine.addresses()
+    seen, buffer = engine.addresses(), engine.yielder.host_buffer.data_ptr()
     before, _ = engine.generate(PROMPT, 30)
-    engine.yielder.park()
-    assert not host.handles  # every region's memory given back; its addresses stay reserved
-    with pytest.raises(RuntimeError, match="parked"):
-        engine.generate(PROMPT, 3)
-    engine.yielder.unpark()
-    assert engine.addresses() == seen
-    assert engine.generate(PROMPT, 30)[0] == before
-    assert engine.yielder.verify_ms > 0  # the restore was checked against the park's checksums
+    for _ in range(2):
+        engine.yielder.park()
+        assert not host.handles  # every region's memory given back; its addresses stay reserved
+        with pytest.raises(RuntimeError, match="parked"):
+            engine.generate(PROMPT, 3)
+        engine.yielder.unpark()
+        assert engine.addresses() == seen
+        assert engine.generate(PROMPT, 30)[0] == before
+        assert engine.yielder.verify_ms > 0  # the restore was checked against the park's checksums
+        assert engine.yielder.host_buffer.data_ptr() == buffer  # kept: a second sleep allocates nothing
 
 
 def test_the_decode_step_gives_what_recomputing_the_whole_sequence_gives():
@@ -207,6 +209,8 @@ def test_the_captured_decode_graph_replays_bit_identically_after_a_park_while_an
     engine = m.Engine(m.random_model(cfg, device, seed=2), device, keep_addresses=True)
     assert engine.graph is not None and engine.captures == 1 and engine.yielder.keeps_addresses
     seen, state_bytes = engine.addresses(), cfg.weight_bytes() + engine.cache.nbytes
+    buffer = engine.yielder.host_buffer
+    assert buffer.is_pinned() and buffer.numel() >= state_bytes
     before, _ = engine.generate(PROMPT, 64)
     for _ in range(2):  # the host buffer is kept: the second park allocates nothing
         free_before = torch.cuda.mem_get_info(device)[0]
@@ -226,3 +230,4 @@ def test_the_captured_decode_graph_replays_bit_identically_after_a_park_while_an
         assert freed >= state_bytes - (8 << 20) and filled > parked
         assert engine.addresses() == seen and engine.captures == 1  # the graph captured before, replayed
         assert after == before
+        assert engine.yielder.host_buffer.data_ptr() == buffer.data_ptr()  # kept and pinned across sleeps
