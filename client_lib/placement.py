@@ -42,13 +42,14 @@ __all__ = ["ClientKeys", "NodeResult", "NodeTimeoutError", "PlacementClient", "P
 E_TIMEOUT = "E_TIMEOUT"
 E_UNAVAILABLE = "E_UNAVAILABLE"
 E_BAD_REPLY = "E_BAD_REPLY"
+E_NOT_SUSPENDED = "E_NOT_SUSPENDED"  # lend(..., suspend=...): a session did not end suspended
 
 R = TypeVar("R")
 
 
 class PlacementError(DaemonError):
     """A node refused or failed a request. ``code`` is an :class:`~client_lib.protocol.ErrorCode`
-    (or E_TIMEOUT, E_UNAVAILABLE, E_BAD_REPLY from this side); ``node`` names the node."""
+    (or E_TIMEOUT, E_UNAVAILABLE, E_BAD_REPLY, E_NOT_SUSPENDED from this side); ``node`` names the node."""
 
     def __init__(self, code: str, message: str, node: str) -> None:
         super().__init__(f"{node}: {code}: {message}", code)
@@ -320,18 +321,52 @@ class PlacementClient:
         """Every (or the named) node's devices, lifecycle states and sessions: ``InventoryReply`` per node."""
         return self.call(p.Inventory, nodes)
 
-    def lend(self, node: str, device: int, borrower: str, max_s: float | None = None) -> p.LifecycleReply:
-        """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was)."""
-        return self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s),
-                         p.LifecycleReply)
+    def lend(self, node: str, device: int, borrower: str, max_s: float | None = None, *,
+             suspend: Sequence[str] = (), deadline_ms: float = 5000.0) -> p.LifecycleReply:
+        """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was).
+
+        ``suspend``: sessions to put to sleep once the device is lent, each within ``deadline_ms``
+        (an inference service such as examples/llm_server.py parks its weights and KV cache in host
+        memory and frees the device); returns once they are off it. A refused lend suspends nothing.
+        A session that does not end ``suspended`` (stopped at the deadline, so still holding its
+        memory; gone; ...) raises :class:`PlacementError` ``E_NOT_SUSPENDED`` naming it, after the
+        others were asked; the device stays lent."""
+        reply = self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s),
+                          p.LifecycleReply)
+        failed = []
+        for session in suspend:
+            try:
+                outcome = self.suspend(node, session, deadline_ms).outcome
+            except PlacementError as exc:  # no such session, not ours to suspend, no answer
+                outcome = f"{exc.code}: {exc.reason}"
+            if outcome != "suspended":
+                failed.append(f"{session} ({outcome})")
+        if failed:
+            raise PlacementError(E_NOT_SUSPENDED, f"device {device} is lent to {borrower}, but not every session "
+                                 f"was suspended: {', '.join(failed)}", node)
+        return reply
 
     def reclaim(self, node: str, device: int, deadline_ms: float = 5000.0,
-                timeout_ms: float | None = None) -> p.ReclaimReply:
+                timeout_ms: float | None = None, *, resume: Sequence[str] = ()) -> p.ReclaimReply:
         """Take ``device`` back for inference. The node answers once the device is free, so the default
-        timeout is ``deadline_ms`` plus the client's timeout."""
+        timeout is ``deadline_ms`` plus the client's timeout.
+
+        ``resume``: sessions to wake once the device is free of the borrower's (those a
+        ``lend(..., suspend=...)`` put to sleep), so that a sleeping service comes back in this one
+        call. Each is resumed even if an earlier one fails; the first failure is raised after."""
         timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
-        return self._one(node, lambda id: p.Reclaim(id=id, device=device, deadline_ms=deadline_ms),
-                         p.ReclaimReply, timeout_ms)
+        reply = self._one(node, lambda id: p.Reclaim(id=id, device=device, deadline_ms=deadline_ms),
+                          p.ReclaimReply, timeout_ms)
+        first_error = None
+        for session in resume:
+            try:
+                self.resume(node, session)
+            except PlacementError as exc:
+                log.warning("[placement] resume after reclaim failed node=%s session=%s: %s", node, session, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return reply
 
     def drain(self, node: str, device: int, cancel: bool = False) -> p.LifecycleReply:
         return self._one(node, lambda id: p.Drain(id=id, device=device, cancel=cancel), p.LifecycleReply)

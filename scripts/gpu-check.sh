@@ -6,7 +6,7 @@
 # 1. installs the wheels in .whl/ (scripts/gpu-wheels.sh fetched them on a networked machine) into a
 #    private target and puts it on PYTHONPATH; 2. records the machine (env.txt, env.json: GPU, driver,
 #    torch, and what the daemon relies on: pidfd_open, SO_PEERCRED, SIGSTOP, /dev/shm, page-locking);
-# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim and bench.handoff on cuda,
+# 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim, bench.llm_wake and bench.handoff on cuda,
 #    bench.handoff two-hop against one-hop on the host's cores, and bench.colocate (inference p99 and
 #    training kept beside each other, per sharing mode: no daemon, MPS, nodeagent); with .whl/ray-site.tar.xz
 #    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. the MPS tests (30/70 split) last, as they
@@ -320,6 +320,7 @@ run_step switch 200 "$stage/switch.json" "$python" -m bench.switch --backend cud
     --json "${plot[@]}"
 run_step suspend 100 "$stage/suspend.json" "$python" -m bench.suspend --device cuda --state-mb 256,1024 --repeats 5 --json
 run_step reclaim 90 "$stage/reclaim.json" "$python" -m bench.reclaim --device cuda --repeats 5 --state-mb 256 --json
+run_step llm-wake 120 "$stage/llm-wake.json" "$python" -m bench.llm_wake --device cuda --json
 run_step handoff 80 "$stage/handoff.json" "$python" -m bench.handoff --sessions 8 --handoffs 2000 --work-device cuda --json
 # The one-hop question (docs/architecture.md, "One-hop handoffs") on a many-core host: on 2 cores the
 # extra notices cost more than the saved hop. Same sessions, back to back and with a 200 us slice.
@@ -413,6 +414,10 @@ def headline(step):
     if name == "reclaim":
         return (f"cooperative {r['reclaim_cooperative_ms']} ms (park {r['park_ms']} ms), "
                 f"enforced {r['reclaim_enforced_ms']} ms (deadline {r['deadline_ms']} ms)")
+    if name == "llm-wake":
+        return (f"first token after a wake {r['wake_ttft_ms']} ms vs cold {r['cold_ttft_ms']:.0f} ms "
+                f"({r['speedup']}x), wake {r['wake_ms']} ms for {r['weight_bytes'] / 2**30:.2f} GiB; identical "
+                f"{r['outputs_identical']}, addresses kept {r['addresses_kept']}, goals met {r['all_goals_met']}")
     if name == "handoff":
         return (f"p50 {r['handoff_p50_us']} us p99 {r['handoff_p99_us']} us, raw RTT p50 "
                 f"{r['baseline_rtt_p50_us']} us (ratio {r['ratio_p50']})")
@@ -465,7 +470,8 @@ summary = {
     "device": gpu,
     "environment": env,
     "steps": rows,
-    "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "handoff", "mps_30_70",
+    "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "llm-wake", "handoff",
+                                                    "mps_30_70",
                                                     "colocate",
                                                     *(f"handoff-hold{h}{o}" for h in (0, 200)
                                                       for o in ("", "-one-hop")))},

@@ -24,7 +24,7 @@ from tests.conftest import REPO
 pytest.importorskip("torch")
 
 PROBE = "nodeagent_gpucheck_probe"
-GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
+GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "llm-wake", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
              "handoff-hold200", "handoff-hold200-one-hop", "colocate", "ray-gpu", "mps"]
 
 
@@ -107,7 +107,8 @@ class _Parsed(Exception):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step, expect", [("switch", {"backend": "cuda"}), ("suspend", {"device": "cuda"}),
-                                          ("reclaim", {"device": "cuda"}), ("handoff", {"work_device": "cuda"}),
+                                          ("reclaim", {"device": "cuda"}), ("llm-wake", {"device": "cuda"}),
+                                          ("handoff", {"work_device": "cuda"}),
                                           ("handoff-hold0", {"hold_us": 0.0, "one_hop": False}),
                                           ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True}),
                                           ("colocate", {"device": "cuda", "phase_s": 5.0, "json": True,

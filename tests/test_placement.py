@@ -320,6 +320,72 @@ def test_each_operation_sends_its_request(cluster):
     assert sent[4].deadline_ms == 100
 
 
+def lending_handler(outcomes: dict[str, str], refuse_lend: bool = False, no_session: str = "") -> Handler:
+    """A node that lends (or refuses), suspends each session with its scripted outcome, reclaims, resumes."""
+    def handle(req):
+        if isinstance(req, p.Lend):
+            if refuse_lend:
+                return [(0.0, p.Error(id=req.id, code=p.ErrorCode.STATE, message="device 0 is PROTECT"))]
+            return [(0.0, p.LifecycleReply(id=req.id, device=req.device, state="LENT", borrower=req.borrower,
+                                           changed=True))]
+        if isinstance(req, (p.SuspendSession, p.ResumeSession)) and req.session == no_session:
+            return [(0.0, p.Error(id=req.id, code=p.ErrorCode.NO_SESSION, message=f"no session {no_session}"))]
+        if isinstance(req, p.SuspendSession):
+            return [(0.0, p.SuspendResult(id=req.id, session=req.session, outcome=outcomes[req.session],
+                                          elapsed_ms=3.0))]
+        if isinstance(req, p.Reclaim):
+            return [(0.0, p.ReclaimReply(id=req.id, device=req.device, state="PROTECT", free_ms=9.0,
+                                         outcomes={"trainer": "suspended"}, changed=True))]
+        if isinstance(req, p.ResumeSession):
+            return [(0.0, p.Ok(id=req.id))]
+        return [(0.0, p.Error(id=req.id, code=p.ErrorCode.BAD_REQUEST, message="not scripted"))]
+    return handle
+
+
+def test_a_lend_puts_the_named_sessions_to_sleep_and_a_reclaim_wakes_them_in_the_same_call(cluster):
+    node = cluster.node("n", lending_handler({"llm": "suspended"}))
+    client = cluster.client([node])
+    lent = client.lend("n", 0, "job-7", suspend=["llm"], deadline_ms=800)
+    assert lent.state == "LENT" and lent.borrower == "job-7"
+    reclaimed = client.reclaim("n", 0, deadline_ms=500, resume=["llm"])
+    assert reclaimed.free_ms == 9.0 and reclaimed.outcomes == {"trainer": "suspended"}
+    sent = node.received
+    # The lend first (a refused one must suspend nothing), the wake only once the device is back.
+    assert [type(r) for r in sent] == [p.Lend, p.SuspendSession, p.Reclaim, p.ResumeSession]
+    assert sent[1].session == "llm" and sent[1].deadline_ms == 800 and sent[3].session == "llm"
+    # Without sessions to name, both are the plain operations.
+    client.lend("n", 0, "job-7")
+    client.reclaim("n", 0)
+    assert [type(r) for r in node.received[4:]] == [p.Lend, p.Reclaim]
+
+
+def test_a_refused_lend_suspends_nothing(cluster):
+    node = cluster.node("n", lending_handler({"llm": "suspended"}, refuse_lend=True))
+    with pytest.raises(PlacementError) as err:
+        cluster.client([node]).lend("n", 0, "job-7", suspend=["llm"])
+    assert err.value.code == p.ErrorCode.STATE
+    assert [type(r) for r in node.received] == [p.Lend]
+
+
+def test_a_session_that_does_not_end_suspended_is_named_after_every_one_was_asked(cluster):
+    node = cluster.node("n", lending_handler({"llm": "stopped", "ok": "suspended"}, no_session="gone"))
+    with pytest.raises(PlacementError) as err:
+        cluster.client([node]).lend("n", 0, "job-7", suspend=["llm", "gone", "ok"])
+    assert err.value.code == "E_NOT_SUSPENDED" and err.value.node == "n"
+    assert "device 0 is lent to job-7" in str(err.value)
+    assert "llm (stopped)" in str(err.value) and "gone (E_NO_SESSION: no session gone)" in str(err.value)
+    assert [getattr(r, "session", None) for r in node.received] == [None, "llm", "gone", "ok"]
+
+
+def test_a_reclaim_resumes_every_named_session_and_raises_the_first_failure(cluster):
+    node = cluster.node("n", lending_handler({}, no_session="gone"))
+    with pytest.raises(PlacementError) as err:
+        cluster.client([node]).reclaim("n", 0, resume=["gone", "llm"])
+    assert err.value.code == p.ErrorCode.NO_SESSION
+    assert [(type(r), getattr(r, "session", None)) for r in node.received] == [
+        (p.Reclaim, None), (p.ResumeSession, "gone"), (p.ResumeSession, "llm")]
+
+
 # ---------------------------------------------------------------- authentication
 
 
