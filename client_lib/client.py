@@ -59,17 +59,18 @@ _UNMANAGED_HANDSHAKE_S = 0.2
 _BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
+def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (``cpu.max`` of its cgroup under ``cgroup_root``)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(proc_cgroup) as f:
             path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
         if path is not None:
-            with open(os.path.join("/sys/fs/cgroup", path.lstrip("/"), "cpu.max")) as f:
+            with open(os.path.join(cgroup_root, path.lstrip("/"), "cpu.max")) as f:
                 quota, period = f.read().split()[:2]
             if quota != "max" and int(period) > 0:
                 cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -88,6 +89,19 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nodeagent(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Run ``python -m nodeagent ARGS`` from the repository to the end; its output as text."""
+    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
 
 
 @pytest.fixture

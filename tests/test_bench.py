@@ -27,7 +27,8 @@ def test_handoff_bench_reports_latency_against_its_baselines():
     for key in ("handoff_p50_us", "handoff_p99_us", "baseline_rtt_p50_us", "ratio_p50", "pipe_rtt_p50_us",
                 "ratio_pipe_p50", "relay_p50_us", "ratio_relay_pipe_p50"):
         assert r[key] > 0, key
-    assert r["ratio_p50"] == pytest.approx(r["handoff_p50_us"] / r["baseline_rtt_p50_us"], rel=0.01)
+    # The ratio is reported to two places: a true 0.415 is written 0.42 (a clean checkout failed on it).
+    assert r["ratio_p50"] == pytest.approx(r["handoff_p50_us"] / r["baseline_rtt_p50_us"], rel=0.01, abs=0.0051)
     assert r["session_counts"] == [2, 4] and set(r["by_sessions"]) == {"2", "4"}
     assert r["sessions"] == 4 and r["handoff_p50_us"] == r["by_sessions"]["4"]["handoff_p50_us"]  # the last count
     for n, s in r["by_sessions"].items():

@@ -15,11 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from client_lib import Client
 from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
+from tests.conftest import free_port as _free_port
+from tests.conftest import nodeagent
 
-
-def nodeagent(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -66,11 +64,6 @@ def test_auto_backend_says_what_it_picked_and_why(start_daemon):
     d = start_daemon("--backend", "auto")
     assert "backend=cpu" in d.log() and "auto:" in d.log()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_metrics_endpoint_serves_parseable_prometheus_text(start_daemon):

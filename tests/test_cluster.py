@@ -20,15 +20,10 @@ from nodeagent import keys
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
 from tests.test_enforce import assert_stopped, proc_state
+from tests.conftest import free_port
 
 _event_decoder = msgspec.msgpack.Decoder(p.Event)
 
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -20,6 +20,7 @@ from nodeagent.memory import MiB
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
+from tests.conftest import free_port as _free_port
 
 
 def proc_state(pid: int) -> str:
@@ -86,11 +87,6 @@ def test_a_claimed_pid_is_never_signalled(start_daemon, spawn):
         victim.kill()
         victim.wait()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_unverifiable_client_is_revoked_never_signalled(start_daemon, spawn):

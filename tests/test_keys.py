@@ -17,6 +17,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from nodeagent import keys
 from nodeagent.keys import KeysError, KeysExistError
 from tests.conftest import REPO
+from tests.conftest import nodeagent
 
 
 def mode(path: str) -> int:
@@ -226,13 +227,25 @@ def test_allowed_client_gets_a_reply(curve_server):
     sock.close()
 
 
+def _answers_the_allowed_client(server, paths) -> bool:
+    """The control beside each "no reply": the same server answers an allowed client meanwhile,
+    so a silence means a refusal, not a server that answers nobody."""
+    sock = server.client(*keys.load_client(paths.clients["placement"]))
+    try:
+        sock.send(b"control")
+        return server.echo_until(sock, 5000) == b"echo:control"
+    finally:
+        sock.close()
+
+
 def test_client_with_a_key_not_allowed_gets_no_reply(curve_server, tmp_path):
-    server, _ = curve_server
+    server, paths = curve_server
     stranger = keys.generate(str(tmp_path / "other"), clients=["stranger"])
     sock = server.client(*keys.load_client(stranger.clients["stranger"]))
     sock.send(b"let me in")
     # The authenticator denies the handshake: the router never sees the frame, the client never a reply.
     assert server.echo_until(sock, 1500) is None
+    assert _answers_the_allowed_client(server, paths)
     sock.close()
 
 
@@ -243,25 +256,23 @@ def test_client_with_the_wrong_server_key_gets_no_reply(curve_server, tmp_path):
                          server_public=keys.server_public(impostor.keys_dir))
     sock.send(b"hi")
     assert server.echo_until(sock, 1500) is None
+    assert _answers_the_allowed_client(server, paths)
     sock.close()
 
 
 def test_plain_client_without_curve_gets_no_reply(curve_server):
-    server, _ = curve_server
+    server, paths = curve_server
     sock = server.ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(server.endpoint)
     sock.send(b"hi")
     assert server.echo_until(sock, 1500) is None
+    assert _answers_the_allowed_client(server, paths)
     sock.close()
 
 
 # ---------------------------------------------------------------- the command
 
-
-def nodeagent(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
 
 
 def test_cli_generate_prints_what_to_copy_where_and_refuses_a_second_time(tmp_path):

@@ -18,13 +18,10 @@ from client_lib import protocol as p
 from nodeagent.cli import EXIT_ADDRESS_UNUSABLE, EXIT_BAD_SETTING
 from tests.conftest import REPO
 from tests.rawpeer import RawPeer
+from tests.conftest import nodeagent
 
 UNIT = REPO / "systemd" / "nodeagent.service"
 
-
-def nodeagent(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
 
 
 def serve(workdir: str, *flags: str, config: str = "/dev/null") -> subprocess.CompletedProcess:
@@ -148,9 +145,16 @@ def test_bad_value_in_the_config_file_names_the_file_and_key(workdir):
 
 
 def test_a_flag_overrides_a_bad_file_value(workdir, start_daemon):
-    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:  # the Daemon fixture's config file
-        f.write('[memory]\npolicy = "explode"\n')
-    start_daemon("--memory-policy", "warn")
+    from nodeagent.cli import _config_from, build_parser
+    config_path = os.path.join(workdir, "nodeagent.toml")  # the Daemon fixture's config file
+    with open(config_path, "w") as f:
+        f.write('[memory]\npolicy = "explode"\n[scheduler]\ngrace_ms = 7\n')
+    args = build_parser().parse_args(["serve", "--config", config_path, "--memory-policy", "revoke"])
+    config, origins = _config_from(args)
+    assert config.memory_policy == "revoke" and origins.name("memory.policy") == "--memory-policy"
+    assert config.grace_ms == 7 and origins.name("scheduler.grace_ms") == f"scheduler.grace_ms in {config_path}"
+    d = start_daemon("--memory-policy", "warn")  # and a daemon given both starts, on the flag's value
+    assert "explode" not in d.log()
 
 
 def test_unknown_key_in_the_config_file_suggests_the_nearest(workdir):

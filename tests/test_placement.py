@@ -25,15 +25,11 @@ from client_lib.placement import (ClientKeys, NodeTimeoutError, PlacementClient,
                                   load_server_public)
 from nodeagent import keys as node_keys
 from tests.conftest import wait_for
+from tests.conftest import free_port
 
 # A handler maps a request to the replies to send: (delay_s, reply) pairs; [] sends nothing.
 Handler = Callable[[p.Request], list[tuple[float, p.Reply]]]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inventory_handler(name: str) -> Handler:

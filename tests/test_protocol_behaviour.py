@@ -16,6 +16,7 @@ import pytest
 from client_lib import protocol as p
 from tests.conftest import Daemon, wait_for
 from tests.rawpeer import RawPeer
+from tests.conftest import free_port as _free_port
 
 enc = msgspec.msgpack.encode
 
@@ -225,11 +226,6 @@ def test_a_cancel_while_suspended_withdraws_the_kept_request(daemon):
 
 # ------------------------------------------------------------- liveness
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_session_dropped_for_missed_heartbeats_is_told(start_daemon):

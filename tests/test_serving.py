@@ -206,11 +206,14 @@ c.infer("busy", torch.ones(1, 256), timeout=60)
 
 def test_client_killed_mid_infer_leaves_nothing_and_others_are_served(start_daemon, workdir):
     marker = os.path.join(workdir, "busy.pid")
+    release = os.path.join(workdir, "busy.release")
     os.environ["NA_TEST_BUSY_MARKER"] = marker
+    os.environ["NA_TEST_BUSY_RELEASE"] = release
     try:
         d = start_daemon("--ctxpool", "on")
     finally:
         del os.environ["NA_TEST_BUSY_MARKER"]
+        del os.environ["NA_TEST_BUSY_RELEASE"]
     x = torch.ones(1, 256)
     with Client("svc", workload="inference", endpoint=d.endpoint) as c:
         c.register_model("busy", "tests.serving_models:busy", example_input=-x)
@@ -230,6 +233,7 @@ def test_client_killed_mid_infer_leaves_nothing_and_others_are_served(start_daem
         # Served: the dead client's serving session loses the token at its yield
         # deadline, and the standby worker runs this request meanwhile.
         assert torch.equal(c.infer("busy", -x, timeout=60), serving_models.busy()(-x))
+        open(release, "w").close()  # the dead client's request may finish now (a cue, not a timer)
         # Once the dead client's request completes, the daemon unlinks what that
         # client owned: its inputs, and the outputs it will never read.
         wait_for(lambda: not (_shm_names() - before), timeout=60, interval=0.05)

@@ -182,6 +182,13 @@ def test_a_tied_weight_given_under_one_name_is_enough():
     state = module.state_dict()
     del state["head.weight"]  # what a deduplicating exporter writes
     store.check_weights(module, state)
+    # The tie is what makes it enough: the same module untied misses the weight,
+    untied = m.tied()
+    untied.head.weight = torch.nn.Parameter(untied.head.weight.detach().clone())
+    assert "1 missing keys (head.weight)" in str(_error(store.check_weights, untied, state))
+    # and a tied weight given under neither name is missing under both.
+    del state["embed.weight"]
+    assert "2 missing keys" in str(_error(store.check_weights, module, state))
 
 
 # ----------------------------------------------------------- shared memory

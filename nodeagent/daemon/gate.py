@@ -8,9 +8,11 @@ device answers again). Wherever the request comes from, it passes
 blocked by make-room, parked during a restore window, held on a failed device,
 else made to the device's scheduler.
 
-A component: it owns nothing but the order. It reads the suspension state the
-suspension component keeps on each session, and the restorer's and the lost
-devices' tables; it asks ``tokens`` for the token. Requests made again on a
+A component: it owns the order, and a session's wish for the token while it is
+kept (``Session.acquire_pending`` while blocked; the suspension's
+``keep_request``, journalled with it, while suspended): only the gate writes them.
+It reads the suspension state the suspension component keeps on each session,
+and the restorer's and the lost devices' tables; it asks ``tokens`` for the token. Requests made again on a
 session's behalf come as :class:`MayAsk` events on the bus (the restorer, the
 memory policy and the suspension component publish them), so none of those
 components calls this one.
@@ -57,6 +59,14 @@ class TokenGate:
         else:
             self._tokens.request(s.device, s.id, now, waiting_since=since)
         return decision
+
+    def withdraw(self, s: Session) -> None:
+        """``s`` cancelled: a request the gate kept (suspended, blocked), parked (a restore window)
+        or held (a failed device) is forgotten too."""
+        s.acquire_pending = False
+        s.suspension.keep_request = False
+        self._restorer.unpark(s)
+        self._lost.forget(s.id)
 
     def on_may_ask(self, event: MayAsk) -> None:
         """The bus's :class:`MayAsk`: ask again, if the session is still there and on its device."""

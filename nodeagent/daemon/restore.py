@@ -160,6 +160,12 @@ class Restorer:
             parked.append(s.id)
         return True
 
+    def unpark(self, s: Session) -> None:
+        """``s`` withdrew its request (cancel): it is not made when the window closes."""
+        for parked in self._parked.values():
+            if s.id in parked:
+                parked.remove(s.id)
+
     def forget(self, s: Session, now: float) -> None:
         """``s`` ended: it is parked no more, and the window waits for it no longer."""
         for parked in self._parked.values():

@@ -423,7 +423,7 @@ class AgentServer:
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
             self._open_wake_channel(resumed, one_hop_capable(msg))
-            self._welcome(route, msg.id, resumed, resumed=True)
+            self._welcome(route, msg.id, resumed, resumed=True, minor=msg.protocol[1])
             self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
@@ -506,7 +506,8 @@ class AgentServer:
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
         return session
 
-    def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool) -> None:
+    def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool, minor: int = 0) -> None:
+        """``minor``: the client's protocol minor; fields it cannot know (``suspended`` before 2.3) stay unset."""
         policy = self._tokens.policy(s.device)
         env = self._mps.client_env(s.id, s.device, uncapped=self._tokens.corun(s.device))
         if env and s.workload is not Workload.INFERENCE:
@@ -524,7 +525,7 @@ class AgentServer:
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or "",
             pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else "",
-            suspended=resumed and s.suspension.active))
+            suspended=resumed and s.suspension.active and minor >= 3))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -592,8 +593,7 @@ class AgentServer:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
-        self._lost_devices.forget(s.id)  # a request held on a lost device goes too
-        s.acquire_pending = False  # and one kept for an unblock or a resume
+        self._gate.withdraw(s)  # a request kept for an unblock or a resume, or held on a lost device, goes too
         self._send(route, p.Ok(id=msg.id))
         self._tokens.cancel_session(s, now)
 
