@@ -66,3 +66,53 @@ def test_no_component_constructor_takes_more_than_8_collaborators():
                     if count > MAX_COLLABORATORS:
                         too_many.append(f"{path.name}:{node.name} ({count})")
     assert not too_many, f"constructors over {MAX_COLLABORATORS} parameters: {too_many}"
+
+
+# Who writes each field of a Session after it is built (sessions.Session): its owner alone.
+# A session restored from the journal is built by restore.py, which sets what the record kept.
+SESSION_FIELD_OWNERS = {
+    "grant": {"tokens.py"}, "granted_at": {"tokens.py"}, "grants": {"tokens.py"}, "wait_started": {"tokens.py"},
+    "stopped": {"tokens.py"},
+    "last_seen": {"sessions.py"}, "pidfd": {"sessions.py"}, "route": {"sessions.py"},
+    "managed_cgroup": {"sessions.py", "restore.py"}, "managed_pidfd": {"sessions.py", "restore.py"},
+    "managed_pgid": {"restore.py"},
+    "blocked_by": {"gate.py"}, "acquire_pending": {"gate.py"},
+    "suspension": {"restore.py"}, "suspend_waiters": {"suspension.py"},
+    "memory_used_bytes": {"memory.py"}, "over_memory": {"memory_watch.py"},
+    "wake": {"one_hop.py"}, "one_hop": {"server.py"},
+}
+# Names that hold something else with a field of the same name (serving's queues have a grant).
+NOT_SESSIONS = {("serving.py", "q")}
+_CHANGING_CALLS = {"add", "discard", "update", "clear", "append", "remove", "pop", "extend", "insert"}
+
+
+def _session_field_writes(tree: ast.AST, file: str = ""):
+    """(field, line) for each assignment to ``<x>.<field>`` and each changing call on one."""
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _CHANGING_CALLS and isinstance(node.func.value, ast.Attribute)):
+            targets = [node.func.value]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in SESSION_FIELD_OWNERS and not (
+                    isinstance(t.value, ast.Name) and (t.value.id == "self" or (file, t.value.id) in NOT_SESSIONS)):
+                yield t.attr, node.lineno
+
+
+def test_each_session_field_is_written_by_its_owner_only():
+    offenders = []
+    for path in sorted(DAEMON.glob("*.py")):
+        for field_name, line in _session_field_writes(ast.parse(path.read_text()), path.name):
+            if path.name not in SESSION_FIELD_OWNERS[field_name]:
+                offenders.append(f"{path.name}:{line} writes Session.{field_name}")
+    assert not offenders, "a component writes another's state: " + ", ".join(offenders)
+
+
+def test_the_field_check_sees_a_write_where_one_is():
+    """Not vacuous: a write of each kind, in code, is found."""
+    tree = ast.parse("s.grant = 1\ns.blocked_by.add(x)\na, s.stopped = 1, 2\ns.grants += 1\nself.grant = 2\n")
+    assert sorted(f for f, _ in _session_field_writes(tree)) == ["blocked_by", "grant", "grants", "stopped"]

@@ -1,7 +1,7 @@
 """The memory policy component stepped by hand: no server, no sockets, no clock of
-its own. Real schedulers and a real session table; the actions it takes (send,
-apply, stop, publish) are recorded. What a reader learns from its constructor is
-all it touches."""
+its own. Real schedulers, a real session table and the real token gate (token
+requests pass it, as the server's do); the actions it takes (send, apply, stop,
+publish) are recorded. What a reader learns from its constructor is all it touches."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading,
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
-from nodeagent.daemon.bus import Bus, LoopHandle, Published
+from nodeagent.daemon.bus import Bus, LoopHandle, MayAsk, Published
+from nodeagent.daemon.gate import TokenGate
+from sharing.suspension import Suspension
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from tests.conftest import wait_for
 from tests.daemon_parts import FakeDevices
@@ -77,6 +79,16 @@ class RecordingTokens:
         self.h.slices_ended.append(s.id)
 
 
+class NoRestore:
+    """No restart's restore window: what the gate asks of the restorer."""
+
+    def restoring(self, device: int) -> bool:
+        return False
+
+    def park(self, s: Session) -> None:
+        raise AssertionError("nothing is parked outside a restore window")
+
+
 class Harness:
     """A :class:`MemoryPolicy` over two devices, with every collaborator recorded."""
 
@@ -107,6 +119,12 @@ class Harness:
             config=self.config, devices=devices, loop=LoopHandle(None, {}, lambda: self.now, self.wakes.set),
             sessions=self.sessions, tokens=self.tokens, metrics=self.metrics,
             send=lambda route, msg: self.sent.append((route, msg)), bus=bus)
+        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices, restorer=NoRestore())
+        bus.subscribe(MayAsk, self.gate.on_may_ask)
+
+    def ask(self, sid: str, now: float) -> None:
+        """``sid`` asks for the token (an acquire): through the gate, as the server sends it."""
+        self.gate.ask(self.sessions[sid], now)
 
     def _stop(self, s: Session) -> bool:
         self.stopped.append(s.id)
@@ -154,10 +172,10 @@ def harness():
 def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order_when_back(harness):
     h = harness()
     holder, first, second, elsewhere = h.add("s-hold"), h.add("s-first"), h.add("s-second"), h.add("s-other", 1)
-    h.policy.request_token("s-hold", 0, 0.0)
+    h.ask("s-hold", 0.0)
     first.wait_started, second.wait_started = 1.0, 2.0
-    h.policy.request_token("s-first", 0, 1.0)
-    h.policy.request_token("s-second", 0, 2.0)
+    h.ask("s-first", 1.0)
+    h.ask("s-second", 2.0)
     assert h.grants() == [("s-hold", 0.0)] and holder.grant is not None
 
     h.policy.on_readings([DeviceLost(0, "GPU is lost")], 3.0)
@@ -171,11 +189,12 @@ def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order
     assert all(m.code == p.ErrorCode.DEVICE and "device 0 has failed (GPU is lost)" in m.message
                for m in told.values())
 
-    h.policy.request_token("s-hold", 0, 4.0)  # asks again while the device is lost: held
+    h.ask("s-hold", 4.0)  # asks again while the device is lost: held
     assert h.grants() == [("s-hold", 0.0)]
-    h.policy.request_token("s-other", 1, 4.0)  # the other device is not affected
+    h.ask("s-other", 4.0)  # the other device is not affected
     assert h.grants()[-1] == ("s-other", 0.0)
-    first.suspend_state = "requested"  # suspended meanwhile: it asks again once resumed
+    first.suspension = Suspension()
+    first.suspension.request(4.5, 1000.0, "requested", waiting=False)  # suspended meanwhile: it asks again once resumed
 
     h.now = 5.0
     h.policy.on_readings([DeviceBack(0)], 5.0)
@@ -190,7 +209,7 @@ def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order
 def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, stop_works, action):
     h = harness(policy=policy, stop_works=stop_works)
     s = h.add("s-big", memory_mb=100, pid=os.getpid())
-    h.policy.request_token("s-big", 0, 0.0)
+    h.ask("s-big", 0.0)
     over = [DeviceReading(0, [ProcessUse(os.getpid(), (), os.getpid(), 300 * MiB)])]
     h.policy.on_readings(over, 1.0)
     h.policy.on_readings(over, 2.0)  # still over: flagged once, not at every reading

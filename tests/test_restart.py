@@ -161,7 +161,7 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from prometheus_client import CollectorRegistry
 
     from nodeagent.config import ServeConfig
-    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.bus import Bus, MayAsk
     from nodeagent.journal import Journal, SessionRecord
     from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
@@ -201,15 +201,18 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
         sessions.add(s)
 
-    def request_token(sid, device, now, waiting_since=None):
-        requested.append((sid, waiting_since))
-        grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
+    def may_ask(event: MayAsk) -> None:
+        """The token gate's part: what the restorer held back is asked for (here, straight away)."""
+        requested.append((event.session, event.since))
+        device = sessions[event.session].device
+        grants.extend((a.session, a.grant) for a in schedulers[device].request(event.session, event.now, event.since)
                       if type(a) is Grant)
 
-    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), Bus()),
+    bus = Bus()
+    bus.subscribe(MayAsk, may_ask)
+    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), bus),
                         sessions=sessions, tokens=RenewingTokens(), mps=NoMps(),
-                        capacities_mb=[1 << 20, 1 << 20],
-                        add_session=add_session, request_token=request_token)
+                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, bus=bus)
     try:
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]

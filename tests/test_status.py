@@ -49,8 +49,7 @@ def _server(workdir: str, idle_sessions: int) -> tuple[AgentServer, RecordingLoc
 def _add(server: AgentServer, sid: str, route, now: float) -> Session:
     s = Session(id=sid, key="k", route=route, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
                 uid=0, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=now, last_seen=now)
-    server._sessions.add(s)
-    server._schedulers[0].add_session(s.id, s.workload, s.weight, now)
+    server._add_session(s, now)
     return s
 
 
@@ -58,8 +57,8 @@ def test_a_handoff_is_served_between_the_chunks_of_a_big_status(workdir):
     server, local = _server(workdir, idle_sessions=1000)
     now = time.monotonic()
     a, b = _add(server, "a", "route-a", now), _add(server, "b", "route-b", now)
-    server._memory_policy.request_token("a", 0, now)
-    server._memory_policy.request_token("b", 0, now)
+    server._gate.ask(a, now)
+    server._gate.ask(b, now)
     [grant_a] = local.of("route-a")
     assert isinstance(grant_a, p.Grant) and b.grant is None
 

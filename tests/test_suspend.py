@@ -214,8 +214,8 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         def state(self, device, sid):
             return scheduler.state(sid)
 
-        def cancel(self, device, sid, now):
-            scheduler.cancel(sid, now)
+        def leave_line(self, victim, now):
+            scheduler.cancel(victim.id, now)
 
         def end_slice(self, victim, now):
             pass

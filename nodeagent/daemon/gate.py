@@ -9,7 +9,7 @@ blocked by make-room, parked during a restore window, held on a failed device,
 else made to the device's scheduler.
 
 A component: it owns the order, and a session's wish for the token while it is
-kept (``Session.acquire_pending`` while blocked; the suspension's
+kept (``Session.blocked_by`` and ``acquire_pending`` while blocked; the suspension's
 ``keep_request``, journalled with it, while suspended): only the gate writes them.
 It reads the suspension state the suspension component keeps on each session,
 and the restorer's and the lost devices' tables; it asks ``tokens`` for the token. Requests made again on a
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from nodeagent.daemon.bus import DeviceFacts, MayAsk
+from nodeagent.daemon.bus import DeviceFacts, MayAsk, SuspendFinished
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
 from sharing.suspension import Gate, token_gate
@@ -67,6 +67,22 @@ class TokenGate:
         s.suspension.keep_request = False
         self._restorer.unpark(s)
         self._lost.forget(s.id)
+
+    def block(self, s: Session, victims) -> None:
+        """``s`` (just admitted by make-room) may not ask for the token until each of ``victims``
+        is off the device: their suspensions end first (:meth:`on_suspend_finished`)."""
+        s.blocked_by.update(victim.id for victim in victims)
+
+    def on_suspend_finished(self, event: SuspendFinished) -> None:
+        """The bus's :class:`SuspendFinished`: the session is off the device (or gone), so
+        sessions it blocked that no one else blocks ask for the token they asked for meanwhile."""
+        victim = event.session
+        for s in list(self._sessions.values()):
+            if victim.id in s.blocked_by:
+                s.blocked_by.discard(victim.id)
+                if not s.blocked_by and s.acquire_pending:
+                    s.acquire_pending = False
+                    self.on_may_ask(MayAsk(s.id, event.now, s.wait_started))
 
     def on_may_ask(self, event: MayAsk) -> None:
         """The bus's :class:`MayAsk`: ask again, if the session is still there and on its device."""

@@ -12,11 +12,12 @@ owns its tree (:func:`nodeagent.memory.owners`).
 
 A component, :class:`MemoryPolicy`: it owns the watcher thread and the queue of
 its readings, and is given what it may touch in its constructor: the sessions,
-the schedulers, the shared :class:`LostDevices` table, metrics, and the actions
-it takes (stop a process, end a slice, carry out scheduler actions, send, publish
-an event, tell serving a device is lost). Every token request of a client session
-goes through :meth:`MemoryPolicy.request_token`, which holds it while its device
-is lost.
+the tokens component (revoke, stop, end a slice), the shared :class:`LostDevices`
+table, metrics, a way to send, and the bus (health events, :class:`DeviceLost`
+for serving, :class:`MayAsk` for the requests held while a device was lost). The
+token gate (:mod:`nodeagent.daemon.gate`) holds a request made while its device
+is lost in that table; when the device answers again this component asks for
+them again, first come first, through the gate.
 """
 
 from __future__ import annotations

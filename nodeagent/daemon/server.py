@@ -173,7 +173,8 @@ class AgentServer:
                                     refusal=self._cluster.admission_refusal, workers_share=self._serving.workers_share)
         # Who hears what.
         bus.subscribe(Published, self._cluster.on_published)
-        bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)
+        bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
+        bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
         bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
@@ -476,8 +477,8 @@ class AgentServer:
         self._welcome(route, msg.id, session, resumed=False)
         self._bus.event("session_join", device, session.id, name=session.name, workload=msg.workload,
                     borrower=msg.borrower)
-        for victim in victims:  # it may run once their state has left the device
-            session.blocked_by.add(victim.id)
+        self._gate.block(session, victims)  # it may run once their state has left the device
+        for victim in victims:
             self._suspensions.begin(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
 
     def _add_session(self, session: Session, now: float) -> None:
@@ -502,7 +503,7 @@ class AgentServer:
         if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
             return None
         self._sessions.attach(session, route)
-        session.last_seen = now
+        self._sessions.touch(session, now)
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
         return session
 
@@ -543,7 +544,7 @@ class AgentServer:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
                         f"session {msg.session} is alive, but that is not its key; send the key its welcome carried")
             return
-        session.last_seen = now
+        self._sessions.touch(session, now)
         self._send(route, p.HeartbeatAck(id=msg.id, boot=self.boot, durable=self._journal_writer.durable(session.id)))
 
     def _session_for(self, route: bytes, request_id: int, now: float) -> Session | None:
@@ -552,7 +553,7 @@ class AgentServer:
             self._error(route, request_id, p.ErrorCode.NO_SESSION,
                         "this connection has no session; send hello first")
             return None
-        session.last_seen = now
+        self._sessions.touch(session, now)
         return session
 
     def _on_acquire(self, route: bytes, msg: p.Acquire, frame, now: float) -> None:
@@ -563,8 +564,8 @@ class AgentServer:
             self._send(route, p.Ok(id=msg.id))
         if self._tokens.one_hop.acquire_early(s):  # asks again after an early release: requeued at its grant
             return
-        if s.grant is None and s.wait_started is None and not s.suspension.active:
-            s.wait_started = now
+        if not s.suspension.active:
+            self._tokens.time_wait(s, now)
         self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
 
     def _on_release(self, route: bytes, msg: p.Release, frame, now: float) -> None:
@@ -720,8 +721,7 @@ class AgentServer:
         elif s.managed_pidfd is not None:
             # The launcher lives (bye, a lost connection) and may have stopped its
             # program rather than us: continue it whatever the reason (harmless if running).
-            s.stopped = True
-            self._tokens.cont(s)
+            self._tokens.cont(s, anyway=True)
         elif s.stopped and reason != "process_exited":
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)

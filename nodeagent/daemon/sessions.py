@@ -130,6 +130,11 @@ class SessionTable:
 
     # ------------------------------------------------------------ changing
 
+    def touch(self, session: Session, now: float) -> None:
+        """``session`` was heard from (or could not be: it was stopped until now): its
+        heartbeat timeout counts from ``now``."""
+        session.last_seen = now
+
     def add(self, session: Session) -> None:
         """Take ``session`` in; a verified one gets a pidfd for its process, watched from now on."""
         self._by_id[session.id] = session

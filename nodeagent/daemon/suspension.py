@@ -201,21 +201,20 @@ class Suspensions:
                 else:
                     self._send(s.route, p.ResumeNotice())
             elif kind is LeaveLine:
-                self._tokens.cancel(s.device, s.id, now)
-                s.wait_started = None
+                self._tokens.leave_line(s, now)
             elif kind is StopProcess:
                 if not self._tokens.stop(s):  # unverifiable (or gone): it was not stopped after all
                     self._carry_out(s, s.suspension.not_stopped(now), now)
                     return
             elif kind is ContinueProcess:
                 self._tokens.cont(s)
-                s.last_seen = now
+                self._sessions.touch(s, now)  # it could not heartbeat while stopped
             elif kind is TakeToken:
                 if s.grant is not None:  # it should have released; make sure the device is free
                     self._tokens.end_slice(s, now)
                     self._tokens.revoke(s.device, s.id, now, action.reason)
             elif kind is AskToken:
-                s.wait_started = now
+                self._tokens.time_wait(s, now, again=True)
                 self._bus.publish(MayAsk(s.id, now))
             elif kind is Report:
                 self._report(s, action.outcome, action.elapsed_ms, now, suspend_ms)
@@ -231,16 +230,6 @@ class Suspensions:
                                               bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
         s.suspend_waiters.clear()
         self._metrics.suspends.labels(outcome).inc()
-        self._unblock(s, now)
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
         self._bus.publish(SuspendFinished(s, outcome, elapsed_ms, now))  # events, a reclaim waiting on it
-
-    def _unblock(self, victim: Session, now: float) -> None:
-        """``victim`` is off the device (or gone): sessions waiting on it may ask for the token."""
-        for s in list(self._sessions.values()):
-            if victim.id in s.blocked_by:
-                s.blocked_by.discard(victim.id)
-                if not s.blocked_by and s.acquire_pending:
-                    s.acquire_pending = False
-                    self._bus.publish(MayAsk(s.id, now, s.wait_started))

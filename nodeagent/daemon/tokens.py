@@ -107,6 +107,18 @@ class Tokens:
     def cancel(self, device: int, sid: str, now: float) -> None:
         self.apply(self.schedulers[device].cancel(sid, now), now)
 
+    def leave_line(self, s: Session, now: float) -> None:
+        """Client session ``s`` stops waiting because the daemon says so (it is being suspended):
+        its request goes and its wait is no longer timed; a resume asks again (:meth:`time_wait`)."""
+        self.cancel(s.device, s.id, now)
+        s.wait_started = None
+
+    def time_wait(self, s: Session, now: float, *, again: bool = False) -> None:
+        """``s`` asked for the token: its wait (``nodeagent_token_wait_seconds``) is timed from
+        ``now``, unless it holds or is timed already; ``again``: from ``now`` whatever came before."""
+        if again or (s.grant is None and s.wait_started is None):
+            s.wait_started = now
+
     def release(self, device: int, sid: str, grant: int, now: float, requeue: bool = False) -> None:
         """``sid`` gives ``grant`` back; NotHolderError (nothing changed) if it does not hold it."""
         self.apply(self.schedulers[device].release(sid, grant, now, requeue=requeue), now, handoff_from=now)
@@ -224,7 +236,7 @@ class Tokens:
                 if was_stopped:  # its turn again: it runs before it hears it may
                     enforce.send(s, signal.SIGCONT)
                     s.stopped = False
-                    s.last_seen = now  # it could not heartbeat while stopped
+                    self._sessions.touch(s, now)  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self.pacing.granted(s)
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
@@ -299,13 +311,15 @@ class Tokens:
         s.stopped = True
         return True
 
-    def cont(self, s: Session) -> bool:
-        """SIGCONT a session the daemon stopped. Never leaves a process stopped it can reach."""
-        if not s.stopped:
+    def cont(self, s: Session, *, anyway: bool = False) -> bool:
+        """SIGCONT a session the daemon stopped. Never leaves a process stopped it can reach.
+        ``anyway``: continue it even if the daemon did not stop it (a launched program, which
+        its launcher may have stopped)."""
+        if not (s.stopped or anyway):
             return False
         sent = enforce.send(s, signal.SIGCONT)
-        s.stopped = False
-        if s.id in self._sessions:
+        was_stopped, s.stopped = s.stopped, False
+        if was_stopped and s.id in self._sessions:
             self._journal(lambda j: j.set_stopped(s.id, False), session=s.id)
         return sent
 
