@@ -27,14 +27,14 @@ def capacity_mb(info: DeviceInfo, reserve_mb: int) -> int:
 def declared_mb(sessions: Iterable[Session], device: int) -> int:
     """Declarations on ``device``, less those of sessions suspended or being
     suspended (their state is, or is about to be, in host memory)."""
-    return sum(s.memory_mb for s in sessions if s.device == device and s.suspend_state is None)
+    return sum(s.memory_mb for s in sessions if s.device == device and not s.suspension.active)
 
 
 def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int) -> list[Session] | None:
     """Sessions of a lower class than ``workload`` on ``device`` whose suspension
     frees ``need_mb``: lowest class first, then the largest declarations. None if
     suspending all of them would not be enough."""
-    candidates = sorted((s for s in sessions if s.device == device and s.suspend_state is None
+    candidates = sorted((s for s in sessions if s.device == device and not s.suspension.active
                          and s.workload > workload and s.memory_mb > 0),
                         key=lambda s: (-s.workload, -s.memory_mb, s.id))
     chosen, freed = [], 0
@@ -123,7 +123,7 @@ def class_cap_problem(info: DeviceInfo, reserve_mb: int, sessions: Iterable[Sess
         return None
     cap_mb = int(capacity_mb(info, reserve_mb) * cap_percent / 100)
     ours = sum(s.memory_mb for s in sessions
-               if s.device == info.index and s.workload == workload and s.suspend_state is None)
+               if s.device == info.index and s.workload == workload and not s.suspension.active)
     if ours + want_mb <= cap_mb:
         return None
     return (f"device {info.index}: {workload.wire} sessions may declare at most {cap_mb} MiB "

@@ -57,7 +57,7 @@ def endpoint():
     class ScriptedSuspensions:
         def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
             rec.suspends.append((s.id, deadline_ms, reason))
-            s.suspend_state = "requested"
+            s.suspension.request(now, deadline_ms, reason, waiting=False)  # what the real one's machine does first
 
         def under_way(self, s: Session) -> bool:
             return any(s.id == sid for sid, _, _ in rec.suspends)

@@ -55,6 +55,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.authz import Act, peer_of, refusal
 from nodeagent.daemon.bus import DeviceFacts, LoopHandle, Published, ServerView, SuspendFinished
 from nodeagent.daemon.tokens import Tokens
+from sharing.suspension import SuspendState
 from sharing import (
     DeviceLifecycle,
     DeviceState,
@@ -538,11 +539,12 @@ class ClusterEndpoint:
         self._reclaims[device] = pending
         for s in [s for s in self._sessions.values() if s.device == device and s.borrower == pending.borrower
                   and s.workload is not Workload.INFERENCE]:
-            if s.suspend_state in ("suspended", "stopped"):
-                pending.outcomes[s.id] = s.suspend_state
-            elif s.suspend_state == "requested" and self._suspending(s):
+            state = s.suspension.state
+            if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
+                pending.outcomes[s.id] = state.wire
+            elif state is SuspendState.REQUESTED and self._suspending(s):
                 pending.outcomes[s.id] = None  # under way already: suspend_finished reports it
-            elif s.suspend_state == "requested":  # missed an earlier deadline unstopped
+            elif state is SuspendState.REQUESTED:  # missed an earlier deadline unstopped
                 self._take_token(s, now)
                 pending.outcomes[s.id] = "timeout"
             else:

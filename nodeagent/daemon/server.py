@@ -573,7 +573,7 @@ class AgentServer:
         if s is None:
             return
         # Suspending or suspended: a requeue is kept for the resume, as an acquire would be.
-        requeue = msg.requeue and s.suspend_state is None
+        requeue = msg.requeue and not s.suspension.active
         try:
             self._tokens.release_session(s, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
