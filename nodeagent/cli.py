@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a session using more device memory than it declared (default: warn)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
     serve.add_argument("--ctxpool", choices=["auto", "on", "off"],
-                       help="warm worker processes for server-side inference: auto starts them when torch "
-                            "is importable (default: auto)")
+                       help="warm worker processes for server-side inference (they hold device memory: "
+                            "contexts, pools, resident models); auto starts them where torch is importable "
+                            "(default: off)")
 
     sub.add_parser("config-example", help="print a commented config file with the defaults",
                    description="Print a commented nodeagent.toml holding every setting and its default.")
