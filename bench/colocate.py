@@ -607,7 +607,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     modes = "\n".join(f"  {m.name:<17} {m.what}" + (" (cuda only)" if m.cuda_only else "") for m in MODES.values())
     ap = _Parser(
-        prog="python -m bench.colocate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m bench.colocate", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[2],
         epilog=f"modes (alone always runs: every rate and ratio comes from it):\n{modes}\n\n"
                "defaults on cuda: " + _defaults_text("cuda") + "\ndefaults on cpu: " + _defaults_text("cpu") +

@@ -388,7 +388,7 @@ def parser(prog: str, description: str, epilog: str = "", endpoint_help: str = _
     """An argument parser with the options every benchmark has (``endpoint_help``:
     what NODEAGENT_ENDPOINT does to this one)."""
     ap = argparse.ArgumentParser(
-        prog=f"python -m bench.{prog}", description=description,
+        prog=f"python -m bench.{prog}", description=description, allow_abbrev=False,
         epilog=(epilog + "\n\n" if epilog else "") + "environment:\n  NODEAGENT_ENDPOINT  " + endpoint_help,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true",

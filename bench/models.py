@@ -283,7 +283,7 @@ def checksum(output) -> float:
 
 
 def _cold(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.models cold")
+    ap = argparse.ArgumentParser(prog="python -m bench.models cold", allow_abbrev=False)
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", required=True)
     ap.add_argument("--device", default="cpu")

@@ -527,7 +527,7 @@ def ask(path: str, request: dict, timeout: float = 60.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=os.path.join(tempfile.gettempdir(), f"llm-server-{os.getuid()}.sock"),
                     help="unix socket to serve on (default: %(default)s)")

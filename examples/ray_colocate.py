@@ -837,7 +837,7 @@ def supervise(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--workdir", help="run directory (default: a new one under /tmp, removed at the end)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory and its logs")

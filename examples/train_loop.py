@@ -31,7 +31,7 @@ from client_lib.torch import Yielder
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--device", default="auto", help="cuda, cpu, or auto: cuda when there is one")
     ap.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")

@@ -107,8 +107,18 @@ def _quantum(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"quantum for {name!r} is not a number: {value!r}") from None
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser that takes no abbreviations, and makes its subcommands' parsers
+    the same: ``--quantum training=100`` must not pass for ``--quantum-ms``, nor a typo for
+    whichever flag it happens to prefix."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nodeagent",
         description="Per-node GPU sharing daemon: processes take turns holding each device's "
                     "token in time slices; inference outranks training; weighted fair shares.",
@@ -154,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a session using more device memory than it declared (default: warn)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
     serve.add_argument("--ctxpool", choices=["auto", "on", "off"],
-                       help="warm worker processes for server-side inference: auto starts them when torch "
-                            "is importable (default: auto)")
+                       help="warm worker processes for server-side inference (they hold device memory: "
+                            "contexts, pools, resident models); auto starts them where torch is importable "
+                            "(default: off)")
 
     sub.add_parser("config-example", help="print a commented config file with the defaults",
                    description="Print a commented nodeagent.toml holding every setting and its default.")

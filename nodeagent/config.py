@@ -92,7 +92,8 @@ control_binary = "nvidia-cuda-mps-control"
 min_percent = 5             # smallest SM share a partition may give a session
 
 [ctxpool]
-enabled = "auto"            # auto: warm workers when torch is importable | on | off
+enabled = "off"             # warm workers for server-side models (they hold device memory): off | on |
+                            # auto (on where torch is importable by the daemon)
 workers_per_device = 2      # one active, the rest on standby with warm contexts
 pool_mb = 0                 # device memory each worker reserves in its allocator at start
 resident_mb = "auto"        # device memory each worker may keep models resident in (LRU), held in admission;
@@ -224,7 +225,7 @@ class ServeConfig:
     mps_devices: list[int] | str = "auto"  # indices, or "auto" (see mps_devices_for)
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_min_percent: int = 5
-    ctxpool_enabled: str = "auto"  # auto | on | off
+    ctxpool_enabled: str = "off"  # off | on | auto (on where torch is importable); opt-in: workers hold memory
     ctxpool_workers_per_device: int = 2
     ctxpool_pool_mb: int = 0
     ctxpool_resident_mb: int | str = "auto"  # "auto" (memory.auto_resident_mb) | MiB per worker | 0: no bound

@@ -40,6 +40,11 @@ DEVICE_STATES = tuple(s.value for s in DeviceState)
 YIELD_REASONS = ("preempted", "quantum")
 ENFORCEMENT_KINDS = ("stop", "revoke")
 SUSPEND_OUTCOMES = ("suspended", "stopped", "timeout", "gone", "cancelled")
+# Why a session was dropped without a bye (nodeagent.daemon.server: _drop's reasons).
+SESSION_LOST_REASONS = ("process_exited", "disconnected", "not_reading", "bad_frame", "heartbeat")
+# Where the loop contains a bug (nodeagent.daemon.server._contain, the endpoints' dispatch).
+INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "one-hop",
+                         "pace", "status")
 
 
 class MetricDoc(NamedTuple):
@@ -195,6 +200,10 @@ class Metrics:
             self.enforcements.labels(kind)
         for outcome in SUSPEND_OUTCOMES:
             self.suspends.labels(outcome)
+        for reason in SESSION_LOST_REASONS:
+            self.sessions_lost.labels(reason)
+        for where in INTERNAL_ERROR_PLACES:
+            self.internal_errors.labels(where)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
@@ -213,17 +222,20 @@ class Metrics:
         return list(self._docs)
 
     def watch(self, device_count: int, devices: Callable[[], Iterable[DeviceRow]],
-              sessions: Callable[[], Iterable[SessionRow]]) -> None:
+              sessions: Callable[[], Iterable[SessionRow]], memory_policy: str = "warn") -> None:
         """Expose the state gauges from ``devices`` and ``sessions`` at scrape time, and
-        start each device's counters at 0."""
+        start each device's counters and histograms at 0 (memory violations under the
+        ``memory_policy`` in force: the only one this daemon can count)."""
         self.registry.register(_StateCollector(devices, sessions))
         for device in map(str, range(device_count)):
             self.lends.labels(device)
             self.reclaims.labels(device)
+            self.memory_violations.labels(device, memory_policy)
             for reason in YIELD_REASONS:
                 self.yield_requests.labels(device, reason)
             for workload in WORKLOADS:
                 self.slice_seconds.labels(device, workload)
+                self.token_wait.labels(device, workload)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1"):
         server, thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -35,7 +35,7 @@ def work_unit(blob: bytes, rounds: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("mode", choices=["loop", "hold", "stubborn", "spoof"])
     ap.add_argument("--claim-pid", type=int, help="spoof: the pid to claim in hello")
     ap.add_argument("--memory-mb", type=int, default=0, help="device memory the session declares")

@@ -139,6 +139,45 @@ def test_under_journald_log_lines_carry_syslog_priorities(workdir):
     assert "<6>nodeagent.server [serve] listening" in err
 
 
+def test_serve_starts_no_warm_workers_unless_asked(workdir):
+    """Warm workers hold contexts, pools and up to half of each device for server-side models;
+    a daemon whose users never register one must not start them unasked (issue 24), root or not.
+    The log says they are off and how to turn them on."""
+    import os
+    import signal
+    endpoint = f"ipc://{workdir}/w.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--config", "/dev/null",
+                             "--endpoint", endpoint, "--state-dir", workdir],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for(lambda: _answers(endpoint), timeout=30)
+        spawned = [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _parent(pid) == proc.pid]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert not spawned, f"the daemon started {len(spawned)} processes unasked:\n{err}"
+    assert "[ctxpool] off: ctxpool.enabled = off (the default; --ctxpool on starts them)" in err, err
+
+
+def _answers(endpoint: str) -> bool:
+    from client_lib import query_status
+    try:
+        query_status(endpoint, timeout=0.2)
+        return True
+    except Exception:
+        return False
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
 def test_status_prints_no_control_characters_from_a_peers_name():
     """Defence in depth (the daemon refuses such names at hello): a name from an older
     journal or another daemon must not drive the terminal of whoever runs status."""

@@ -257,3 +257,30 @@ def test_every_dashboard_expression_names_a_metric_the_daemon_exports(start_daem
         names = metric_names(expr)
         assert names, f"no metric in {expr!r}"
         assert names <= exported, f"{sorted(names - exported)} in {expr!r} is not exported by the daemon"
+
+
+def test_every_series_the_dashboard_reads_has_a_sample_on_a_fresh_daemon(start_daemon):
+    """A healthy node that has seen nothing yet: every panel has a series to show (at 0),
+    not "No data". A labelled metric with no sample is exported as its HELP line alone."""
+    d = start_daemon("--metrics-port", "0")
+    _, families = scrape(metrics_url(d))
+    sampled = {s.name for f in families.values() for s in f.samples}
+    read = set().union(*map(metric_names, dashboard_queries(json.loads(DASHBOARD.read_text()))))
+    assert not read - sampled, f"no sample on a fresh daemon for {sorted(read - sampled)}: start them at 0"
+
+
+def test_the_label_values_started_at_0_are_those_the_daemon_uses():
+    """The places and reasons started at 0 are read off the daemon's code, so that a new one
+    added there without being added to nodeagent/metrics.py fails here, not on a dashboard."""
+    from nodeagent import metrics
+
+    daemon = REPO / "nodeagent" / "daemon"
+    code = "\n".join(path.read_text() for path in daemon.glob("*.py"))
+    places = set(re.findall(r'_contain\("([\w-]+)"', code)) | set(
+        re.findall(r'internal_errors\.labels\("([\w-]+)"\)', code)) | set(
+        re.findall(r'_dispatch\([^)]*?"([\w-]+)",', code))
+    assert places and places <= set(metrics.INTERNAL_ERROR_PLACES), sorted(places - set(metrics.INTERNAL_ERROR_PLACES))
+    local = set(re.findall(r'self\._drop\(peer, "(\w+)"', (daemon / "local.py").read_text())) - {"closed", "shutdown"}
+    server = set(re.findall(r'self\._drop\(\w+, "(\w+)"', (daemon / "server.py").read_text())) - {"bye"}
+    reasons = local | server | {"process_exited", "disconnected"}  # what a closed connection becomes
+    assert reasons == set(metrics.SESSION_LOST_REASONS), (sorted(reasons), metrics.SESSION_LOST_REASONS)

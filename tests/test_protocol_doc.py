@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import socket
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -330,3 +332,57 @@ def test_the_checker_sees_what_it_checks():
     assert shapes[("daemon", "welcome")].fields["cuda_ordinal"] == ("int | nil", "`nil`")
     assert ("daemon", "drain") in shapes and ("request", "drain") in shapes  # one op, both directions
     assert "E_PARTITION" in code_errors()
+
+
+# ------------------------------------------------------- the framing example, on the wire
+
+_HEX_LINE = re.compile(r"^\s*((?:[0-9a-f]{2}\s+)*[0-9a-f]{2})\s*$")
+
+
+def framing_example(text: str) -> tuple[bytes, int, int]:
+    """The bytes of the example under "## Framing", as written (header and body), and the
+    lengths its caption states: (bytes, the N it names, the body bytes it says it counts)."""
+    section = text[text.index("## Framing"):]
+    section = section[:section.index("\n## ", 1)]
+    block = section[section.index("```") + 3:]
+    block = block[block.index("\n") + 1:block.index("```")]
+    lines = block.splitlines()
+    hex_line = next(line for line in lines if _HEX_LINE.match(line))
+    caption = "\n".join(lines[lines.index(hex_line) + 1:])
+    n_said = re.search(r"N = (\d+)", caption)
+    body_said = re.search(r"(\d+) bytes", caption)
+    assert n_said and body_said, f"docs/protocol.md: the framing example's caption names no N or byte count: {caption!r}"
+    return bytes.fromhex(hex_line), int(n_said[1]), int(body_said[1])
+
+
+def test_the_framing_example_is_what_a_daemon_answers_byte_for_byte(text, start_daemon):
+    """A reader of docs/protocol.md sends the framing example as written: the daemon must
+    answer it (status_reply, id 1), and read exactly that frame, so that the same bytes sent
+    again are a second whole request rather than a stream two bytes out of step."""
+    example, n_said, body_said = framing_example(text)
+    d = start_daemon()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(d.socket_path)
+        for _ in range(2):
+            sock.sendall(example)
+            got = b""
+            while len(got) < 4:
+                got += sock.recv(4 - len(got))
+            (size,) = struct.unpack(">I", got)
+            reply = b""
+            while len(reply) < size:
+                reply += sock.recv(size - len(reply))
+            answer = msgspec.msgpack.decode(reply)
+            assert answer.get("op") == "status_reply" and answer.get("id") == 1, (
+                f"the daemon answered docs/protocol.md's framing example with {answer.get('op')} "
+                f"{answer.get('code', '')}: {answer.get('message', '')}")
+    (n,) = struct.unpack(">I", example[:4])
+    assert n_said == body_said == n, (f"docs/protocol.md's framing example: the caption says N = {n_said} and "
+                                      f"{body_said} bytes; the header says {n}")
+
+
+def test_the_framing_example_reader_reads_the_doc():
+    sample = ("## Framing (local endpoint)\n\n  ```\n  00 00 00 02  81 01\n  \\_ N = 2 _/ \\_ x: 2 bytes _/\n  ```\n"
+              "\n## Next\n")
+    assert framing_example(sample) == (b"\x00\x00\x00\x02\x81\x01", 2, 2)

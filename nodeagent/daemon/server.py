@@ -158,7 +158,8 @@ class AgentServer:
             p.ModelsRequest: self._serving.on_models,
             p.Infer: self._serving.on_infer,
         }
-        self.metrics.watch(backend.count(), self._device_rows, self._session_rows)  # read at scrape time
+        self.metrics.watch(backend.count(), self._device_rows, self._session_rows,  # read at scrape time
+                           memory_policy=config.memory_policy)
         # The cluster endpoint: its sockets, device lifecycles, placement operations, events.
         server_view = ServerView(self._ctx, self._handlers, self._dispatch, self.status, lambda: self.boot,
                                  self._started, self.metrics, replies)

@@ -121,7 +121,7 @@ class _Model:
 def ctxpool_wanted(setting: str) -> tuple[bool, str]:
     """Whether to start workers for ``ctxpool.enabled`` = auto | on | off, and why."""
     if setting == "off":
-        return False, "ctxpool.enabled = off"
+        return False, "ctxpool.enabled = off (the default; --ctxpool on starts them)"
     if importlib.util.find_spec("torch") is None:
         return False, "torch is not importable by the daemon's Python"
     return True, "ctxpool.enabled = " + setting
