@@ -356,7 +356,7 @@ def _start_metrics(server, config, origins: _Origins) -> str | None:
         return None
     addr, port = config.metrics_addr, config.metrics_port
     try:
-        server.metrics.serve_http(port, addr)
+        server.serve_metrics(port, addr)
     except OSError as exc:
         problem = _address_problem(exc)
         if problem is None:

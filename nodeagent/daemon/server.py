@@ -50,6 +50,7 @@ from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
+from nodeagent.daemon.metrics_http import MetricsEndpoint
 from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
@@ -89,6 +90,7 @@ class AgentServer:
         self._own_ctx = context is None
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
         self._local: LocalEndpoint | None = None
+        self._metrics_http: MetricsEndpoint | None = None  # Prometheus scrapes, once serve_metrics() is called
         self._poller = EventLoopPoller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -233,6 +235,21 @@ class AgentServer:
                  endpoint, self.backend.name, self._tokens.device_count, os.getpid(), self.boot)
         return endpoint
 
+    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``addr:port`` from this loop (before or after :meth:`bind`);
+        returns the port. OSError if the address cannot be had."""
+        endpoint = MetricsEndpoint(
+            self._poller, self.metrics.registry, clock=self._clock,
+            max_connections=self.config.metrics_max_connections,
+            timeout_s=self.config.metrics_timeout_ms / 1000.0,
+            on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
+        port = endpoint.bind(addr, port)
+        self._metrics_http = endpoint
+        shown = f"[{addr}]" if ":" in addr else addr
+        log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
+                 shown, port, endpoint.max_connections, endpoint.timeout_s)
+        return port
+
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to shut down. Safe from signal handlers and other threads."""
         if self._stop_reason is None:
@@ -255,6 +272,7 @@ class AgentServer:
         if self._local is None:
             raise RuntimeError("bind() before serve_forever()")
         local = self._local
+        scrapes = self._metrics_http
         wake_fd = self._wake_r.fileno()
         pidfds_fd = self._sessions.fileno()
         try:
@@ -270,12 +288,16 @@ class AgentServer:
                         self._contain("memory", self._memory_policy.apply_readings)
                     elif self._mps.owns(target):
                         self._contain("mps", self._mps.on_exit, target)
+                    elif scrapes is not None and type(target) is int and scrapes.owns(target):
+                        self._contain("metrics", scrapes.on_ready, target, ready)
                     else:
                         handler = self._poll_handlers.get(target)
                         if handler is not None:
                             self._contain("poll", handler)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
+                if scrapes is not None:  # after the turn's handoffs: one step of an exposition at most
+                    self._contain("metrics", scrapes.on_timers, self._clock())
                 self._contain("one-hop", self._tokens.one_hop.refresh_all)  # successor hints, after the turn
                 self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
                 if self._status_jobs:
@@ -315,6 +337,8 @@ class AgentServer:
         self._serving.stop()
         self._mps.stop()
         self._cluster.close()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
         if self._local is not None:
             self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
             self._local = None
@@ -662,6 +686,10 @@ class AgentServer:
         serving_at = self._serving.next_deadline()
         if serving_at is not None and serving_at < wake_at:
             wake_at = serving_at
+        if self._metrics_http is not None:
+            metrics_at = self._metrics_http.next_deadline()
+            if metrics_at is not None and metrics_at < wake_at:
+                wake_at = metrics_at
         # Round up: waking early would spin until the deadline.
         if self._status_jobs:
             return 0  # a status is being built: take the next chunk after what is ready now
