@@ -35,7 +35,7 @@ import zmq
 from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
-from nodeagent import enforce, memory, procwatch, runtime
+from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
@@ -185,9 +185,10 @@ class AgentServer:
         """Bind the endpoint; returns it. Refuses if another daemon serves it."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
+        limits = self._connection_limits()
         local = LocalEndpoint(endpoint, self._poller, self._on_frame, self._on_disconnect,
-                              max_connections=self.config.local_max_connections,
-                              max_connections_per_uid=self.config.local_max_connections_per_uid,
+                              max_connections=limits.max_connections,
+                              max_connections_per_uid=limits.max_connections_per_uid,
                               max_queued_bytes=self.config.local_max_queued_kb * 1024,
                               on_refused=lambda why: self.metrics.connections_refused.inc())
         try:
@@ -234,6 +235,27 @@ class AgentServer:
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
                  endpoint, self.backend.name, self._tokens.device_count, os.getpid(), self.boot)
         return endpoint
+
+    def _connection_limits(self) -> fdlimit.ConnectionLimits:
+        """The local endpoint's connection limits: the configured ones, or, where the
+        descriptor limit cannot hold them, what it can (logged)."""
+        metrics_fds = self.config.metrics_max_connections + 1 if self.config.metrics_port is not None else 0
+        limits = fdlimit.connection_limits(
+            self.config.local_max_connections, self.config.local_max_connections_per_uid,
+            soft_limit=fdlimit.soft_limit(), in_use=fdlimit.open_descriptors(),
+            reserved=fdlimit.SPARE_FDS + metrics_fds)
+        if limits.derived:
+            log.warning("[local] the descriptor limit (RLIMIT_NOFILE %d) leaves room for %d connections: "
+                        "local.max_connections %d -> %d, local.max_connections_per_uid %d -> %d (the same share "
+                        "of the whole); raise the hard limit (LimitNOFILE=) to keep the configured ones",
+                        fdlimit.soft_limit(), limits.room, self.config.local_max_connections,
+                        limits.max_connections, self.config.local_max_connections_per_uid,
+                        limits.max_connections_per_uid)
+        else:
+            log.debug("[local] max_connections=%d max_connections_per_uid=%d (descriptors for %s)",
+                      limits.max_connections, limits.max_connections_per_uid,
+                      "any number" if limits.room is None else limits.room)
+        return limits
 
     def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``addr:port`` from this loop (before or after :meth:`bind`);
