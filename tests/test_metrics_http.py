@@ -89,13 +89,16 @@ class Harness:
         raise AssertionError(f"no whole response; got {got[:200]!r}")
 
     def closed_by_endpoint(self, s: socket.socket) -> bool:
+        """Whether the endpoint closed ``s`` (whatever it had written is read and dropped)."""
         self.turn()
-        try:
-            return s.recv(1 << 16) == b""
-        except BlockingIOError:
-            return False
-        except ConnectionResetError:
-            return True
+        while True:
+            try:
+                if s.recv(1 << 20) == b"":
+                    return True
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                return True
 
     def close(self) -> None:
         for s in self.peers:
@@ -317,6 +320,28 @@ def test_past_the_cap_a_newcomer_takes_the_slot_of_the_oldest_idle_connection(ha
     assert len(h.ep) == 3
 
 
+def test_a_peer_that_does_not_take_its_response_gives_its_slot_up_before_a_scrape_waiting(harness):
+    registry = CollectorRegistry()
+    big = Counter("big", "c", ["label"], registry=registry)
+    for i in range(20_000):
+        big.labels(f"value-{i:06d}").inc()  # more than the socket buffers hold
+    h = harness(registry=registry, max_connections=2, min_interval_s=0.0, timeout_s=1000.0)
+    stuck = h.connect(rcvbuf=4096)
+    stuck.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    for _ in range(5000):
+        h.turn(1)
+        if h.ep.expositions:
+            break
+    h.turn()
+    waiting = h.connect()
+    waiting.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    h.turn(1)  # asked for the next exposition, which is 20 times the last one's CPU away
+    h.clock.now += 100.0
+    h.connect()  # a third: the one that does not read goes, not the one waiting
+    assert h.drops == ["evicted"] and h.closed_by_endpoint(stuck)
+    assert h.one_response(waiting, turns=5000)[0] == 200
+
+
 def test_with_every_slot_answering_a_newcomer_is_refused_with_503(harness):
     h = harness(max_connections=2, min_interval_s=10.0, timeout_s=60.0)
     first = h.connect()
@@ -343,7 +368,7 @@ def test_many_connections_at_once_are_accepted_or_shed_at_once(harness):
         s.setblocking(False)
         peers.append(s)
     h.peers.extend(peers)
-    h.turn(20)
+    h.turn(100)  # 8 accepted a turn
     assert len(h.ep) == 16 and h.drops.count("evicted") == 600 - 16
 
 
@@ -361,3 +386,17 @@ def test_a_collector_that_raises_costs_its_scrape_a_500_and_nothing_more(harness
         h.turn()
     assert status_of(h.response(s)) == 500
     assert h.ep.next_deadline() is None or h.ep.next_deadline() > 0.0  # no exposition left under way
+
+
+def test_a_request_that_arrived_but_was_not_read_yet_is_served_not_evicted(harness):
+    h = harness(max_connections=2, timeout_s=5.0)
+    asking, idle = h.connect(), h.connect()
+    asking.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # in its socket; the loop has not turned since
+    newcomer = socket.create_connection(("127.0.0.1", h.port))
+    newcomer.setblocking(False)
+    h.peers.append(newcomer)
+    for fd, _ in h.poller.poll(0):
+        if fd == h.ep._listener.fileno():
+            h.ep.on_ready(fd, 0)  # the listener's readiness handled before the asking one's
+    assert h.drops == ["evicted"] and h.closed_by_endpoint(idle)
+    assert h.one_response(asking)[0] == 200
