@@ -8,7 +8,8 @@ the token back and forth (bench.handoff's contenders) in every phase:
   cost      before the handoffs start: ``--cost-scrapes`` scrapes 150 ms
             apart, alone: the daemon's CPU per scrape (/proc/PID/stat) and
             a scrape's latency when nothing waits (``scrape_p50_ms``)
-  idle      no scrapers: the daemon's threads and RSS; handoffs
+  idle      no scrapers: the daemon's threads, RSS and (``--storm-s``/3 with
+            no handoffs) CPU; handoffs
   scraping  one honest scraper asking back to back (the daemon answers at most
             ten a second): the handoffs beside expositions being written
   storm     ``--scrapers`` slow connections from ``--procs`` forked processes,
@@ -17,6 +18,8 @@ the token back and forth (bench.handoff's contenders) in every phase:
             no-reader (a whole request, a 1 KiB receive buffer, never reads);
             each connects again ``--reconnect-s`` after the daemon closes it.
             An honest scraper asks every ``--scrape-interval-s`` meanwhile.
+            The first third has no handoffs: the daemon's CPU (and the
+            scrapers') in it is what the storm costs.
             The daemon's threads and RSS are sampled every 50 ms (the most
             seen is reported), and so is the time the scrapers took to connect
             (the old server's backlog of 5 made 1,500 take over two minutes)
@@ -274,11 +277,10 @@ def run(handle: common.DaemonHandle, args) -> dict:
         pair.run_round()
         time.sleep(0.3)
         out.update(threads_idle=threads_of(pid), rss_idle_kb=rss_kb(pid))
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        out["daemon_cpu_percent_idle"] = _cpu_window(pid, [], args.storm_s / 3)
         for _ in range(rounds):
             phases.append("idle")
             pair.run_round()
-        out["daemon_cpu_percent_idle"] = _percent(cpu_seconds(pid), cpu0, time.monotonic() - t0)
 
         with HonestScraper(handle.metrics_port, 0.0) as busy:
             for _ in range(rounds):
@@ -291,16 +293,14 @@ def run(handle: common.DaemonHandle, args) -> dict:
                                                    args.byte_interval_s, args.reconnect_s) as storm:
             common.log(f"[scrapers] connected in {storm.connect_s:.2f} s; storm for {args.storm_s:g} s")
             with HonestScraper(handle.metrics_port, args.scrape_interval_s) as honest:
-                storm_started, cpu0 = time.monotonic(), cpu_seconds(pid)
-                scrapers_cpu0 = sum(cpu_seconds(p) or 0.0 for p in storm.pids)
+                # A third of the storm with no handoffs: what it costs the daemon (and the scrapers) alone.
+                quiet_s = args.storm_s / 3
+                out["daemon_cpu_percent_storm"], out["scrapers_cpu_percent"] = _cpu_window(pid, storm.pids, quiet_s)
+                storm_started = time.monotonic()
                 for i in range(rounds):
                     phases.append("storm")
                     pair.run_round()
-                    _sleep_until(storm_started + args.storm_s * (i + 1) / rounds)
-                storm_s = time.monotonic() - storm_started
-                out["daemon_cpu_percent_storm"] = _percent(cpu_seconds(pid), cpu0, storm_s)
-                out["scrapers_cpu_percent"] = _percent(sum(cpu_seconds(p) or 0.0 for p in storm.pids),
-                                                       scrapers_cpu0, storm_s)
+                    _sleep_until(storm_started + (args.storm_s - quiet_s) * (i + 1) / rounds)
             threads_storm, rss_storm = threads_of(pid), rss_kb(pid)
         out.update(connect_s=storm.connect_s, connect_failures=storm.connect_failures,
                    closed_by_daemon=storm.closed_by_daemon, reconnected=storm.reconnected,
@@ -347,11 +347,18 @@ def scrape_cost(pid: int, port: int, scrapes: int) -> dict:
             "cpu_per_scrape_ms": None if cpu is None else common.rounded(cpu / scrapes * 1e3, 3)}
 
 
-def _percent(cpu_s: float | None, cpu0_s: float | None, wall_s: float) -> float | None:
-    """CPU time over a window in percent of one core."""
-    if cpu_s is None or cpu0_s is None or wall_s <= 0:
-        return None
-    return common.rounded((cpu_s - cpu0_s) / wall_s * 100, 1)
+def _cpu_window(pid: int, others: list[int], seconds: float):
+    """The daemon's CPU over ``seconds`` in percent of one core (and, with ``others``,
+    theirs together as a second value)."""
+    t0, cpu0 = time.monotonic(), cpu_seconds(pid)
+    others0 = sum(cpu_seconds(p) or 0.0 for p in others)
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    cpu1, others1 = cpu_seconds(pid), sum(cpu_seconds(p) or 0.0 for p in others)
+    mine = None if cpu0 is None or cpu1 is None else common.rounded((cpu1 - cpu0) / wall * 100, 1)
+    if not others:
+        return mine
+    return mine, common.rounded((others1 - others0) / wall * 100, 1)
 
 
 def _sleep_until(t: float) -> None:
@@ -432,8 +439,8 @@ def explain(r: dict) -> None:
     common.log(f"[scrapers] {r['scrapers']} slow scrapers connected in {r['connect_s']:.2f} s "
                f"({r['connect_failures']} failed); the daemon closed {r['closed_by_daemon']} "
                f"({r.get('daemon_closed')})")
-    common.log(f"[scrapers] daemon CPU {r.get('daemon_cpu_percent_idle')}% of a core idle (handing off), "
-               f"{r.get('daemon_cpu_percent_storm')}% in the storm; the scrapers themselves "
+    common.log(f"[scrapers] daemon CPU {r.get('daemon_cpu_percent_idle')}% of a core idle, "
+               f"{r.get('daemon_cpu_percent_storm')}% in the storm (no handoffs in either); the scrapers themselves "
                f"{r.get('scrapers_cpu_percent')}%")
     common.log(f"[scrapers] threads {r['threads_idle']} idle -> {r['threads_storm_max']} in the storm "
                f"(+{r['threads_delta']}); RSS {r['rss_idle_kb'] / 1024:.1f} -> {r['rss_storm_max_kb'] / 1024:.1f} MB "

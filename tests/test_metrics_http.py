@@ -368,8 +368,24 @@ def test_many_connections_at_once_are_accepted_or_shed_at_once(harness):
         s.setblocking(False)
         peers.append(s)
     h.peers.extend(peers)
-    h.turn(100)  # 8 accepted a turn
+    for _ in range(100):  # 8 accepted a turn, 500 a second
+        h.clock.now += 0.02
+        h.turn(1)
     assert len(h.ep) == 16 and h.drops.count("evicted") == 600 - 16
+
+
+def test_a_connect_flood_is_accepted_no_faster_than_the_rate(harness):
+    h = harness(max_connections=16, accept_rate_per_s=100.0)
+    for _ in range(300):
+        s = socket.create_connection(("127.0.0.1", h.port), timeout=1.0)
+        s.setblocking(False)
+        h.peers.append(s)
+    h.turn(100)
+    assert len(h.drops) == 16 and len(h.ep) == 16  # a burst of twice the cap, then nothing while no time passes
+    assert h.ep.next_deadline() == h.clock.now + 8 / 100.0  # back when a wake-up's worth (8) has accrued
+    h.clock.now += 0.2
+    h.turn(100)
+    assert len(h.drops) == 16 + 20  # 100 a second for 0.2 s, each taking an idle one's slot
 
 
 def test_a_collector_that_raises_costs_its_scrape_a_500_and_nothing_more(harness):
@@ -400,3 +416,32 @@ def test_a_request_that_arrived_but_was_not_read_yet_is_served_not_evicted(harne
             h.ep.on_ready(fd, 0)  # the listener's readiness handled before the asking one's
     assert h.drops == ["evicted"] and h.closed_by_endpoint(idle)
     assert h.one_response(asking)[0] == 200
+
+
+def test_a_peer_trickling_bytes_fast_is_read_at_most_every_50_ms(harness):
+    h = harness(timeout_s=5.0)
+    s = h.connect()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each byte leaves at once
+    head = b"GET /metrics HTTP/1.1\r\nX-Padding: " + b"a" * 100 + b"\r\n\r\n"
+    conn = next(iter(h.ep._conns.values()))
+
+    def trickle(part: bytes) -> None:
+        for byte in part:
+            s.send(bytes([byte]))
+            h.turn(1)
+
+    trickle(head[:50])
+    assert len(conn.inbuf) == 1  # one byte read, then the connection is not watched while no time passes
+    h.clock.now += 0.05
+    h.turn(2)  # watched again at the timers, read at the next wake-up
+    got = len(conn.inbuf)
+    assert got > 1  # what had come by then, in one read
+    trickle(head[50:100])
+    assert len(conn.inbuf) == got  # and again nothing more for 50 ms
+    s.sendall(head[100:])
+    for _ in range(20):  # a whole head is served as ever
+        h.clock.now += 0.05
+        h.turn(2)
+        if conn.state != "reading":
+            break
+    assert h.one_response(s)[0] == 200

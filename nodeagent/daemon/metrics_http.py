@@ -8,12 +8,18 @@ of its own, and bounded whatever peers do:
   that does not read); only if every slot waits for the exposition under way
   is the newcomer refused (503). The listen backlog is 1,024, so thousands
   connecting at once are accepted or shed at once, not left in SYN retries;
+- connecting: at most ``accept_rate_per_s`` connections accepted a second
+  (twice ``max_connections`` at once), 8 a wake-up; a flood beyond waits in the
+  backlog and then in the peers' SYN retries, so it costs the loop a bounded
+  share (an accept with its eviction: about 70 us on 2 shared cores);
 - time: ``timeout_s`` from a connection's acceptance (or the end of its last
   response) to the end of its next response. A peer that sends one byte a
   second, or never reads what it asked for, is closed when that runs out;
 - bytes: a request head over 8 KiB is answered 431 and closed; bodies are
   not read (a request with one is answered and closed); a keep-alive
-  connection serves at most ``_MAX_REQUESTS`` requests;
+  connection serves at most ``_MAX_REQUESTS`` requests; after part of a
+  head, a connection is read again no sooner than 50 ms later, so a peer
+  trickling bytes wakes the loop 20 times a second at most;
 - CPU: the exposition is written in steps of ``_STEP_BUDGET_S`` between
   the loop's turns (:class:`nodeagent.metrics.Exposition`), one written for
   every scrape waiting when it starts, and a new one starts no sooner than
@@ -53,6 +59,7 @@ _MAX_REQUESTS = 100  # per keep-alive connection
 _STEP_BUDGET_S = 0.0005  # CPU per loop turn while an exposition is written
 _COST_FACTOR = 20  # the next exposition starts no sooner than this many times the last one's CPU after it
 _ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting this long (the listener would stay readable)
+_PARTIAL_PAUSE_S = 0.05  # after part of a request head, before reading that connection again
 _HANGUP = select.EPOLLHUP | select.EPOLLERR
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _REQUEST_LINE = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+) (\S+) HTTP/(\d)\.(\d)\Z")
@@ -124,7 +131,8 @@ def error_response(status: int, why: str, extra: str = "") -> bytes:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "state", "inbuf", "out", "keep_alive", "head_only", "served", "deadline", "closed")
+    __slots__ = ("sock", "fd", "state", "inbuf", "out", "keep_alive", "head_only", "served", "deadline", "closed",
+                 "read_paused")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -137,6 +145,7 @@ class _Conn:
         self.served = 0
         self.deadline = deadline
         self.closed = False
+        self.read_paused = False  # part of a head came: not watched for more until a timer says
 
 
 class MetricsEndpoint:
@@ -146,18 +155,22 @@ class MetricsEndpoint:
 
     def __init__(self, poller: EventLoopPoller, registry, *, clock: Callable[[], float] = time.monotonic,
                  max_connections: int = 64, timeout_s: float = 10.0, min_interval_s: float = 0.1,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 accept_rate_per_s: float = 500.0, on_drop: Callable[[str], None] | None = None) -> None:
         self._poller = poller
         self._registry = registry
         self._clock = clock
         self.max_connections = max_connections
         self.timeout_s = timeout_s
         self.min_interval_s = min_interval_s
+        self.accept_rate_per_s = accept_rate_per_s
+        self._accepts_left = 2.0 * max_connections
+        self._accepts_at = clock()
         self._on_drop = on_drop or (lambda reason: None)
         self._listener: socket.socket | None = None
         # Ordered by deadline (each is set to now + timeout_s and moved to the end): the first
         # is the next to time out, and the oldest to evict.
         self._conns: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
+        self._paused_reads: collections.deque[tuple[float, _Conn]] = collections.deque()  # (when, conn) in order
         self._waiting: list[_Conn] = []  # asked for /metrics, for the next exposition
         self._writing: list[_Conn] = []  # the scrapes the exposition under way is for
         self._exposition: Exposition | None = None
@@ -216,6 +229,8 @@ class MetricsEndpoint:
             at = self._next_start
         if self._accept_paused_until is not None and (at is None or self._accept_paused_until < at):
             at = self._accept_paused_until
+        if self._paused_reads and (at is None or self._paused_reads[0][0] < at):
+            at = self._paused_reads[0][0]
         return at
 
     def on_timers(self, now: float) -> None:
@@ -224,6 +239,12 @@ class MetricsEndpoint:
             if conn.deadline > now:
                 break
             self._drop(conn, "timeout")
+        while self._paused_reads and self._paused_reads[0][0] <= now:
+            _, conn = self._paused_reads.popleft()
+            if conn.read_paused:
+                conn.read_paused = False
+                if not conn.closed and conn.state == READING:
+                    self._poller.modify(conn.fd, POLLIN)
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
             self._accept_paused_until = None
             if self._listener is not None:
@@ -252,7 +273,17 @@ class MetricsEndpoint:
     # ------------------------------------------------------------ accepting
 
     def _accept(self) -> None:
+        now = self._clock()
+        # Refill the accept allowance: a token bucket at accept_rate_per_s, holding enough to
+        # replace every connection once at a time.
+        self._accepts_left = min(2.0 * self.max_connections,
+                                 self._accepts_left + (now - self._accepts_at) * self.accept_rate_per_s)
+        self._accepts_at = now
         for _ in range(_ACCEPT_BUDGET):
+            if self._accepts_left < 1.0:  # a flood: it waits in the backlog, then in SYN retries
+                # Back when a whole wake-up's worth has accrued: one wake-up per batch, not per accept.
+                self._pause_accepting(now + (_ACCEPT_BUDGET - self._accepts_left) / self.accept_rate_per_s)
+                return
             try:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -261,12 +292,12 @@ class MetricsEndpoint:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("[metrics] out of descriptors (%s); not accepting scrapes for %.1f s",
                                 exc.strerror, _ACCEPT_PAUSE_S)
-                    self._accept_paused_until = self._clock() + _ACCEPT_PAUSE_S
-                    self._poller.modify(self._listener.fileno(), 0)
+                    self._pause_accepting(now + _ACCEPT_PAUSE_S)
                     return
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
                     continue
                 raise
+            self._accepts_left -= 1.0
             if len(self._conns) >= self.max_connections and not self._evict_one():
                 self._on_drop("refused")
                 _send_and_close(sock, error_response(503, "every connection is busy; retry"))
@@ -280,6 +311,11 @@ class MetricsEndpoint:
             conn = _Conn(sock, self._clock() + self.timeout_s)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, POLLIN)
+
+    def _pause_accepting(self, until: float) -> None:
+        """Stop watching the listener until ``until`` (the timers watch it again)."""
+        self._accept_paused_until = until
+        self._poller.modify(self._listener.fileno(), 0)
 
     def _evict_one(self) -> bool:
         """Free a slot, oldest first: a connection still without a whole request, else one
@@ -316,13 +352,21 @@ class MetricsEndpoint:
             self._close(conn)
             return
         conn.inbuf += data
-        self._parse(conn)
+        self._parse(conn, drained=len(data) < _READ_BYTES)
 
-    def _parse(self, conn: _Conn) -> None:
+    def _parse(self, conn: _Conn, drained: bool = False) -> None:
+        """Act on the request head in ``conn.inbuf`` if it is whole (``drained``: the read
+        that brought the bytes took all there were)."""
         m = _HEAD_END.search(conn.inbuf)
         if m is None:
             if len(conn.inbuf) >= _MAX_HEAD_BYTES:
                 self._fail(conn, 431, f"request head over {_MAX_HEAD_BYTES} bytes")
+            elif drained and not conn.read_paused:
+                # Part of a head: read the rest no sooner than _PARTIAL_PAUSE_S from now, so a peer
+                # trickling bytes wakes the loop at most 1/_PARTIAL_PAUSE_S times a second.
+                conn.read_paused = True
+                self._poller.modify(conn.fd, 0)
+                self._paused_reads.append((self._clock() + _PARTIAL_PAUSE_S, conn))
             return
         head = bytes(conn.inbuf[:m.start()])
         del conn.inbuf[:m.end()]
