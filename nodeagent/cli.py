@@ -207,10 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_gen.add_argument("--force", action="store_true",
                           help="replace existing key files (every client then needs the new keys)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, scale, fairness, preempt, enforce, recovery, suspend, switch, reclaim)",
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, scale, fairness, preempt, enforce, recovery, suspend, switch, reclaim, scrapers)",
                            description="Equivalent to python -m bench.NAME ARGS.")
     bench.add_argument("name", choices=["handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend",
-                                        "switch", "reclaim"])
+                                        "switch", "reclaim", "scrapers"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
