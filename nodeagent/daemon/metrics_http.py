@@ -177,9 +177,7 @@ class MetricsEndpoint:
         self._next_start = 0.0  # no exposition starts before this
         self._started_at = 0.0
         self._accept_paused_until: float | None = None
-        self.expositions = 0  # written so far (tests and the bench read it)
-        self.last_cost_s = 0.0  # CPU of the last one
-        self.max_step_s = 0.0  # the longest single step, so far
+        self.expositions = 0  # written so far
 
     # ------------------------------------------------------------------ life
 
@@ -400,7 +398,6 @@ class MetricsEndpoint:
 
     def _step(self) -> None:
         exposition = self._exposition
-        t0 = time.perf_counter()
         try:
             done = exposition.step(_STEP_BUDGET_S)
         except Exception:  # a collector's bug: those waiting get a 500, the loop counts it and carries on
@@ -413,12 +410,10 @@ class MetricsEndpoint:
                     self._start_write(conn, [memoryview(error_response(500, "the metrics could not be "
                                                                        "collected; see the daemon's log"))])
             raise
-        self.max_step_s = max(self.max_step_s, time.perf_counter() - t0)
         if not done:
             return
         self._exposition = None
         self.expositions += 1
-        self.last_cost_s = exposition.cpu_s
         now = self._clock()
         self._next_start = max(self._started_at + self.min_interval_s, now + _COST_FACTOR * exposition.cpu_s)
         body = memoryview(exposition.result)
