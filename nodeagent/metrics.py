@@ -83,7 +83,8 @@ _STATE_DOCS = (
 
 class _StateCollector(Collector):
     """State gauges computed at scrape time from the daemon's devices and sessions.
-    Runs on the HTTP server's thread: the row callables read, never change."""
+    Runs on the daemon's loop thread, between two of its steps (the metrics endpoint
+    is in the loop): the row callables read, never change."""
 
     def __init__(self, devices: Callable[[], Iterable[DeviceRow]],
                  sessions: Callable[[], Iterable[SessionRow]]) -> None:

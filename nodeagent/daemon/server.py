@@ -875,7 +875,7 @@ class AgentServer:
             try:
                 state = self._tokens.state(s.device, s.id).value
             except KeyError:
-                continue  # removed while we were reading (scrapes run on another thread)
+                continue  # not in its device's scheduler: left out rather than failing the scrape
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
             rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used))
         return rows
