@@ -1077,6 +1077,10 @@ def _open(endpoint: str, timeout: float) -> framing.Connection:
     """A connection to the daemon; :class:`DaemonUnavailableError` saying why there is none."""
     try:
         return framing.Connection(endpoint, timeout)
+    except framing.BacklogFull as exc:
+        raise DaemonUnavailableError(endpoint, f"{exc.strerror}: the daemon is not accepting connections as fast "
+                                     "as they come (overloaded, or stopped); retry later or allow a longer "
+                                     "timeout") from None
     except (FileNotFoundError, ConnectionRefusedError):
         raise DaemonUnavailableError(endpoint, "nothing listens there (is `nodeagent serve` running? "
                                      f"set {ENV_ENDPOINT} to its endpoint)") from None

@@ -19,6 +19,7 @@ since such a stream is not one anybody meant. Daemon messages are at most
 from __future__ import annotations
 
 import errno
+import logging
 import select
 import socket
 import struct
@@ -26,12 +27,26 @@ import time
 
 from client_lib.endpoint import ipc_path
 
+log = logging.getLogger("client_lib.framing")
+
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
 MAX_DAEMON_FRAME_BYTES = 16 * 1024 * 1024
 """Largest message the daemon sends (a status of thousands of sessions fits)."""
 
 _RECV_CHUNK = 64 * 1024  # below glibc's mmap threshold; read into one buffer kept per connection
+_CONNECT_RETRY_FIRST_S = 0.001  # a full backlog: the first wait before connecting again, doubled each try
+_CONNECT_RETRY_MAX_S = 0.05
+
+
+class BacklogFull(ConnectionError):
+    """The daemon's listen backlog stayed full (EAGAIN on connect) for the whole timeout."""
+
+    def __init__(self, tries: int, waited_s: float) -> None:
+        super().__init__(errno.EAGAIN, f"the daemon's listen backlog stayed full for {waited_s:.1f} s "
+                                       f"({tries} tries)")
+        self.tries = tries
+        self.waited_s = waited_s
 
 
 class FrameTooLarge(ValueError):
@@ -140,7 +155,7 @@ class Connection:
         sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(max(timeout, 0.001))
-            sock.connect(address)
+            _connect(sock, address, endpoint, timeout)
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except BaseException:
@@ -236,6 +251,29 @@ class Connection:
             pass
 
 
+def _connect(sock: socket.socket, address, endpoint: str, timeout_s: float) -> None:
+    """Connect, trying again while the daemon's backlog is full: a unix socket's connect
+    fails at once with EAGAIN then (TCP waits in SYN retries instead). Waits 1 ms, then
+    twice as long each try up to 50 ms, until ``timeout_s`` has passed: :class:`BacklogFull`."""
+    start = time.monotonic()
+    delay = _CONNECT_RETRY_FIRST_S
+    tries = 0
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            tries += 1
+            waited = time.monotonic() - start
+            if tries == 1:
+                log.debug("[client] %s: the daemon's listen backlog is full; connecting again for up to %.1f s",
+                          endpoint, timeout_s)
+            if waited >= timeout_s:
+                raise BacklogFull(tries, waited) from None
+            time.sleep(min(delay, timeout_s - waited))
+            delay = min(delay * 2, _CONNECT_RETRY_MAX_S)
+
+
 def _wait(sock: socket.socket, events: int, timeout_s: float) -> bool:
     poller = select.poll()
     poller.register(sock, events)
@@ -249,5 +287,5 @@ def peer_hung_up(fd: int) -> bool:
     return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
-__all__ = ["Connection", "FrameBuffer", "FrameTooLarge", "HEADER_BYTES", "MAX_DAEMON_FRAME_BYTES", "Oversized", "pack",
+__all__ = ["BacklogFull", "Connection", "FrameBuffer", "FrameTooLarge", "HEADER_BYTES", "MAX_DAEMON_FRAME_BYTES", "Oversized", "pack",
            "parse_endpoint", "peer_hung_up"]

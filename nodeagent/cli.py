@@ -227,10 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_gen.add_argument("--force", action="store_true",
                           help="replace existing key files (every client then needs the new keys)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, scale, fairness, preempt, enforce, recovery, suspend, switch, reclaim)",
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, scale, fairness, preempt, enforce, recovery, suspend, switch, reclaim, scrapers)",
                            description="Equivalent to python -m bench.NAME ARGS.")
     bench.add_argument("name", choices=["handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend",
-                                        "switch", "reclaim"])
+                                        "switch", "reclaim", "scrapers"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
@@ -376,7 +376,7 @@ def _start_metrics(server, config, origins: _Origins) -> str | None:
         return None
     addr, port = config.metrics_addr, config.metrics_port
     try:
-        server.metrics.serve_http(port, addr)
+        server.serve_metrics(port, addr)
     except OSError as exc:
         problem = _address_problem(exc)
         if problem is None:
@@ -400,6 +400,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTING
     _setup_logging(config.log_level)
+    from nodeagent import fdlimit
+    fdlimit.log_raise(fdlimit.raise_soft_limit())  # before anything opens descriptors; local.* limits fit in it
     try:
         backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
     except DeviceError as exc:

@@ -83,6 +83,8 @@ make_room_deadline_ms = 5000.0  # how long those sessions get to park their stat
 [metrics]
 # port = 9400               # off unless set
 addr = "127.0.0.1"
+max_connections = 64        # scrapers at once; a new one past it takes the slot of the oldest idle one
+timeout_ms = 10000.0        # a scrape connection gets this long for each request and its response
 
 [mps]
 devices = "auto"            # device indices that get an MPS control daemon; [] : MPS off; auto: every GPU
@@ -199,6 +201,8 @@ class ServeConfig:
     log_level: str = "info"
     metrics_port: int | None = None  # None: no metrics HTTP server
     metrics_addr: str = "127.0.0.1"
+    metrics_max_connections: int = 64  # connections to the metrics endpoint at once
+    metrics_timeout_ms: float = 10000.0  # from a connection (or its last response) to its next response
     quantum_ms: dict[str, float] = field(
         default_factory=lambda: {"inference": 50.0, "training": 200.0, "best-effort": 200.0})
     grace_ms: float = 100.0
@@ -254,6 +258,10 @@ class ServeConfig:
             raise _bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise _bad("metrics.port", f"must be in 0..65535, got {self.metrics_port}")
+        if not 1 <= self.metrics_max_connections <= 4096:
+            raise _bad("metrics.max_connections", f"must be in 1..4096, got {self.metrics_max_connections}")
+        if not (math.isfinite(self.metrics_timeout_ms) and self.metrics_timeout_ms > 0):
+            raise _bad("metrics.timeout_ms", f"must be a positive number, got {self.metrics_timeout_ms:g}")
         for name, ms in self.quantum_ms.items():  # a table of its own: one key per workload class
             if name not in WORKLOADS:
                 raise _bad(f"scheduler.quantum_ms.{name}", f"has unknown workload class {name!r}"
@@ -445,6 +453,8 @@ _KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory.make_room_deadline_ms": ("memory_make_room_deadline_ms", (int, float)),
     "metrics.port": ("metrics_port", (int,)),
     "metrics.addr": ("metrics_addr", (str,)),
+    "metrics.max_connections": ("metrics_max_connections", (int,)),
+    "metrics.timeout_ms": ("metrics_timeout_ms", (int, float)),
     "mps.devices": ("mps_devices", (list, str)),
     "mps.control_binary": ("mps_control_binary", (str,)),
     "mps.min_percent": ("mps_min_percent", (int,)),

@@ -16,17 +16,17 @@ both against a real daemon's scrape.
 
 from __future__ import annotations
 
-import logging
+import re
+import time
 from typing import Callable, Iterable, NamedTuple
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from sharing import DeviceState, SessionState, Workload
-
-log = logging.getLogger("nodeagent.metrics")
 
 # Token waits span sub-millisecond handoffs to multi-second queues.
 _WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -45,6 +45,7 @@ SESSION_LOST_REASONS = ("process_exited", "disconnected", "not_reading", "bad_fr
 # Where the loop contains a bug (nodeagent.daemon.server._contain, the endpoints' dispatch).
 INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "one-hop",
                          "pace", "status")
+METRICS_HTTP_CLOSE_REASONS = ("timeout", "evicted", "refused", "bad_request")
 
 
 class MetricDoc(NamedTuple):
@@ -87,7 +88,8 @@ _STATE_DOCS = (
 
 class _StateCollector(Collector):
     """State gauges computed at scrape time from the daemon's devices and sessions.
-    Runs on the HTTP server's thread: the row callables read, never change."""
+    Runs on the daemon's loop thread, between two of its steps (the metrics endpoint
+    is in the loop): the row callables read, never change."""
 
     def __init__(self, devices: Callable[[], Iterable[DeviceRow]],
                  sessions: Callable[[], Iterable[SessionRow]]) -> None:
@@ -153,6 +155,11 @@ class Metrics:
             "Co-run: permille of each pacing period lower classes may issue work while a higher class holds "
             "(0: paused, 1000: MPS priority alone)", ("device",))
         self.bad_requests = self._counter("nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST")
+        self.metrics_http_closed = self._counter(
+            "nodeagent_metrics_http_closed",
+            "Connections to this metrics endpoint it closed itself (timeout: no whole request and response within "
+            "metrics.timeout_ms; evicted: idle when a new one needed its slot; refused: every slot busy; "
+            "bad_request: answered with an error)", ("reason",))
         self.connections_refused = self._counter(
             "nodeagent_connections_refused",
             "Local connections refused: over local.max_connections or out of descriptors")
@@ -204,6 +211,8 @@ class Metrics:
             self.sessions_lost.labels(reason)
         for where in INTERNAL_ERROR_PLACES:
             self.internal_errors.labels(where)
+        for reason in METRICS_HTTP_CLOSE_REASONS:
+            self.metrics_http_closed.labels(reason)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
@@ -237,10 +246,121 @@ class Metrics:
                 self.slice_seconds.labels(device, workload)
                 self.token_wait.labels(device, workload)
 
-    def serve_http(self, port: int, addr: str = "127.0.0.1"):
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
-        log.info("[metrics] serving http://%s:%d/metrics", addr, server.server_port)
-        return server, thread
+
+# ------------------------------------------------------------------ the text format, in steps
+
+# Prometheus' text format 0.0.4: what `prometheus_client.generate_latest` writes, and the type
+# a scrape is answered with.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LEGACY_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+_TYPE_SHOWN = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+_CHECK_EVERY = 32  # samples between looks at the clock
+
+
+class _OneFamily(Collector):
+    def __init__(self, family) -> None:
+        self._family = family
+
+    def collect(self):
+        return [self._family]
+
+
+class Exposition:
+    """``generate_latest(registry)``'s bytes, written in steps of about ``budget_s`` of
+    CPU each, so that the loop serving a scrape can hand a token on between steps.
+
+    A family is collected whole (one collector's ``collect``, the largest step: 3.3 ms
+    for a histogram of 456 samples on 2 shared cores) and then written a few samples
+    at a time; what it writes is byte for byte ``generate_latest``'s (a test holds it),
+    and a family the fast path does not cover (names outside the legacy set,
+    timestamps, OpenMetrics-only samples) is written by ``generate_latest`` itself."""
+
+    def __init__(self, registry: Collector, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._families = iter(registry.collect())
+        self._clock = clock
+        self._parts: list[str] = []
+        self._family = None  # the family being written, its samples' iterator, and its lines so far
+        self._samples = None
+        self._lines: list[str] = []
+        self._names_ok: dict[tuple[str, bool], bool] = {}  # (name, is a label) -> in the legacy set
+        self.cpu_s = 0.0  # spent in step() so far
+        self.result: bytes | None = None  # set once every family is written
+
+    def step(self, budget_s: float) -> bool:
+        """Write for about ``budget_s``; True once :attr:`result` holds the whole exposition."""
+        if self.result is not None:
+            return True
+        start = self._clock()
+        deadline = start + budget_s
+        try:
+            while True:
+                if self._samples is None:
+                    family = next(self._families, None)
+                    if family is None:
+                        self.result = "".join(self._parts).encode("utf-8")
+                        return True
+                    self._begin(family)
+                if self._write_samples(deadline):
+                    self._parts.extend(self._lines)
+                    self._samples = self._family = None
+                if self._clock() >= deadline:
+                    return False
+        finally:
+            self.cpu_s += self._clock() - start
+
+    def _begin(self, family) -> None:
+        self._family = family
+        self._samples = iter(family.samples)
+        self._lines = []
+        if not self._legacy(family.name):
+            self._samples = iter(())
+            self._lines = [generate_latest(_OneFamily(family)).decode("utf-8")]
+            return
+        name, kind = family.name, family.type
+        if kind == "counter":
+            name += "_total"
+        elif kind == "info":
+            name += "_info"
+        doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        self._lines.append(f"# HELP {name} {doc}\n# TYPE {name} {_TYPE_SHOWN.get(kind, kind)}\n")
+
+    def _write_samples(self, deadline: float) -> bool:
+        """Lines of the family's samples until the deadline; True when it has no more."""
+        lines, legacy, special = self._lines, self._legacy, self._special_names(self._family.name)
+        n = 0
+        for s in self._samples:
+            if s.timestamp is not None or s.name in special or not legacy(s.name) or \
+                    not all(legacy(k, True) for k in s.labels):
+                self._samples = iter(())  # generate_latest moves or quotes these: let it write the family
+                self._lines[:] = [generate_latest(_OneFamily(self._family)).decode("utf-8")]
+                return True
+            value = floatToGoString(s.value)
+            if s.labels:
+                labels = ",".join([f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items())])
+                lines.append(f"{s.name}{{{labels}}} {value}\n")
+            else:
+                lines.append(f"{s.name} {value}\n")
+            n += 1
+            if n % _CHECK_EVERY == 0 and self._clock() >= deadline:
+                return False
+        return True
+
+    def _legacy(self, name: str, label: bool = False) -> bool:
+        """Whether generate_latest writes ``name`` as it is (no escaping, no quotes)."""
+        ok = self._names_ok.get((name, label))
+        if ok is None:
+            ok = (_LEGACY_LABEL if label else _LEGACY_METRIC).match(name) is not None
+            self._names_ok[(name, label)] = ok
+        return ok
+
+    @staticmethod
+    def _special_names(name: str) -> tuple[str, ...]:
+        return (name + "_created", name + "_gsum", name + "_gcount")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
 def markdown_table(docs: Iterable[MetricDoc]) -> str:

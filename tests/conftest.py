@@ -31,11 +31,19 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
-class Daemon:
-    """A ``nodeagent serve`` process started for one test."""
+# Runs argv[3:] with RLIMIT_NOFILE set to (argv[1], argv[2]): a daemon started at a given descriptor limit.
+_WITH_NOFILE = ("import os, resource, sys; "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+                "os.execv(sys.argv[3], sys.argv[3:])")
 
-    def __init__(self, workdir: str, extra_args: list[str], endpoint: str | None = None) -> None:
+
+class Daemon:
+    """A ``nodeagent serve`` process started for one test (``nofile``: its RLIMIT_NOFILE, soft and hard)."""
+
+    def __init__(self, workdir: str, extra_args: list[str], endpoint: str | None = None,
+                 nofile: tuple[int, int] | None = None) -> None:
         self.workdir = workdir
+        self.nofile = nofile
         self.socket_path = os.path.join(workdir, "agent.sock")
         self.endpoint = endpoint or f"ipc://{self.socket_path}"
         self.extra_args = extra_args
@@ -47,8 +55,9 @@ class Daemon:
         config = os.path.join(self.workdir, "nodeagent.toml")
         if not os.path.exists(config):
             open(config, "w").close()  # hermetic: never the host's /etc/nodeagent/nodeagent.toml
+        limit = () if self.nofile is None else (sys.executable, "-c", _WITH_NOFILE, *map(str, self.nofile))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", "cpu",
+            [*limit, sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", "cpu",
              "--endpoint", self.endpoint,
              "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug",
              # Warm workers cost seconds of CPU per start; only the tests that use them ask.
@@ -118,8 +127,8 @@ def start_daemon(workdir):
     Started again in the same test, it reuses the endpoint and state dir (a restart)."""
     started: list[Daemon] = []
 
-    def start(*extra_args: str, endpoint: str | None = None) -> Daemon:
-        d = Daemon(workdir, list(extra_args), endpoint).start()
+    def start(*extra_args: str, endpoint: str | None = None, nofile: tuple[int, int] | None = None) -> Daemon:
+        d = Daemon(workdir, list(extra_args), endpoint, nofile).start()
         started.append(d)
         return d
 

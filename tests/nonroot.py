@@ -138,7 +138,7 @@ def share_with_socket_group(path: str, mode: int) -> None:
 
 
 @contextlib.contextmanager
-def reachable_daemon(*extra_args: str, config: str = "") -> Iterator[Daemon]:
+def reachable_daemon(*extra_args: str, config: str = "", nofile: tuple[int, int] | None = None) -> Iterator[Daemon]:
     """A root daemon whose socket uid 65534 can reach through :data:`SOCKET_GID`
     (for module-scoped fixtures; tests take :func:`nobody_daemon`). Stopped,
     and its directory removed, on exit."""
@@ -148,7 +148,7 @@ def reachable_daemon(*extra_args: str, config: str = "") -> Iterator[Daemon]:
         share_with_socket_group(workdir, 0o2750)  # setgid: what is made in it (the socket) gets the group
         with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
             f.write(config)
-        d = Daemon(workdir, list(extra_args)).start()
+        d = Daemon(workdir, list(extra_args), nofile=nofile).start()
         try:
             share_with_socket_group(d.socket_path, 0o660)  # what runtime.secure_socket does with its group
             yield d
@@ -164,4 +164,5 @@ def nobody_daemon():
     """Factory: ``nobody_daemon("--ctxpool", "on", config="...")`` -> a running root
     :class:`Daemon` that clients run with :func:`run_as_nobody` can reach."""
     with contextlib.ExitStack() as stack:
-        yield lambda *args, config="": stack.enter_context(reachable_daemon(*args, config=config))
+        yield lambda *args, config="", nofile=None: stack.enter_context(
+            reachable_daemon(*args, config=config, nofile=nofile))

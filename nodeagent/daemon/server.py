@@ -35,7 +35,7 @@ import zmq
 from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
-from nodeagent import enforce, memory, procwatch, runtime
+from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
@@ -52,6 +52,7 @@ from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
+from nodeagent.daemon.metrics_http import MetricsEndpoint
 from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
@@ -91,6 +92,7 @@ class AgentServer:
         self._own_ctx = context is None
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
         self._local: LocalEndpoint | None = None
+        self._metrics_http: MetricsEndpoint | None = None  # Prometheus scrapes, once serve_metrics() is called
         self._poller = EventLoopPoller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -194,9 +196,10 @@ class AgentServer:
         """Bind the endpoint; returns it. Refuses if another daemon serves it."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
+        limits = self._connection_limits()
         local = LocalEndpoint(endpoint, self._poller, self._on_frame, self._on_disconnect,
-                              max_connections=self.config.local_max_connections,
-                              max_connections_per_uid=self.config.local_max_connections_per_uid,
+                              max_connections=limits.max_connections,
+                              max_connections_per_uid=limits.max_connections_per_uid,
                               max_queued_bytes=self.config.local_max_queued_kb * 1024,
                               on_refused=lambda why: self.metrics.connections_refused.inc())
         try:
@@ -244,6 +247,42 @@ class AgentServer:
                  endpoint, self.backend.name, self._tokens.device_count, os.getpid(), self.boot)
         return endpoint
 
+    def _connection_limits(self) -> fdlimit.ConnectionLimits:
+        """The local endpoint's connection limits: the configured ones, or, where the
+        descriptor limit cannot hold them, what it can (logged)."""
+        metrics_fds = self.config.metrics_max_connections + 1 if self.config.metrics_port is not None else 0
+        limits = fdlimit.connection_limits(
+            self.config.local_max_connections, self.config.local_max_connections_per_uid,
+            soft_limit=fdlimit.soft_limit(), in_use=fdlimit.open_descriptors(),
+            reserved=fdlimit.SPARE_FDS + metrics_fds)
+        if limits.derived:
+            log.warning("[local] the descriptor limit (RLIMIT_NOFILE %d) leaves room for %d connections: "
+                        "local.max_connections %d -> %d, local.max_connections_per_uid %d -> %d (the same share "
+                        "of the whole); raise the hard limit (LimitNOFILE=) to keep the configured ones",
+                        fdlimit.soft_limit(), limits.room, self.config.local_max_connections,
+                        limits.max_connections, self.config.local_max_connections_per_uid,
+                        limits.max_connections_per_uid)
+        else:
+            log.debug("[local] max_connections=%d max_connections_per_uid=%d (descriptors for %s)",
+                      limits.max_connections, limits.max_connections_per_uid,
+                      "any number" if limits.room is None else limits.room)
+        return limits
+
+    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``addr:port`` from this loop (before or after :meth:`bind`);
+        returns the port. OSError if the address cannot be had."""
+        endpoint = MetricsEndpoint(
+            self._poller, self.metrics.registry, clock=self._clock,
+            max_connections=self.config.metrics_max_connections,
+            timeout_s=self.config.metrics_timeout_ms / 1000.0,
+            on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
+        port = endpoint.bind(addr, port)
+        self._metrics_http = endpoint
+        shown = f"[{addr}]" if ":" in addr else addr
+        log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
+                 shown, port, endpoint.max_connections, endpoint.timeout_s)
+        return port
+
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to shut down. Safe from signal handlers and other threads."""
         if self._stop_reason is None:
@@ -266,6 +305,7 @@ class AgentServer:
         if self._local is None:
             raise RuntimeError("bind() before serve_forever()")
         local = self._local
+        scrapes = self._metrics_http
         wake_fd = self._wake_r.fileno()
         pidfds_fd = self._sessions.fileno()
         try:
@@ -281,12 +321,16 @@ class AgentServer:
                         self._contain("memory", self._memory_policy.apply_readings)
                     elif self._mps.owns(target):
                         self._contain("mps", self._mps.on_exit, target)
+                    elif scrapes is not None and type(target) is int and scrapes.owns(target):
+                        self._contain("metrics", scrapes.on_ready, target, ready)
                     else:
                         handler = self._poll_handlers.get(target)
                         if handler is not None:
                             self._contain("poll", handler)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
+                if scrapes is not None:  # after the turn's handoffs: one step of an exposition at most
+                    self._contain("metrics", scrapes.on_timers, self._clock())
                 self._contain("one-hop", self._tokens.one_hop.refresh_all)  # successor hints, after the turn
                 self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
                 if self._status_jobs:
@@ -326,6 +370,8 @@ class AgentServer:
         self._serving.stop()
         self._mps.stop()
         self._cluster.close()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
         if self._local is not None:
             self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
             self._local = None
@@ -671,6 +717,10 @@ class AgentServer:
         serving_at = self._serving.next_deadline()
         if serving_at is not None and serving_at < wake_at:
             wake_at = serving_at
+        if self._metrics_http is not None:
+            metrics_at = self._metrics_http.next_deadline()
+            if metrics_at is not None and metrics_at < wake_at:
+                wake_at = metrics_at
         # Round up: waking early would spin until the deadline.
         if self._status_jobs:
             return 0  # a status is being built: take the next chunk after what is ready now
@@ -840,7 +890,7 @@ class AgentServer:
             try:
                 state = self._tokens.state(s.device, s.id).value
             except KeyError:
-                continue  # removed while we were reading (scrapes run on another thread)
+                continue  # not in its device's scheduler: left out rather than failing the scrape
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
             rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used))
         return rows
