@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 SEPARATOR = "::"
-MAX_ID_CHARS = 63  # the kubelet's bound on a device id
+MAX_ID_CHARS = 63  # the API's bound on a device id: "GPU-" + 36 + "::" + 4 digits fit
 LENT_CHOICES = ("unhealthy", "healthy")
 
 
@@ -130,14 +130,6 @@ class SharePolicy:
         if self.memory_mb_per_share is not None:
             return self.memory_mb_per_share
         return max(0, gpu.capacity_mb) // self.shares
-
-    def check_ids(self, view: NodeView) -> None:
-        """ValueError naming a device whose share ids the kubelet would refuse (over 63 characters)."""
-        for gpu in view.gpus:
-            longest = share_id(gpu.uuid, self.shares - 1)
-            if len(longest) > MAX_ID_CHARS:
-                raise ValueError(f"device {gpu.index}'s share id {longest!r} is longer than the kubelet's "
-                                 f"{MAX_ID_CHARS} characters")
 
 
 def preferred(available: list[str], must_include: list[str], size: int) -> list[str]:
