@@ -46,6 +46,7 @@ def test_a_daemon_that_does_not_answer_leaves_every_share_listed_but_unhealthy()
     assert len(policy.devices(away)) == 6
     assert health_of(policy, away) == {"GPU-aaaa": {"Unhealthy"}, "GPU-bbbb": {"Unhealthy"}}
     assert shares.describe(away, policy)[0] == "Unhealthy (the daemon does not answer)"
+    assert shares.describe(NodeView(reachable=True, gpus=(A,)), policy) == {0: "Healthy"}
 
 
 def test_allocate_names_the_device_holding_most_of_the_containers_shares():

@@ -162,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"nodeagent: error: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTING
+    # gRPC's core logs to stderr on its own (a peer going away at a kubelet restart is routine):
+    # errors only, so that what the plugin says is its own one-line log.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         import grpc  # noqa: F401
         from google.protobuf import __version__ as _  # noqa: F401

@@ -223,5 +223,5 @@ def describe(view: NodeView, policy: SharePolicy) -> dict[int, str]:
     out = {}
     for gpu in view.gpus:
         health, why = policy.health(gpu, view.reachable)
-        out[gpu.index] = f"{health} ({why})"
+        out[gpu.index] = health if health == HEALTHY else f"{health} ({why})"  # not every FREE/RUN move
     return out
