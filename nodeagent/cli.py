@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent serve | status | top | run | demo | keys | bench``."""
+"""Command line: ``nodeagent serve | status | top | run | demo | keys | bench | k8s-device-plugin``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ examples:
   nodeagent top
   nodeagent run --workload training -- python train.py
   nodeagent demo --seconds 5
+  nodeagent k8s-device-plugin --shares 4   (in the DaemonSet of deploy/kubernetes)
 """
 
 
@@ -232,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=["handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend",
                                         "switch", "reclaim", "scrapers"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+
+    from nodeagent.k8s.cli import add_parser as add_k8s_device_plugin  # needs no grpc until it runs
+    add_k8s_device_plugin(sub)
     return parser
 
 
@@ -257,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.seconds)
     if args.command == "keys":
         return _keys(args)
+    if args.command == "k8s-device-plugin":
+        from nodeagent.k8s.cli import run as run_k8s_device_plugin
+        return run_k8s_device_plugin(args)
     if args.command == "bench":
         return subprocess.call([sys.executable, "-m", f"bench.{args.name}", *args.args])
     return 2
