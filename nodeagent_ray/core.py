@@ -103,7 +103,8 @@ class CoreConfig:
     reclaim_deadline_ms: float = 3000.0  # a borrower's sessions not off the device by then are stopped
     lend_max_s: float | None = None  # each lend's max_s (the daemon reclaims on its own past it)
     retry_failed_lend_s: float = 30.0  # a device whose loan node failed to start is not lent again for this long
-    policy: pol.PolicyConfig = pol.PolicyConfig()
+    policy: pol.PolicyConfig = pol.PolicyConfig()  # its name picks the policy (nodeagent_ray.policies)
+    dedicated_nodes: tuple[str, ...] = ()  # training nodes: no inference there, their loans never reclaimed for it
 
 
 class _Failed:
@@ -246,7 +247,8 @@ class ControllerCore:
             reply = self._inventory.get(name)
             nodes[name] = pol.NodeView(name, alive=name not in self._dead,
                                        devices=device_views(name, reply) if reply is not None else (),
-                                       loans_known=name not in self._loans_unknown and reply is not None)
+                                       loans_known=name not in self._loans_unknown and reply is not None,
+                                       dedicated=name in self.config.dedicated_nodes)
             for device, rec in self._loan_records[name].items():
                 loans[(name, device)] = pol.LoanView(name, device, rec.job, rec.since)
         for (name, device), (_, job, _) in self._starting.items():
@@ -373,6 +375,12 @@ class ControllerCore:
         self._record({"kind": "resume", "node": d.node, "device": d.device, "job": d.job, "sessions": sessions,
                       "resume_ms": round(ms, 3)})
 
+    def _do_renew(self, d: pol.Renew, view: pol.ClusterView) -> None:
+        # A lease is the policy's promise for now: the daemon's lease renewal (issue 25, item 1) is not
+        # built, and a repeated lend keeps its first max_s, so the renewal is recorded and nothing is sent.
+        log.info("[controller] lease renewed node=%s device=%d job=%s lease_s=%g", d.node, d.device, d.job, d.lease_s)
+        self._record({"kind": "renew", "node": d.node, "device": d.device, "job": d.job, "lease_s": d.lease_s})
+
     def _do_lend(self, d: pol.Lend, view: pol.ClusterView) -> None:
         if (d.node, d.device) in self._starting:
             return
@@ -391,7 +399,7 @@ class ControllerCore:
         log.info("[controller] lent node=%s device=%d job=%s lend_ms=%.1f changed=%s (%s)", d.node, d.device, d.job,
                  lend_ms, reply.changed, d.reason)
         self._record({"kind": "lend", "node": d.node, "device": d.device, "job": d.job, "reason": d.reason,
-                      "lend_ms": round(lend_ms, 3)})
+                      "lend_ms": round(lend_ms, 3), **({} if d.lease_s is None else {"lease_s": d.lease_s})})
 
     def _collect_started(self) -> None:
         for key, (pending, job, started) in list(self._starting.items()):
