@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--trace-dir", help="the simulator's traces/ folder: <application>/placements.csv, validation-*.csv")
     w.add_argument("--demand", default="auto", choices=("auto", "trace", "generated", "none"),
                    help="inference demand with --trace: its inference rows, the day/night curve, none (default auto)")
-    w.add_argument("--jobs", type=int, default=160, help="generated: jobs (default 160)")
+    w.add_argument("--jobs", type=int, default=140, help="generated: jobs (default 140)")
     w.add_argument("--hours", type=float, default=24.0, help="generated: hours of arrivals (default 24)")
     w.add_argument("--seeds", default="0", help="generated: comma-separated seeds, one workload each (default 0)")
     w.add_argument("--slo-fraction", type=float, default=None,

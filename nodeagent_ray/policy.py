@@ -22,9 +22,10 @@ Rules, in the order :func:`decide` applies them:
 1. A dead node's loans are written off; nothing else on other nodes changes.
 2. An ACTIVE loan whose device has an inference session is reclaimed at once (the
    session joining is the demand). So are the cheapest ACTIVE loans when a serving
-   layer asks for devices anywhere (``inference_wanted``), by :func:`reclaim_cost`:
-   a loan whose job would stall last, then the fewest workers lost, then the least
-   progress since the job's last checkpoint (Aryl's preemption cost).
+   layer asks for devices anywhere (``inference_wanted``), cheapest in the policy's
+   order; today's is :func:`reclaim_cost`: a loan whose job would stall last, then the
+   fewest workers lost, then the least progress since the job's last checkpoint
+   (Aryl's preemption cost).
    After the reclaim the loan is released (its loan node stopped: the job shrinks),
    or PARKED when it held the job's last running worker, so that the job resumes
    in-process from its parked state when the device is lent to it again.
