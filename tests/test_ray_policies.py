@@ -255,3 +255,24 @@ def test_the_controller_and_the_simulator_carry_out_every_kind_of_decision():
     for cls in typing.get_args(Decision):
         assert callable(getattr(ControllerCore, f"_do_{cls.__name__.lower()}", None)), cls
         assert callable(getattr(Simulation, f"_do_{cls.__name__.lower()}", None)), cls
+
+
+def test_the_controller_remembers_the_leases_it_granted_until_the_jobs_report_their_own():
+    from nodeagent_ray.core import ControllerCore
+
+    class NoNodes:
+        nodes: list[str] = []
+        event_gaps: dict = {}
+
+    wall = [1000.0]
+    core = ControllerCore(NoNodes(), loans=None, jobs=None, wall=lambda: wall[0])
+    core._job_views = {"slo": JobView("slo", 2), "own": JobView("own", 1, lease_expires=5.0)}
+    core._do_renew(Renew("n1", 0, "slo", 600.0), None)
+    core._do_renew(Renew("n1", 0, "own", 600.0), None)
+    assert core.view().jobs["slo"].lease_expires == 1600.0
+    assert core.view().jobs["own"].lease_expires == 5.0  # a lease the job reports wins
+    wall[0] = 1200.0
+    core._do_renew(Renew("n2", 0, "slo", 600.0), None)  # still leased: not extended by a second device's renewal
+    assert core.view().jobs["slo"].lease_expires == 1600.0
+    core._job_views = {}
+    assert core.view().jobs == {} and core._leases == {}  # a job that is gone takes its lease with it
