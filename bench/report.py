@@ -40,7 +40,7 @@ INSTALL_HINT = "bench.report needs matplotlib: pip install 'nodeagent[plot]' (or
 MAX_FILE_BYTES = 32 * 1024 * 1024  # a benchmark's JSON is kilobytes; anything this big is something else
 MAX_PER_KIND = 8  # results drawn in one kind's figure
 BENCHMARKS = ("colocate", "switch", "suspend", "reclaim", "handoff", "scale", "fairness", "preempt", "enforce",
-              "recovery")
+              "recovery", "cluster_sim")
 ENVIRONMENT = "environment"  # gpu-check's env.json: read for the header, no figure of its own
 _DATE = re.compile(r"(?<!\d)(20\d\d-[01]\d-[0-3]\d)(?!\d)")
 
@@ -273,6 +273,8 @@ def headlines(result: Result) -> list[Headline]:
         row("cooperative reclaim − trainer's own park", ratio(d.get("cooperative_minus_park_ms"), 1, " ms"),
             "a few ms")
         row("enforced reclaim − deadline", ratio(d.get("enforced_minus_deadline_ms"), 2, " ms"), "a few ms")
+    elif kind == "cluster_sim":
+        rows += _cluster_sim_headlines(result)
     elif kind == MPS:
         row(f"throughput ratio of the {_shares_text(d)} split", ratio(d.get("throughput_ratio")),
             f"ideal {ratio(d.get('expected_ratio'))}")
@@ -336,6 +338,36 @@ def _colocate_headlines(result: Result) -> list[Headline]:
     failed = as_dict(d.get("failed"))
     if failed:
         row("modes that failed", ", ".join(short(m, 20) for m in failed), "none", False)
+    return rows
+
+
+def _cluster_sim_headlines(result: Result) -> list[Headline]:
+    """Each published comparison the simulation repeats: ours beside the paper's figure."""
+    rows = []
+    for c in result.data.get("comparisons") if isinstance(result.data.get("comparisons"), list) else []:
+        c = as_dict(c)
+        paper, ours, against = short(str(c.get("paper", "?")).split(" (")[0], 20), c.get("ours"), c.get("against")
+        what = f"{paper}: {short(ours, 24)} vs {short(against, 40)}"
+        if num(c.get("paper_queue_ratio")) is not None:
+            rows.append(Headline(result.source, "cluster_sim", f"{what}: JCT ÷, queueing ÷",
+                                 f"{ratio(c.get('jct_ratio'))} / {ratio(c.get('queue_ratio'))}",
+                                 f"paper {ratio(c.get('paper_jct_ratio'))} / {ratio(c.get('paper_queue_ratio'))}"))
+        elif isinstance(c.get("paper_jct_change_pct"), list):
+            goal = " / ".join(f"{num(v):+.0f}%" for v in c["paper_jct_change_pct"] if num(v) is not None)
+            value = num(c.get("jct_change_pct"))
+            rows.append(Headline(result.source, "cluster_sim", f"{what}: average JCT",
+                                 "n/a" if value is None else f"{value:+.1f}%", f"paper {goal}"))
+        elif num(c.get("small_jobs_jct_ratio")) is not None or num(c.get("jct_ratio")) is not None:
+            rows.append(Headline(result.source, "cluster_sim", f"{what}: JCT ÷ (all jobs, small jobs)",
+                                 f"{ratio(c.get('jct_ratio'))}, {ratio(c.get('small_jobs_jct_ratio'))}",
+                                 f"paper: short jobs first, up to {ratio(c.get('paper_jct_ratio'), 1)} on average"))
+        elif isinstance(c.get("deadlines_met_share"), dict):
+            met = as_dict(c["deadlines_met_share"])
+            be = as_dict(c.get("best_effort_jct_avg_s"))
+            text = "; ".join(f"{short(k, 20)} {num(v) * 100:.0f}% met, BE {fmt(num(be.get(k)) or 0)} s"
+                             for k, v in met.items() if num(v) is not None)
+            rows.append(Headline(result.source, "cluster_sim", f"{paper}: deadlines met and best-effort JCT",
+                                 short(text, 300), f"paper: misses up to {ratio(c.get('paper_miss_ratio'), 1)} fewer"))
     return rows
 
 

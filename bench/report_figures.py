@@ -421,6 +421,77 @@ def draw_gpu_check(fig, results: list[Result]) -> None:
         _title(ax, f"{r.source} · {short(r.data.get('device') or '')}\n{tests}")
 
 
+SIM_POLICIES = ("max-workers", "fifo", "tiresias", "knapsack", "deadline")
+SIM_BUCKETS = ("small", "medium", "large", "xlarge")
+SIM_COLOURS = {"max-workers": "#7f7f7f", "fifo": "#d62728", "tiresias": "#ff7f0e", "knapsack": "#1f77b4",
+               "deadline": "#2ca02c"}
+
+
+def sim_means(data: dict) -> dict[str, dict]:
+    """A cluster_sim result's runs as {"policy/lend": mean summary}."""
+    return {str(name): as_dict(as_dict(entry).get("mean")) for name, entry in as_dict(data.get("runs")).items()}
+
+
+def sim_policies(means: dict[str, dict]) -> list[str]:
+    names = []
+    for run in means:
+        policy = run.split("/")[0]
+        if policy not in names:
+            names.append(policy)
+    return sorted(names, key=lambda p: (SIM_POLICIES.index(p) if p in SIM_POLICIES else 99, p))[:2 * MAX_GROUPS]
+
+
+def _legend(ax, **kwargs) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def draw_cluster_sim(fig, results: list[Result]) -> None:
+    """Per result: average JCT and queueing per policy, with and without lending; JCT by job size
+    with lending; deadlines met and inference wait."""
+    grid = fig.subplots(2 * len(results), 2, squeeze=False)
+    for k, r in enumerate(results):
+        (jct, queue), (sizes, slo) = grid[2 * k], grid[2 * k + 1]
+        means = sim_means(r.data)
+        policies = sim_policies(means)
+
+        def values(key: str, lend: str, scale: float = 1.0):
+            return [None if num(means.get(f"{p}/{lend}", {}).get(key)) is None
+                    else num(means[f"{p}/{lend}"][key]) * scale for p in policies]
+        modes = [("lending", "lend", "#1f77b4"), ("no lending", "no-lend", "#aec7e8")]
+        modes = [m for m in modes if any(f"{p}/{m[1]}" in means for p in policies)]
+        _grouped_bars(jct, policies, [(label, values("jct_avg_s", key, 1 / 3600.0), c) for label, key, c in modes],
+                      log=False, unit="average JCT, hours")
+        _legend(jct, fontsize=7)
+        seeds = r.data.get("seeds") if isinstance(r.data.get("seeds"), list) else []
+        workload = as_dict(next(iter(as_dict(r.data.get("workload")).values()), {}))
+        cluster = as_dict(r.data.get("cluster"))
+        _title(jct, f"{r.source}\n{short(workload.get('source', '?'), 60)}; {len(seeds) or 1} seed(s); "
+                    f"{short(cluster.get('training_nodes', '?'), 4)}+{short(cluster.get('inference_nodes', '?'), 4)} "
+                    f"nodes x {short(cluster.get('gpus_per_node', '?'), 4)} GPUs (training + inference)")
+        _grouped_bars(queue, policies, [(label, [v if v and v > 0 else None for v in values("queue_avg_s", key)], c)
+                                        for label, key, c in modes], log=True, unit="average queueing, s (log)")
+        _legend(queue, fontsize=7)
+        _title(queue, "submission to the first worker up")
+        lend = "lend" if any(f"{p}/lend" in means for p in policies) else "no-lend"
+        buckets = [b for b in SIM_BUCKETS if any(b in as_dict(means.get(f"{p}/{lend}", {}).get("jct_by_bucket_avg_s"))
+                                                 for p in policies)]
+        _grouped_bars(sizes, buckets, [(p, [num(as_dict(means.get(f"{p}/{lend}", {}).get("jct_by_bucket_avg_s"))
+                                                .get(b)) for b in buckets], SIM_COLOURS.get(p)) for p in policies],
+                      log=True, unit="average JCT, s (log)")
+        _legend(sizes, fontsize=6.5, ncol=2)
+        _title(sizes, f"JCT by job size (GPU-hours <1, 1-10, 10-100, >100), {lend}")
+        _grouped_bars(slo, policies, [(f"deadlines met, {label}", values("deadlines_met_share", key, 100.0), c)
+                                      for label, key, c in modes], log=False, unit="% of SLO jobs")
+        slo.set_ylim(0, 115)
+        _legend(slo, fontsize=7, loc="lower left")
+        waits = ", ".join(f"{p} {fmt(v)}" for p, v in zip(policies, values("inference_wait_p99_ms", "lend"))
+                          if v is not None)
+        harvest = ", ".join(f"{p} {fmt(v)}" for p, v in zip(policies, values("harvested_gpu_h", "lend"))
+                            if v is not None)
+        _title(slo, f"inference wait p99 ms (lending): {short(waits, 90)}\nGPU-h harvested: {short(harvest, 90)}")
+
+
 @dataclass(frozen=True)
 class FigureSpec:
     title: str
@@ -447,6 +518,8 @@ FIGURES: dict[str, FigureSpec] = {
     "preempt": FigureSpec("Inference preempting training", draw_preempt, _paired),
     "enforce": FigureSpec("Enforcement on holders that never yield", draw_enforce, _paired),
     "recovery": FigureSpec("Daemon restart: sessions reattached", draw_recovery, _paired),
+    "cluster_sim": FigureSpec("Cluster simulation: the controller's policies on a job trace, with and without lending",
+                              draw_cluster_sim, lambda rs: (2, 2 * len(rs))),
     MPS: FigureSpec("MPS partition", draw_mps, _paired),
     GPU_CHECK: FigureSpec("scripts/gpu-check.sh steps", draw_gpu_check, _paired),
 }

@@ -6,6 +6,8 @@ runs it end to end on one machine.
 Modules, and what each may import:
 
 - :mod:`nodeagent_ray.policy`: the controller's decisions, pure (no I/O, no Ray).
+- :mod:`nodeagent_ray.policies`: the policies it may run, by name (Tiresias, knapsack
+  lending, deadline-first), pure as well; ``bench.cluster_sim`` drives them on a trace.
 - :mod:`nodeagent_ray.core`: the controller's loop: every node's inventory and events
   through :class:`client_lib.placement.PlacementClient`, the policy, and the loans
   carried out through interfaces it is given (no Ray, so it is tested with fakes).

@@ -36,6 +36,7 @@ import ray
 from client_lib.placement import ClientKeys, PlacementClient, load_server_public
 from nodeagent_ray import core as core_mod
 from nodeagent_ray import policy as pol
+from nodeagent_ray.jobsignals import JobSignals
 from nodeagent_ray.raynode import RayNodeProcess, RayNodeSpec
 
 log = logging.getLogger("nodeagent_ray")
@@ -305,14 +306,23 @@ class RayJobs:
                  if a.get("namespace") == NAMESPACE and a["name"].startswith("job:")]
         refs = [ray.get_actor(name, namespace=NAMESPACE).view.remote() for name in names]
         views = ray.get(refs, timeout=_RAY_CALL_S)  # one that does not answer: jobs unknown this round
-        return {v["name"]: pol.JobView(v["name"], v["max_workers"], v["steps_since_checkpoint"])
-                for v in views if not v["finished"]}
+        return {v["name"]: job_view(v) for v in views if not v["finished"]}
 
     def loan_started(self, job: str) -> None:
         job_tracker(job).resize_coming.remote()  # it asks the workers to hand off, then pokes Ray Train
 
     def loan_stopped(self, job: str) -> None:
         poke_ray_train()
+
+
+_SIGNALS = ("submitted_at", "steps_per_s", "steps_done", "expected_steps", "deadline", "last_resize_at")
+
+
+def job_view(view: dict) -> pol.JobView:
+    """A tracker's :meth:`JobTracker.view` as the policy's JobView (a tracker of an older release
+    reports no signals: they stay unknown)."""
+    return pol.JobView(view["name"], view["max_workers"], view["steps_since_checkpoint"],
+                       **{k: view[k] for k in _SIGNALS if k in view})
 
 
 def job_tracker(job: str):
@@ -326,13 +336,17 @@ def finish_job(job: str, timeout_s: float = 10.0) -> None:
     ray.get(job_tracker(job).finished.remote(), timeout=timeout_s)
 
 
-def create_job(job: str, max_workers: int):
-    """The tracker of training job ``job`` (made if it does not exist): the controller lends to it from now on."""
+def create_job(job: str, max_workers: int, *, expected_steps: int | None = None, deadline: float | None = None):
+    """The tracker of training job ``job`` (made if it does not exist): the controller lends to it from now on.
+    ``expected_steps`` (its whole length) and ``deadline`` (unix time: an SLO job) are what the
+    knapsack and deadline policies plan with (docs/cluster.md, section 8)."""
     if not (isinstance(max_workers, int) and max_workers >= 1):
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
+    JobSignals(created_at=0.0, expected_steps=expected_steps, deadline=deadline)  # checks them here, not in the actor
     # Owned by the caller: when the job's driver goes, so does the job, and the controller takes its loans back.
     return TrainingJob.options(name=job_tracker_name(check_name("job", job)), namespace=NAMESPACE,
-                               get_if_exists=True).remote(job, max_workers)
+                               get_if_exists=True).remote(job, max_workers, expected_steps=expected_steps,
+                                                          deadline=deadline)
 
 
 class JobTracker:
@@ -346,9 +360,11 @@ class JobTracker:
     A stop outranks a pause: once one is asked no pause is given, and a group already waiting
     for a resize learns it from :meth:`stop_asked` and trains on to the stop step."""
 
-    def __init__(self, job: str, max_workers: int) -> None:
+    def __init__(self, job: str, max_workers: int, *, expected_steps: int | None = None,
+                 deadline: float | None = None) -> None:
         self.job = job
         self.max_workers = int(max_workers)
+        self._signals = JobSignals(created_at=time.time(), expected_steps=expected_steps, deadline=deadline)
         self._cond = threading.Condition()
         self._step = 0  # the highest step a worker reported done
         self._step_at = 0.0  # when (unix time)
@@ -364,7 +380,8 @@ class JobTracker:
     def view(self) -> dict:
         with self._cond:
             return {"name": self.job, "max_workers": self.max_workers, "finished": self._finished,
-                    "steps_since_checkpoint": max(0, self._step - self._checkpoint_step)}
+                    "steps_since_checkpoint": max(0, self._step - self._checkpoint_step),
+                    **self._signals.view_fields()}
 
     # -------- from the workers
 
@@ -380,6 +397,7 @@ class JobTracker:
             self.history.append({"event": "start", "time": time.time(), "world_size": world_size,
                                  "resumed_from": resumed_from, "redone": redone, "pid": pid_of_rank0})
             self._handed_off_epoch = self._pause_epoch
+            self._signals.group_started(world_size, resumed_from, time.time())
             self._cond.notify_all()
             return self._pause_epoch
 
@@ -388,6 +406,7 @@ class JobTracker:
             if step > self._step:
                 self._step, self._step_at = step, time.time()
             self._world_size = world_size
+            self._signals.step_done(step, world_size, time.time())
             stop = self._stop_at is not None and step >= self._stop_at
             return {"pause_epoch": self._pause_epoch, "stop": stop}
 
@@ -401,10 +420,12 @@ class JobTracker:
     def parked(self, step: int, pid: int) -> None:
         with self._cond:
             self.history.append({"event": "park", "time": time.time(), "step": step, "pid": pid})
+            self._signals.paused()
 
     def unparked(self, step: int, pid: int) -> None:
         with self._cond:
             self.history.append({"event": "resume", "time": time.time(), "step": step, "pid": pid})
+            self._signals.paused()
 
     def workers_done(self, step: int) -> None:
         """Rank 0 left its loop at ``step`` (the job is not over until its driver says so)."""
@@ -433,6 +454,7 @@ class JobTracker:
                 self._pause_epoch += 1
                 epoch = self._pause_epoch
                 self.history.append({"event": "pause", "time": time.time(), "epoch": epoch, "step": self._step})
+                self._signals.paused()
                 handed = self._cond.wait_for(lambda: self._handed_off_epoch >= epoch, timeout_s)
         poke_ray_train(f"nodeagent-job-{self.job}")
         return handed

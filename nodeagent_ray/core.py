@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from client_lib import protocol as p
@@ -103,7 +103,8 @@ class CoreConfig:
     reclaim_deadline_ms: float = 3000.0  # a borrower's sessions not off the device by then are stopped
     lend_max_s: float | None = None  # each lend's max_s (the daemon reclaims on its own past it)
     retry_failed_lend_s: float = 30.0  # a device whose loan node failed to start is not lent again for this long
-    policy: pol.PolicyConfig = pol.PolicyConfig()
+    policy: pol.PolicyConfig = pol.PolicyConfig()  # its name picks the policy (nodeagent_ray.policies)
+    dedicated_nodes: tuple[str, ...] = ()  # training nodes: no inference there, their loans never reclaimed for it
 
 
 class _Failed:
@@ -160,6 +161,7 @@ class ControllerCore:
         self._starting: dict[tuple[str, int], tuple[Pending, str, float]] = {}  # key -> (pending, job, t0)
         self._joined_at: dict[tuple[str, int], float] = {}  # inference join seen on a lent device
         self._failed_at: dict[tuple[str, int], float] = {}  # when a loan node for the device failed to start
+        self._leases: dict[str, float] = {}  # job -> when the lease the policy granted it ends (wall clock)
         self._next_resync = 0.0
         self._next_dead_probe = 0.0
         self._gaps_seen = dict(placement.event_gaps)
@@ -246,14 +248,20 @@ class ControllerCore:
             reply = self._inventory.get(name)
             nodes[name] = pol.NodeView(name, alive=name not in self._dead,
                                        devices=device_views(name, reply) if reply is not None else (),
-                                       loans_known=name not in self._loans_unknown and reply is not None)
+                                       loans_known=name not in self._loans_unknown and reply is not None,
+                                       dedicated=name in self.config.dedicated_nodes)
             for device, rec in self._loan_records[name].items():
                 loans[(name, device)] = pol.LoanView(name, device, rec.job, rec.since)
         for (name, device), (_, job, _) in self._starting.items():
             loans.setdefault((name, device), pol.LoanView(name, device, job, self._wall()))
         with self._lock:
             wanted = sum(k for k, _ in self._inference_requests)
-        return pol.ClusterView(nodes=nodes, loans=loans, jobs=self._job_views, inference_wanted=wanted)
+        jobs = self._job_views
+        if jobs is not None and self._leases:  # leases the jobs do not report themselves: the ones granted here
+            jobs = {name: (replace(v, lease_expires=self._leases[name])
+                           if v.lease_expires is None and name in self._leases else v) for name, v in jobs.items()}
+            self._leases = {name: t for name, t in self._leases.items() if name in jobs}
+        return pol.ClusterView(nodes=nodes, loans=loans, jobs=jobs, inference_wanted=wanted)
 
     def act(self) -> list[pol.Decision]:
         view = self.view()
@@ -373,6 +381,19 @@ class ControllerCore:
         self._record({"kind": "resume", "node": d.node, "device": d.device, "job": d.job, "sessions": sessions,
                       "resume_ms": round(ms, 3)})
 
+    def _grant_lease(self, job: str, lease_s: float) -> None:
+        now = self._wall()
+        if self._leases.get(job, 0.0) <= now:
+            self._leases[job] = now + lease_s
+
+    def _do_renew(self, d: pol.Renew, view: pol.ClusterView) -> None:
+        # A lease is the policy's promise for now: the daemon's lease renewal (issue 25, item 1) is not
+        # built, and a repeated lend keeps its first max_s. So the controller remembers the leases it
+        # granted (a restarted one grants them again) and sends nothing.
+        self._grant_lease(d.job, d.lease_s)
+        log.info("[controller] lease renewed node=%s device=%d job=%s lease_s=%g", d.node, d.device, d.job, d.lease_s)
+        self._record({"kind": "renew", "node": d.node, "device": d.device, "job": d.job, "lease_s": d.lease_s})
+
     def _do_lend(self, d: pol.Lend, view: pol.ClusterView) -> None:
         if (d.node, d.device) in self._starting:
             return
@@ -388,10 +409,12 @@ class ControllerCore:
         except Exception as exc:
             pending = _Failed(exc)  # handled with the others that fail: the device is taken back
         self._starting[(d.node, d.device)] = (pending, d.job, started)
+        if d.lease_s is not None:
+            self._grant_lease(d.job, d.lease_s)
         log.info("[controller] lent node=%s device=%d job=%s lend_ms=%.1f changed=%s (%s)", d.node, d.device, d.job,
                  lend_ms, reply.changed, d.reason)
         self._record({"kind": "lend", "node": d.node, "device": d.device, "job": d.job, "reason": d.reason,
-                      "lend_ms": round(lend_ms, 3)})
+                      "lend_ms": round(lend_ms, 3), **({} if d.lease_s is None else {"lease_s": d.lease_s})})
 
     def _collect_started(self) -> None:
         for key, (pending, job, started) in list(self._starting.items()):

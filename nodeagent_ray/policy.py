@@ -22,9 +22,10 @@ Rules, in the order :func:`decide` applies them:
 1. A dead node's loans are written off; nothing else on other nodes changes.
 2. An ACTIVE loan whose device has an inference session is reclaimed at once (the
    session joining is the demand). So are the cheapest ACTIVE loans when a serving
-   layer asks for devices anywhere (``inference_wanted``), by :func:`reclaim_cost`:
-   a loan whose job would stall last, then the fewest workers lost, then the least
-   progress since the job's last checkpoint (Aryl's preemption cost).
+   layer asks for devices anywhere (``inference_wanted``), cheapest in the policy's
+   order; today's is :func:`reclaim_cost`: a loan whose job would stall last, then the
+   fewest workers lost, then the least progress since the job's last checkpoint
+   (Aryl's preemption cost).
    After the reclaim the loan is released (its loan node stopped: the job shrinks),
    or PARKED when it held the job's last running worker, so that the job resumes
    in-process from its parked state when the device is lent to it again.
@@ -32,10 +33,21 @@ Rules, in the order :func:`decide` applies them:
    to the same job and its sessions resumed. One parked for longer than
    ``park_max_s``, or whose job can be given another device now, is released.
    STALE loans, and loans of jobs that are gone, are released.
-4. FREE devices with no inference session and no loan are lent, never a device in
-   RUN, PROTECT or DRAINING, each to the job furthest below its ``max_workers``.
-   A device LENT to a known job whose loan node is missing (a controller that died
+4. A device LENT to a known job whose loan node is missing (a controller that died
    between the two halves of a lend) is lent again, which finishes the lend.
+5. FREE devices with no inference session and no loan are lent, never a device in
+   RUN, PROTECT or DRAINING. Who gets them is the one rule that differs between
+   policies (``PolicyConfig.name``): today's, ``max-workers``, lends each to the job
+   furthest below its ``max_workers`` and never takes a loan back for another job.
+   The others (:mod:`nodeagent_ray.policies`: ``fifo``, ``tiresias``, ``knapsack``,
+   ``deadline``) may also take loans back from one training job to give them to
+   another (always released, never parked: the job restarts elsewhere from its
+   handed-off state), and choose the loans inference takes in their own order.
+   Loans on a ``dedicated`` node (a training node no inference is placed on) are
+   never taken for inference.
+
+Rules 1-4 are :func:`run_policy`'s; rule 5 is an :class:`Allocator`'s, handed a
+:class:`Round` (what the shared rules left: free devices, what each job holds).
 """
 
 from __future__ import annotations
@@ -44,11 +56,12 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Protocol, Union
 
-__all__ = ["ClusterView", "Decision", "DeviceView", "JobView", "Lend", "LoanStatus", "LoanView", "NodeView",
-           "PolicyConfig", "Reclaim", "ReclaimCost", "Release", "Resume", "SessionCount", "Then", "WriteOff",
-           "choose_reclaims", "decide", "loan_status", "reclaim_cost"]
+__all__ = ["Allocator", "ClusterView", "Decision", "DeviceView", "JobView", "Lend", "LoanStatus", "LoanView",
+           "MaxWorkers", "NodeView", "PolicyConfig", "Reclaim", "ReclaimCost", "Release", "Renew", "Resume", "Round",
+           "SessionCount", "Then", "WriteOff", "choose_reclaims", "decide", "loan_status", "reclaim_cost",
+           "run_policy"]
 
 LoanKey = tuple[str, int]  # (node, device index)
 
@@ -86,12 +99,15 @@ class DeviceView:
 @dataclass(frozen=True)
 class NodeView:
     """A node: ``alive`` False once it is declared dead; ``loans_known`` False when this
-    round could not read which loan nodes run there (nothing is started or stopped there then)."""
+    round could not read which loan nodes run there (nothing is started or stopped there then).
+    ``dedicated``: a training node, where no inference is placed, so its loans are never
+    taken for inference (the controller's ``dedicated_nodes``)."""
 
     name: str
     alive: bool
     devices: tuple[DeviceView, ...] = ()
     loans_known: bool = True
+    dedicated: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,11 +126,24 @@ class LoanView:
 
 @dataclass(frozen=True)
 class JobView:
-    """A training job that wants lent devices: at most ``max_workers`` of them."""
+    """A training job that wants lent devices: at most ``max_workers`` of them.
+
+    The fields after ``steps_since_checkpoint`` are the per-job signals the policies of
+    :mod:`nodeagent_ray.policies` read (``max-workers`` reads none); their defaults say
+    "not known". Times are unix seconds, on the clock of ``decide``'s ``now``.
+    """
 
     name: str
     max_workers: int
     steps_since_checkpoint: int = 0
+    submitted_at: float | None = None  # when the job was created
+    attained_gpu_s: float = 0.0  # GPU-seconds held so far, over all its sessions and restarts (Tiresias)
+    steps_per_s: Mapping[int, float] = field(default_factory=dict)  # measured, by worker count
+    steps_done: int = 0
+    expected_steps: int | None = None  # the job's whole length, as it said at creation
+    deadline: float | None = None  # set: an SLO job (Chronus); None: best effort
+    lease_expires: float | None = None  # the SLO lease it holds, if any
+    last_resize_at: float | None = None  # when its worker count last changed (start, grow, shrink, stop)
 
 
 @dataclass(frozen=True)
@@ -137,11 +166,16 @@ class ClusterView:
 @dataclass(frozen=True)
 class PolicyConfig:
     park_max_s: float = 120.0  # how long a parked loan waits for its device before it is released
+    name: str = "max-workers"  # which policy decides who gets free devices (nodeagent_ray.policies)
+    options: Mapping[str, Any] = field(default_factory=dict)  # that policy's settings, by field name
 
     def __post_init__(self) -> None:
         if not (isinstance(self.park_max_s, (int, float)) and math.isfinite(self.park_max_s)
                 and self.park_max_s >= 0):
             raise ValueError(f"park_max_s must be a finite number of seconds >= 0, got {self.park_max_s!r}")
+        if self.name != MaxWorkers.name or self.options:
+            from nodeagent_ray.policies import make_policy  # checks the name and the options, raising ValueError
+            make_policy(self.name, self.options)
 
 
 class LoanStatus(str, enum.Enum):
@@ -194,9 +228,20 @@ class Lend:
     device: int
     job: str
     reason: str = "free device"
+    lease_s: float | None = None  # an SLO job's lease on the device (the deadline policy)
 
 
-Decision = Union[WriteOff, Reclaim, Release, Resume, Lend]
+@dataclass(frozen=True)
+class Renew:
+    """Extend ``job``'s lease on a device it holds by ``lease_s`` from now (the deadline policy)."""
+
+    node: str
+    device: int
+    job: str
+    lease_s: float
+
+
+Decision = Union[WriteOff, Reclaim, Release, Resume, Lend, Renew]
 
 
 @dataclass(frozen=True, order=True)
@@ -236,12 +281,18 @@ def reclaim_cost(view: ClusterView, loan: LoanView) -> ReclaimCost:
                        steps_since_checkpoint=job.steps_since_checkpoint if job is not None else 0)
 
 
+def inference_may_take(view: ClusterView, loan: LoanView, exclude: frozenset[LoanKey] = frozenset()) -> bool:
+    """An ACTIVE loan, not excluded, on a node where inference runs (not a dedicated training node)."""
+    node = view.nodes.get(loan.node)
+    return (loan.key not in exclude and node is not None and not node.dedicated
+            and loan_status(view, loan) is LoanStatus.ACTIVE)
+
+
 def choose_reclaims(view: ClusterView, count: int, exclude: frozenset[LoanKey] = frozenset()) -> list[LoanView]:
     """The ``count`` cheapest ACTIVE loans to take back for inference (ties: node, device)."""
     if count <= 0:
         return []
-    active = [loan for loan in view.loans.values()
-              if loan.key not in exclude and loan_status(view, loan) is LoanStatus.ACTIVE]
+    active = [loan for loan in view.loans.values() if inference_may_take(view, loan, exclude)]
     active.sort(key=lambda loan: (reclaim_cost(view, loan), loan.node, loan.device))
     return active[:count]
 
@@ -260,8 +311,75 @@ def _lendable(view: ClusterView, device: DeviceView) -> bool:
     return device.state == "FREE" and device.inference_sessions == 0 and device.key not in view.loans
 
 
+@dataclass(frozen=True)
+class Round:
+    """What rules 1-4 left for an :class:`Allocator` to hand out, in one call of :func:`decide`."""
+
+    view: ClusterView
+    now: float
+    config: PolicyConfig
+    jobs: Mapping[str, JobView]
+    candidates: tuple[DeviceView, ...]  # FREE, no inference, no loan: lendable now (sorted by node, device)
+    held: Mapping[str, int]  # devices each job keeps after rules 1-4: ACTIVE loans, resumed and kept parked
+    active: Mapping[str, tuple[LoanView, ...]]  # each job's ACTIVE loans that were not reclaimed this round
+    reclaimed: frozenset[LoanKey]  # loans rules 1-4 reclaim this round
+
+    def dedicated(self, node: str) -> bool:
+        found = self.view.nodes.get(node)
+        return found is not None and found.dedicated
+
+
+class Allocator(Protocol):
+    """Rule 5, which is what tells policies apart: who gets the free devices, which loans one
+    training job gives up for another, and which loans inference takes first."""
+
+    name: str
+
+    def inference_victims(self, view: ClusterView, count: int, exclude: frozenset[LoanKey],
+                          now: float) -> list[LoanView]:
+        """The ``count`` loans a serving layer's demand takes, cheapest first (only loans
+        ``inference_may_take``)."""
+
+    def allocate(self, r: Round) -> list[Decision]:
+        """Lends of ``r.candidates``, and Reclaims (RELEASE) of loans another job should have."""
+
+
+@dataclass(frozen=True)
+class MaxWorkers:
+    """Today's rule: each free device to the job furthest below its ``max_workers`` (ties by
+    name); a loan is taken back only for inference, the cheapest by :func:`reclaim_cost`."""
+
+    name = "max-workers"
+
+    def inference_victims(self, view: ClusterView, count: int, exclude: frozenset[LoanKey],
+                          now: float) -> list[LoanView]:
+        return choose_reclaims(view, count, exclude)
+
+    def allocate(self, r: Round) -> list[Decision]:
+        out: list[Decision] = []
+        held = dict(r.held)
+        for device in r.candidates:
+            wanting = [(r.jobs[name].max_workers - held[name], name) for name in sorted(r.jobs)
+                       if r.jobs[name].max_workers - held[name] > 0]
+            if not wanting:
+                break
+            _, job = min(wanting, key=lambda w: (-w[0], w[1]))
+            out.append(Lend(device.node, device.index, job))
+            held[job] += 1
+        return out
+
+
 def decide(view: ClusterView, now: float, config: PolicyConfig = PolicyConfig()) -> list[Decision]:
-    """What to do now, in the order to do it (see the module docstring for the rules)."""
+    """What to do now, in the order to do it (see the module docstring for the rules), by the
+    policy ``config.name`` names."""
+    if config.name == MaxWorkers.name and not config.options:
+        return run_policy(MaxWorkers(), view, now, config)
+    from nodeagent_ray.policies import make_policy
+    return run_policy(make_policy(config.name, config.options), view, now, config)
+
+
+def run_policy(allocator: Allocator, view: ClusterView, now: float, config: PolicyConfig) -> list[Decision]:
+    """Rules 1-4, then ``allocator``'s rule 5."""
     out: list[Decision] = []
 
     # 1. Dead nodes: write their loans off.
@@ -279,9 +397,12 @@ def decide(view: ClusterView, now: float, config: PolicyConfig = PolicyConfig())
         if loan_status(view, loan) is LoanStatus.ACTIVE and device is not None and device.inference_sessions:
             out.append(Reclaim(loan.node, loan.device, loan.job, _then(view, loan, reclaimed), "inference session"))
             reclaimed.add(loan.key)
-    for loan in choose_reclaims(view, view.inference_wanted, frozenset(reclaimed)):
-        out.append(Reclaim(loan.node, loan.device, loan.job, _then(view, loan, reclaimed), "inference demand"))
-        reclaimed.add(loan.key)
+    if view.inference_wanted > 0:
+        for loan in allocator.inference_victims(view, view.inference_wanted, frozenset(reclaimed), now):
+            if not inference_may_take(view, loan, frozenset(reclaimed)):
+                continue  # an allocator's mistake must not take a dedicated node's loan or one twice
+            out.append(Reclaim(loan.node, loan.device, loan.job, _then(view, loan, reclaimed), "inference demand"))
+            reclaimed.add(loan.key)
     for name in sorted(view.nodes):  # half-done lends (no loan node) that inference wants
         node = view.nodes[name]
         for d in node.devices if node.alive else ():
@@ -326,14 +447,16 @@ def decide(view: ClusterView, now: float, config: PolicyConfig = PolicyConfig())
     if view.jobs is None:
         return out
 
-    # 4. Lends: finish half-done ones, then FREE devices to the jobs furthest below max_workers.
+    # 4. Finish half-done lends.
     held: dict[str, int] = {name: kept_parked.get(name, 0) for name in view.jobs}
     for d in out:
         if isinstance(d, Resume):
             held[d.job] = held.get(d.job, 0) + 1
-    for loan in view.loans.values():
+    active: dict[str, list[LoanView]] = {name: [] for name in view.jobs}
+    for loan in sorted(view.loans.values(), key=lambda loan: loan.key):
         if loan.job in held and loan.key not in reclaimed and loan_status(view, loan) is LoanStatus.ACTIVE:
             held[loan.job] += 1
+            active[loan.job].append(loan)
     for name in sorted(view.nodes):
         node = view.nodes[name]
         if not (node.alive and node.loans_known):
@@ -343,12 +466,9 @@ def decide(view: ClusterView, now: float, config: PolicyConfig = PolicyConfig())
                     and d.inference_sessions == 0:
                 out.append(Lend(d.node, d.index, d.borrower, "lent without a loan node"))
                 held[d.borrower] += 1
-    for device in candidates:
-        wanting = [(view.jobs[name].max_workers - held[name], name) for name in sorted(view.jobs)
-                   if view.jobs[name].max_workers - held[name] > 0]
-        if not wanting:
-            break
-        _, job = min(wanting, key=lambda w: (-w[0], w[1]))
-        out.append(Lend(device.node, device.index, job))
-        held[job] += 1
+
+    # 5. The policy's own rule.
+    out += allocator.allocate(Round(view=view, now=now, config=config, jobs=view.jobs, candidates=tuple(candidates),
+                                    held=held, active={k: tuple(v) for k, v in active.items()},
+                                    reclaimed=frozenset(reclaimed)))
     return out
