@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import msgspec
 
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
+    status.add_argument("--wait", type=_positive_float, default=None, metavar="S",
+                        help="if nothing listens yet, try again for up to S seconds (a script that has just "
+                             "started `nodeagent serve`)")
 
     top = sub.add_parser("top", help="live view of holders, queues, recent token history, waits and memory",
                          description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -519,11 +523,20 @@ def _status(args: argparse.Namespace) -> int:
     if problem is not None:  # as `serve` refuses it: a typo, not a daemon that is away
         print(f"nodeagent: error: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTING
-    try:
-        status = query_status(args.endpoint, timeout=args.timeout)
-    except NodeAgentError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
-        return 1
+    from client_lib import DaemonUnavailableError
+    give_up = time.monotonic() + (args.wait or 0.0)
+    while True:
+        try:
+            status = query_status(args.endpoint, timeout=args.timeout)
+            break
+        except DaemonUnavailableError as exc:
+            if time.monotonic() >= give_up:
+                print(f"nodeagent: error: {exc}", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        except NodeAgentError as exc:
+            print(f"nodeagent: error: {exc}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(msgspec.to_builtins(status), indent=2))
         return 0

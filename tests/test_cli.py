@@ -190,3 +190,16 @@ def test_status_prints_no_control_characters_from_a_peers_name():
                      memory_used_bytes=None, utilization_percent=None, holder="s-1", queue=[], sessions=[row])])
     text = format_status(status)
     assert "\x1b" not in text and "\x07" not in text and "x?]0;owned??[2J" in text
+
+
+def test_status_wait_tries_again_until_its_time_is_up_then_says_why(tmp_path, capsys):
+    from nodeagent.cli import main
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    start = time.monotonic()
+    assert main(["status", "--endpoint", endpoint, "--wait", "0.4"]) == 1
+    assert time.monotonic() - start >= 0.4  # it kept trying, where without --wait it answers at once
+    err = capsys.readouterr().err
+    assert "nothing listens there" in err and "Traceback" not in err
+    start = time.monotonic()
+    assert main(["status", "--endpoint", endpoint]) == 1
+    assert time.monotonic() - start < 0.4

@@ -1,0 +1,59 @@
+"""The README's walkthrough ("From zero: a trainer and an inference service on one
+GPU") run as written: a newcomer's first commands must work after set-up.
+
+The block is read from README.md, so a walkthrough edited into something that does
+not run fails here. What the test adds: `serve` gets a private state directory and
+the cpu backend (it must not touch /var/lib or a GPU), the service runs 3 s, the
+service starts once the trainer has joined (as for a reader typing line by line),
+and NODEAGENT_ENDPOINT points at a private socket.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = "### From zero: a trainer and an inference service on one GPU"
+
+
+def walkthrough() -> str:
+    text = (ROOT / "README.md").read_text()
+    assert HEADING in text, "README.md lost its walkthrough"
+    block = re.search(r"```sh\n(.*?)```", text[text.index(HEADING):], re.S)
+    assert block, "the walkthrough has no ```sh block"
+    return block.group(1)
+
+
+def test_the_readme_walkthrough_runs_as_written(tmp_path):
+    script = walkthrough()
+    assert "nodeagent serve" in script and "examples/inference_service.py" in script
+    # Shorter than a reader's run: the service's --seconds is what makes the block take time.
+    script = re.sub(r"inference_service\.py --seconds \d+", "inference_service.py --seconds 3", script)
+    # serve gets a private state directory and the cpu backend (later flags win); the trainer is
+    # given time to join before the service starts, as a reader typing the lines one by one does.
+    script = re.sub(r"^(nodeagent serve [^&#]*)&",
+                    rf"\1--backend cpu --state-dir {tmp_path}/state --log-level warning &", script, flags=re.M)
+    script = re.sub(r"^(python examples/train_loop\.py[^\n]*)$",
+                    r"\1\nuntil nodeagent status | grep examples/train_loop >/dev/null; do sleep 0.2; done", script, flags=re.M)
+    assert "--state-dir" in script and "until nodeagent status" in script, script
+    env = dict(os.environ)
+    env["NODEAGENT_ENDPOINT"] = f"ipc://{tmp_path}/agent.sock"
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whatever the venv's editable install points at
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # where .venv/ is elsewhere (a second clone)
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"^done: [1-9]\d* requests +latency p50", out, re.M), out[-3000:]
+    assert re.search(r"session \S+ on device 0", out), out[-3000:]  # the trainer joined
+    # The last status: the trainer still on the device, with GPU time, after the service's run.
+    last_status = out[out.rindex("nodeagent pid"):]
+    assert re.search(r"examples/train_loop +training .* [1-9]\d*\s+\d+$", last_status, re.M), last_status
