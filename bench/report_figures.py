@@ -56,6 +56,7 @@ class Result:
     kind: str
     source: str  # path under DIR; "summary.json#results.switch" for one that summary.json carries
     data: dict
+    modified: float = 0.0  # its file's st_mtime: the last way to tell which of two runs is newer
 
 
 WAYS_SWITCH = (  # PipeSwitch's order: what a switch costs without a warm engine, then with one
