@@ -70,6 +70,7 @@ class Collection:
     runs: list[str] = field(default_factory=list)  # every run label found under DIR
     run: str | None = None  # the run named with --run
     files: int = 0
+    carried: int = 0  # results found inside gpu-check summaries, beside the files
 
     def by_kind(self) -> dict[str, list[Result]]:
         kinds: dict[str, list[Result]] = {}
@@ -143,6 +144,7 @@ def collect(root: Path) -> Collection:
         kind = classify(value)
         if kind is None or kind in (ENVIRONMENT, GPU_CHECK):
             continue  # a step that wrote nothing
+        out.carried += 1
         if _canonical(value) in seen:
             out.repeated.append(Skipped(source, f"the same result as {seen[_canonical(value)]}, drawn once"))
             continue
@@ -178,7 +180,8 @@ def tally(collection: Collection) -> str:
                          (len(collection.context), "read for the header only")):
         if count:
             parts.append(f"{count} {words}")
-    return f"{collection.files} JSON files: " + ", ".join(parts)
+    carried = f" and {collection.carried} results inside gpu-check summaries" if collection.carried else ""
+    return f"{collection.files} JSON files{carried}: " + ", ".join(parts)
 
 
 # ------------------------------------------------------------------ header and headline ratios

@@ -285,6 +285,10 @@ def test_a_folder_of_three_runs_draws_each_measurement_once_from_the_newest_and_
         assert f"{tree}/summary.json" in left and f"{tree}/handoff-hold0-one-hop.json" in left
     assert "handoff-hold0-one-hop.json is drawn" in left["review-tree/handoff-hold0-one-hop.json"]
     assert "nearest DIR's top" in left["review-tree/handoff-hold0-one-hop.json"]  # nothing else tells them apart
+    # every file and every result a summary carries is counted once
+    line = report.tally(collection)
+    assert line.startswith("21 JSON files and 26 results inside gpu-check summaries: 10 results drawn, 19 left out")
+    assert sum(int(n) for n in re.findall(r"(?:: |, )(\d+) ", line)) == 21 + 26
     headline_sources = {h.source for rs in collection.by_kind().values() for r in rs for h in report.headlines(r)}
     assert not any(s.startswith(("final-tree/", "review-tree/")) for s in headline_sources)
 
@@ -381,3 +385,66 @@ def test_h100_page_explains_every_red_mark_and_names_its_columns_in_words(h100_r
     visible = re.sub(r"title='[^']*'", "", table)
     assert "ratio_pipe_p50" in table and "ratio_pipe_p50" not in visible  # a tooltip, not the words shown
     assert ">gpu-check<" not in visible and ">GPU check (scripts/gpu-check.sh)<" in visible
+
+
+# ------------------------------------------------------------------ readable axes at any count
+
+def _handoff(sessions: list[int], name: str) -> report.Result:
+    rows = {str(n): {"handoff_p50_us": 100.0 + n, "handoff_p99_us": 300.0 + n, "pipe_rtt_p50_us": 20.0}
+            for n in sessions}
+    return report.Result("handoff", f"one-hop/{name}.json", {"benchmark": "handoff", "by_sessions": rows,
+                                                             "work_device": "cuda"})
+
+
+def _overlapping_labels(ax, renderer) -> list[tuple[str, str]]:
+    """Neighbouring x labels whose text overlaps: boxes for level labels; for rotated ones (parallel strips,
+    whose boxes overlap anyway) the strips' distance against the text's own height."""
+    import math
+    shown = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+    found = []
+    for a, b in zip(shown, shown[1:]):
+        angle = a.get_rotation()
+        if angle == 0:
+            clash = a.get_window_extent(renderer).overlaps(b.get_window_extent(renderer))
+        else:
+            a.set_rotation(0)
+            thickness = a.get_window_extent(renderer).height
+            a.set_rotation(angle)
+            xa, xb = (ax.transData.transform((t.get_position()[0], 0))[0] for t in (a, b))
+            clash = (xb - xa) * math.sin(math.radians(angle)) < thickness
+        if clash:
+            found.append((a.get_text(), b.get_text()))
+    return found
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("counts", [(8, 7), (8, 8, 8)])  # 15 labels (the issue's handoff figure), then 24
+def test_the_handoff_figure_labels_never_overlap(counts):
+    import matplotlib
+    matplotlib.use("Agg")
+    from bench.report_figures import COLUMN_IN, FIGURES, ROW_IN, _new_figure
+    results = [_handoff(list(range(2, 2 + n)), f"handoff-hold{200 * i}-one-hop") for i, n in enumerate(counts)]
+    cols, rows = FIGURES["handoff"].shape(results)
+    fig = _new_figure(cols * COLUMN_IN, rows * ROW_IN)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    with matplotlib.rc_context({"text.parse_math": False}):
+        FIGURES["handoff"].draw(fig, results)
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        (ax,) = fig.axes
+        shown = [t for t in ax.get_xticklabels() if t.get_text()]
+        assert len(shown) >= sum(counts) // 3  # thinned at most to one in three
+        assert _overlapping_labels(ax, canvas.get_renderer()) == []
+
+
+def test_tick_layout_keeps_short_labels_and_rotates_or_thins_crowded_ones():
+    from bench.report_figures import tick_layout
+    assert tick_layout(["a", "b", "c"], 6.0, 8).labels == ["a", "b", "c"]
+    assert tick_layout(["a", "b", "c"], 6.0, 8).rotation == 0
+    wrapped = tick_layout(["64 sessions, work on cuda", "2 sessions, work on cuda"], 3.0, 8)
+    assert wrapped.rotation == 0 and all("\n" in label for label in wrapped.labels)
+    crowded = tick_layout([f"{n} sessions, work on cuda\nhandoff-hold200-one-hop" for n in range(15)], 11.0, 7)
+    assert crowded.rotation in (45, 90) and crowded.step == 1  # 15 labels: rotated, all shown
+    many = tick_layout([f"{n} sessions\nhandoff-hold200-one-hop" for n in range(60)], 5.0, 7)
+    assert many.rotation == 90 and many.step > 1
+    assert [label for label in many.labels if label] == many.labels[::many.step]
