@@ -9,15 +9,22 @@ figures embedded as data: URIs, so that the one file can be attached to a
 ticket, under a header naming the device, host and date found in the results
 and a table of their headline ratios.
 
+One run per page: of each measurement (a kind and a file name without folder
+and run suffix: colocate-run1.json and colocate-run2.json, or final-tree/x.json
+and x.json) the newest run is drawn, or the one named with --run; the others
+are listed as left out, with the file drawn in their place.
+
 A JSON file that is no known result is listed as not rendered; a file that is
 not JSON at all is named in one line on stderr and skipped. Results that
 summary.json repeats from files beside it are drawn once. Needs matplotlib:
 pip install 'nodeagent[plot]'.
 
 example: python -m bench.report bench/results/h100-80gb-hbm3-2026-11-23 --out /tmp/report
+         python -m bench.report bench/results/h100-80gb-hbm3-2026-11-23b --run review-tree --out /tmp/review
 
 exit status: 0 a page was written; 1 nothing under DIR could be drawn
-(report.html still lists what was found); 2 bad arguments or no matplotlib.
+(report.html still lists what was found); 2 bad arguments (a --run that
+names no run among them) or no matplotlib.
 """
 
 from __future__ import annotations
