@@ -76,6 +76,7 @@ class Collection:
     left_out: list[LeftOut] = field(default_factory=list)  # other runs of a measurement drawn from one run
     runs: list[str] = field(default_factory=list)  # every run label found under DIR
     run: str | None = None  # the run named with --run
+    other_runs: int = 0  # results left out because another run of their measurement is drawn
     files: int = 0
     carried: int = 0  # results found inside gpu-check summaries, beside the files
 
@@ -169,6 +170,7 @@ def select(collection: Collection, run: str | None = None) -> None:
     choice = choose(collection.results, run)
     collection.runs, collection.run = choice.runs, (run.strip("/") or TOP) if run is not None else None
     collection.left_out += choice.left_out
+    collection.other_runs = len(choice.left_out)
     kept = []
     for kind in FIGURES:  # a figure of a hundred panels helps nobody and could exhaust memory
         drawn, rest = cut(in_series_order([r for r in choice.drawn if r.kind == kind]), MAX_PER_KIND)
@@ -518,6 +520,9 @@ def _met_cell(h: Headline) -> str:
 def _runs_text(collection: Collection) -> str:
     if collection.run is not None:
         return f"run {collection.run}, named with --run, of {len(collection.runs)}: {', '.join(collection.runs)}"
+    if len(collection.runs) > 1 and not collection.other_runs:
+        return (f"results from {', '.join(collection.runs)}: each measurement ran once, all are drawn; "
+                "name one run with --run NAME")
     if len(collection.runs) > 1:
         return (f"{len(collection.runs)} runs ({', '.join(collection.runs)}): of each measurement the newest run is "
                 "drawn, the others are listed as left out under Files; name one with --run NAME")

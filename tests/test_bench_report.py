@@ -356,7 +356,9 @@ def test_stderr_and_the_page_count_the_same_files_the_same_way(tmp_path, capsys)
     assert on_stderr == on_page == ("4 JSON files: 1 result drawn, 1 left out (other runs, or over a figure's "
                                     "limit), 1 not rendered, 1 malformed")
     assert "<figcaption>MPS partition, drawn from mps-run2.json; left out: mps-run1.json" in page
-    assert "2 runs (., run2)" not in page and "2 runs (run1, run2)" in page
+    assert "2 runs (run1, run2): of each measurement the newest run is drawn" in page
+    assert report._runs_text(_selected(CPU)) == ("results from ., one-hop: each measurement ran once, all are "
+                                                 "drawn; name one run with --run NAME")
 
 
 def test_every_missed_goal_says_in_words_which_goal_what_value_and_what_target():
