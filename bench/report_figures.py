@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Callable
 
 COLUMN_IN = 7.5  # the page is two columns of this width (inches)
@@ -56,6 +58,7 @@ class Result:
     kind: str
     source: str  # path under DIR; "summary.json#results.switch" for one that summary.json carries
     data: dict
+    modified: float = 0.0  # its file's st_mtime: the last way to tell which of two runs is newer
 
 
 WAYS_SWITCH = (  # PipeSwitch's order: what a switch costs without a warm engine, then with one
@@ -87,8 +90,54 @@ def switch_groups(data: dict) -> SwitchGroups:
     return SwitchGroups(models, ways, {key: table[key] for key, _, _ in ways}, missing)
 
 
+CHAR_EM = 0.62  # a label character's width, in ems of its font size (DejaVu Sans: 0.55 to 0.64)
+LINE_EM = 1.3  # a label line's height, in ems
+MAX_LINES = 4  # a label wrapped to more lines than this is rotated instead
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """How an axis's labels fit: wrapped, rotated, or only every ``step``-th shown."""
+    labels: list[str]  # "" where a label is thinned out
+    rotation: int  # degrees: 0, 45 or 90
+    step: int = 1
+
+
+def tick_layout(labels: list[str], axis_width_in: float, fontsize: float) -> Ticks:
+    """Labels that do not overlap on an axis this wide: as they are, else wrapped into their slot, else
+    rotated 45 or 90 degrees, else every step-th label (vertical). Widths are estimated, not measured,
+    so that the layout is known before drawing."""
+    if not labels:
+        return Ticks([], 0)
+    slot_in = axis_width_in / len(labels)
+    char_in, line_in = CHAR_EM * fontsize / 72, LINE_EM * fontsize / 72
+    fit = int(slot_in * 0.9 / char_in)  # characters a horizontal label may have per line
+    wrapped = ["\n".join(textwrap.fill(line, fit, break_long_words=False) or line for line in label.split("\n"))
+               for label in labels] if fit >= 6 else []
+    lines = [w.split("\n") for w in wrapped]
+    if wrapped and all(len(ls) <= MAX_LINES and max(len(x) for x in ls) <= fit for ls in lines):
+        return Ticks(wrapped, 0)
+    thickness_in = max(label.count("\n") + 1 for label in labels) * line_in * 1.15
+    for angle in (45, 90):  # rotated labels are parallel strips slot·sin(angle) apart
+        if slot_in * math.sin(math.radians(angle)) >= thickness_in:
+            return Ticks(list(labels), angle)
+    step = math.ceil(thickness_in / slot_in)
+    return Ticks([label if i % step == 0 else "" for i, label in enumerate(labels)], 90, step)
+
+
+def set_x_labels(ax, labels: list[str], fontsize: float = 8) -> Ticks:
+    """One tick per group, labelled so that the labels never overlap however many there are."""
+    width_in = ax.get_position().width * ax.figure.get_figwidth()
+    ticks = tick_layout([str(label) for label in labels], width_in, fontsize)
+    rotated = {"rotation": ticks.rotation, "ha": "right", "rotation_mode": "anchor"} if ticks.rotation else {}
+    ax.set_xticks(range(len(labels)), ticks.labels, fontsize=fontsize, **rotated)
+    if ticks.step > 1:
+        ax.set_xlabel(f"one group in {ticks.step} labelled, from the left", fontsize=7, color="#555555")
+    return ticks
+
+
 def _grouped_bars(ax, groups: list[str], series: list[tuple[str, list, str | None]], *, log: bool,
-                  unit: str = "") -> None:
+                  unit: str = "", label_size: float = 8) -> None:
     """Bars side by side per group, each with its value on top; None (or ≤ 0 on a log axis) draws no bar."""
     n = max(len(series), 1)
     width = 0.8 / n
@@ -104,7 +153,7 @@ def _grouped_bars(ax, groups: list[str], series: list[tuple[str, list, str | Non
         ax.bar_label(bars, labels=[fmt(v) for _, v in pairs], fontsize=6.5, padding=1,
                      rotation=90 if rotate else 0)
         top = max(top, max(v for _, v in pairs))
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    set_x_labels(ax, groups, label_size)
     if top <= 0:  # a log axis with nothing on it cannot be drawn at all
         ax.text(0.5, 0.5, "no values to draw in this result", transform=ax.transAxes, ha="center", fontsize=8,
                 color="#777777")
@@ -183,9 +232,10 @@ def _handoff_rows(r: Result) -> list[tuple[str, dict]]:
     by = as_dict(d.get("by_sessions"))
     rows = [(str(n), as_dict(v)) for n, v in by.items()][:MAX_GROUPS] if by else [(str(d.get("sessions", "?")), d)]
     work = d.get("work_device")
-    where = r.source.replace("/", "/\n") if len(r.source) > 24 else r.source  # labels side by side stay apart
+    path, _, carried = r.source.partition("#results.")  # the figure's caption names the files in full
+    name = short(carried or PurePosixPath(path).stem, 32)
     return [(f"{short(n, 12)} sessions" + (f", work on {short(work, 12)}" if work not in (None, "none") else "")
-             + f"\n{where}", v)
+             + f"\n{name}", v)
             for n, v in rows]
 
 
@@ -200,10 +250,9 @@ def draw_handoff(fig, results: list[Result]) -> None:
     ax = fig.subplots()
     series = [(label, [num(v.get(key)) for _, v in rows], colour) for key, label, colour in HANDOFF_SERIES
               if any(num(v.get(key)) is not None for _, v in rows)]
-    _grouped_bars(ax, [name for name, _ in rows], series, log=True, unit="µs (log)")
+    _grouped_bars(ax, [name for name, _ in rows], series, log=True, unit="µs (log)", label_size=7)
     goals = {num(v.get("goal_p99_us")) for _, v in rows} - {None}
     _hline(ax, min(goals) if goals else 1000.0, "p99 goal")
-    ax.tick_params(axis="x", labelsize=7)
     _title(ax, "release → next holder's grant, against baselines measured in the same run")
     ax.legend(fontsize=7, ncol=2)
 
@@ -332,7 +381,8 @@ def draw_reclaim(fig, results: list[Result]) -> None:
                 ("deadline", "deadline_ms", None, "#ffbb78"),
                 ("enforced reclaim\n(SIGSTOP)", "reclaim_enforced_ms", "reclaim_enforced_samples_ms", "#d62728")]
         bars = [b for b in bars if num(d.get(b[1])) is not None and d[b[1]] > 0]
-        _grouped_bars(ax, [b[0] for b in bars], [("median", [d[b[1]] for b in bars], None)], log=True, unit="ms (log)")
+        _grouped_bars(ax, [b[0] for b in bars], [("median", [d[b[1]] for b in bars], None)], log=True, unit="ms (log)",
+                      label_size=7)
         for patch, b in zip(ax.patches, bars):
             patch.set_color(b[3])
         for i, b in enumerate(bars):
@@ -340,7 +390,6 @@ def draw_reclaim(fig, results: list[Result]) -> None:
                        if num(v) is not None and v > 0]
             ax.scatter([i + 0.25] * len(samples), samples, s=8, color="black", zorder=3,
                        label="samples" if samples and i == 2 else None)
-        ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7, loc="upper left")
         _title(ax, f"{_where(r)}\n{ratio(d.get('state_mb'), 0, ' MiB')} of training state, "
                    f"{d.get('transport', 'cluster endpoint')}")
@@ -380,20 +429,20 @@ def draw_colocate(fig, results: list[Result]) -> None:
                                        num(as_dict(modes[m].get(load)).get(key)) * scale for m in names], colour)
                     for load, colour in zip(loads, LOAD_COLOURS)]
         labels = [short(m, 18).replace("-", "-\n", 1) for m in names]
-        _grouped_bars(left, labels, series("p99_over_alone"), log=True, unit="inference p99 ÷ alone (log)")
+        _grouped_bars(left, labels, series("p99_over_alone"), log=True, unit="inference p99 ÷ alone (log)",
+                      label_size=6.5)
         _hline(left, 1.0, "alone", "#555555")
         _hline(left, 1.10, "goal: 1.10×", "#d62728")
         shown = [v for _, values, _ in series("p99_over_alone") for v in values if v is not None and v > 0]
         left.set_ylim(bottom=min([0.8, *shown]) * 0.8)  # bars grow from below 1, where "alone" is
-        left.tick_params(axis="x", labelsize=6.5)
         left.legend(fontsize=7)
         trainer = as_dict(d.get("trainer"))
         _title(left, f"{_where(r)}\ntrainer {short(trainer.get('model', '?'), 20)} batch "
                      f"{short(trainer.get('batch', '?'), 6)}, {ratio(trainer.get('alone_steps_per_s'), 1, '')} "
                      "steps/s alone")
-        _grouped_bars(right, labels, series("kept", 100.0), log=False, unit="training kept, % of alone")
+        _grouped_bars(right, labels, series("kept", 100.0), log=False, unit="training kept, % of alone",
+                      label_size=6.5)
         _hline(right, 100.0, "alone", "#555555")
-        right.tick_params(axis="x", labelsize=6.5)
         right.legend(fontsize=7)
         rates = ", ".join(f"{short(name, 12)}: {short(as_dict(v).get('model', '?'), 12)} b"
                           f"{short(as_dict(v).get('batch', '?'), 5)} at {ratio(as_dict(v).get('rate_per_s'), 0, '')}"
