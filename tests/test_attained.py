@@ -261,3 +261,22 @@ def test_a_sigkilled_daemon_keeps_every_jobs_attained_service(cluster_node, star
     assert after["job-8"] >= written["job-8"]
     holder.kill()
     peer.close()
+
+
+def test_renew_and_set_weight_over_the_wire(cluster_node):  # noqa: F811
+    node = cluster_node("--cpu-devices", "1")
+    peer = node.peer()
+    lent = peer.call(p.Lend(id=0, device=0, borrower="job-7", max_s=100.0))
+    renewed = peer.call(p.Renew(id=0, device=0, borrower="job-7", max_s=1000.0))
+    assert isinstance(renewed, p.LifecycleReply) and renewed.changed
+    assert renewed.lent_until == pytest.approx(lent.lent_until + 900.0, abs=5.0)
+    assert peer.call(p.Inventory(id=0)).devices[0].lent_until == pytest.approx(renewed.lent_until, abs=0.01)
+    refused = peer.call(p.Renew(id=0, device=0, borrower="job-8", max_s=10.0))
+    assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.STATE
+    with Client("t", workload="training", endpoint=node.daemon.endpoint, borrower="job-7") as trainer:
+        assert isinstance(peer.call(p.SetWeight(id=0, session=trainer.session_id, weight=3.0)), p.Ok)
+        assert peer.call(p.Inventory(id=0)).devices[0].sessions[0].weight == 3.0
+        bad = peer.call(p.SetWeight(id=0, session=trainer.session_id, weight=-1.0))
+        gone = peer.call(p.SetWeight(id=0, session="s-nobody", weight=1.0))
+        assert (bad.code, gone.code) == (p.ErrorCode.INVALID, p.ErrorCode.NO_SESSION)
+    peer.close()

@@ -100,7 +100,7 @@ class AttainedService:
         totals = dict(self._banked)
         for job, running_s in self._running(now).items():
             totals[job] = totals.get(job, 0.0) + running_s
-        return {job: round(gpu_s, 6) for job, gpu_s in totals.items()}
+        return totals
 
     def of(self, job: str, now: float) -> float:
         """``job``'s GPU-seconds now (0.0 for a job never seen)."""
