@@ -345,8 +345,9 @@ def render_table(result: dict) -> str:
 
         def f(v, scale=1.0, digits=1):
             return "-" if v is None else f"{v / scale:.{digits}f}"
+        slo = "-" if m["deadlines_met_share"] is None else f(m["deadlines_met_share"], 0.01, 0) + "%"
         rows.append(f"{name:22s} {f(m['jct_avg_s'], 3600, 2):>9s} {f(m['jct_p99_s'], 3600, 1):>7s} "
-                    f"{f(m['queue_avg_s']):>9s} {f(m['deadlines_met_share'], 0.01, 0):>7s}% "
+                    f"{f(m['queue_avg_s']):>9s} {slo:>8s} "
                     f"{f(m['inference_wait_p99_ms']):>10s} {f(m['harvested_gpu_h']):>13s}")
     for c in result["comparisons"]:
         keys = {k: v for k, v in c.items() if k.endswith(("ratio", "change_pct"))}

@@ -368,6 +368,27 @@ class PlacementClient:
             raise first_error
         return reply
 
+    def renew(self, node: str, device: int, borrower: str, max_s: float) -> p.LifecycleReply:
+        """A new term for the lend of ``device`` to ``borrower``: it ends ``max_s`` seconds from now
+        (``lent_until``, unix time). ``E_STATE`` if the device is not lent to ``borrower`` (reclaimed,
+        or its lease already ran out)."""
+        return self._one(node, lambda id: p.Renew(id=id, device=device, borrower=borrower, max_s=max_s),
+                         p.LifecycleReply)
+
+    def set_weight(self, node: str, session: str, weight: float) -> p.Ok:
+        """``session``'s share of its device's time within its class, from now."""
+        return self._one(node, lambda id: p.SetWeight(id=id, session=session, weight=weight), p.Ok)
+
+    def attained(self, nodes: Sequence[str] | None = None) -> dict[str, float]:
+        """GPU-seconds each training job attained, summed over the nodes that answered (each node's
+        ledger survives its daemon's restarts); nodes that did not answer are left out."""
+        totals: dict[str, float] = {}
+        for result in self.inventory(nodes).values():
+            if result.ok and isinstance(result.reply, p.InventoryReply):
+                for job, gpu_s in result.reply.attained_gpu_s.items():
+                    totals[job] = totals.get(job, 0.0) + gpu_s
+        return totals
+
     def drain(self, node: str, device: int, cancel: bool = False) -> p.LifecycleReply:
         return self._one(node, lambda id: p.Drain(id=id, device=device, cancel=cancel), p.LifecycleReply)
 

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 3)
+PROTOCOL_VERSION: tuple[int, int] = (2, 4)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -286,10 +286,29 @@ class SetPolicy(Request, tag="set_policy"):
     protect_s: Optional[float] = None
 
 
+# -- 2.4: the placement layer's signals and levers for a job ------------------
+
+
+class SetWeight(Request, tag="set_weight"):
+    """Change ``session``'s share of its device's time within its class (``hello.weight``)."""
+
+    session: str
+    weight: float
+
+
+class Renew(Request, tag="renew"):
+    """A new term for the lend of ``device`` to ``borrower``: it ends ``max_s`` seconds from
+    now (a lease). Answered ``lifecycle_reply`` with ``lent_until``."""
+
+    device: int
+    borrower: str
+    max_s: float
+
+
 ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
                       SuspendSession, ResumeSession, Partition, Suspended, Resumed,
                       RegisterModel, UnregisterModel, ModelsRequest, Infer,
-                      Inventory, Lend, Reclaim, Drain, SetPolicy, StandbyAck]
+                      Inventory, Lend, Reclaim, Drain, SetPolicy, StandbyAck, SetWeight, Renew]
 
 
 # --------------------------------------------------------------------------
@@ -411,6 +430,9 @@ class StatusReply(Reply, tag="status_reply"):
     uptime_s: float
     devices: list[DeviceInfo]
     boot: int = 0
+    # 2.4: GPU-seconds each training job (hello.borrower) attained on this node, over all its
+    # sessions and this daemon's restarts
+    attained_gpu_s: dict[str, float] = {}
 
 
 class Grant(Reply, tag="grant"):
@@ -561,6 +583,7 @@ class InventoryReply(Reply, tag="inventory_reply"):
     node: str  # hostname
     boot: int
     devices: list[DeviceInventory]
+    attained_gpu_s: dict[str, float] = {}  # 2.4: as in status_reply: per job, over its sessions and restarts
 
 
 class LifecycleReply(Reply, tag="lifecycle_reply"):
@@ -570,6 +593,7 @@ class LifecycleReply(Reply, tag="lifecycle_reply"):
     state: str
     borrower: Optional[str]
     changed: bool
+    lent_until: Optional[float] = None  # 2.4: unix time the lend ends (max_s, renew); None: no end, or not lent
 
 
 class ReclaimReply(Reply, tag="reclaim_reply"):

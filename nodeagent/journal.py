@@ -30,6 +30,7 @@ import os
 import sqlite3
 import stat
 import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
@@ -69,6 +70,8 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     # 5: a whole-device suspension in force or under way (JSON: sharing.suspension.Suspension.to_record),
     # written before the notice or signal it stands for, so a restarted daemon finishes it; NULL: none
     ("ALTER TABLE sessions ADD COLUMN suspension TEXT",),
+    # 6: GPU-seconds each training job (hello.borrower) attained, over its sessions and restarts
+    ("CREATE TABLE attained (job TEXT PRIMARY KEY, gpu_s REAL NOT NULL, updated_unix REAL NOT NULL)",),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -268,6 +271,14 @@ class Journal:
             raise KeyError(f"no session {session_id!r} in the journal {self.path}")
         log.debug("[journal] suspension session=%s state=%s", session_id, record and record.get("state"))
 
+    def set_weight(self, session_id: str, weight: float) -> None:
+        """Record a session's new weight; KeyError if it is not journaled."""
+        with self._write() as db:
+            changed = db.execute("UPDATE sessions SET weight=? WHERE id=?", (float(weight), session_id)).rowcount
+        if not changed:
+            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        log.debug("[journal] weight session=%s weight=%g", session_id, weight)
+
     def sessions(self) -> list[SessionRecord]:
         """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""
         return self.read_sessions()[0]
@@ -330,6 +341,31 @@ class Journal:
                           _short(device), _short(state), _short(detail))
                 continue
             found[device] = (state, doc)
+        return found
+
+    # ------------------------------------------------------------ attained
+
+    def put_attained(self, gpu_s: dict[str, float], forget: tuple[str, ...] = ()) -> None:
+        """Journal jobs' attained GPU-seconds (replacing what each had) and forget ``forget``'s,
+        in one transaction; TypeError for a value that is not a finite number >= 0."""
+        for job, value in gpu_s.items():
+            if not (isinstance(job, str) and _is_number(value) and value >= 0):
+                raise TypeError(f"attained service of {_short(job)} must be a number >= 0, got {_short(value)}")
+        wall = time.time()
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO attained (job, gpu_s, updated_unix) VALUES (?, ?, ?)",
+                           [(job, float(value), wall) for job, value in gpu_s.items()])
+            db.executemany("DELETE FROM attained WHERE job=?", [(job,) for job in forget])
+        log.debug("[journal] put attained jobs=%d forget=%d", len(gpu_s), len(forget))
+
+    def attained(self) -> dict[str, tuple[float, float]]:
+        """Each job's journalled (GPU-seconds, unix time of the write); a bad row is skipped and logged."""
+        found = {}
+        for job, gpu_s, updated in self._read("SELECT job, gpu_s, updated_unix FROM attained"):
+            if not (isinstance(job, str) and job and _is_number(gpu_s) and gpu_s >= 0 and _is_number(updated)):
+                log.error("[journal] skip attained row job=%s gpu_s=%s: bad value", _short(job), _short(gpu_s))
+                continue
+            found[job] = (float(gpu_s), float(updated))
         return found
 
     # -------------------------------------------------------------- models

@@ -32,7 +32,7 @@ MAX_BOOT = 2**31 - 1  # grant ids are boot << 32 and must stay below 2**63 (a si
 # sqlite3 primary result codes that mean the file itself is damaged, not that it cannot be reached.
 _SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 # Tables a damaged journal's rows are salvaged from, in the order they are written back.
-SALVAGED_TABLES = ("meta", "policies", "device_states", "sessions", "models")
+SALVAGED_TABLES = ("meta", "policies", "device_states", "sessions", "models", "attained")
 
 
 class RepairError(Exception):

@@ -102,6 +102,9 @@ class CoreConfig:
     dead_probe_ms: float = 200.0
     reclaim_deadline_ms: float = 3000.0  # a borrower's sessions not off the device by then are stopped
     lend_max_s: float | None = None  # each lend's max_s (the daemon reclaims on its own past it)
+    # A lend under a lease (the deadline policy's) is made, and renewed, for the lease plus this: the
+    # daemon takes the device back on its own only when the controller has not renewed it that long.
+    lease_grace_s: float = 30.0
     retry_failed_lend_s: float = 30.0  # a device whose loan node failed to start is not lent again for this long
     policy: pol.PolicyConfig = pol.PolicyConfig()  # its name picks the policy (nodeagent_ray.policies)
     dedicated_nodes: tuple[str, ...] = ()  # training nodes: no inference there, their loans never reclaimed for it
@@ -161,7 +164,6 @@ class ControllerCore:
         self._starting: dict[tuple[str, int], tuple[Pending, str, float]] = {}  # key -> (pending, job, t0)
         self._joined_at: dict[tuple[str, int], float] = {}  # inference join seen on a lent device
         self._failed_at: dict[tuple[str, int], float] = {}  # when a loan node for the device failed to start
-        self._leases: dict[str, float] = {}  # job -> when the lease the policy granted it ends (wall clock)
         self._next_resync = 0.0
         self._next_dead_probe = 0.0
         self._gaps_seen = dict(placement.event_gaps)
@@ -256,12 +258,35 @@ class ControllerCore:
             loans.setdefault((name, device), pol.LoanView(name, device, job, self._wall()))
         with self._lock:
             wanted = sum(k for k, _ in self._inference_requests)
-        jobs = self._job_views
-        if jobs is not None and self._leases:  # leases the jobs do not report themselves: the ones granted here
-            jobs = {name: (replace(v, lease_expires=self._leases[name])
-                           if v.lease_expires is None and name in self._leases else v) for name, v in jobs.items()}
-            self._leases = {name: t for name, t in self._leases.items() if name in jobs}
-        return pol.ClusterView(nodes=nodes, loans=loans, jobs=jobs, inference_wanted=wanted)
+        return pol.ClusterView(nodes=nodes, loans=loans, jobs=self._with_node_signals(self._job_views),
+                               inference_wanted=wanted)
+
+    def _with_node_signals(self, jobs: dict[str, pol.JobView] | None) -> dict[str, pol.JobView] | None:
+        """The jobs with what the nodes know of them and the jobs do not report themselves: the
+        GPU-seconds each attained (summed over the nodes, each kept across its daemon's restarts)
+        and its lease (the latest end of its leased lends, less ``lease_grace_s``), so that a
+        restarted controller reads both back."""
+        if not jobs:
+            return jobs
+        attained: dict[str, float] = {}
+        leases: dict[str, float] = {}
+        for name, reply in self._inventory.items():
+            if name in self._dead:
+                continue
+            for job, gpu_s in reply.attained_gpu_s.items():
+                attained[job] = attained.get(job, 0.0) + gpu_s
+            for d in reply.devices:
+                if d.state == "LENT" and d.borrower is not None and d.lent_until is not None:
+                    until = d.lent_until - self.config.lease_grace_s
+                    leases[d.borrower] = max(leases.get(d.borrower, until), until)
+        out = {}
+        for name, v in jobs.items():
+            if v.attained_gpu_s == 0.0 and attained.get(name):
+                v = replace(v, attained_gpu_s=attained[name])
+            if v.lease_expires is None and name in leases:
+                v = replace(v, lease_expires=leases[name])
+            out[name] = v
+        return out
 
     def act(self) -> list[pol.Decision]:
         view = self.view()
@@ -381,17 +406,12 @@ class ControllerCore:
         self._record({"kind": "resume", "node": d.node, "device": d.device, "job": d.job, "sessions": sessions,
                       "resume_ms": round(ms, 3)})
 
-    def _grant_lease(self, job: str, lease_s: float) -> None:
-        now = self._wall()
-        if self._leases.get(job, 0.0) <= now:
-            self._leases[job] = now + lease_s
-
     def _do_renew(self, d: pol.Renew, view: pol.ClusterView) -> None:
-        # A lease is the policy's promise for now: the daemon's lease renewal (issue 25, item 1) is not
-        # built, and a repeated lend keeps its first max_s. So the controller remembers the leases it
-        # granted (a restarted one grants them again) and sends nothing.
-        self._grant_lease(d.job, d.lease_s)
-        log.info("[controller] lease renewed node=%s device=%d job=%s lease_s=%g", d.node, d.device, d.job, d.lease_s)
+        # The lease is the daemon's: a new term for the lend (renew), which the next inventory reports
+        # back (lent_until). A daemon whose controller stopped renewing takes the device back itself.
+        reply = self._placement.renew(d.node, d.device, d.job, d.lease_s + self.config.lease_grace_s)
+        log.info("[controller] lease renewed node=%s device=%d job=%s lease_s=%g lent_until=%s", d.node, d.device,
+                 d.job, d.lease_s, reply.lent_until)
         self._record({"kind": "renew", "node": d.node, "device": d.device, "job": d.job, "lease_s": d.lease_s})
 
     def _do_lend(self, d: pol.Lend, view: pol.ClusterView) -> None:
@@ -401,7 +421,8 @@ class ControllerCore:
         failed = self._failed_at.get((d.node, d.device))
         if failed is not None and started - failed < self.config.retry_failed_lend_s:
             return  # its loan node failed to start a moment ago: not again yet
-        reply = self._placement.lend(d.node, d.device, d.job, max_s=self.config.lend_max_s)
+        max_s = self.config.lend_max_s if d.lease_s is None else d.lease_s + self.config.lease_grace_s
+        reply = self._placement.lend(d.node, d.device, d.job, max_s=max_s)
         lend_ms = (self._clock() - started) * 1000.0
         device = view.device((d.node, d.device))
         try:
@@ -409,8 +430,6 @@ class ControllerCore:
         except Exception as exc:
             pending = _Failed(exc)  # handled with the others that fail: the device is taken back
         self._starting[(d.node, d.device)] = (pending, d.job, started)
-        if d.lease_s is not None:
-            self._grant_lease(d.job, d.lease_s)
         log.info("[controller] lent node=%s device=%d job=%s lend_ms=%.1f changed=%s (%s)", d.node, d.device, d.job,
                  lend_ms, reply.changed, d.reason)
         self._record({"kind": "lend", "node": d.node, "device": d.device, "job": d.job, "reason": d.reason,

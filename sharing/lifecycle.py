@@ -103,6 +103,12 @@ class ReclaimDue:
 LifecycleEvent = Union[Transition, ReclaimDue]
 
 
+def _check_max_s(max_s: object) -> float:
+    if isinstance(max_s, bool) or not isinstance(max_s, (int, float)) or not math.isfinite(max_s) or max_s <= 0:
+        raise ValueError(f"max_s must be a finite number of seconds > 0, got {max_s!r}")
+    return float(max_s)
+
+
 def _check_now(now: object) -> float:
     if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
@@ -231,9 +237,7 @@ class DeviceLifecycle:
         now = _check_now(now)
         borrower = _check_borrower(borrower)
         if max_s is not None:
-            if isinstance(max_s, bool) or not isinstance(max_s, (int, float)) \
-                    or not math.isfinite(max_s) or max_s <= 0:
-                raise ValueError(f"max_s must be a finite number of seconds > 0 (or None), got {max_s!r}")
+            _check_max_s(max_s)
         out: list[Transition] = []
         # A protect window that ran out but was not ticked yet must not refuse the lend.
         self._settle(now, out)
@@ -263,6 +267,29 @@ class DeviceLifecycle:
         reason = f"lent to {borrower}" + ("" if max_s is None else f" for {float(max_s):g}s")
         self._move(DeviceState.LENT, reason, now, out)
         return out
+
+    def renew(self, borrower: str, now: float, max_s: float) -> float:
+        """A new term for the lend to ``borrower``: it now ends ``max_s`` seconds from ``now``
+        (sooner or later than before; a lend without an end gets one). Returns ``lent_until``.
+
+        Only a device LENT to ``borrower`` whose end has not been reached can be renewed: a
+        lease that ran out is being reclaimed, and a renewal from a controller that has not
+        seen a reclaim and a new lend must not extend another job's lease (LifecycleError).
+        """
+        now = _check_now(now)
+        borrower = _check_borrower(borrower)
+        _check_max_s(max_s)
+        if self._state is not DeviceState.LENT:
+            raise LifecycleError(f"device {self.device} is {self._state.value}, not lent: nothing to renew; "
+                                 f"lend it to {borrower!r} instead", state=self._state)
+        if self._borrower != borrower:
+            raise LifecycleError(f"device {self.device} is lent to {self._borrower!r}, not to {borrower!r}",
+                                 state=self._state)
+        if self._reclaim_reported or (self._lent_until is not None and now >= self._lent_until):
+            raise LifecycleError(f"the lend of device {self.device} to {borrower!r} ran out and is being "
+                                 "reclaimed; lend it again once it is FREE", state=self._state)
+        self._lent_until = now + float(max_s)
+        return self._lent_until
 
     def reclaim(self, now: float) -> list[Transition]:
         """LENT -> PROTECT, so inference gets the protect window; [] when not LENT (idempotent)."""

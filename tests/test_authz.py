@@ -32,6 +32,8 @@ TABLE = {
     Act.RECLAIM: {"placement client", "root"},
     Act.DRAIN: {"placement client", "root"},
     Act.SET_POLICY: {"placement client", "root"},
+    Act.SET_WEIGHT: {"placement client", "root"},  # not the owner: it would raise its own share
+    Act.RENEW: {"placement client", "root"},
 }
 
 

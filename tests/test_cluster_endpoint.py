@@ -108,7 +108,8 @@ def test_a_lent_device_admits_only_its_borrower_and_a_reclaim_answers_once_it_is
         assert isinstance(reply, p.ReclaimReply) and reply.id == request_id
         assert reply.outcomes == {"s-a": "suspended"} and reply.changed and reply.free_ms == pytest.approx(500.0)
         assert reply.state == "PROTECT"
-    assert rec.of("reclaim") == [{"borrower": "job-a", "free_ms": 500.0, "sessions": 1, "suspended": 1}]
+    assert rec.of("reclaim") == [{"borrower": "job-a", "free_ms": 500.0, "sessions": 1, "suspended": 1,
+                                  "attained_gpu_s": 0.0}]
     assert [d["outcome"] for d in rec.of("suspend")] == ["suspended"]
 
 

@@ -257,22 +257,55 @@ def test_the_controller_and_the_simulator_carry_out_every_kind_of_decision():
         assert callable(getattr(Simulation, f"_do_{cls.__name__.lower()}", None)), cls
 
 
-def test_the_controller_remembers_the_leases_it_granted_until_the_jobs_report_their_own():
-    from nodeagent_ray.core import ControllerCore
+def test_the_controller_reads_leases_and_attained_service_from_the_nodes_and_renews_through_them():
+    """Before: the daemon had no renewal, so the controller remembered the leases it granted and
+    sent nothing (a restarted controller granted them again), and attained_gpu_s was always 0.
+    Now both come from the nodes' inventories, and a renewal is the daemon's renew op."""
+    from client_lib import protocol as p
+    from nodeagent_ray.core import ControllerCore, CoreConfig
 
-    class NoNodes:
-        nodes: list[str] = []
+    def device(index, state="FREE", borrower=None, lent_until=None):
+        return p.DeviceInventory(index=index, uuid=f"GPU-{index}", name="x", backend="cpu", memory_total_bytes=1,
+                                 memory_used_bytes=None, utilization_percent=None, state=state, borrower=borrower,
+                                 lent_until=lent_until, sessions=[],
+                                 policy=p.PolicyInfo(quanta_ms={}, grace_ms=1.0, protect_s=1.0))
+
+    class Nodes:
+        nodes = ["n1", "n2"]
         event_gaps: dict = {}
+        renewed: list = []
+        lent: list = []
 
-    wall = [1000.0]
-    core = ControllerCore(NoNodes(), loans=None, jobs=None, wall=lambda: wall[0])
-    core._job_views = {"slo": JobView("slo", 2), "own": JobView("own", 1, lease_expires=5.0)}
-    core._do_renew(Renew("n1", 0, "slo", 600.0), None)
-    core._do_renew(Renew("n1", 0, "own", 600.0), None)
-    assert core.view().jobs["slo"].lease_expires == 1600.0
-    assert core.view().jobs["own"].lease_expires == 5.0  # a lease the job reports wins
-    wall[0] = 1200.0
-    core._do_renew(Renew("n2", 0, "slo", 600.0), None)  # still leased: not extended by a second device's renewal
-    assert core.view().jobs["slo"].lease_expires == 1600.0
-    core._job_views = {}
-    assert core.view().jobs == {} and core._leases == {}  # a job that is gone takes its lease with it
+        def renew(self, node, dev, borrower, max_s):
+            self.renewed.append((node, dev, borrower, max_s))
+            return p.LifecycleReply(device=dev, state="LENT", borrower=borrower, changed=True,
+                                    lent_until=1000.0 + max_s)
+
+        def lend(self, node, dev, borrower, max_s=None):
+            self.lent.append((node, dev, borrower, max_s))
+            return p.LifecycleReply(device=dev, state="LENT", borrower=borrower, changed=True)
+
+    class Loans:
+        def start(self, node, dev, job, uuid):
+            raise RuntimeError("not here")
+
+    nodes = Nodes()
+    core = ControllerCore(nodes, loans=Loans(), jobs=None, wall=lambda: 1000.0, config=CoreConfig(lease_grace_s=30.0))
+    core._job_views = {"slo": JobView("slo", 2), "own": JobView("own", 1, lease_expires=5.0, attained_gpu_s=7.0),
+                       "best": JobView("best", 1)}
+    core._inventory = {
+        "n1": p.InventoryReply(node="n1", boot=1, attained_gpu_s={"slo": 100.0, "own": 1.0},
+                               devices=[device(0, "LENT", "slo", 1630.0), device(1, "LENT", "best")]),
+        "n2": p.InventoryReply(node="n2", boot=1, attained_gpu_s={"slo": 20.5},
+                               devices=[device(0, "LENT", "slo", 1330.0), device(1, "LENT", "own", 99.0)])}
+    jobs = core.view().jobs
+    assert jobs["slo"].attained_gpu_s == 120.5 and jobs["slo"].lease_expires == 1600.0  # the latest lease, less grace
+    assert jobs["best"].lease_expires is None and jobs["best"].attained_gpu_s == 0.0  # lent with no end: no lease
+    assert (jobs["own"].lease_expires, jobs["own"].attained_gpu_s) == (5.0, 7.0)  # what a job reports wins
+    core._do_renew(Renew("n2", 0, "slo", 600.0), None)
+    assert nodes.renewed == [("n2", 0, "slo", 630.0)]  # the lease and its grace, on the daemon
+    core._do_lend(Lend("n1", 2, "slo", lease_s=600.0), core.view())
+    core._do_lend(Lend("n1", 3, "best"), core.view())
+    assert nodes.lent == [("n1", 2, "slo", 630.0), ("n1", 3, "best", None)]
+    core._dead.add("n1")  # a dead node's figures are not counted
+    assert core.view().jobs["slo"].attained_gpu_s == 20.5

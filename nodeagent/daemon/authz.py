@@ -31,6 +31,8 @@ class Act(enum.Enum):
     RECLAIM = "reclaim devices"
     DRAIN = "drain devices"
     SET_POLICY = "set policies"
+    SET_WEIGHT = "set session weights"
+    RENEW = "renew lends"
 
 
 class Role(enum.Enum):
@@ -57,6 +59,9 @@ ALLOWED: dict[Act, frozenset[Role]] = {
     Act.RECLAIM: _PLACEMENT,
     Act.DRAIN: _PLACEMENT,
     Act.SET_POLICY: _PLACEMENT,
+    # A session's owner may not raise its own share over its neighbours': the placement layer's lever.
+    Act.SET_WEIGHT: _PLACEMENT,
+    Act.RENEW: _PLACEMENT,
 }
 
 

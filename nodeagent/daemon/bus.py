@@ -78,6 +78,15 @@ class MayAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class SliceEnded:
+    """``session`` stopped holding its device's token after ``held_s`` seconds (released,
+    revoked, stopped, suspended or gone): the attained-service ledger hears it."""
+
+    session: Any  # nodeagent.daemon.sessions.Session
+    held_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class DurabilityChanged:
     """Whether ``session`` (None: every session) is journalled changed."""
 
@@ -150,6 +159,7 @@ class ServerView:
     started: float  # the loop's clock when the daemon started
     metrics: Any  # nodeagent.metrics.Metrics
     replies: Replies
+    attained: Callable[[float], dict] = lambda now: {}  # (now) -> GPU-seconds per training job (the ledger)
 
 
 class DeviceFacts:

@@ -10,7 +10,7 @@ and the same handlers as local ones; their route is a :class:`ClusterRoute`,
 which is how ``_send`` puts the reply on the right socket.
 
 Operations (also accepted from root on the local socket): ``inventory``,
-``lend``, ``reclaim``, ``drain``, ``set_policy``, and the existing
+``lend``, ``renew``, ``reclaim``, ``drain``, ``set_policy``, ``set_weight``, and the existing
 ``partition``, ``suspend_session``, ``resume_session`` and ``status``.
 Sessions themselves (``hello``, ``acquire``, ...) connect locally only.
 
@@ -70,6 +70,7 @@ log = logging.getLogger("nodeagent.cluster")
 FORBIDDEN_ON_CLUSTER = "the cluster endpoint serves placement operations; sessions connect locally"
 EXPIRY_DEADLINE_MS = 5000.0  # a lend that ran out (max_s) is reclaimed with this suspend deadline
 MAX_BORROWER_CHARS = 128
+MAX_WEIGHT = 1e6  # as hello.weight
 _MAX_DEADLINE_MS = 3_600_000.0
 _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests are far smaller
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
@@ -146,6 +147,7 @@ class ClusterEndpoint:
         self._bad = server.replies.bad
         self._dispatch = server.dispatch
         self._status = server.status
+        self._attained = server.attained
         self._begin_suspend = suspensions.begin
         self._suspending = suspensions.under_way
         self._wake = loop.wake
@@ -164,6 +166,7 @@ class ClusterEndpoint:
         self._reload_requested = False
         self._cluster_handlers = {p.Inventory: self.on_inventory, p.Lend: self.on_lend, p.Reclaim: self.on_reclaim,
                                   p.Drain: self.on_drain, p.SetPolicy: self.on_set_policy,
+                                  p.SetWeight: self.on_set_weight, p.Renew: self.on_renew,
                                   **{kind: handlers[kind] for kind in SHARED_OPS}}
 
     # ------------------------------------------------------------------ life
@@ -470,7 +473,8 @@ class ClusterEndpoint:
                 lent_until=None if life.lent_until is None else wall + (life.lent_until - now),
                 sessions=info.sessions, policy=self._policy_info(info.index), mps=info.mps,
                 partition=info.partition))
-        return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices)
+        return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices,
+                                attained_gpu_s=self._attained(now))
 
     def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, Act.LEND):
@@ -478,11 +482,9 @@ class ClusterEndpoint:
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
             return
-        if not msg.borrower.strip() or len(msg.borrower) > MAX_BORROWER_CHARS:
-            self._error(route, msg.id, p.ErrorCode.INVALID, f"borrower must be 1..{MAX_BORROWER_CHARS} characters")
-            return
-        if not msg.borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
-            self._error(route, msg.id, p.ErrorCode.INVALID, "borrower must be printable (no control characters)")
+        problem = _borrower_problem(msg.borrower)
+        if problem is not None:
+            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
             return
         lost = self._lost_devices.refusal(msg.device)
         if lost is not None:  # a borrower's workers could not run there
@@ -505,7 +507,52 @@ class ClusterEndpoint:
             log.info("[cluster] lend device=%d borrower=%s max_s=%s by=%s", msg.device, msg.borrower, msg.max_s,
                      _peer(route, frame))
         self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
-                                           borrower=life.borrower, changed=changed))
+                                           borrower=life.borrower, changed=changed,
+                                           lent_until=_on_wall(life.lent_until, now)))
+
+    def on_renew(self, route: bytes, msg: p.Renew, frame, now: float) -> None:
+        """A new term for a lend (a lease): it ends ``max_s`` from now; journalled, as the lend was."""
+        if not self._operator(route, msg.id, frame, Act.RENEW):
+            return
+        life = self._lifecycle_for(route, msg.id, msg.device, now)
+        if life is None:
+            return
+        problem = _borrower_problem(msg.borrower)
+        if problem is not None:
+            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
+            return
+        try:
+            life.renew(msg.borrower, now, msg.max_s)
+        except LifecycleError as exc:
+            self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
+            return
+        except ValueError as exc:
+            self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
+            return
+        self._journal_lifecycle(msg.device, now)
+        self.event("renew", msg.device, borrower=msg.borrower, max_s=msg.max_s)
+        log.info("[cluster] renew device=%d borrower=%s max_s=%g by=%s", msg.device, msg.borrower, msg.max_s,
+                 _peer(route, frame))
+        self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
+                                           borrower=life.borrower, changed=True,
+                                           lent_until=_on_wall(life.lent_until, now)))
+
+    def on_set_weight(self, route: bytes, msg: p.SetWeight, frame, now: float) -> None:
+        """A session's share within its class, changed by the placement layer (or local root)."""
+        if not self._operator(route, msg.id, frame, Act.SET_WEIGHT):
+            return
+        s = self._sessions.get(msg.session)
+        if s is None or not self._tokens.on_device(s.device, s.id):
+            self._error(route, msg.id, p.ErrorCode.NO_SESSION, f"no session {msg.session!r} on this node")
+            return
+        if isinstance(msg.weight, bool) or not (math.isfinite(msg.weight) and 0 < msg.weight <= MAX_WEIGHT):
+            self._error(route, msg.id, p.ErrorCode.INVALID, f"weight must be in (0, {MAX_WEIGHT:g}], got {msg.weight}")
+            return
+        old = s.weight
+        self._tokens.set_weight(s, float(msg.weight), now)
+        self.event("weight", s.device, s.id, old=old, weight=s.weight)
+        log.info("[cluster] weight session=%s %g -> %g by=%s", s.id, old, s.weight, _peer(route, frame))
+        self._send(route, p.Ok(id=msg.id))
 
     def on_reclaim(self, route: bytes, msg: p.Reclaim, frame, now: float) -> None:
         if not self._operator(route, msg.id, frame, Act.RECLAIM):
@@ -572,7 +619,8 @@ class ClusterEndpoint:
         for outcome in pending.outcomes.values():
             tally[outcome] = tally.get(outcome, 0) + 1
         self.event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
-                   sessions=len(pending.outcomes), **tally)
+                   sessions=len(pending.outcomes), attained_gpu_s=self._attained(now).get(pending.borrower, 0.0),
+                   **tally)
         log.info("[cluster] reclaimed device=%d borrower=%s free_ms=%.1f outcomes=%s", pending.device,
                  pending.borrower, free_ms, tally or "{}")
 
@@ -633,6 +681,20 @@ class ClusterEndpoint:
         policy = self._tokens.policy(device)
         return p.PolicyInfo(quanta_ms={w.wire: ms for w, ms in policy.quantum_ms.items()},
                             grace_ms=policy.grace_ms, protect_s=self._lifecycles[device].protect_s)
+
+
+def _borrower_problem(borrower: str) -> str | None:
+    """Why a borrower a placement request names is unacceptable, or None."""
+    if not borrower.strip() or len(borrower) > MAX_BORROWER_CHARS:
+        return f"borrower must be 1..{MAX_BORROWER_CHARS} characters"
+    if not borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
+        return "borrower must be printable (no control characters)"
+    return None
+
+
+def _on_wall(at: float | None, now: float) -> float | None:
+    """A time on the loop's monotonic clock as unix seconds (for the wire)."""
+    return None if at is None else time.time() + (at - now)
 
 
 def _on_clock(unix: float | None, now: float, wall: float) -> float | None:

@@ -31,7 +31,7 @@ from client_lib import protocol as p
 log = logging.getLogger("nodeagent.events")
 
 KINDS = ("device_state", "grant", "preempt", "session_join", "session_leave", "suspend", "resume",
-         "reclaim", "lend", "policy", "health")
+         "reclaim", "lend", "policy", "health", "renew", "weight")
 """Every ``Event.kind`` the daemon publishes (the topic frame of each message)."""
 
 _TOPICS = {kind: kind.encode() for kind in KINDS}

@@ -43,8 +43,9 @@ from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, peer_of, refusal
+from nodeagent.daemon.attained import AttainedService, job_of
 from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, LoopHandle, MayAsk, Published, Replies,
-                                  ServerView, SuspendFinished, SuspensionAsked)
+                                  ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
@@ -122,6 +123,8 @@ class AgentServer:
         # The schedulers and the carrying-out of their actions.
         self._tokens = Tokens(config=config, devices=devices, sessions=self._sessions, metrics=self.metrics,
                               journal=self._journal_writer.write, send=self._send, bus=bus, clock=clock)
+        # Each training job's attained GPU-seconds, over its sessions and restarts, journalled.
+        self._attained = AttainedService(sessions=self._sessions, journal=self._journal_writer, clock=clock)
         # MPS control daemons and SM shares.
         self._mps = MpsPartitions(config, devices.info(), self._poller, self._send, self._error,
                                   backend=backend.name)
@@ -164,13 +167,14 @@ class AgentServer:
                            memory_policy=config.memory_policy)
         # The cluster endpoint: its sockets, device lifecycles, placement operations, events.
         server_view = ServerView(self._ctx, self._handlers, self._dispatch, self.status, lambda: self.boot,
-                                 self._started, self.metrics, replies)
+                                 self._started, self.metrics, replies, self._attained.snapshot)
         self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
                                         sessions=self._sessions, journal=self._journal_writer,
                                         suspensions=self._suspensions, devices=devices)
         self._handlers.update({p.Inventory: self._cluster.on_inventory, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
-                               p.SetPolicy: self._cluster.on_set_policy})
+                               p.SetPolicy: self._cluster.on_set_policy, p.SetWeight: self._cluster.on_set_weight,
+                               p.Renew: self._cluster.on_renew})
         # Which device a new session joins, and whom to suspend to make room for it.
         self._admission = Admission(config=config, devices=devices, sessions=self._sessions, tokens=self._tokens,
                                     refusal=self._cluster.admission_refusal, workers_share=self._serving.workers_share)
@@ -182,6 +186,8 @@ class AgentServer:
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
+        bus.subscribe(SliceEnded, self._attained.on_slice_ended)
+        bus.subscribe(Published, self._attained.on_published)
         if journal is not None:
             now = self._clock()
             self.boot = self._restorer.restore(now)
@@ -189,6 +195,7 @@ class AgentServer:
                 if s.suspension.active:  # a suspension the old daemon had under way or in force
                     self._suspensions.restored(s, now)
             self._cluster.restore(now)
+            self._attained.restore()
 
     # ------------------------------------------------------------------ life
 
@@ -386,6 +393,7 @@ class AgentServer:
                 signal.set_wakeup_fd(old)
         self._wake_r.close()
         self._wake_w.close()
+        self._attained.close(self._clock())  # before the journal closes: a clean stop loses no service
         self._sessions.close()
         if self.journal is not None:
             self.journal.close()
@@ -702,6 +710,7 @@ class AgentServer:
         self._restorer.on_timers(now)
         self._serving.on_timers(now)
         self._restorer.retry_journal(now)
+        self._attained.on_timers(now)
 
     def _poll_timeout_ms(self) -> int:
         wake_at = self._next_liveness_check
@@ -717,6 +726,7 @@ class AgentServer:
         serving_at = self._serving.next_deadline()
         if serving_at is not None and serving_at < wake_at:
             wake_at = serving_at
+        wake_at = min(wake_at, self._attained.next_deadline())
         if self._metrics_http is not None:
             metrics_at = self._metrics_http.next_deadline()
             if metrics_at is not None and metrics_at < wake_at:
@@ -788,7 +798,9 @@ class AgentServer:
         else:
             self.metrics.sessions_lost.labels(reason).inc()
             log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
-        self._bus.event("session_leave", s.device, s.id, name=s.name, reason=reason)
+        job = job_of(s)
+        self._bus.event("session_leave", s.device, s.id, name=s.name, reason=reason,
+                        **({} if job is None else {"borrower": job, "attained_gpu_s": self._attained.of(job, now)}))
         self._tokens.remove(s.device, s.id, now)  # a token it held passes on now
         self._tokens.one_hop.forget(s)
 
@@ -882,7 +894,7 @@ class AgentServer:
                 partition=self._mps.shares(info.index), activity=recent))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
-                             boot=self.boot)
+                             boot=self.boot, attained_gpu_s=self._attained.snapshot(now))
 
     def _session_rows(self) -> list[SessionRow]:
         rows = []

@@ -26,7 +26,7 @@ from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DeviceFacts
+from nodeagent.daemon.bus import Bus, DeviceFacts, SliceEnded
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.one_hop import OneHop
 from nodeagent.daemon.pace import Pacing
@@ -148,6 +148,14 @@ class Tokens:
     def preempt(self, device: int, sid: str, now: float) -> None:
         """Put the holder ``sid`` back in line without its consent (the daemon stopped it)."""
         self.apply(self.schedulers[device].preempt(sid, now), now, handoff_from=now)
+
+    def set_weight(self, s: Session, weight: float, now: float) -> bool:
+        """Client session ``s``'s share within its class is ``weight`` from now (a holder's time so
+        far is charged at the old one), journalled; False if the journal could not take it (the
+        weight is changed all the same: a restart would bring back the old one)."""
+        self.schedulers[s.device].set_weight(s.id, weight, now)
+        s.weight = weight
+        return self._journal(lambda j: j.set_weight(s.id, weight), session=s.id)
 
     def set_policy(self, device: int, policy: SchedulerPolicy, now: float) -> None:
         self.apply(self.schedulers[device].set_policy(policy, now), now)
@@ -343,6 +351,8 @@ class Tokens:
 
     def count_slice(self, s: Session, held_since: float | None, now: float) -> None:
         self.stats[s.device].slice_ended(s.id, now)
+        if held_since is not None:  # a session that left while holding counts its last slice too
+            self._bus.publish(SliceEnded(s, max(0.0, now - held_since)))
         if held_since is not None and s.id in self._sessions:
             self._metrics.slice_seconds.labels(str(s.device), s.workload.wire).inc(max(0.0, now - held_since))
             self.pacing.slice_ended(s, now - held_since)
