@@ -485,11 +485,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from nodeagent.keys import DEFAULT_KEYS_DIR, KeysError, generate
+    from nodeagent.keys import DEFAULT_KEYS_DIR, KeysError, KeysExistError, generate
     keys_dir = args.dir or DEFAULT_KEYS_DIR
     try:
         paths = generate(keys_dir, clients=args.client or ["placement"], overwrite=args.force,
                          server=not args.clients_only)
+    except KeysExistError as exc:  # in the command's words: its flag, not the function's argument
+        print(f"nodeagent: error: refusing to overwrite existing keys: {', '.join(exc.existing)} (add --force "
+              "to replace them; every client then needs the new keys)", file=sys.stderr)
+        return 1
     except (KeysError, ValueError, OSError) as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1
