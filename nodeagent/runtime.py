@@ -10,12 +10,11 @@ import logging
 import os
 import socket
 
-from client_lib.endpoint import SYSTEM_SOCKET
+from client_lib.endpoint import SOCKET_GROUP, SYSTEM_SOCKET
 
 log = logging.getLogger("nodeagent.runtime")
 
 SOCKET_MODE = 0o660
-SOCKET_GROUP = "nodeagent"
 
 
 class AlreadyRunningError(RuntimeError):

@@ -129,3 +129,21 @@ def test_a_socket_directory_the_daemon_made_is_gone_after_a_clean_stop(workdir):
     assert os.path.isdir(run)
     assert d.stop() == 0, d.log()
     assert not os.path.exists(run)
+
+
+def test_permission_denied_names_the_group_that_may_connect(start_daemon, workdir):
+    from tests.nonroot import NOBODY_GID, SOCKET_GID, require_root, run_as_nobody
+    require_root()
+    os.chmod(workdir, 0o755)  # nobody may look in, and is stopped by the socket alone
+    d = start_daemon()
+    group = next(g for g in grp.getgrall() if g.gr_gid not in (0, NOBODY_GID, SOCKET_GID))
+    connect = ("import sys\nfrom client_lib import Client, DaemonUnavailableError\n"
+               "try:\n    Client('x', endpoint=sys.argv[1]).close()\n"
+               "except DaemonUnavailableError as exc:\n    print(exc)\n")
+    os.chown(d.socket_path, 0, group.gr_gid)
+    out = run_as_nobody(connect, d.endpoint)
+    assert f"permission denied: the socket is for root and group {group.gr_name!r} (ask to be added" in out.stdout, \
+        out.stdout + out.stderr
+    os.chown(d.socket_path, 0, 0)  # no group found to give it: root's alone
+    out = run_as_nobody(connect, d.endpoint)
+    assert "the socket is for root only" in out.stdout and "group 'nodeagent'" in out.stdout, out.stdout + out.stderr
