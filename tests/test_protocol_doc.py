@@ -386,3 +386,18 @@ def test_the_framing_example_reader_reads_the_doc():
     sample = ("## Framing (local endpoint)\n\n  ```\n  00 00 00 02  81 01\n  \\_ N = 2 _/ \\_ x: 2 bytes _/\n  ```\n"
               "\n## Next\n")
     assert framing_example(sample) == (b"\x00\x00\x00\x02\x81\x01", 2, 2)
+
+
+def test_both_docs_name_the_socket_type_the_events_are_published_on(text):
+    """cluster.md once said PUB and protocol.md XPUB; the code's is the one to name."""
+    from nodeagent.daemon.cluster import ClusterEndpoint
+    made = re.search(r"self\._events_sock = self\._curve_socket\(zmq\.([A-Z]+)", inspect.getsource(ClusterEndpoint.bind))
+    assert made, "ClusterEndpoint.bind no longer makes the events socket as this test reads it"
+    kind = made.group(1)
+    cluster_doc = (DOC.parent / "cluster.md").read_text()
+    row = next(line for line in cluster_doc.splitlines() if line.startswith("| events |"))
+    assert re.search(rf"\| {kind}, CURVE", row), row
+    assert f"on the {kind} socket" in text
+    for doc, words in (("cluster.md", row), ("protocol.md", text)):
+        other = {"PUB", "XPUB"} - {kind}
+        assert not any(re.search(rf"(?<![A-Z]){o}\b[ ,]", words) for o in other), f"{doc} names another socket type"
