@@ -40,7 +40,7 @@ from client_lib import codec, cuda_probe, device_id, framing, liveness
 from client_lib import pace as pace_board
 from client_lib import protocol as p
 from client_lib import serving
-from client_lib.endpoint import ENV_ENDPOINT, client_endpoint
+from client_lib.endpoint import ENV_ENDPOINT, SOCKET_GROUP, client_endpoint, socket_group
 from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailableError, GrantTimeoutError,
                                HandshakeTimeoutError, NodeAgentError, NoSessionError, RequestTimeoutError,
                                from_reply)
@@ -1085,8 +1085,13 @@ def _open(endpoint: str, timeout: float) -> framing.Connection:
         raise DaemonUnavailableError(endpoint, "nothing listens there (is `nodeagent serve` running? "
                                      f"set {ENV_ENDPOINT} to its endpoint)") from None
     except PermissionError:
-        raise DaemonUnavailableError(endpoint, "permission denied: the socket is for root and the "
-                                     "daemon's group (ask to be added to it)") from None
+        group = socket_group(endpoint)
+        if group is None:
+            raise DaemonUnavailableError(endpoint, f"permission denied: the socket is for root only (its daemon "
+                                         f"found no group {SOCKET_GROUP!r} to give it; create that group, add "
+                                         "your user to it and restart the daemon)") from None
+        raise DaemonUnavailableError(endpoint, f"permission denied: the socket is for root and {group} (ask "
+                                     "to be added to it, then log in again)") from None
     except TimeoutError:
         raise DaemonUnavailableError(endpoint, f"no connection within {timeout} s") from None
     except ValueError as exc:

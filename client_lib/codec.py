@@ -111,6 +111,7 @@ def _salvage_id(frame: bytes) -> int:
         return 0
     if isinstance(loose, dict):
         rid = loose.get("id")
+        rid = _exact_integer(rid) if type(rid) is float else rid
         if type(rid) is int and 0 <= rid < 2**63:
             return rid
     return 0
@@ -185,7 +186,9 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     try:
         msg = _request_decoder.decode(frame)
     except msgspec.ValidationError as exc:
-        raise BadFrame(_invalid_text(exc, frame), _salvage_id(frame)) from None
+        msg = _with_integral_floats(frame, exc)
+        if isinstance(msg, msgspec.ValidationError):
+            raise BadFrame(_invalid_text(msg, frame), _salvage_id(frame)) from None
     except msgspec.DecodeError as exc:
         raise BadFrame(_malformed_text(exc, frame), _scan_id(frame)) from None
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a str that is not UTF-8
@@ -193,6 +196,68 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
     return msg
+
+
+# JavaScript has one number type: its MessagePack encoders write an integer above 2^32 (every
+# grant id) as a float64. Where a field wants an integer and gets a float that is one exactly,
+# the float is taken as that integer; a fraction, NaN, an infinity or a float past what a
+# float64 holds exactly (Number.MAX_SAFE_INTEGER) is still refused, and so is a value outside
+# the field's own bounds.
+MAX_SAFE_INTEGER = 2**53 - 1
+_WANTS_INT = re.compile(r"Expected `(?P<types>[^`]*)`, got `float`")
+_PATH_STEP = re.compile(r"\.(?P<field>[A-Za-z_][A-Za-z0-9_]*)|\[(?P<index>\d+)\]")
+
+
+def _exact_integer(value: object) -> int | None:
+    """``value`` as an int if it is a float holding one exactly (JavaScript's safe range), else None."""
+    if type(value) is float and value.is_integer() and abs(value) <= MAX_SAFE_INTEGER:
+        return int(value)
+    return None
+
+
+def _with_integral_floats(frame: bytes, exc: msgspec.ValidationError) -> p.ClientMessage | msgspec.ValidationError:
+    """Decode ``frame`` again with each integral float the decoder refused where an integer
+    was wanted taken as that integer; the message, or the error that still stands."""
+    try:
+        value = _loose_decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
+        return exc
+    for _ in range(64):  # one field per round; a request has fewer integer fields than this
+        text = str(exc)
+        wanted, at = _WANTS_INT.match(text), _AT_PATH.search(text)
+        if wanted is None or at is None or "int" not in (t.strip() for t in wanted.group("types").split("|")):
+            return exc
+        place = _locate(value, at.group("path"))
+        if place is None:
+            return exc
+        container, key = place
+        number = _exact_integer(container[key])
+        if number is None:
+            return exc
+        container[key] = number
+        try:
+            return msgspec.convert(value, p.ClientMessage)
+        except msgspec.ValidationError as again:
+            exc = again
+    return exc
+
+
+def _locate(value: object, path: str) -> tuple[dict | list, str | int] | None:
+    """The container and key that msgspec's error path (``.field[3].other``) names, or None."""
+    steps = [(m.group("field"), m.group("index")) for m in _PATH_STEP.finditer(path)]
+    if not steps or "".join(m.group(0) for m in _PATH_STEP.finditer(path)) != path:
+        return None
+    container, key = None, None
+    for field, index in steps:
+        if container is not None:
+            value = container[key]
+        if field is not None and isinstance(value, dict) and field in value:
+            container, key = value, field
+        elif index is not None and isinstance(value, list) and int(index) < len(value):
+            container, key = value, int(index)
+        else:
+            return None
+    return container, key
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:

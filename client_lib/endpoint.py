@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import tempfile
 
 ENV_ENDPOINT = "NODEAGENT_ENDPOINT"
 SYSTEM_SOCKET = "/run/nodeagent/agent.sock"
+SOCKET_GROUP = "nodeagent"  # the group a root daemon gives its socket (nodeagent.runtime)
 
 
 def user_socket_path() -> str:
@@ -45,3 +47,27 @@ def ipc_path(endpoint: str) -> str | None:
     if endpoint.startswith("ipc://"):
         return endpoint[len("ipc://"):]
     return None
+
+
+def socket_group(endpoint: str) -> str | None:
+    """The group whose members may connect to ``endpoint`` ("group 'NAME'", or "group gid N"
+    for a gid with no name here), None when only root may (the group is root's): the
+    socket's, else that of its directory (which a user outside the group may not look
+    into), else the one a root daemon gives it."""
+    path = ipc_path(endpoint)
+    gid = None
+    for candidate in (path, os.path.dirname(path or "")):
+        if candidate:
+            try:
+                gid = os.stat(candidate).st_gid
+                break
+            except OSError:
+                continue
+    if gid is None:
+        return f"group {SOCKET_GROUP!r}"
+    if gid == 0:
+        return None
+    try:
+        return f"group {grp.getgrgid(gid).gr_name!r}"
+    except KeyError:
+        return f"group gid {gid}"

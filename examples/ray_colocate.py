@@ -154,8 +154,9 @@ class Run:
     """Everything the scenario's driver starts, each with a pidfile in the run directory, so that
     the supervisor (which never touches Ray) can stop it by pid whatever became of the driver."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, node_ip: str = "127.0.0.1") -> None:
         self.dir = workdir
+        self.node_ip = node_ip  # every Ray node and daemon binds this address (--node-ip)
         os.makedirs(self.dir, exist_ok=True)
         self.ray_tmp = os.path.join(self.dir, "ray")
         self.nodes: dict[str, Node] = {}
@@ -179,8 +180,7 @@ class Run:
                 os.makedirs(os.path.join(keys_dir, keys.ALLOWED_DIR), exist_ok=True)
                 shutil.copy(os.path.join(first_keys, keys.ALLOWED_DIR, "controller.key"),
                             os.path.join(keys_dir, keys.ALLOWED_DIR, "controller.key"))
-            node = Node(name, d, f"ipc://{d}/agent.sock", f"tcp://127.0.0.1:{free_port()}",
-                        f"tcp://127.0.0.1:{free_port()}", keys_dir)
+            node = Node(name, d, f"ipc://{d}/agent.sock", self.tcp_endpoint(), self.tcp_endpoint(), keys_dir)
             with open(os.path.join(d, "nodeagent.toml"), "w") as f:
                 f.write(f'[cluster]\nendpoint = "{node.cluster}"\nevents_endpoint = "{node.events}"\n'
                         f'keys_dir = "{keys_dir}"\nnode = "{name}"\nprotect_s = {PROTECT_S}\n'
@@ -205,11 +205,17 @@ class Run:
                     time.sleep(0.05)
         return controller_secret
 
+    def tcp_endpoint(self) -> str:
+        """A daemon's cluster or events endpoint: a free port on ``node_ip``."""
+        host = f"[{self.node_ip}]" if ":" in self.node_ip else self.node_ip
+        return f"tcp://{host}:{free_port()}"
+
     # -------- Ray
 
     def spec(self, resources: dict, env: dict | None = None, labels: dict | None = None) -> RayNodeSpec:
         return RayNodeSpec(temp_dir=self.ray_tmp, plasma_dir=self.dir, num_cpus=1, memory_bytes=512 * MiB,
                            object_store_bytes=80 * MiB, resources=resources, labels=labels or {},
+                           node_ip=self.node_ip,
                            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                                 **(env or {})})
 
@@ -428,7 +434,7 @@ class Scenario:
         self.agents = {}  # held: an actor nobody holds a handle to is stopped by Ray
         for name, node in run.nodes.items():
             settings = LoanSettings(address=address, state_dir=os.path.join(node.dir, "loans"), temp_dir=run.ray_tmp,
-                                    endpoint=node.endpoint)
+                                    endpoint=node.endpoint, node_ip=run.node_ip)
             self.agents[name] = LoanAgent.options(name=agent_name(name), namespace=NAMESPACE,
                                                   resources={f"nodeagent_node:{name}": 1}).remote(name, settings)
         settings = ControllerSettings(
@@ -755,7 +761,7 @@ def drive(args) -> None:
     call, or its raylet stopped under it) before its own cleanup could finish."""
     result: dict = {"ok": False}
     try:
-        run = Run(args.workdir)
+        run = Run(args.workdir, args.node_ip)
         if args.measure_designs:
             result = measure_designs(run)
             result["checks"] = {}
@@ -791,6 +797,7 @@ def supervise(args) -> int:
     shm_before = set(os.listdir("/dev/shm"))
     # Ray writes warnings to a driver's stdout: the driver's goes to our stderr, stdout is the JSON's.
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", "--workdir", run_dir,
+                              "--node-ip", args.node_ip,
                               *(["--measure-designs"] if args.measure_designs else [])],
                              stdout=sys.stderr, stdin=subprocess.DEVNULL, cwd=REPO)
     pidwatch = PidWatch(lambda: [child.pid])
@@ -843,6 +850,9 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run directory and its logs")
     ap.add_argument("--measure-designs", action="store_true",
                     help="instead of the scenario: time Ray's side of a lend and a reclaim in designs A and B")
+    ap.add_argument("--node-ip", default="127.0.0.1", metavar="ADDRESS",
+                    help="the address every Ray node and nodeagent daemon of the run binds (default: 127.0.0.1, "
+                         "so nothing listens beyond this host)")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the scenario's Ray driver (internal)
     ap.add_argument("--fit-driver", metavar="ADDRESS", help=argparse.SUPPRESS)  # the job's driver (internal)
     args = ap.parse_args()

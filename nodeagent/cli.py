@@ -435,28 +435,19 @@ def _serve(args: argparse.Namespace) -> int:
               "permissions there, or point --state-dir elsewhere", file=sys.stderr)
         backend.close()
         return EXIT_STATE_UNUSABLE
-    try:
-        journal = Journal(os.path.join(config.state_dir, "state.db"))
-    except JournalError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
-        backend.close()
-        return EXIT_STATE_UNUSABLE
     from nodeagent.mps import MpsError
     try:
-        server = AgentServer(config, backend, journal=journal)
+        # The journal is opened by bind(), once every address is bound: a start that ends
+        # at a bind (EXIT_ADDRESS_UNUSABLE) leaves no journal behind.
+        server = AgentServer(config, backend,
+                             open_journal=lambda: Journal(os.path.join(config.state_dir, "state.db")))
     except ConfigError as exc:
         print(f"nodeagent: error: {origins.explain(exc)}", file=sys.stderr)
         backend.close()
         return EXIT_BAD_SETTING
-    except JournalError as exc:  # the boot counter or the restore could not be read or written
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
-        journal.close()
-        backend.close()
-        return EXIT_STATE_UNUSABLE
 
     def give_up(code: int, message: str) -> int:
         print(f"nodeagent: error: {message}", file=sys.stderr)
-        journal.close()
         backend.close()
         return code
 
@@ -466,9 +457,11 @@ def _serve(args: argparse.Namespace) -> int:
     if problem is not None:
         return give_up(EXIT_ADDRESS_UNUSABLE, problem)
     try:
-        endpoint = server.bind()  # removes what it bound again if a later part of it fails
+        endpoint = server.bind()  # removes what it bound (and the journal it opened) again if a later part fails
     except ClusterError as exc:  # names the setting; the address or the keys are at fault
         return give_up(EXIT_ADDRESS_UNUSABLE, str(exc))
+    except JournalError as exc:  # not openable, or the boot counter or the restore could not be read or written
+        return give_up(EXIT_STATE_UNUSABLE, str(exc))
     except (AlreadyRunningError, MpsError) as exc:
         return give_up(1, f"cannot listen on {config.endpoint}: {exc}")
     except OSError as exc:
@@ -496,11 +489,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from nodeagent.keys import DEFAULT_KEYS_DIR, KeysError, generate
+    from nodeagent.keys import DEFAULT_KEYS_DIR, KeysError, KeysExistError, generate
     keys_dir = args.dir or DEFAULT_KEYS_DIR
     try:
         paths = generate(keys_dir, clients=args.client or ["placement"], overwrite=args.force,
                          server=not args.clients_only)
+    except KeysExistError as exc:  # in the command's words: its flag, not the function's argument
+        print(f"nodeagent: error: refusing to overwrite existing keys: {', '.join(exc.existing)} (add --force "
+              "to replace them; every client then needs the new keys)", file=sys.stderr)
+        return 1
     except (KeysError, ValueError, OSError) as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1

@@ -49,7 +49,12 @@ class KeysError(Exception):
 
 
 class KeysExistError(KeysError, FileExistsError):
-    """``generate`` would overwrite existing keys and was not told to."""
+    """``generate`` would overwrite existing keys and was not told to; ``existing``: their paths."""
+
+    def __init__(self, existing: Sequence[str]) -> None:
+        self.existing = list(existing)
+        super().__init__(f"refusing to overwrite existing keys: {', '.join(self.existing)} "
+                         "(generate with overwrite=True replaces them; every client then needs the new keys)")
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,7 @@ def generate(keys_dir: str, *, clients: Sequence[str] = ("placement",), overwrit
         targets += [os.path.join(allowed_dir, f"{name}.key"), os.path.join(clients_dir, f"{name}.key_secret")]
     existing = [t for t in targets if os.path.lexists(t)]
     if existing and not overwrite:
-        raise KeysExistError(f"refusing to overwrite existing keys: {', '.join(existing)} "
-                             "(pass overwrite=True / --force to replace them; every client then needs the new keys)")
+        raise KeysExistError(existing)
 
     os.makedirs(keys_dir, mode=0o750, exist_ok=True)
     for path, mode in ((allowed_dir, 0o750), (clients_dir, 0o700)):

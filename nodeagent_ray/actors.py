@@ -110,6 +110,19 @@ def poke_ray_train(requester: str = "nodeagent") -> bool:
 # ---------------------------------------------------------------- loan nodes
 
 
+def loan_node_spec(s: "LoanSettings", node: str, device: int, job: str, uuid: str = "") -> RayNodeSpec:
+    """The Ray node that carries ``node``'s ``device`` lent to ``job``."""
+    env = {ENV_BORROWER: job, ENV_ENDPOINT: s.endpoint}
+    if s.gpu:
+        env["CUDA_VISIBLE_DEVICES"] = uuid
+    return RayNodeSpec(temp_dir=s.temp_dir, plasma_dir=s.state_dir, num_cpus=s.num_cpus,
+                       num_gpus=1 if s.gpu else 0, memory_bytes=s.memory_bytes,
+                       object_store_bytes=s.object_store_bytes,
+                       resources={LOAN_RESOURCE: 1, loan_resource(job): 1},
+                       labels={LABEL_NODE: node, LABEL_DEVICE: str(device), LABEL_BORROWER: job},
+                       env=env, node_ip=s.node_ip)
+
+
 @dataclass(frozen=True)
 class LoanSettings:
     """How a node's agent starts loan nodes."""
@@ -123,6 +136,7 @@ class LoanSettings:
     object_store_bytes: int = 80 << 20
     gpu: bool = False  # a loan node gets the lent GPU: --num-gpus 1 and CUDA_VISIBLE_DEVICES=<uuid>
     start_timeout_s: float = 60.0
+    node_ip: str | None = None  # the loan nodes' --node-ip-address; None: Ray's choice
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -160,15 +174,7 @@ class LoanAgent:
                                                  f"{proc.meta['job']!r}; stop it before lending to {job!r}")
             else:
                 s = self.settings
-                env = {ENV_BORROWER: job, ENV_ENDPOINT: s.endpoint}
-                if s.gpu:
-                    env["CUDA_VISIBLE_DEVICES"] = uuid
-                spec = RayNodeSpec(temp_dir=s.temp_dir, plasma_dir=s.state_dir, num_cpus=s.num_cpus,
-                                   num_gpus=1 if s.gpu else 0, memory_bytes=s.memory_bytes,
-                                   object_store_bytes=s.object_store_bytes,
-                                   resources={LOAN_RESOURCE: 1, loan_resource(job): 1},
-                                   labels={LABEL_NODE: self.node, LABEL_DEVICE: str(device), LABEL_BORROWER: job},
-                                   env=env)
+                spec = loan_node_spec(s, self.node, device, job, uuid)
                 proc = RayNodeProcess.start(spec, s.address, log_path=os.path.join(s.state_dir, f"loan-{device}.log"),
                                             pidfile=os.path.join(s.state_dir, f"loan-{device}.json"),
                                             meta={"device": device, "job": job, "since": time.time(),

@@ -58,6 +58,9 @@ class RayNodeSpec:
     resources: Mapping[str, float] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)  # added to the node's environment; its workers inherit it
+    # The address the node binds and announces (--node-ip-address); None: Ray's choice, the
+    # machine's interface. A one-host scenario gives 127.0.0.1, so nothing listens beyond the host.
+    node_ip: str | None = None
 
     def __post_init__(self) -> None:
         if self.object_store_bytes < OBJECT_STORE_MIN_BYTES:
@@ -81,6 +84,8 @@ def ray_start_argv(spec: RayNodeSpec, address: str | None) -> list[str]:
             "--temp-dir", spec.temp_dir, "--plasma-directory", spec.plasma_dir,
             # Several nodes on one host each need their own agent port; the default is fixed.
             "--dashboard-agent-listen-port", str(free_port())]
+    if spec.node_ip is not None:
+        argv += ["--node-ip-address", spec.node_ip]
     if address is None:
         argv += ["--head", "--port", "0", "--include-dashboard", "false"]
     else:

@@ -55,7 +55,7 @@ def test_generate_refuses_to_overwrite_and_writes_nothing(tmp_path):
     kd = str(tmp_path / "keys")
     keys.generate(kd)
     before = keys.load_server(kd)
-    with pytest.raises(KeysExistError, match="refusing to overwrite.*server.key.*--force"):
+    with pytest.raises(KeysExistError, match="refusing to overwrite.*server.key.*overwrite=True"):
         keys.generate(kd, clients=["placement", "new-one"])
     assert keys.load_server(kd) == before
     assert not os.path.exists(os.path.join(kd, "allowed", "new-one.key"))
@@ -284,7 +284,9 @@ def test_cli_generate_prints_what_to_copy_where_and_refuses_a_second_time(tmp_pa
     assert "keys_dir" in out.stdout
     assert set(keys.load_allowed(kd)) == {"k8s-controller"}
     again = nodeagent("keys", "generate", "--dir", kd)
-    assert again.returncode == 1 and "refusing to overwrite" in again.stderr and "--force" in again.stderr
+    assert again.returncode == 1 and "refusing to overwrite" in again.stderr and "add --force" in again.stderr
+    assert "overwrite=True" not in again.stderr  # the command's flag only, not the function's argument
+    assert len(again.stderr.strip().splitlines()) == 1
     forced = nodeagent("keys", "generate", "--dir", kd, "--force")
     assert forced.returncode == 0, forced.stderr
     assert set(keys.load_allowed(kd)) == {"k8s-controller", "placement"}

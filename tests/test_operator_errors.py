@@ -65,6 +65,7 @@ def test_metrics_port_in_use_is_one_line_naming_address_and_flag_and_not_restart
     assert out.returncode == EXIT_ADDRESS_UNUSABLE and EXIT_ADDRESS_UNUSABLE in not_restarted()
     assert f"127.0.0.1:{taken_port}" in line and "in use" in line and "--metrics-port" in line
     assert not os.path.exists(f"{workdir}/agent.sock")  # the endpoint was never bound
+    assert not os.path.exists(f"{workdir}/state/state.db")  # nor the journal made: it is opened after the bind
 
 
 def test_metrics_addr_not_on_this_host_names_the_addr_flag(workdir):
@@ -106,8 +107,10 @@ def test_cluster_endpoint_in_use_leaves_no_socket_file_behind(workdir, taken_por
     line = one_error_line(out)
     assert out.returncode == EXIT_ADDRESS_UNUSABLE
     assert "cluster.endpoint" in line and str(taken_port) in line and "addr=" not in line
-    # The local endpoint had been bound before the cluster's failed: it is gone again.
-    assert not os.path.exists(f"{workdir}/agent.sock")
+    # The local endpoint had been bound before the cluster's failed: it is gone again, with
+    # its lock; and the journal, opened only once every address is bound, was never made.
+    assert sorted(os.listdir(workdir)) == ["keys", "nodeagent.toml", "state"]
+    assert os.listdir(f"{workdir}/state") == ["nodeagent.lock"]
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://localhost", "ipc://", "udp://x:1", "tcp://127.0.0.1:70000"])

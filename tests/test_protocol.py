@@ -66,6 +66,32 @@ def test_unknown_fields_are_ignored_for_forward_compatibility():
     assert codec.decode_request(frame) == p.Acquire(id=3)
 
 
+def test_an_integer_sent_as_an_integral_float_is_that_integer():
+    """JavaScript's MessagePack encoders write every number above 2^32 (a grant id is at
+    least 2^32) as a float64: where an integer is wanted, an exact one is taken."""
+    grant = (3 << 32) + 17
+    frame = msgspec.msgpack.encode({"op": "release", "id": 4.0, "grant": float(grant), "requeue": True})
+    msg = codec.decode_request(frame)
+    assert msg == p.Release(id=4, grant=grant, requeue=True) and type(msg.grant) is int and type(msg.id) is int
+    hello = codec.decode_request(msgspec.msgpack.encode({"op": "hello", "id": 1, "protocol": [2.0, 3.0], "name": "js",
+                                                         "pid": 4242.0, "memory_mb": 512.0}))
+    assert (hello.protocol, hello.pid, hello.memory_mb) == ((2, 3), 4242, 512)
+
+
+@pytest.mark.parametrize("value", [5.5, float("nan"), float("inf"), -float("inf"), 2.0 ** 60])
+def test_a_float_that_is_no_exact_integer_is_still_refused(value):
+    frame = msgspec.msgpack.encode({"op": "release", "id": 9, "grant": value})
+    with pytest.raises(codec.BadFrame, match="field 'grant': expected integer") as info:
+        codec.decode_request(frame)
+    assert info.value.request_id == 9
+
+
+def test_an_integral_float_outside_the_fields_bounds_is_refused():
+    with pytest.raises(codec.BadFrame, match="field 'id'") as info:
+        codec.decode_request(msgspec.msgpack.encode({"op": "acquire", "id": -3.0}))
+    assert info.value.request_id == 0
+
+
 class _FakeFrame:
     """Stands in for a zmq.Frame's Peer-Address property (libzmq formats it)."""
 

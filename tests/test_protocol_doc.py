@@ -17,6 +17,7 @@ struct by ``### `Name```, each followed by a field table
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import socket
 import struct
@@ -386,3 +387,55 @@ def test_the_framing_example_reader_reads_the_doc():
     sample = ("## Framing (local endpoint)\n\n  ```\n  00 00 00 02  81 01\n  \\_ N = 2 _/ \\_ x: 2 bytes _/\n  ```\n"
               "\n## Next\n")
     assert framing_example(sample) == (b"\x00\x00\x00\x02\x81\x01", 2, 2)
+
+
+def test_both_docs_name_the_socket_type_the_events_are_published_on(text):
+    """cluster.md once said PUB and protocol.md XPUB; the code's is the one to name."""
+    from nodeagent.daemon.cluster import ClusterEndpoint
+    made = re.search(r"self\._events_sock = self\._curve_socket\(zmq\.([A-Z]+)", inspect.getsource(ClusterEndpoint.bind))
+    assert made, "ClusterEndpoint.bind no longer makes the events socket as this test reads it"
+    kind = made.group(1)
+    cluster_doc = (DOC.parent / "cluster.md").read_text()
+    row = next(line for line in cluster_doc.splitlines() if line.startswith("| events |"))
+    assert re.search(rf"\| {kind}, CURVE", row), row
+    assert f"on the {kind} socket" in text
+    for doc, words in (("cluster.md", row), ("protocol.md", text)):
+        other = {"PUB", "XPUB"} - {kind}
+        assert not any(re.search(rf"(?<![A-Z]){o}\b[ ,]", words) for o in other), f"{doc} names another socket type"
+
+
+def test_the_doc_lists_the_default_endpoints_in_the_order_a_client_picks_them(text, monkeypatch, tmp_path):
+    from client_lib import endpoint
+    section = text[text.index("**Which endpoint a client uses.**"):]
+    items = re.findall(r"^  (\d)\. (.*(?:\n     .*)*)", section, re.M)[:4]
+    assert [n for n, _ in items] == ["1", "2", "3", "4"], items
+    said = [" ".join(body.split()) for _, body in items]
+    assert "NODEAGENT_ENDPOINT" in said[0] and endpoint.SYSTEM_SOCKET in said[1]
+    assert "XDG_RUNTIME_DIR" in said[2] and "nodeagent-$UID" in said[3]
+    # What client_lib does, in that order: the environment first, then by who and what exists.
+    monkeypatch.setenv("NODEAGENT_ENDPOINT", "ipc:///somewhere/else.sock")
+    assert endpoint.client_endpoint() == "ipc:///somewhere/else.sock"
+    monkeypatch.delenv("NODEAGENT_ENDPOINT")
+    if os.geteuid() == 0 or os.path.isdir(os.path.dirname(endpoint.SYSTEM_SOCKET)):
+        assert endpoint.client_endpoint() == "ipc://" + endpoint.SYSTEM_SOCKET
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert endpoint.user_socket_path() == str(tmp_path / "nodeagent" / "agent.sock")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert endpoint.user_socket_path().endswith(f"/nodeagent-{os.getuid()}/agent.sock")
+
+
+def test_the_doc_says_a_requeue_can_get_the_token_straight_back(sections):
+    """Fair order decides where a requeued session stands: with less GPU time per weight
+    than the one waiting, its release(requeue) grants it the token again at once."""
+    from sharing import Grant, TokenScheduler, Workload
+    sched = TokenScheduler(0)
+    for sid in ("a", "b"):
+        sched.add_session(sid, Workload.parse("training"), 1.0, 0.0)
+    sched.request("b", 0.0)
+    sched.request("a", 0.01)
+    (to_a,) = sched.release("b", 1, 0.1)  # b has had 0.1 s
+    sched.request("b", 0.11)
+    again = sched.release("a", to_a.grant, 0.12, requeue=True)  # a has had 0.02 s: still first
+    assert [(g.session, g.grant) for g in again if isinstance(g, Grant)] == [("a", to_a.grant + 1)]
+    row = next(line for line in DOC.read_text().splitlines() if line.startswith("| `requeue` |"))
+    assert "straight back" in row and "fair order" in row, row

@@ -172,7 +172,11 @@ class ClusterEndpoint:
     # ------------------------------------------------------------------ life
 
     def restore(self, now: float) -> None:
-        """Policies and lifecycle states from the journal: a LENT device stays lent."""
+        """Policies and lifecycle states from the journal: a LENT device stays lent. Called
+        after :meth:`bind` (the journal is opened once every address is bound): events carry
+        the boot number read from it."""
+        if self.events is not None:
+            self.events.boot = self._boot()
         journal = self._journal.journal
         if journal is None:
             return

@@ -41,6 +41,11 @@ class JournalWriter:
         self.stale: set[str] = set()  # session ids whose journal row is missing or out of date
         metrics.journal_ok.set(1 if journal is not None else 0)
 
+    def attach(self, journal: Journal) -> None:
+        """The journal, opened after the daemon's addresses were bound."""
+        self.journal = journal
+        self._metrics.journal_ok.set(1)
+
     def write(self, fn: Callable[[Journal], object], session: str | None = None) -> bool:
         """Run one write; False if it failed (logged, counted). True when there is no journal to write."""
         if self.journal is None:

@@ -31,12 +31,13 @@ waits) or not (S stopped listening first: ``g'`` is burnt, never given, and
 the usual order decides). An S that does not answer within the grace period
 is stopped (it is verified: one-hop needs it) and counted as not woken. S
 leaving ends the promise at once (it wakes on nothing). A daemon restart
-forgets hints; FIFOs left by a crashed daemon are removed at start.
+forgets hints; FIFOs left by a crashed daemon are removed at start, and a
+clean stop removes the directory.
 
 Only local, verified sessions that asked for it in ``hello`` (``one_hop``)
 and speak protocol 2.3 or later (they answer a withdrawal) take part; anyone
 else keeps the two-hop path. The FIFO belongs to S's user
-and the daemon's group (mode 0620 under a root daemon: only S reads it, the
+and the socket's group, whatever that is (mode 0620 under a root daemon: only S reads it, the
 socket's group may write), and the one-time 16-byte secret keeps other local
 users from forging a wake-up.
 
@@ -92,6 +93,7 @@ class OneHop:
         self._apply = apply  # carry out scheduler actions (a settled promise may grant)
         self.unanswered = 0  # withdrawals whose successor did not answer in time (stopped instead)
         self._dir: str | None = None
+        self._gid = 0  # the socket's group: the wake FIFOs' under a root daemon
         # Per (device, lane): a co-run device has a token, and so a successor, per class.
         self._hints: dict[tuple[int, int], _Hint] = {}
         self._channels: set[str] = set()  # sessions with a wake channel: without any, no hint can be given
@@ -104,21 +106,23 @@ class OneHop:
 
     def start(self, socket_path: str | None) -> None:
         """Prepare ``<socket dir>/wake`` (none for a tcp endpoint: no one-hop there),
-        removing FIFOs a crashed daemon left."""
+        removing FIFOs a crashed daemon left. Under a root daemon the directory and the
+        FIFOs get the socket's group, so whoever may connect may wake a successor."""
         if socket_path is None:
             return
         directory = os.path.join(os.path.dirname(socket_path) or ".", WAKE_DIR)
         try:
+            self._gid = os.stat(socket_path).st_gid
             os.makedirs(directory, mode=0o750 if os.geteuid() == 0 else 0o700, exist_ok=True)
             st = os.lstat(directory)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 log.warning("[one-hop] %s is not a directory of this daemon's user; one-hop handoffs are off",
                             directory)
                 return
+            # Only nodeagent makes a wake/ beside its socket, and this daemon holds the socket's
+            # lock: one that is there was left by a daemon that crashed, and is this one's now.
             if os.geteuid() == 0:
-                gid = runtime.socket_gid()
-                if gid is not None:
-                    os.chown(directory, 0, gid)
+                os.chown(directory, 0, self._gid)
                 os.chmod(directory, 0o750)
             for name in os.listdir(directory):
                 path = os.path.join(directory, name)
@@ -146,8 +150,7 @@ class OneHop:
                 pass
             os.mkfifo(path, 0o600)
             if system:
-                gid = runtime.socket_gid()
-                os.chown(path, s.uid, gid if gid is not None else 0)
+                os.chown(path, s.uid, self._gid)
                 os.chmod(path, FIFO_MODE_SYSTEM)
         except OSError as exc:
             log.warning("[one-hop] no wake channel for session=%s (%s); it hands off in two hops",
@@ -165,9 +168,13 @@ class OneHop:
         self._channels.discard(s.id)
 
     def close(self) -> None:
+        """Remove every wake channel, and the emptied directory (a clean stop leaves nothing)."""
         for s in self._sessions.values():
             self.close_channel(s)
         self._hints.clear()
+        if self._dir is not None:
+            runtime.remove_empty_dir(self._dir)
+            self._dir = None
 
     @staticmethod
     def _unlink(path: str) -> None:

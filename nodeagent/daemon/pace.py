@@ -52,8 +52,9 @@ class Pacing:
         base = os.path.dirname(socket_path) if socket_path else state_dir
         directory = os.path.join(base or ".", PACE_DIR)
         system = os.geteuid() == 0
-        gid = runtime.socket_gid() if system else None
         try:
+            # The socket's group reads the boards (the nodeagent group's where there is no socket).
+            gid = (os.stat(socket_path).st_gid if socket_path else runtime.socket_gid()) if system else None
             os.makedirs(directory, mode=0o750 if system else 0o700, exist_ok=True)
             st = os.lstat(directory)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
@@ -76,9 +77,13 @@ class Pacing:
         log.info("[pace] co-run devices=%s boards=%s", sorted(self._boards), directory)
 
     def close(self) -> None:
+        """Remove the boards, and their emptied directory (a clean stop leaves nothing)."""
         for board in self._boards.values():
             board.close()
         self._boards.clear()
+        if self._dir is not None:
+            runtime.remove_empty_dir(self._dir)
+            self._dir = None
 
     def board_path(self, device: int) -> str:
         """The board a session on ``device`` reads ("" where the device does not co-run)."""

@@ -81,12 +81,17 @@ class AgentServer:
 
     def __init__(self, config: ServeConfig, backend: DeviceBackend, *,
                  metrics: Metrics | None = None, journal: Journal | None = None,
+                 open_journal: Callable[[], Journal] | None = None,
                  clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
+        """``journal``: an open journal; or ``open_journal``, which :meth:`bind` calls once every
+        address is bound, so a start that cannot bind leaves no journal behind. Either way the
+        sessions it holds are restored in :meth:`bind`, before any client is served."""
         config.validate()
         self.config = config
         self.backend = backend
         self.metrics = metrics if metrics is not None else Metrics()
         self.journal = journal
+        self._open_journal = open_journal
         self.boot = 0  # incarnation, from the journal; grant ids start at boot << 32
         self._clock = clock
         self._ctx = context if context is not None else zmq.Context()
@@ -100,6 +105,7 @@ class AgentServer:
         self._wake_w.setblocking(False)
         self._stop_reason: str | None = None
         self._lock: runtime.InstanceLock | None = None
+        self._made_socket_dir = False  # the socket's directory is this daemon's to remove at shutdown
         self._started = clock()
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
@@ -188,19 +194,29 @@ class AgentServer:
         bus.subscribe(MayAsk, self._gate.on_may_ask)
         bus.subscribe(SliceEnded, self._attained.on_slice_ended)
         bus.subscribe(Published, self._attained.on_published)
-        if journal is not None:
-            now = self._clock()
-            self.boot = self._restorer.restore(now)
-            for s in self._restorer.restored():
-                if s.suspension.active:  # a suspension the old daemon had under way or in force
-                    self._suspensions.restored(s, now)
-            self._cluster.restore(now)
-            self._attained.restore()
+
+    def _restore(self) -> None:
+        """Open the journal if it is this daemon's to open, and take back what it holds."""
+        if self.journal is None and self._open_journal is not None:
+            self.journal = self._open_journal()
+            self._journal_writer.attach(self.journal)
+        if self.journal is None:
+            return
+        now = self._clock()
+        self.boot = self._restorer.restore(now)
+        for s in self._restorer.restored():
+            if s.suspension.active:  # a suspension the old daemon had under way or in force
+                self._suspensions.restored(s, now)
+        self._cluster.restore(now)
+        self._attained.restore()
 
     # ------------------------------------------------------------------ life
 
     def bind(self) -> str:
-        """Bind the endpoint; returns it. Refuses if another daemon serves it."""
+        """Bind the endpoint; returns it. Refuses if another daemon serves it.
+
+        Every address is bound before the journal is opened and restored: a start that
+        cannot have its addresses leaves neither a socket file nor a journal behind."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
         limits = self._connection_limits()
@@ -211,23 +227,24 @@ class AgentServer:
                               on_refused=lambda why: self.metrics.connections_refused.inc())
         try:
             if path is not None:
-                runtime.prepare_socket_dir(path)
+                self._made_socket_dir = runtime.prepare_socket_dir(path)
                 self._lock = runtime.InstanceLock(path + ".lock", "socket")
                 self._lock.acquire()
                 runtime.remove_stale_socket(path)
             local.bind()
-            self._tokens.one_hop.start(path)  # wake channels live beside the socket
-            self._tokens.pacing.start(path, self.config.state_dir)  # and the co-run devices' pace boards
         except BaseException:
             local.close()
-            if self._lock is not None:
-                self._lock.release()
+            self._leave_socket_dir(path)
             raise
         self._local = local
         self._poller.register(self._wake_r.fileno(), POLLIN)
         self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
+        opened_journal = self.journal is None
         try:
             self._cluster.bind()
+            self._restore()  # after the last address: a bind that fails has created no journal
+            self._tokens.one_hop.start(path)  # wake channels live beside the socket
+            self._tokens.pacing.start(path, self.config.state_dir)  # and the co-run devices' pace boards
             try:
                 self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             except BaseException:
@@ -240,19 +257,32 @@ class AgentServer:
                 self._mps.stop()
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
+            self._cluster.close()
+            self._tokens.one_hop.close()
+            self._tokens.pacing.close()
             local.close()
             self._local = None
-            if path is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                self._lock.release()
+            if opened_journal and self.journal is not None:
+                self.journal.close()
+                self.journal = None
+            self._leave_socket_dir(path)
             raise
         self._memory_policy.start()  # its watcher thread, where NVML reads memory per process (cuda)
         log.info("[serve] listening endpoint=%s backend=%s devices=%d pid=%d boot=%d",
                  endpoint, self.backend.name, self._tokens.device_count, os.getpid(), self.boot)
         return endpoint
+
+    def _leave_socket_dir(self, path: str | None) -> None:
+        """Remove the socket, its lock file and, if this daemon made it, the emptied directory
+        (the lock is held until its file is gone: a daemon starting meanwhile waits for it)."""
+        if path is None or self._lock is None or not self._lock.held:
+            self._lock = None  # not ours: another daemon's socket stays
+            return
+        runtime.remove_stale_socket(path)
+        self._lock.release(unlink=True)
+        self._lock = None
+        if self._made_socket_dir:
+            runtime.remove_empty_dir(os.path.dirname(path) or ".")
 
     def _connection_limits(self) -> fdlimit.ConnectionLimits:
         """The local endpoint's connection limits: the configured ones, or, where the
@@ -382,10 +412,7 @@ class AgentServer:
         if self._local is not None:
             self._local.close(flush_s=0.2)  # give the revoke notices a moment to leave
             self._local = None
-        path = ipc_path(self.config.endpoint)
-        if path is not None and self._lock is not None:
-            runtime.remove_stale_socket(path)
-            self._lock.release()
+        self._leave_socket_dir(ipc_path(self.config.endpoint))
         if threading.current_thread() is threading.main_thread():
             # A signal during what is left of shutdown must not write to a closed socket.
             old = signal.set_wakeup_fd(-1)
