@@ -183,15 +183,27 @@ def test_a_killed_child_fails_its_mode_in_one_line_the_next_mode_runs_and_ctrl_c
     started: set[int] = set()
     err = []
     try:
+        # Each mode's header is printed before its processes start, and a phase lasts
+        # --phase-s once they are up: the test acts on the processes it sees, polled from
+        # the header on, never on a later line it might read after the phase ended.
+        def wait_for_children(pred) -> list[int]:
+            deadline = time.monotonic() + 60
+            while driver.poll() is None and time.monotonic() < deadline:
+                kids = _children_of(driver.pid)
+                started.update(kids)
+                if pred(kids):
+                    return kids
+                time.sleep(0.005)
+            pytest.fail("the driver exited or its processes never came up:\n" + "".join(err))
+
         for line in driver.stderr:
             err.append(line)
             started.update(_children_of(driver.pid))
-            if line.startswith("  [no-daemon] [trainer]"):  # printed as the trainer reports ready
-                trainer = [p for p in _children_of(driver.pid) if "--worker trainer" in _cmdline(p)]
-                assert len(trainer) == 1
-                os.kill(trainer[0], signal.SIGKILL)
-            if line.startswith("  [corun-free] [trainer]"):  # a daemon and both workers are up: Ctrl-C
-                assert len(_children_of(driver.pid)) == 3
+            if line.startswith("[colocate] no-daemon:"):  # kill its trainer as soon as it exists
+                kids = wait_for_children(lambda kids: any("--worker trainer" in _cmdline(p) for p in kids))
+                os.kill(next(p for p in kids if "--worker trainer" in _cmdline(p)), signal.SIGKILL)
+            if line.startswith("[colocate] corun-free:"):  # Ctrl-C once a daemon and both workers are up
+                wait_for_children(lambda kids: len(kids) == 3)
                 driver.send_signal(signal.SIGINT)
                 break
         out, rest = driver.communicate(timeout=60)
