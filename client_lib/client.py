@@ -155,6 +155,7 @@ class Client:
         self._resume_received = False
         self._park: Callable[[], int] | None = None
         self._unpark: Callable[[], None] | None = None
+        self._held: Callable[[], tuple[int, bool]] | None = None
         self.last_suspend: tuple[int, float, float] | None = None  # (bytes_parked, suspend_ms, resume_ms)
         self.welcome: p.Welcome | None = None
         self._cuda_ordinal: int | None = None  # found from the welcome's UUID, once
@@ -257,13 +258,28 @@ class Client:
         pace = self._pace
         return pace.wait() if pace is not None else 0.0
 
-    def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None) -> None:
+    def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None,
+                             held: Callable[[], tuple[int, bool]] | None = None) -> None:
         """What to do when the daemon asks for the whole device: ``park()`` moves
         the state to host memory, frees device memory and returns the bytes
-        parked; ``unpark()`` brings it back. (:class:`client_lib.torch.Yielder`
+        parked; ``unpark()`` brings it back; ``held()`` says how much host memory
+        is kept for the state and whether it is pinned (reported to the daemon, which
+        counts it: ``suspended.host_bytes``). (:class:`client_lib.torch.Yielder`
         registers these for modules and optimizers.)"""
         self._park = park
         self._unpark = unpark
+        self._held = held
+
+    def _host_held(self) -> tuple[int, bool]:
+        """(bytes, pinned) of host memory kept for parked state; (0, False) if unknown or it fails."""
+        if self._held is None:
+            return 0, False
+        try:
+            nbytes, pinned = self._held()
+            return max(0, min(int(nbytes), 2**53)), bool(pinned)
+        except Exception as exc:  # a report, never a reason to fail a suspension
+            log.debug("[client] held() failed: %s", exc)
+            return 0, False
 
     @property
     def unmanaged(self) -> bool:
@@ -647,8 +663,11 @@ class Client:
         suspend_ms = (time.perf_counter() - started) * 1000.0
         self.release()
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
-        self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms))
-        log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f", bytes_parked, suspend_ms)
+        host_bytes, host_pinned = self._host_held()
+        self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
+                                     host_bytes=host_bytes, host_pinned=host_pinned))
+        log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
+                 host_bytes)
         generation = self._generation
         while not self._resume_received:
             if self._generation != generation or self._suspend_requested:
@@ -659,7 +678,8 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms))
+                self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
+                                             host_bytes=host_bytes, host_pinned=host_pinned))
             if not self._pump(_POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -669,7 +689,7 @@ class Client:
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
         if self._conn is not None:
-            self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms))
+            self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms, host_bytes=self._host_held()[0]))
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
             self.request()

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 4)
+PROTOCOL_VERSION: tuple[int, int] = (2, 5)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -29,6 +29,7 @@ WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
 """Workload classes, highest priority first."""
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+HostBytes = Annotated[int, msgspec.Meta(ge=0, le=2**53)]  # bytes of host memory a client reports
 """Request ids fit a signed 64-bit integer so every peer can hold them."""
 
 
@@ -171,12 +172,18 @@ class Suspended(Request, tag="suspended"):
 
     bytes_parked: int
     suspend_ms: float
+    # 2.5: host memory the client holds for its parked state (the buffer it keeps across
+    # park cycles, so the next park allocates nothing), and whether it is page-locked
+    host_bytes: HostBytes = 0
+    host_pinned: bool = False
 
 
 class Resumed(Request, tag="resumed"):
     """From the client: its state is back on the device."""
 
     resume_ms: float
+    # 2.5: the host memory it still keeps for the next park (None: as reported at suspended)
+    host_bytes: Optional[HostBytes] = None
 
 
 # -- 1.1: server-side models (ctxpool) ---------------------------------------
@@ -384,6 +391,9 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     # 2.3: the cgroup v2 (as /proc/PID/cgroup names it) the daemon freezes to stop a
     # launched program; None where it stops the process group (managed_pgid) instead
     managed_cgroup: Optional[str] = None
+    # 2.5: host memory the session's client keeps for its parked state (suspended/resumed.host_bytes)
+    host_bytes: int = 0
+    host_pinned: bool = False
 
 
 class TokenActivity(msgspec.Struct, kw_only=True):

@@ -308,7 +308,7 @@ class Yielder:
             self._first_step_hooks = [opt.register_step_post_hook(self._after_first_step)
                                       for opt in self._optimizers]
         if client is not None:
-            client.set_suspend_handlers(self.park, self.unpark)
+            client.set_suspend_handlers(self.park, self.unpark, held=lambda: (self._host.nbytes, self._host.pinned))
 
     # ------------------------------------------------------------------ api
 

@@ -44,7 +44,7 @@ SUSPEND_OUTCOMES = ("suspended", "stopped", "timeout", "gone", "cancelled")
 SESSION_LOST_REASONS = ("process_exited", "disconnected", "not_reading", "bad_frame", "heartbeat")
 # Where the loop contains a bug (nodeagent.daemon.server._contain, the endpoints' dispatch).
 INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "one-hop",
-                         "pace", "status")
+                         "pace", "status", "metrics")
 METRICS_HTTP_CLOSE_REASONS = ("timeout", "evicted", "refused", "bad_request")
 
 
@@ -62,6 +62,8 @@ class SessionRow(NamedTuple):
     workload: str
     state: str  # one of SESSION_STATES
     memory_bytes: int  # measured where the backend can (cuda), else declared
+    host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
+    host_pinned: bool = False
 
 
 class DeviceRow(NamedTuple):
@@ -83,6 +85,9 @@ _STATE_DOCS = (
     MetricDoc("nodeagent_device_state", "gauge", ("device", "state"),
               "1 for the device's lifecycle state (FREE, RUN, PROTECT, LENT, DRAINING), 0 for the others"),
     MetricDoc("nodeagent_device_lost", "gauge", ("device",), "1 while NVML reports the device lost, else 0"),
+    MetricDoc("nodeagent_host_kept_bytes", "gauge", ("device", "pinned"),
+              "Host memory the device's clients keep for their parked state (the buffer a park reuses), "
+              "page-locked (pinned=\"true\") or not, as they report it"),
 )
 
 
@@ -100,11 +105,15 @@ class _StateCollector(Collector):
         return [GaugeMetricFamily(doc.name, doc.help, labels=doc.labels) for doc in _STATE_DOCS]
 
     def collect(self):
-        sessions, memory, held, queue, state, lost = self.describe()
+        sessions, memory, held, queue, state, lost, host = self.describe()
         devices = list(self._devices())
         counts = {(d.device, w, st): 0 for d in devices for w in WORKLOADS for st in SESSION_STATES}
         used = {(d.device, w): 0 for d in devices for w in WORKLOADS}
+        kept = {(d.device, pinned): 0 for d in devices for pinned in ("true", "false")}
         for row in self._sessions():
+            if row.host_bytes:
+                key = (row.device, "true" if row.host_pinned else "false")
+                kept[key] = kept.get(key, 0) + row.host_bytes
             key = (row.device, row.workload, row.state)
             counts[key] = counts.get(key, 0) + 1
             used[(row.device, row.workload)] = used.get((row.device, row.workload), 0) + row.memory_bytes
@@ -118,7 +127,9 @@ class _StateCollector(Collector):
             lost.add_metric([d.device], 1 if d.lost else 0)
             for name in DEVICE_STATES:
                 state.add_metric([d.device, name], 1 if d.lifecycle == name else 0)
-        return [sessions, memory, held, queue, state, lost]
+        for key, n in kept.items():
+            host.add_metric(list(key), n)
+        return [sessions, memory, held, queue, state, lost, host]
 
 
 class Metrics:

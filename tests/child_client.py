@@ -59,7 +59,9 @@ def main() -> int:
         def park() -> int:
             emit("PARKED")
             return args.park_bytes
-        client.set_suspend_handlers(park, lambda: emit("UNPARKED"))
+        # The host memory kept for the state: the parked bytes rounded up to a page, pinned.
+        held = (-(-args.park_bytes // 4096) * 4096, True)
+        client.set_suspend_handlers(park, lambda: emit("UNPARKED"), held=lambda: held)
     if args.mode == "hold":
         client.acquire()
         emit("GRANT")

@@ -284,3 +284,15 @@ def test_the_label_values_started_at_0_are_those_the_daemon_uses():
     server = set(re.findall(r'self\._drop\(\w+, "(\w+)"', (daemon / "server.py").read_text())) - {"bye"}
     reasons = local | server | {"process_exited", "disconnected"}  # what a closed connection becomes
     assert reasons == set(metrics.SESSION_LOST_REASONS), (sorted(reasons), metrics.SESSION_LOST_REASONS)
+
+
+def test_host_memory_kept_for_parked_state_is_summed_per_device_and_pinning():
+    from nodeagent.metrics import DeviceRow, SessionRow
+    m = Metrics(CollectorRegistry())
+    rows = [SessionRow("0", "training", "idle", 0, 4096, True), SessionRow("0", "training", "idle", 0, 8192, True),
+            SessionRow("0", "training", "idle", 0, 100, False), SessionRow("1", "training", "idle", 0)]
+    m.watch(2, lambda: [DeviceRow(str(i), "FREE", False, False, 0) for i in range(2)], lambda: rows)
+    from prometheus_client import generate_latest
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    kept = {(s.labels["device"], s.labels["pinned"]): s.value for s in families["nodeagent_host_kept_bytes"].samples}
+    assert kept == {("0", "true"): 12288, ("0", "false"): 100, ("1", "true"): 0, ("1", "false"): 0}

@@ -46,6 +46,10 @@ def test_wire_form_is_a_plain_map_with_op_and_id():
                              "workload": "gaming"}), 8, "workload"),    # not a workload class
     (msgspec.msgpack.encode({"op": "acquire", "id": -3}), 0, "id"),     # negative id
     (b"\x80" * 10, 0, ""),                                              # trailing garbage
+    (msgspec.msgpack.encode({"op": "suspended", "id": 9, "bytes_parked": 1, "suspend_ms": 1.0,
+                             "host_bytes": -1}), 9, "host_bytes"),      # 2.5: host memory kept, >= 0
+    (msgspec.msgpack.encode({"op": "resumed", "id": 10, "resume_ms": 1.0,
+                             "host_bytes": 2**53 + 2}), 10, "host_bytes"),  # ... and <= 2^53
 ])
 def test_bad_frames_raise_badframe_with_salvaged_id(frame, rid, fragment):
     with pytest.raises(codec.BadFrame) as info:

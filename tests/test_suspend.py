@@ -29,6 +29,8 @@ def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, 
     trainer.expect("PARKED")
     info = session_by_name(d, "trainer")
     assert (info.suspended, info.state, info.bytes_parked) == ("suspended", "idle", 123456)
+    # The host memory the client keeps for the state is counted (protocol 2.5), pinned.
+    assert (info.host_bytes, info.host_pinned) == (126976, True)
     # The device is free: another session gets it at once, for as long as it likes.
     with Client("other", endpoint=d.endpoint) as other:
         other.acquire(timeout=1)
@@ -39,6 +41,8 @@ def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, 
     unparked = trainer.expect("UNPARKED")
     assert unparked[1] >= resumed_at - 0.01
     assert session_by_name(d, "trainer").suspended is None
+    # Kept across the resume for the next park, so still counted.
+    wait_for(lambda: session_by_name(d, "trainer").host_bytes == 126976)
     assert int(trainer.expect("DONE", timeout=20)[2]) > 0
 
 

@@ -715,3 +715,23 @@ def test_training_is_bit_identical_across_a_park_on_cuda(opt_name):
     assert with_park == straight
     for key, value in straight_state.items():
         assert torch.equal(parked_state[key], value), key
+
+
+def test_the_yielder_reports_the_host_memory_it_keeps_for_the_next_park():
+    """What the daemon counts (suspended.host_bytes): the host buffer the state is parked in,
+    kept after the unpark so the next park allocates nothing."""
+    from client_lib.torch import Yielder
+
+    class Recorder:
+        def set_suspend_handlers(self, park, unpark, held=None):
+            self.park, self.unpark, self.held = park, unpark, held
+
+    client = Recorder()
+    model = torch.nn.Linear(64, 64)
+    Yielder(client, modules=[model])
+    assert client.held() == (0, False)  # nothing parked yet: nothing kept
+    parked = client.park()
+    kept, pinned = client.held()
+    assert kept >= parked > 0 and pinned is False  # on cpu nothing is page-locked
+    client.unpark()
+    assert client.held() == (kept, False)  # kept for the next park

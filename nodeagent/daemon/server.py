@@ -908,7 +908,7 @@ class AgentServer:
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
                     managed_cgroup=s.managed_cgroup.name if s.managed_cgroup is not None else None,
                     attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked,
-                    borrower=s.borrower))
+                    borrower=s.borrower, host_bytes=s.host_bytes, host_pinned=s.host_pinned))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
@@ -931,7 +931,8 @@ class AgentServer:
             except KeyError:
                 continue  # not in its device's scheduler: left out rather than failing the scrape
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
-            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used))
+            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used,
+                                   s.host_bytes, s.host_pinned))
         return rows
 
     def _device_rows(self) -> list[DeviceRow]:

@@ -65,6 +65,8 @@ class Session:
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
     one_hop: bool = False  # hello.one_hop: its client takes successor/standby notices (nodeagent.daemon.one_hop)
     wake: str | None = None  # path of its wake FIFO, while it has one
+    host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
+    host_pinned: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
 
     @property

@@ -127,6 +127,7 @@ class Suspensions:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return  # answered E_NO_SESSION
+        s.host_bytes, s.host_pinned = msg.host_bytes, msg.host_pinned  # held whatever the suspension is now
         actions = s.suspension.suspended(now, msg.bytes_parked)
         if not actions:
             return  # resumed (or stopped, or already suspended) meanwhile
@@ -152,6 +153,9 @@ class Suspensions:
         s = self._session_for(route, msg.id, now)
         if s is not None:
             self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+            if msg.host_bytes is not None:  # what it keeps for the next park (0: let go)
+                s.host_bytes = msg.host_bytes
+                s.host_pinned = s.host_pinned and msg.host_bytes > 0
 
     # ------------------------------------------------------------------ restart
 
