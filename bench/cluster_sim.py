@@ -235,7 +235,7 @@ def workload_summary(w: Workload) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     doc = __doc__.split("\n\n")
-    ap = argparse.ArgumentParser(prog="python -m bench.cluster_sim", description=doc[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.cluster_sim", description=doc[0], allow_abbrev=False,
                                  epilog="\n\n".join(doc[1:]).strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
     w = ap.add_argument_group("workload")
     w.add_argument("--trace", help="a Pollux/DeepBoot workload CSV (name,time,application,num_replicas,batch_size)")

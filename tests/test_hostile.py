@@ -93,10 +93,10 @@ _json_like = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=40) | st.binary(max_size=300),
     lambda children: st.lists(children, max_size=20) | st.dictionaries(st.text(max_size=8), children, max_size=20),
-    max_leaves=200)
+    max_leaves=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(obj=_json_like, limit=st.integers(0, 8))
 def test_depth_scan_agrees_with_the_structure(obj, limit):
     frame = msgspec.msgpack.encode(obj)
