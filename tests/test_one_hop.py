@@ -39,11 +39,11 @@ def _hinted(holder: Client) -> bool:
 
 
 @pytest.fixture
-def patient_daemon(start_daemon):
+def patient_daemon(start_inproc_daemon):
     """Slices long enough that no holder here is asked to yield while a test sleeps, and
     enforcement by revoke: the holders are this process, which must never be stopped."""
-    return start_daemon("--quantum-ms", "inference=10000", "--quantum-ms", "training=10000", "--enforce", "revoke",
-                        "--grace-ms", "2000")
+    return start_inproc_daemon("--quantum-ms", "inference=10000", "--quantum-ms", "training=10000", "--enforce", "revoke",
+                               "--grace-ms", "2000")
 
 
 def _holder(patient_daemon) -> str | None:
@@ -382,7 +382,7 @@ def test_usable_cpus_counts_the_affinity_mask_capped_by_a_cgroup_quota(tmp_path)
 def test_a_successor_suspended_while_promised_never_holds_beside_the_next(patient_daemon):
     """Issue 21, break 1: root suspends the promised successor, then the holder releases
     having written its word. The suspended client stopped listening and said so; the
-    patient_daemon, which waited for that answer, grants the next waiter a new grant id."""
+    daemon, which waited for that answer, grants the next waiter a new grant id."""
     from client_lib import resume_session, suspend_session
     h = Client("h", endpoint=patient_daemon.endpoint, one_hop=True)
     s = Client("s", endpoint=patient_daemon.endpoint, one_hop=True)
