@@ -25,35 +25,29 @@ session id, and a slice in progress completes.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
 import select
-import stat
-import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from client_lib import codec, cuda_probe, device_id, framing, liveness
+from client_lib import cuda_probe, device_id, liveness
 from client_lib import pace as pace_board
 from client_lib import protocol as p
 from client_lib import serving
-from client_lib.endpoint import ENV_ENDPOINT, SOCKET_GROUP, client_endpoint, socket_group
-from client_lib.errors import (CudaTooEarlyError, DaemonError, DaemonUnavailableError, GrantTimeoutError,
-                               HandshakeTimeoutError, NodeAgentError, NoSessionError, RequestTimeoutError,
-                               from_reply)
+from client_lib.endpoint import client_endpoint
+from client_lib.errors import (CudaTooEarlyError, DaemonUnavailableError, GrantTimeoutError, NodeAgentError,
+                               NoSessionError, RequestTimeoutError, from_reply)
+from client_lib.transport import ENV_HANDSHAKE_TIMEOUT, POLL_SLICE_MS, Transport, one_shot
+from client_lib.wake import WakeChannel
 
 log = logging.getLogger("client_lib.client")
 
-ENV_HANDSHAKE_TIMEOUT = "NODEAGENT_HANDSHAKE_TIMEOUT_S"
 ENV_BORROWER = "NODEAGENT_BORROWER"  # a training session's borrower when none is given (set by a cluster engine)
 ENV_ONE_HOP = "NODEAGENT_ONE_HOP"  # 1, 0 or auto: whether a Client not told asks for one-hop handoffs
 ONE_HOP_MIN_CPUS = 8  # auto: one-hop where this process may use at least this many CPUs
-_WAKE_TAIL_MAX = 1024  # unmatched wake-channel bytes kept (the newest)
-_WAKE_OUT_MAX = 4  # successors' wake channels a client keeps open (each a descriptor)
-_POLL_SLICE_MS = 50  # longest blind wait: how soon a lost daemon is noticed while blocked
 _UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
 _UNMANAGED_HANDSHAKE_S = 0.2
 _BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
@@ -134,12 +128,11 @@ class Client:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
         self._wanted_device = device
-        self._conn: framing.Connection | None = None
-        self._io = threading.RLock()  # held while this client reads or writes; the liveness thread only tries it
-        self._next_id = 1
-        self._replies: dict[int, p.DaemonMessage] = {}
-        self._awaiting: set[int] = set()  # ids of requests a _call() is waiting on
-        self._async_error: DaemonError | None = None  # error reply to a fire-and-forget request
+        # The connection (framing, ids, replies awaited, the I/O lock) and the one-hop wake
+        # channels; this class keeps the session: what the daemon's notices mean.
+        self._transport = Transport(self.endpoint)
+        self._io = self._transport.io  # held while this client reads or writes; the liveness thread only tries it
+        self._wake = WakeChannel(self._transport.watch_wake)
         self._grant: int | None = None
         self._yield_requested = False
         self._in_slice = False
@@ -160,18 +153,6 @@ class Client:
         self.welcome: p.Welcome | None = None
         self._cuda_ordinal: int | None = None  # found from the welcome's UUID, once
         self.revocations = 0
-        # One-hop handoffs (see nodeagent.daemon.one_hop): this session's wake channel, the promise
-        # the daemon made us while we wait (grant, secret), the successor we wake at our release
-        # (our grant, its grant, its channel, secret), and the last bytes read, should a word straddle two reads.
-        self._wake_fd: int | None = None  # open while waiting for the token (see _listen)
-        self._wake_out: dict[str, int] = {}  # successors' wake channels, kept open for the next handoff
-        self._wake_warned = False
-        self._standby: tuple[int, bytes] | None = None
-        self._woken_grant: int | None = None  # the last grant taken from the wake channel: the daemon's grants up to it are copies
-        self._hint: tuple[int, int, str, bytes] | None = None
-        self._wake_tail = b""
-        self.handed_on = 0  # releases that woke the next holder directly
-        self.woken = 0  # grants taken from the wake channel, ahead of the daemon's notice
         # Co-run pacing (client_lib.pace): where this lower-class session makes way for a higher
         # class; None where the device does not co-run (or this is the highest class).
         self._pace: pace_board.PacePoint | None = None
@@ -242,6 +223,16 @@ class Client:
         return self._suspend_requested
 
     @property
+    def handed_on(self) -> int:
+        """Releases that woke the next holder directly (one-hop)."""
+        return self._wake.handed_on
+
+    @property
+    def woken(self) -> int:
+        """Grants taken from the wake channel, ahead of the daemon's notice (one-hop)."""
+        return self._wake.woken
+
+    @property
     def pacing(self) -> pace_board.PacePoint | None:
         """The co-run pause point of this session (None where the device does not pace it)."""
         return self._pace
@@ -309,7 +300,7 @@ class Client:
         """Ask for the token without waiting; the grant arrives as a notice
         (see :attr:`holding`, :meth:`wait_event`)."""
         self._check_open()
-        if self._grant is None and self._conn is not None:
+        if self._grant is None and self._transport.conn is not None:
             self._listen()
             self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
 
@@ -317,10 +308,9 @@ class Client:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting).
         A promise of the token made meanwhile is given up: its wake word is no longer taken."""
         self._check_open()
-        if self._grant is not None or self._conn is None:
+        if self._grant is not None or self._transport.conn is None:
             return
-        self._standby = None
-        self._unlisten()
+        self._wake.give_up_promise()
         self._send_quiet(p.Cancel(id=self._take_id()))
 
     def release(self, requeue: bool = False) -> None:
@@ -328,7 +318,7 @@ class Client:
         daemon. ``requeue`` asks for it again in the same step."""
         if self._grant is None:
             return
-        if self._conn is None:
+        if self._transport.conn is None:
             self._grant = None
             self._yield_requested = False
             return
@@ -339,144 +329,29 @@ class Client:
                 return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        hint, self._hint = self._hint, None
+        hint = self._wake.take_hint()
         # The next holder first (through its wake channel, if the daemon told us who it is),
         # then the daemon: before reading anything, since someone is waiting on one or the other.
-        handed = self._hand_on(hint) if hint is not None and hint[0] == grant else None
+        handed = self._wake.hand_on(hint) if hint is not None and hint[0] == grant else None
         if requeue:
             self._listen()
         self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True, handed=handed))
         if not requeue:
-            self._unlisten()  # not waiting any more; after the frame left, off the next holder's path
+            self._wake.unlisten()  # not waiting any more; after the frame left, off the next holder's path
         self._pump(0)
 
-    def _hand_on(self, hint: tuple[int, int, str, bytes]) -> int | None:
-        """Wake the promised successor: one write of its wake word to its FIFO. Its grant id
-        if the word went whole, else None (no reader: it left; full: the daemon's grant wakes it)."""
-        _, next_grant, wake, secret = hint
-        fd = self._wake_out.get(wake)
-        if fd is None:
-            try:
-                fd = os.open(wake, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                return None  # ENXIO: it is not listening (it left, or stopped waiting)
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-                os.close(fd)
-                return None
-            if len(self._wake_out) >= _WAKE_OUT_MAX:  # the oldest goes
-                old_path = next(iter(self._wake_out))
-                os.close(self._wake_out.pop(old_path))
-            self._wake_out[wake] = fd
-        word = p.wake_word(secret, next_grant)
-        try:
-            if os.write(fd, word) != len(word):
-                return None
-        except OSError:  # EPIPE: its session ended since; EAGAIN: full (the daemon's grant wakes it)
-            os.close(self._wake_out.pop(wake))
-            return None
-        self.handed_on += 1
-        return next_grant
-
-    def _close_wake_out(self) -> None:
-        for fd in self._wake_out.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_out.clear()
-
-    def _read_wake(self) -> bool:
-        """Drain the wake channel; True if it held the word of the promise we wait on
-        (then we hold its grant). Anything else (late, forged, replayed) is dropped."""
-        fd = self._wake_fd
-        if fd is None:
-            return False
-        data = b""
-        try:
-            while True:
-                chunk = os.read(fd, 4096)
-                data += chunk
-                if len(chunk) < 4096 or len(data) >= 65536:
-                    break
-        except BlockingIOError:
-            pass
-        except OSError:
-            return False
-        return self._match_wake(data)
-
-    def _match_wake(self, data: bytes) -> bool:
-        """Look for our promise's word in what the channel gave (and kept bytes); True: we hold it."""
-        if self._grant is not None:
-            self._wake_tail = b""
-            return False
-        buf = (self._wake_tail + data)[-_WAKE_TAIL_MAX:]
-        standby = self._standby
-        if standby is None or p.wake_word(standby[1], standby[0]) not in buf:
-            self._wake_tail = buf  # kept: the standby it matches may be in a frame not handled yet
-            return False
-        self._wake_tail = b""
-        self._standby = None
-        self._grant = self._woken_grant = standby[0]
-        self._yield_requested = False
-        self.woken += 1
-        return True  # the channel stays open until our release: closing it is not on the way to our work
-
-    def _answer_withdrawal(self, grant: int) -> None:
-        """The daemon took back its promise of ``grant``: stop listening for its word (what the
-        channel holds unread is dropped, never taken) and say whether we had taken it already."""
-        woken = self._woken_grant == grant
-        if self._standby is not None and self._standby[0] == grant:
-            self._standby = None
-            self._drain_wake()
-        self._send_quiet(p.StandbyAck(id=self._take_id(), grant=grant, woken=woken))
-
-    def _drain_wake(self) -> None:
-        """Read and drop whatever the wake channel holds (no standby: nothing in it is ours)."""
-        fd = self._wake_fd
-        if fd is not None:
-            try:
-                while len(os.read(fd, 4096)) == 4096:
-                    pass
-            except OSError:
-                pass
-        self._wake_tail = b""
-
     def _listen(self) -> None:
-        """Open our wake channel while we wait for the token (read-write, so that it never
-        reports a hang-up). Only while waiting: a holder that finds no reader hands off in
-        two hops, and what was written to a channel nobody holds open is gone."""
-        if self._wake_fd is not None or self._conn is None or self.welcome is None or not self.welcome.wake:
-            return
-        try:
-            fd = os.open(self.welcome.wake, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            if not self._wake_warned:
-                self._wake_warned = True
-                log.warning("[client] cannot open the wake channel %s (%s); handoffs to this session take two "
-                            "hops", self.welcome.wake, exc.strerror)
-            return
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            os.close(fd)
-            return
-        self._wake_fd = fd
-        self._conn.watch_wake(fd)
+        """Open our wake channel while we wait for the token (one-hop; see :mod:`client_lib.wake`)."""
+        if self._transport.conn is not None and self.welcome is not None:
+            self._wake.listen(self.welcome.wake)
 
-    def _unlisten(self) -> None:
-        fd, self._wake_fd = self._wake_fd, None
-        self._wake_tail = b""
-        if fd is None:
-            return
-        if self._conn is not None:
-            self._conn.watch_wake(None)
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-    def _forget_promises(self) -> None:
-        self._unlisten()
-        self._close_wake_out()
-        self._standby = self._hint = self._woken_grant = None
+    def _take_woken(self, grant: int | None) -> bool:
+        """Hold ``grant``, taken from our wake channel (None: the channel gave none)."""
+        if grant is None:
+            return False
+        self._grant = grant
+        self._yield_requested = False
+        return True
 
     @contextmanager
     def slice(self, timeout: float | None = None) -> Iterator[int]:
@@ -524,22 +399,22 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             poller = select.poll()
-            conn = self._conn
+            conn = self._transport.conn
             conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
             if conn_fd is not None:
                 poller.register(conn_fd, select.POLLIN)
-            wake_fd = self._wake_fd
+            wake_fd = self._wake.fd
             if wake_fd is not None:
                 poller.register(wake_fd, select.POLLIN)
             for fd in fds:
                 poller.register(fd, select.POLLIN)
-            wait_ms = _POLL_SLICE_MS
+            wait_ms = POLL_SLICE_MS
             if deadline is not None:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
             if wake_fd is not None and wake_fd in events:
                 with self._io:
-                    self._read_wake()
+                    self._take_woken(self._wake.read(self._grant is not None))
             if conn_fd is not None and conn_fd in events:
                 self._pump(0)
             ready = [fd for fd in fds if fd in events]
@@ -602,8 +477,7 @@ class Client:
 
     def daemon_healthy(self) -> bool:
         """False once the daemon closed this client's connection (it went away or restarted)."""
-        conn = self._conn
-        return conn is not None and not conn.closed_by_peer
+        return self._transport.healthy
 
     def try_resume(self, handshake_timeout_s: float = _UNMANAGED_HANDSHAKE_S) -> bool:
         """One attempt to reattach to the daemon (resuming the session); True on success."""
@@ -623,10 +497,10 @@ class Client:
             self._pace.reader.close()
             self._pace = None
         with self._io:
-            if self._conn is not None:
+            if self._transport.conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and
                 # not as a vanished client.
-                self._forget_promises()
+                self._wake.forget()
                 self._say_goodbye()
         self._grant = None
 
@@ -654,8 +528,7 @@ class Client:
         # Suspended, we wait for nothing: a promise's word must not wake us now (the daemon
         # withdraws it too and waits for our answer before granting anyone else).
         if self._grant is None:
-            self._standby = None
-            self._unlisten()
+            self._wake.give_up_promise()
         started = time.perf_counter()
         if self._fence is not None and self._park is None:
             self._fence()  # a park handler finishes the device's work itself
@@ -680,7 +553,7 @@ class Client:
                 self._suspend_requested = False
                 self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
                                              host_bytes=host_bytes, host_pinned=host_pinned))
-            if not self._pump(_POLL_SLICE_MS):
+            if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
         if self._unpark is not None:
@@ -688,7 +561,7 @@ class Client:
         resume_ms = (time.perf_counter() - started) * 1000.0
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
-        if self._conn is not None:
+        if self._transport.conn is not None:
             self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms, host_bytes=self._host_held()[0]))
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
@@ -747,15 +620,11 @@ class Client:
 
     def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
         log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._transport.close()
         claim, self._grant = self._grant, None
         self._yield_requested = False
-        self._forget_promises()  # promises of the old connection
-        self._replies.clear()
-        self._awaiting.clear()
-        self._async_error = None
+        self._wake.forget()  # promises of the old connection
+        self._transport.forget_requests()
         try:
             self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
         except DaemonUnavailableError:
@@ -771,7 +640,7 @@ class Client:
     def _connect(self, claim: int | None, handshake_timeout_s: float | None = None) -> None:
         """Open the connection and handshake (resuming the old session if any)."""
         timeout = handshake_timeout_s or self.handshake_timeout_s
-        self._conn = _open(self.endpoint, timeout)
+        self._transport.open(timeout)
         old = self.welcome
         hello = p.Hello(
             id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
@@ -782,8 +651,7 @@ class Client:
         try:
             welcome = self._call(hello, timeout, handshake=True)
         except BaseException:
-            self._conn.close()
-            self._conn = None
+            self._transport.close()
             raise
         if not isinstance(welcome, p.Welcome):
             raise NodeAgentError(f"expected welcome from {self.endpoint}, got {type(welcome).__name__}")
@@ -799,7 +667,7 @@ class Client:
         self.welcome = welcome
         self._open_pace(welcome.pace)
         self._cuda_ordinal = None  # a new session may be on another GPU
-        self._standby = self._hint = self._woken_grant = None
+        self._wake.clear_promises()
         self._durable = welcome.durable
         self._next_heartbeat = (time.monotonic() + welcome.heartbeat_ms / 1000.0) if welcome.heartbeat_ms > 0 else None
         self._next_background_retry = None
@@ -832,7 +700,7 @@ class Client:
 
     def _daemon_there(self) -> bool:
         """For a wait on the pace board: False once the daemon hung up (the board may be stale)."""
-        conn = self._conn
+        conn = self._transport.conn
         if conn is None or conn.closed_by_peer:
             return False
         try:
@@ -846,8 +714,7 @@ class Client:
                 pass
             finally:
                 self._io.release()
-        conn = self._conn
-        return conn is not None and not conn.closed_by_peer
+        return self._transport.healthy
 
     def _abandon(self) -> None:
         """Close the session the daemon just opened, when this client cannot use it."""
@@ -861,8 +728,7 @@ class Client:
                 self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
             except (NodeAgentError, ConnectionError):
                 pass
-        self._conn.close()
-        self._conn = None
+        self._transport.close()
 
     def _waiting_since_connect(self) -> bool:
         return self._asked_in == self._generation
@@ -880,12 +746,11 @@ class Client:
             if self._asked_in != self._generation:  # a new connection: it must be asked again
                 self._asked_in = self._generation
                 self.request()
-            remaining_ms = _POLL_SLICE_MS
+            remaining_ms = POLL_SLICE_MS
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._standby = None  # no longer waiting: a late wake word is not ours to take
-                    self._unlisten()
+                    self._wake.give_up_promise()  # no longer waiting: a late wake word is not ours to take
                     self._send_quiet(p.Cancel(id=self._take_id()))
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
@@ -894,9 +759,7 @@ class Client:
         return self._grant
 
     def _take_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+        return self._transport.take_id()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -905,82 +768,40 @@ class Client:
     def _send_quiet(self, req: p.ClientMessage) -> None:
         """Send without waiting: only an error reply matters, and it is raised later.
         A daemon that went away is noticed by the next :meth:`_check_daemon`."""
-        with self._io:
-            conn = self._conn
-            if conn is None:
-                return
-            try:
-                conn.send(codec.encode(req))
-            except ConnectionError:
-                pass  # conn.closed_by_peer is set: the daemon is gone
+        self._transport.send_quiet(req)
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
-        with self._io:
-            self._awaiting.add(req.id)
-            try:
-                return self._wait_reply(req, timeout, handshake)
-            finally:
-                self._awaiting.discard(req.id)
+        return self._transport.call(req, timeout, self._pump_for_reply, handshake)
 
-    def _wait_reply(self, req: p.ClientMessage, timeout: float, handshake: bool) -> p.DaemonMessage:
-        conn = self._conn
-        try:
-            conn.send(codec.encode(req))
-        except ConnectionError as exc:
-            raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
-        deadline = time.monotonic() + timeout
-        while req.id not in self._replies:
-            if conn.closed_by_peer:
-                raise DaemonUnavailableError(self.endpoint, f"the daemon closed the connection before answering "
-                                             f"{type(req).__name__}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if handshake:
-                    raise HandshakeTimeoutError(
-                        self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
-                        f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
-                raise DaemonUnavailableError(self.endpoint, f"no reply to {type(req).__name__} within {timeout} s")
-            self._pump(min(_POLL_SLICE_MS, max(1, int(remaining * 1000))), raise_async=False)
-        reply = self._replies.pop(req.id)
-        if isinstance(reply, p.Error):
-            raise from_reply(reply.code, reply.message)
-        return reply
+    def _pump_for_reply(self, timeout_ms: int) -> None:
+        self._pump(timeout_ms, raise_async=False)
 
     def _pump(self, timeout_ms: int, raise_async: bool = True) -> bool:
         """Handle every message that arrives within ``timeout_ms``; True if any did."""
         with self._io:
-            conn = self._conn
-            if conn is None or conn.closed_by_peer:
-                if timeout_ms:
-                    time.sleep(min(timeout_ms, _POLL_SLICE_MS) / 1000.0)  # nothing to wait on: do not spin
-                return False
-            try:
-                frames = conn.recv(timeout_ms / 1000.0)
-            except ConnectionError:
-                return False  # the daemon went away: _check_daemon decides what follows
+            messages = self._transport.receive(timeout_ms)
+            if messages is None:
+                return False  # no connection: _check_daemon decides what follows
             # The daemon's notices first, then the wake word: a withdrawn promise (standby
             # with withdrawn) read in the same pump as its word must win over the word, or a
             # successor stopped meanwhile would wake on a promise the daemon took back. The
             # daemon's copy of a grant taken from the word is recognised as a copy either way.
-            for frame in frames:
-                try:
-                    msg = codec.decode_reply(frame)
-                except codec.BadFrame as exc:
-                    log.warning("[client] ignoring a frame from the daemon: %s", exc)
-                    continue
+            for msg in messages:
                 self._handle(msg)
             woken = False
-            if conn.woken:
-                conn.woken = False
-                woken = self._read_wake()
-            if not woken and self._wake_tail and self._standby is not None:
-                woken = self._match_wake(b"")  # a word read before the standby it matches was handled
-            if not frames and not woken:
+            if self._transport.take_woken():
+                woken = self._take_woken(self._wake.read(self._grant is not None))
+            if not woken and self._wake.tail and self._wake.standby is not None:
+                # a word read before the standby it matches was handled
+                woken = self._take_woken(self._wake.match(b"", self._grant is not None))
+            if not messages and not woken:
                 return False
-        if raise_async and self._async_error is not None:
-            err, self._async_error = self._async_error, None
-            if isinstance(err, NoSessionError) and self.reconnect:
+        if raise_async:
+            err = self._transport.take_async_error()
+            if err is None:
+                pass
+            elif isinstance(err, NoSessionError) and self.reconnect:
                 self._reattach(str(err), self.handshake_timeout_s)  # e.g. a restarted daemon
             else:
                 raise err
@@ -989,15 +810,11 @@ class Client:
     def _handle(self, msg: p.DaemonMessage) -> None:
         kind = type(msg)
         if kind is p.Grant:
-            woken = self._woken_grant
-            if woken is not None and msg.grant <= woken:
-                # The daemon's copy of a grant the wake channel gave us (perhaps already given
-                # back, and waiting again on a new promise: copies lag). Grant ids only grow on a device.
+            if self._wake.is_copy(msg.grant):  # the daemon's copy of a grant our wake channel gave us
                 return
-            self._standby = None
+            self._wake.granted()
             self._grant = msg.grant
             self._yield_requested = False
-            self._hint = None
         elif kind is p.YieldRequest:
             if msg.grant == self._grant:
                 self._yield_requested = True
@@ -1008,21 +825,23 @@ class Client:
             self._resume_received = True
         elif kind is p.Successor:
             if msg.grant == self._grant:
-                self._hint = (msg.grant, msg.next, msg.wake, msg.secret) if msg.next is not None else None
+                self._wake.on_successor(msg)
         elif kind is p.Standby:
             if msg.withdrawn:
-                self._answer_withdrawal(msg.grant)
+                # Say whether we had taken the withdrawn promise's word already.
+                woken = self._wake.withdraw(msg.grant)
+                self._send_quiet(p.StandbyAck(id=self._take_id(), grant=msg.grant, woken=woken))
             elif self._grant is None:
-                self._standby = (msg.grant, msg.secret)
+                self._wake.on_standby(msg)
         elif kind is p.Revoke:
             if msg.grant == self._grant:
                 self._grant = None
                 self._yield_requested = False
-                self._hint = None
+                self._wake.take_hint()  # no successor to wake: the daemon passes the token on
                 self.revocations += 1
                 log.warning("[client] token revoked grant=%d reason=%s", msg.grant, msg.reason)
-        elif msg.id in self._awaiting:
-            self._replies[msg.id] = msg
+        elif self._transport.deliver(msg):
+            pass
         elif kind is p.HeartbeatAck:
             if msg.durable != self._durable:
                 self._durable = msg.durable
@@ -1033,14 +852,14 @@ class Client:
         elif kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
             # Error to a request sent without waiting. A release that raced a
             # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
-            self._async_error = from_reply(msg.code, msg.message)
+            self._transport.fail_later(from_reply(msg.code, msg.message))
 
 
     # -------------------------------------------------- liveness thread hooks
 
     def _watch_fd(self) -> int | None:
         """The connection the liveness thread watches for a hang-up (None: none open)."""
-        conn = self._conn
+        conn = self._transport.conn
         if conn is None or conn.closed_by_peer or self._closed:
             return None
         return conn.fileno()
@@ -1062,7 +881,7 @@ class Client:
                 self._next_heartbeat = now + 0.05  # try again shortly
             return
         try:
-            conn = self._conn
+            conn = self._transport.conn
             if hung_up and conn is not None:
                 conn.closed_by_peer = True
             if conn is None or conn.closed_by_peer:
@@ -1083,44 +902,11 @@ class Client:
                         self._next_background_retry = now + _BACKGROUND_RETRY_S
                 return
             if self._next_heartbeat is not None and self._next_heartbeat <= now:
-                try:
-                    conn.send(codec.encode(p.Heartbeat(id=self._take_id(), session=self.welcome.session,
-                                                       key=self.welcome.key)))
-                except ConnectionError:
-                    pass
+                self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session,
+                                             key=self.welcome.key))
                 self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
         finally:
             self._io.release()
-
-
-def _open(endpoint: str, timeout: float) -> framing.Connection:
-    """A connection to the daemon; :class:`DaemonUnavailableError` saying why there is none."""
-    try:
-        return framing.Connection(endpoint, timeout)
-    except framing.BacklogFull as exc:
-        raise DaemonUnavailableError(endpoint, f"{exc.strerror}: the daemon is not accepting connections as fast "
-                                     "as they come (overloaded, or stopped); retry later or allow a longer "
-                                     "timeout") from None
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise DaemonUnavailableError(endpoint, "nothing listens there (is `nodeagent serve` running? "
-                                     f"set {ENV_ENDPOINT} to its endpoint)") from None
-    except PermissionError:
-        group = socket_group(endpoint)
-        if group is None:
-            raise DaemonUnavailableError(endpoint, f"permission denied: the socket is for root only (its daemon "
-                                         f"found no group {SOCKET_GROUP!r} to give it; create that group, add "
-                                         "your user to it and restart the daemon)") from None
-        raise DaemonUnavailableError(endpoint, f"permission denied: the socket is for root and {group} (ask "
-                                     "to be added to it, then log in again)") from None
-    except TimeoutError:
-        raise DaemonUnavailableError(endpoint, f"no connection within {timeout} s") from None
-    except ValueError as exc:
-        raise DaemonUnavailableError(endpoint, str(exc)) from None
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise NodeAgentError(f"cannot connect to the daemon at {endpoint}: this process is out of file "
-                                 "descriptors (close unused clients or raise its limit)") from None
-        raise DaemonUnavailableError(endpoint, exc.strerror or str(exc)) from None
 
 
 def _apply_env(env: dict[str, str]) -> None:
@@ -1139,57 +925,26 @@ def _apply_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, timeout: float, what: str):
-    """Send one request without a session and return its typed reply."""
-    endpoint = endpoint or client_endpoint()
-    conn = _open(endpoint, timeout)
-    try:
-        deadline = time.monotonic() + timeout
-        try:
-            conn.send(codec.encode(request), timeout)
-            reply = None
-            while reply is None:
-                left = deadline - time.monotonic()
-                frames = conn.recv(max(0.0, left))
-                for frame in frames:
-                    msg = codec.decode_reply(frame)
-                    if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0):
-                        reply = msg
-                        break
-                if reply is None and not frames and time.monotonic() >= deadline:
-                    raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s")
-        except ConnectionError:
-            raise DaemonUnavailableError(endpoint, f"the daemon closed the connection before its {what} "
-                                         "reply") from None
-    finally:
-        conn.close()
-    if isinstance(reply, p.Error):
-        raise from_reply(reply.code, reply.message)
-    if not isinstance(reply, expected):
-        raise NodeAgentError(f"expected {expected.__name__}, got {type(reply).__name__}")
-    return reply
-
-
 def query_status(endpoint: str | None = None, timeout: float = 5.0) -> p.StatusReply:
     """One status request without opening a session (what ``nodeagent status`` does)."""
-    return _one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, "status")
+    return one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, "status")
 
 
 def suspend_session(session: str, deadline_ms: float = 5000.0, endpoint: str | None = None,
                     timeout: float | None = None) -> p.SuspendResult:
     """Ask ``session`` to give up its whole device; returns once the device is free."""
     timeout = timeout if timeout is not None else deadline_ms / 1000.0 + 5.0
-    return _one_shot(p.SuspendSession(id=1, session=session, deadline_ms=deadline_ms), p.SuspendResult,
+    return one_shot(p.SuspendSession(id=1, session=session, deadline_ms=deadline_ms), p.SuspendResult,
                      endpoint, timeout, "suspend")
 
 
 def resume_session(session: str, endpoint: str | None = None, timeout: float = 5.0) -> None:
     """Let a suspended session come back."""
-    _one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, "resume")
+    one_shot(p.ResumeSession(id=1, session=session), p.Ok, endpoint, timeout, "resume")
 
 
 def set_partition(device: int, shares: dict[str, float | None], memory_mb: dict[str, int] | None = None,
                   endpoint: str | None = None, timeout: float = 5.0) -> p.PartitionReply:
     """Set the MPS partition of ``device`` (root only): SM percent per session, None for an equal share."""
-    return _one_shot(p.Partition(id=1, device=device, shares=shares, memory_mb=memory_mb), p.PartitionReply,
+    return one_shot(p.Partition(id=1, device=device, shares=shares, memory_mb=memory_mb), p.PartitionReply,
                      endpoint, timeout, "partition")

@@ -1,4 +1,5 @@
-"""Fixtures that run the real daemon as a subprocess on a private ipc socket."""
+"""Fixtures that run the real daemon on a private ipc socket: as a subprocess (``daemon``,
+``start_daemon``), or in a thread of the test process (``inproc_daemon``, ``start_inproc_daemon``)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,29 @@ def start_daemon(workdir):
 @pytest.fixture
 def daemon(start_daemon) -> Daemon:
     return start_daemon()
+
+
+@pytest.fixture
+def start_inproc_daemon(workdir):
+    """Factory like :func:`start_daemon`, for tests of policy: the real daemon in a thread of
+    this process (:class:`tests.inproc.InprocDaemon`), no ``nodeagent serve`` process."""
+    from tests.inproc import InprocDaemon
+    started: list[InprocDaemon] = []
+
+    def start(*extra_args: str, endpoint: str | None = None) -> InprocDaemon:
+        d = InprocDaemon(workdir, list(extra_args), endpoint).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        code = d.stop()
+        assert code == 0, f"in-process daemon failed: {d.failure!r}\n{d.log()}"
+
+
+@pytest.fixture
+def inproc_daemon(start_inproc_daemon):
+    return start_inproc_daemon()
 
 
 class Child:

@@ -15,19 +15,19 @@ from client_lib import (Client, DaemonUnavailableError, GrantTimeoutError, Hands
 from tests.conftest import REPO, wait_for
 
 
-def test_yield_point_without_a_request_keeps_the_token(daemon):
-    with Client("solo", endpoint=daemon.endpoint) as client:
+def test_yield_point_without_a_request_keeps_the_token(inproc_daemon):
+    with Client("solo", endpoint=inproc_daemon.endpoint) as client:
         with client.slice() as grant:
             for _ in range(100):
                 assert client.yield_point() is False
             assert client.holding
-            assert daemon.status().devices[0].holder == client.session_id
+            assert inproc_daemon.status().devices[0].holder == client.session_id
         assert not client.holding
         assert grant >= 1
 
 
-def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_daemon):
-    d = start_daemon("--quantum-ms", "training=20")
+def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_inproc_daemon):
+    d = start_inproc_daemon("--quantum-ms", "training=20")
     with Client("a", endpoint=d.endpoint) as a, Client("b", endpoint=d.endpoint) as b:
         a.acquire()
         b_granted = []
@@ -44,13 +44,13 @@ def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_daemon):
         assert a.holding
 
 
-def test_acquire_timeout_withdraws_the_request(daemon):
-    with Client("holder", endpoint=daemon.endpoint) as holder, Client("late", endpoint=daemon.endpoint) as late:
+def test_acquire_timeout_withdraws_the_request(inproc_daemon):
+    with Client("holder", endpoint=inproc_daemon.endpoint) as holder, Client("late", endpoint=inproc_daemon.endpoint) as late:
         holder.acquire()
         with pytest.raises(GrantTimeoutError):
             late.acquire(timeout=0.2)
         time.sleep(0.05)
-        dev = daemon.status().devices[0]
+        dev = inproc_daemon.status().devices[0]
         states = {s.name: s.state for s in dev.sessions}
         assert states["late"] == "idle" and dev.queue == []
         assert dev.holder == holder.session_id
@@ -113,16 +113,16 @@ def test_reconnecting_client_carries_on_after_a_daemon_restart(start_daemon):
     client.close()
 
 
-def test_closed_client_refuses_work(daemon):
-    client = Client("done", endpoint=daemon.endpoint)
+def test_closed_client_refuses_work(inproc_daemon):
+    client = Client("done", endpoint=inproc_daemon.endpoint)
     client.close()
     with pytest.raises(NodeAgentError, match="closed"):
         client.acquire()
-    # bye reached the daemon: the session is gone at once, not after heartbeats.
+    # bye reached the inproc_daemon: the session is gone at once, not after heartbeats.
     deadline = time.monotonic() + 2
-    while daemon.status().devices[0].sessions and time.monotonic() < deadline:
+    while inproc_daemon.status().devices[0].sessions and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert daemon.status().devices[0].sessions == []
+    assert inproc_daemon.status().devices[0].sessions == []
 
 
 def test_bad_workload_is_refused_before_connecting():

@@ -1,4 +1,5 @@
-"""The daemon over real sockets, with real client processes."""
+"""The daemon over real sockets: in a thread of this process where only its policy is tested
+(start_inproc_daemon), as a process where its own process matters (signals, its socket, pidfds)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def sessions_by_name(status):
 
 # ------------------------------------------------------------------ sharing
 
-def test_two_training_clients_alternate_and_both_progress(start_daemon, spawn):
-    d = start_daemon("--quantum-ms", "training=30")
+def test_two_training_clients_alternate_and_both_progress(start_inproc_daemon, spawn):
+    d = start_inproc_daemon("--quantum-ms", "training=30")
     a = spawn(d.endpoint, "loop", "--name", "a", "--seconds", "2")
     b = spawn(d.endpoint, "loop", "--name", "b", "--seconds", "2")
     done_a, done_b = a.expect("DONE", timeout=20), b.expect("DONE", timeout=20)
@@ -48,8 +49,8 @@ def test_two_training_clients_alternate_and_both_progress(start_daemon, spawn):
     assert 0.4 <= both_running.count("a") / len(both_running) <= 0.6, both_running
 
 
-def test_inference_preempts_training(start_daemon, spawn):
-    d = start_daemon("--quantum-ms", "training=1000", "--grace-ms", "500")
+def test_inference_preempts_training(start_inproc_daemon, spawn):
+    d = start_inproc_daemon("--quantum-ms", "training=1000", "--grace-ms", "500")
     trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "5")
     trainer.expect("GRANT")
     with Client("infer", workload="inference", endpoint=d.endpoint) as client:
@@ -66,8 +67,8 @@ def test_inference_preempts_training(start_daemon, spawn):
     assert len(trainer.events("GRANT")) >= 5  # the trainer got the token back after each request
 
 
-def test_weighted_fair_share(start_daemon, spawn):
-    d = start_daemon("--quantum-ms", "training=20")
+def test_weighted_fair_share(start_inproc_daemon, spawn):
+    d = start_inproc_daemon("--quantum-ms", "training=20")
     kids = [spawn(d.endpoint, "loop", "--name", f"w{w}-{i}", "--weight", str(w), "--seconds", "4")
             for i, w in enumerate((1, 1, 2))]
     for kid in kids:
@@ -104,10 +105,10 @@ def test_holder_killed_with_sigkill_hands_token_on_at_once(daemon, spawn):
     assert "victim" not in sessions_by_name(daemon.status())
 
 
-def test_silent_unverified_session_is_dropped_after_missed_heartbeats(start_daemon):
+def test_silent_unverified_session_is_dropped_after_missed_heartbeats(start_inproc_daemon):
     # Over TCP the daemon cannot watch the peer's process: it must send heartbeats.
     # Quantum and grace far longer than the heartbeat timeout: only heartbeats can free the token.
-    d = start_daemon("--heartbeat-ms", "100", "--quantum-ms", "training=20000", "--grace-ms", "20000",
+    d = start_inproc_daemon("--heartbeat-ms", "100", "--quantum-ms", "training=20000", "--grace-ms", "20000",
                      endpoint=f"tcp://127.0.0.1:{_free_port()}")
     silent = RawPeer(d.endpoint)  # this test process stays alive: only heartbeats can tell
     assert silent.hello("silent").heartbeat_ms == 100
@@ -122,9 +123,9 @@ def test_silent_unverified_session_is_dropped_after_missed_heartbeats(start_daem
     silent.close()
 
 
-def test_holder_that_ignores_yield_is_revoked_after_grace(start_daemon):
+def test_holder_that_ignores_yield_is_revoked_after_grace(start_inproc_daemon):
     # enforce=revoke: the stubborn peer lives in this test process, which must not be stopped.
-    d = start_daemon("--grace-ms", "150", "--enforce", "revoke")
+    d = start_inproc_daemon("--grace-ms", "150", "--enforce", "revoke")
     stubborn = RawPeer(d.endpoint)
     stubborn.hello("stubborn")
     stubborn.call(p.Acquire(id=stubborn.take_id()))
@@ -200,17 +201,17 @@ def test_ten_thousand_malformed_frames_each_get_bad_request(daemon):
     attacker.close()
 
 
-def test_hello_with_unknown_major_gets_e_protocol_naming_both(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_hello_with_unknown_major_gets_e_protocol_naming_both(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     reply = peer.call(p.Hello(id=1, protocol=(99, 3), name="future", pid=os.getpid()))
     assert isinstance(reply, p.Error) and reply.code == ErrorCode.PROTOCOL
     assert "99.3" in reply.message and "%d.%d" % p.PROTOCOL_VERSION in reply.message
-    assert daemon.status().devices[0].sessions == []
+    assert inproc_daemon.status().devices[0].sessions == []
     peer.close()
 
 
-def test_newer_minor_is_accepted(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_newer_minor_is_accepted(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     welcome = peer.hello("newer", protocol=(p.PROTOCOL_VERSION[0], p.PROTOCOL_VERSION[1] + 5))
     assert welcome.protocol == p.PROTOCOL_VERSION
     peer.close()
@@ -223,17 +224,17 @@ def test_newer_minor_is_accepted(daemon):
     ({"device": 3}, ErrorCode.DEVICE, "devices 0..0"),
     ({"name": ""}, ErrorCode.INVALID, "name"),
 ])
-def test_hello_with_bad_values_is_refused_and_registers_nothing(daemon, fields, code, fragment):
-    peer = RawPeer(daemon.endpoint)
+def test_hello_with_bad_values_is_refused_and_registers_nothing(inproc_daemon, fields, code, fragment):
+    peer = RawPeer(inproc_daemon.endpoint)
     fields = {"name": "bad", "pid": os.getpid(), "protocol": p.PROTOCOL_VERSION, **fields}
     reply = peer.call(p.Hello(id=1, **fields))
     assert isinstance(reply, p.Error) and reply.code == code and fragment in reply.message
-    assert daemon.status().devices[0].sessions == []
+    assert inproc_daemon.status().devices[0].sessions == []
     peer.close()
 
 
-def test_requests_without_a_session_get_e_no_session(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_requests_without_a_session_get_e_no_session(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     for msg in (p.Acquire(id=1), p.Release(id=2, grant=1), p.Cancel(id=3), p.Goodbye(id=4),
                 p.Heartbeat(id=5, session="s-nope", key="k")):
         reply = peer.call(msg)
@@ -241,8 +242,8 @@ def test_requests_without_a_session_get_e_no_session(daemon):
     peer.close()
 
 
-def test_quiet_requests_answer_only_errors(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_quiet_requests_answer_only_errors(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     refused = peer.call(p.Acquire(id=1, quiet=True))  # no session yet: an error still comes
     assert refused.code == ErrorCode.NO_SESSION
     peer.hello("quiet")
@@ -256,10 +257,10 @@ def test_quiet_requests_answer_only_errors(daemon):
     peer.close()
 
 
-def test_heartbeat_with_wrong_key_is_refused(daemon):
-    owner = RawPeer(daemon.endpoint)
+def test_heartbeat_with_wrong_key_is_refused(inproc_daemon):
+    owner = RawPeer(inproc_daemon.endpoint)
     welcome = owner.hello("owner")
-    other = RawPeer(daemon.endpoint)
+    other = RawPeer(inproc_daemon.endpoint)
     # The session lives: a wrong key is forbidden, not "no session" (tests/test_protocol_behaviour.py).
     assert other.call(p.Heartbeat(id=1, session=welcome.session, key="guess")).code == ErrorCode.FORBIDDEN
     assert isinstance(other.call(p.Heartbeat(id=2, session=welcome.session, key=welcome.key)), p.HeartbeatAck)
@@ -340,8 +341,8 @@ def test_stale_socket_from_a_killed_daemon_is_replaced(start_daemon):
     assert d2.status().daemon_pid == d2.proc.pid
 
 
-def test_cpu_devices_and_device_choice(start_daemon):
-    d = start_daemon("--cpu-devices", "2")
+def test_cpu_devices_and_device_choice(start_inproc_daemon):
+    d = start_inproc_daemon("--cpu-devices", "2")
     with Client("x", endpoint=d.endpoint) as a, Client("y", endpoint=d.endpoint) as b, \
             Client("z", endpoint=d.endpoint, device=1) as c:
         assert {a.device, b.device} == {0, 1}  # least loaded first
@@ -352,14 +353,14 @@ def test_cpu_devices_and_device_choice(start_daemon):
             assert all(dev.holder is not None for dev in st.devices)
 
 
-def test_an_unverified_holder_whose_connection_closes_is_dropped_at_once(start_daemon):
+def test_an_unverified_holder_whose_connection_closes_is_dropped_at_once(start_inproc_daemon):
     # Over tcp there is no pidfd, and with long heartbeats and grace nothing but
     # the unreachable send can free the token quickly.
     import socket as socket_mod
     with socket_mod.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon("--heartbeat-ms", "20000", "--grace-ms", "20000", endpoint=f"tcp://127.0.0.1:{port}")
+    d = start_inproc_daemon("--heartbeat-ms", "20000", "--grace-ms", "20000", endpoint=f"tcp://127.0.0.1:{port}")
     gone = RawPeer(d.endpoint)
     gone.hello("gone")
     gone.call(p.Acquire(id=gone.take_id()))

@@ -115,7 +115,7 @@ class OneHolder(RuleBasedStateMachine):
         write them all (to every channel it ever heard of, whoever holds), and, when its rule
         says so (never because it was asked to yield), release claiming it handed nothing."""
         self.liar._pump(0, raise_async=False)
-        hint = self.liar._hint
+        hint = self.liar._wake.hint
         if hint is not None and hint[1] is not None:
             entry = (hint[2], p.wake_word(hint[3], hint[1]))
             if entry not in self.words:
@@ -133,7 +133,7 @@ class OneHolder(RuleBasedStateMachine):
                 os.close(fd)
         if self.liar._grant is not None and release:  # a yield request it ignores: it lies
             grant, self.liar._grant = self.liar._grant, None
-            self.liar._hint = None
+            self.liar._wake.hint = None
             self.liar._yield_requested = False
             self.liar._send_quiet(p.Release(id=self.liar._take_id(), grant=grant, quiet=True, handed=None))
 

@@ -35,15 +35,15 @@ def _waiter(client: Client, timeout: float = 10.0):
 def _hinted(holder: Client) -> bool:
     """True once ``holder`` has heard who comes next (reads its socket)."""
     holder.holding  # noqa: B018 - the property reads what the daemon sent
-    return holder._hint is not None and holder._hint[1] is not None
+    return holder._wake.hint is not None and holder._wake.hint[1] is not None
 
 
 @pytest.fixture
-def patient_daemon(start_daemon):
+def patient_daemon(start_inproc_daemon):
     """Slices long enough that no holder here is asked to yield while a test sleeps, and
     enforcement by revoke: the holders are this process, which must never be stopped."""
-    return start_daemon("--quantum-ms", "inference=10000", "--quantum-ms", "training=10000", "--enforce", "revoke",
-                        "--grace-ms", "2000")
+    return start_inproc_daemon("--quantum-ms", "inference=10000", "--quantum-ms", "training=10000", "--enforce", "revoke",
+                               "--grace-ms", "2000")
 
 
 def _holder(patient_daemon) -> str | None:
@@ -54,9 +54,9 @@ def _hand_on_alone(holder: Client, grant: int) -> None:
     """``holder``'s release, with its wake word written well before the daemon hears of it: a
     successor that reads its notices before its wake channel takes the word, not the daemon's
     copy, only when the word comes first."""
-    hint = holder._hint
+    hint = holder._wake.hint
     assert hint is not None and hint[0] == grant
-    holder._hand_on(hint)
+    holder._wake.hand_on(hint)
     time.sleep(0.2)
     holder._send_quiet(p.Release(id=holder._take_id(), grant=grant, quiet=True, handed=hint[1]))
     holder._grant = None
@@ -74,7 +74,7 @@ def test_a_release_wakes_the_next_holder_through_its_wake_channel(patient_daemon
     grant = a.acquire()
     thread, out = _waiter(b)
     wait_for(lambda: _hinted(a))
-    assert a._hint[1] == grant + 1
+    assert a._wake.hint[1] == grant + 1
     a.release()
     thread.join(5)
     assert out.get("grant") == grant + 1, out
@@ -110,10 +110,10 @@ def test_a_client_that_does_not_ask_keeps_the_two_hop_path(patient_daemon):
     time.sleep(0.2)
     a.release()  # a holder that did not ask hears of no successor: the daemon grants
     thread.join(5)
-    assert out.get("grant") == grant + 1 and b.woken == 0 and a._hint is None
+    assert out.get("grant") == grant + 1 and b.woken == 0 and a._wake.hint is None
     thread, out = _waiter(c)
     time.sleep(0.2)
-    assert b._hint is None  # nor is a waiter without a channel promised anything
+    assert b._wake.hint is None  # nor is a waiter without a channel promised anything
     b.release()
     thread.join(5)
     assert out.get("grant") == grant + 2 and b.handed_on == 0
@@ -138,7 +138,7 @@ def test_forged_and_replayed_wake_words_are_ignored(patient_daemon):
     first = a.acquire()
     thread, out = _waiter(b)
     wait_for(lambda: _hinted(a))
-    promised, secret = b._standby
+    promised, secret = b._wake.standby
     # Anyone who may open the FIFO can write to it; none of these is the word of b's promise.
     with open(b.welcome.wake, "wb", buffering=0) as fifo:
         fifo.write(p.wake_word(os.urandom(16), promised))  # a guessed secret
@@ -149,7 +149,7 @@ def test_forged_and_replayed_wake_words_are_ignored(patient_daemon):
     assert _holder(patient_daemon) == a.session_id
     _hand_on_alone(a, first)  # the real word still gets through, after the junk
     thread.join(5)
-    assert out.get("grant") == promised == first + 1 and (a.handed_on, b.woken) == (1, 1), (a.handed_on, b._wake_tail)
+    assert out.get("grant") == promised == first + 1 and (a.handed_on, b.woken) == (1, 1), (a.handed_on, b._wake.tail)
     b.release()
     # Replayed later, while b waits again (behind a), the old word is nobody's promise.
     a.acquire()
@@ -175,9 +175,9 @@ def test_a_successor_that_woke_before_the_withdrawal_holds_and_inference_waits_f
     grant = a.acquire()
     b.request()
     wait_for(lambda: _hinted(a))
-    wait_for(lambda: b._pump(0) or b._standby is not None)
-    hint = a._hint
-    assert a._hand_on(hint) == hint[1]  # the word, before anything else happens
+    wait_for(lambda: b._pump(0) or b._wake.standby is not None)
+    hint = a._wake.hint
+    assert a._wake.hand_on(hint) == hint[1]  # the word, before anything else happens
     wait_for(lambda: b._pump(10) or b.holding)  # b reads it: it holds
     assert b._grant == hint[1] and b.woken == 1
     i_thread, i_out = _waiter(infer)
@@ -204,10 +204,10 @@ def test_a_successor_told_of_the_withdrawal_first_never_wakes_on_a_late_word(pat
     grant = a.acquire()
     b_thread, b_out = _waiter(b)
     wait_for(lambda: _hinted(a))
-    hint = a._hint  # what a liar keeps: the successor's channel, secret and promised grant
+    hint = a._wake.hint  # what a liar keeps: the successor's channel, secret and promised grant
     i_thread, i_out = _waiter(infer)
     _await_answer(patient_daemon)  # b heard the withdrawal and answered: not woken
-    assert a._hand_on(hint) == hint[1]  # the word anyway
+    assert a._wake.hand_on(hint) == hint[1]  # the word anyway
     a._send_quiet(p.Release(id=a._take_id(), grant=grant, quiet=True, handed=None))
     a._grant = None
     i_thread.join(5)
@@ -307,8 +307,8 @@ def test_a_woken_successors_release_that_overtakes_its_holders_is_kept_for_its_g
     grant = a.acquire()
     thread, out = _waiter(b)
     wait_for(lambda: _hinted(a))
-    hint = a._hint
-    assert a._hand_on(hint) == grant + 1  # a wakes b ...
+    hint = a._wake.hint
+    assert a._wake.hand_on(hint) == grant + 1  # a wakes b ...
     thread.join(5)
     assert out.get("grant") == grant + 1
     b.release()  # ... b is done at once, and asks again, before the daemon has heard from a
@@ -382,7 +382,7 @@ def test_usable_cpus_counts_the_affinity_mask_capped_by_a_cgroup_quota(tmp_path)
 def test_a_successor_suspended_while_promised_never_holds_beside_the_next(patient_daemon):
     """Issue 21, break 1: root suspends the promised successor, then the holder releases
     having written its word. The suspended client stopped listening and said so; the
-    patient_daemon, which waited for that answer, grants the next waiter a new grant id."""
+    daemon, which waited for that answer, grants the next waiter a new grant id."""
     from client_lib import resume_session, suspend_session
     h = Client("h", endpoint=patient_daemon.endpoint, one_hop=True)
     s = Client("s", endpoint=patient_daemon.endpoint, one_hop=True)
@@ -392,7 +392,7 @@ def test_a_successor_suspended_while_promised_never_holds_beside_the_next(patien
     wait_for(lambda: _hinted(h))
     x_thread, x_out = _waiter(x)
     wait_for(lambda: patient_daemon.status().devices[0].queue == [s.session_id, x.session_id])
-    hint = h._hint
+    hint = h._wake.hint
     suspended: dict = {}
     suspender = threading.Thread(target=lambda: suspended.update(
         result=suspend_session(s.session_id, 5000, endpoint=patient_daemon.endpoint)), daemon=True)
@@ -400,7 +400,7 @@ def test_a_successor_suspended_while_promised_never_holds_beside_the_next(patien
     _await_answer(patient_daemon)  # s answered the withdrawal: it had not woken
     # The holder had not read its withdrawal: the word anyway (None: s closed its channel when
     # it was suspended, so there is no reader to write to: as good).
-    assert h._hand_on(hint) in (None, hint[1])
+    assert h._wake.hand_on(hint) in (None, hint[1])
     h._send_quiet(p.Release(id=h._take_id(), grant=grant, quiet=True, handed=hint[1]))
     h._grant = None
     x_thread.join(5)

@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from client_lib import protocol as p
-from tests.conftest import Daemon, wait_for
+from tests.conftest import wait_for
+from tests.inproc import InprocDaemon
 from tests.rawpeer import RawPeer
 from tests.conftest import free_port as _free_port
 
@@ -23,15 +24,14 @@ enc = msgspec.msgpack.encode
 
 @pytest.fixture(scope="module")
 def shared_daemon():
-    """One daemon for the tests that open no session it would keep (a start costs a second or two)."""
+    """One daemon, in this process, for the tests that open no session it would keep."""
     workdir = tempfile.mkdtemp(prefix="na-")
-    d = Daemon(workdir, []).start()
+    d = InprocDaemon(workdir, []).start()
     try:
         yield d
         code = d.stop()
-        assert code == 0, f"daemon exited {code} on SIGTERM:\n{d.log()}"
+        assert code == 0, f"in-process daemon failed: {d.failure!r}\n{d.log()}"
     finally:
-        d.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -128,8 +128,8 @@ def _no_grant_within(peer: RawPeer, seconds: float) -> None:
         peer.notices.append(msg)
 
 
-def test_an_acquire_sent_while_suspended_is_granted_at_resume(daemon):
-    peer, operator = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+def test_an_acquire_sent_while_suspended_is_granted_at_resume(inproc_daemon):
+    peer, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
         welcome = peer.hello("parked")
         _suspend(operator, peer, welcome.session)
@@ -145,8 +145,8 @@ def test_an_acquire_sent_while_suspended_is_granted_at_resume(daemon):
         operator.close()
 
 
-def test_a_session_waiting_when_suspended_is_queued_again_at_resume(daemon):
-    holder, waiter, operator = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+def test_a_session_waiting_when_suspended_is_queued_again_at_resume(inproc_daemon):
+    holder, waiter, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
         holder.hello("holder")
         holder.call(p.Acquire(id=holder.take_id()))
@@ -163,8 +163,8 @@ def test_a_session_waiting_when_suspended_is_queued_again_at_resume(daemon):
             peer.close()
 
 
-def test_a_release_with_requeue_while_suspending_is_kept_for_the_resume(daemon):
-    holder, other, operator = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+def test_a_release_with_requeue_while_suspending_is_kept_for_the_resume(inproc_daemon):
+    holder, other, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
         welcome = holder.hello("holder")
         holder.call(p.Acquire(id=holder.take_id()))
@@ -186,9 +186,9 @@ def test_a_release_with_requeue_while_suspending_is_kept_for_the_resume(daemon):
             peer.close()
 
 
-def test_an_acquire_from_a_holder_while_suspending_is_the_no_op_it_always_is(daemon):
+def test_an_acquire_from_a_holder_while_suspending_is_the_no_op_it_always_is(inproc_daemon):
     # It holds the token: its acquire asks for nothing, so its release leaves nothing to keep.
-    holder, operator = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+    holder, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
         welcome = holder.hello("holder")
         holder.call(p.Acquire(id=holder.take_id()))
@@ -207,8 +207,8 @@ def test_an_acquire_from_a_holder_while_suspending_is_the_no_op_it_always_is(dae
         operator.close()
 
 
-def test_a_cancel_while_suspended_withdraws_the_kept_request(daemon):
-    peer, operator = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+def test_a_cancel_while_suspended_withdraws_the_kept_request(inproc_daemon):
+    peer, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
         welcome = peer.hello("changed-its-mind")
         _suspend(operator, peer, welcome.session)
@@ -217,7 +217,7 @@ def test_a_cancel_while_suspended_withdraws_the_kept_request(daemon):
         operator.call(p.ResumeSession(id=operator.take_id(), session=welcome.session))
         peer.next_notice(p.ResumeNotice)
         _no_grant_within(peer, 0.3)
-        (row,) = daemon.status().devices[0].sessions
+        (row,) = inproc_daemon.status().devices[0].sessions
         assert row.state == "idle"
     finally:
         peer.close()
@@ -228,9 +228,9 @@ def test_a_cancel_while_suspended_withdraws_the_kept_request(daemon):
 
 
 
-def test_a_session_dropped_for_missed_heartbeats_is_told(start_daemon):
+def test_a_session_dropped_for_missed_heartbeats_is_told(start_inproc_daemon):
     # Over TCP the daemon cannot watch the peer's process: the peer must send heartbeats.
-    d = start_daemon("--heartbeat-ms", "100", endpoint=f"tcp://127.0.0.1:{_free_port()}")
+    d = start_inproc_daemon("--heartbeat-ms", "100", endpoint=f"tcp://127.0.0.1:{_free_port()}")
     peer = RawPeer(d.endpoint)
     try:
         welcome = peer.hello("silent")
