@@ -226,3 +226,57 @@ def spawn():
     yield make
     for child in children:
         child.kill()
+
+
+# ------------------------------------------------------------------ the Ray scenario, beside the rest
+
+# The scenario's two runs (tests/ray_background.py) take minutes of waiting on Ray: they start
+# when collection ends, in the background, while the suite goes on. First run the modules that
+# time nothing (pure logic, documents, renders: a busy core only makes them slower), then the
+# rest, then the benchmarks' tests (they compare timings: Ray is done by then); the scenario's
+# module runs last and reads the runs' outcomes.
+SCENARIO_MODULE = "test_ray_scenario.py"
+SCENARIO_RUNS = {"test_ray_colocate_lends_reclaims_resizes_and_loses_no_work": "full",
+                 "test_a_run_stopped_while_the_job_trains_stops_everything_it_started": "stopped"}
+TIME_NOTHING = {
+    "test_authz.py", "test_cluster_endpoint.py", "test_cluster_sim.py", "test_config.py", "test_daemon_shape.py",
+    "test_grouping.py", "test_job_signals.py", "test_journal.py", "test_k8s_manifests.py", "test_k8s_proto.py",
+    "test_k8s_shares.py", "test_lifecycle.py", "test_memory_policy.py", "test_no_abbrev.py", "test_partition.py",
+    "test_protocol.py", "test_protocol_doc.py", "test_ray_addresses.py", "test_ray_policies.py",
+    "test_ray_policy.py", "test_scheduler.py", "test_scheduler_model.py", "test_sessions.py", "test_store.py",
+    "test_tensors.py", "test_bench_report.py", "test_gpu_check.py", "test_hostile.py", "test_one_holder.py",
+    "test_bootstrap.py",
+}
+# The benchmarks' own tests compare timings against baselines: once Ray is done, at the end.
+MEASURE_MOST = {
+    "test_bench.py", "test_bench_colocate.py", "test_bench_reclaim.py", "test_bench_scale.py",
+    "test_bench_scrapers.py", "test_bench_switch.py", "test_metrics_storm.py", "test_corun.py", "test_llm_server.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.path.name == SCENARIO_MODULE for item in items):
+        return
+    def rank(item) -> int:
+        name = item.path.name
+        if name in TIME_NOTHING:
+            return 0
+        if name == SCENARIO_MODULE:
+            return 3
+        return 2 if name in MEASURE_MOST else 1
+    items.sort(key=rank)  # stable: the order inside each group is pytest's
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    runs = [SCENARIO_RUNS[item.name] for item in session.items
+            if item.path.name == SCENARIO_MODULE and item.name in SCENARIO_RUNS]
+    if not runs:
+        return
+    try:
+        import ray  # noqa: F401  (the scenario's tests skip without it)
+    except ImportError:
+        return
+    from tests.ray_background import BACKGROUND
+    BACKGROUND.start(runs)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, wait_for
+from tests.ray_background import BACKGROUND
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 
@@ -20,21 +21,15 @@ pytest.importorskip("ray", reason="the ray extra is not installed (pip install -
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_ray_colocate_lends_reclaims_resizes_and_loses_no_work():
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "examples/ray_colocate.py", "--json"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        stdout, stderr = proc.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # it stops everything it started on SIGTERM, then prints its JSON
-        stdout, stderr = proc.communicate(timeout=50)
-    wall_s = time.monotonic() - started
+    run = BACKGROUND.outcome("full")  # started when collection ended (tests/ray_background.py)
+    assert run.error is None, run.error
+    stdout, stderr, wall_s = run.stdout, run.stderr, run.wall_s
     try:
         result = json.loads(stdout)
     except json.JSONDecodeError:
-        pytest.fail(f"no JSON on stdout (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
+        pytest.fail(f"no JSON on stdout (exit {run.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
     assert result["ok"], json.dumps(result, indent=1) + stderr[-4000:]
-    assert proc.returncode == 0 and wall_s < 360, wall_s
+    assert run.returncode == 0 and wall_s < 360, wall_s
 
     assert result["nodes"] == ["n1", "n2", "n3"]
     assert {lend["node"] for lend in result["lends"]} == {"n2", "n3"}  # n1's inference kept it
@@ -60,23 +55,9 @@ def test_ray_colocate_lends_reclaims_resizes_and_loses_no_work():
 def test_a_run_stopped_while_the_job_trains_stops_everything_it_started():
     """The failure path: SIGTERM (a test's timeout, Ctrl-C) while Ray Train is mid-run. Every
     process goes, by pid, and the JSON says so; checked here again from /proc, independently."""
-    import tempfile
-
-    workdir = tempfile.mkdtemp(prefix="rc-stop-", dir="/tmp")
-    proc = subprocess.Popen([sys.executable, "examples/ray_colocate.py", "--json", "--workdir", workdir], cwd=REPO,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines = []
-    try:
-        for line in proc.stderr:  # until the job trains: its driver, Ray Train and loan nodes are all up
-            lines.append(line)
-            if "1. job trains with one worker" in line or "FAILED" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run = BACKGROUND.outcome("stopped")
+    assert run.error is None, run.error
+    workdir, lines, stdout, stderr = run.workdir, run.lines, run.stdout, run.stderr
     result = json.loads(stdout)
     assert result.get("interrupted") and not result["ok"], "".join(lines) + stderr[-3000:]
     cleanup = result["cleanup"]
