@@ -480,15 +480,23 @@ class ClusterEndpoint:
         return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices,
                                 attained_gpu_s=self._attained(now))
 
-    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
-        if not self._operator(route, msg.id, frame, Act.LEND):
-            return
+    def _lend_target(self, route: bytes, msg, frame, now: float, act: Act) -> DeviceLifecycle | None:
+        """The lifecycle a lend or renew acts on, once the peer may, the device exists and the
+        borrower is a valid name; None after answering why not."""
+        if not self._operator(route, msg.id, frame, act):
+            return None
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
-            return
+            return None
         problem = _borrower_problem(msg.borrower)
         if problem is not None:
             self._error(route, msg.id, p.ErrorCode.INVALID, problem)
+            return None
+        return life
+
+    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
+        life = self._lend_target(route, msg, frame, now, Act.LEND)
+        if life is None:
             return
         lost = self._lost_devices.refusal(msg.device)
         if lost is not None:  # a borrower's workers could not run there
@@ -516,14 +524,8 @@ class ClusterEndpoint:
 
     def on_renew(self, route: bytes, msg: p.Renew, frame, now: float) -> None:
         """A new term for a lend (a lease): it ends ``max_s`` from now; journalled, as the lend was."""
-        if not self._operator(route, msg.id, frame, Act.RENEW):
-            return
-        life = self._lifecycle_for(route, msg.id, msg.device, now)
+        life = self._lend_target(route, msg, frame, now, Act.RENEW)
         if life is None:
-            return
-        problem = _borrower_problem(msg.borrower)
-        if problem is not None:
-            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
             return
         try:
             life.renew(msg.borrower, now, msg.max_s)
