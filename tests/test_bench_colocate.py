@@ -174,12 +174,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """Ctrl-C as a user's shell delivers it: a suite started in the background by a
+    non-interactive shell ignores SIGINT, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.slow
 def test_a_killed_child_fails_its_mode_in_one_line_the_next_mode_runs_and_ctrl_c_stops_everything():
     pytest.importorskip("torch")
     driver = subprocess.Popen([sys.executable, "-m", "bench.colocate", *CPU_ARGS, "--loads", "light=tiny-cnn:4:0.3",
                                "--modes", "no-daemon,corun-pause,corun-free", "--json"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=_sigint_as_at_a_terminal)
     started: set[int] = set()
     err = []
     try:
