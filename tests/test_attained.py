@@ -57,8 +57,8 @@ def ledger(tmp_path):
     tokens = make_tokens(count=1, sessions=sessions, metrics=metrics, bus=bus, clock=clock)
     attained = AttainedService(sessions=sessions, journal=writer, clock=clock, flush_s=1.0)
     bus.subscribe(SliceEnded, attained.on_slice_ended)
-    from nodeagent.daemon.bus import Published
-    bus.subscribe(Published, attained.on_published)
+    from nodeagent.daemon.bus import Granted
+    bus.subscribe(Granted, attained.on_granted)
     yield attained, tokens, sessions, clock, path
     writer.journal.close()
     sessions.close()

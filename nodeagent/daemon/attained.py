@@ -19,7 +19,7 @@ import logging
 import math
 from typing import Callable
 
-from nodeagent.daemon.bus import Published, SliceEnded
+from nodeagent.daemon.bus import Granted, SliceEnded
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
@@ -85,12 +85,9 @@ class AttainedService:
         if len(self._banked) > self._max_jobs:
             self._evict()
 
-    def on_published(self, event: Published) -> None:
+    def on_granted(self, event: Granted) -> None:
         """A grant to a job's session: its running slice is journalled every ``flush_s`` from now."""
-        if event.kind != "grant" or event.session is None:
-            return
-        s = self._sessions.get(event.session)
-        if s is not None and job_of(s) is not None:
+        if job_of(event.session) is not None:
             self._schedule()
 
     # ------------------------------------------------------------------ reading

@@ -41,6 +41,18 @@ class Published:
 
 
 @dataclass(frozen=True, slots=True)
+class Granted:
+    """``session`` was granted its device's token (``grant``) after waiting ``waited_ms``. Typed, not
+    a :class:`Published`, because it is on every handoff's path: the events socket's ``grant``
+    event is built from it only where an events socket exists, and the attained-service ledger
+    reads the session without a lookup."""
+
+    session: Any  # nodeagent.daemon.sessions.Session
+    grant: int
+    waited_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class SuspendFinished:
     """A suspension ended (``outcome``: suspended, stopped, timeout, gone, cancelled)."""
 

@@ -53,7 +53,7 @@ from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.authz import Act, peer_of, refusal
-from nodeagent.daemon.bus import DeviceFacts, LoopHandle, Published, ServerView, SuspendFinished
+from nodeagent.daemon.bus import DeviceFacts, Granted, LoopHandle, Published, ServerView, SuspendFinished
 from nodeagent.daemon.tokens import Tokens
 from sharing.suspension import SuspendState
 from sharing import (
@@ -353,6 +353,12 @@ class ClusterEndpoint:
     def on_published(self, event: Published) -> None:
         """The bus's :class:`Published`: out on the events socket."""
         self.event(event.kind, event.device, event.session, **event.data)
+
+    def on_granted(self, event: Granted) -> None:
+        """The bus's :class:`Granted`: a ``grant`` event, where there is an events socket."""
+        if self.events is not None:
+            s = event.session
+            self.events.publish("grant", s.device, s.id, grant=event.grant, waited_ms=event.waited_ms)
 
     def on_suspend_finished(self, event: SuspendFinished) -> None:
         """The bus's :class:`SuspendFinished`: see :meth:`suspend_finished`."""

@@ -44,8 +44,8 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, peer_of, refusal
 from nodeagent.daemon.attained import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, LoopHandle, MayAsk, Published, Replies,
-                                  ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
+from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, Published,
+                                  Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
@@ -193,7 +193,8 @@ class AgentServer:
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
         bus.subscribe(SliceEnded, self._attained.on_slice_ended)
-        bus.subscribe(Published, self._attained.on_published)
+        bus.subscribe(Granted, self._cluster.on_granted)
+        bus.subscribe(Granted, self._attained.on_granted)
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""

@@ -26,7 +26,7 @@ from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DeviceFacts, SliceEnded
+from nodeagent.daemon.bus import Bus, DeviceFacts, Granted, SliceEnded
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.one_hop import OneHop
 from nodeagent.daemon.pace import Pacing
@@ -248,7 +248,7 @@ class Tokens:
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self.pacing.granted(s)
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
-                self._bus.event("grant", s.device, s.id, grant=action.grant, waited_ms=action.waited_s * 1e3)
+                self._bus.publish(Granted(s, action.grant, action.waited_s * 1e3))
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
                 self.observe_wait(s, now)
