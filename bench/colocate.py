@@ -176,7 +176,11 @@ def parse_modes(text: str) -> list[str]:
 
 
 class Child:
-    """One worker process: commands in on stdin, JSON lines out on stdout, the last words of stderr kept."""
+    """One worker process: commands in on stdin, JSON lines out on stdout, the last words of stderr kept.
+
+    Every child is in :data:`LIVE` from the moment it exists until it is closed, so a Ctrl-C that
+    lands between its start and the ``with`` (or ExitStack) that would close it still stops it
+    (:func:`close_live`, after the modes' own cleanup)."""
 
     def __init__(self, mode: str, role: str, spec: dict, env: dict[str, str]) -> None:
         self.mode, self.role = mode, role
@@ -184,8 +188,10 @@ class Child:
         self._messages: queue.Queue = queue.Queue(maxsize=64)
         argv = [sys.executable, "-m", "bench.colocate", "--worker", role, "--spec", json.dumps(spec)]
         # Its own session: a Ctrl-C reaches only the driver, which stops the children in order.
+        self._threads: list[threading.Thread] = []
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, cwd=REPO, text=True, bufsize=1, start_new_session=True)
+        LIVE.add(self)
         self._threads = [threading.Thread(target=fn, daemon=True, name=f"colocate-{role}-{what}")
                          for what, fn in (("out", self._read_out), ("err", self._read_err))]
         for t in self._threads:
@@ -257,6 +263,7 @@ class Child:
                 continue
         for t in self._threads:
             t.join(2)  # its last words are logged before the next mode begins
+        LIVE.discard(self)
         return taken
 
     def __enter__(self) -> "Child":
@@ -264,6 +271,15 @@ class Child:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+LIVE: set[Child] = set()
+
+
+def close_live() -> None:
+    """Stop every child not closed yet (one a Ctrl-C caught between its start and its ``with``)."""
+    for child in list(LIVE):
+        child.close()
 
 
 # ------------------------------------------------------------------ what a mode runs with
@@ -676,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in asked:
             _one_mode(MODES[name], run, result)
     except KeyboardInterrupt:
+        close_live()
         result["interrupted"] = True
         log("[colocate] interrupted: everything started was stopped; the modes measured so far follow")
         code = 130
