@@ -300,9 +300,10 @@ class Client:
         """Ask for the token without waiting; the grant arrives as a notice
         (see :attr:`holding`, :meth:`wait_event`)."""
         self._check_open()
-        if self._grant is None and self._transport.conn is not None:
+        transport = self._transport
+        if self._grant is None and transport.conn is not None:
             self._listen()
-            self._send_quiet(p.Acquire(id=self._take_id(), quiet=True))
+            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting).
@@ -335,15 +336,18 @@ class Client:
         handed = self._wake.hand_on(hint) if hint is not None and hint[0] == grant else None
         if requeue:
             self._listen()
-        self._send_quiet(p.Release(id=self._take_id(), grant=grant, requeue=requeue, quiet=True, handed=handed))
-        if not requeue:
+        transport = self._transport
+        transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
+                                       handed=handed))
+        if not requeue and self._wake.fd is not None:
             self._wake.unlisten()  # not waiting any more; after the frame left, off the next holder's path
         self._pump(0)
 
     def _listen(self) -> None:
         """Open our wake channel while we wait for the token (one-hop; see :mod:`client_lib.wake`)."""
-        if self._transport.conn is not None and self.welcome is not None:
-            self._wake.listen(self.welcome.wake)
+        welcome = self.welcome
+        if welcome is not None and welcome.wake and self._wake.fd is None and self._transport.conn is not None:
+            self._wake.listen(welcome.wake)
 
     def _take_woken(self, grant: int | None) -> bool:
         """Hold ``grant``, taken from our wake channel (None: the channel gave none)."""
@@ -581,7 +585,7 @@ class Client:
                 if self.try_resume():
                     log.warning("[client] daemon at %s is back; managed again", self.endpoint)
             return
-        if self.daemon_healthy():
+        if self._transport.healthy:
             return
         cause = "the daemon closed the connection"
         if not self.reconnect:
@@ -790,7 +794,7 @@ class Client:
             for msg in messages:
                 self._handle(msg)
             woken = False
-            if self._transport.take_woken():
+            if self._wake.fd is not None and self._transport.take_woken():  # only a watched channel wakes us
                 woken = self._take_woken(self._wake.read(self._grant is not None))
             if not woken and self._wake.tail and self._wake.standby is not None:
                 # a word read before the standby it matches was handled

@@ -182,6 +182,7 @@ class Connection:
         if self._wake_fd is not None:
             self._poll_in.unregister(self._wake_fd)
         self._wake_fd = fd
+        self.woken = False  # it said the old channel was readable
         if fd is not None:
             self._poll_in.register(fd, select.POLLIN)
 

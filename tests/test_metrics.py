@@ -296,3 +296,51 @@ def test_host_memory_kept_for_parked_state_is_summed_per_device_and_pinning():
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
     kept = {(s.labels["device"], s.labels["pinned"]): s.value for s in families["nodeagent_host_kept_bytes"].samples}
     assert kept == {("0", "true"): 12288, ("0", "false"): 100, ("1", "true"): 0, ("1", "false"): 0}
+
+
+def test_the_hot_path_instruments_export_what_prometheus_client_would_byte_for_byte():
+    """token_wait, token_handoff and slice_seconds are written on every handoff by the loop
+    alone, so they are plain floats (no lock, no bucket loop) exported by their own collector:
+    the text a scrape gets must be what prometheus_client's own instruments would write."""
+    import math
+
+    import prometheus_client
+    from prometheus_client import Counter, Histogram, generate_latest
+
+    from nodeagent.metrics import LoopCounter, LoopHistogram
+
+    prometheus_client.disable_created_metrics()
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.0001, 0.0005, 0.001, 0.0025, 0.01)
+    hist = LoopHistogram("h_seconds", "a histogram", ("device", "workload"), buckets)
+    count = LoopCounter("c_seconds", "a counter", ("device",))
+    ours.register(hist)
+    ours.register(count)
+    ref_hist = Histogram("h_seconds", "a histogram", ("device", "workload"), buckets=buckets, registry=theirs)
+    ref_count = Counter("c_seconds", "a counter", ("device",), registry=theirs)
+    # On a bound, between bounds, past the last, 0, and a label set that is never written.
+    for value in (0.0, 0.0001, 0.00010001, 0.0007, 0.0025, 0.5, 7.0, 1e-12):
+        hist.labels("0", "training").observe(value)
+        ref_hist.labels("0", "training").observe(value)
+        count.labels(1).inc(value)
+        ref_count.labels("1").inc(value)
+    hist.labels("1", "inference")
+    ref_hist.labels("1", "inference")
+    assert generate_latest(ours) == generate_latest(theirs)
+    with pytest.raises(ValueError):
+        count.labels("1").inc(-1.0)
+    with pytest.raises(ValueError):
+        hist.labels("0")  # one label of two
+    assert hist.labels("0", "training").counts[-1] == 2.0 and not math.isnan(hist.labels("0", "training").sum)
+
+
+def test_the_daemon_writes_its_hot_path_metrics_through_the_loop_instruments():
+    from nodeagent.metrics import LoopCounter, LoopHistogram
+
+    m = Metrics(CollectorRegistry())
+    assert isinstance(m.token_wait, LoopHistogram) and isinstance(m.token_handoff, LoopHistogram)
+    assert isinstance(m.slice_seconds, LoopCounter)
+    text = {f.name: f for f in text_string_to_metric_families(
+        __import__("prometheus_client").generate_latest(m.registry).decode())}
+    assert text["nodeagent_token_handoff_seconds"].type == "histogram"
+    assert text["nodeagent_slice_seconds"].type == "counter"

@@ -40,12 +40,12 @@ class Published:
     data: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: on every handoff's path, and a frozen one costs 4x to make
 class Granted:
     """``session`` was granted its device's token (``grant``) after waiting ``waited_ms``. Typed, not
     a :class:`Published`, because it is on every handoff's path: the events socket's ``grant``
     event is built from it only where an events socket exists, and the attained-service ledger
-    reads the session without a lookup."""
+    reads the session without a lookup. Subscribers read it, never write it."""
 
     session: Any  # nodeagent.daemon.sessions.Session
     grant: int
@@ -89,10 +89,11 @@ class MayAsk:
     claimed: bool = False  # the slice a restarted daemon's restore window lets go first
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: on every handoff's path (see Granted)
 class SliceEnded:
     """``session`` stopped holding its device's token after ``held_s`` seconds (released,
-    revoked, stopped, suspended or gone): the attained-service ledger hears it."""
+    revoked, stopped, suspended or gone): the attained-service ledger hears it. Read-only to
+    subscribers."""
 
     session: Any  # nodeagent.daemon.sessions.Session
     held_s: float

@@ -64,7 +64,8 @@ class Tokens:
         self._delegated: Callable[[str], bool] = lambda sid: False
         self._delegate: Callable[[object, float], None] = lambda action, now: None
         self._clock = clock
-        self._wait_hist: dict[tuple[int, Workload], object] = {}
+        self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
+        self._slice_total: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         # Successor hints and wake channels (one-hop handoffs): a part of this component.
         self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send,
@@ -354,7 +355,11 @@ class Tokens:
         if held_since is not None:  # a session that left while holding counts its last slice too
             self._bus.publish(SliceEnded(s, max(0.0, now - held_since)))
         if held_since is not None and s.id in self._sessions:
-            self._metrics.slice_seconds.labels(str(s.device), s.workload.wire).inc(max(0.0, now - held_since))
+            key = (s.device, s.workload)
+            total = self._slice_total.get(key)
+            if total is None:
+                total = self._slice_total[key] = self._metrics.slice_seconds.labels(str(s.device), s.workload.wire)
+            total.inc(max(0.0, now - held_since))
             self.pacing.slice_ended(s, now - held_since)
         else:
             self.pacing.forget(s)
