@@ -243,3 +243,38 @@ def test_a_session_dropped_for_missed_heartbeats_is_told(start_inproc_daemon):
         assert peer.hello("again").session != welcome.session
     finally:
         peer.close()
+
+
+# ------------------------------------------------------------- versions
+
+
+def test_one_hop_is_given_only_to_clients_that_speak_2_3_or_later(inproc_daemon):
+    """A 2.1 or 2.2 client cannot answer a withdrawn promise (standby_ack is 2.3's), so it is
+    given no wake channel even when it asks; a client of this minor is."""
+    old, new = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
+    try:
+        assert old.hello("old", one_hop=True, protocol=(2, 2)).wake == ""
+        assert new.hello("new", one_hop=True).wake != ""
+    finally:
+        old.close()
+        new.close()
+
+
+@pytest.mark.parametrize("minor, told", [(2, False), (p.PROTOCOL_VERSION[1], True)])
+def test_a_resumed_suspended_session_is_told_so_only_if_its_minor_knows_the_field(inproc_daemon, minor, told):
+    """welcome.suspended is 2.3's: a 2.2 client would not stay parked on it, so it is left unset
+    for one, and set for a client of this minor (the same session, resumed over a new connection)."""
+    peer, operator = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
+    again = None
+    try:
+        welcome = peer.hello("parked", protocol=(2, minor))
+        _suspend(operator, peer, welcome.session)
+        again = RawPeer(inproc_daemon.endpoint)
+        resumed = again.hello("parked", protocol=(2, minor), resume_session=welcome.session,
+                              resume_key=welcome.key)
+        assert resumed.resumed and resumed.session == welcome.session
+        assert resumed.suspended is told
+    finally:
+        for each in (peer, operator, again):
+            if each is not None:
+                each.close()
