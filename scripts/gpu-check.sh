@@ -19,7 +19,9 @@
 # Without a CUDA device (or with --dry-run) it says so in one line and still installs the wheels and
 # records the environment; each GPU step is listed with its command line, not run.
 # Settings: PYTHON (default python3; .venv/bin/python when python3 has no torch), GPU_CHECK_WHEELS
-# (default .whl), GPU_CHECK_SITE (the private target), GPU_CHECK_BUDGET_S.
+# (default .whl), GPU_CHECK_SITE (the private target), GPU_CHECK_BUDGET_S, GPU_CHECK_STEPS (a comma-
+# separated list of the GPU steps to run, shell patterns allowed, e.g. colocate,mps,llm-wake: a short
+# session's device time goes to the open issues' measurements first; the others are listed as not asked).
 set -uo pipefail  # not -e: a failing step is recorded, and the next one runs
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -30,7 +32,7 @@ out_dir=""
 for arg in "$@"; do
     case $arg in
         --dry-run) dry=1 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         -*) echo "gpu-check: unknown option $arg (try --help)" >&2; exit 2 ;;
         *) out_dir=$arg ;;
     esac
@@ -38,6 +40,7 @@ done
 out_dir=${out_dir:-${OUT:-bench/out/gpu-check}}
 mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd)
 budget_s=${GPU_CHECK_BUDGET_S:-540}
+steps_wanted=${GPU_CHECK_STEPS:-}
 reserve_s=20  # kept back for the summary and the tarball
 wheels=${GPU_CHECK_WHEELS:-.whl}
 site=${GPU_CHECK_SITE:-${TMPDIR:-/tmp}/nodeagent-gpu-site}
@@ -58,12 +61,27 @@ record() {  # NAME STATUS RC SECONDS COMMAND
 }
 printf 'step\tstatus\trc\tseconds\tcommand\n' >"$stage/steps.tsv"
 
+step_wanted() {  # NAME: in GPU_CHECK_STEPS (every step when it is unset)
+    local pattern
+    [ -z "$steps_wanted" ] && return 0
+    for pattern in ${steps_wanted//,/ }; do
+        # shellcheck disable=SC2053  # a pattern, on purpose
+        [[ $1 == $pattern ]] && return 0
+    done
+    return 1
+}
+
 run_step() {  # NAME CAP_S STDOUT(file, or - for the log) COMMAND...
     local name=$1 cap=$2 stdout=$3
     shift 3
     local cmdline left limit t0 rc status
     cmdline=$(printf '%q ' "$@")
     cmdline=${cmdline% }
+    if ! step_wanted "$name"; then
+        record "$name" not-asked - 0 "$cmdline"
+        say "$name: not run (not in GPU_CHECK_STEPS)"
+        return
+    fi
     if [ "$dry" = 1 ]; then
         record "$name" planned - 0 "$cmdline"
         say "$name: not run (dry run): $cmdline"
@@ -476,7 +494,7 @@ summary = {
                                                     *(f"handoff-hold{h}{o}" for h in (0, 200)
                                                       for o in ("", "-one-hop")))},
     "pytest": {"gpu": junit("pytest-gpu.xml"), "mps": junit("pytest-mps.xml"), "ray_gpu": junit("pytest-ray-gpu.xml")},
-    "ok": all(r["status"] in ("ok", "planned", "unpacked") for r in rows),
+    "ok": all(r["status"] in ("ok", "planned", "unpacked", "not-asked") for r in rows),
 }
 lines = [f"gpu-check {tag}" + (" (dry run: nothing ran on a GPU)" if dry else ""),
          f"{'step':<22} {'status':<14} {'secs':>5}  result"]

@@ -24,6 +24,8 @@ from tests.conftest import REPO
 pytest.importorskip("torch")
 
 PROBE = "nodeagent_gpucheck_probe"
+# Every GPU step but "handoff" (which "handoff-*" does not match): the dry run checks the filter too.
+ASKED = "pytest-gpu,switch,suspend,reclaim,llm-wake,handoff-*,colocate,ray-gpu,mps"
 GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "llm-wake", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
              "handoff-hold200", "handoff-hold200-one-hop", "colocate", "ray-gpu", "mps"]
 
@@ -62,7 +64,7 @@ def dry_run(tmp_path_factory):
     _ray_bundle(tmp / "whl")
     out, site = tmp / "out", tmp / "site"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp / "whl"),
-           "GPU_CHECK_SITE": str(site), "TMPDIR": str(tmp)}
+           "GPU_CHECK_SITE": str(site), "TMPDIR": str(tmp), "GPU_CHECK_STEPS": ASKED}
     env.pop("OUT", None)
     run = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", str(out)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=180)
@@ -89,7 +91,9 @@ def test_the_dry_run_installs_the_wheels_probes_the_machine_and_packs_one_tarbal
     assert probe["python"] == sys.version.split()[0] and probe["torch"]["version"]
     for key in ("pidfd_open", "so_peercred", "sigstop", "dev_shm", "libcudart", "page_lock", "zmq", "msgspec"):
         assert key in probe, key  # recorded, whatever this machine answered
-    assert all(steps[name]["status"] == "planned" for name in GPU_STEPS)
+    # GPU_CHECK_STEPS: a session with a few device minutes spends them on what it asks for.
+    assert all(steps[name]["status"] == "planned" for name in GPU_STEPS if name != "handoff")
+    assert steps["handoff"]["status"] == "not-asked" and "handoff: not run (not in GPU_CHECK_STEPS)" in run.stdout
     table = (out / "summary.txt").read_text().splitlines()
     assert table[0].startswith(f"gpu-check {summary['tag']}") and "dry run" in table[0]
     assert [line.split()[0] for line in table[2:]] == list(steps)
@@ -150,3 +154,4 @@ def test_an_unknown_option_is_refused():
     run = subprocess.run(["bash", "scripts/gpu-check.sh", "--fast"], cwd=REPO, capture_output=True, text=True,
                          timeout=30)
     assert run.returncode == 2 and "unknown option --fast" in run.stderr
+
