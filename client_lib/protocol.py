@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 5)
+PROTOCOL_VERSION: tuple[int, int] = (2, 6)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -469,6 +469,7 @@ class Revoke(Reply, tag="revoke"):
 
     grant: int
     reason: str  # "overrun" | "shutdown" | "memory" | "suspended" | "device_lost" (1.2: NVML reports the GPU lost)
+    # | "mps_fault" (2.6: a fault ended every client of the device's MPS server)
 
 
 class Standby(Reply, tag="standby"):

@@ -50,6 +50,29 @@ class DeviceProcess:
     mps_client: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceFault:
+    """NVML reported Xid ``xid`` on ``device`` (an ``nvmlEventTypeXidCriticalError`` event)."""
+
+    device: int
+    xid: int
+
+    @property
+    def ends_contexts(self) -> bool:
+        """Whether the Xid is a fault of the work on the GPU that ends the CUDA context it
+        happened in (NVIDIA's Xid catalogue: 13 graphics engine exception, e.g. an illegal
+        instruction or a device-side assert; 31 memory page fault, an illegal address; 43 the
+        GPU stopped processing a channel, the user application faulted; 45 preemptive cleanup
+        after an earlier error; 94 a contained ECC error). Under MPS every client of the
+        faulting server gets that fault. Device-level Xids (79, fallen off the bus) show as a
+        lost device instead."""
+        return self.xid in CONTEXT_FAULT_XIDS
+
+
+CONTEXT_FAULT_XIDS: Final = frozenset({13, 31, 43, 45, 94})
+_EVENTS_PER_READ = 64  # Xid events taken per read: a storm of them cannot hold the watcher
+
+
 _CUDA_UUID = re.compile(r"^(GPU|MIG)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 
 
@@ -105,6 +128,11 @@ class DeviceBackend(abc.ABC):
     @abc.abstractmethod
     def processes(self, index: int) -> list[DeviceProcess]:
         """Compute processes on the device."""
+
+    def faults(self) -> list[DeviceFault]:
+        """Faults of the work on the devices reported since the last call (none where the
+        backend cannot say)."""
+        return []
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -294,6 +322,7 @@ class CudaBackend(DeviceBackend):
         self._owns_nvml = nvml is None
         self._nvml = Nvml() if nvml is None else nvml
         self._closed = False
+        self._events = None  # the Xid event set: None until faults() first runs, False where there is none
         try:
             self._handles, self._uuids, self._names, self._first_memory_total_bytes = self._discover()
         except BaseException:
@@ -373,10 +402,57 @@ class CudaBackend(DeviceBackend):
                     by_pid[entry.pid] = entry
         return list(by_pid.values())
 
+    def faults(self) -> list[DeviceFault]:
+        """The Xid critical errors NVML reported since the last call (at most a bounded number
+        per call; the rest come next time), [] where NVML cannot report them. The event set is
+        made on the first call, on the thread that reads (the memory watcher's)."""
+        self._check_open()
+        if self._events is None:
+            self._events = self._open_events()
+        if self._events is False:
+            return []
+        found: list[DeviceFault] = []
+        for _ in range(_EVENTS_PER_READ):
+            try:
+                data = self._nvml.wait_event(self._events)
+            except NvmlError as exc:
+                log.warning("[nvml] reading Xid events failed: %s; not reading them any more", exc)
+                self._events = False
+                break
+            if data is None or data is NA:
+                break
+            uuid = self._nvml.query("nvmlDeviceGetUUID", data.device)
+            if uuid in self._uuids:
+                found.append(DeviceFault(self._uuids.index(uuid), int(data.eventData)))
+        return found
+
+    def _open_events(self):
+        """An NVML event set with every device's Xid critical errors registered, or False
+        (logged once) where NVML cannot give one."""
+        try:
+            event_type = self._nvml.constant("nvmlEventTypeXidCriticalError")
+            events = self._nvml.query("nvmlEventSetCreate")
+            if event_type is None or events is NA:
+                log.info("[nvml] no Xid events here: a fault under MPS is noticed only as its clients exit")
+                return False
+            for handle in self._handles:
+                if self._nvml.query("nvmlDeviceRegisterEvents", handle, event_type, events) is NA:
+                    log.info("[nvml] a device takes no Xid event registration: faults are not watched")
+                    return False
+            return events
+        except NvmlError as exc:
+            log.info("[nvml] no Xid events (%s): a fault under MPS is noticed only as its clients exit", exc)
+            return False
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._events:
+            try:
+                self._nvml.query("nvmlEventSetFree", self._events)
+            except NvmlError:
+                pass
         if self._owns_nvml:
             self._nvml.shutdown()
 

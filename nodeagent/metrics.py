@@ -47,6 +47,7 @@ SESSION_LOST_REASONS = ("process_exited", "disconnected", "not_reading", "bad_fr
 # Where the loop contains a bug (nodeagent.daemon.server._contain, the endpoints' dispatch).
 INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "one-hop",
                          "pace", "status", "metrics")
+DEVICE_FAULT_DOMAINS = ("mps", "context", "other")  # nodeagent.daemon.memory_watch: what an Xid ended
 METRICS_HTTP_CLOSE_REASONS = ("timeout", "evicted", "refused", "bad_request")
 
 
@@ -301,6 +302,11 @@ class Metrics:
         self.resume_seconds = self._histogram(
             "nodeagent_resume_seconds", "Time clients took to bring their state back (their measurement)", (),
             _PARK_BUCKETS_S)
+        self.device_faults = self._counter(
+            "nodeagent_device_faults",
+            "Xid errors NVML reported, by what they ended (mps: every client of the device's MPS server; "
+            "context: one CUDA context, NVML does not say whose; other: not a fault of a context)",
+            ("device", "domain"))
         self.memory_violations = self._counter(
             "nodeagent_memory_violations",
             "Sessions found using more device memory than they declared (policy: warn, revoke, stop)",
@@ -371,6 +377,8 @@ class Metrics:
             self.lends.labels(device)
             self.reclaims.labels(device)
             self.memory_violations.labels(device, memory_policy)
+            for domain in DEVICE_FAULT_DOMAINS:
+                self.device_faults.labels(device, domain)
             for reason in YIELD_REASONS:
                 self.yield_requests.labels(device, reason)
             for workload in WORKLOADS:

@@ -147,6 +147,29 @@ class Nvml:
             return result.decode("utf-8", errors="replace")
         return result
 
+    def constant(self, name: str, default: Any = None) -> Any:
+        """The library's constant ``name`` (an event type, say), or ``default`` where it has none."""
+        self.init()
+        return getattr(self._lib, name, default)
+
+    def wait_event(self, event_set: Any) -> Any:
+        """The next event ``event_set`` holds (``nvmlEventSetWait_v2`` with no wait), or None
+        when it holds none; NvmlError for a failure, NA where the library has no such call."""
+        self.init()
+        lib = self._lib
+        func = getattr(lib, "nvmlEventSetWait_v2", None) or getattr(lib, "nvmlEventSetWait", None)
+        if func is None:
+            return NA
+        try:
+            return func(event_set, 0)
+        except lib.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code == getattr(lib, "NVML_ERROR_TIMEOUT", object()):
+                return None
+            if code in self._lost_codes:
+                raise NvmlGpuLost("nvmlEventSetWait_v2", code, str(exc)) from exc
+            raise NvmlError("nvmlEventSetWait_v2", code, str(exc)) from exc
+
     def _load_lib(self) -> Any:
         if self._lib is None:
             try:

@@ -9,7 +9,8 @@
 # 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim, bench.llm_wake and bench.handoff on cuda,
 #    bench.handoff two-hop against one-hop on the host's cores, and bench.colocate (inference p99 and
 #    training kept beside each other, per sharing mode: no daemon, MPS, nodeagent); with .whl/ray-site.tar.xz
-#    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. the MPS tests (30/70 split) last, as they
+#    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. bench.mps_fault (a fault under MPS beside a healthy
+#    service) and the MPS tests (30/70 split) last, as they
 #    start an MPS control daemon. Each step has its own time
 #    limit and the whole run a budget (GPU_CHECK_BUDGET_S, default 540 s): a hang costs one step, and
 #    a failing step is recorded and the next one runs. Everything lands in ONE tarball,
@@ -20,7 +21,7 @@
 # records the environment; each GPU step is listed with its command line, not run.
 # Settings: PYTHON (default python3; .venv/bin/python when python3 has no torch), GPU_CHECK_WHEELS
 # (default .whl), GPU_CHECK_SITE (the private target), GPU_CHECK_BUDGET_S, GPU_CHECK_STEPS (a comma-
-# separated list of the GPU steps to run, shell patterns allowed, e.g. colocate,mps,llm-wake: a short
+# separated list of the GPU steps to run, shell patterns allowed, e.g. colocate,mps*,llm-wake: a short
 # session's device time goes to the open issues' measurements first; the others are listed as not asked).
 set -uo pipefail  # not -e: a failing step is recorded, and the next one runs
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ out_dir=""
 for arg in "$@"; do
     case $arg in
         --dry-run) dry=1 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         -*) echo "gpu-check: unknown option $arg (try --help)" >&2; exit 2 ;;
         *) out_dir=$arg ;;
     esac
@@ -356,6 +357,8 @@ if [ -f "$wheels/ray-site.tar.xz" ]; then  # a loan raylet given the GPU by UUID
     run_step ray-gpu 120 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=110 \
         --junitxml="$stage/pytest-ray-gpu.xml" tests/test_ray_gpu.py
 fi
+# Issue 21's last measurement: a client's fault under MPS beside a healthy service, fault to its next good request.
+run_step mps-fault 120 "$stage/mps-fault.json" "$python" -m bench.mps_fault --json
 run_step mps 120 - env NODEAGENT_RESULTS_DIR="$stage" "$python" -m pytest -m gpu -p no:cacheprovider -q -rs \
     -o timeout=90 --junitxml="$stage/pytest-mps.xml" tests/test_mps.py tests/test_mps_daemon.py
 if [ "$dry" = 0 ]; then

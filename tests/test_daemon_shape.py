@@ -79,7 +79,7 @@ SESSION_FIELD_OWNERS = {
     "blocked_by": {"gate.py"}, "acquire_pending": {"gate.py"},
     "suspension": {"restore.py"}, "suspend_waiters": {"suspension.py"},
     "memory_used_bytes": {"memory.py"}, "over_memory": {"memory_watch.py"},
-    "wake": {"one_hop.py"}, "one_hop": {"server.py"}, "weight": {"tokens.py"},
+    "wake": {"one_hop.py"}, "one_hop": {"server.py"}, "mps": {"server.py"}, "weight": {"tokens.py"},
     "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"},
 }
 # Names that hold something else with a field of the same name (serving's queues have a grant).

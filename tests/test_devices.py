@@ -528,3 +528,68 @@ def test_real_nvml_lists_a_process_with_a_context_and_the_watcher_finds_it_under
         child.kill()
         child.wait()
         backend.close()
+
+
+# --- Xid events -------------------------------------------------------------------
+
+
+class XidNvmlLib(FakeNvmlLib):
+    """The scripted library with NVML's event calls: ``pending`` holds (device index, xid)."""
+
+    nvmlEventTypeXidCriticalError = 8
+    NVML_ERROR_TIMEOUT = 10
+
+    def __init__(self, gpus: list[FakeGpu]) -> None:
+        super().__init__(gpus)
+        self.pending: list[tuple[int, int]] = []
+        self.registered: list[int] = []
+        self.freed = 0
+
+    def nvmlEventSetCreate(self) -> object:
+        self._maybe_fail("nvmlEventSetCreate")
+        return "event-set"
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeHandle, event_types: int, event_set: object) -> None:
+        assert event_types == self.nvmlEventTypeXidCriticalError and event_set == "event-set"
+        self._maybe_fail("nvmlDeviceRegisterEvents")
+        self.registered.append(handle.index)
+
+    def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> SimpleNamespace:
+        assert timeout_ms == 0  # never blocks the watcher
+        self._maybe_fail("nvmlEventSetWait_v2")
+        if not self.pending:
+            raise FakeNVMLError(self.NVML_ERROR_TIMEOUT)
+        index, xid = self.pending.pop(0)
+        return SimpleNamespace(device=FakeHandle(index), eventType=self.nvmlEventTypeXidCriticalError,
+                               eventData=xid)
+
+    def nvmlEventSetFree(self, event_set: object) -> None:
+        self.freed += 1
+
+
+def test_xid_events_are_read_per_device_and_only_the_context_faults_end_contexts():
+    from nodeagent.devices import DeviceFault
+
+    lib = XidNvmlLib(two_gpus())
+    backend = CudaBackend(Nvml(lib=lib))
+    assert backend.faults() == [] and lib.registered == [0, 1]  # every device registered, none pending
+    lib.pending = [(1, 31), (0, 79), (1, 13)]
+    faults = backend.faults()
+    assert faults == [DeviceFault(1, 31), DeviceFault(0, 79), DeviceFault(1, 13)]
+    assert [f.ends_contexts for f in faults] == [True, False, True]
+    lib.pending = [(0, 43)] * 100  # a storm: a bounded number per read, the rest the next time
+    assert len(backend.faults()) == 64 and len(backend.faults()) == 36
+    backend.close()
+    assert lib.freed == 1
+
+
+def test_without_xid_events_faults_reads_nothing_and_a_failing_read_stops_reading():
+    lib = XidNvmlLib(two_gpus())
+    lib.errors["nvmlEventSetCreate"] = lib.NVML_ERROR_NOT_SUPPORTED
+    assert CudaBackend(Nvml(lib=lib)).faults() == []
+    lib = XidNvmlLib(two_gpus())
+    backend = CudaBackend(Nvml(lib=lib))
+    backend.faults()
+    lib.errors["nvmlEventSetWait_v2"] = lib.NVML_ERROR_UNKNOWN
+    lib.pending = [(0, 31)]
+    assert backend.faults() == [] and backend.faults() == []  # said once in the log, then not asked again

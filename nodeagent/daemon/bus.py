@@ -79,6 +79,16 @@ class DeviceLost:
 
 
 @dataclass(frozen=True, slots=True)
+class MpsFaulted:
+    """A fatal fault on ``device``'s MPS server ended the contexts of ``sessions`` (ids): the MPS
+    component takes no session onto that server until they have all left."""
+
+    device: int
+    sessions: tuple[str, ...]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class MayAsk:
     """Ask for the token again for ``session`` (id), which first asked ``since`` (None: now): what
     kept its request back ended. The token gate (:mod:`nodeagent.daemon.gate`) hears it."""

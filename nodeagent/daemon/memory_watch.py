@@ -31,10 +31,10 @@ from typing import Callable, Union
 from client_lib import protocol as p
 from nodeagent import memory, procwatch
 from nodeagent.config import ServeConfig
-from nodeagent.devices import DeviceBackend, DeviceError, DeviceLostError, DeviceProcess
+from nodeagent.devices import DeviceBackend, DeviceError, DeviceFault, DeviceLostError, DeviceProcess
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MayAsk
+from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MayAsk, MpsFaulted
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from sharing import SessionState
@@ -75,7 +75,7 @@ class DeviceBack:
     device: int
 
 
-Reading = Union[DeviceReading, DeviceLost, DeviceBack]
+Reading = Union[DeviceReading, DeviceLost, DeviceBack, DeviceFault]
 
 
 class LostDevices:
@@ -182,6 +182,9 @@ class MemoryPolicy:
             if isinstance(reading, DeviceBack):
                 self._on_device_back(reading.device, now)
                 continue
+            if isinstance(reading, DeviceFault):
+                self._on_device_fault(reading, now)
+                continue
             sessions = [s for s in self._sessions.values() if s.device == reading.device]
             over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
             for s in sessions:
@@ -227,6 +230,38 @@ class MemoryPolicy:
             if s.grant is not None:
                 tokens.revoke(s.device, s.id, now, "device_lost")
         for s in sessions:
+            self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
+
+    def _on_device_fault(self, fault: DeviceFault, now: float) -> None:
+        """NVML reported an Xid on a device. One that ends the context it happened in, on a
+        device whose sessions share an MPS server, ended every client of that server (NVIDIA's
+        MPS: a fatal fault in one client reaches all of them, and the server takes no new client
+        until they have all exited): their tokens are revoked (``mps_fault``) and each is told
+        with an ``E_DEVICE`` notice to end its process and start again; the MPS component gives
+        sessions that join meanwhile a plain context (:class:`MpsFaulted`). NVML does not say
+        which process faulted, so outside MPS nothing is taken from anyone: the fault is counted,
+        logged and published."""
+        device = fault.device
+        if not 0 <= device < self._tokens.device_count:
+            return
+        shared = [s for s in self._sessions.values() if s.device == device and s.mps] if fault.ends_contexts else []
+        domain = "mps" if shared else "context" if fault.ends_contexts else "other"
+        self._metrics.device_faults.labels(str(device), domain).inc()
+        self._bus.event("health", device, None, device_state="fault", xid=fault.xid, domain=domain,
+                        sessions=len(shared))
+        if not shared:
+            log.warning("[device] Xid %d on device=%d (%s): NVML does not say which process; nothing is revoked",
+                        fault.xid, device, "a fault of one context" if fault.ends_contexts else "not a context fault")
+            return
+        log.error("[device] Xid %d on device=%d under MPS: the %d sessions on its MPS server lost their CUDA "
+                  "contexts", fault.xid, device, len(shared))
+        notice = (f"device {device}'s MPS server had a fatal fault (Xid {fault.xid}) in one of its clients: the "
+                  "CUDA context of every client of that server is gone; end this process and start it again "
+                  "(the server takes new clients once all of its clients have exited)")
+        self._bus.publish(MpsFaulted(device, tuple(s.id for s in shared), now))
+        for s in shared:
+            if s.grant is not None:
+                self._tokens.revoke(s.device, s.id, now, "mps_fault")
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
     def _on_device_back(self, device: int, now: float) -> None:
@@ -291,6 +326,10 @@ class MemoryWatcher(threading.Thread):
                 self._lost.discard(device)
                 readings.append(DeviceBack(device))
             readings.append(DeviceReading(device, self._uses(processes)))
+        try:
+            readings.extend(self._backend.faults())
+        except DeviceError as exc:
+            log.warning("[memory] reading device faults failed: %s", exc)
         return readings
 
     def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:

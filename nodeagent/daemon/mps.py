@@ -48,6 +48,7 @@ class MpsPartitions:
         self._controls: dict[int, MpsControl] = {}  # device -> its control daemon (started in start())
         self._by_fd: dict[int, int] = {}  # watch fd -> device
         self._users: dict[int, dict[str, int | None]] = {}  # device -> its MPS sessions' uids (one user at a time)
+        self._faulted: dict[int, set[str]] = {}  # device -> sessions a server fault ended, until they leave
         self._tables: dict[int, PartitionTable] = {
             i: PartitionTable(i, min_percent=config.mps_min_percent,
                               memory_total_mb=memory.capacity_mb(devices[i], config.memory_reserve_mb))
@@ -133,6 +134,10 @@ class MpsPartitions:
         table = self._tables.get(device)
         if table is None:
             return False
+        if self._faulted.get(device):
+            log.info("[mps] device=%d session=%s runs outside MPS: the server is recovering from a fault "
+                     "(%d of its clients still to exit)", device, session, len(self._faulted[device]))
+            return False
         users = self._users.setdefault(device, {})
         others = {u for u in users.values() if u != uid or uid is None}
         if others:
@@ -148,6 +153,25 @@ class MpsPartitions:
         if table is not None:
             table.leave(session)
         self._users.get(device, {}).pop(session, None)
+        faulted = self._faulted.get(device)
+        if faulted and session in faulted:
+            faulted.discard(session)
+            if not faulted:
+                del self._faulted[device]
+                log.warning("[mps] device=%d: every client of the faulted MPS server has left; new sessions "
+                            "join MPS again", device)
+
+    def on_fault(self, event) -> None:
+        """The bus's :class:`~nodeagent.daemon.bus.MpsFaulted`: a fatal fault ended every client of
+        ``event.device``'s MPS server, which takes no new client until they have all exited; until
+        their sessions have left, sessions that join get a plain context (:meth:`join`)."""
+        gone = {sid for sid in event.sessions if sid in self._users.get(event.device, {})}
+        if gone:
+            self._faulted.setdefault(event.device, set()).update(gone)
+
+    def recovering(self, device: int) -> int:
+        """How many sessions of ``device``'s faulted MPS server are still to leave (0: none)."""
+        return len(self._faulted.get(device, ()))
 
     def client_env(self, session: str, device: int, uncapped: bool = False) -> dict[str, str]:
         """What the client must set before CUDA initialises: its MPS daemon and share

@@ -44,7 +44,8 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, peer_of, refusal
 from nodeagent.daemon.attained import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, Published,
+from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, MpsFaulted,
+                                  Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
@@ -192,6 +193,7 @@ class AgentServer:
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
+        bus.subscribe(MpsFaulted, self._mps.on_fault)  # its server takes no one until they have left
         bus.subscribe(SliceEnded, self._attained.on_slice_ended)
         bus.subscribe(Granted, self._cluster.on_granted)
         bus.subscribe(Granted, self._attained.on_granted)
@@ -594,6 +596,7 @@ class AgentServer:
         """``minor``: the client's protocol minor; fields it cannot know (``suspended`` before 2.3) stay unset."""
         policy = self._tokens.policy(s.device)
         env = self._mps.client_env(s.id, s.device, uncapped=self._tokens.corun(s.device))
+        s.mps = bool(env)  # on the device's MPS server: in its fault domain (memory_watch's Xid handling)
         if env and s.workload is not Workload.INFERENCE:
             # Under MPS the server schedules a higher-priority client's work first: a lower
             # class yields the SMs to inference without any of its work being stopped.

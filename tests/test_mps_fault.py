@@ -1,0 +1,121 @@
+"""A fault under MPS (issue 21): NVML reports an Xid that ends the context it happened in, on a
+device whose sessions share an MPS server. NVIDIA's MPS reaches every client of that server with
+the fault and takes no new client until they have all exited, so the daemon revokes their tokens
+(``mps_fault``), tells each with an ``E_DEVICE`` notice to start again, gives sessions that join
+meanwhile a plain context, and puts new sessions on MPS again once the faulted ones have left.
+Sessions outside the MPS server lose nothing (NVML does not say which process faulted). A real
+in-process daemon on scripted GPUs whose Xid events the test writes, with the MPS stand-in
+(``tests/fake_mps_control.py``). The GPU half (a real faulting kernel beside a healthy client,
+fault to the next good request) is ``bench.mps_fault`` in ``scripts/gpu-check.sh``."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from client_lib import protocol as p
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.server import AgentServer
+from nodeagent.devices import DeviceFault
+from nodeagent.metrics import Metrics
+from tests.conftest import wait_for
+from tests.rawpeer import RawPeer
+from tests.test_memory_watch import RecordingEvents, ScriptedGpus
+from tests.test_mps import write_fake_control
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the MPS stand-in's directories need root here")
+
+
+class FaultingGpus(ScriptedGpus):
+    """Scripted GPUs whose Xid events the test writes into ``pending``."""
+
+    def __init__(self, count: int = 1) -> None:
+        super().__init__(count)
+        self.pending: list[DeviceFault] = []
+        self._lock = threading.Lock()
+
+    def report(self, device: int, xid: int) -> None:
+        with self._lock:
+            self.pending.append(DeviceFault(device, xid))
+
+    def faults(self) -> list[DeviceFault]:
+        with self._lock:
+            taken, self.pending = self.pending, []
+        return taken
+
+
+@pytest.fixture
+def mps_gpu(workdir):
+    """An in-process daemon on one scripted GPU with MPS: (server, backend, events, connect)."""
+    saved = dict(os.environ)
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/fault.sock", state_dir=workdir,
+                         memory_watch_ms=20, ctxpool_enabled="off", heartbeat_ms=5000, enforce="revoke",
+                         grace_ms=30_000, mps_devices=[0], mps_control_binary=write_fake_control(workdir))
+    backend = FaultingGpus(1)
+    server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
+    server.bind()
+    events = server._cluster.events = RecordingEvents()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    peers: list[RawPeer] = []
+
+    def connect() -> RawPeer:
+        peers.append(RawPeer(config.endpoint))
+        return peers[-1]
+
+    yield server, backend, events, connect
+    for peer in peers:
+        peer.close()
+    server.request_stop()
+    thread.join(timeout=10)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _faults(server, domain: str) -> float:
+    return server.metrics.registry.get_sample_value("nodeagent_device_faults_total",
+                                                    {"device": "0", "domain": domain})
+
+
+def test_a_context_fault_on_an_mps_device_ends_every_client_of_its_server_and_tells_each(mps_gpu):
+    server, backend, events, connect = mps_gpu
+    holder, waiter = connect(), connect()
+    holder_welcome = holder.hello("service", workload="inference")
+    waiter_welcome = waiter.hello("trainer", workload="training")
+    assert holder_welcome.env and waiter_welcome.env  # both on the device's MPS server
+    holder.call(p.Acquire(id=holder.take_id()))
+    grant = holder.next_notice(p.Grant)
+    backend.report(0, 31)  # an illegal address in one client's kernel
+    revoke = holder.next_notice(p.Revoke, timeout=5)
+    assert revoke.grant == grant.grant and revoke.reason == "mps_fault"
+    for peer in (holder, waiter):
+        notice = peer.next_notice(p.Error, timeout=5)
+        assert notice.id == 0 and notice.code == p.ErrorCode.DEVICE
+        assert "MPS server had a fatal fault (Xid 31)" in notice.message and "start it again" in notice.message
+    assert _faults(server, "mps") == 1.0
+    wait_for(lambda: {"device_state": "fault", "xid": 31, "domain": "mps", "sessions": 2} in events.of("health"),
+             timeout=5)
+    # Until both have left, a new session gets a plain context: the server takes no new client.
+    newcomer = connect()
+    assert newcomer.hello("newcomer", workload="training").env == {}
+    holder.call(p.Goodbye(id=holder.take_id()))
+    waiter.call(p.Goodbye(id=waiter.take_id()))
+    wait_for(lambda: server._mps.recovering(0) == 0, timeout=5)
+    assert connect().hello("after", workload="inference").env  # on MPS again
+
+
+def test_a_fault_outside_mps_or_not_of_a_context_takes_nothing_from_anyone(mps_gpu):
+    server, backend, _, connect = mps_gpu
+    peer = connect()
+    peer.hello("service", workload="inference")
+    peer.call(p.Acquire(id=peer.take_id()))
+    peer.next_notice(p.Grant)
+    backend.report(0, 79)  # not a context's fault (the GPU fell off the bus shows as a lost device)
+    wait_for(lambda: _faults(server, "other") == 1.0, timeout=5)
+    assert not any(isinstance(n, (p.Revoke, p.Error)) for n in peer.notices)
+    with pytest.raises(TimeoutError):
+        peer.next_notice(p.Revoke, timeout=0.3)
+    assert server._mps.recovering(0) == 0
