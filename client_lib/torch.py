@@ -26,7 +26,9 @@ cpu backend the buffer is plain memory, allocated at the first park.
 
 What a park frees, and what stays on the device: the parked storages, then
 torch's cuBLAS workspaces, then every cached block that is now empty
-(``empty_cache``). The CUDA context (0.3-0.6 GB), NCCL's buffers, CUDA graphs
+(``empty_cache``), then NCCL's communicators' buffers where torch and NCCL can
+suspend them (:mod:`client_lib.nccl`: PyTorch 2.12 and NCCL 2.29.7 or newer).
+The CUDA context (0.3-0.6 GB), NCCL's buffers elsewhere, CUDA graphs
 and their memory pools, and blocks of cached segments that other live tensors
 (activations, tensors not registered) still use stay. ``bytes_parked`` counts
 only what was released: on CUDA the drop of torch's reserved device memory;
@@ -109,6 +111,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
+from client_lib.nccl import Communicators
 from client_lib.pacer import Pacer  # noqa: F401  (co-run pacing: client_lib.torch is where users look)
 from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend
 
@@ -260,14 +263,18 @@ class Yielder:
     ``verify``: check the restored state against checksums taken at the park
     (default: when keeping addresses); a mismatch raises
     :class:`RestoreVerifyError`. ``vmm``: the :class:`client_lib.vmm.VmmBackend`
-    regions are made with (default: CUDA's, through libcuda).
+    regions are made with (default: CUDA's, through libcuda). ``process_groups``: suspend
+    the NCCL communicators of this process's process groups with the state, and resume them
+    at the unpark (default True; where torch or NCCL cannot, :attr:`nccl_note` says why and
+    they keep their buffers), False to leave them, or a callable giving the groups.
     """
 
     def __init__(self, client=None, modules: Iterable[torch.nn.Module] = (),
                  optimizers: Iterable[torch.optim.Optimizer] = (), *,
                  device: torch.device | str | None = None, pin_memory: bool | None = None,
                  host_buffer: HostBuffer | None = None, keep_addresses: bool | str = "auto",
-                 verify: bool | None = None, vmm: VmmBackend | None = None) -> None:
+                 verify: bool | None = None, vmm: VmmBackend | None = None,
+                 process_groups: bool | Callable[[], list] = True) -> None:
         if keep_addresses not in (True, False, "auto"):
             raise ValueError(f"keep_addresses is True, False or 'auto', not {keep_addresses!r}")
         self._modules = list(modules)
@@ -281,6 +288,9 @@ class Yielder:
         self.address_note: str | None = "keep_addresses=False" if keep_addresses is False else None
         self._vmm = vmm
         self._verify = verify
+        # NCCL's communicators, suspended with the state where torch and NCCL can (client_lib.nccl).
+        self._comms = (None if process_groups is False else
+                       Communicators() if process_groups is True else Communicators(process_groups))
         self._storages: list[_ParkedStorage] = []
         self._tensors: list[_ParkedTensor] = []
         self._sums: list[torch.Tensor] | None = None  # checksums of the parked bytes, per storage
@@ -354,7 +364,23 @@ class Yielder:
             log.warning("[park] the state grew to %d bytes since the host buffer was reserved (%d): growing it "
                         "inside the suspend; call Yielder.reserve() after creating new state", _needed(storages),
                         self._host.nbytes)
-        return self._park_planned(storages, tensors)
+        released = self._park_planned(storages, tensors)  # (a DriverError from it leaves the communicators)
+        if self._comms is not None and storages:
+            devices = sorted({s.device for s in storages}, key=lambda d: (d.type != "cuda", str(d)))
+            if self._comms.suspend(devices[0]):  # the device is idle: the park synchronized it
+                released += self._comms.released_bytes
+                self.bytes_parked = released
+        return released
+
+    @property
+    def nccl_suspended(self) -> int:
+        """NCCL communicators suspended by the last park (0: none, or none could be)."""
+        return self._comms.suspended if self._comms is not None else 0
+
+    @property
+    def nccl_note(self) -> str | None:
+        """Why NCCL's communicators keep their buffers through a park here (None: they do not, or none)."""
+        return self._comms.note if self._comms is not None else None
 
     def unpark(self) -> None:
         """Copy the parked state back: into the same storages, or at the same addresses.
@@ -413,8 +439,16 @@ class Yielder:
                   self.bytes_copied, len(remapped), len({id(v[0]) for v in fresh.values()}), self.verify_ms)
         self._storages, self._tensors, self._sums = [], [], None
         self._parked = False
+        resume_error = None
+        if self._comms is not None and self._comms.suspended:
+            try:
+                self._comms.resume()
+            except Exception as exc:  # after the state is back: raised below
+                resume_error = exc
         if mismatch is not None:
             raise RestoreVerifyError(mismatch)
+        if resume_error is not None:
+            raise resume_error
 
     def reserve(self) -> int:
         """Allocate (and pin, on CUDA) the host buffer now, sized exactly for the

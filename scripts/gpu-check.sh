@@ -331,7 +331,7 @@ elif [ "$dry" = 1 ]; then
     say "dry run (--dry-run): wheels and environment only"
 fi
 
-run_step pytest-gpu 170 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -o timeout=90 \
+run_step pytest-gpu 170 - env NODEAGENT_RESULTS_DIR="$stage" "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -o timeout=90 \
     --junitxml="$stage/pytest-gpu.xml" --ignore=tests/test_mps.py --ignore=tests/test_mps_daemon.py tests
 plot=(--plot "$stage/switch.png")
 "$python" -c "import matplotlib" >/dev/null 2>&1 || plot=()  # the numbers matter more than the chart
