@@ -23,7 +23,14 @@ step:
   While a higher-class session is on the device, each point records a CUDA
   event and waits until the GPU has at most ``ahead_ms`` of this process's
   work queued (estimated from the measured time between consecutive points),
-  so a pause leaves at most that much to drain. The bound is in time, not in
+  so a pause leaves at most that much to drain. Under MPS client priority the
+  bound holds only while a higher class *holds* its token (a request is running):
+  queued work yields to it block by block, and a bound kept all the time an
+  inference service is merely registered cost a trainer that was never paused
+  about 10 points of its throughput (corun-free 82% kept against MPS priority
+  alone 93%, light load, bench/results/h100-80gb-hbm3-2026-11-27). Without MPS
+  the device time-slices the two contexts, so the bound holds while a higher
+  class is on the device at all. The bound is in time, not in
   points, because eager training is nearly CPU-bound on a fast GPU: on an H100
   a ResNet-50 step's backward issues kernels about as fast as the GPU runs
   them, and a bound of two segments (about 1 ms) cost 15-20% of its throughput
@@ -58,14 +65,22 @@ class Pacer:
     (see the module docstring). ``optimizers``: an optimizer or several, paused before each step.
     ``ahead_ms``: GPU time of this process's work that may stay queued while a higher class is on
     the device (None: 8 ms under MPS client priority, where queued work yields block by block,
-    else 4 ms). ``points``: about how many pause points to place in each module tree."""
+    else 4 ms). ``points``: about how many pause points to place in each module tree. ``bound``:
+    when the run-ahead is bounded: ``"active"`` while a higher class holds its token, ``"present"``
+    while one is on the device (None: active under MPS client priority, else present)."""
 
     def __init__(self, client, modules: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (), *,
                  ahead_ms: float | None = None, points: int = 16,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, bound: str | None = None) -> None:
+        mps_low = _mps_low_priority(client)
         if ahead_ms is None:
-            ahead_ms = 8.0 if _mps_low_priority(client) else 4.0
+            ahead_ms = 8.0 if mps_low else 4.0
+        if bound is None:
+            bound = "active" if mps_low else "present"
+        if bound not in ("active", "present"):
+            raise ValueError(f"bound is 'active' or 'present', got {bound!r}")
+        self.bound = bound
         if not ahead_ms > 0:
             raise ValueError(f"ahead_ms must be > 0, got {ahead_ms}")
         if points < 1:
@@ -111,7 +126,7 @@ class Pacer:
             return
         pace = pacing.pace()
         if self._cuda:
-            if pace.present:
+            if pace.active if self.bound == "active" else pace.present:
                 self._bound()
             elif self._events:
                 self._recycle_all()

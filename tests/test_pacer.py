@@ -119,6 +119,39 @@ class _PresentBoard:
         return Pace(1, False, 1000, 10_000)
 
 
+class _Board:
+    def __init__(self, present: int, active: bool) -> None:
+        self.present, self.active = present, active
+
+    def pace(self):
+        from client_lib.pace import Pace
+        return Pace(self.present, self.active, 1000, 10_000)
+
+
+@pytest.mark.parametrize("mps_priority, present, active, bounded", [
+    (True, 1, False, False),   # under MPS priority an idle service costs the trainer no bound
+    (True, 1, True, True),     # a request running: bounded
+    (False, 1, False, True),   # time-sliced contexts: bounded while a higher class is on the device
+    (False, 0, False, False),  # alone: never
+])
+def test_the_run_ahead_is_bounded_while_a_higher_class_holds_under_mps_priority_else_while_one_is_there(
+        mps_priority, present, active, bounded):
+    from types import SimpleNamespace
+
+    client = _FakeClient()
+    client.welcome = SimpleNamespace(env={"CUDA_MPS_CLIENT_PRIORITY": "1"} if mps_priority else {})
+    client.pacing = _Board(present, active)
+    pacer = Pacer(client, _model(), points=4)
+    assert pacer.bound == ("active" if mps_priority else "present")
+    calls = []
+    pacer._cuda = True  # the decision, without a GPU: the bound itself is the gpu test below
+    pacer._bound = lambda: calls.append(1)
+    pacer.point()
+    assert bool(calls) is bounded
+    with pytest.raises(ValueError):
+        Pacer(client, _model(), bound="always")
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_run_ahead_is_bounded_while_a_higher_class_is_on_the_device():
     if not torch.cuda.is_available():
