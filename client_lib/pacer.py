@@ -24,13 +24,14 @@ step:
   event and waits until the GPU has at most ``ahead_ms`` of this process's
   work queued (estimated from the measured time between consecutive points),
   so a pause leaves at most that much to drain. Under MPS client priority the
-  bound holds only while a higher class *holds* its token (a request is running):
-  queued work yields to it block by block, and a bound kept all the time an
-  inference service is merely registered cost a trainer that was never paused
-  about 10 points of its throughput (corun-free 82% kept against MPS priority
-  alone 93%, light load, bench/results/h100-80gb-hbm3-2026-11-27). Without MPS
-  the device time-slices the two contexts, so the bound holds while a higher
-  class is on the device at all. The bound is in time, not in
+  bound holds only while a pause can come (the board's duty is below 1000):
+  where the daemon leaves the pacing to MPS priority (duty 1000) queued work
+  yields to the higher class block by block and no pause needs a short queue,
+  and a bound kept there cost a trainer that was never paused about 10 points
+  of its throughput (corun-free 82% kept against MPS priority alone 93%, light
+  load, bench/results/h100-80gb-hbm3-2026-11-27). Without MPS the device
+  time-slices the two contexts, so the bound holds while a higher class is on
+  the device at all. The bound is in time, not in
   points, because eager training is nearly CPU-bound on a fast GPU: on an H100
   a ResNet-50 step's backward issues kernels about as fast as the GPU runs
   them, and a bound of two segments (about 1 ms) cost 15-20% of its throughput
@@ -66,8 +67,9 @@ class Pacer:
     ``ahead_ms``: GPU time of this process's work that may stay queued while a higher class is on
     the device (None: 8 ms under MPS client priority, where queued work yields block by block,
     else 4 ms). ``points``: about how many pause points to place in each module tree. ``bound``:
-    when the run-ahead is bounded: ``"active"`` while a higher class holds its token, ``"present"``
-    while one is on the device (None: active under MPS client priority, else present)."""
+    when the run-ahead is bounded while a higher class is on the device: ``"present"`` always,
+    ``"pausable"`` only while the board's duty may pause this class (below 1000); None: pausable
+    under MPS client priority, else present."""
 
     def __init__(self, client, modules: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (), *,
@@ -77,9 +79,9 @@ class Pacer:
         if ahead_ms is None:
             ahead_ms = 8.0 if mps_low else 4.0
         if bound is None:
-            bound = "active" if mps_low else "present"
-        if bound not in ("active", "present"):
-            raise ValueError(f"bound is 'active' or 'present', got {bound!r}")
+            bound = "pausable" if mps_low else "present"
+        if bound not in ("pausable", "present"):
+            raise ValueError(f"bound is 'pausable' or 'present', got {bound!r}")
         self.bound = bound
         if not ahead_ms > 0:
             raise ValueError(f"ahead_ms must be > 0, got {ahead_ms}")
@@ -126,7 +128,7 @@ class Pacer:
             return
         pace = pacing.pace()
         if self._cuda:
-            if pace.active if self.bound == "active" else pace.present:
+            if pace.present and (self.bound == "present" or pace.duty_permille < 1000):
                 self._bound()
             elif self._events:
                 self._recycle_all()

@@ -120,29 +120,29 @@ class _PresentBoard:
 
 
 class _Board:
-    def __init__(self, present: int, active: bool) -> None:
-        self.present, self.active = present, active
+    def __init__(self, present: int, duty: int) -> None:
+        self.present, self.duty = present, duty
 
     def pace(self):
         from client_lib.pace import Pace
-        return Pace(self.present, self.active, 1000, 10_000)
+        return Pace(self.present, False, self.duty, 10_000)
 
 
-@pytest.mark.parametrize("mps_priority, present, active, bounded", [
-    (True, 1, False, False),   # under MPS priority an idle service costs the trainer no bound
-    (True, 1, True, True),     # a request running: bounded
-    (False, 1, False, True),   # time-sliced contexts: bounded while a higher class is on the device
-    (False, 0, False, False),  # alone: never
+@pytest.mark.parametrize("mps_priority, present, duty, bounded", [
+    (True, 1, 1000, False),  # pacing left to MPS priority: no pause will come, the trainer runs free
+    (True, 1, 0, True),      # the daemon pauses lower classes at a request: keep the queue short
+    (False, 1, 1000, True),  # time-sliced contexts: bounded while a higher class is on the device
+    (False, 0, 0, False),    # alone: never
 ])
-def test_the_run_ahead_is_bounded_while_a_higher_class_holds_under_mps_priority_else_while_one_is_there(
-        mps_priority, present, active, bounded):
+def test_under_mps_priority_the_run_ahead_is_bounded_only_where_a_pause_can_come(mps_priority, present, duty,
+                                                                                 bounded):
     from types import SimpleNamespace
 
     client = _FakeClient()
     client.welcome = SimpleNamespace(env={"CUDA_MPS_CLIENT_PRIORITY": "1"} if mps_priority else {})
-    client.pacing = _Board(present, active)
+    client.pacing = _Board(present, duty)
     pacer = Pacer(client, _model(), points=4)
-    assert pacer.bound == ("active" if mps_priority else "present")
+    assert pacer.bound == ("pausable" if mps_priority else "present")
     calls = []
     pacer._cuda = True  # the decision, without a GPU: the bound itself is the gpu test below
     pacer._bound = lambda: calls.append(1)
