@@ -56,6 +56,10 @@ class DeviceFault:
 
     device: int
     xid: int
+    # Compute processes on the device outside MPS (neither its server nor a client) seen in the pass
+    # before the fault or the one with it: 0 means only MPS had contexts there, so an MPS client
+    # faulted; None: not looked (the backend alone cannot say).
+    outside_mps: int | None = None
 
     @property
     def ends_contexts(self) -> bool:

@@ -291,3 +291,40 @@ def test_a_lost_gpu_is_a_health_event_a_revoke_and_an_error_to_its_sessions(watc
         backend.lost.clear()
         wait_for(lambda: len(events.of("health")) == 2)
         assert events.of("health")[1]["device_state"] == "ok"
+
+
+def test_a_fault_carries_how_many_processes_outside_mps_had_a_context_now_or_a_pass_ago(tmp_path):
+    """NVML does not say which process faulted: the watcher counts the device's compute processes
+    that are neither MPS clients nor its server (by command name), in the pass of the fault and the
+    one before (a process outside that faulted may have exited in between)."""
+    from nodeagent.devices import DeviceFault
+
+    class Faulting(ScriptedGpus):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.plain: list[int] = []
+            self.pending: list[DeviceFault] = []
+
+        def processes(self, index):
+            return [DeviceProcess(900, 10 * MiB, mps_client=False)] + \
+                [DeviceProcess(pid, MiB, mps_client=False) for pid in self.plain] + super().processes(index)
+
+        def faults(self):
+            taken, self.pending = self.pending, []
+            return taken
+
+    write_proc(tmp_path, 900)
+    (tmp_path / "900" / "comm").write_text("nvidia-cuda-mps\n")  # the server, as the kernel truncates its name
+    write_proc(tmp_path, 901)
+    (tmp_path / "901" / "comm").write_text("python3\n")
+    backend = Faulting()
+    backend.used_bytes = {17: MiB}  # an MPS client
+    watcher = MemoryWatcher(backend, 1.0, queue.SimpleQueue(), lambda: None, proc_root=str(tmp_path),
+                            translator=PidTranslator(str(tmp_path)))
+    backend.pending = [DeviceFault(0, 31)]
+    assert [r for r in watcher.read_once() if isinstance(r, DeviceFault)] == [DeviceFault(0, 31, outside_mps=0)]
+    backend.plain = [901]
+    watcher.read_once()
+    backend.plain = []  # gone by the pass that reads the fault
+    backend.pending = [DeviceFault(0, 43)]
+    assert [r for r in watcher.read_once() if isinstance(r, DeviceFault)] == [DeviceFault(0, 43, outside_mps=1)]

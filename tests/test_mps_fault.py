@@ -35,7 +35,12 @@ class FaultingGpus(ScriptedGpus):
     def __init__(self, count: int = 1) -> None:
         super().__init__(count)
         self.pending: list[DeviceFault] = []
+        self.outsiders: list[int] = []  # pids of compute processes outside MPS
         self._lock = threading.Lock()
+
+    def processes(self, index: int):
+        from nodeagent.devices import DeviceProcess
+        return super().processes(index) + [DeviceProcess(pid, None, mps_client=False) for pid in self.outsiders]
 
     def report(self, device: int, xid: int) -> None:
         with self._lock:
@@ -105,6 +110,29 @@ def test_a_context_fault_on_an_mps_device_ends_every_client_of_its_server_and_te
     waiter.call(p.Goodbye(id=waiter.take_id()))
     wait_for(lambda: server._mps.recovering(0) == 0, timeout=5)
     assert connect().hello("after", workload="inference").env  # on MPS again
+
+
+def test_a_fault_with_a_process_outside_mps_on_the_device_takes_nothing_from_its_clients(mps_gpu):
+    """NVML does not say which process faulted: with a context outside MPS on the device (another
+    user's, or a process no session owns), the fault may be that one's, so the MPS clients keep theirs."""
+    server, backend, _, connect = mps_gpu
+    peer = connect()
+    peer.hello("service", workload="inference")
+    peer.call(p.Acquire(id=peer.take_id()))
+    peer.next_notice(p.Grant)
+    backend.outsiders = [4_000_000]  # seen in the pass before the fault; gone (exited) by the fault
+    wait_for(lambda: server._memory_policy is not None and _seen_outside(server), timeout=5)
+    backend.outsiders = []
+    backend.report(0, 31)
+    wait_for(lambda: _faults(server, "context") == 1.0, timeout=5)
+    with pytest.raises(TimeoutError):
+        peer.next_notice(p.Revoke, timeout=0.3)
+    assert server._mps.recovering(0) == 0
+
+
+def _seen_outside(server) -> bool:
+    watcher = server._memory_policy._watcher
+    return watcher is not None and bool(watcher._outside.get(0))
 
 
 def test_a_fault_outside_mps_or_not_of_a_context_takes_nothing_from_anyone(mps_gpu):

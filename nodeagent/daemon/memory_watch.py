@@ -22,6 +22,7 @@ them again, first come first, through the gate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -240,18 +241,25 @@ class MemoryPolicy:
         with an ``E_DEVICE`` notice to end its process and start again; the MPS component gives
         sessions that join meanwhile a plain context (:class:`MpsFaulted`). NVML does not say
         which process faulted, so outside MPS nothing is taken from anyone: the fault is counted,
-        logged and published."""
+        logged and published. Nor when a process outside MPS had a context on the device around the
+        fault (the watcher's :attr:`DeviceFault.outside_mps`): it may have been that one."""
         device = fault.device
         if not 0 <= device < self._tokens.device_count:
             return
         shared = [s for s in self._sessions.values() if s.device == device and s.mps] if fault.ends_contexts else []
+        # Only when nothing but MPS had a context on the device is the fault its clients' (NVML's process
+        # list, read by the watcher); a process outside it may be the one that faulted.
+        if fault.outside_mps != 0:
+            shared = []
         domain = "mps" if shared else "context" if fault.ends_contexts else "other"
         self._metrics.device_faults.labels(str(device), domain).inc()
         self._bus.event("health", device, None, device_state="fault", xid=fault.xid, domain=domain,
                         sessions=len(shared))
         if not shared:
             log.warning("[device] Xid %d on device=%d (%s): NVML does not say which process; nothing is revoked",
-                        fault.xid, device, "a fault of one context" if fault.ends_contexts else "not a context fault")
+                        fault.xid, device, "not a context fault" if not fault.ends_contexts else
+                        f"{fault.outside_mps} processes outside MPS there" if fault.outside_mps else
+                        "a fault of one context")
             return
         log.error("[device] Xid %d on device=%d under MPS: the %d sessions on its MPS server lost their CUDA "
                   "contexts", fault.xid, device, len(shared))
@@ -293,6 +301,7 @@ class MemoryWatcher(threading.Thread):
         self._proc_root = proc_root
         self._translator = translator if translator is not None else procwatch.PidTranslator(proc_root, host_proc)
         self._lost: set[int] = set()
+        self._outside: dict[int, set[int]] = {}  # device -> pids outside MPS in the last pass (fault attribution)
         self._stop_event = threading.Event()
         log.info("[memory] watching per-process device memory: %s", self._translator.describe())
 
@@ -311,6 +320,7 @@ class MemoryWatcher(threading.Thread):
         """One pass over every device: a reading per device that answered, and
         a lost (or back) notice when a device's state changed."""
         readings: list[Reading] = []
+        outside_before, outside = self._outside, {}
         for device in range(self._backend.count()):
             try:
                 processes = self._backend.processes(device)
@@ -326,11 +336,28 @@ class MemoryWatcher(threading.Thread):
                 self._lost.discard(device)
                 readings.append(DeviceBack(device))
             readings.append(DeviceReading(device, self._uses(processes)))
+            outside[device] = {proc.pid for proc in processes if not proc.mps_client and not self._mps_server(proc.pid)}
+        self._outside = outside
         try:
-            readings.extend(self._backend.faults())
+            faults = self._backend.faults()
         except DeviceError as exc:
             log.warning("[memory] reading device faults failed: %s", exc)
+            faults = []
+        for fault in faults:  # with whether only MPS had contexts on its device, now and a pass ago
+            seen = outside.get(fault.device, set()) | outside_before.get(fault.device, set())
+            readings.append(dataclasses.replace(fault, outside_mps=len(seen)))
         return readings
+
+    def _mps_server(self, nvml_pid: int) -> bool:
+        """Whether ``nvml_pid`` is an MPS server (its command name); False where it is not visible here."""
+        pid = self._translator.to_local(nvml_pid)
+        if pid is None:
+            return False
+        try:
+            with open(f"{self._proc_root}/{pid}/comm", "rb") as f:
+                return f.read().startswith(b"nvidia-cuda-mps")
+        except OSError:
+            return False
 
     def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:
         """NVML's processes in the daemon's pid namespace, with their parents; those
