@@ -358,9 +358,16 @@ def create_job(job: str, max_workers: int, *, expected_steps: int | None = None,
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
     JobSignals(created_at=0.0, expected_steps=expected_steps, deadline=deadline)  # checks them here, not in the actor
     # Owned by the caller: when the job's driver goes, so does the job, and the controller takes its loans back.
+    # On the caller's node, as Ray Train places its own controller: a tracker Ray put on a loan node (any
+    # node will do for an actor of no resources) died when that loan was reclaimed.
     return TrainingJob.options(name=job_tracker_name(check_name("job", job)), namespace=NAMESPACE,
-                               get_if_exists=True).remote(job, max_workers, expected_steps=expected_steps,
-                                                          deadline=deadline)
+                               get_if_exists=True, label_selector=_this_node()).remote(
+        job, max_workers, expected_steps=expected_steps, deadline=deadline)
+
+
+def _this_node() -> dict[str, str]:
+    """A label selector for the node this process runs on."""
+    return {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
 
 
 class JobTracker:

@@ -189,3 +189,29 @@ def test_ray_nodes_of_one_host_start_one_at_a_time(tmp_path):
     assert proc.returncode == 0 and got >= released
     with host_start_lock(None):  # no lock asked: nothing to wait for
         pass
+
+
+def test_a_jobs_tracker_is_placed_on_the_node_of_whoever_creates_it(monkeypatch):
+    """Not on a loan node: an actor of no resources may land on any node, and a loan node goes
+    away at its reclaim (a run of examples/ray_policies.py lost job c's tracker so)."""
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    from nodeagent_ray import actors
+
+    class Context:
+        def get_node_id(self) -> str:
+            return "node-of-the-driver"
+
+    asked: dict = {}
+
+    class Tracker:
+        def options(self, **kwargs):
+            asked.update(kwargs)
+            return self
+
+        def remote(self, *args, **kwargs):
+            return ("tracker", args)
+
+    monkeypatch.setattr(actors.ray, "get_runtime_context", lambda: Context())
+    monkeypatch.setattr(actors, "TrainingJob", Tracker())
+    assert actors.create_job("job-1", 2) == ("tracker", ("job-1", 2))
+    assert asked["label_selector"] == {"ray.io/node-id": "node-of-the-driver"} and asked["name"] == "job:job-1"
