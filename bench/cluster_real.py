@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, fields
 from bench.cluster_engine import Cluster, Costs, Simulation, _mean, _pct
 from bench.cluster_trace import JobSpec, Workload
 
-__all__ = ["COMPARED", "JobPlan", "MIX", "Mix", "measured_costs", "metrics", "simulate", "side_by_side"]
+__all__ = ["COMPARED", "DemandStep", "JobPlan", "MIX", "Mix", "executed", "measured_costs", "metrics", "simulate",
+           "side_by_side"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,27 @@ class JobPlan:
 
 
 @dataclass(frozen=True)
+class DemandStep:
+    """From a moment on, ``devices`` inference devices are wanted. The moment: ``at_s`` from the
+    run's start, ``after_s`` after the step before, or once ``job`` has made ``steps`` steps (so
+    that the demand meets training however long the jobs took to start on a busy host)."""
+
+    devices: int
+    at_s: float | None = None
+    after_s: float | None = None
+    job: str | None = None
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.at_s is not None, self.after_s is not None, self.job is not None and self.steps is not None]
+        if sum(given) != 1:
+            raise ValueError(f"a demand step needs one of at_s, after_s, or job and steps: {self}")
+
+
+@dataclass(frozen=True)
 class Mix:
     jobs: tuple[JobPlan, ...]
-    demand: tuple[tuple[float, int], ...]  # (from this second, inference devices wanted)
+    demand: tuple[DemandStep, ...]
     nodes: int  # inference nodes of one device each; every one may be lent
     step_s: float  # one step's compute on one worker; on n workers step_s / n (a global batch split n ways)
 
@@ -62,12 +81,13 @@ class Mix:
 
 # Three nodes; n1 serves from the start. A two-worker job takes both other devices; a short
 # one-worker job arrives while it runs, a second (with a deadline) a little later; inference
-# wants a second device for 20 s in the middle. Today's rule keeps both devices on the big job
-# (the short ones queue behind it); the knapsack admits the first short job at once, shrinking
-# the big one, as soon as its last resize is min_resize_interval_s old.
+# wants a second device for 20 s once the big job is well under way, then none. Today's rule
+# keeps both devices on the big job (the short ones queue behind it); the knapsack admits the
+# first short job, shrinking the big one, as soon as its last resize is min_resize_interval_s old.
 MIX = Mix(
-    jobs=(JobPlan("a", 0.0, 2, 700), JobPlan("b", 8.0, 1, 180), JobPlan("c", 16.0, 1, 180, deadline_s=110.0)),
-    demand=((0.0, 1), (34.0, 2), (54.0, 1), (80.0, 0)),
+    jobs=(JobPlan("a", 0.0, 2, 700), JobPlan("b", 8.0, 1, 180), JobPlan("c", 16.0, 1, 180, deadline_s=180.0)),
+    demand=(DemandStep(1, at_s=0.0), DemandStep(2, job="a", steps=250), DemandStep(1, after_s=20.0),
+            DemandStep(0, after_s=20.0)),
     nodes=3,
     step_s=0.06,
 )
@@ -229,18 +249,29 @@ def _curve(mix: Mix, measured: dict[int, float], max_workers: int) -> tuple[floa
     return tuple(out)
 
 
-def workload(mix: Mix, rates: dict[str, dict[int, float]]) -> Workload:
-    jobs = tuple(JobSpec(j.name, j.submit_s, j.max_workers, j.steps, _curve(mix, rates.get(j.name, {}), j.max_workers),
-                         application="ray_policies", deadline_s=j.deadline_s, state_mb=0.1) for j in mix.jobs)
-    return Workload(jobs, mix.demand, "examples/ray_policies.py mix", mix.nodes)
+def executed(log: list[dict]) -> tuple[dict[str, float], tuple[tuple[float, int], ...]]:
+    """When a run submitted each job, and the demand as it changed: what the simulator replays."""
+    submits = {e["job"]: e["t"] for e in _of(log, "submit")}
+    return submits, tuple((e["t"], e["devices"]) for e in _of(log, "demand"))
+
+
+def workload(mix: Mix, rates: dict[str, dict[int, float]], demand: tuple[tuple[float, int], ...],
+             submits: dict[str, float] | None = None) -> Workload:
+    submits = submits or {}
+    jobs = tuple(JobSpec(j.name, submits.get(j.name, j.submit_s), j.max_workers, j.steps,
+                         _curve(mix, rates.get(j.name, {}), j.max_workers), application="ray_policies",
+                         deadline_s=j.deadline_s, state_mb=0.1) for j in mix.jobs)
+    return Workload(jobs, demand, "examples/ray_policies.py mix", mix.nodes)
 
 
 def simulate(mix: Mix, policy: str, options: dict, costs: Costs, rates: dict[str, dict[int, float]],
+             demand: tuple[tuple[float, int], ...], submits: dict[str, float] | None = None,
              tick_s: float = 1.0) -> dict:
-    """bench.cluster_engine on the mix: the same ``decide()``, the measured costs and throughput;
-    the summary, with GPU-seconds harvested (the summary's GPU-hours are too coarse here)."""
+    """bench.cluster_engine on the mix as a run executed it (``demand``: (second, devices wanted);
+    ``submits``: each job's submission, else the plan's): the same ``decide()``, the measured costs
+    and throughput. The summary, with GPU-seconds harvested (its GPU-hours are too coarse here)."""
     from nodeagent_ray.policy import PolicyConfig
-    sim = Simulation(workload(mix, rates), PolicyConfig(name=policy, options=options),
+    sim = Simulation(workload(mix, rates, demand, submits), PolicyConfig(name=policy, options=options),
                      cluster=Cluster(training_nodes=0, inference_nodes=mix.nodes, gpus_per_node=1, lending=True),
                      costs=costs, tick_s=tick_s, max_s=3600.0)
     result = sim.run()

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray_colocate as rc  # noqa: E402  the local cluster, its supervisor and its cleanup
 
-from bench.cluster_real import (MIX, measured_costs, metrics, pooled_rates, side_by_side, sim_costs,  # noqa: E402
-                                simulate)
+from bench.cluster_real import (MIX, executed, measured_costs, metrics, pooled_rates, side_by_side,  # noqa: E402
+                                sim_costs, simulate)
 
 DEFAULT_POLICIES = "max-workers,knapsack"
 # At this scale (jobs of a minute): the knapsack's resize cost near what Ray Train's restart takes
@@ -121,6 +121,7 @@ class PolicyRun:
         self.trackers: dict[str, object] = {}
         self.serving: list[tuple[str, object]] = []  # (node, serve ref), oldest first
         self.served: list[dict] = []
+        self.steps: dict[str, int] = {}  # each job's latest step, as sampled
         self.failure: str | None = None
         self.first_demand = threading.Event()  # the demand at 0 s is placed before the first job comes, as simulated
 
@@ -176,13 +177,28 @@ class PolicyRun:
         names = list(self.trackers)
         for name, pr in zip(names, ray.get([self.trackers[n].progress.remote() for n in names], timeout=10)):
             self.event("progress", job=name, step=pr["step"], workers=pr["world_size"])
+            self.steps[name] = pr["step"]
 
     # -------- inference demand, as the simulator's serving layer places it
 
+    def when(self, step, last_change: float) -> None:
+        """Wait for a demand step's moment (bench.cluster_real.DemandStep)."""
+        if step.job is not None:
+            while self.steps.get(self.job(step.job), 0) < step.steps:
+                if time.time() - self.t0 > RUN_TIMEOUT_S:
+                    raise TimeoutError(f"job {step.job} did not reach step {step.steps}")
+                time.sleep(0.05)
+            return
+        at = self.t0 + step.at_s if step.at_s is not None else last_change + step.after_s
+        time.sleep(max(0.0, at - time.time()))
+
     def serve_demand(self) -> None:
+        last_change = self.t0
         try:
-            for at, devices in MIX.demand:
-                time.sleep(max(0.0, self.t0 + at - time.time()))
+            for step in MIX.demand:
+                self.when(step, last_change)
+                last_change = time.time()
+                devices = step.devices
                 self.event("demand", devices=devices)
                 while len(self.serving) > devices:
                     self.unplace()
@@ -366,15 +382,18 @@ def compare(runs: list[dict]) -> dict:
     measured = measured_costs(logs)
     costs = sim_costs(measured, rc.PROTECT_S)
     rates = pooled_rates(logs, _base)
-    out = {"benchmark": "ray_policies", "mix": {"jobs": [vars(j) for j in MIX.jobs], "demand": MIX.demand,
+    out = {"benchmark": "ray_policies", "mix": {"jobs": [asdict(j) for j in MIX.jobs],
+                                                "demand": [asdict(d) for d in MIX.demand],
                                                 "nodes": MIX.nodes, "step_s": MIX.step_s},
            "measured_costs": measured, "sim_costs": asdict(costs),
            "steps_per_s": {j: {str(n): round(v, 2) for n, v in r.items()} for j, r in rates.items()},
            "policies": {}}
     checks = {}
     for r in runs:
-        real = metrics([{**e, **({"job": _base(e["job"])} if e.get("job") else {})} for e in r["log"]])
-        sim = simulate(MIX, r["policy"], r["options"], costs, rates)
+        log = [{**e, **({"job": _base(e["job"])} if e.get("job") else {})} for e in r["log"]]
+        real = metrics(log)
+        submits, demand = executed(log)  # the simulator replays the run as it went
+        sim = simulate(MIX, r["policy"], r["options"], costs, rates, demand, submits)
         sim.pop("costs", None)
         out["policies"][r["policy"]] = {"options": r["options"], "real": real, "sim": sim,
                                         "comparison": side_by_side(real, sim), "inference": r["inference"],

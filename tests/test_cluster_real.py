@@ -93,11 +93,29 @@ def test_the_costs_the_simulator_assumes_are_measured_from_the_log():
     assert costs.resume_ms == Costs().resume_ms  # none measured: the default stays
 
 
+DEMAND = ((0.0, 1), (34.0, 2), (54.0, 1), (80.0, 0))
+
+
+def test_the_simulator_replays_the_run_as_it_went():
+    """Submissions and the demand come from the run's log, not the plan (a demand step may wait
+    for a job's progress, which the plan cannot time)."""
+    submits, demand = cr.executed(_log())
+    assert submits == {"a": 0.0, "b": 5.0} and demand == ((0.0, 1), (30.0, 2))
+    costs = Costs(protect_s=3.0)
+    late = cr.simulate(cr.MIX, "max-workers", {}, costs, {}, DEMAND, {"a": 0.0, "b": 8.0, "c": 100.0})
+    planned = cr.simulate(cr.MIX, "max-workers", {}, costs, {}, DEMAND)
+    assert late["queue_s"]["c"] < planned["queue_s"]["c"]  # submitted after a is done: no queue behind it
+    with pytest.raises(ValueError):
+        cr.DemandStep(1, at_s=0.0, after_s=5.0)
+    with pytest.raises(ValueError):
+        cr.DemandStep(1, job="a")
+
+
 def test_the_simulator_runs_the_same_mix_and_the_two_policies_differ():
     costs = Costs(grow_s=12.0, shrink_s=10.0, start_s=12.0, loan_node_s=4.0, protect_s=3.0, park_gb_per_s=1e9,
                   reclaim_base_ms=50.0, controller_ms=100.0)
-    today = cr.simulate(cr.MIX, "max-workers", {}, costs, {})
-    knap = cr.simulate(cr.MIX, "knapsack", {"min_resize_interval_s": 10.0, "resize_s": 12.0}, costs, {})
+    today = cr.simulate(cr.MIX, "max-workers", {}, costs, {}, DEMAND)
+    knap = cr.simulate(cr.MIX, "knapsack", {"min_resize_interval_s": 10.0, "resize_s": 12.0}, costs, {}, DEMAND)
     assert today["finished"] == knap["finished"] == len(cr.MIX.jobs)
     # Today's rule keeps both devices on a until inference takes one; the knapsack admits b early.
     assert today["queue_s"]["b"] > 30.0 > knap["queue_s"]["b"]
@@ -107,8 +125,8 @@ def test_the_simulator_runs_the_same_mix_and_the_two_policies_differ():
 
 def test_measured_throughput_sets_the_simulated_jobs_speed():
     costs = Costs(protect_s=3.0)
-    slow = cr.simulate(cr.MIX, "max-workers", {}, costs, {"a": {1: 5.0, 2: 10.0}})
-    fast = cr.simulate(cr.MIX, "max-workers", {}, costs, {"a": {1: 50.0}})  # 2 workers: scaled, 100/s
+    slow = cr.simulate(cr.MIX, "max-workers", {}, costs, {"a": {1: 5.0, 2: 10.0}}, DEMAND)
+    fast = cr.simulate(cr.MIX, "max-workers", {}, costs, {"a": {1: 50.0}}, DEMAND)  # 2 workers: scaled, 100/s
     assert slow["jct_s"]["a"] > fast["jct_s"]["a"] + 30.0
     logs = [[{"t": 1, "kind": "rates", "job": "p1-a", "steps_per_s": {"1": 10.0}}],
             [{"t": 1, "kind": "rates", "job": "p2-a", "steps_per_s": {"1": 20.0, "2": 30.0}}]]
