@@ -166,57 +166,70 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def _decided_at(rec: dict) -> float:
+    """When the controller began a reclaim or release: its record is written once the loan node
+    is stopped and Ray has seen it go (``ray_caught_up_ms``, counted from the device free)."""
+    back_ms = (rec.get("ray_caught_up_ms") or rec.get("stop_ms") or 0.0) + (rec.get("free_ms") or 0.0)
+    return rec["t"] - back_ms / 1000.0
+
+
 def measured_costs(logs: list[list[dict]]) -> dict:
     """The costs the simulator assumes, each a list of what these runs measured and its median.
 
     ``loan_node_s``: a lend to its loan node up (the controller's ``lend_to_node_ms``).
-    ``start_s``: a job's first loan node up to its first worker group started; ``grow_s``: a loan
-    node up to the larger group's start; ``shrink_s``: a reclaim or release of the job's to the
-    smaller group's start (Ray Train restarts the whole group either way). ``reclaim_ms``: the
-    daemon's reclaim, to the device free (``free_ms``); ``park_ms`` those that parked the job's
-    last worker; ``resume_ms``: a parked worker resumed in-process. ``decide_ms``: a serving
-    layer's ask to the controller's answer (which loan it takes)."""
+    ``start_s``: a job's first loan node up to its first worker group started. After that, each
+    restart of the group (Ray Train restarts the whole group on any change) counts from what
+    caused it, the first loss or gain of a loan since the group before started: ``shrink_s`` when
+    the first was a loss (a reclaim or release, not the job's end), ``grow_s`` when it was a gain
+    (a loan node up); a restart with no cause since the group before (a node that came up while
+    that group was starting) counts from that group's start, as the size changed. A shrink that a
+    grow overtakes before the smaller group starts is one restart, counted as a shrink.
+    ``reclaim_ms``: the daemon's reclaim, to the device free (``free_ms``); ``inference_reclaim_ms``
+    those for inference, ``park_ms`` those that parked the job's last worker; ``resume_ms``: a
+    parked worker resumed in-process. ``decide_ms``: a serving layer's ask to the controller's
+    answer (which loan it takes)."""
     out: dict[str, list[float]] = {k: [] for k in ("loan_node_s", "start_s", "grow_s", "shrink_s", "reclaim_ms",
-                                                   "park_ms", "resume_ms", "decide_ms")}
+                                                   "inference_reclaim_ms", "park_ms", "resume_ms", "decide_ms")}
     for log in logs:
         ctl = _of(log, "controller")
+        reclaims = [r for r in ctl if r["what"] == "reclaim"]
         out["loan_node_s"] += [r["lend_to_node_ms"] / 1000.0 for r in ctl if r["what"] == "loan_node"]
-        out["reclaim_ms"] += [r["free_ms"] for r in ctl if r["what"] == "reclaim"]
-        out["park_ms"] += [r["free_ms"] for r in ctl if r["what"] == "reclaim" and r.get("then") == "park"]
+        out["reclaim_ms"] += [r["free_ms"] for r in reclaims]
+        out["inference_reclaim_ms"] += [r["free_ms"] for r in reclaims
+                                        if r.get("reason", "").startswith("inference")]
+        out["park_ms"] += [r["free_ms"] for r in reclaims if r.get("then") == "park"]
         out["resume_ms"] += [r["resume_ms"] for r in ctl if r["what"] == "resume"]
         out["decide_ms"] += [p["decide_ms"] for p in _of(log, "placed") if p.get("decide_ms") is not None]
         for name in {e["job"] for e in _of(log, "submit")}:
             starts = _of(log, "tracker", job=name, event="start")
-            ups = [r for r in ctl if r["what"] == "loan_node" and r.get("job") == name]
-            downs = [r for r in ctl if r["what"] in ("reclaim", "release") and r.get("job") == name]
-            before = 0
-            for start in starts:
-                n = start["world_size"]
-                if before == 0 and ups:
-                    first = [u["t"] for u in ups if u["t"] <= start["t"]]
-                    if first:
-                        out["start_s"].append(start["t"] - max(first))
-                elif n > before:
-                    causes = [u["t"] for u in ups if u["t"] <= start["t"]]
-                    if causes:
-                        out["grow_s"].append(start["t"] - max(causes))
-                elif n < before:
-                    causes = [d["t"] for d in downs if d["t"] <= start["t"]]
-                    if causes:
-                        out["shrink_s"].append(start["t"] - max(causes))
-                before = n
+            ups = [r["t"] for r in ctl if r["what"] == "loan_node" and r.get("job") == name]
+            downs = [_decided_at(r) for r in ctl if r["what"] in ("reclaim", "release") and r.get("job") == name
+                     and r.get("reason") != "job gone"]
+            if starts:
+                first = [t for t in ups if t <= starts[0]["t"]]
+                if first:
+                    out["start_s"].append(starts[0]["t"] - max(first))
+            for prev, start in zip(starts, starts[1:]):
+                causes = sorted([(t, "shrink_s") for t in downs if prev["t"] < t <= start["t"]]
+                                + [(t, "grow_s") for t in ups if prev["t"] < t <= start["t"]])
+                if causes:
+                    out[causes[0][1]].append(start["t"] - causes[0][0])
+                elif start["world_size"] != prev["world_size"]:
+                    out["grow_s" if start["world_size"] > prev["world_size"] else "shrink_s"].append(
+                        start["t"] - prev["t"])
     return {k: {"median": _median(v), "all": [round(x, 3) for x in v]} for k, v in out.items()}
 
 
 def sim_costs(measured: dict, protect_s: float) -> Costs:
     """The simulator's :class:`Costs` from :func:`measured_costs` (medians; the default where a
-    cost was not seen). A reclaim's wait is the controller's decision plus the daemon's reclaim
-    (``free_ms``, which includes the park of this run's small state), so the park's own rate is
-    left out (``park_gb_per_s`` so high that it adds nothing)."""
+    cost was not seen). Inference's wait for a reclaimed device is the controller's decision plus
+    the daemon's reclaims for inference (``free_ms``, which includes the park of this run's small
+    state), so the park's own rate is left out (``park_gb_per_s`` so high that it adds nothing)."""
     m = {k: v["median"] for k, v in measured.items()}
     base = Costs()
     pick = {"grow_s": m["grow_s"], "shrink_s": m["shrink_s"], "start_s": m["start_s"],
-            "loan_node_s": m["loan_node_s"], "reclaim_base_ms": m["reclaim_ms"], "controller_ms": m["decide_ms"],
+            "loan_node_s": m["loan_node_s"], "reclaim_base_ms": m["inference_reclaim_ms"],
+            "controller_ms": m["decide_ms"],
             "resume_ms": m["resume_ms"]}
     return Costs(**{f.name: getattr(base, f.name) for f in fields(Costs)}
                  | {k: v for k, v in pick.items() if v is not None}

@@ -83,13 +83,14 @@ def test_the_costs_the_simulator_assumes_are_measured_from_the_log():
     c = cr.measured_costs([_log()])
     assert c["loan_node_s"]["all"] == [3.8, 5.8, 4.0] and c["loan_node_s"]["median"] == 4.0
     assert c["start_s"]["all"] == [8.0, 8.0]  # a: n2's loan node up at 6.0 is the latest before its start
-    assert c["grow_s"]["all"] == [18.0]  # the latest loan node up (6.0) to the two-worker start (24.0)
-    assert c["shrink_s"]["all"] == [9.8]  # the reclaim at 30.2 to the one-worker start at 40.0
-    assert c["reclaim_ms"]["all"] == [40.0, 10.0] and c["park_ms"]["all"] == []
-    assert c["decide_ms"]["all"] == [120.0]
+    # a's group grew before it had started (no gain or loss in between): from that start, 14.0 to 24.0;
+    # it shrank from the reclaim's decision (its record, at 30.2, is written once the device is free) to 40.0.
+    assert c["grow_s"]["all"] == [10.0] and c["shrink_s"]["all"] == [9.84]
+    assert c["reclaim_ms"]["all"] == [40.0, 10.0] and c["inference_reclaim_ms"]["all"] == [40.0]
+    assert c["park_ms"]["all"] == [] and c["decide_ms"]["all"] == [120.0]
     costs = cr.sim_costs(c, protect_s=3.0)
-    assert (costs.loan_node_s, costs.start_s, costs.grow_s, costs.shrink_s) == (4.0, 8.0, 18.0, 9.8)
-    assert (costs.reclaim_base_ms, costs.controller_ms, costs.protect_s) == (25.0, 120.0, 3.0)
+    assert (costs.loan_node_s, costs.start_s, costs.grow_s, costs.shrink_s) == (4.0, 8.0, 10.0, 9.84)
+    assert (costs.reclaim_base_ms, costs.controller_ms, costs.protect_s) == (40.0, 120.0, 3.0)
     assert costs.resume_ms == Costs().resume_ms  # none measured: the default stays
 
 
@@ -176,8 +177,8 @@ def test_the_example_puts_real_and_simulated_side_by_side_per_policy(example):
         log = [{**e, **({"job": f"p{i + 1}-{e['job']}"} if e.get("job") else {})} for e in _log()]
         runs.append({"policy": policy, "options": {}, "log": log, "inference": []})
     out = example.compare(runs)
-    assert out["measured_costs"]["grow_s"]["all"] == [18.0, 18.0]
-    assert out["sim_costs"]["grow_s"] == 18.0 and out["sim_costs"]["protect_s"] == example.rc.PROTECT_S
+    assert out["measured_costs"]["grow_s"]["all"] == [10.0, 10.0]
+    assert out["sim_costs"]["grow_s"] == 10.0 and out["sim_costs"]["protect_s"] == example.rc.PROTECT_S
     for policy in ("max-workers", "knapsack"):
         entry = out["policies"][policy]
         assert entry["real"]["jct_s"] == {"a": 44.0, "b": 58.0}
