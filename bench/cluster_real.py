@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, fields
 from bench.cluster_engine import Cluster, Costs, Simulation, _mean, _pct
 from bench.cluster_trace import JobSpec, Workload
 
-__all__ = ["COMPARED", "DemandStep", "JobPlan", "MIX", "Mix", "executed", "measured_costs", "metrics", "simulate",
-           "side_by_side"]
+__all__ = ["COMPARED", "DemandStep", "JobPlan", "MIX", "Mix", "compact", "executed", "measured_costs", "metrics",
+           "simulate", "side_by_side"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,29 @@ def metrics(log: list[dict]) -> dict:
         "fit_returned_after_last_step_avg_s": round(sum(teardown) / len(teardown), 1) if teardown else None,
         "span_s": round(end[-1]["t"], 1) if end else None,
     }
+
+
+def compact(log: list[dict]) -> list[dict]:
+    """The log without the progress samples that repeat a job's step and workers, but for the
+    last of each such run (the start of the interval in which it moved again), so that
+    :func:`metrics` reads the same figures from it. A job waiting for minutes is sampled four
+    times a second; the committed logs keep what changed."""
+    out: list[dict] = []
+    last: dict[str, tuple] = {}
+    held: dict[str, dict] = {}
+    for e in log:
+        if e["kind"] != "progress":
+            out.append(e)
+            continue
+        state = (e["step"], e["workers"])
+        if last.get(e["job"]) == state:
+            held[e["job"]] = e
+            continue
+        if e["job"] in held:
+            out.append(held.pop(e["job"]))
+        out.append(e)
+        last[e["job"]] = state
+    return sorted(out + list(held.values()), key=lambda e: e["t"])
 
 
 def _median(values: list[float]) -> float | None:

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray_colocate as rc  # noqa: E402  the local cluster, its supervisor and its cleanup
 
-from bench.cluster_real import (MIX, executed, measured_costs, metrics, pooled_rates, side_by_side,  # noqa: E402
-                                sim_costs, simulate)
+from bench.cluster_real import (MIX, compact, executed, measured_costs, metrics, pooled_rates,  # noqa: E402
+                                side_by_side, sim_costs, simulate)
 
 DEFAULT_POLICIES = "max-workers,knapsack"
 # At this scale (jobs of a minute): the knapsack's resize cost near what Ray Train's restart takes
@@ -301,7 +301,7 @@ class PolicyRun:
             if rec["kind"] in ("lend", "loan_node", "reclaim", "release", "resume", "failed", "loan_node_failed"):
                 fields = {k: v for k, v in rec.items() if k not in ("time", "kind")}
                 self.event("controller", t=rec["time"], what=rec["kind"], **fields)
-        self.log.sort(key=lambda e: e["t"])
+        self.log = compact(sorted(self.log, key=lambda e: e["t"]))
 
 
 class Cluster:

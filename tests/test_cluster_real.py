@@ -68,6 +68,14 @@ def test_a_real_runs_log_gives_the_simulators_figures():
     assert m["fit_returned_after_last_step_avg_s"] == 2.0 and m["span_s"] == 65.0
 
 
+def test_a_compacted_log_gives_the_same_figures():
+    waiting = [{"t": 6.0 + i, "kind": "progress", "job": "b", "step": 0, "workers": 0} for i in range(50)]
+    log = sorted(_log() + waiting, key=lambda e: e["t"])
+    kept = cr.compact(log)
+    assert cr.metrics(kept) == cr.metrics(log) and len(kept) == len(_log()) + 2  # the first and last of b's wait
+    assert [e["t"] for e in kept if e["kind"] == "progress" and e["job"] == "b"][:2] == [6.0, 55.0]
+
+
 def test_a_reclaim_for_another_job_is_a_preemption_and_a_parked_last_worker_a_park():
     log = _log() + [
         {"t": 50.0, "kind": "controller", "what": "reclaim", "job": "b", "then": "release", "reason": "knapsack",
