@@ -13,11 +13,12 @@ the simulator's serving layer does it (an idle device if there is one, PROTECT f
 the controller's ``want_inference_devices``). Each run's event log gives the figures
 bench.cluster_sim reports; the costs the simulator assumes are taken from the logs (lend to
 loan node, Ray Train start, grow and shrink, reclaim, park, resume); and the simulator runs
-the same mix with those costs, so that real and simulated figures stand side by side with
-their ratio (``comparison``).
+the same mix as each run went (its submissions and demand) with those costs, so that real
+and simulated figures stand side by side with their ratio (``comparison``). About nine
+minutes on a 2-core VM; the JSON keeps each run's event log (bench.cluster_real's format).
 
-Why today's ``max-workers`` against ``knapsack`` by default: on three devices the difference
-shows within a minute. Today's rule gives both free devices to the two-worker job and never
+Why today's ``max-workers`` against ``knapsack`` by default: their difference shows with three
+jobs on three devices. Today's rule gives both free devices to the two-worker job and never
 takes one back for another job, so the short jobs queue behind it; the knapsack admits a
 waiting job with one worker as soon as the big job's last resize is ``min_resize_interval_s``
 old, shrinking it (a Ray Train restart each way). ``fifo`` and ``tiresias`` would need
@@ -49,7 +50,7 @@ DEFAULT_POLICIES = "max-workers,knapsack"
 # At this scale (jobs of a minute): the knapsack's resize cost near what Ray Train's restart takes
 # here, and a job kept at its count for 10 s rather than DeepBoot's minute.
 DEFAULT_OPTIONS = {"knapsack": {"min_resize_interval_s": 10.0, "resize_s": 12.0}}
-RUN_TIMEOUT_S = 420.0  # one policy's run, from its first submission (about 100 s on a quiet 2-core VM)
+RUN_TIMEOUT_S = 420.0  # one policy's run, from its first submission (170-290 s measured on the busy 2-core VM)
 SAMPLE_S = 0.25  # how often the jobs' progress is read
 REPLICA_RATE_HZ, REPLICA_COMPUTE_MS = 10.0, 5.0
 
