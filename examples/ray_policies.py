@@ -28,7 +28,6 @@ GPU-hour queue limits and two-minute ``min_run_s`` scaled down to tell apart her
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
