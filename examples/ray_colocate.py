@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -81,6 +82,8 @@ def train_fn(config: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     step = worker.start(model, opt)
     gen = torch.Generator().manual_seed(worker.rank)
+    # A job of a known length splits one global batch over its workers: a step takes step_s / n.
+    step_s = config["step_s"] / (worker.world_size if "steps" in config else 1)
     while True:
         started = time.perf_counter()
         x = torch.randn(32, 64, generator=gen)
@@ -89,8 +92,9 @@ def train_fn(config: dict) -> None:
         loss.backward()
         opt.step()
         step += 1
-        time.sleep(max(0.0, config["step_s"] - (time.perf_counter() - started)))
-        if worker.step_done(step):
+        time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
+        # A job of a known length (examples/ray_policies.py) ends there; every rank counts the same steps.
+        if worker.step_done(step) or step >= config.get("steps", math.inf):
             break
     worker.close()
 
@@ -154,8 +158,9 @@ class Run:
     """Everything the scenario's driver starts, each with a pidfile in the run directory, so that
     the supervisor (which never touches Ray) can stop it by pid whatever became of the driver."""
 
-    def __init__(self, workdir: str, node_ip: str = "127.0.0.1") -> None:
+    def __init__(self, workdir: str, node_ip: str = "127.0.0.1", node_names: tuple[str, ...] = NODES) -> None:
         self.dir = workdir
+        self.node_names = node_names
         self.node_ip = node_ip  # every Ray node and daemon binds this address (--node-ip)
         os.makedirs(self.dir, exist_ok=True)
         self.ray_tmp = os.path.join(self.dir, "ray")
@@ -168,7 +173,7 @@ class Run:
         """One cpu-backend daemon per node, each with its own keys; returns the controller's key file."""
         controller_secret = None
         first_keys = None
-        for name in NODES:
+        for name in self.node_names:
             d = os.path.join(self.dir, name)
             os.makedirs(d)
             keys_dir = os.path.join(d, "keys")
@@ -364,6 +369,8 @@ def stop_everything(run_dir: str, pidwatch: PidWatch, shm_before: set[str]) -> d
 
     if (Path(run_dir) / "fit.json").exists():
         report["fit_driver"] = stop(Path(run_dir) / "fit.json")
+    for pidfile in sorted(Path(run_dir).glob("fit-*.json")):  # one per job where a run has several
+        report.setdefault("job_drivers", {})[pidfile.stem[4:]] = stop(pidfile)
     for pidfile in sorted(Path(run_dir).glob("*/loans/loan-*.json")):
         report["loan_nodes"].append(stop(pidfile))
     # Ray nodes: every other one first, newest first, then the head.
@@ -706,33 +713,36 @@ def measure_designs(run: Run, repeats: int = 3) -> dict:
     return {"repeats": repeats, "median": med, "all": {"A": a, "B": b}, "B_sigkill_node_dead_s": sigkill_s}
 
 
-def make_trainer(run_dir: str):
+def make_trainer(run_dir: str, job: str = JOB, max_workers: int = 3, steps: int | None = None,
+                 step_s: float = STEP_S):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from nodeagent_ray.actors import loan_resource
     return TorchTrainer(
         train_fn,
-        train_loop_config={"job": JOB, "handoff_dir": os.path.join(run_dir, "handoff"), "step_s": STEP_S,
-                           "checkpoint_every": 200},
-        scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={loan_resource(JOB): 1},
+        train_loop_config={"job": job, "handoff_dir": os.path.join(run_dir, "handoff", job), "step_s": step_s,
+                           "checkpoint_every": 200, **({} if steps is None else {"steps": steps})},
+        scaling_config=ScalingConfig(num_workers=(1, max_workers), resources_per_worker={loan_resource(job): 1},
                                      elastic_resize_monitor_interval_s=1.0),
-        run_config=RunConfig(name=JOB, storage_path=os.path.join(run_dir, "train"),
+        run_config=RunConfig(name=job, storage_path=os.path.join(run_dir, "train"),
                              failure_config=FailureConfig(max_failures=-1)))
 
 
-def fit_driver(address: str, run_dir: str) -> int:
-    """``--fit-driver``: the training job's driver (the scenario starts it; the job is registered)."""
+def fit_driver(address: str, run_dir: str, job: str = JOB, max_workers: int = 3, steps: int | None = None,
+               step_s: float = STEP_S) -> int:
+    """``--fit-driver``: the training job's driver (the scenario starts it; the job is registered).
+    ``steps``: the job ends there (examples/ray_policies.py's jobs), else when its tracker says stop."""
     import ray
 
     from nodeagent_ray.actors import NAMESPACE, finish_job
     ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
     try:
-        make_trainer(run_dir).fit()
+        make_trainer(run_dir, job, max_workers, steps, step_s).fit()
     except Exception as exc:
         say(f"fit failed: {type(exc).__name__}: {exc}")
         return 1
-    finish_job(JOB)  # only now: a loan stopped before every rank has returned is a failed worker to Ray Train
+    finish_job(job)  # only now: a loan stopped before every rank has returned is a failed worker to Ray Train
     say("fit returned; job finished")
     return 0
 
@@ -754,15 +764,18 @@ def until(predicate, timeout_s: float) -> None:
         time.sleep(0.005)
 
 
-def drive(args) -> None:
-    """``--driver``: the scenario (or the design measurement) as a Ray driver. Its result goes to
-    ``result.json`` in the run directory, and it exits without cleaning up: the supervisor does
-    that, because a Ray driver dies with its cluster (``ray.shutdown()`` after an interrupted
-    call, or its raylet stopped under it) before its own cleanup could finish."""
+def drive(args, body=None) -> None:
+    """``--driver``: the scenario, the design measurement, or ``body(run)`` (another example's run,
+    examples/ray_policies.py) as a Ray driver. Its result goes to ``result.json`` in the run
+    directory, and it exits without cleaning up: the supervisor does that, because a Ray driver
+    dies with its cluster (``ray.shutdown()`` after an interrupted call, or its raylet stopped
+    under it) before its own cleanup could finish."""
     result: dict = {"ok": False}
     try:
         run = Run(args.workdir, args.node_ip)
-        if args.measure_designs:
+        if body is not None:
+            result = body(run)
+        elif args.measure_designs:
             result = measure_designs(run)
             result["checks"] = {}
         else:
@@ -783,9 +796,10 @@ def drive(args) -> None:
     os._exit(0)  # not Ray's exit hooks: the supervisor stops the cluster
 
 
-def supervise(args) -> int:
-    """Run the driver as a child, then stop everything it started by pid, whatever became of it;
-    print the driver's result with what the cleanup found."""
+def supervise(args, script: str = __file__, driver_args: list[str] | None = None) -> int:
+    """Run the driver (``script --driver``, with ``driver_args``) as a child, then stop everything
+    it started by pid, whatever became of it; print the driver's result with what the cleanup found.
+    examples/ray_policies.py runs its own driver under this same supervisor."""
     started = time.monotonic()
     if args.workdir and os.path.exists(args.workdir) and (not os.path.isdir(args.workdir)
                                                             or os.listdir(args.workdir)):
@@ -796,9 +810,10 @@ def supervise(args) -> int:
     os.makedirs(run_dir, exist_ok=True)
     shm_before = set(os.listdir("/dev/shm"))
     # Ray writes warnings to a driver's stdout: the driver's goes to our stderr, stdout is the JSON's.
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", "--workdir", run_dir,
-                              "--node-ip", args.node_ip,
-                              *(["--measure-designs"] if args.measure_designs else [])],
+    if driver_args is None:
+        driver_args = ["--measure-designs"] if args.measure_designs else []
+    child = subprocess.Popen([sys.executable, os.path.abspath(script), "--driver", "--workdir", run_dir,
+                              "--node-ip", args.node_ip, *driver_args],
                              stdout=sys.stderr, stdin=subprocess.DEVNULL, cwd=REPO)
     pidwatch = PidWatch(lambda: [child.pid])
     stopping: list[int] = []
@@ -855,9 +870,13 @@ def main() -> int:
                          "so nothing listens beyond this host)")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the scenario's Ray driver (internal)
     ap.add_argument("--fit-driver", metavar="ADDRESS", help=argparse.SUPPRESS)  # the job's driver (internal)
+    ap.add_argument("--job", default=JOB, help=argparse.SUPPRESS)  # with --fit-driver: which job
+    ap.add_argument("--max-workers", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--step-s", type=float, default=STEP_S, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fit_driver:
-        return fit_driver(args.fit_driver, args.workdir)
+        return fit_driver(args.fit_driver, args.workdir, args.job, args.max_workers, args.steps, args.step_s)
     if args.driver:
         drive(args)
     return supervise(args)

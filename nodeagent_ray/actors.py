@@ -37,7 +37,7 @@ from client_lib.placement import ClientKeys, PlacementClient, load_server_public
 from nodeagent_ray import core as core_mod
 from nodeagent_ray import policy as pol
 from nodeagent_ray.jobsignals import JobSignals
-from nodeagent_ray.raynode import RayNodeProcess, RayNodeSpec
+from nodeagent_ray.raynode import RayNodeProcess, RayNodeSpec, host_start_lock
 
 log = logging.getLogger("nodeagent_ray")
 
@@ -137,6 +137,9 @@ class LoanSettings:
     gpu: bool = False  # a loan node gets the lent GPU: --num-gpus 1 and CUDA_VISIBLE_DEVICES=<uuid>
     start_timeout_s: float = 60.0
     node_ip: str | None = None  # the loan nodes' --node-ip-address; None: Ray's choice
+    # A file the agents of one host lock while a loan node starts, until it joins (raynode.host_start_lock):
+    # set where several agents share a host, as in a one-host demo; None on a cluster.
+    start_lock: str | None = None
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -166,6 +169,11 @@ class LoanAgent:
         """Start a loan node for ``device`` lent to ``job``; returns once Ray lists it (ms)."""
         check_name("job", job)
         started = time.monotonic()
+        with host_start_lock(self.settings.start_lock):
+            return self._start(device, job, uuid, started)
+
+    def _start(self, device: int, job: str, uuid: str, started: float) -> float:
+        """``start`` once this host starts no other Ray node; the ms reported count from ``started``."""
         with self._lock:
             proc = self._procs.get(device)
             if proc is not None and proc.alive():
@@ -180,7 +188,7 @@ class LoanAgent:
                                             meta={"device": device, "job": job, "since": time.time(),
                                                   "node": self.node})
                 self._procs[device] = proc
-        deadline = started + self.settings.start_timeout_s
+        deadline = time.monotonic() + self.settings.start_timeout_s  # from now: not the wait for the lock
         while time.monotonic() < deadline:
             if _find_ray_node(self.node, device, job, alive=True) is not None:
                 ms = (time.monotonic() - started) * 1000.0
@@ -350,9 +358,16 @@ def create_job(job: str, max_workers: int, *, expected_steps: int | None = None,
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
     JobSignals(created_at=0.0, expected_steps=expected_steps, deadline=deadline)  # checks them here, not in the actor
     # Owned by the caller: when the job's driver goes, so does the job, and the controller takes its loans back.
+    # On the caller's node, as Ray Train places its own controller: a tracker Ray put on a loan node (any
+    # node will do for an actor of no resources) died when that loan was reclaimed.
     return TrainingJob.options(name=job_tracker_name(check_name("job", job)), namespace=NAMESPACE,
-                               get_if_exists=True).remote(job, max_workers, expected_steps=expected_steps,
-                                                          deadline=deadline)
+                               get_if_exists=True, label_selector=_this_node()).remote(
+        job, max_workers, expected_steps=expected_steps, deadline=deadline)
+
+
+def _this_node() -> dict[str, str]:
+    """A label selector for the node this process runs on."""
+    return {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
 
 
 class JobTracker:

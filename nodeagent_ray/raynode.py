@@ -16,6 +16,8 @@ makes a SIGTERM stop the node at once instead of draining it for 30 s.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -32,7 +34,8 @@ from nodeagent.procwatch import process_start_ticks
 
 log = logging.getLogger("nodeagent_ray.raynode")
 
-__all__ = ["RayNodeProcess", "RayNodeSpec", "free_port", "node_env", "ray_start_argv", "wait_for_head_address"]
+__all__ = ["RayNodeProcess", "RayNodeSpec", "free_port", "host_start_lock", "node_env", "ray_start_argv",
+           "wait_for_head_address"]
 
 MiB = 1 << 20
 OBJECT_STORE_MIN_BYTES = 75 * MiB  # Ray refuses less
@@ -68,6 +71,23 @@ class RayNodeSpec:
                              f"got {self.object_store_bytes}")
         if self.memory_bytes <= 0 or self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError("memory_bytes must be > 0 and num_cpus, num_gpus >= 0")
+
+
+@contextlib.contextmanager
+def host_start_lock(path: str | None):
+    """Held while one Ray node of this host starts, by every process that starts one (``path``
+    None: no lock). Ray nodes of one host that start together race for the same socket names in
+    their shared temp dir, and the loser times out joining; on a cluster each host starts its own,
+    so only a one-host run (examples/ray_policies.py lends two devices in one turn) needs it."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ray_executable() -> str:
