@@ -169,6 +169,19 @@ def cluster_node(start_daemon, workdir):
     return start
 
 
+@pytest.fixture
+def inproc_cluster_node(start_inproc_daemon, workdir):
+    """As :func:`cluster_node`, the daemon in this process (tests.inproc): for the tests of what the
+    cluster endpoint answers, where no signal, kill or restart reaches the daemon's process."""
+
+    def start(*args: str, endpoint: str | None = None, **config) -> ClusterNode:
+        node = write_cluster_config(workdir, **config)
+        node.daemon = start_inproc_daemon(*args, endpoint=endpoint)
+        return node
+
+    return start
+
+
 def holder(device: p.DeviceInventory) -> str | None:
     """The session holding the device's token (or asked to yield it), if any."""
     return next((s.id for s in device.sessions if s.state in ("holding", "yielding")), None)
@@ -239,8 +252,8 @@ def test_a_cluster_endpoint_that_cannot_be_bound_stops_the_start_naming_the_sett
     assert "cannot bind cluster.endpoint" in str(info.value)
 
 
-def test_events_reach_only_an_allowed_subscriber(cluster_node):
-    node = cluster_node()
+def test_events_reach_only_an_allowed_subscriber(inproc_cluster_node):
+    node = inproc_cluster_node()
     allowed, stranger = node.subscriber(), node.subscriber(keypair=zmq.curve_keypair())
     allowed.wait_for(lambda e: e.kind == "health")  # published every 0.2 s here
     stranger.pump(1.0)
@@ -249,8 +262,8 @@ def test_events_reach_only_an_allowed_subscriber(cluster_node):
     stranger.close()
 
 
-def test_sessions_are_refused_on_the_cluster_endpoint(cluster_node):
-    node = cluster_node()
+def test_sessions_are_refused_on_the_cluster_endpoint(inproc_cluster_node):
+    node = inproc_cluster_node()
     peer = node.peer()
     for msg in (p.Hello(id=0, protocol=p.PROTOCOL_VERSION, name="x", pid=os.getpid()), p.Acquire(id=0),
                 p.Heartbeat(id=0, session="s-1", key="k")):
@@ -277,8 +290,8 @@ def test_a_daemon_without_keys_refuses_to_start_naming_the_setting(workdir, star
 # ------------------------------------------------------------------ operations
 
 
-def test_every_operation_refuses_bad_devices_and_values(cluster_node):
-    node = cluster_node()
+def test_every_operation_refuses_bad_devices_and_values(inproc_cluster_node):
+    node = inproc_cluster_node()
     peer = node.peer()
     for msg in (p.Lend(id=0, device=3, borrower="job"), p.Reclaim(id=0, device=-1), p.Drain(id=0, device=9),
                 p.SetPolicy(id=0, device=1, grace_ms=5.0)):
@@ -320,8 +333,8 @@ def test_lend_is_refused_while_inference_runs_or_is_protected(cluster_node):
     peer.close()
 
 
-def test_repeated_lend_is_a_no_op_and_another_borrower_is_refused(cluster_node):
-    node = cluster_node()
+def test_repeated_lend_is_a_no_op_and_another_borrower_is_refused(inproc_cluster_node):
+    node = inproc_cluster_node()
     peer = node.peer()
     first = peer.call(p.Lend(id=0, device=0, borrower="job-a", max_s=600.0))
     again = peer.call(p.Lend(id=0, device=0, borrower="job-a", max_s=600.0))
@@ -378,8 +391,8 @@ def test_drain_refuses_new_sessions_and_notifies_those_there(cluster_node):
     peer.close()
 
 
-def test_set_policy_changes_the_quantum_a_new_welcome_reports(cluster_node):
-    node = cluster_node()
+def test_set_policy_changes_the_quantum_a_new_welcome_reports(inproc_cluster_node):
+    node = inproc_cluster_node()
     peer = node.peer()
     with Client("before", endpoint=node.daemon.endpoint) as before:
         assert (before.welcome.slice_ms, before.welcome.grace_ms) == (200.0, 100.0)
@@ -539,8 +552,8 @@ def test_events_arrive_for_join_grant_lend_and_reclaim_numbered_without_gaps(clu
     peer.close()
 
 
-def test_events_nobody_subscribed_to_are_not_built(cluster_node):
-    node = cluster_node()
+def test_events_nobody_subscribed_to_are_not_built(inproc_cluster_node):
+    node = inproc_cluster_node()
     events = node.subscriber(topics=(b"device_state", b"health"))
     events.wait_for(lambda e: e.kind == "health")
     peer = node.peer()
@@ -580,12 +593,12 @@ def test_lending_drain_and_policies_survive_a_daemon_restart(cluster_node, start
     peer.close()
 
 
-def test_a_journalled_state_that_breaks_the_lifecycle_is_ignored(cluster_node, workdir):
+def test_a_journalled_state_that_breaks_the_lifecycle_is_ignored(inproc_cluster_node, workdir):
     from nodeagent.journal import Journal
     with Journal(os.path.join(workdir, "state", "state.db")) as journal:
         journal.put_device_state(0, "LENT", {})  # lent to nobody
         journal.put_policy(0, {"quanta_ms": {"training": -5}})
-    node = cluster_node()
+    node = inproc_cluster_node()
     peer = node.peer()
     device = peer.call(p.Inventory(id=0)).devices[0]
     assert (device.state, device.borrower, device.policy.quanta_ms["training"]) == ("FREE", None, 200.0)

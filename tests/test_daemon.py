@@ -279,7 +279,8 @@ def test_claimed_pid_is_not_trusted(daemon):
 
 # ---------------------------------------------------------- status / life
 
-def test_status_json_shape(daemon):
+def test_status_json_shape(inproc_daemon):
+    daemon = inproc_daemon
     with Client("shape", workload="inference", endpoint=daemon.endpoint) as client:
         with client.slice():
             out = subprocess.run([sys.executable, "-m", "nodeagent", "status", "--json", "--endpoint",
@@ -295,7 +296,8 @@ def test_status_json_shape(daemon):
     assert isinstance(sess["gpu_time_s"], float) and sess["gpu_time_s"] >= 0
 
 
-def test_status_human_output_and_unreachable_daemon(daemon, workdir):
+def test_status_human_output_and_unreachable_daemon(inproc_daemon, workdir):
+    daemon = inproc_daemon
     out = subprocess.run([sys.executable, "-m", "nodeagent", "status", "--endpoint", daemon.endpoint],
                          capture_output=True, text=True, timeout=30, cwd=REPO)
     assert out.returncode == 0 and "device 0" in out.stdout and "no sessions" in out.stdout

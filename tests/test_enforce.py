@@ -134,8 +134,8 @@ def test_a_restarted_daemon_continues_what_a_killed_one_left_stopped(start_daemo
 
 # ------------------------------------------------------------------- memory
 
-def test_memory_admission_refuses_over_commit_naming_what_is_free(start_daemon):
-    d = start_daemon("--cpu-devices", "2")
+def test_memory_admission_refuses_over_commit_naming_what_is_free(start_inproc_daemon):
+    d = start_inproc_daemon("--cpu-devices", "2")
     capacity_mb = d.status().devices[0].memory_capacity_mb
     big = int(capacity_mb * 0.6)
     with Client("a", memory_mb=big, endpoint=d.endpoint) as a, Client("b", memory_mb=big, endpoint=d.endpoint) as b:

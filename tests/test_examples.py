@@ -49,8 +49,9 @@ def _env(endpoint: str) -> dict[str, str]:
     ("lightning", "lightning_yield.py", 5),
     ("huggingface", "hf_trainer_yield.py", 4),
 ])
-def test_the_example_trains_a_few_steps_through_the_daemon(daemon, framework, script, steps):
+def test_the_example_trains_a_few_steps_through_the_daemon(request, framework, script, steps):
     NEEDS[framework]()
+    daemon = request.getfixturevalue("daemon")  # after the skip: a skipped test starts no daemon
     done = subprocess.run([sys.executable, str(EXAMPLES / script), "--steps", str(steps)], cwd=REPO,
                           env=_env(daemon.endpoint), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -144,8 +145,9 @@ client.close()
     ("huggingface", "no-hold"),  # before: honoured only at the end of the first step
     ("huggingface", "hold"),  # already right before: taking the token at on_train_begin handles it
 ])
-def test_a_suspend_asked_for_before_training_is_honoured_before_the_model_is_used(daemon, framework, hold):
+def test_a_suspend_asked_for_before_training_is_honoured_before_the_model_is_used(request, framework, hold):
     NEEDS[framework]()
+    daemon = request.getfixturevalue("daemon")  # after the skip: a skipped test starts no daemon
     proc = subprocess.Popen([sys.executable, "-c", _SUSPEND_BEFORE_TRAINING, framework, hold], cwd=REPO,
                             env=_env(daemon.endpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

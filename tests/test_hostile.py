@@ -452,9 +452,10 @@ def test_class_caps_refuse_a_class_past_its_share(start_daemon, workdir):
 
 @pytest.mark.parametrize("field,value", [("name", "ok\n2026-11-23 00:00:00 INFO forged line"),
                                          ("name", "x\x1b]0;owned\x07"), ("borrower", "job\r")])
-def test_names_with_control_characters_are_refused_at_hello(daemon, field, value):
+def test_names_with_control_characters_are_refused_at_hello(inproc_daemon, field, value):
     """Names reach the daemon's log and other users' terminals (status, top): a newline would
     forge a log line, an escape sequence drive a terminal."""
+    daemon = inproc_daemon
     peer = RawPeer(daemon.endpoint)
     fields = {"name": "fine", field: value}
     reply = peer.call(p.Hello(id=1, protocol=p.PROTOCOL_VERSION, pid=os.getpid(), **fields))

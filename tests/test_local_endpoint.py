@@ -170,7 +170,8 @@ def test_running_out_of_descriptors_refuses_connections_and_never_aborts(workdir
         assert daemon.wait(10) == 0
 
 
-def test_an_oversized_request_is_skipped_and_a_wild_header_closes_only_its_connection(daemon):
+def test_an_oversized_request_is_skipped_and_a_wild_header_closes_only_its_connection(inproc_daemon):
+    daemon = inproc_daemon
     peer = RawPeer(daemon.endpoint)
     peer.send(b"\x80" * (p.MAX_REQUEST_BYTES + 1))  # over the request limit: skipped unread
     assert peer.recv().code == ErrorCode.BAD_REQUEST
@@ -183,7 +184,8 @@ def test_an_oversized_request_is_skipped_and_a_wild_header_closes_only_its_conne
     assert _status_answers(daemon.endpoint)
 
 
-def test_a_request_split_across_many_writes_is_one_request(daemon):
+def test_a_request_split_across_many_writes_is_one_request(inproc_daemon):
+    daemon = inproc_daemon
     peer = RawPeer(daemon.endpoint)
     frame = framing.pack(codec.encode(p.StatusRequest(id=42)))
     for i in range(len(frame)):

@@ -253,8 +253,8 @@ def assert_protocol_words(message: str) -> None:
     (msgspec.msgpack.encode({"op": "hello", "id": 1, "protocol": [1, 0], "name": "n", "pid": 1,
                              "workload": "gaming"}), "field 'workload': 'gaming' is not one of its values"),
 ])
-def test_bad_frames_are_answered_in_the_protocols_words(daemon, frame, fragment):
-    peer = RawPeer(daemon.endpoint)
+def test_bad_frames_are_answered_in_the_protocols_words(inproc_daemon, frame, fragment):
+    peer = RawPeer(inproc_daemon.endpoint)
     peer.send(frame)
     reply = peer.recv()
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST
@@ -263,8 +263,8 @@ def test_bad_frames_are_answered_in_the_protocols_words(daemon, frame, fragment)
     peer.close()
 
 
-def test_release_without_the_token_says_no_session_holds_it(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_release_without_the_token_says_no_session_holds_it(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     peer.hello("idle")
     reply = peer.call(p.Release(id=peer.take_id(), grant=7))
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.NOT_HOLDER
@@ -273,8 +273,8 @@ def test_release_without_the_token_says_no_session_holds_it(daemon):
     peer.close()
 
 
-def test_release_of_a_stale_grant_names_the_current_one(daemon):
-    peer = RawPeer(daemon.endpoint)
+def test_release_of_a_stale_grant_names_the_current_one(inproc_daemon):
+    peer = RawPeer(inproc_daemon.endpoint)
     peer.hello("holder")
     peer.call(p.Acquire(id=peer.take_id()))
     grant = peer.next_notice(p.Grant).grant

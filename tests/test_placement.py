@@ -468,10 +468,10 @@ def test_event_gaps_are_counted(cluster):
 # ---------------------------------------------------------------- a real daemon, local socket
 
 
-def test_local_socket_serves_placement_ops_to_root_only(daemon):
+def test_local_socket_serves_placement_ops_to_root_only(inproc_daemon):
     """A node-local agent (a device plugin, say) may use PlacementClient over the ipc socket without keys;
     the daemon treats the peer as an operator only if it is root."""
-    with PlacementClient({"local": daemon.endpoint}, keys=None, timeout_ms=5000) as client:
+    with PlacementClient({"local": inproc_daemon.endpoint}, keys=None, timeout_ms=5000) as client:
         result = client.inventory()["local"]
         if os.geteuid() != 0:
             assert result.error is not None and result.error.code == p.ErrorCode.FORBIDDEN

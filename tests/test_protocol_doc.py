@@ -356,12 +356,12 @@ def framing_example(text: str) -> tuple[bytes, int, int]:
     return bytes.fromhex(hex_line), int(n_said[1]), int(body_said[1])
 
 
-def test_the_framing_example_is_what_a_daemon_answers_byte_for_byte(text, start_daemon):
+def test_the_framing_example_is_what_a_daemon_answers_byte_for_byte(text, inproc_daemon):
     """A reader of docs/protocol.md sends the framing example as written: the daemon must
     answer it (status_reply, id 1), and read exactly that frame, so that the same bytes sent
     again are a second whole request rather than a stream two bytes out of step."""
     example, n_said, body_said = framing_example(text)
-    d = start_daemon()
+    d = inproc_daemon
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5)
         sock.connect(d.socket_path)

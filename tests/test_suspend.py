@@ -89,8 +89,8 @@ def test_the_requester_hears_gone_if_the_session_leaves(start_daemon, spawn):
     assert results and results[0].outcome == "gone"
 
 
-def test_suspend_requests_are_validated(start_daemon):
-    d = start_daemon()
+def test_suspend_requests_are_validated(inproc_daemon):
+    d = inproc_daemon
     with pytest.raises(DaemonError) as info:
         suspend_session("s-nobody", endpoint=d.endpoint)
     assert info.value.code == ErrorCode.NO_SESSION
@@ -100,11 +100,11 @@ def test_suspend_requests_are_validated(start_daemon):
         assert info.value.code == ErrorCode.INVALID
 
 
-def test_an_unverifiable_peer_may_not_suspend(start_daemon, workdir):
+def test_an_unverifiable_peer_may_not_suspend(start_inproc_daemon, workdir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon(endpoint=f"tcp://127.0.0.1:{port}")
+    d = start_inproc_daemon(endpoint=f"tcp://127.0.0.1:{port}")
     with Client("target", endpoint=d.endpoint) as target:
         with pytest.raises(DaemonError) as info:
             suspend_session(target.session_id, endpoint=d.endpoint)
