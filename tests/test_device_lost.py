@@ -7,20 +7,15 @@ is refused at once. A real in-process daemon whose NVML answers are scripted
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from prometheus_client import CollectorRegistry
 
 from client_lib import Client
 from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.memory_watch import LostDevices
-from nodeagent.metrics import Metrics
-from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
-from tests.test_memory_watch import RecordingEvents, ScriptedGpus
+from tests.test_memory_watch import ScriptedGpus, scripted_daemon
 
 
 @pytest.fixture
@@ -32,22 +27,8 @@ def two_gpus(workdir):
                          heartbeat_ms=5000,  # the raw peers here send no heartbeats
                          enforce="revoke", grace_ms=30_000)  # the holder (this process) is asked to yield, never stopped
     backend = ScriptedGpus(2)
-    server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
-    server.bind()
-    events = server._cluster.events = RecordingEvents()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    peers: list[RawPeer] = []
-
-    def connect() -> RawPeer:
-        peers.append(RawPeer(config.endpoint))
-        return peers[-1]
-
-    yield server, backend, events, connect
-    for peer in peers:
-        peer.close()
-    server.request_stop()
-    thread.join(timeout=10)
+    with scripted_daemon(config, backend) as (server, events, connect):
+        yield server, backend, events, connect
 
 
 def _no_grant_within(peer: RawPeer, seconds: float) -> bool:

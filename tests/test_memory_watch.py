@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -194,6 +195,32 @@ def test_the_watcher_reads_trees_in_our_namespace_and_reports_a_lost_device_once
     backend.lost.clear()
     backend.broken.clear()
     assert watcher.read_once() == [expected, DeviceBack(1), DeviceReading(1, expected.processes)]
+
+
+@contextmanager
+def scripted_daemon(config: ServeConfig, backend):
+    """An in-process daemon on ``backend`` (scripted GPUs), its events recorded: (server, events,
+    connect), where ``connect()`` opens a raw peer to it (all closed at the end)."""
+    from tests.rawpeer import RawPeer
+
+    server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
+    server.bind()
+    events = server._cluster.events = RecordingEvents()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    peers: list = []
+
+    def connect():
+        peers.append(RawPeer(config.endpoint))
+        return peers[-1]
+
+    try:
+        yield server, events, connect
+    finally:
+        for peer in peers:
+            peer.close()
+        server.request_stop()
+        thread.join(timeout=10)
 
 
 class RecordingEvents:

@@ -14,16 +14,12 @@ import os
 import threading
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from client_lib import protocol as p
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.server import AgentServer
 from nodeagent.devices import DeviceFault
-from nodeagent.metrics import Metrics
 from tests.conftest import wait_for
-from tests.rawpeer import RawPeer
-from tests.test_memory_watch import RecordingEvents, ScriptedGpus
+from tests.test_memory_watch import ScriptedGpus, scripted_daemon
 from tests.test_mps import write_fake_control
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the MPS stand-in's directories need root here")
@@ -60,24 +56,12 @@ def mps_gpu(workdir):
                          memory_watch_ms=20, ctxpool_enabled="off", heartbeat_ms=5000, enforce="revoke",
                          grace_ms=30_000, mps_devices=[0], mps_control_binary=write_fake_control(workdir))
     backend = FaultingGpus(1)
-    server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
-    server.bind()
-    events = server._cluster.events = RecordingEvents()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    peers: list[RawPeer] = []
-
-    def connect() -> RawPeer:
-        peers.append(RawPeer(config.endpoint))
-        return peers[-1]
-
-    yield server, backend, events, connect
-    for peer in peers:
-        peer.close()
-    server.request_stop()
-    thread.join(timeout=10)
-    os.environ.clear()
-    os.environ.update(saved)
+    try:
+        with scripted_daemon(config, backend) as (server, events, connect):
+            yield server, backend, events, connect
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _faults(server, domain: str) -> float:
