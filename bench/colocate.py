@@ -240,8 +240,7 @@ class Child:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = None
-        for t in self._threads:
-            t.join(2)  # the rest of stderr
+        self._join_readers()  # the rest of stderr
         state = f"exited {code}" if code is not None else "closed its stdout"
         return f"{self.role} {state}: {self.last_words()}"
 
@@ -261,10 +260,15 @@ class Child:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        for t in self._threads:
-            t.join(2)  # its last words are logged before the next mode begins
+        self._join_readers()  # its last words are logged before the next mode begins
         LIVE.discard(self)
         return taken
+
+    def _join_readers(self) -> None:
+        # A Ctrl-C can land inside __init__'s Thread.start(): a reader never started is not joined.
+        for t in self._threads:
+            if t.ident is not None:
+                t.join(2)
 
     def __enter__(self) -> "Child":
         return self
@@ -279,7 +283,13 @@ LIVE: set[Child] = set()
 def close_live() -> None:
     """Stop every child not closed yet (one a Ctrl-C caught between its start and its ``with``)."""
     for child in list(LIVE):
-        child.close()
+        try:
+            child.close()
+        except Exception as exc:  # one child's trouble must not leave the others running
+            log(f"[colocate] closing {child.mode} {child.role} failed: {exc}")
+            with contextlib.suppress(OSError):
+                child.proc.kill()
+            LIVE.discard(child)
 
 
 # ------------------------------------------------------------------ what a mode runs with

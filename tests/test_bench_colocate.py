@@ -234,6 +234,28 @@ def test_a_killed_child_fails_its_mode_in_one_line_the_next_mode_runs_and_ctrl_c
     assert not [p for p in started if _alive(p)], [(_cmdline(p)) for p in started if _alive(p)]
 
 
+def test_a_child_interrupted_while_its_readers_start_is_still_stopped():
+    """A Ctrl-C can land inside Child.__init__'s Thread.start(), after the child is in LIVE: closing
+    it then must stop its process and not fail on the reader that never started (it did, in a full
+    run: 'cannot join thread before it is started', the driver exited 1 and not 130)."""
+    import threading
+
+    child = colocate.Child.__new__(colocate.Child)
+    child.mode, child.role = "no-daemon", "trainer"
+    child.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE,
+                                  text=True)
+    child._threads = [threading.Thread(target=lambda: None)]  # never started
+    colocate.LIVE.add(child)
+    try:
+        colocate.close_live()
+        assert child.proc.poll() is not None and child not in colocate.LIVE
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait()
+        colocate.LIVE.discard(child)
+
+
 # ------------------------------------------------------------------ bench.report
 
 
