@@ -90,7 +90,12 @@ def test_a_context_fault_on_an_mps_device_ends_every_client_of_its_server_and_te
     # Until both have left, a new session gets a plain context: the server takes no new client.
     newcomer = connect()
     assert newcomer.hello("newcomer", workload="training").env == {}
-    holder.call(p.Goodbye(id=holder.take_id()))
+    # A faulted session that reattaches (a new connection of the same process) is not sent back to it either.
+    again = connect()
+    resumed = again.hello("service", workload="inference", resume_session=holder_welcome.session,
+                          resume_key=holder_welcome.key)
+    assert resumed.resumed and resumed.env == {}
+    again.call(p.Goodbye(id=again.take_id()))
     waiter.call(p.Goodbye(id=waiter.take_id()))
     wait_for(lambda: server._mps.recovering(0) == 0, timeout=5)
     assert connect().hello("after", workload="inference").env  # on MPS again

@@ -179,6 +179,8 @@ class MpsPartitions:
         control, table = self._controls.get(device), self._tables.get(device)
         if control is None or table is None or session not in self._users.get(device, {}):
             return {}  # off MPS, or outside it (another user's server has the device)
+        if self._faulted.get(device):
+            return {}  # its server recovers from a fault: no client of it, a reattaching one included
         return {**control.client_env(), **table.issue(session, uncapped=uncapped)}
 
     def shares(self, device: int) -> dict[str, int]:
