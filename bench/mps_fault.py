@@ -141,6 +141,10 @@ class Child:
                 return line
         return None
 
+    def collect(self, seconds: float) -> None:
+        """Keep what it prints for ``seconds`` (in ``seen``)."""
+        self.until("", seconds)  # no line has an empty event: every line is kept until the time is up
+
     def go(self) -> None:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
@@ -235,7 +239,7 @@ def _kill(endpoint: str, env: dict[str, str]) -> dict:
         killed_at = time.monotonic()
         spinner.proc.send_signal(signal.SIGKILL)
         spinner.proc.wait()
-        service.until("never", 2.0)  # two seconds of the service after the kill
+        service.collect(2.0)  # two seconds of the service's requests after the kill
         return {"killed_mid_kernel": True, **summarize_kill(killed_at, service.seen)}
     finally:
         service.end()
