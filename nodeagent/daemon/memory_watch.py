@@ -1,8 +1,10 @@
 """Measured device memory against declarations, and lost devices: a watcher
 thread reads per-process memory off the loop thread (an NVML call can take
 milliseconds, and /proc is read for each process) and the loop applies
-``memory.policy`` (warn, revoke, stop) to sessions over their declaration, and
-tells the sessions of a device that NVML reports lost.
+``memory.policy`` (warn, revoke, stop) to sessions over their declaration,
+tells the sessions of a device that NVML reports lost, and acts on the Xid
+errors NVML reports (a fault under MPS ends every client of the server:
+:meth:`MemoryPolicy._on_device_fault`).
 
 What the watcher reads, per device: NVML's compute processes and MPS clients
 (:meth:`nodeagent.devices.CudaBackend.processes`), each translated into the
