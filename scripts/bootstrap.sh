@@ -1,45 +1,70 @@
 #!/usr/bin/env bash
-# Create .venv with nodeagent and everything its tests and benchmarks need.
-# Idempotent: re-runs only when pyproject.toml is newer than the last install.
-# Quiet unless something fails: pip's output (its warnings too) goes to
-# .venv/bootstrap.log, shown when a step fails. BOOTSTRAP_VERBOSE=1 shows it live.
+# Create .venv with exactly the versions in requirements.lock, and nodeagent itself (editable).
+# Idempotent: re-runs only when requirements.lock or pyproject.toml is newer than the last install.
+# The installer is uv (pinned below, installed from PyPI into .venv/uv); it prints each step with
+# its counts and times. Its full output is kept in .venv/bootstrap.log and shown if a step fails.
+#
+#   bash scripts/bootstrap.sh            # what scripts/test.sh and scripts/demo.sh run first
+#   bash scripts/relock.sh --help        # re-resolve to the newest releases and test against them
+#
+# Torch is the CPU build torch==2.13.0+cpu. It comes from a local wheel directory where pip is
+# configured with one (PIP_FIND_LINKS or pip's find-links setting), else from PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
-# torch goes in first and pinned, so the dev extra's torch range is already
-# satisfied and pip never resolves it to a newer (CUDA) build. Override with
-# TORCH_SPEC (e.g. to use a GPU build you already have a wheel for).
-torch_spec=${TORCH_SPEC:-torch==2.13.0}
+uv_spec=uv==0.13.9
+lock=${NODEAGENT_LOCK:-requirements.lock}
 stamp=.venv/.nodeagent-installed
 log=.venv/bootstrap.log
+torch_index=https://download.pytorch.org/whl/cpu
 
-# Run "$@" with its output in $log; on failure show the log and say where it is.
-quietly() {
-    if [ "${BOOTSTRAP_VERBOSE:-0}" = 1 ]; then
-        "$@" 2>&1 | tee -a "$log"
-        return "${PIPESTATUS[0]}"
-    fi
+say() { echo "bootstrap: $*" >&2; }
+
+# Run "$@" with its output shown live (uv's lines are few) and kept in $log; on failure say so.
+step() {
     local status=0
-    "$@" >>"$log" 2>&1 || status=$?
+    "$@" 2>&1 | tee -a "$log" >&2 || status=${PIPESTATUS[0]}
     if [ "$status" -ne 0 ]; then
-        echo "bootstrap: failed (status $status): $*" >&2
-        echo "bootstrap: ---- $log ----" >&2
-        tail -n 60 "$log" >&2
-        echo "bootstrap: ---- end of $log (the whole of it is kept there) ----" >&2
+        say "failed (status $status): $*"
+        say "the whole output is in $log"
     fi
     return "$status"
 }
 
+if [ ! -f "$lock" ]; then
+    say "no $lock here; run from a checkout of nodeagent"
+    exit 2
+fi
+if [ -f "$stamp" ] && [ "$stamp" -nt "$lock" ] && [ "$stamp" -nt pyproject.toml ]; then
+    exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
-    echo "bootstrap: creating .venv with $($python --version 2>&1)" >&2
+    say "creating .venv with $($python --version 2>&1)"
     "$python" -m venv .venv
 fi
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "bootstrap: installing $torch_spec and nodeagent[dev] into .venv (a few minutes the first time; log: $log)" >&2
-    : >"$log"
-    quietly .venv/bin/python -m pip install --disable-pip-version-check "$torch_spec"
-    quietly .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]'
-    touch "$stamp"
-    echo "bootstrap: done; the nodeagent command is .venv/bin/nodeagent" >&2
+: >"$log"
+if [ ! -x .venv/uv/bin/uv ] || [ "$(.venv/uv/bin/uv --version 2>/dev/null | cut -d' ' -f2)" != "${uv_spec#uv==}" ]; then
+    say "[1/3] installing the installer, $uv_spec"
+    rm -rf .venv/uv
+    step .venv/bin/python -m pip install --disable-pip-version-check --quiet --target .venv/uv "$uv_spec"
 fi
+uv=(.venv/uv/bin/uv)
+export PYTHONPATH=  # uv's own module dir must not leak into the venv's python
+# Where the CPU torch wheel comes from: a configured local wheel directory, else PyTorch's index.
+links=${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}
+sources=()
+for dir in $links; do
+    sources+=(--find-links "$dir")
+done
+torch_pin=$(grep -E '^torch==' "$lock" | head -1)
+if [ -z "$links" ] || ! ls $links 2>/dev/null | grep -q "^torch-${torch_pin#torch==}-"; then
+    sources+=(--extra-index-url "$torch_index" --index-strategy unsafe-best-match)
+fi
+count=$(grep -cE '^[A-Za-z0-9_.-]+==' "$lock")
+say "[2/3] installing the $count locked packages of $lock into .venv (log: $log)"
+step "${uv[@]}" pip sync --python .venv/bin/python "${sources[@]}" "$lock"
+say "[3/3] installing nodeagent from this checkout (editable)"
+step "${uv[@]}" pip install --python .venv/bin/python --no-deps -e .
+touch "$stamp"
+say "done; the nodeagent command is .venv/bin/nodeagent"
