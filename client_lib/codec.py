@@ -14,6 +14,7 @@ import re
 import typing
 
 import msgspec
+from msgspec import inspect as mi
 
 from client_lib import protocol as p
 
@@ -189,10 +190,10 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
         msg = _with_integral_floats(frame, exc)
         if isinstance(msg, msgspec.ValidationError):
             raise BadFrame(_invalid_text(msg, frame), _salvage_id(frame)) from None
-    except msgspec.DecodeError as exc:
-        raise BadFrame(_malformed_text(exc, frame), _scan_id(frame)) from None
-    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a str that is not UTF-8
-        raise BadFrame(_malformed_text(exc, frame), _scan_id(frame)) from None
+    except msgspec.DecodeError:
+        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+    except (ValueError, TypeError, OverflowError):  # e.g. a str that is not UTF-8, on older msgspec
+        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
     return msg
@@ -204,8 +205,6 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
 # float64 holds exactly (Number.MAX_SAFE_INTEGER) is still refused, and so is a value outside
 # the field's own bounds.
 MAX_SAFE_INTEGER = 2**53 - 1
-_WANTS_INT = re.compile(r"Expected `(?P<types>[^`]*)`, got `float`")
-_PATH_STEP = re.compile(r"\.(?P<field>[A-Za-z_][A-Za-z0-9_]*)|\[(?P<index>\d+)\]")
 
 
 def _exact_integer(value: object) -> int | None:
@@ -216,48 +215,20 @@ def _exact_integer(value: object) -> int | None:
 
 
 def _with_integral_floats(frame: bytes, exc: msgspec.ValidationError) -> p.ClientMessage | msgspec.ValidationError:
-    """Decode ``frame`` again with each integral float the decoder refused where an integer
-    was wanted taken as that integer; the message, or the error that still stands."""
+    """Decode ``frame`` again with each integral float where the wire type wants an integer
+    taken as that integer; the message, or the error that still stands."""
     try:
         value = _loose_decoder.decode(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
         return exc
-    for _ in range(64):  # one field per round; a request has fewer integer fields than this
-        text = str(exc)
-        wanted, at = _WANTS_INT.match(text), _AT_PATH.search(text)
-        if wanted is None or at is None or "int" not in (t.strip() for t in wanted.group("types").split("|")):
-            return exc
-        place = _locate(value, at.group("path"))
-        if place is None:
-            return exc
-        container, key = place
-        number = _exact_integer(container[key])
-        if number is None:
-            return exc
-        container[key] = number
-        try:
-            return msgspec.convert(value, p.ClientMessage)
-        except msgspec.ValidationError as again:
-            exc = again
-    return exc
-
-
-def _locate(value: object, path: str) -> tuple[dict | list, str | int] | None:
-    """The container and key that msgspec's error path (``.field[3].other``) names, or None."""
-    steps = [(m.group("field"), m.group("index")) for m in _PATH_STEP.finditer(path)]
-    if not steps or "".join(m.group(0) for m in _PATH_STEP.finditer(path)) != path:
-        return None
-    container, key = None, None
-    for field, index in steps:
-        if container is not None:
-            value = container[key]
-        if field is not None and isinstance(value, dict) and field in value:
-            container, key = value, field
-        elif index is not None and isinstance(value, list) and int(index) < len(value):
-            container, key = value, int(index)
-        else:
-            return None
-    return container, key
+    try:
+        value = _check(value, _CLIENT_TYPE, "")
+    except _Wrong:
+        return exc
+    try:
+        return msgspec.convert(value, p.ClientMessage)
+    except msgspec.ValidationError as again:
+        return again
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:
@@ -274,66 +245,203 @@ def decode_reply(frame: bytes) -> p.DaemonMessage:
 
 
 # ------------------------------------------------------------------ error texts
-# What a peer is told about a frame it got wrong, in the protocol's words
-# (docs/protocol.md: maps, fields, MessagePack types), never msgspec's or Python's.
+# What a peer is told about a frame it got wrong, in the protocol's words (docs/protocol.md:
+# maps, fields, MessagePack types). Built from the wire types themselves (msgspec.inspect) and
+# from our own walk of the bytes, never from msgspec's or Python's wording, which changes
+# between releases (msgspec 0.23 reworded a bad UTF-8 string's error).
 
-_TYPE_WORDS = {"object": "map", "array": "array", "int": "integer", "str": "string", "float": "number",
-               "bool": "boolean", "null": "nil", "None": "nil", "bytes": "binary", "ext": "extension",
-               "datetime": "timestamp"}
+_CLIENT_TYPE = msgspec.inspect.type_info(p.ClientMessage)
+_OPS = tuple(cls.__struct_config__.tag for cls in typing.get_args(p.ClientMessage))
 _KIND_WORDS = {bool: "boolean", int: "integer", float: "float", str: "string", bytes: "binary", list: "array",
                dict: "map", type(None): "nil"}
-_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
-_TICKED = re.compile(r"`([^`]*)`")
-_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]*)`")
-_TRAILING = re.compile(r"trailing characters \(byte (?P<at>\d+)\)")
-_OPCODE = re.compile(r"invalid opcode .* \(byte (?P<at>\d+)\)")
-_OPS = tuple(cls.__struct_config__.tag for cls in typing.get_args(p.ClientMessage))
+_TYPE_WORDS = {mi.IntType: "integer", mi.FloatType: "number", mi.StrType: "string", mi.BoolType: "boolean",
+               mi.NoneType: "nil", mi.BytesType: "binary", mi.ListType: "array", mi.TupleType: "array",
+               mi.DictType: "map", mi.StructType: "map", mi.LiteralType: "one of its values",
+               mi.EnumType: "one of its values"}
+
+
+class _Wrong(Exception):
+    """Where a decoded value departs from its wire type (``path``: ``field[3].other``) and how."""
+
+    def __init__(self, path: str, text: str) -> None:
+        super().__init__(path, text)
+        self.path, self.text = path, text
+
+
+def _kind(value: object) -> str:
+    return _KIND_WORDS.get(type(value), "extension")
+
+
+def _bounds(value: float, t: mi.IntType | mi.FloatType, path: str) -> None:
+    for bound, ok, word in ((t.ge, lambda b: value >= b, ">="), (t.gt, lambda b: value > b, ">"),
+                            (t.le, lambda b: value <= b, "<="), (t.lt, lambda b: value < b, "<")):
+        if bound is not None and not ok(bound):
+            raise _Wrong(path, f"expected a value {word} {bound}")
+    if t.multiple_of is not None and value % t.multiple_of:
+        raise _Wrong(path, f"expected a multiple of {t.multiple_of}")
+
+
+def _lengths(value: typing.Sized, t: typing.Any, path: str, unit: str) -> None:
+    if t.min_length is not None and len(value) < t.min_length:
+        raise _Wrong(path, f"expected at least {t.min_length} {unit}")
+    if t.max_length is not None and len(value) > t.max_length:
+        raise _Wrong(path, f"expected at most {t.max_length} {unit}")
+
+
+def _at(path: str, key: str | int) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+
+
+def _check(value: typing.Any, t: mi.Type, path: str) -> typing.Any:
+    """``value`` checked against wire type ``t``: returned with integral floats made integers
+    where ``t`` wants an integer, or :class:`_Wrong` naming the first place it departs."""
+    kind = type(t)
+    if kind is mi.AnyType:
+        return value
+    if kind is mi.NoneType:
+        if value is not None:
+            raise _Wrong(path, f"expected nil, got {_kind(value)}")
+        return value
+    if kind is mi.BoolType:
+        if type(value) is not bool:
+            raise _Wrong(path, f"expected boolean, got {_kind(value)}")
+        return value
+    if kind is mi.IntType:
+        number = value if type(value) is int else _exact_integer(value)
+        if number is None:
+            raise _Wrong(path, f"expected integer, got {_kind(value)}")
+        _bounds(number, t, path)
+        return number
+    if kind is mi.FloatType:
+        if type(value) not in (int, float):
+            raise _Wrong(path, f"expected number, got {_kind(value)}")
+        _bounds(value, t, path)
+        return value
+    if kind is mi.StrType:
+        if type(value) is not str:
+            raise _Wrong(path, f"expected string, got {_kind(value)}")
+        _lengths(value, t, path, "characters")
+        if t.pattern is not None and re.search(t.pattern, value) is None:
+            raise _Wrong(path, f"expected a string matching {t.pattern!r}")
+        return value
+    if kind is mi.BytesType:
+        if type(value) is not bytes:
+            raise _Wrong(path, f"expected binary, got {_kind(value)}")
+        _lengths(value, t, path, "bytes")
+        return value
+    if kind in (mi.LiteralType, mi.EnumType):
+        allowed = t.values if kind is mi.LiteralType else tuple(member.value for member in t.cls)
+        if type(value) not in (str, int) or value not in allowed:
+            shown = repr(value) if type(value) in (str, int) else _kind(value)
+            raise _Wrong(path, f"{shown} is not one of its values")
+        return value
+    if kind in (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType):
+        if type(value) is not list:
+            raise _Wrong(path, f"expected array, got {_kind(value)}")
+        _lengths(value, t, path, "items")
+        return [_check(item, t.item_type, _at(path, i)) for i, item in enumerate(value)]
+    if kind is mi.TupleType:
+        if type(value) is not list:
+            raise _Wrong(path, f"expected array, got {_kind(value)}")
+        if len(value) != len(t.item_types):
+            raise _Wrong(path, f"expected an array of {len(t.item_types)} items, got {len(value)}")
+        return [_check(item, it, _at(path, i)) for i, (item, it) in enumerate(zip(value, t.item_types))]
+    if kind is mi.DictType:
+        if type(value) is not dict:
+            raise _Wrong(path, f"expected map, got {_kind(value)}")
+        _lengths(value, t, path, "entries")
+        return {_check(k, t.key_type, path): _check(v, t.value_type, _at(path, str(k))) for k, v in value.items()}
+    if kind is mi.StructType:
+        return _check_struct(value, t, path)
+    if kind is mi.UnionType:
+        return _check_union(value, t, path)
+    return value  # a type the wire does not use (datetime, ...): msgspec's to judge
+
+
+def _check_struct(value: typing.Any, t: mi.StructType, path: str) -> dict:
+    if type(value) is not dict:
+        raise _Wrong(path, f"expected map, got {_kind(value)}")
+    out = dict(value)
+    for field in t.fields:
+        if field.encode_name in value:
+            out[field.encode_name] = _check(value[field.encode_name], field.type, _at(path, field.encode_name))
+        elif field.required:
+            raise _Wrong(path, f"missing field '{field.encode_name}'")
+    return out
+
+
+def _check_union(value: typing.Any, t: mi.UnionType, path: str) -> typing.Any:
+    members = t.types
+    structs = [m for m in members if type(m) is mi.StructType and m.tag_field is not None]
+    if structs and type(value) is dict:  # a tagged union: the tag picks the member
+        tag_field = structs[0].tag_field
+        if tag_field not in value:
+            raise _Wrong(path, f"missing field '{tag_field}'")
+        for member in structs:
+            if value[tag_field] == member.tag:
+                return _check_struct(value, member, path)
+        raise _Wrong(_at(path, tag_field), "unknown tag")
+    for member in members:
+        try:
+            return _check(value, member, path)
+        except _Wrong as wrong:
+            if wrong.path != path or not wrong.text.startswith("expected ") or ", got " not in wrong.text:
+                raise  # the value is of this member's kind: its bound, or a part inside it, is wrong
+    names = " or ".join(dict.fromkeys(_TYPE_WORDS.get(type(m), "a value") for m in members))
+    raise _Wrong(path, f"expected {names}, got {_kind(value)}")
 
 
 def _invalid_text(exc: msgspec.ValidationError, frame: bytes) -> str:
     """A frame the typed decoder refused: which field is wrong and how (or that it is no map at all)."""
-    text = str(exc)
-    at = _AT_PATH.search(text)
-    path = at.group("path").lstrip(".") if at else ""
-    if at:
-        text = text[:at.start()]
-    if not path and text.startswith("Expected `object`"):  # the frame itself is not a map
-        try:
-            value = _loose_decoder.decode(frame)
-        except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as loose:
-            return _malformed_text(loose, frame)  # not one MessagePack value at all (b"hello")
-        kind = _KIND_WORDS.get(type(value), "extension")
-        return f"invalid request: the frame is a MessagePack {kind}, not a map; a request is a map with 'op' and 'id'"
-    missing = _MISSING.fullmatch(text)
-    if missing:
-        text = f"missing field '{missing.group('field')}'"
-    elif path == "op" and text.startswith("Invalid value "):
-        return f"invalid request: unknown op {text[len('Invalid value '):]} (ops: {', '.join(_OPS)})"
-    elif text.startswith("Invalid enum value "):
-        text = f"{text[len('Invalid enum value '):]} is not one of its values"
-    else:
-        text = _TICKED.sub(lambda m: " or ".join(_TYPE_WORDS.get(t.strip(), t.strip()) for t in m.group(1).split("|")),
-                           text)
-        text = text[:1].lower() + text[1:]
-    return f"invalid request: field '{path}': {text}" if path else f"invalid request: {text}"
+    try:
+        value = _loose_decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
+        return _malformed_text(frame)  # not one MessagePack value at all (b"hello")
+    if type(value) is not dict:
+        return (f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
+                "a request is a map with 'op' and 'id'")
+    try:
+        _check(value, _CLIENT_TYPE, "")
+    except _Wrong as wrong:
+        if wrong.path == "op" and wrong.text == "unknown tag":
+            return f"invalid request: unknown op {value['op']!r} (ops: {', '.join(_OPS)})"
+        if wrong.path:
+            return f"invalid request: field '{wrong.path}': {wrong.text}"
+        return f"invalid request: {wrong.text}"
+    # The decoder refused what the wire types allow: a check they do not describe to inspect.
+    return "invalid request: a field's value is not allowed by the protocol (docs/protocol.md lists each field)"
 
 
-def _malformed_text(exc: Exception, frame: bytes) -> str:
-    """A frame that is not (one whole value of) MessagePack."""
-    if isinstance(exc, UnicodeDecodeError):
-        why = "a string in it is not valid UTF-8"
-    elif not isinstance(exc, msgspec.DecodeError):
-        why = "a value in it cannot be decoded"
-    else:
-        text = str(exc).removeprefix("MessagePack data is malformed: ")
-        trailing, opcode = _TRAILING.fullmatch(text), _OPCODE.fullmatch(text)
-        if trailing:
-            why = f"more bytes follow its first value, from offset {trailing.group('at')}"
-        elif opcode:
-            at = int(opcode.group("at"))
-            why = f"byte 0x{frame[at]:02x} at offset {at} is not MessagePack" if at < len(frame) else text
-        elif "truncated" in text:
-            why = "it ends inside a value (cut short)"
-        else:
-            why = text
-    return f"the frame is not a MessagePack map: {why}"
+def _malformed_text(frame: bytes) -> str:
+    """A frame that is not (one whole value of) MessagePack: what our own walk of it finds."""
+    return f"the frame is not a MessagePack map: {_malformed_reason(frame)}"
+
+
+_STR_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: the width of their length
+
+
+def _malformed_reason(frame: bytes) -> str:
+    """Why ``frame`` is not one whole MessagePack value, from a walk of its bytes."""
+    pos, end, remaining = 0, len(frame), 1
+    while remaining:
+        if pos >= end:
+            return "it ends inside a value (cut short)"
+        b = frame[pos]
+        header = _header(frame, pos)
+        if header is None:
+            return f"byte 0x{b:02x} at offset {pos} is not MessagePack"
+        after, count = header
+        if 0xA0 <= b <= 0xBF or b in _STR_HEADERS:
+            start = pos + 1 + _STR_HEADERS.get(b, 0)
+            if after <= end:
+                try:
+                    frame[start:after].decode("utf-8")
+                except UnicodeDecodeError:
+                    return f"the string at offset {pos} is not valid UTF-8"
+        pos = after
+        remaining += max(count, 0) - 1
+    if pos > end:
+        return "it ends inside a value (cut short)"
+    if pos < end:
+        return f"more bytes follow its first value, from offset {pos}"
+    return "a value in it cannot be decoded (an extension or timestamp the protocol does not use)"

@@ -122,3 +122,39 @@ def test_peer_credentials_only_from_ipc_addresses(address, expected):
 
     creds = peer_credentials(_FakeFrame(address))
     assert (None if creds is None else (creds.uid, creds.gid, creds.pid)) == expected
+
+
+class _RewordedDecoder:
+    """msgspec's decoder, but its errors say something else: as a future release might word them."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def decode(self, frame):
+        try:
+            return self.real.decode(frame)
+        except msgspec.ValidationError:
+            raise msgspec.ValidationError("reworded in a later release") from None
+        except msgspec.DecodeError:
+            raise msgspec.DecodeError("reworded in a later release") from None
+
+
+@pytest.mark.parametrize("frame, text", [
+    (b"\xa3ab\xff", "the frame is not a MessagePack map: the string at offset 0 is not valid UTF-8"),
+    (b"\x92\x01", "the frame is not a MessagePack map: it ends inside a value (cut short)"),
+    (b"\x01\x02", "the frame is not a MessagePack map: more bytes follow its first value, from offset 1"),
+    (b"\x91\xc1", "the frame is not a MessagePack map: byte 0xc1 at offset 1 is not MessagePack"),
+    (msgspec.msgpack.encode({"op": "release", "id": 3, "grant": "x"}),
+     "invalid request: field 'grant': expected integer, got string"),
+    (msgspec.msgpack.encode({"op": "hello", "id": 1, "protocol": [1, "x"], "name": "n", "pid": 1}),
+     "invalid request: field 'protocol[1]': expected integer, got string"),
+    (msgspec.msgpack.encode({"op": "acquire", "id": -3}), "invalid request: field 'id': expected a value >= 0"),
+    (msgspec.msgpack.encode({"op": "nope", "id": 5}), "invalid request: unknown op 'nope' (ops: hello, "),
+    (msgspec.msgpack.encode({"id": 5}), "invalid request: missing field 'op'"),
+])
+def test_error_texts_come_from_the_wire_types_not_msgspecs_wording(monkeypatch, frame, text):
+    monkeypatch.setattr(codec, "_request_decoder", _RewordedDecoder(codec._request_decoder))
+    with pytest.raises(codec.BadFrame) as info:
+        codec.decode_request(frame)
+    assert str(info.value).startswith(text)
+    assert "reworded" not in str(info.value)
