@@ -21,12 +21,23 @@ torch_index=https://download.pytorch.org/whl/cpu
 
 say() { echo "bootstrap: $*" >&2; }
 
-# Run "$@" with its output shown live (uv's lines are few) and kept in $log; on failure say so.
+# Run "$@" with its output shown live (uv's lines are few: a step's counts and each package) and
+# kept in $log; on failure say which step failed and where the whole output is.
 step() {
     local status=0
     "$@" 2>&1 | tee -a "$log" >&2 || status=${PIPESTATUS[0]}
+    [ "$status" -eq 0 ] || say "failed (status $status): $*; the whole output is in $log"
+    return "$status"
+}
+
+# Run "$@" with its output in $log only (pip's warnings about absent find-links are many); on
+# failure show the log's end.
+quietly() {
+    local status=0
+    "$@" >>"$log" 2>&1 || status=$?
     if [ "$status" -ne 0 ]; then
         say "failed (status $status): $*"
+        tail -n 40 "$log" >&2
         say "the whole output is in $log"
     fi
     return "$status"
@@ -47,10 +58,10 @@ fi
 if [ ! -x .venv/uv/bin/uv ] || [ "$(.venv/uv/bin/uv --version 2>/dev/null | cut -d' ' -f2)" != "${uv_spec#uv==}" ]; then
     say "[1/3] installing the installer, $uv_spec"
     rm -rf .venv/uv
-    step .venv/bin/python -m pip install --disable-pip-version-check --quiet --target .venv/uv "$uv_spec"
+    quietly .venv/bin/python -m pip install --disable-pip-version-check --target .venv/uv "$uv_spec"
 fi
 uv=(.venv/uv/bin/uv)
-export PYTHONPATH=  # uv's own module dir must not leak into the venv's python
+
 # Where the CPU torch wheel comes from: a configured local wheel directory, else PyTorch's index.
 links=${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}
 sources=()
