@@ -51,6 +51,7 @@ PAUSED_MODE, FREE_MODE = "corun-pause", "corun-free"
 #: Policies that run the daemon's pace logic, and the ``corun.duty`` each is configured with.
 DAEMON_POLICIES = {"adaptive": "adaptive", "pause": "pause", "free": "free", "queue": "queue"}
 _MAX_REQUESTS = 1_000_000  # a record beyond this is not a bench.colocate phase
+_TICKS_AT_ONCE = 2
 
 
 class ReplayError(Exception):
@@ -247,40 +248,58 @@ def _mode(load: LoadRecord, mode: str) -> ModeRecord:
 class DaemonPacing:
     """The daemon's pace logic for one device with one inference and one training session:
     the real :class:`~nodeagent.daemon.pace.Pacing` and the controller the daemon's settings
-    make, fed the replayed slices; the trainer's state is what the pace board says.
+    make (``ServeConfig.pace_controller``), fed the replayed slices with time passed in; the
+    trainer's state is what the pace board it writes says.
 
-    The only code here that knows the controller's API. Today's (main): ``Pacing(tokens=,
-    sessions=, controllers={device: controller})``, ``granted(s)``, ``slice_ended(s, held_s)``,
-    ``refresh_all()``, the board read with ``PaceBoardReader``; ``corun.duty`` names the policy.
-    The queue-steered policy (issue 30 part 2) is expected to add: ``corun.duty = "queue"``, the
-    client's queue (requests waiting, the oldest's arrival) reaching the controller with each
-    slice request (here: ``granted(s)`` with the session's ``queue_waiting`` and
-    ``queue_oldest_s`` fields set, as a request's frame would set them), and timed decisions
-    through ``Pacing.next_deadline()`` / ``Pacing.tick(now)`` when a waiting request's projected
-    latency passes its target. Whatever of that is missing, ``queue`` says so and stops."""
+    The only code here that knows that API, in two generations. Main before issue 30: one
+    controller per device, ``Pacing(tokens=, sessions=, controllers={device: controller})``,
+    ``granted(s)``, ``slice_ended(s, held_s)``; no queue, so no ``queue`` policy. Issue 30 part 2
+    (helper corun's tree as of 2026-12-01, not merged when this was written): one controller per
+    higher-class session, ``Pacing(tokens=, sessions=, devices=, new_controller=, clock=)``,
+    ``told_queue(s, now, waiting, oldest_wait_ms)`` with each slice request and release,
+    ``granted(s, now)``, ``slice_ended(s, now)``, ``next_deadline()`` for decisions between
+    events (the loop refreshes the boards then); ``queue`` is the default controller told the
+    queue, ``adaptive`` the same controller told nothing (steered by slice lengths). Both: the
+    board written by ``refresh_all()`` and read with ``PaceBoardReader``; ``corun.duty`` pins
+    ``pause`` and ``free``. The tokens view it reads is this object (:meth:`holders`,
+    :meth:`pace`, :meth:`lane_workload`, :meth:`sessions_on`)."""
 
     DEVICE = 0
 
-    def __init__(self, duty: str, *, slo_ms: float | None = None) -> None:
+    def __init__(self, policy: str, *, slo_ms: float | None = None) -> None:
+        import inspect
+
         from nodeagent.config import ConfigError, ServeConfig
         from nodeagent.daemon.pace import Pacing
         from sharing import Workload
-        config = ServeConfig(corun_duty=duty)
+        config = ServeConfig(corun_duty="adaptive" if policy == "queue" else policy)
         try:
-            controller = config.pace_controller()
+            config.validate()
+            config.pace_controller()
         except (ConfigError, ValueError) as exc:
-            raise PolicyUnavailable(f"policy {duty!r}: this tree's daemon does not take corun.duty = {duty!r} "
-                                    f"({exc}); it needs the queue-steered controller (issue 30 part 2)") from None
+            raise PolicyUnavailable(f"policy {policy!r}: the daemon's settings refuse it ({exc})") from None
         self._workload = Workload
-        self.controller = controller
+        self._now = 0.0
+        self._says_queue = policy == "queue"
         self.inference = types.SimpleNamespace(id="inference", workload=Workload.INFERENCE, device=self.DEVICE,
-                                               slo_ms=slo_ms, queue_waiting=None, queue_oldest_s=None)
+                                               slo_ms=slo_ms)
         self.trainer = types.SimpleNamespace(id="trainer", workload=Workload.TRAINING, device=self.DEVICE,
                                              slo_ms=None)
         self._holders: set[str] = {"trainer"}  # the trainer holds its lane's token the whole phase
         self._sessions = {"inference": self.inference, "trainer": self.trainer}
+        self._per_session = "new_controller" in inspect.signature(Pacing).parameters
+        if self._per_session:
+            self.pacing = Pacing(tokens=self, sessions=self._sessions, devices=(self.DEVICE,),
+                                 new_controller=config.pace_controller, clock=lambda: self._now)
+            self._device_controller = None
+        else:
+            if self._says_queue:
+                raise PolicyUnavailable("policy 'queue': this tree's controller is not steered by the queue "
+                                        "(no Pacing.told_queue; issue 30 part 2)")
+            self._device_controller = config.pace_controller()
+            self.pacing = Pacing(tokens=self, sessions=self._sessions,
+                                 controllers={self.DEVICE: self._device_controller})
         self._dir = tempfile.TemporaryDirectory(prefix="na-replay-")
-        self.pacing = Pacing(tokens=self, sessions=self._sessions, controllers={self.DEVICE: controller})
         self.pacing.start(None, self._dir.name)
         path = self.pacing.board_path(self.DEVICE)
         if not path:
@@ -288,12 +307,6 @@ class DaemonPacing:
             raise ReplayError(f"the pace logic made no board in {self._dir.name}; see its [pace] warning")
         from client_lib.pace import PaceBoardReader
         self._board = PaceBoardReader(path)
-        self._timed = callable(getattr(self.pacing, "next_deadline", None)) and \
-            callable(getattr(self.pacing, "tick", None))
-        if duty == "queue" and not self._timed:
-            self.close()
-            raise PolicyUnavailable("policy 'queue': this tree's Pacing has no next_deadline()/tick(now) for "
-                                    "decisions between slices (issue 30 part 2)")
         self.pacing.refresh_all()
 
     # The tokens component's read-only view, as Pacing reads it.
@@ -304,31 +317,53 @@ class DaemonPacing:
         inference_holds = "inference" in self._holders
         return ((0, False), (1, inference_holds), (2, inference_holds or "trainer" in self._holders))
 
-    # What the replay tells it.
+    def lane_workload(self, device: int, session: str):
+        s = self._sessions.get(session)
+        return s.workload if s is not None else None
+
+    def sessions_on(self, device: int) -> int:
+        return len(self._sessions)
+
+    # What the replay tells it: a slice granted and ended, with the service's queue at each.
     def granted(self, now_s: float, waiting: int, oldest_arrival_s: float) -> None:
-        self.inference.queue_waiting, self.inference.queue_oldest_s = waiting, oldest_arrival_s
+        self._now = now_s
         self._holders.add("inference")
-        self.pacing.granted(self.inference)
+        if self._per_session:
+            if self._says_queue:
+                self.pacing.told_queue(self.inference, now_s, waiting, (now_s - oldest_arrival_s) * 1e3)
+            self.pacing.granted(self.inference, now_s)
+        else:
+            self.pacing.granted(self.inference)
         self.pacing.refresh_all()
 
-    def ended(self, now_s: float, held_s: float) -> None:
+    def ended(self, now_s: float, held_s: float, waiting: int, oldest_arrival_s: float | None) -> None:
+        self._now = now_s
         self._holders.discard("inference")
-        self.pacing.slice_ended(self.inference, held_s)
+        if self._per_session:
+            self.pacing.slice_ended(self.inference, now_s)
+            if self._says_queue:
+                age_ms = None if oldest_arrival_s is None else (now_s - oldest_arrival_s) * 1e3
+                self.pacing.told_queue(self.inference, now_s, waiting, age_ms)
+        else:
+            self.pacing.slice_ended(self.inference, held_s)
         self.pacing.refresh_all()
 
     def next_deadline(self) -> float | None:
-        return self.pacing.next_deadline() if self._timed else None
+        return self.pacing.next_deadline() if self._per_session else None
 
     def tick(self, now_s: float) -> None:
-        if self._timed:
-            self.pacing.tick(now_s)
-            self.pacing.refresh_all()
+        self._now = now_s
+        self.pacing.refresh_all()  # the loop's turn at a timed component's deadline
 
     # What the trainer sees.
     def trainer_paused(self) -> bool:
         """Whether the trainer holds at its pause points now (a duty below 1000 while a higher class
         holds is replayed as a pause: the default duties are 0 and 1000 only)."""
         return self._board.read(int(self._workload.TRAINING)).throttled
+
+    @property
+    def controller(self):
+        return self.pacing.controller("inference") if self._per_session else self._device_controller
 
     @property
     def changes(self) -> int:
@@ -358,7 +393,7 @@ class FixedPacing:
     def granted(self, now_s: float, waiting: int, oldest_arrival_s: float) -> None:
         pass
 
-    def ended(self, now_s: float, held_s: float) -> None:
+    def ended(self, now_s: float, held_s: float, waiting: int, oldest_arrival_s: float | None) -> None:
         pass
 
     def next_deadline(self) -> float | None:
@@ -428,6 +463,7 @@ def replay(arrivals: list[float] | tuple[float, ...], paused_ms, free_ms, pacing
     started_at = 0.0
     kept_ms = paused_ms_total = busy_ms = 0.0
     i = 0
+    ticks_at_now = 0  # deadlines met at this instant: one that stays due after its tick is not met again
 
     def service_of(index: int, paused: bool) -> float:
         chosen = paused_ms[index] if paused else free_ms[index]
@@ -463,9 +499,10 @@ def replay(arrivals: list[float] | tuple[float, ...], paused_ms, free_ms, pacing
         if serving is not None:
             heapq.heappush(events, (now + max(0.0, work_left) * service_of(serving, pacing.trainer_paused()), 1))
         deadline = pacing.next_deadline()
-        if deadline is not None:
+        if deadline is not None and ticks_at_now < _TICKS_AT_ONCE:
             heapq.heappush(events, (max(now, deadline * 1e3), 2))
         t, kind = events[0]
+        ticks_at_now = ticks_at_now + 1 if kind == 2 and t == now else 0
         advance(t)
         if kind == 0:
             if i in skip or len(queue) >= max_backlog:
@@ -479,7 +516,7 @@ def replay(arrivals: list[float] | tuple[float, ...], paused_ms, free_ms, pacing
             latency.append(now - arrivals[serving])
             held = now - started_at
             serving = None
-            pacing.ended(now / 1e3, held / 1e3)
+            pacing.ended(now / 1e3, held / 1e3, len(queue), arrivals[queue[0]] / 1e3 if queue else None)
             if queue:
                 start_next()
         else:
@@ -554,6 +591,27 @@ def predict(load: LoadRecord, policy: str, sources: Sources = Sources(), *, slo_
     return out
 
 
+#: The baseline a policy must beat (issue 30): MPS client priority, which one environment variable sets.
+BASELINE_MODE = "mps-priority"
+KEPT_SLACK = 0.02  # "dominates": p99 no higher, training kept no more than 2 points lower
+
+
+def compare(load: LoadRecord, sources: Sources = Sources(), *, slo_ms: float | None = None) -> dict:
+    """Every daemon policy this tree has, predicted, beside the baseline as recorded: per policy
+    its figures and whether it dominates the baseline."""
+    base = reproduce(load, BASELINE_MODE)
+    rows: dict = {BASELINE_MODE: {**base.summary(), "recorded": True}}
+    for policy in DAEMON_POLICIES:
+        try:
+            got = predict(load, policy, sources, slo_ms=slo_ms)
+        except PolicyUnavailable as exc:
+            rows[policy] = {"unavailable": str(exc)}
+            continue
+        rows[policy] = {**got.summary(), "dominates_baseline":
+                        got.p99_ms <= base.p99_ms and got.kept >= base.kept - KEPT_SLACK}
+    return rows
+
+
 def policies(load: LoadRecord) -> list[str]:
     return list(DAEMON_POLICIES) + [m for m in load.modes if m not in DAEMON_POLICIES]
 
@@ -577,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "where this tree has it), or a recorded mode (default: adaptive)")
     what.add_argument("--reproduce", action="store_true", help="every recorded mode from its own records, "
                       "against what was recorded")
+    what.add_argument("--compare", action="store_true", help=f"every daemon policy beside {BASELINE_MODE} as "
+                      "recorded, and whether each dominates it (p99 no higher, kept no more than 2 points lower)")
     ap.add_argument("--free-from", default=FREE_MODE, metavar="MODE",
                     help=f"the mode whose records are the trainer running beside a request (default {FREE_MODE}; "
                          "mps-priority: as if pacing cost the trainer nothing while it runs)")
@@ -601,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "error": round(got.p99_ms / record.p99_ms - 1.0, 5),
                                   "recorded_kept": record.kept, "replayed_kept": _round(got.kept)}
                 out["loads"][name] = rows
+            elif args.compare:
+                out["loads"][name] = compare(load, Sources(args.paused_from, args.free_from), slo_ms=args.slo_ms)
             else:
                 got = predict(load, args.policy, Sources(args.paused_from, args.free_from), slo_ms=args.slo_ms)
                 out["loads"][name] = {"policy": args.policy, **got.summary()}
@@ -612,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, rows in out["loads"].items():
             print(f"{name}:")
-            for key, row in (rows.items() if args.reproduce else [(args.policy, rows)]):
+            for key, row in (rows.items() if args.reproduce or args.compare else [(args.policy, rows)]):
                 print(f"  {key:<17} " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "policy"))
     return 0
 

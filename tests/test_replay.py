@@ -114,7 +114,7 @@ class _Scripted(FixedPacing):
     def tick(self, now_s):
         self.ticked = self.paused = True
 
-    def ended(self, now_s, held_s):
+    def ended(self, now_s, held_s, waiting, oldest_arrival_s):
         self.paused = False  # as the daemon's pause: lifted when the request ends
 
     def trainer_paused(self):
@@ -194,3 +194,18 @@ def test_an_abbreviated_flag_is_refused():
     out = subprocess.run([sys.executable, "-m", "bench.replay", str(RUN_FILES["run1"]), "--reproduc"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unrecognized arguments: --reproduc" in out.stderr
+
+
+def test_compare_puts_each_policy_beside_mps_priority_as_recorded(runs):
+    load = runs["run1"]["heavy"]
+    rows = replay.compare(load)
+    base = load.modes["mps-priority"]
+    assert rows["mps-priority"]["p99_ms"] == pytest.approx(base.p99_ms, rel=1e-4)
+    assert rows["mps-priority"]["kept"] == pytest.approx(base.kept, abs=0.001)
+    assert rows["pause"]["dominates_baseline"] is False  # 47% kept against 69%
+    assert {"adaptive", "pause", "free", "queue"} <= set(rows)
+    # Never pausing, with MPS priority's own service times and speeds, is MPS priority: the what-if
+    # "pacing costs the trainer nothing while it runs" starts from the baseline itself.
+    what_if = replay.compare(load, replay.Sources(free_mode="mps-priority"))["free"]
+    assert what_if["p99_ms"] == pytest.approx(base.p99_ms, rel=1e-4)
+    assert what_if["kept"] == pytest.approx(base.kept, abs=0.001) and what_if["dominates_baseline"] is True
