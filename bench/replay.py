@@ -153,7 +153,9 @@ def _number(value, what: str) -> float:
 
 
 def load_run(path: str) -> dict[str, LoadRecord]:
-    """Every load of the run at ``path``, rebuilt (ReplayError with one line if it cannot be)."""
+    """Every load of the run at ``path`` (ReplayError with one line if it cannot be replayed): from
+    its per-request record where it has one (``record_format`` 1: arrival, start and end of each
+    request), else rebuilt from its latencies and seeds (the runs of 2026-11-27)."""
     try:
         with open(path) as f:
             run = json.load(f)
@@ -164,36 +166,77 @@ def load_run(path: str) -> dict[str, LoadRecord]:
     name = os.path.splitext(os.path.basename(path))[0]
     try:
         params, loads, modes = run["parameters"], run["loads"], run["modes"]
-        phase_s = _number(params["phase_s"], "parameters.phase_s")
         seed, max_backlog = int(params["seed"]), int(params["max_backlog"])
+        ok = {mode: entry for mode, entry in modes.items() if isinstance(entry, dict) and entry.get("status") == "ok"}
         out = {}
-        for index, (load, spec) in enumerate(loads.items()):
-            rate = _number(spec["rate_per_s"], f"loads.{load}.rate_per_s")
-            if not 0 < rate * phase_s <= _MAX_REQUESTS:
-                raise ReplayError(f"load {load}: {rate:g} req/s for {phase_s:g} s is not a bench phase")
-            # The seed as bench.colocate.run_phase derives it: run seed * 1000 + the load's index.
-            arrivals = arrivals_ms(rate, seed * 1000 + index, phase_s)
-            records = {}
-            for mode, entry in modes.items():
-                if not isinstance(entry, dict) or entry.get("status") != "ok":
-                    continue
-                e = entry["loads"][load]
-                lat = [_number(v, f"{mode}.{load}.latency_ms[]") for v in e["latency_ms"]]
-                if len(arrivals) != e["offered"]:
-                    raise ReplayError(f"{mode} {load}: {e['offered']} offered, {len(arrivals)} regenerated from "
-                                      "the seed and rate: not a record of this bench's arrivals")
-                requests, dropped = rebuild(arrivals, lat, max_backlog)
-                if len(dropped) != e["dropped"]:
-                    raise ReplayError(f"{mode} {load}: {e['dropped']} dropped, the rebuild finds {len(dropped)}")
-                records[mode] = ModeRecord(mode, tuple(requests), percentile(lat, 99), e.get("kept"),
-                                           frozenset(dropped), e.get("service_p50_ms"), e.get("service_p99_ms"))
-            alone = records.get("alone")
-            out[load] = LoadRecord(name, load, rate, seed * 1000 + index, phase_s, max_backlog, tuple(arrivals),
-                                   alone.p99_ms if alone else None, records)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        for index, load in enumerate(loads):
+            entries = {mode: entry["loads"][load] for mode, entry in ok.items()}
+            if entries and all(isinstance(e.get("requests"), dict) for e in entries.values()):
+                out[load] = _recorded_load(name, load, entries, max_backlog)
+            else:
+                out[load] = _rebuilt_load(name, load, index, loads[load], entries, params, seed, max_backlog)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise ReplayError(f"{path} lacks what a replay needs ({type(exc).__name__}: {exc}); replay only a "
                           "bench.colocate JSON as written") from None
     return out
+
+
+def _rebuilt_load(name, load, index, spec, entries, params, seed, max_backlog) -> LoadRecord:
+    phase_s = _number(params["phase_s"], "parameters.phase_s")
+    rate = _number(spec["rate_per_s"], f"loads.{load}.rate_per_s")
+    if not 0 < rate * phase_s <= _MAX_REQUESTS:
+        raise ReplayError(f"load {load}: {rate:g} req/s for {phase_s:g} s is not a bench phase")
+    # The seed as bench.colocate.run_phase derived it: run seed * 1000 + the load's index.
+    arrivals = arrivals_ms(rate, seed * 1000 + index, phase_s)
+    records = {}
+    for mode, e in entries.items():
+        lat = [_number(v, f"{mode}.{load}.latency_ms[]") for v in e["latency_ms"]]
+        if len(arrivals) != e["offered"]:
+            raise ReplayError(f"{mode} {load}: {e['offered']} offered, {len(arrivals)} regenerated from "
+                              "the seed and rate: not a record of this bench's arrivals")
+        requests, dropped = rebuild(arrivals, lat, max_backlog)
+        if len(dropped) != e["dropped"]:
+            raise ReplayError(f"{mode} {load}: {e['dropped']} dropped, the rebuild finds {len(dropped)}")
+        records[mode] = ModeRecord(mode, tuple(requests), percentile(lat, 99), e.get("kept"),
+                                   frozenset(dropped), e.get("service_p50_ms"), e.get("service_p99_ms"))
+    alone = records.get("alone")
+    return LoadRecord(name, load, rate, seed * 1000 + index, phase_s, max_backlog, tuple(arrivals),
+                      alone.p99_ms if alone else None, records)
+
+
+def _recorded_load(name, load, entries, max_backlog) -> LoadRecord:
+    """A load whose modes carry ``requests`` (arrival_us, start_us, end_us; null start and end for a
+    dropped one; window_us: the phase's start and end), times from each mode's own window start."""
+    records, arrivals, phase_s, rate, seed = {}, None, None, None, None
+    for mode, e in entries.items():
+        r = e["requests"]
+        start_us, end_window_us = (_number(v, f"{mode}.{load}.requests.window_us") for v in r["window_us"])
+        arrival = [(_number(v, f"{mode}.{load}.arrival_us[]") - start_us) / 1e3 for v in r["arrival_us"]]
+        if not 0 < len(arrival) <= _MAX_REQUESTS or len(r["start_us"]) != len(arrival) or \
+                len(r["end_us"]) != len(arrival) or end_window_us <= start_us:
+            raise ReplayError(f"{mode} {load}: arrival_us, start_us and end_us are not one entry per request")
+        requests, dropped = [], set()
+        for i, (a, st, en) in enumerate(zip(arrival, r["start_us"], r["end_us"])):
+            if st is None or en is None:
+                dropped.add(i)
+                continue
+            st, en = (_number(st, f"{mode}.{load}.start_us[]") - start_us) / 1e3, \
+                (_number(en, f"{mode}.{load}.end_us[]") - start_us) / 1e3
+            if not a - 1e-3 <= st <= en:
+                raise ReplayError(f"{mode} {load}: request {i} starts before it arrives or ends before it starts")
+            requests.append(Request(a, st, en))
+        if arrivals is None:
+            arrivals, phase_s = arrival, (end_window_us - start_us) / 1e6
+            rate, seed = _number(r["rate_per_s"], f"{mode}.{load}.requests.rate_per_s"), int(r["seed"])
+        elif len(arrival) != len(arrivals) or any(abs(x - y) > 0.05 for x, y in zip(arrival, arrivals)):
+            raise ReplayError(f"load {load}: mode {mode} saw other arrivals than the modes before it; a replay "
+                              "pairs the modes' requests by arrival")
+        lat = [q.latency_ms for q in requests]
+        records[mode] = ModeRecord(mode, tuple(requests), percentile(lat, 99) if lat else math.nan, e.get("kept"),
+                                   frozenset(dropped), e.get("service_p50_ms"), e.get("service_p99_ms"))
+    alone = records.get("alone")
+    return LoadRecord(name, load, rate, seed, phase_s, max_backlog, tuple(arrivals),
+                      alone.p99_ms if alone else None, records)
 
 
 # ------------------------------------------------------------------ the trainer
