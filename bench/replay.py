@@ -41,7 +41,7 @@ import sys
 import tempfile
 import types
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bench.colocate_worker import poisson_arrivals
 from bench.common import percentile
