@@ -11,7 +11,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -27,7 +26,9 @@ _READER = r"""
 import mmap, os, struct, sys
 from client_lib import pace as pb
 board, report = sys.argv[1], sys.argv[2]
-out = mmap.mmap(os.open(report, os.O_RDWR), 112)
+fd = os.open(report, os.O_RDWR)
+out = mmap.mmap(fd, 112)
+os.close(fd)
 reader = pb.PaceBoardReader(board)
 pack = struct.Struct("<14Q").pack_into
 last, n = None, 0
@@ -59,7 +60,9 @@ class _Reader:
         self.proc = subprocess.Popen([sys.executable, "-c", _READER, board, report], cwd=REPO,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert self.proc.stdout.readline().startswith("READING")
-        self._report = mmap.mmap(os.open(report, os.O_RDONLY), 112, prot=mmap.PROT_READ)
+        fd = os.open(report, os.O_RDONLY)
+        self._report = mmap.mmap(fd, 112, prot=mmap.PROT_READ)
+        os.close(fd)
 
     def seen(self) -> tuple[int, int, tuple[int, ...]]:
         """(reads done, the pid it read on the board, its view): two equal reads of the report."""
@@ -215,7 +218,7 @@ def _holder(endpoint: str) -> subprocess.Popen:
 # main, so that a restart costs the daemon's own start (socket, journal, restore, boards) and not
 # seconds of Python imports on a loaded machine. A line on its stdin forks one; it answers the pid.
 _ZYGOTE = r"""
-import os, signal, sys, threading
+import os, signal, sys, threading, traceback
 import nodeagent.cli, nodeagent.daemon.server, nodeagent.daemon.cluster, nodeagent.journal
 log, argv = sys.argv[1], sys.argv[2:]
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the daemons it forks are reaped as they die
@@ -231,9 +234,11 @@ for line in sys.stdin:
         os.close(fd)
         code = 1
         try:
-            code = nodeagent.cli.main(argv)
+            code = nodeagent.cli.main(argv) or 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            os._exit(code or 0)
+            os._exit(code)
     print(pid, flush=True)
 """
 
@@ -256,7 +261,9 @@ class _Daemons:
         """A new daemon, once it answers status: its pid."""
         self.zygote.stdin.write("\n")
         self.zygote.stdin.flush()
-        self.pid = int(self.zygote.stdout.readline())
+        line = self.zygote.stdout.readline()
+        assert line, f"the process that forks the daemons died ({self.zygote.poll()})"
+        self.pid = int(line)
         wait_for(lambda: not self._alive() or self._up(), timeout=timeout)
         assert self._alive(), f"daemon did not start:\n{self.spec.log()}"
         return self.pid

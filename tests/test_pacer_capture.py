@@ -94,3 +94,28 @@ def test_while_a_graph_is_captured_the_fence_does_not_synchronise(monkeypatch):
     cuda.capturing = False
     pacer.fence()
     assert cuda.calls == ["device-synchronize"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_graph_captured_beside_a_higher_class_captures_and_replays():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
+    pacer = Pacer(_Client(), model, points=8, ahead_ms=1.0, bound="present")  # bounded: events at each point
+    x = torch.randn(64, 256, device=device)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up torch.cuda.graph asks for, bounded as ever
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # its points fire on the capturing stream
+            out = model(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(out, model(x))
+    assert pacer.points == 8
+    pacer.close()
