@@ -345,18 +345,21 @@ def test_50_sigkilled_restarts_under_readers_at_full_speed_leave_them_alive_on_t
 def test_after_a_clean_restart_a_resumed_trainer_reads_the_new_board_not_the_unlinked_one(start_daemon):
     d = start_daemon("--sharing", "corun", "--corun-duty", "pause")
     with Client("trainer", workload="training", endpoint=d.endpoint) as trainer:
-        old = os.stat(trainer.welcome.pace).st_ino
+        path = trainer.welcome.pace
+        old = os.stat(path).st_ino
         welcome = trainer.welcome
         assert trainer.pacing.pace().present == 0
         assert d.stop(signal.SIGTERM) == 0  # a clean stop: the board cleared and unlinked
         d = start_daemon("--sharing", "corun", "--corun-duty", "pause")
         wait_for(lambda: trainer.welcome is not welcome, timeout=10)  # reattached in the background
-        assert trainer.welcome.resumed
-        assert os.stat(trainer.welcome.pace).st_ino != old
+        assert trainer.durable is not None  # (waits for the client's lock: the reattach has finished)
+        assert trainer.welcome.resumed and trainer.welcome.pace == path and os.stat(path).st_ino != old
         holder = _holder(d.endpoint)
         try:
-            # The new daemon's board says a service holds; the old one, unlinked, still says nobody.
-            pace = wait_for(lambda: (lambda p: p if p.active else None)(trainer.pacing.pace()), timeout=5)
+            wait_for(lambda: (_fresh(path) or (0, ()))[1][4:6] == (1, 1), timeout=5)  # the new board: it holds
+            # One read, well before the reader's own recheck: the reattach mapped the new board
+            # (the old one, unlinked, still says nobody is there).
+            pace = trainer.pacing.pace()
             assert pace.present == 1 and pace.throttled and trainer.pacing.reader.daemon_pid == d.proc.pid
         finally:
             holder.kill()
