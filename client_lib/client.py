@@ -688,6 +688,7 @@ class Client:
         """Map the pace board the welcome names (co-run), or drop the one we had."""
         old = self._pace
         if old is not None and old.reader.path == path:
+            old.reader.refresh()  # a restarted daemon's board may be another file at the same path
             return
         self._pace = None
         if old is not None:

@@ -24,6 +24,14 @@ A reader that finds the sequence odd, or changed across its read, reads again
 root daemon); a client can only read it, and a client that ignores it is
 slowed by MPS client priority and, past a grace, by the daemon.
 
+A board a client maps is never truncated or shrunk (touching a mapped page past
+a file's end is SIGBUS): a restarted daemon reuses a valid board in place,
+carrying its sequence on, or writes a new file beside it and renames it over
+the path; a reader checks, every :data:`RECHECK_READS` reads and at most
+every :data:`RECHECK_S`, whether the path names another file (a replaced
+board, or a new one after a clean restart unlinked the old) and then maps that
+one; a client checks again whenever it reattaches.
+
 No torch here: :mod:`client_lib.torch` adds bounded run-ahead and pause points
 between layers on top of :class:`PacePoint`.
 """
@@ -46,6 +54,8 @@ _WORDS = struct.Struct("<16I")
 _SEQ = struct.Struct("<I")
 _SLOT = 4  # words per class
 _READ_TRIES = 64
+RECHECK_S = 0.05  # how often at most a reader asks whether its path names another board (one stat)
+RECHECK_READS = 64  # ... on every this many reads (a clock read costs more than a board read on some VMs)
 
 
 class PaceBoardError(OSError):
@@ -71,26 +81,44 @@ FREE = Pace(0, False, 1000, 10_000)
 
 
 class PaceBoardWriter:
-    """The daemon's side: one device's board, created (or reset) at ``path``."""
+    """The daemon's side: one device's board at ``path``, reused in place when a valid one of
+    this user's is there (its sequence carried on), else written anew and renamed over the path;
+    never truncated under a reader (see the module docstring)."""
 
     def __init__(self, path: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise PaceBoardError(f"{path} is not a regular file")
-            if gid is not None:
-                os.fchown(fd, -1, gid)
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, SIZE)
-            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
         self._words = [0] * 16
         self._words[0], self._words[1], self._words[3] = MAGIC, VERSION, os.getpid() & 0xFFFFFFFF
         for k in range(CLASSES):
             self._words[4 + _SLOT * k: 8 + _SLOT * k] = [0, 0, 1000, FREE.period_us]
-        self._publish()
+        reused = _reuse_board(path, mode, gid)
+        if reused is not None:
+            self._map, seq = reused
+            self._words[2] = (seq + (seq & 1)) & 0xFFFFFFFF  # even, past any sequence a reader cached
+            self._publish()
+            return
+        spare = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".new")
+        try:
+            os.unlink(spare)  # left by a daemon killed while replacing (the directory is ours)
+        except FileNotFoundError:
+            pass
+        fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, SIZE)  # a new file nobody maps yet
+            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._publish()  # complete before any reader can open it
+            os.rename(spare, path)  # readers of the old file keep it whole, and find this one
+        except BaseException:
+            try:
+                os.unlink(spare)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
 
     def set(self, workload: int, pace: Pace) -> bool:
         """Write class ``workload``'s slot; False (nothing written) when it already says that."""
@@ -131,32 +159,55 @@ class PaceBoardWriter:
 
 
 class PaceBoardReader:
-    """A client's side: the board mapped read-only."""
+    """A client's side: the board mapped read-only; the file its path names is remapped when
+    that changes (a restarted daemon's board: see :meth:`read`)."""
 
-    def __init__(self, path: str) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise PaceBoardError(exc.errno, f"cannot open the pace board {path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < SIZE:
-                raise PaceBoardError(f"{path} is not a pace board (not a regular file of {SIZE} bytes)")
-            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        words = _WORDS.unpack_from(self._map, 0)
-        if words[0] != MAGIC or words[1] != VERSION:
-            self._map.close()
-            raise PaceBoardError(f"{path} is not a version-{VERSION} pace board")
+    def __init__(self, path: str, *, recheck_s: float = RECHECK_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._map, self._identity = _map_board(path)
         self.path = path
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._next_check = clock() + recheck_s
+        self._reads = 0
         self._seq = -1  # the sequence the cache below was read at
         self._cache: tuple[Pace, ...] = ()
+        self._pid = 0
+        self._closed = False
+
+    @property
+    def daemon_pid(self) -> int:
+        """The pid of the daemon that wrote the board as last read (0 before the first read)."""
+        return self._pid
+
+    def refresh(self) -> bool:
+        """Map the board the path names now if it is another file than the one mapped (a
+        restarted daemon's); True if it was. A path gone, or not (yet) a board, keeps the old."""
+        self._next_check = self._clock() + self._recheck_s
+        if self._closed:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino) == self._identity:
+            return False
+        try:
+            self._map, self._identity = _map_board(self.path)
+        except OSError:
+            return False
+        self._seq = -1  # the old map is closed when the last read of it ends (never under a reader)
+        return True
 
     def read(self, workload: int) -> Pace:
         """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon
         killed while writing leaves it so: pacing fails open). While the board's sequence
-        is unchanged this is one 4-byte load (the slots read last time are kept)."""
+        is unchanged this is one 4-byte load (the slots read last time are kept); every
+        :data:`RECHECK_READS` reads a clock read, and at most every ``recheck_s`` a
+        :meth:`refresh` (one stat)."""
+        self._reads += 1
+        if not self._reads % RECHECK_READS and self._clock() >= self._next_check:
+            self.refresh()
         try:
             if _SEQ.unpack_from(self._map, 8)[0] == self._seq:
                 return self._cache[workload]
@@ -173,6 +224,7 @@ class PaceBoardReader:
                     continue
                 self._cache = tuple(Pace(words[b], words[b + 1] != 0, min(words[b + 2], 1000), max(words[b + 3], 1))
                                     for b in range(4, 4 + _SLOT * CLASSES, _SLOT))
+                self._pid = words[3]
                 self._seq = seq
                 return self._cache[workload]
         except (ValueError, TypeError):  # closed meanwhile (the session ended): nothing to wait for
@@ -180,9 +232,10 @@ class PaceBoardReader:
         return FREE
 
     def close(self) -> None:
+        self._closed = True
         try:
             self._map.close()
-        except (ValueError, OSError):
+        except (ValueError, OSError, BufferError):
             pass
 
 
@@ -242,3 +295,50 @@ def in_on_phase(pace: Pace, now: float) -> bool:
         return False
     period_us = pace.period_us
     return (int(now * 1e6) % period_us) * 1000 < pace.duty_permille * period_us
+
+
+def _map_board(path: str) -> tuple[mmap.mmap, tuple[int, int]]:
+    """Map the board at ``path`` read-only: (the map, the file's (device, inode))."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PaceBoardError(exc.errno, f"cannot open the pace board {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < SIZE:
+            raise PaceBoardError(f"{path} is not a pace board (not a regular file of {SIZE} bytes)")
+        board = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    words = _WORDS.unpack_from(board, 0)
+    if words[0] != MAGIC or words[1] != VERSION:
+        board.close()
+        raise PaceBoardError(f"{path} is not a version-{VERSION} pace board")
+    return board, (st.st_dev, st.st_ino)
+
+
+def _reuse_board(path: str, mode: int, gid: int | None) -> tuple[mmap.mmap, int] | None:
+    """A valid board of this user's already at ``path``, mapped for writing, and its sequence;
+    None where there is none (or it is anything else: the caller replaces it)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_size != SIZE or st.st_uid != os.geteuid()
+                or st.st_nlink != 1):
+            return None
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)
+        board = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    words = _WORDS.unpack_from(board, 0)
+    if words[0] != MAGIC or words[1] != VERSION:
+        board.close()
+        return None
+    return board, words[2]

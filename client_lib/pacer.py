@@ -45,6 +45,13 @@ And a **fence**: before the client hands the token on at a yield or a
 suspend (exclusive sharing, training beside training), the device's queued
 work is finished, so the next holder gets the GPU rather than a queue of ours.
 
+**CUDA graph capture** (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``):
+while the current stream is capturing, a point records, queries and waits on no
+event and the fence does not synchronise (any of them would invalidate the
+capture); the board is still read and a pause still holds the CPU. Nothing
+captured runs until the graph is replayed, and a replay passes no point: the
+bound holds at the points outside the graph.
+
 On the cpu backend there is no run-ahead to bound: the points pause and the
 fence does nothing. Hooks are removed by :meth:`Pacer.close`.
 """
@@ -63,7 +70,8 @@ log = logging.getLogger("client_lib.pacer")
 
 class Pacer:
     """Pause points, bounded run-ahead and a yield fence for ``modules`` of a lower-class session
-    (see the module docstring). ``optimizers``: an optimizer or several, paused before each step.
+    (see the module docstring; while the current stream captures a CUDA graph, the bound and the
+    fence make no CUDA call). ``optimizers``: an optimizer or several, paused before each step.
     ``ahead_ms``: GPU time of this process's work that may stay queued while a higher class is on
     the device (None: 8 ms under MPS client priority, where queued work yields block by block,
     else 4 ms). ``points``: about how many pause points to place in each module tree. ``bound``:
@@ -115,8 +123,9 @@ class Pacer:
     # ------------------------------------------------------------------ api
 
     def fence(self) -> None:
-        """Finish the work this process queued on the device (before the token moves on)."""
-        if self._cuda:
+        """Finish the work this process queued on the device (before the token moves on); not while
+        a CUDA graph is being captured (a synchronise would invalidate the capture)."""
+        if self._cuda and not _capturing():
             torch.cuda.synchronize(self._device)
         self._recycle_all()
 
@@ -129,7 +138,8 @@ class Pacer:
         pace = pacing.pace()
         if self._cuda:
             if pace.present and (self.bound == "present" or pace.duty_permille < 1000):
-                self._bound()
+                if not _capturing():  # a CUDA graph being captured: no event calls
+                    self._bound()
             elif self._events:
                 self._recycle_all()
         if pace.throttled:
@@ -228,6 +238,14 @@ def pause_modules(root: torch.nn.Module, points: int) -> list[torch.nn.Module]:
 
     visit(root)
     return chosen
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False from a torch built without CUDA)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
 
 
 def _mps_low_priority(client) -> bool:

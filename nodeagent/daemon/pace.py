@@ -46,7 +46,8 @@ class Pacing:
     # ---------------------------------------------------------------- life
 
     def start(self, socket_path: str | None, state_dir: str) -> None:
-        """Create ``<socket dir>/pace/dev<N>`` for each co-run device (the state dir over tcp)."""
+        """Create ``<socket dir>/pace/dev<N>`` for each co-run device (the state dir over tcp); a board
+        the last daemon left is reused in place or replaced by rename, never truncated under its readers."""
         if not self._controllers:
             return
         base = os.path.dirname(socket_path) if socket_path else state_dir
