@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -191,6 +192,144 @@ def test_slices_with_no_lower_class_holding_are_reference_only():
     c = PaceController(window=4)
     _feed(c, 0.010, 20, lower_active=False)
     assert c.duty_permille == 0 and c.reference_s() == pytest.approx(0.010)
+
+
+# ------------------------------------------------- the controller under measured noise (issue 30)
+
+
+def _corun(c: PaceController, n: int, *, cost: float, seed: int, median_s: float = 0.010, sigma: float = 0.2,
+           start: int = 0) -> int:
+    """``n`` slices of a seeded log-normal service (the H100 runs' spread: p99/p50 about 1.6),
+    ``cost`` times slower while the lower class runs beside it; the slices run paused."""
+    rng = random.Random(seed * 1_000_003 + start)
+    paused = 0
+    for _ in range(n):
+        duty = c.duty_permille
+        paused += duty == 0
+        c.observe(median_s * rng.lognormvariate(0.0, sigma) * (cost if duty else 1.0), duty, True)
+    return paused
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_service_with_the_measured_spread_runs_beside_the_trainer_when_that_costs_nothing(seed):
+    c = PaceController()
+    paused = _corun(c, 5000, cost=1.0, seed=seed)
+    # Probes of the reference (one window in 1024) are the only changes expected.
+    assert c.changes <= 3 * 5, c.changes  # at most 3 per 1,000 slices (the old controller: about 19)
+    assert paused < 0.05 * 5000, paused  # the old controller paused about 40% of the time
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_service_that_co_running_slows_1_5x_keeps_the_trainer_paused(seed):
+    c = PaceController()
+    paused = _corun(c, 5000, cost=1.5, seed=seed)
+    assert paused > 0.9 * 5000, paused
+    assert c.changes <= 5 * 5, c.changes
+
+
+def _feed_until_change(c: PaceController, held_s: float, n: int) -> None:
+    duty = c.duty_permille
+    for _ in range(n):
+        c.observe(held_s, duty, True)
+        if c.duty_permille != duty:
+            return
+
+
+def test_one_window_that_holds_by_chance_does_not_undo_the_backoff():
+    c = PaceController(window=8, probe_every=10_000)
+    _feed(c, 0.010, 8)  # the reference: a try at 1000 follows
+    for _ in range(2):  # two failed tries: the holds grow to 2, then 4 windows
+        _feed_until_change(c, 0.030, 8)
+        while c.duty_permille == 0:
+            _feed_until_change(c, 0.010, 8)
+    _feed_until_change(c, 0.010, 8)  # a window that holds by chance (noise)
+    assert c.duty_permille == 1000
+    _feed_until_change(c, 0.030, 8)  # and the cost is back
+    assert c.duty_permille == 0
+    windows = 0
+    while c.duty_permille == 0:
+        _feed_until_change(c, 0.010, 8)
+        windows += 1
+    assert windows >= 8, windows  # the old controller held 1 window: the lucky one had reset its backoff
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_heavier_load_is_not_read_as_interference_for_windows_on_end(seed):
+    c = PaceController(probe_every=100_000)
+    _corun(c, 2000, cost=1.0, seed=seed, median_s=0.010)  # light: running beside it costs nothing
+    assert c.duty_permille == 1000
+    paused = _corun(c, 2000, cost=1.0, seed=seed, median_s=0.030, start=1)  # heavy, still no cost
+    # One window paused finds that pausing did not help (a noisy window may cost one more); the
+    # old controller paused 560-1,130 of these 2,000 slices.
+    assert paused <= 32, paused
+    assert c.duty_permille == 1000
+
+
+# -------------------------------------------- one controller per higher-class session (issue 30)
+
+
+def _tokens_with(*specs):
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from tests.daemon_parts import make_tokens
+
+    sessions = SessionTable()
+    clock = [0.0]
+    tokens = make_tokens(sessions=sessions, config=ServeConfig(backend="cpu", sharing="corun", enforce="revoke"),
+                         clock=lambda: clock[0])
+    made = {}
+    for sid, workload, slo_ms in specs:
+        s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None,
+                    start_ticks=None, uid=None, workload=Workload.parse(workload), weight=1.0, device=0,
+                    memory_mb=0, created=0.0, last_seen=0.0, slo_ms=slo_ms)
+        sessions.add(s)
+        tokens.add(0, sid, s.workload, 1.0, 0.0)
+        made[sid] = s
+    return tokens, made, clock
+
+
+def _slice(tokens, s, start: float, held_s: float) -> None:
+    tokens.request(0, s.id, start)
+    assert s.grant is not None
+    tokens.release_session(s, s.grant, start + held_s)
+
+
+def test_each_higher_class_session_has_its_own_controller_fed_by_its_own_slices():
+    tokens, s, clock = _tokens_with(("a", "inference", 20.0), ("b", "inference", 50.0), ("t", "training", None))
+    now = 1.0
+    _slice(tokens, s["t"], now, 3.0)  # a trainer's seconds-long warm-up slice, no lower class beside it
+    now = 5.0
+    tokens.request(0, "t", now)
+    for n in range(6):
+        _slice(tokens, s["a"], now + 0.1 * n, 0.004)
+        _slice(tokens, s["b"], now + 0.1 * n + 0.05, 0.040)
+    a, b, t = (tokens.pacing.controller(sid) for sid in "abt")
+    assert a is not b and a is not None and b is not None
+    assert a.slo_s == 0.020 and b.slo_s == 0.050  # not overwritten by each other's slices
+    assert max(a._reference) < 0.01 and min(b._reference) > 0.01  # each its own slices only
+    assert t is not None and 3.0 not in a._reference and 3.0 not in b._reference
+    tokens.remove(0, "a", now + 1.0)
+    assert tokens.pacing.controller("a") is None  # gone with its session
+
+
+def test_a_higher_class_paces_by_the_lowest_duty_among_its_holders_and_arms_while_any_may_pause(tmp_path):
+    from client_lib.pace import PaceBoardReader
+
+    tokens, s, clock = _tokens_with(("a", "inference", None), ("b", "inference", None), ("t", "training", None))
+    tokens.pacing.start(None, str(tmp_path))
+    board = PaceBoardReader(tokens.pacing.board_path(0))
+    tokens.request(0, "t", 0.0)
+    tokens.pacing.refresh_all()
+    pace = board.read(int(Workload.TRAINING))
+    # Adaptive controllers start paused: a pause comes at the next request, so the bound is armed
+    # already (the daemon used to write duty 1000 here, and the Pacer never bounded before a pause).
+    assert pace.present == 2 and not pace.active and pace.armed and pace.duty_permille == 0
+    tokens.pacing.controller("a").fixed = tokens.pacing.controller("b").fixed = 1000  # both "free"
+    tokens.pacing.refresh_all()
+    pace = board.read(int(Workload.TRAINING))
+    assert not pace.armed and pace.duty_permille == 1000  # no pause can come: free costs nothing
+    tokens.close() if hasattr(tokens, "close") else None
+    tokens.pacing.close()
 
 
 # --------------------------------------------------------------- the linger
