@@ -382,8 +382,8 @@ class PaceController:
         gap_end = None if serving or not self._waiting else self._told_at + self.max_gap_s
         if self._paused or (not serving and not self._waiting):
             return gap_end
-        target, expected = self.target_s(), self.expected_service_s()
-        if target is None or expected is None:
+        target, expected = self.target_s(), self.expected_service_s() or 0.0
+        if target is None:
             return gap_end
         if serving:
             cross = (self._served_arrival or self._serving_since) + target
@@ -584,8 +584,9 @@ class PaceController:
         if self._queue_probe_left:
             return True
         target, expected = self.target_s(), self.expected_service_s()
-        if target is None or expected is None:
+        if target is None:
             return True
+        expected = expected or 0.0  # no slice seen yet: its age alone
         if self._serving_since is not None:
             arrival = self._served_arrival if self._served_arrival is not None else self._serving_since
             finish = max(self._serving_since + expected, now)

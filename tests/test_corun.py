@@ -17,8 +17,9 @@ import pytest
 
 from client_lib import Client
 from client_lib import pace as pb
+from client_lib import protocol as p
 from sharing import AskYield, Grant, SchedulerPolicy, SessionState, TokenScheduler, Workload
-from sharing.corun import DUTY_STEPS_PERMILLE, CoRunScheduler, PaceController
+from sharing.corun import DUTY_STEPS_PERMILLE, CoRunScheduler, PaceController, PaceWant
 from sharing.scheduler import DuplicateSessionError, NotHolderError, UnknownSessionError
 from tests.conftest import REPO, wait_for
 
@@ -263,6 +264,87 @@ def test_a_heavier_load_is_not_read_as_interference_for_windows_on_end(seed):
     # old controller paused 560-1,130 of these 2,000 slices.
     assert paused <= 32, paused
     assert c.duty_permille == 1000
+
+
+# ------------------------------------------------------- steered by the service's queue (issue 30)
+
+
+def _queue_controller(**kw) -> PaceController:
+    c = PaceController(**kw)
+    c.set_slo(0.050)  # a 50 ms p99
+    return c
+
+
+def test_nothing_waiting_runs_the_trainer_free_and_a_waiting_request_arms_the_bound():
+    c = _queue_controller()
+    c.tell_queue(0.0, 0)
+    assert c.queue_steered and c.want(0.0) == PaceWant(1000, False)  # no bound, no pause
+    c.tell_queue(1.0, 1, 0.0)  # a request arrived just now
+    assert c.want(1.0) == PaceWant(1000, True)  # armed, not paused: it will meet its target
+    c.slice_started(1.0, True)
+    assert c.want(1.001) == PaceWant(1000, True)
+    c.slice_ended(1.010, True)
+    c.tell_queue(1.010, 0)
+    assert c.want(1.010) == PaceWant(1000, False) and c.changes == 0
+
+
+def test_a_request_whose_projected_latency_passes_the_target_pauses_until_the_queue_is_empty():
+    c = _queue_controller()
+    for n in range(8):  # 20 ms a request beside the trainer
+        c.tell_queue(n, 1, 0.0)
+        c.slice_started(n, True)
+        c.slice_ended(n + 0.020, True)
+        c.tell_queue(n + 0.020, 0)
+    assert c.expected_service_s() == pytest.approx(0.020)
+    c.tell_queue(10.0, 3, 0.025)  # the oldest of three has waited 25 ms: 25 + 20 < 50, free
+    assert c.want(10.0) == PaceWant(1000, True)
+    deadline = c.next_deadline()
+    assert deadline == pytest.approx(10.0 - 0.025 + 0.050 - 0.020)  # when its projection reaches 50 ms
+    assert c.want(deadline + 1e-6) == PaceWant(0, True, holds_pause=True)  # nothing said, time passed: paused
+    c.slice_started(10.006, True)
+    c.slice_ended(10.020, True)
+    c.tell_queue(10.020, 2, 0.030)  # back to back: two still wait
+    assert c.want(10.020) == PaceWant(0, True, holds_pause=True)  # held between the slices
+    c.tell_queue(10.0201, 2, 0.030)
+    c.slice_started(10.0201, True)
+    assert c.want(10.03) == PaceWant(0, True)
+    c.slice_ended(10.04, True)
+    c.tell_queue(10.04, 0)  # the queue is empty: the pause ends
+    assert c.want(10.04) == PaceWant(1000, False)
+    assert c.changes == 2  # one pause, one end: not one per slice
+
+
+def test_a_pause_held_for_requests_that_never_come_ends_after_the_gap():
+    c = _queue_controller(max_gap_s=0.05)
+    c.tell_queue(0.0, 5, 1.0)  # five wait, the oldest for a second: paused at once
+    assert c.want(0.0) == PaceWant(0, True, holds_pause=True)
+    assert c.next_deadline() == pytest.approx(0.05)
+    assert c.want(0.06) == PaceWant(1000, False)  # it never asked: as if nothing waited
+
+
+def test_without_a_declared_slo_the_target_is_learned_with_the_trainer_paused():
+    c = PaceController(latency_quantile=0.9, latency_margin=0.25)
+    c.tell_queue(0.0, 1, 0.0)
+    assert c.target_s() is None and c.want(0.0) == PaceWant(0, True, True)  # nothing learned: the safe side
+    for n in range(10):
+        c.tell_queue(n, 1, 0.002)
+        c.slice_started(n, True)
+        c.slice_ended(n + 0.010, True)  # paused throughout: 12 ms from arrival to release
+        c.tell_queue(n + 0.010, 0)
+    assert c.target_s() == pytest.approx(0.012 * 1.25)
+    c.tell_queue(20.0, 1, 0.0)
+    assert c.want(20.0) == PaceWant(1000, True)  # now it runs beside a request it can keep in target
+
+
+def test_a_session_that_says_nothing_about_its_queue_is_steered_by_slice_lengths():
+    c = PaceController(window=8)
+    c.tell_queue(0.0, None)
+    assert not c.queue_steered and c.want(0.0) == PaceWant(0, True)  # starts paused, armed: as before
+    _feed(c, 0.010, 8)
+    assert c.want(1.0) == PaceWant(1000, False)
+    pinned = PaceController(fixed_duty_permille=1000)
+    pinned.tell_queue(0.0, 3, 1.0)
+    assert pinned.want(0.0) == PaceWant(1000, False)  # "free": never armed, whatever waits
 
 
 # -------------------------------------------- one controller per higher-class session (issue 30)
@@ -627,3 +709,82 @@ def test_a_second_user_on_an_mps_device_runs_outside_mps_and_still_reads_the_boa
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# ---------------------------------------------- the daemon steering by the queue (issue 30)
+
+
+def test_a_waiting_request_arms_the_trainers_bound_at_its_next_pause_point_and_none_waiting_lifts_it(
+        start_daemon):
+    torch = pytest.importorskip("torch")
+    from client_lib.torch import Pacer
+
+    d = start_daemon("--sharing", "corun")
+    with Client("trainer", workload="training", endpoint=d.endpoint) as t, \
+            Client("ranker", workload="inference", endpoint=d.endpoint, slo_ms=10_000.0) as inf:
+        pacer = Pacer(t, torch.nn.Linear(4, 4), bound="pausable")
+        pacer._cuda = True  # the decision, without a GPU (the bound itself is tests/test_pacer.py's gpu test)
+        bounded: list[int] = []
+        pacer._bound = lambda: bounded.append(1)
+        board = t.pacing
+        with t.slice():
+            inf.acquire(waiting=1, oldest_arrival=time.monotonic())  # says its queue: steered by it from now
+            inf.release(waiting=0)
+            wait_for(lambda: not board.pace().armed)
+            pacer.point()
+            assert bounded == []  # nothing waits: the trainer runs free, no bound
+            inf.acquire(waiting=1, oldest_arrival=time.monotonic())
+            wait_for(lambda: board.pace().armed)
+            pace = board.pace()
+            assert pace.active and not pace.throttled  # a 10 s target: bounded, not paused
+            pacer.point()
+            assert bounded == [1]  # the first pause point after the request bounds the run-ahead
+            inf.release(waiting=0)
+            wait_for(lambda: not board.pace().armed and not board.pace().active)
+            pacer.point()
+            assert bounded == [1]
+        pacer.close()
+
+
+def test_a_pause_is_held_across_back_to_back_requests_until_the_queue_is_empty(start_daemon):
+    d = start_daemon("--sharing", "corun")
+    with Client("trainer", workload="training", endpoint=d.endpoint) as t, \
+            Client("ranker", workload="inference", endpoint=d.endpoint, slo_ms=1.0) as inf:
+        board = t.pacing
+        with t.slice():
+            # Three wait, the oldest for 5 ms: past a 1 ms target whatever the duty, so paused.
+            inf.acquire(waiting=3, oldest_arrival=time.monotonic() - 0.005)
+            wait_for(lambda: board.pace().throttled)
+            inf.release(waiting=2, oldest_arrival=time.monotonic() - 0.006)
+            until = time.monotonic() + 0.02
+            reads = 0
+            while time.monotonic() < until:  # the daemon used to let the trainer go at every release
+                assert board.pace().throttled
+                reads += 1
+            inf.acquire(waiting=2, oldest_arrival=time.monotonic() - 0.007)
+            assert board.pace().throttled and reads > 0
+            inf.release(waiting=0)
+            wait_for(lambda: not board.pace().active and not board.pace().armed)  # empty: free again
+
+
+def test_a_service_that_says_nothing_of_its_queue_and_an_older_client_are_paced_as_before(start_daemon):
+    from tests.rawpeer import RawPeer
+
+    d = start_daemon("--sharing", "corun")
+    with Client("trainer", workload="training", endpoint=d.endpoint) as t:
+        board = t.pacing
+        with t.slice():
+            wait_for(lambda: board.pace().present == 0)
+            old = RawPeer(d.endpoint)
+            try:
+                old.hello("old-ranker", "inference", protocol=(2, 6))  # a 2.6 client: no queue fields
+                old.send(p.Acquire(id=old.take_id(), quiet=True))
+                grant = old.next_notice(p.Grant)
+                # Steered by slice lengths as before 2.7: the adaptive controller starts paused.
+                wait_for(lambda: board.pace().throttled)
+                reply = old.call(p.Release(id=old.take_id(), grant=grant.grant))
+                assert isinstance(reply, p.Ok)
+                wait_for(lambda: not board.pace().active)
+                assert board.pace().armed  # a pause comes with its next request: bounded before it
+            finally:
+                old.close()
