@@ -350,15 +350,15 @@ def test_a_session_that_says_nothing_about_its_queue_is_steered_by_slice_lengths
 # -------------------------------------------- one controller per higher-class session (issue 30)
 
 
-def _tokens_with(*specs):
+def _tokens_with(*specs, duty: str = "adaptive"):
     from nodeagent.config import ServeConfig
     from nodeagent.daemon.sessions import Session, SessionTable
     from tests.daemon_parts import make_tokens
 
     sessions = SessionTable()
     clock = [0.0]
-    tokens = make_tokens(sessions=sessions, config=ServeConfig(backend="cpu", sharing="corun", enforce="revoke"),
-                         clock=lambda: clock[0])
+    tokens = make_tokens(sessions=sessions, clock=lambda: clock[0],
+                         config=ServeConfig(backend="cpu", sharing="corun", enforce="revoke", corun_duty=duty))
     made = {}
     for sid, workload, slo_ms in specs:
         s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None,
@@ -394,24 +394,31 @@ def test_each_higher_class_session_has_its_own_controller_fed_by_its_own_slices(
     assert tokens.pacing.controller("a") is None  # gone with its session
 
 
-def test_a_higher_class_paces_by_the_lowest_duty_among_its_holders_and_arms_while_any_may_pause(tmp_path):
+@pytest.mark.parametrize("duty, armed", [("adaptive", True), ("pause", True), ("free", False)])
+def test_the_bound_is_armed_before_the_request_wherever_a_pause_can_come_and_never_under_free(tmp_path, duty,
+                                                                                               armed):
     from client_lib.pace import PaceBoardReader
 
-    tokens, s, clock = _tokens_with(("a", "inference", None), ("b", "inference", None), ("t", "training", None))
+    tokens, s, clock = _tokens_with(("a", "inference", None), ("b", "inference", None), ("t", "training", None),
+                                    duty=duty)
     tokens.pacing.start(None, str(tmp_path))
-    board = PaceBoardReader(tokens.pacing.board_path(0))
-    tokens.request(0, "t", 0.0)
-    tokens.pacing.refresh_all()
-    pace = board.read(int(Workload.TRAINING))
-    # Adaptive controllers start paused: a pause comes at the next request, so the bound is armed
-    # already (the daemon used to write duty 1000 here, and the Pacer never bounded before a pause).
-    assert pace.present == 2 and not pace.active and pace.armed and pace.duty_permille == 0
-    tokens.pacing.controller("a").fixed = tokens.pacing.controller("b").fixed = 1000  # both "free"
-    tokens.pacing.refresh_all()
-    pace = board.read(int(Workload.TRAINING))
-    assert not pace.armed and pace.duty_permille == 1000  # no pause can come: free costs nothing
-    tokens.close() if hasattr(tokens, "close") else None
-    tokens.pacing.close()
+    try:
+        board = PaceBoardReader(tokens.pacing.board_path(0))
+        tokens.request(0, "t", 0.0)
+        tokens.pacing.refresh_all()
+        pace = board.read(int(Workload.TRAINING))
+        # Adaptive controllers start paused, so a pause comes with the next request: the bound is
+        # armed already (the daemon wrote duty 1000 between requests, and a Pacer under MPS priority
+        # never bounded before a pause). "free" never pauses: the trainer runs unbounded.
+        assert pace.present == 2 and not pace.active and pace.armed is armed
+        assert pace.duty_permille == (1000 if duty == "free" else 0)  # what a 2.6 Pacer bounds by
+        tokens.request(0, "a", 1.0)
+        tokens.pacing.refresh_all()
+        pace = board.read(int(Workload.TRAINING))
+        assert pace.active and pace.throttled is armed and pace.armed is armed
+        board.close()
+    finally:
+        tokens.pacing.close()
 
 
 # --------------------------------------------------------------- the linger
@@ -788,3 +795,26 @@ def test_a_service_that_says_nothing_of_its_queue_and_an_older_client_are_paced_
                 assert board.pace().armed  # a pause comes with its next request: bounded before it
             finally:
                 old.close()
+
+
+def test_a_services_slice_says_its_queue_when_it_asks_and_when_it_gives_back(start_daemon):
+    from collections import deque
+
+    d = start_daemon("--sharing", "corun")
+    with Client("trainer", workload="training", endpoint=d.endpoint) as t, \
+            Client("ranker", workload="inference", endpoint=d.endpoint) as inf:
+        board = t.pacing
+        arrivals = deque([time.monotonic()])
+        said = []
+
+        def queue():
+            said.append(len(arrivals))
+            return len(arrivals), (arrivals[0] if arrivals else None)
+
+        with t.slice():
+            wait_for(lambda: board.pace().armed)  # before it says anything: slice lengths, starting paused
+            with inf.slice(queue=queue):
+                wait_for(lambda: board.pace().throttled)  # no target learnt yet: a waiting request pauses
+                arrivals.popleft()  # the request taken inside the slice: counted when asking, not after
+            assert said == [1, 0]
+            wait_for(lambda: not board.pace().armed and not board.pace().active)  # none waits: free

@@ -51,6 +51,11 @@ class Pacing:
         self._on_device: dict[int, dict[str, tuple[Workload, PaceController]]] = {d: {} for d in self._devices}
         self._shared = {d: new_controller() for d in self._devices}
         self._duty_shown: dict[int, int] = {}  # device -> the duty the gauge shows
+        # A board is written again only when something it depends on may have changed: a
+        # controller was told something (dirty), the lanes or holders differ, or a deadline passed.
+        self._dirty: set[int] = set(self._devices)
+        self._seen: dict[int, tuple] = {}  # device -> (lanes, holders) its board was last written from
+        self._due: dict[int, float] = {}  # device -> its controllers' soonest deadline at that write
 
     # ---------------------------------------------------------------- life
 
@@ -113,9 +118,23 @@ class Pacing:
         for device, board in self._boards.items():
             lanes = self._tokens.pace(device)
             holders = self._tokens.holders(device)
+            seen = (lanes, holders)
+            due = self._due.get(device)
+            if device not in self._dirty and self._seen.get(device) == seen and (due is None or now < due):
+                continue
+            self._dirty.discard(device)
+            self._seen[device] = seen
             wants = []  # (class, want, holding) of each higher-class session with a controller
+            due = None
             for sid, (workload, controller) in self._on_device[device].items():
                 wants.append((workload, self._counted(device, controller.want, now), sid in holders))
+                deadline = controller.next_deadline()
+                if deadline is not None and (due is None or deadline < due):
+                    due = deadline
+            if due is None:
+                self._due.pop(device, None)
+            else:
+                self._due[device] = due
             for holder in holders:  # a holder with no controller of its own
                 if holder not in self._controllers:
                     workload = self._tokens.lane_workload(device, holder)
@@ -136,12 +155,7 @@ class Pacing:
     def next_deadline(self) -> float | None:
         """When a controller's want may change with nothing said (a waiting request's projected
         latency reaching its target, a held pause's gap ending)."""
-        soonest = None
-        for controller in self._controllers.values():
-            deadline = controller.next_deadline()
-            if deadline is not None and (soonest is None or deadline < soonest):
-                soonest = deadline
-        return soonest
+        return min(self._due.values()) if self._due else None  # as of the last write (after every turn)
 
     # ---------------------------------------------------------------- slices
 
@@ -159,6 +173,7 @@ class Pacing:
             waiting = 0
         self._counted(s.device, controller.tell_queue, now, waiting,
                       None if oldest_wait_ms is None else oldest_wait_ms / 1000.0)
+        self._dirty.add(s.device)
 
     def granted(self, s: Session, now: float) -> None:
         """``s`` was granted: its controller notes the duty and whether a lower class holds."""
@@ -166,12 +181,14 @@ class Pacing:
         if controller is not None:
             controller.set_slo(s.slo_ms / 1000.0 if s.slo_ms else None)
             self._counted(s.device, controller.slice_started, now, self._lower_active(s))
+            self._dirty.add(s.device)
 
     def slice_ended(self, s: Session, now: float) -> None:
         """``s``'s slice ended at ``now``: its controller learns from it."""
         controller = self._controllers.get(s.id)
         if controller is None:
             return
+        self._dirty.add(s.device)
         if self._counted(s.device, controller.slice_ended, now, self._lower_active(s)):
             log.info("[pace] device=%d session=%s duty_permille=%d (reference %s)", s.device, s.id,
                      controller.duty_permille,
@@ -185,8 +202,9 @@ class Pacing:
     def drop(self, sid: str) -> None:
         """``sid`` left its device: its controller goes."""
         if self._controllers.pop(sid, None) is not None:
-            for members in self._on_device.values():
-                members.pop(sid, None)
+            for device, members in self._on_device.items():
+                if members.pop(sid, None) is not None:
+                    self._dirty.add(device)
 
     # ---------------------------------------------------------------- internals
 
@@ -201,6 +219,7 @@ class Pacing:
         if controller is None:
             controller = self._controllers[sid] = self._new_controller()
             self._on_device[device][sid] = (workload, controller)
+            self._dirty.add(device)
         return controller
 
     def _counted(self, device: int, step: Callable, *args):
