@@ -278,6 +278,14 @@ class PaceController:
     ``fixed_duty_permille`` pins the duty (benchmarks, operators who want "pause" or "priority
     only"); observations are then only counted, and the bound is armed only where the fixed
     duty can pause. Pure: time is passed in.
+
+    Driving it (the daemon's :class:`nodeagent.daemon.pace.Pacing`, a replay, a test), all
+    times in seconds on one clock: :meth:`tell_queue` at each slice request and release (or
+    never, for slice-length steering), :meth:`slice_started` at the grant, :meth:`slice_ended`
+    at the release, :meth:`want` for what the lower classes are told now, and
+    :meth:`next_deadline` for when to ask again with nothing said. :meth:`observe` is the
+    slice-length feedback alone (what :meth:`slice_ended` calls for a session that says no
+    queue); ``changes`` counts duty changes.
     """
 
     def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 1024,
