@@ -156,7 +156,7 @@ class PaceBoardReader:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < LEGACY_SIZE:
-                raise PaceBoardError(f"{path} is not a pace board (not a regular file of {SIZE} bytes)")
+                raise PaceBoardError(f"{path} is not a pace board (not a regular file of {LEGACY_SIZE} or {SIZE} bytes)")
             size = SIZE if st.st_size >= SIZE else LEGACY_SIZE
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:

@@ -501,6 +501,25 @@ def test_the_board_carries_each_class_slot_to_readers(tmp_path):
     assert reader.read(1) == pb.FREE  # a closed map reads as free, never raises
 
 
+def test_the_armed_flag_reaches_readers_and_a_board_of_a_2_6_daemon_still_reads(tmp_path):
+    path = str(tmp_path / "dev0")
+    writer = pb.PaceBoardWriter(path)
+    reader = pb.PaceBoardReader(path)
+    assert os.path.getsize(path) == pb.SIZE == 128
+    assert writer.set(1, pb.Pace(1, False, 1000, 10_000, armed=True)) is True  # only the flag differs
+    assert reader.read(1) == pb.Pace(1, False, 1000, 10_000, True) and not reader.read(1).throttled
+    with open(path, "rb") as f:
+        assert struct.unpack_from("<16I", f.read(64))[4 + 4:8 + 4] == (1, 0, 1000, 10_000)  # a 2.6 reader's view
+    writer.close()
+    old = tmp_path / "old"  # what a 2.6 daemon wrote: 64 bytes, training paused while inference holds
+    old.write_bytes(struct.pack("<16I", pb.MAGIC, 1, 2, 1, 0, 0, 1000, 10_000, 1, 1, 0, 10_000,
+                                2, 1, 0, 10_000))
+    legacy = pb.PaceBoardReader(str(old))
+    assert legacy.read(1) == pb.Pace(1, True, 0, 10_000, armed=True)  # armed: present and duty < 1000
+    assert legacy.read(0) == pb.Pace(0, False, 1000, 10_000, armed=False)
+    legacy.close()
+
+
 def test_a_board_left_mid_write_reads_as_free_and_a_foreign_file_is_refused(tmp_path):
     path = str(tmp_path / "dev0")
     writer = pb.PaceBoardWriter(path)
