@@ -123,3 +123,20 @@ def test_peer_credentials_only_from_ipc_addresses(address, expected):
 
     creds = peer_credentials(_FakeFrame(address))
     assert (None if creds is None else (creds.uid, creds.gid, creds.pid)) == expected
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"waiting": -1}, "waiting"),
+    ({"waiting": 2**31}, "waiting"),
+    ({"waiting": 1, "oldest_wait_ms": -0.5}, "oldest_wait_ms"),
+    ({"waiting": 1, "oldest_wait_ms": float("nan")}, "oldest_wait_ms"),
+    ({"waiting": 1, "oldest_wait_ms": 1e12}, "oldest_wait_ms"),
+])
+def test_a_queue_said_out_of_bounds_is_refused_by_the_field_it_names(fields, named):
+    """2.7's acquire/release queue fields carry their bounds: a peer's lie is refused at decode."""
+    for op in ({"op": "acquire", "id": 4}, {"op": "release", "id": 4, "grant": 1}):
+        with pytest.raises(codec.BadFrame) as caught:
+            codec.decode_request(msgspec.msgpack.encode({**op, **fields}))
+        assert named in str(caught.value) and caught.value.request_id == 4
+    ok = codec.decode_request(msgspec.msgpack.encode({"op": "acquire", "id": 5, "waiting": 3, "oldest_wait_ms": 2.5}))
+    assert ok == p.Acquire(id=5, waiting=3, oldest_wait_ms=2.5)
