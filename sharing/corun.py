@@ -339,7 +339,7 @@ class PaceController:
         self._queue_said = False
         self._waiting = 0
         self._oldest_at: float | None = None  # when the oldest waiting request arrived
-        self._told_at = 0.0  # when the queue was last said
+        self._released_at: float | None = None  # the release that last said requests wait (the gap runs from it)
         self._paused = False  # a pause held until the queue is empty
         self._serving_since: float | None = None  # the slice in progress began (its duty below)
         self._serving_duty = 1000
@@ -363,16 +363,21 @@ class PaceController:
         """Whether the session said its queue with its last slice request (and is steered by it)."""
         return self._queue_said and self.fixed is None
 
-    def want(self, now: float) -> PaceWant:
+    def want(self, now: float, in_line: bool = True) -> PaceWant:
         """What the lower classes are told for this session at ``now``. Under queue steering this
         may start a pause (held until the queue is empty): it is a step of the controller, and
-        :meth:`next_deadline` says when it must be asked again."""
+        :meth:`next_deadline` says when it must be asked again. ``in_line``: the session's slice
+        request is in line for its token (False: kept elsewhere, a suspended session's say, so
+        nothing it waits for can run, and it holds nobody back)."""
         if not self.queue_steered:
             duty = self.duty_permille
             return PaceWant(duty, duty < 1000)
         serving = self._serving_since is not None
-        if not serving and self._waiting and now > self._told_at + self.max_gap_s:
-            self._forget_queue()  # said requests wait, and never asked again: as if none did
+        if not serving and not in_line and self._released_at is None:
+            return FREE_WANT
+        if not serving and self._waiting and self._released_at is not None \
+                and now > self._released_at + self.max_gap_s:
+            self._forget_queue()  # released saying requests wait, and never asked again: as if none did
         if not serving and not self._waiting:
             return FREE_WANT
         if not self._paused and self._over_target(now):
@@ -387,16 +392,19 @@ class PaceController:
         if not self.queue_steered:
             return None
         serving = self._serving_since is not None
-        gap_end = None if serving or not self._waiting else self._told_at + self.max_gap_s
+        gap_end = None if serving or not self._waiting or self._released_at is None \
+            else self._released_at + self.max_gap_s
         if self._paused or (not serving and not self._waiting):
             return gap_end
         target, expected = self.target_s(), self.expected_service_s() or 0.0
         if target is None:
             return gap_end
         if serving:
-            cross = (self._served_arrival or self._serving_since) + target
+            cross = (self._served_arrival if self._served_arrival is not None else self._serving_since) + target
+        elif self._oldest_at is not None:
+            cross = self._oldest_at + target - expected
         else:
-            cross = (self._oldest_at if self._oldest_at is not None else self._told_at) + target - expected
+            return gap_end
         return cross if gap_end is None else min(cross, gap_end)
 
     def reference_s(self) -> float | None:
@@ -430,16 +438,23 @@ class PaceController:
 
     # ---------------------------------------------------------------- what it hears
 
-    def tell_queue(self, now: float, waiting: int | None, oldest_wait_s: float | None = None) -> None:
-        """The session said, at ``now`` (a slice request or release), that ``waiting`` of its
-        requests wait (the one a requested slice is for included), the oldest for
-        ``oldest_wait_s``. ``waiting=None``: it says nothing, and is steered by slice lengths."""
+    def tell_queue(self, now: float, waiting: int | None, oldest_wait_s: float | None = None, *,
+                   released: bool = False) -> None:
+        """The session said, at ``now``, with a slice request (or, ``released``, a release), that
+        ``waiting`` of its requests wait (at a request, the ones the slice is for included), the
+        oldest for ``oldest_wait_s``. ``waiting=None`` at a request: it says nothing, and is
+        steered by slice lengths; at a release, from a session steered by its queue: none waits."""
         if waiting is None:
-            self._queue_said = False
-            self._forget_queue()
-            return
+            if released:
+                if not self._queue_said:
+                    return
+                waiting = 0
+            else:
+                self._queue_said = False
+                self._forget_queue()
+                return
         self._queue_said = True
-        self._told_at = now
+        self._released_at = now if released else None
         self._waiting = max(0, int(waiting))
         if not self._waiting:
             self._oldest_at = None

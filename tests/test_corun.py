@@ -303,13 +303,13 @@ def test_a_request_whose_projected_latency_passes_the_target_pauses_until_the_qu
     assert c.want(deadline + 1e-6) == PaceWant(0, True, holds_pause=True)  # nothing said, time passed: paused
     c.slice_started(10.006, True)
     c.slice_ended(10.020, True)
-    c.tell_queue(10.020, 2, 0.030)  # back to back: two still wait
+    c.tell_queue(10.020, 2, 0.030, released=True)  # back to back: two still wait
     assert c.want(10.020) == PaceWant(0, True, holds_pause=True)  # held between the slices
     c.tell_queue(10.0201, 2, 0.030)
     c.slice_started(10.0201, True)
     assert c.want(10.03) == PaceWant(0, True)
     c.slice_ended(10.04, True)
-    c.tell_queue(10.04, 0)  # the queue is empty: the pause ends
+    c.tell_queue(10.04, 0, released=True)  # the queue is empty: the pause ends
     assert c.want(10.04) == PaceWant(1000, False)
     assert c.changes == 2  # one pause, one end: not one per slice
 
@@ -317,9 +317,18 @@ def test_a_request_whose_projected_latency_passes_the_target_pauses_until_the_qu
 def test_a_pause_held_for_requests_that_never_come_ends_after_the_gap():
     c = _queue_controller(max_gap_s=0.05)
     c.tell_queue(0.0, 5, 1.0)  # five wait, the oldest for a second: paused at once
-    assert c.want(0.0) == PaceWant(0, True, holds_pause=True)
-    assert c.next_deadline() == pytest.approx(0.05)
-    assert c.want(0.06) == PaceWant(1000, False)  # it never asked: as if nothing waited
+    c.slice_started(0.0, True)
+    assert c.want(0.0) == PaceWant(0, True)
+    c.slice_ended(0.01, True)
+    c.tell_queue(0.01, 4, 1.01, released=True)  # four still wait
+    assert c.want(0.01) == PaceWant(0, True, holds_pause=True)
+    assert c.next_deadline() == pytest.approx(0.06)
+    assert c.want(0.07) == PaceWant(1000, False)  # it never asked again: as if nothing waited
+    c.tell_queue(1.0, 2, 0.0)  # a request waiting for its grant (behind another service's) keeps it
+    assert c.want(5.0) == PaceWant(0, True, holds_pause=True) and c.next_deadline() is None
+    assert c.want(5.0, in_line=False) == PaceWant(1000, False)  # kept for a resume: holds nobody back
+    c.tell_queue(5.0, None, released=True)  # a release that says nothing: none waits
+    assert c.want(5.0) == PaceWant(1000, False)
 
 
 def test_without_a_declared_slo_the_target_is_learned_with_the_trainer_paused():
@@ -837,3 +846,23 @@ def test_a_services_slice_says_its_queue_when_it_asks_and_when_it_gives_back(sta
                 arrivals.popleft()  # the request taken inside the slice: counted when asking, not after
             assert said == [1, 0]
             wait_for(lambda: not board.pace().armed and not board.pace().active)  # none waits: free
+
+
+def test_a_queue_said_by_a_session_not_in_line_holds_nobody_back(tmp_path):
+    tokens, s, clock = _tokens_with(("a", "inference", 1.0), ("t", "training", None))
+    tokens.pacing.start(None, str(tmp_path))
+    try:
+        board = pb.PaceBoardReader(tokens.pacing.board_path(0))
+        tokens.request(0, "t", 0.0)
+        clock[0] = 1.0
+        # Two wait, the oldest for 50 ms, past a 1 ms target; but its request is not in line (kept for
+        # a resume, say): nothing it waits for can run, so the trainer is not held for it.
+        tokens.pacing.told_queue(s["a"], 1.0, 2, 50.0)
+        tokens.pacing.refresh_all()
+        assert not board.read(int(Workload.TRAINING)).active
+        tokens.request(0, "a", 1.0)  # in line (granted at once beside the trainer): paused
+        tokens.pacing.refresh_all()
+        assert board.read(int(Workload.TRAINING)).throttled
+        board.close()
+    finally:
+        tokens.pacing.close()

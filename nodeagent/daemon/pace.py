@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 from client_lib.pace import Pace, PaceBoardError, PaceBoardWriter
 from nodeagent import runtime
 from nodeagent.daemon.sessions import Session, SessionTable
-from sharing import Workload
+from sharing import SessionState, Workload
 from sharing.corun import PaceController, board_slot
 
 log = logging.getLogger("nodeagent.daemon.pace")
@@ -118,7 +118,7 @@ class Pacing:
         for device, board in self._boards.items():
             lanes = self._tokens.pace(device)
             holders = self._tokens.holders(device)
-            seen = (lanes, holders)
+            seen = (lanes, holders, self._tokens.waiting_count(device))
             due = self._due.get(device)
             if device not in self._dirty and self._seen.get(device) == seen and (due is None or now < due):
                 continue
@@ -127,7 +127,10 @@ class Pacing:
             wants = []  # (class, want, holding) of each higher-class session with a controller
             due = None
             for sid, (workload, controller) in self._on_device[device].items():
-                wants.append((workload, self._counted(device, controller.want, now), sid in holders))
+                holding = sid in holders
+                in_line = holding or not controller.queue_steered or \
+                    self._tokens.state(device, sid) is SessionState.WAITING
+                wants.append((workload, self._counted(device, controller.want, now, in_line), holding))
                 deadline = controller.next_deadline()
                 if deadline is not None and (due is None or deadline < due):
                     due = deadline
@@ -162,17 +165,12 @@ class Pacing:
     def told_queue(self, s: Session, now: float, waiting: int | None, oldest_wait_ms: float | None,
                    released: bool = False) -> None:
         """``s`` said with a slice request (or, ``released``, a release) how many of its requests
-        wait (None: nothing; a release that says nothing from a session steered by its queue
-        says none waits)."""
-        controller = self._controller_for(s) if waiting is not None or not released else self._controllers.get(s.id)
+        wait (None: nothing; see :meth:`sharing.corun.PaceController.tell_queue`)."""
+        controller = self._controller_for(s)
         if controller is None:
             return
-        if waiting is None and released:
-            if not controller.queue_steered:
-                return
-            waiting = 0
         self._counted(s.device, controller.tell_queue, now, waiting,
-                      None if oldest_wait_ms is None else oldest_wait_ms / 1000.0)
+                      None if oldest_wait_ms is None else oldest_wait_ms / 1000.0, released=released)
         self._dirty.add(s.device)
 
     def granted(self, s: Session, now: float) -> None:
@@ -222,11 +220,11 @@ class Pacing:
             self._dirty.add(device)
         return controller
 
-    def _counted(self, device: int, step: Callable, *args):
+    def _counted(self, device: int, step: Callable, *args, **kwargs):
         """``step`` of a controller, its duty changes counted in the metrics."""
         controller = step.__self__
         before = controller.changes
-        result = step(*args)
+        result = step(*args, **kwargs)
         if controller.changes != before and self._metrics is not None:
             self._metrics.pace_changes.labels(str(device)).inc(controller.changes - before)
         return result
