@@ -279,11 +279,13 @@ class Client:
 
     # ---------------------------------------------------------------- token
 
-    def acquire(self, timeout: float | None = None) -> int:
+    def acquire(self, timeout: float | None = None, *, waiting: int | None = None,
+                oldest_arrival: float | None = None) -> int:
         """Block until this session holds the token; returns the grant id
         (0 while running unmanaged, fail-open).
 
-        ``GrantTimeoutError`` after ``timeout`` seconds (the request is withdrawn)."""
+        ``GrantTimeoutError`` after ``timeout`` seconds (the request is withdrawn). ``waiting``,
+        ``oldest_arrival``: see :meth:`request`."""
         self._check_open()
         self._pump(0)
         self._check_daemon()
@@ -293,17 +295,24 @@ class Client:
             return self._grant
         if self._unmanaged:
             return 0
-        self.request()
+        self.request(waiting=waiting, oldest_arrival=oldest_arrival)
         return self._wait_for_grant(timeout)
 
-    def request(self) -> None:
+    def request(self, *, waiting: int | None = None, oldest_arrival: float | None = None) -> None:
         """Ask for the token without waiting; the grant arrives as a notice
-        (see :attr:`holding`, :meth:`wait_event`)."""
+        (see :attr:`holding`, :meth:`wait_event`).
+
+        Co-run, a higher-class service (protocol 2.7): ``waiting``, how many of its requests
+        wait, the ones this slice is for included; ``oldest_arrival``, when the oldest of them
+        arrived (``time.monotonic()``). The daemon then pauses lower classes only while that
+        request's latency would pass its target (docs/architecture.md, Co-run). Saying
+        nothing: steered by slice lengths, as before."""
         self._check_open()
         transport = self._transport
         if self._grant is None and transport.conn is not None:
             self._listen()
-            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True))
+            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True,
+                                           **_queue_fields(waiting, oldest_arrival)))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting).
@@ -314,9 +323,12 @@ class Client:
         self._wake.give_up_promise()
         self._send_quiet(p.Cancel(id=self._take_id()))
 
-    def release(self, requeue: bool = False) -> None:
+    def release(self, requeue: bool = False, *, waiting: int | None = None,
+                oldest_arrival: float | None = None) -> None:
         """Give the token back (no-op when not holding). Does not wait for the
-        daemon. ``requeue`` asks for it again in the same step."""
+        daemon. ``requeue`` asks for it again in the same step. ``waiting``,
+        ``oldest_arrival``: the requests still waiting once this slice is done (a service
+        that said its queue at :meth:`request`; a pause held for them lasts until none waits)."""
         if self._grant is None:
             return
         if self._transport.conn is None:
@@ -338,7 +350,7 @@ class Client:
             self._listen()
         transport = self._transport
         transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
-                                       handed=handed))
+                                       handed=handed, **_queue_fields(waiting, oldest_arrival)))
         if not requeue and self._wake.fd is not None:
             self._wake.unlisten()  # not waiting any more; after the frame left, off the next holder's path
         self._pump(0)
@@ -358,16 +370,28 @@ class Client:
         return True
 
     @contextmanager
-    def slice(self, timeout: float | None = None) -> Iterator[int]:
-        """Hold the token for the block; yields the grant id."""
-        grant = self.acquire(timeout)
+    def slice(self, timeout: float | None = None, *,
+              queue: Callable[[], tuple[int, float | None]] | None = None) -> Iterator[int]:
+        """Hold the token for the block; yields the grant id.
+
+        ``queue`` (co-run, a higher-class service): returns (requests waiting, when the oldest
+        arrived by ``time.monotonic()``, or None); asked when the slice is requested and when it
+        is given back. Take the request off your queue inside the block, so that the first
+        answer counts it and the second does not::
+
+            with client.slice(queue=lambda: (len(q), q[0].arrived if q else None)):
+                serve(q.popleft())
+        """
+        waiting, oldest = queue() if queue is not None else (None, None)
+        grant = self.acquire(timeout, waiting=waiting, oldest_arrival=oldest)
         self._in_slice = True
         try:
             yield grant
         finally:
             self._in_slice = False
             if not self._closed:
-                self.release()
+                waiting, oldest = queue() if queue is not None else (None, None)
+                self.release(waiting=waiting, oldest_arrival=oldest)
 
     def yield_point(self) -> bool:
         """Call often (every iteration). Returns at once unless the daemon asked
@@ -912,6 +936,16 @@ class Client:
                 self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
         finally:
             self._io.release()
+
+
+def _queue_fields(waiting: int | None, oldest_arrival: float | None) -> dict:
+    """The 2.7 queue fields of an acquire or release (none when the service says nothing)."""
+    if waiting is None:
+        return {}
+    fields: dict = {"waiting": min(max(int(waiting), 0), 2**31 - 1)}
+    if oldest_arrival is not None and waiting > 0:
+        fields["oldest_wait_ms"] = min(max((time.monotonic() - oldest_arrival) * 1e3, 0.0), 3_600_000.0)
+    return fields
 
 
 def _apply_env(env: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ Under co-run (see :mod:`sharing.corun`) an inference request beside a training
 job is granted at once and both run; the trainer is paced instead of stopped.
 It must hear "a higher class is on the device now" within a fraction of a
 millisecond and at a cost it can pay between every two layers, which no
-socket round trip allows. So the daemon keeps, per device, a 64-byte file that
+socket round trip allows. So the daemon keeps, per device, a 128-byte file that
 clients map read-only (``welcome.pace`` names it) and read with one memory
 load per pause point.
 
@@ -18,6 +18,14 @@ Layout, little-endian unsigned 32-bit words::
        active     1 while one of them holds its token
        duty       permille of each period the class may issue GPU work while active
        period_us  the period
+    16 + k, for class k: flags (bit 0: armed, a pause may come before the
+       board changes again: keep the queued GPU work short; the rest 0)
+    19 .. 31  0 (reserved)
+
+Words 16-31 (protocol 2.7) make the file 128 bytes; version stays 1, so a
+reader that knows only the first 64 bytes reads them as before, and a reader
+of a 64-byte board (an older daemon) takes ``armed`` as "a higher class is
+present and the duty is below 1000", what that daemon's board meant.
 
 A reader that finds the sequence odd, or changed across its read, reads again
 (a seqlock). The file is the daemon's (mode 0640, the socket's group, under a
@@ -49,8 +57,12 @@ from typing import Callable
 MAGIC = 0x4E415043
 VERSION = 1
 CLASSES = 3
-SIZE = 64
-_WORDS = struct.Struct("<16I")
+SIZE = 128
+LEGACY_SIZE = 64  # a board of a daemon before protocol 2.7: no flags words
+_WORDS = struct.Struct("<32I")
+_LEGACY_WORDS = struct.Struct("<16I")
+_FLAGS = 16  # the first flags word
+ARMED = 1  # flags bit 0
 _SEQ = struct.Struct("<I")
 _SLOT = 4  # words per class
 _READ_TRIES = 64
@@ -70,6 +82,7 @@ class Pace:
     active: bool
     duty_permille: int
     period_us: int
+    armed: bool = False  # 2.7: a pause may come before the board changes again (bound the run-ahead)
 
     @property
     def throttled(self) -> bool:
@@ -87,7 +100,7 @@ class PaceBoardWriter:
 
     def __init__(self, path: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.path = path
-        self._words = [0] * 16
+        self._words = [0] * (SIZE // 4)
         self._words[0], self._words[1], self._words[3] = MAGIC, VERSION, os.getpid() & 0xFFFFFFFF
         for k in range(CLASSES):
             self._words[4 + _SLOT * k: 8 + _SLOT * k] = [0, 0, 1000, FREE.period_us]
@@ -124,9 +137,11 @@ class PaceBoardWriter:
         """Write class ``workload``'s slot; False (nothing written) when it already says that."""
         base = 4 + _SLOT * workload
         new = [min(pace.present, 0xFFFFFFFF), 1 if pace.active else 0, pace.duty_permille, pace.period_us]
-        if self._words[base:base + _SLOT] == new:
+        flags = ARMED if pace.armed else 0
+        if self._words[base:base + _SLOT] == new and self._words[_FLAGS + workload] == flags:
             return False
         self._words[base:base + _SLOT] = new
+        self._words[_FLAGS + workload] = flags
         self._publish()
         return True
 
@@ -164,7 +179,7 @@ class PaceBoardReader:
 
     def __init__(self, path: str, *, recheck_s: float = RECHECK_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._map, self._identity = _map_board(path)
+        self._map, self._identity, self._layout = _map_board(path)
         self.path = path
         self._recheck_s = recheck_s
         self._clock = clock
@@ -193,7 +208,7 @@ class PaceBoardReader:
         if (st.st_dev, st.st_ino) == self._identity:
             return False
         try:
-            self._map, self._identity = _map_board(self.path)
+            self._map, self._identity, self._layout = _map_board(self.path)
         except OSError:
             return False
         self._seq = -1  # the old map is closed when the last read of it ends (never under a reader)
@@ -213,17 +228,16 @@ class PaceBoardReader:
                 return self._cache[workload]
         except (ValueError, TypeError):
             return FREE
-        m = self._map
+        m, layout = self._map, self._layout
         try:
             for _ in range(_READ_TRIES):
-                words = _WORDS.unpack_from(m, 0)
+                words = layout.unpack_from(m, 0)
                 seq = words[2]
                 if seq & 1:
                     continue
                 if _SEQ.unpack_from(m, 8)[0] != seq:
                     continue
-                self._cache = tuple(Pace(words[b], words[b + 1] != 0, min(words[b + 2], 1000), max(words[b + 3], 1))
-                                    for b in range(4, 4 + _SLOT * CLASSES, _SLOT))
+                self._cache = tuple(_slot(words, k) for k in range(CLASSES))
                 self._pid = words[3]
                 self._seq = seq
                 return self._cache[workload]
@@ -297,24 +311,34 @@ def in_on_phase(pace: Pace, now: float) -> bool:
     return (int(now * 1e6) % period_us) * 1000 < pace.duty_permille * period_us
 
 
-def _map_board(path: str) -> tuple[mmap.mmap, tuple[int, int]]:
-    """Map the board at ``path`` read-only: (the map, the file's (device, inode))."""
+def _slot(words: tuple[int, ...], k: int) -> Pace:
+    b = 4 + _SLOT * k
+    present, active, duty = words[b], words[b + 1] != 0, min(words[b + 2], 1000)
+    armed = bool(words[_FLAGS + k] & ARMED) if len(words) > _FLAGS else (present > 0 and duty < 1000)
+    return Pace(present, active, duty, max(words[b + 3], 1), armed)
+
+
+def _map_board(path: str) -> tuple[mmap.mmap, tuple[int, int], struct.Struct]:
+    """Map the board at ``path`` read-only: (the map, the file's (device, inode), its layout:
+    a 64-byte board of a daemon before protocol 2.7 has no flags words)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise PaceBoardError(exc.errno, f"cannot open the pace board {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < SIZE:
-            raise PaceBoardError(f"{path} is not a pace board (not a regular file of {SIZE} bytes)")
-        board = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < LEGACY_SIZE:
+            raise PaceBoardError(f"{path} is not a pace board (not a regular file of {LEGACY_SIZE} or {SIZE} bytes)")
+        size = SIZE if st.st_size >= SIZE else LEGACY_SIZE
+        board = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
-    words = _WORDS.unpack_from(board, 0)
+    layout = _WORDS if size == SIZE else _LEGACY_WORDS
+    words = layout.unpack_from(board, 0)
     if words[0] != MAGIC or words[1] != VERSION:
         board.close()
         raise PaceBoardError(f"{path} is not a version-{VERSION} pace board")
-    return board, (st.st_dev, st.st_ino)
+    return board, (st.st_dev, st.st_ino), layout
 
 
 def _reuse_board(path: str, mode: int, gid: int | None) -> tuple[mmap.mmap, int] | None:

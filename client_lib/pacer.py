@@ -24,8 +24,9 @@ step:
   event and waits until the GPU has at most ``ahead_ms`` of this process's
   work queued (estimated from the measured time between consecutive points),
   so a pause leaves at most that much to drain. Under MPS client priority the
-  bound holds only while a pause can come (the board's duty is below 1000):
-  where the daemon leaves the pacing to MPS priority (duty 1000) queued work
+  bound holds only while a pause can come (the board says ``armed``: the
+  daemon arms it before the request that may pause this class, and under queue
+  steering the moment a request waits): where no pause can come, queued work
   yields to the higher class block by block and no pause needs a short queue,
   and a bound kept there cost a trainer that was never paused about 10 points
   of its throughput (corun-free 82% kept against MPS priority alone 93%, light
@@ -76,8 +77,8 @@ class Pacer:
     the device (None: 8 ms under MPS client priority, where queued work yields block by block,
     else 4 ms). ``points``: about how many pause points to place in each module tree. ``bound``:
     when the run-ahead is bounded while a higher class is on the device: ``"present"`` always,
-    ``"pausable"`` only while the board's duty may pause this class (below 1000); None: pausable
-    under MPS client priority, else present."""
+    ``"pausable"`` only while the board says a pause may come (``armed``); None: pausable under
+    MPS client priority, else present."""
 
     def __init__(self, client, modules: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (), *,
@@ -137,7 +138,7 @@ class Pacer:
             return
         pace = pacing.pace()
         if self._cuda:
-            if pace.present and (self.bound == "present" or pace.duty_permille < 1000):
+            if pace.armed if self.bound == "pausable" else pace.present:
                 if not _capturing():  # a CUDA graph being captured: no event calls
                     self._bound()
             elif self._events:

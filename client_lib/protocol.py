@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 6)
+PROTOCOL_VERSION: tuple[int, int] = (2, 7)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
 
@@ -30,6 +30,8 @@ WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 HostBytes = Annotated[int, msgspec.Meta(ge=0, le=2**53)]  # bytes of host memory a client reports
+Waiting = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # 2.7: requests a service says wait
+WaitMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]  # 2.7: how long its oldest has waited
 """Request ids fit a signed 64-bit integer so every peer can hold them."""
 
 
@@ -106,6 +108,10 @@ class Acquire(Request, tag="acquire"):
     With ``quiet`` the daemon replies only on error (the grant is the answer)."""
 
     quiet: bool = False
+    # 2.7, co-run: how many of this (higher-class) service's requests wait, the one this slice is
+    # for included, and how long the oldest has waited (None: not said; it is steered as before)
+    waiting: Optional[Waiting] = None
+    oldest_wait_ms: Optional[WaitMs] = None
 
 
 class Release(Request, tag="release"):
@@ -116,6 +122,9 @@ class Release(Request, tag="release"):
     requeue: bool = False
     quiet: bool = False  # reply only on error: the releaser is not waiting for it
     handed: Optional[int] = None  # 2.1: the successor's grant id, when the releaser woke it through its wake channel
+    # 2.7, co-run: the requests still waiting once this slice is done, and the oldest's wait so far
+    waiting: Optional[Waiting] = None
+    oldest_wait_ms: Optional[WaitMs] = None
 
 
 class Cancel(Request, tag="cancel"):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from sharing.scheduler import (Action, SchedulerError, SchedulerPolicy, SchedulerSnapshot, SessionState,
                                TokenScheduler, UnknownSessionError, Workload)
 
-__all__ = ["CoRunScheduler", "PaceController", "PaceSlot", "DUTY_STEPS_PERMILLE"]
+__all__ = ["CoRunScheduler", "PaceController", "PaceSlot", "PaceWant", "board_slot", "DUTY_STEPS_PERMILLE"]
 
 _LANES = len(Workload)
 
@@ -42,12 +42,14 @@ _LANES = len(Workload)
 class PaceSlot:
     """What one class of a device is told: ``present``: sessions of higher classes on the
     device; ``active``: a higher class holds its token now; ``duty_permille``: the share of
-    each ``period_us`` the class may issue GPU work while ``active``."""
+    each ``period_us`` the class may issue GPU work while ``active``; ``armed``: a pause may come
+    (see :func:`board_slot`)."""
 
     present: int
     active: bool
     duty_permille: int
     period_us: int
+    armed: bool = False  # a pause may come: bound the run-ahead (see PaceController)
 
 
 class CoRunScheduler:
@@ -217,37 +219,80 @@ class CoRunScheduler:
 #: paused (bench/results/h100-80gb-hbm3-2026-11-27). Finer steps can be given to the controller.
 DUTY_STEPS_PERMILLE = (0, 1000)
 
+_OK, _OVER, _FAR = 0, 1, 2  # a window's verdict against the reference
+
+
+@dataclass(frozen=True, slots=True)
+class PaceWant:
+    """What one higher-class session asks of the classes below it now: ``duty_permille``, the
+    duty they run at while it holds its token (or holds a pause); ``armed``, a pause may come
+    before they hear again, so they keep their queued GPU work short; ``holds_pause``, it holds
+    no token but keeps them paused (its requests still wait: a pause held across back-to-back
+    requests)."""
+
+    duty_permille: int
+    armed: bool
+    holds_pause: bool = False
+
+
+FREE_WANT = PaceWant(1000, False)
+
 
 class PaceController:
-    """Picks how hard lower classes are paced on one device, from the higher class's slices.
+    """Picks how hard lower classes are paced for one higher-class session, from its own slices.
 
-    The feedback is the length of each higher-class slice (grant to release: an
-    inference request's time on the device), tagged with the duty that held while
-    it ran. The reference is a declared SLO (``slo_ms``), else what the slices
-    take with lower classes paused (duty 0) or absent, the closest to "alone" the
-    daemon can observe. Every ``window`` slices the controller compares the
-    window's median with the reference: within ``tolerance`` it relaxes one
-    step (more for the lower class), beyond it tightens one step, beyond twice
-    the tolerance it pauses outright. With the default steps (0 and 1000) that
-    is: pause the lower class while the higher one holds, unless running beside
-    it costs the higher class's slices less than the tolerance. A step up is a
-    try: a quarter window far beyond the tolerance ends it early, and after a
-    failed try the controller holds that many windows before the next (1, 2,
-    4, ... up to 64), so where running beside costs too much it pauses nearly
-    always (the first H100 run's controller, without this, alternated window by
-    window and kept the worst of both). Every ``probe_every`` slices spent above
-    duty 0 it spends one window at duty 0 to measure the reference again (the
-    service or the trainer may have changed). TGS (NSDI'23) adapts an
-    opportunistic job's rate to the productive job's measured throughput the
-    same way; this one steers by latency.
+    One controller per higher-class session (an inference service, or a trainer for the
+    best-effort class below it), fed by that session's slices only, so that one service's
+    ``slo_ms`` and reference are never another's. :meth:`want` says what the lower classes are
+    told; :func:`board_slot` combines the wants of every higher-class session on a device.
 
-    ``fixed_duty_permille`` pins the duty (benchmarks, operators who want
-    "pause" or "priority only"); observations are then only counted.
+    **Steered by the queue** (a session that says, with each slice request and release, how
+    many of its requests wait and how long the oldest has waited: :meth:`tell_queue`). While
+    none waits the lower classes run free, with no run-ahead bound; the moment one waits the
+    bound is armed; the lower classes are paused only while the oldest waiting request's
+    projected latency (its age plus its expected service time running beside them, learned from
+    its slices) would pass the target, and that pause is held until the queue is empty. The
+    target is the session's ``slo_ms`` (a p99), else ``1 + latency_margin`` times the
+    ``latency_quantile`` of its own request latencies measured with the lower classes paused or
+    absent; until eight of those are known, a waiting request pauses them (the safe side, and
+    it learns). A pause held between slices lasts at most ``max_gap_s`` past the release: a
+    client that says requests wait and never asks again costs no more than one holding its token.
+
+    **Steered by slice lengths** (a session that says nothing about its queue: the behaviour
+    before protocol 2.7). The feedback is each slice's length, tagged with the duty that held
+    while it ran; the reference is the declared ``slo_ms``, else the median of slices measured
+    with lower classes paused or absent. Every ``window`` slices the window's median is
+    compared with it, beyond the noise: a difference counts only past ``tolerance`` plus
+    ``noise_z`` standard errors of the difference of the two medians (the spread taken from the
+    samples themselves, robustly), so that a service whose p99/p50 is 1.5 (the H100 runs) does
+    not read its own spread as interference. Within it the controller relaxes one step (after
+    any hold), beyond it tightens one, far beyond it pauses outright. A step up is a try: a
+    quarter window far beyond ends it early. Every failure doubles the windows held before the
+    next try (1, 2, 4, ... up to 64); four windows in a row that hold halve it again. After a
+    failure the reference is measured afresh while paused; if pausing did not make the slices
+    faster than the failed window, the slowdown was the service's own (a heavier load), and the
+    failure is forgotten: the next window steps up again. Every ``probe_every`` slices spent
+    above duty 0 one window runs at duty 0 to measure the reference again. TGS (NSDI'23) adapts
+    an opportunistic job's rate to the productive job's throughput the same way.
+
+    ``fixed_duty_permille`` pins the duty (benchmarks, operators who want "pause" or "priority
+    only"); observations are then only counted, and the bound is armed only where the fixed
+    duty can pause. Pure: time is passed in.
+
+    Driving it (the daemon's :class:`nodeagent.daemon.pace.Pacing`, a replay, a test), all
+    times in seconds on one clock: :meth:`tell_queue` at each slice request and release (or
+    never, for slice-length steering), :meth:`slice_started` at the grant, :meth:`slice_ended`
+    at the release, :meth:`want` for what the lower classes are told now, and
+    :meth:`next_deadline` for when to ask again with nothing said. :meth:`observe` is the
+    slice-length feedback alone (what :meth:`slice_ended` calls for a session that says no
+    queue); ``changes`` counts duty changes.
     """
 
-    def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 256,
+    def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 1024,
                  fixed_duty_permille: int | None = None, period_us: int = 10_000,
-                 reference_window: int = 64, steps: tuple[int, ...] = DUTY_STEPS_PERMILLE) -> None:
+                 reference_window: int = 64, steps: tuple[int, ...] = DUTY_STEPS_PERMILLE,
+                 noise_z: float = 3.0, latency_quantile: float = 0.9, latency_margin: float = 0.25,
+                 max_gap_s: float = 0.05) -> None:
         if not 0 < tolerance < 10:
             raise ValueError(f"tolerance must be in (0, 10), got {tolerance!r}")
         if window < 1 or probe_every < window or reference_window < 1:
@@ -258,33 +303,112 @@ class PaceController:
             raise ValueError(f"period_us must be in 1000..1000000, got {period_us!r}")
         if not steps or steps[0] != 0 or list(steps) != sorted(set(steps)) or steps[-1] > 1000:
             raise ValueError(f"steps must rise from 0 to at most 1000, got {steps!r}")
+        if not (0 <= noise_z <= 10 and 0 < latency_quantile <= 1 and 0 <= latency_margin <= 10
+                and 0 < max_gap_s <= 10):
+            raise ValueError("noise_z in 0..10, latency_quantile in (0, 1], latency_margin in 0..10 and "
+                             "max_gap_s in (0, 10] are needed")
         self.steps = tuple(int(step) for step in steps)
         self.tolerance = float(tolerance)
         self.window = int(window)
         self.probe_every = int(probe_every)
         self.period_us = int(period_us)
         self.fixed = fixed_duty_permille
+        self.noise_z = float(noise_z)
+        self.latency_quantile = float(latency_quantile)
+        self.latency_margin = float(latency_margin)
+        self.max_gap_s = float(max_gap_s)
         self.slo_s: float | None = None
-        self._step = 0  # index into DUTY_STEPS_PERMILLE; starts paused: the safe side for the higher class
+        self.changes = 0  # duty changes made (either steering), for metrics
+        # Slice-length steering.
+        self._step = 0  # index into steps; starts paused: the safe side for the higher class
         self._reference: deque[float] = deque(maxlen=reference_window)
         self._current: list[float] = []
         self._since_probe = 0
         self._probing = False
         self._resume_step = 0  # where a probe returns to
-        # Trying a step up: a window decides; a quarter of one that is far off ends the try early.
-        self._trial = False
+        self._trial = False  # trying a step up: a window decides; a quarter of one far off ends it
         self._early = max(4, self.window // 4)
-        self._backoff = 1  # windows to hold after the next failed try (doubles per failure)
+        self._backoff = 1  # windows to hold after the next failure (doubles per failure)
+        self._backoff_before = 1  # as it was before the last failure (restored if that one is forgotten)
         self._hold = 0  # windows left before the next try
+        self._passes = 0  # windows in a row that held at a step above 0
+        self._failed: list[float] | None = None  # the window that made the last pause, to check it
+        self._at_step: deque[float] = deque(maxlen=4 * reference_window)  # slices since the last step change
         self.max_backoff = 64
-        self.changes = 0  # duty changes made, for metrics
+        # Queue steering (tell_queue); off until the session says its queue.
+        self._queue_said = False
+        self._waiting = 0
+        self._oldest_at: float | None = None  # when the oldest waiting request arrived
+        self._released_at: float | None = None  # the release that last said requests wait (the gap runs from it)
+        self._paused = False  # a pause held until the queue is empty
+        self._serving_since: float | None = None  # the slice in progress began (its duty below)
+        self._serving_duty = 1000
+        self._serving_lower = False
+        self._served_arrival: float | None = None  # the request the slice in progress serves arrived
+        self._service_free: deque[float] = deque(maxlen=reference_window)  # slices with lower classes running
+        self._service_paused: deque[float] = deque(maxlen=reference_window)
+        self._latency_paused: deque[float] = deque(maxlen=reference_window)  # arrival to release, paused
+        self._queue_since_probe = 0
+        self._queue_probe_left = 0
+
+    # ---------------------------------------------------------------- what it says
 
     @property
     def duty_permille(self) -> int:
+        """The duty slice-length steering holds (the fixed one if pinned)."""
         return self.fixed if self.fixed is not None else self.steps[self._step]
 
+    @property
+    def queue_steered(self) -> bool:
+        """Whether the session said its queue with its last slice request (and is steered by it)."""
+        return self._queue_said and self.fixed is None
+
+    def want(self, now: float, in_line: bool = True) -> PaceWant:
+        """What the lower classes are told for this session at ``now``. Under queue steering this
+        may start a pause (held until the queue is empty): it is a step of the controller, and
+        :meth:`next_deadline` says when it must be asked again. ``in_line``: the session's slice
+        request is in line for its token (False: kept elsewhere, a suspended session's say, so
+        nothing it waits for can run, and it holds nobody back)."""
+        if not self.queue_steered:
+            duty = self.duty_permille
+            return PaceWant(duty, duty < 1000)
+        serving = self._serving_since is not None
+        if not serving and not in_line and self._released_at is None:
+            return FREE_WANT
+        if not serving and self._waiting and self._released_at is not None \
+                and now > self._released_at + self.max_gap_s:
+            self._forget_queue()  # released saying requests wait, and never asked again: as if none did
+        if not serving and not self._waiting:
+            return FREE_WANT
+        if not self._paused and self._over_target(now):
+            self._paused = True
+            self.changes += 1
+        if self._paused:
+            return PaceWant(0, True, holds_pause=not serving)
+        return PaceWant(1000, True)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`want` may change with nothing said (None: not before the next slice event)."""
+        if not self.queue_steered:
+            return None
+        serving = self._serving_since is not None
+        gap_end = None if serving or not self._waiting or self._released_at is None \
+            else self._released_at + self.max_gap_s
+        if self._paused or (not serving and not self._waiting):
+            return gap_end
+        target, expected = self.target_s(), self.expected_service_s() or 0.0
+        if target is None:
+            return gap_end
+        if serving:
+            cross = (self._served_arrival if self._served_arrival is not None else self._serving_since) + target
+        elif self._oldest_at is not None:
+            cross = self._oldest_at + target - expected
+        else:
+            return gap_end
+        return cross if gap_end is None else min(cross, gap_end)
+
     def reference_s(self) -> float | None:
-        """The slice length the controller holds the higher class to: the SLO if declared,
+        """The slice length slice-length steering holds the session to: the SLO if declared,
         else the median of slices measured with lower classes paused or absent."""
         if self.slo_s is not None:
             return self.slo_s
@@ -292,12 +416,93 @@ class PaceController:
             return None
         return _median(self._reference)
 
+    def target_s(self) -> float | None:
+        """The latency queue steering holds a waiting request to (None: not learned yet)."""
+        if self.slo_s is not None:
+            return self.slo_s
+        if len(self._latency_paused) < 8:
+            return None
+        return _quantile(self._latency_paused, self.latency_quantile) * (1.0 + self.latency_margin)
+
+    def expected_service_s(self) -> float | None:
+        """A request's expected time on the device with the lower classes running beside it (the
+        paused one until such a slice was seen; None before any)."""
+        if self._service_free:
+            return _median(self._service_free)
+        if self._service_paused:
+            return _median(self._service_paused)
+        return None
+
     def set_slo(self, slo_s: float | None) -> None:
         self.slo_s = slo_s if slo_s is not None and math.isfinite(slo_s) and slo_s > 0 else None
 
+    # ---------------------------------------------------------------- what it hears
+
+    def tell_queue(self, now: float, waiting: int | None, oldest_wait_s: float | None = None, *,
+                   released: bool = False) -> None:
+        """The session said, at ``now``, with a slice request (or, ``released``, a release), that
+        ``waiting`` of its requests wait (at a request, the ones the slice is for included), the
+        oldest for ``oldest_wait_s``. ``waiting=None`` at a request: it says nothing, and is
+        steered by slice lengths; at a release, from a session steered by its queue: none waits."""
+        if waiting is None:
+            if released:
+                if not self._queue_said:
+                    return
+                waiting = 0
+            else:
+                self._queue_said = False
+                self._forget_queue()
+                return
+        self._queue_said = True
+        self._released_at = now if released else None
+        self._waiting = max(0, int(waiting))
+        if not self._waiting:
+            self._oldest_at = None
+            if self._serving_since is None and self._paused:
+                self._paused = False
+                self.changes += 1
+            return
+        age = oldest_wait_s if oldest_wait_s is not None and math.isfinite(oldest_wait_s) else 0.0
+        self._oldest_at = now - min(max(age, 0.0), 3600.0)
+
+    def slice_started(self, now: float, lower_active: bool) -> None:
+        """The session was granted its token at ``now``; ``lower_active``: a lower class holds."""
+        want = self.want(now)
+        self._serving_since = now
+        self._serving_duty = want.duty_permille
+        self._serving_lower = lower_active
+        self._served_arrival = self._oldest_at if self._oldest_at is not None else now
+
+    def slice_ended(self, now: float, lower_active: bool) -> bool:
+        """The slice begun at :meth:`slice_started` ended at ``now``; ``lower_active``: a lower
+        class held at some point of it. True if the duty changed."""
+        started, self._serving_since = self._serving_since, None
+        if started is None:
+            return False
+        held_s = max(0.0, now - started)
+        lower = lower_active or self._serving_lower
+        if not self.queue_steered:
+            return self.observe(held_s, self._serving_duty, lower)
+        paused_throughout = self._serving_duty == 0 and self._paused or not lower
+        latency_s = max(held_s, now - (self._served_arrival if self._served_arrival is not None else started))
+        if paused_throughout:
+            self._service_paused.append(held_s)
+            self._latency_paused.append(latency_s)
+            self._reference.append(held_s)
+        elif self._serving_duty == 1000 and not self._paused:
+            self._service_free.append(held_s)
+        if self._queue_probe_left:
+            self._queue_probe_left -= 1
+        elif not self._paused:
+            self._queue_since_probe += 1
+            if self.slo_s is None and self._queue_since_probe >= self.probe_every:
+                self._queue_since_probe = 0
+                self._queue_probe_left = self.window  # the next requests measure the target afresh
+        return False
+
     def observe(self, held_s: float, duty_permille: int, lower_active: bool) -> bool:
-        """A higher-class slice of ``held_s`` ended; it ran under ``duty_permille``, with a
-        lower class holding (``lower_active``) or not. True if the duty changed."""
+        """A slice of ``held_s`` ended (slice-length steering); it ran under ``duty_permille``,
+        with a lower class holding (``lower_active``) or not. True if the duty changed."""
         if not (math.isfinite(held_s) and held_s >= 0):
             return False
         if not lower_active or duty_permille == 0:
@@ -307,33 +512,12 @@ class PaceController:
         if duty_permille != self.duty_permille:
             return False  # ran under an older duty: says nothing about this one
         self._current.append(held_s)
-        ref = self.reference_s()
-        early = self._trial and len(self._current) >= self._early and ref is not None and \
-            _median(self._current) > ref * (1.0 + 2.0 * self.tolerance)
+        early = self._trial and len(self._current) >= self._early and self._verdict(self._current) == _FAR
         if len(self._current) < self.window and not early:
             return False
         window, self._current = self._current, []
         before = self._step
-        if self._probing:
-            self._probing = False
-            self._step = self._resume_step
-        elif ref is not None:
-            measured = _median(window)
-            if measured <= ref * (1.0 + self.tolerance):
-                if self._trial:  # the step up held: the next try may come soon
-                    self._trial, self._backoff = False, 1
-                if self._hold > 0:
-                    self._hold -= 1  # a failed try is not repeated at once
-                elif self._step + 1 < len(self.steps):
-                    self._step += 1
-                    self._trial = True
-            else:
-                self._step = 0 if measured > ref * (1.0 + 2.0 * self.tolerance) else max(self._step - 1, 0)
-                # A failed try waits twice as long as the last before the next; a step that held
-                # and then stopped holding (the load changed) may be tried again after one window.
-                self._backoff = min(self._backoff * 2, self.max_backoff) if self._trial else 1
-                self._hold = self._backoff
-                self._trial = False
+        self._end_window(window)
         if self._step > 0 and not self._probing:
             self._since_probe += len(window)
             if self.slo_s is None and self._since_probe >= self.probe_every:
@@ -342,9 +526,134 @@ class PaceController:
                 self._resume_step = self._step
                 self._step = 0
         if self._step != before:
+            self._at_step.clear()
             self.changes += 1
             return True
         return False
+
+    # ---------------------------------------------------------------- internals
+
+    def _end_window(self, window: list[float]) -> None:
+        if self._probing:
+            self._probing = False
+            self._step = self._resume_step
+            return
+        verdict = self._verdict(window)
+        if verdict is None:
+            return
+        if self._step > 0:  # a small cost shows over many windows: judged on all since the step began too
+            self._at_step.extend(window)
+            if verdict == _OK and len(self._at_step) > len(window):
+                verdict = min(_OVER, self._verdict(self._at_step))
+        if self._step == 0:  # the window was the reference: only the hold and the last failure are decided
+            if self._failed is not None:
+                failed, fresh, self._failed = self._failed, window, None
+                # Pausing did not make them faster (within one standard error): not interference.
+                if self._verdict(failed, fresh, z=1.0) == _OK:
+                    self._hold, self._backoff = 0, self._backoff_before
+                    self._reference.clear()  # the service's own time changed: measured afresh from here
+                    self._reference.extend(fresh)
+            if self._hold > 0:
+                self._hold -= 1
+            elif len(self.steps) > 1:
+                self._step, self._trial = 1, True
+            return
+        if verdict == _OK:
+            if self._trial:
+                self._trial = False
+            self._passes += 1
+            if self._passes >= 4:  # held a while: failures long ago count less
+                self._passes, self._backoff = 0, max(1, self._backoff // 2)
+            if self._hold > 0:
+                self._hold -= 1  # a failed try is not repeated at once
+            elif self._step + 1 < len(self.steps):
+                self._step += 1
+                self._trial = True
+            return
+        self._backoff_before = self._backoff
+        self._backoff = min(self._backoff * 2, self.max_backoff)
+        self._hold = self._backoff
+        self._trial, self._passes = False, 0
+        self._step = 0 if verdict == _FAR else self._step - 1
+        if self._step == 0:  # the next window, paused, says whether pausing helped
+            self._failed = list(window)
+
+    def _verdict(self, samples, reference=None, z: float | None = None) -> int | None:
+        """Whether ``samples`` are slower than the reference (the SLO, else ``reference`` or the
+        controller's reference slices) past the tolerance and ``z`` (``noise_z``) standard errors."""
+        if self.slo_s is not None:
+            ref, ref_samples = self.slo_s, ()
+        else:
+            ref_samples = self._reference if reference is None else reference
+            if len(ref_samples) < max(4, self.window // 2):
+                return None
+            ref = _median(ref_samples)
+        if not samples:
+            return None
+        measured = _median(samples)
+        if measured <= 0 or ref <= 0:
+            return _OK if measured <= ref else _FAR
+        spread = max(_log_spread(samples), _log_spread(ref_samples) if ref_samples else 0.0)
+        # The standard error of a median of n draws is about 1.2533 sigma / sqrt(n).
+        se = 1.2533 * spread * math.sqrt(1.0 / len(samples) + (1.0 / len(ref_samples) if ref_samples else 0.0))
+        excess = math.log(measured / ref) - (self.noise_z if z is None else z) * se
+        if excess > math.log1p(2.0 * self.tolerance):
+            return _FAR
+        if excess > math.log1p(self.tolerance):
+            return _OVER
+        return _OK
+
+    def _over_target(self, now: float) -> bool:
+        if self._queue_probe_left:
+            return True
+        target, expected = self.target_s(), self.expected_service_s()
+        if target is None:
+            return True
+        expected = expected or 0.0  # no slice seen yet: its age alone
+        if self._serving_since is not None:
+            arrival = self._served_arrival if self._served_arrival is not None else self._serving_since
+            finish = max(self._serving_since + expected, now)
+        else:
+            arrival = self._oldest_at if self._oldest_at is not None else now
+            finish = now + expected
+        return finish - arrival > target
+
+    def _forget_queue(self) -> None:
+        self._waiting = 0
+        self._oldest_at = None
+        if self._paused:
+            self._paused = False
+            self.changes += 1
+
+
+def board_slot(present: int, wants, period_us: int) -> PaceSlot:
+    """One lower class's slot on a device's board, from ``wants``: (want, holding) of each
+    higher-class session on it, ``holding`` whether it holds its token now. The class is paced
+    while any of them holds (or holds a pause), at the lowest duty among those; the bound is
+    armed if any of them may pause it; the duty shown while none holds is the lowest that the
+    next slice may bring (what a reader of protocol 2.6, which knows no ``armed``, bounds by)."""
+    active, duty_active, duty_next, armed = False, 1000, 1000, False
+    for want, holding in wants:
+        armed = armed or want.armed
+        duty_next = min(duty_next, want.duty_permille)
+        if holding or want.holds_pause:
+            active = True
+            duty_active = min(duty_active, want.duty_permille)
+    return PaceSlot(present, active, duty_active if active else duty_next, period_us, armed)
+
+
+def _log_spread(values) -> float:
+    """A robust standard deviation of log(values): 1.4826 times their median absolute deviation."""
+    logs = [math.log(v) for v in values if v > 0]
+    if len(logs) < 2:
+        return 0.0
+    mid = _median(logs)
+    return 1.4826 * _median([abs(x - mid) for x in logs])
+
+
+def _quantile(values, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _median(values) -> float:

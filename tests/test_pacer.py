@@ -120,27 +120,27 @@ class _PresentBoard:
 
 
 class _Board:
-    def __init__(self, present: int, duty: int) -> None:
-        self.present, self.duty = present, duty
+    def __init__(self, present: int, armed: bool) -> None:
+        self.present, self.armed = present, armed
 
     def pace(self):
         from client_lib.pace import Pace
-        return Pace(self.present, False, self.duty, 10_000)
+        return Pace(self.present, False, 0 if self.armed else 1000, 10_000, self.armed)
 
 
-@pytest.mark.parametrize("mps_priority, present, duty, bounded", [
-    (True, 1, 1000, False),  # pacing left to MPS priority: no pause will come, the trainer runs free
-    (True, 1, 0, True),      # the daemon pauses lower classes at a request: keep the queue short
-    (False, 1, 1000, True),  # time-sliced contexts: bounded while a higher class is on the device
-    (False, 0, 0, False),    # alone: never
+@pytest.mark.parametrize("mps_priority, present, armed, bounded", [
+    (True, 1, False, False),  # no pause can come (pacing left to MPS priority): the trainer runs free
+    (True, 1, True, True),    # the board says a pause may come: keep the queue short
+    (False, 1, False, True),  # time-sliced contexts: bounded while a higher class is on the device
+    (False, 0, False, False),  # alone: never
 ])
-def test_under_mps_priority_the_run_ahead_is_bounded_only_where_a_pause_can_come(mps_priority, present, duty,
+def test_under_mps_priority_the_run_ahead_is_bounded_only_where_a_pause_can_come(mps_priority, present, armed,
                                                                                  bounded):
     from types import SimpleNamespace
 
     client = _FakeClient()
     client.welcome = SimpleNamespace(env={"CUDA_MPS_CLIENT_PRIORITY": "1"} if mps_priority else {})
-    client.pacing = _Board(present, duty)
+    client.pacing = _Board(present, armed)
     pacer = Pacer(client, _model(), points=4)
     assert pacer.bound == ("pausable" if mps_priority else "present")
     calls = []

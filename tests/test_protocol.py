@@ -33,7 +33,8 @@ def test_every_daemon_message_round_trips():
 
 def test_wire_form_is_a_plain_map_with_op_and_id():
     raw = msgspec.msgpack.decode(codec.encode(p.Release(id=9, grant=3)))
-    assert raw == {"op": "release", "id": 9, "grant": 3, "requeue": False, "quiet": False, "handed": None}
+    assert raw == {"op": "release", "id": 9, "grant": 3, "requeue": False, "quiet": False, "handed": None,
+                   "waiting": None, "oldest_wait_ms": None}
 
 
 @pytest.mark.parametrize("frame, rid, fragment", [
@@ -158,3 +159,20 @@ def test_error_texts_come_from_the_wire_types_not_msgspecs_wording(monkeypatch, 
         codec.decode_request(frame)
     assert str(info.value).startswith(text)
     assert "reworded" not in str(info.value)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"waiting": -1}, "waiting"),
+    ({"waiting": 2**31}, "waiting"),
+    ({"waiting": 1, "oldest_wait_ms": -0.5}, "oldest_wait_ms"),
+    ({"waiting": 1, "oldest_wait_ms": float("nan")}, "oldest_wait_ms"),
+    ({"waiting": 1, "oldest_wait_ms": 1e12}, "oldest_wait_ms"),
+])
+def test_a_queue_said_out_of_bounds_is_refused_by_the_field_it_names(fields, named):
+    """2.7's acquire/release queue fields carry their bounds: a peer's lie is refused at decode."""
+    for op in ({"op": "acquire", "id": 4}, {"op": "release", "id": 4, "grant": 1}):
+        with pytest.raises(codec.BadFrame) as caught:
+            codec.decode_request(msgspec.msgpack.encode({**op, **fields}))
+        assert named in str(caught.value) and caught.value.request_id == 4
+    ok = codec.decode_request(msgspec.msgpack.encode({"op": "acquire", "id": 5, "waiting": 3, "oldest_wait_ms": 2.5}))
+    assert ok == p.Acquire(id=5, waiting=3, oldest_wait_ms=2.5)

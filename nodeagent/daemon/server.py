@@ -648,6 +648,7 @@ class AgentServer:
             return
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
+        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
         if self._tokens.one_hop.acquire_early(s):  # asks again after an early release: requeued at its grant
             return
         if not s.suspension.active:
@@ -671,6 +672,7 @@ class AgentServer:
                         not_holder_text(s.id, s.device, s.grant, msg.grant,
                                         self._tokens.lane_holder(s.device, s.id)))
             return
+        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
         if msg.requeue and not requeue:
             self._gate.ask(s, now)  # kept for the resume
         if not msg.quiet:

@@ -75,9 +75,9 @@ class Tokens:
                               apply=lambda actions, now: self.apply(actions, now, handoff_from=now))
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component).
-        controllers = ({i: config.pace_controller() for i in range(device_count)} if self.sharing == "corun"
-                       else {})
-        self.pacing = Pacing(tokens=self, sessions=sessions, controllers=controllers, metrics=metrics)
+        self.pacing = Pacing(tokens=self, sessions=sessions,
+                             devices=range(device_count) if self.sharing == "corun" else (),
+                             new_controller=config.pace_controller, clock=clock, metrics=metrics)
 
     def delegate(self, owns: Callable[[str], bool], on_action: Callable[[object, float], None]) -> None:
         """Hand the actions of the sub-sessions ``owns`` says are its to ``on_action`` (the serving
@@ -97,10 +97,12 @@ class Tokens:
 
     def add(self, device: int, sid: str, workload: Workload, weight: float, now: float) -> None:
         self.schedulers[device].add_session(sid, workload, weight, now)
+        self.pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
+        self.pacing.drop(sid)
 
     def request(self, device: int, sid: str, now: float, waiting_since: float | None = None) -> None:
         self.apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)
@@ -194,6 +196,13 @@ class Tokens:
         """Who holds the token ``sid`` takes turns at (its class's, on a co-run device)."""
         return self.schedulers[device].lane_of(sid).holder()
 
+    def lane_workload(self, device: int, sid: str) -> Workload | None:
+        """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
+        scheduler = self.schedulers[device]
+        if not scheduler.corun or sid not in scheduler:
+            return None
+        return Workload(scheduler.lanes().index(scheduler.lane_of(sid)))
+
     def pace(self, device: int) -> tuple[tuple[int, bool], ...]:
         """Per class: sessions of higher classes on ``device``, and whether one holds (co-run)."""
         return self.schedulers[device].pace()
@@ -213,6 +222,9 @@ class Tokens:
         """The earliest scheduler deadline of any device (a yield or slice timer), or the
         answer due for a withdrawn one-hop promise; None if nothing is pending."""
         soonest = self.one_hop.next_deadline()
+        pace_at = self.pacing.next_deadline()
+        if pace_at is not None and (soonest is None or pace_at < soonest):
+            soonest = pace_at
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and (soonest is None or deadline < soonest):
@@ -247,7 +259,7 @@ class Tokens:
                     s.stopped = False
                     self._sessions.touch(s, now)  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
-                self.pacing.granted(s)
+                self.pacing.granted(s, now)
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
                 self._bus.publish(Granted(s, action.grant, action.waited_s * 1e3))
                 if was_stopped:
@@ -360,7 +372,7 @@ class Tokens:
             if total is None:
                 total = self._slice_total[key] = self._metrics.slice_seconds.labels(str(s.device), s.workload.wire)
             total.inc(max(0.0, now - held_since))
-            self.pacing.slice_ended(s, now - held_since)
+            self.pacing.slice_ended(s, now)
         else:
             self.pacing.forget(s)
 
