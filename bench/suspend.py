@@ -287,7 +287,7 @@ def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int
 
 def _daemon_roundtrip(state: TrainingState, yielder: Yielder, state_mb: int) -> dict:
     """One suspend and resume of a client thread holding ``state``, through a daemon."""
-    with common.daemon() as handle:
+    with common.daemon(backend=common.daemon_backend(state.params[0].device.type)) as handle:
         work = common.Work.calibrated(1.0)
         ready, stop = threading.Event(), threading.Event()
         box: dict = {}
