@@ -393,7 +393,7 @@ def rounded(value: float, digits: int = 3) -> float | None:
 
 
 _ENDPOINT_HELP = ("use the daemon listening there instead of starting a private\n"
-                  "                      `nodeagent serve --backend cpu` (its own settings apply)")
+                  "                      `nodeagent serve` (cuda for GPU work, else cpu; its own settings apply)")
 
 
 def parser(prog: str, description: str, epilog: str = "", endpoint_help: str = _ENDPOINT_HELP

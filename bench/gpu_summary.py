@@ -224,7 +224,7 @@ def summarize(stage: str, profile: str, dry: bool) -> dict:
     gpu, tag = tag_of(env)
     with open(os.path.join(stage, "steps.tsv")) as f:
         steps = list(csv.DictReader(f, delimiter="\t"))
-    rows, results, figs = [], {}, {}
+    rows, results, pytest_counts, figs = [], {}, {}, {}
     for s in steps:
         name = s["step"]
         r, j = load(stage, f"{name}.json"), junit(stage, f"{name}.xml")
@@ -235,7 +235,7 @@ def summarize(stage: str, profile: str, dry: bool) -> dict:
         if r is not None:
             results[name] = r
         if j is not None:
-            results[f"{name}.junit"] = j
+            pytest_counts[name] = j
         figs[name] = [dict(zip(("what", "value", "goal", "baseline", "met"), f)) for f in found]
         text = "; ".join(f"{f[0]}: {f[1]}" for f in found)
         if s["status"] in ("failed", "timeout"):
@@ -248,7 +248,7 @@ def summarize(stage: str, profile: str, dry: bool) -> dict:
                              "seconds": int(e.get("seconds") or 0), "cap_s": 0,
                              "result": e.get("error") or e.get("reason") or e.get("setup") or "", "command": ""})
     summary = {"tag": tag, "profile": profile, "dry_run": dry, "device": gpu, "tree": env.get("tree"),
-               "environment": env, "steps": rows, "figures": figs, "results": results,
+               "environment": env, "steps": rows, "figures": figs, "results": results, "pytest": pytest_counts,
                "ok": all(r["status"] in OK_STATUSES for r in rows)}
     return summary
 
