@@ -612,7 +612,8 @@ def check_mps(mode: Mode, run: Run, reports: dict[str, dict], collect=None) -> d
     if run.device != "cuda":
         return {"expected": expect, "clients": reports, "checked": False, "why": "cpu: no MPS"}
     from bench import mps_evidence
-    evidence = (collect or mps_evidence.collect)(reports)
+    gpu = run.gpu_uuid or 0
+    evidence = (collect or (lambda r: mps_evidence.collect(r, nvml=lambda: mps_evidence.nvml_lists(gpu))))(reports)
     problems = mps_evidence.verify(evidence, expect)
     evidence.update(expected=expect, checked=True, problems=problems)
     if problems:

@@ -184,11 +184,14 @@ def other_figures(name: str, r: dict) -> list[tuple]:
 
 def figures(name: str, r: dict | None, j: dict | None) -> list[tuple]:
     if name in PYTEST_STEPS:
-        if not j:
-            return []
-        return [(f"pytest ({name})", f"{j['passed']} passed, {j['failures'] + j['errors']} failed, {j['skipped']} "
-                 f"skipped" + (f": {', '.join(j['failed_tests'][:5])}" if j["failed_tests"] else ""),
-                 "all pass", "-", j["failures"] + j["errors"] == 0 and j["passed"] > 0)]
+        out = [] if not j else [
+            (f"pytest ({name})", f"{j['passed']} passed, {j['failures'] + j['errors']} failed, {j['skipped']} "
+             f"skipped" + (f": {', '.join(j['failed_tests'][:5])}" if j["failed_tests"] else ""),
+             "all pass", "-", j["failures"] + j["errors"] == 0 and j["passed"] > 0)]
+        if name == "mps" and r:  # tests/test_mps.py's 30/70 split, written beside the JUnit report
+            out.append(("MPS 70% / 30% SM shares: throughput ratio", f"{r['throughput_ratio']:.2f}",
+                        f"near the ideal {r['expected_ratio']:.2f}", "the same work at each share, same run", None))
+        return out
     if not r:
         return []
     if name == "colocate":
@@ -227,7 +230,7 @@ def summarize(stage: str, profile: str, dry: bool) -> dict:
     rows, results, pytest_counts, figs = [], {}, {}, {}
     for s in steps:
         name = s["step"]
-        r, j = load(stage, f"{name}.json"), junit(stage, f"{name}.xml")
+        r, j = load(stage, "mps_30_70.json" if name == "mps" else f"{name}.json"), junit(stage, f"{name}.xml")
         try:
             found = figures(name, r, j)
         except (KeyError, TypeError, ValueError) as exc:  # a result without the keys expected
