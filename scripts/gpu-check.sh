@@ -127,7 +127,7 @@ run_step() {  # NAME CAP_S STDOUT(file, or - for the log) COMMAND...
         say "$name: skipped-budget (cap $cap s, ${left}s of the budget left)"
         return
     fi
-    say "$name: running (cap ${cap}s)"
+    say "$name: running (cap ${cap}s, ${left}s of the budget left)"
     t0=$SECONDS
     if [ "$stdout" = - ]; then
         timeout --kill-after=10 "$cap" "$@" >"$stage/$name.log" 2>&1
