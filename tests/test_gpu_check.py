@@ -230,7 +230,7 @@ def test_a_step_that_cannot_start_in_what_is_left_is_skipped_budget_by_name(tmp_
     for name in ("llm-wake", "mps-fault", "nccl-park"):
         cap = int(steps[name]["cap"])
         said = re.search(rf"^gpu-check: {re.escape(name)}: (running|skipped-budget) \(cap {cap} ?s, (-?\d+)s of the "
-                         "budget left\)", run.stdout, re.M)
+                         r"budget left\)", run.stdout, re.M)
         assert said, (name, run.stdout)
         left = int(said.group(2))
         assert left <= 120 - 15
