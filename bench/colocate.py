@@ -6,15 +6,35 @@ how much training is kept? Measured against what a user would pick instead, in
 the same run.
 
 Per mode, one trainer process and one inference process (``bench.colocate_worker``)
-run every load as a phase. Inference: open-loop Poisson arrivals (the same in
-every mode), served one at a time; latency from arrival to the result in host
-memory, so queueing counts; a backlog beyond ``--max-backlog`` is dropped and
-counted. Training: steps completed inside the phase's window. Ratios are
-against ``alone`` in the same run: p99 / alone p99, kept = steps/s / alone
-steps/s, and system throughput = served / offered + kept (Tally's and Orion's
-sum of both normalised). A load's rate is a fraction of the capacity measured
-alone with the trainer paused (1 / median service time of requests made one at
-a time, 10 ms apart, at its batch).
+run every load as a phase. Inference: ``--requests`` open-loop Poisson arrivals
+(the same in every mode, from a seed per load), served one at a time; latency
+from arrival to the result in host memory, so queueing counts; a backlog beyond
+``--max-backlog`` is dropped and counted. Training: steps completed inside the
+phase's window. Ratios are against ``alone`` in the same run: p99 / alone p99,
+kept = steps/s / alone steps/s, and system throughput = served / offered + kept
+(Tally's and Orion's sum of both normalised); every headline carries the
+dropped and queued-at-end counts, and ``p99_with_dropped_ms`` counts a dropped
+request as never answered. A load's rate is fixed in requests per second, or
+(``0.3x``) a fraction of the capacity measured alone with the trainer paused
+(1 / median service time of requests made one at a time, 10 ms apart).
+
+Every MPS mode checks, once both processes have their contexts, that they are
+clients of the MPS server with the priority and memory limit the mode set
+(``bench.mps_evidence``: the control daemon's server and client lists, NVML's
+lists, what each client's driver read) and fails by name otherwise; the
+evidence is in the mode's ``mps``. ``--budget-s`` starts a mode only when the
+time it is expected to take (the longest mode so far) fits what is left; one
+that does not is ``skipped-budget``, never cut.
+
+The record, for ``bench.replay`` (``record_format`` 1): every time is in µs
+since the run's epoch (one ``time.monotonic_ns()`` of the driver, which the
+workers share). Per mode, ``trainer_steps_us``: the completion time of each
+training step from the trainer's run to its pause (alone: its window alone);
+per mode and load, ``requests``: ``seed`` and ``rate_per_s`` (the arrivals are
+``bench.colocate_worker.poisson_arrivals(rate_per_s, seed, start, count=n)``),
+``window_us`` (first arrival's phase start, last arrival), and ``arrival_us``,
+``start_us``, ``end_us`` per request in arrival order (start and end null for
+a dropped one).
 
 The driver imports no torch and never initialises CUDA: the environment of each
 child (MPS pipe directory, client priority, daemon endpoint) is what sets a mode
@@ -99,22 +119,33 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          daemon_config="[corun]\nlower_sm_percent = 60\n"),
 )}
 
-DEFAULTS = {  # per device: what the issue measured on an H100, and tiny models that finish fast on 2 cores
-    "cuda": {"loads": "light=resnet50:8:0.3,heavy=resnet50:64:0.35", "trainer": "resnet50:64", "phase_s": 6.0,
+RECORD_FORMAT = 1  # the per-request record's layout (the module docstring); bench.replay reads it
+DEFAULTS = {  # per device: the issue's loads on an H100 (req/s), and tiny models that finish fast on 2 cores
+    "cuda": {"loads": "light=resnet50:8:45,heavy=resnet50:64:30.4", "trainer": "resnet50:64", "phase_s": 6.0,
+             "requests": 600,
              "settle_s": 1.0, "input_size": 224, "seq_len": 128, "threads": 0, "warmup_steps": 5,
              "warmup_requests": 5, "calibrate": 40, "calibrate_s": 3.0},
-    "cpu": {"loads": "light=tiny-cnn:4:0.3,heavy=tiny-cnn:16:0.35", "trainer": "tiny-cnn:16", "phase_s": 2.0,
+    "cpu": {"loads": "light=tiny-cnn:4:0.3x,heavy=tiny-cnn:16:0.35x", "trainer": "tiny-cnn:16", "phase_s": 2.0,
+            "requests": 120,
             "settle_s": 0.3, "input_size": 32, "seq_len": 32, "threads": 1, "warmup_steps": 2,
             "warmup_requests": 3, "calibrate": 30, "calibrate_s": 1.0},
 }
 
 
 class ModeFailed(Exception):
-    """A mode could not be measured; the message says which process and why, in one line."""
+    """A mode could not be measured; the message says which process and why, in one line.
+    ``evidence``: the mode's MPS evidence when that is why (filed under the mode's ``mps``)."""
+
+    def __init__(self, message: str, evidence: dict | None = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence
 
 
 class ModeSkipped(Exception):
     """A mode this machine cannot run; the message says why."""
+
+
+QUICK = {"requests": 30, "phase_s": 0.6, "settle_s": 0.2}  # --quick: a cpu run for tests, in seconds
 
 
 class Interrupted(KeyboardInterrupt):
@@ -126,29 +157,35 @@ class Load:
     name: str
     model: str
     batch: int
-    fraction: float  # of the capacity measured alone
+    rate_per_s: float | None  # fixed, in requests per second
+    fraction: float | None = None  # else: of the capacity measured alone
 
     def as_spec(self) -> dict:
         return {"name": self.name, "model": self.model, "batch": self.batch}
 
 
 def parse_loads(text: str) -> list[Load]:
-    """``NAME=MODEL:BATCH:FRACTION,...``, e.g. ``light=resnet50:8:0.3``."""
+    """``NAME=MODEL:BATCH:RATE,...``: RATE in requests per second (``light=resnet50:8:45``), or
+    with an ``x`` a fraction of the capacity measured alone (``light=resnet50:8:0.3x``)."""
     loads = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, rest = item.partition("=")
         fields = rest.split(":")
         if not eq or not name or len(fields) != 3:
-            raise argparse.ArgumentTypeError(f"load {item!r} is not NAME=MODEL:BATCH:FRACTION")
-        model, batch, fraction = fields
+            raise argparse.ArgumentTypeError(f"load {item!r} is not NAME=MODEL:BATCH:RATE")
+        model, batch, rate = fields
         if model not in MODEL_NAMES:
             raise argparse.ArgumentTypeError(f"load {name}: unknown model {model!r}; known: {', '.join(MODEL_NAMES)}")
+        relative = rate.endswith("x")
         try:
-            load = Load(name, model, int(batch), float(fraction))
+            value = float(rate.removesuffix("x"))
+            load = Load(name, model, int(batch), None if relative else value, value if relative else None)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"load {name}: batch must be an integer and fraction a number") from None
-        if load.batch < 1 or not 0 < load.fraction <= 2:
-            raise argparse.ArgumentTypeError(f"load {name}: batch must be >= 1 and fraction in (0, 2]")
+            raise argparse.ArgumentTypeError(f"load {name}: batch must be an integer and the rate a number "
+                                             "(requests per second, or 0.3x of capacity)") from None
+        if load.batch < 1 or not (0 < value <= 2 if relative else 0 < value <= 100_000):
+            raise argparse.ArgumentTypeError(f"load {name}: batch must be >= 1 and the rate in (0, 100000] req/s "
+                                             "or (0, 2]x of capacity")
         loads.append(load)
     if not loads or len({load.name for load in loads}) != len(loads):
         raise argparse.ArgumentTypeError("give at least one load, each name once")
@@ -317,6 +354,9 @@ class Run:
     max_backlog: int
     seed: int
     worker: dict  # the common part of the workers' spec
+    requests: int = 600  # per cell
+    budget_s: float | None = None
+    epoch_ns: int = field(default_factory=time.monotonic_ns)  # every recorded time is µs since it
     gpu_uuid: str | None = None
     device_name: str | None = None
     rate_per_s: dict[str, float] = field(default_factory=dict)
@@ -496,26 +536,89 @@ def _steps_in(steps_ns: list[int], start_ns: int, end_ns: int) -> int:
     return sum(1 for t in steps_ns if start_ns <= t < end_ns)
 
 
+def _us(run: Run, t_ns: int | None) -> int | None:
+    return None if t_ns is None else (t_ns - run.epoch_ns) // 1000
+
+
 def run_phase(run: Run, inference: Child, load: Load, index: int, start_ns: int) -> dict:
-    end_ns = start_ns + int(run.phase_s * 1e9)
-    inference.send(op="phase", load=load.name, rate_per_s=run.rate_per_s[load.name], seed=run.seed * 1000 + index,
-                   start_ns=start_ns, end_ns=end_ns)
-    result = inference.expect("phase", run.phase_s + (start_ns - time.monotonic_ns()) / 1e9 + _PHASE_SLACK_S)
-    result.update(start_ns=start_ns, end_ns=end_ns)
+    """One load's ``run.requests`` arrivals from ``start_ns``; the window is theirs (to the last arrival)."""
+    rate = run.rate_per_s[load.name]
+    seed = run.seed * 1000 + index
+    inference.send(op="phase", load=load.name, rate_per_s=rate, seed=seed, start_ns=start_ns, requests=run.requests)
+    expected_s = run.requests / rate * 1.5 + (start_ns - time.monotonic_ns()) / 1e9
+    result = inference.expect("phase", expected_s + _PHASE_SLACK_S)
+    result.update(start_ns=start_ns, end_ns=result.get("window_end_ns", start_ns), seed=seed, rate_per_s=rate)
     return result
+
+
+def request_record(run: Run, phase: dict) -> dict:
+    """The per-request record of a phase, for bench.replay (module docstring, ``record_format``)."""
+    return {"seed": phase["seed"], "rate_per_s": phase["rate_per_s"], "count": phase["offered"],
+            "window_us": [_us(run, phase["start_ns"]), _us(run, phase["end_ns"])],
+            "arrival_us": [_us(run, t) for t in phase["arrival_ns"]],
+            "start_us": [_us(run, t) for t in phase["begin_ns"]], "end_us": [_us(run, t) for t in phase["finish_ns"]]}
+
+
+def p99_with_dropped(latency_ms: list[float], dropped: int) -> float | None:
+    """The p99 over every offered request, a dropped one counted as never answered: None when the
+    p99 lands on one (more than 1% dropped), so a mode that drops cannot show a good p99."""
+    ranked = sorted(latency_ms) + [math.inf] * dropped
+    if not ranked:
+        return None
+    value = percentile(ranked, 99)
+    return None if math.isinf(value) or math.isnan(value) else value
 
 
 def inference_stats(run: Run, load: Load, phase: dict) -> dict:
     lat, service = phase["latency_ms"], phase["service_ms"]
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
     alone_p99, alone_p50 = run.alone_p99_ms.get(load.name), run.alone_p50_ms.get(load.name)
+    with_dropped = p99_with_dropped(lat, phase["dropped"])
     return {"p50_ms": rounded(p50), "p99_ms": rounded(p99), "max_ms": rounded(max(lat, default=math.nan)),
             "mean_ms": rounded(sum(lat) / len(lat) if lat else math.nan),
             "p50_over_alone": rounded(p50 / alone_p50, 3) if alone_p50 else None,
             "p99_over_alone": rounded(p99 / alone_p99, 3) if alone_p99 else None,
+            "p99_with_dropped_ms": rounded(with_dropped) if with_dropped is not None else None,
             "service_p50_ms": rounded(percentile(service, 50)), "service_p99_ms": rounded(percentile(service, 99)),
             "offered": phase["offered"], "completed": phase["completed"], "dropped": phase["dropped"],
-            "queued_at_end": phase["queued_at_end"], "latency_ms": lat}
+            "queued_at_end": phase["queued_at_end"], "latency_ms": lat, "requests": request_record(run, phase)}
+
+
+def expected_mps(mode: Mode, run: Run) -> bool:
+    """Whether the mode's clients are meant to run under MPS: the bench's own server, MPS named in
+    the daemon's config, or the daemon's default ("auto": on for a root co-run daemon on cuda that
+    finds nvidia-cuda-mps-control)."""
+    if run.device != "cuda":
+        return False
+    if mode.bench_mps or daemon_mps(mode, run.device):
+        return True
+    return (mode.sharing == "corun" and mode.daemon_mps == "" and os.geteuid() == 0
+            and shutil.which("nvidia-cuda-mps-control") is not None)
+
+
+def mps_expectation(mode: Mode, run: Run) -> dict[str, dict]:
+    """Per role, what the mode sets: MPS or not, the trainer's client priority (1 where the bench
+    or the daemon sets it: every MPS mode but plain ``mps``), no memory limit (no session declares one)."""
+    on = expected_mps(mode, run)
+    trainer_priority = "1" if on and (mode.priority or mode.sharing is not None) else None
+    return {"trainer": {"mps": on, "priority": trainer_priority, "mem_limit": None},
+            "inference": {"mps": on, "priority": None, "mem_limit": None}}
+
+
+def check_mps(mode: Mode, run: Run, reports: dict[str, dict], collect=None) -> dict:
+    """The mode's MPS evidence (``bench.mps_evidence``); ModeFailed naming what differs from what the
+    mode set. On cpu only what the processes reported is kept: there is no MPS to ask."""
+    expect = mps_expectation(mode, run)
+    if run.device != "cuda":
+        return {"expected": expect, "clients": reports, "checked": False, "why": "cpu: no MPS"}
+    from bench import mps_evidence
+    gpu = run.gpu_uuid or 0
+    evidence = (collect or (lambda r: mps_evidence.collect(r, nvml=lambda: mps_evidence.nvml_lists(gpu))))(reports)
+    problems = mps_evidence.verify(evidence, expect)
+    evidence.update(expected=expect, checked=True, problems=problems)
+    if problems:
+        raise ModeFailed("MPS evidence: " + "; ".join(problems), evidence)
+    return evidence
 
 
 def run_mode(mode: Mode, run: Run) -> dict:
@@ -531,6 +634,8 @@ def run_mode(mode: Mode, run: Run) -> dict:
         ready = trainer.expect("ready", timeout)
         run.device_name = run.device_name or ready.get("device_name")
         inference_ready = inference.expect("ready", timeout)
+        out["mps"] = check_mps(mode, run, {"trainer": ready.get("mps") or {},
+                                           "inference": inference_ready.get("mps") or {}})
         if mode.name == "alone":
             return _alone(run, trainer, inference, inference_ready, out)
         trainer.send(op="run")
@@ -549,6 +654,7 @@ def run_mode(mode: Mode, run: Run) -> dict:
         trainer.send(op="pause")
         paused = trainer.expect("paused", _PHASE_SLACK_S)
         steps_ns = paused["steps_ns"]
+        out["trainer_steps_us"] = [_us(run, t) for t in steps_ns]
         if paused.get("pacer"):
             out["pacer"] = paused["pacer"]
         if setup.daemon_log is not None:
@@ -556,7 +662,7 @@ def run_mode(mode: Mode, run: Run) -> dict:
     for entry in loads.values():
         start, end = entry.pop("_window")
         steps = _steps_in(steps_ns, start, end)
-        steps_per_s = steps / ((end - start) / 1e9)
+        steps_per_s = steps / ((end - start) / 1e9) if end > start else math.nan
         kept = steps_per_s / run.alone_steps_per_s if run.alone_steps_per_s else None
         served = entry["completed"] / entry["offered"] if entry["offered"] else None
         entry.update(steps=steps, steps_per_s=rounded(steps_per_s), kept=rounded(kept, 3) if kept is not None else None,
@@ -573,6 +679,8 @@ def _alone(run: Run, trainer: Child, inference: Child, inference_ready: dict, ou
     _sleep_until(end_ns)
     trainer.send(op="pause")
     steps_ns = trainer.expect("paused", _PHASE_SLACK_S)["steps_ns"]
+    out["trainer_steps_us"] = [_us(run, t) for t in steps_ns]
+    out["trainer_window_us"] = [_us(run, start_ns), _us(run, end_ns)]
     steps = _steps_in(steps_ns, start_ns, end_ns)
     if steps == 0:
         raise ModeFailed(f"the trainer completed no step in {run.phase_s:g} s alone; raise --phase-s")
@@ -582,13 +690,14 @@ def _alone(run: Run, trainer: Child, inference: Child, inference_ready: dict, ou
     inference.send(op="calibrate")  # now: the trainer is paused, nothing else runs on the device
     service = inference.expect("calibrated", _PHASE_SLACK_S)["service_ms"]
     for load in run.loads:
-        run.rate_per_s[load.name] = load.fraction * 1e3 / service[load.name]
+        run.rate_per_s[load.name] = (load.rate_per_s if load.rate_per_s is not None
+                                     else load.fraction * 1e3 / service[load.name])
     loads = {}
     for index, load in enumerate(run.loads):
         phase = run_phase(run, inference, load, index, time.monotonic_ns() + int(0.2e9))
         lat = phase["latency_ms"]
         if not lat:
-            raise ModeFailed(f"no request of load {load.name} completed alone; raise --phase-s")
+            raise ModeFailed(f"no request of load {load.name} completed alone; raise --requests")
         run.alone_p99_ms[load.name], run.alone_p50_ms[load.name] = percentile(lat, 99), percentile(lat, 50)
         loads[load.name] = {**inference_stats(run, load, phase), "steps": None, "steps_per_s": None, "kept": None,
                             "system_throughput": None}
@@ -645,12 +754,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "GPU, else cpu); the nodeagent daemon runs on the same backend")
     ap.add_argument("--modes", type=parse_modes, default=list(MODES), metavar="M1,M2",
                     help="the modes to run, comma-separated (default: all; cuda-only ones are skipped on cpu)")
-    ap.add_argument("--loads", type=parse_loads, metavar="NAME=MODEL:BATCH:FRACTION,...",
-                    help="inference loads, each a model, a batch and a rate as a fraction of the capacity measured "
-                         f"alone; models: {', '.join(MODEL_NAMES)}")
+    ap.add_argument("--loads", type=parse_loads, metavar="NAME=MODEL:BATCH:RATE,...",
+                    help="inference loads, each a model, a batch and a rate in requests per second (or, as 0.3x, a "
+                         f"fraction of the capacity measured alone); models: {', '.join(MODEL_NAMES)}")
     ap.add_argument("--trainer", type=parse_trainer, metavar="MODEL:BATCH",
                     help="the training job: SGD, bf16 autocast on cuda (e.g. gpt-small:16)")
-    ap.add_argument("--phase-s", type=positive_float, help="seconds per load phase, and of the trainer's window alone")
+    ap.add_argument("--phase-s", type=positive_float, help="seconds of the trainer's window alone")
+    ap.add_argument("--requests", type=positive_int, help="requests per cell (mode and load): a phase lasts as long "
+                    "as they take to arrive (default: 600 on cuda, 120 on cpu)")
+    ap.add_argument("--budget-s", type=positive_float, help="start a mode only if the longest mode so far fits the "
+                    "seconds left of this budget; the others are skipped-budget, never cut")
+    ap.add_argument("--quick", action="store_true", help=f"a small run for tests: --requests {QUICK['requests']} "
+                    f"--phase-s {QUICK['phase_s']:g} --settle-s {QUICK['settle_s']:g} (options given win)")
     ap.add_argument("--settle-s", type=positive_float, help="seconds the trainer runs before the first phase")
     ap.add_argument("--input-size", type=positive_int, help="image side in pixels for the CNNs")
     ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence for the transformers")
@@ -665,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults_text(device: str) -> str:
     d = DEFAULTS[device]
-    return (f"--loads {d['loads']} --trainer {d['trainer']} --phase-s {d['phase_s']:g} "
+    return (f"--loads {d['loads']} --trainer {d['trainer']} --requests {d['requests']} --phase-s {d['phase_s']:g} "
             f"--settle-s {d['settle_s']:g} --input-size {d['input_size']} --seq-len {d['seq_len']}")
 
 
@@ -679,10 +794,11 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if gpu else "cpu")
     if device == "cuda" and gpu is None:
         log("[colocate] NVML names no GPU here: the workers will ask torch, and the MPS modes cannot run")
-    d = DEFAULTS[device]
+    d = {**DEFAULTS[device], **(QUICK if args.quick else {})}
     run = Run(device=device, loads=args.loads or parse_loads(d["loads"]),
               trainer=args.trainer or parse_trainer(d["trainer"]), phase_s=args.phase_s or d["phase_s"],
               settle_s=args.settle_s or d["settle_s"], max_backlog=args.max_backlog, seed=args.seed,
+              requests=args.requests or d["requests"], budget_s=args.budget_s,
               worker={"device": device, "seed": args.seed, "input_size": args.input_size or d["input_size"],
                       "seq_len": args.seq_len or d["seq_len"],
                       "threads": d["threads"] if args.threads is None else args.threads,
@@ -700,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         for name in asked:
-            _one_mode(MODES[name], run, result)
+            _one_mode(MODES[name], run, result, started)
     except KeyboardInterrupt:
         close_live()
         result["interrupted"] = True
@@ -725,26 +841,43 @@ def _skeleton(run: Run, asked: list[str]) -> dict:
     return {"benchmark": "colocate", "backend": run.device, "device": run.device_name or run.device,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "hostname": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "record_format": RECORD_FORMAT,
             "parameters": {"phase_s": run.phase_s, "settle_s": run.settle_s, "max_backlog": run.max_backlog,
+                           "requests_per_cell": run.requests, "budget_s": run.budget_s,
                            "seed": run.seed, "input_size": run.worker["input_size"], "seq_len": run.worker["seq_len"],
                            "threads": run.worker["threads"],
                            "inference": "eval, torch.inference_mode(), fp32, input resident, result copied to host",
                            "training": "SGD momentum 0.9" + (", bf16 autocast" if run.device == "cuda" else "")},
             "trainer": {"model": run.trainer[0], "batch": run.trainer[1]},
-            "loads": {load.name: {"model": load.model, "batch": load.batch, "rate_fraction": load.fraction}
-                      for load in run.loads},
+            "loads": {load.name: {"model": load.model, "batch": load.batch, "rate_fraction": load.fraction,
+                                  "rate_fixed_per_s": load.rate_per_s, "seed": run.seed * 1000 + index}
+                      for index, load in enumerate(run.loads)},
             "default_mode": DEFAULT_MODE, "modes_asked": asked, "modes": {}, "skipped": {}, "failed": {},
             "interrupted": False}
 
 
-def _one_mode(mode: Mode, run: Run, result: dict) -> None:
+def expected_seconds(result: dict) -> float | None:
+    """What the next mode is expected to take: the longest mode measured so far but alone (which
+    also calibrates), else alone's; None before any."""
+    done = {m: e["seconds"] for m, e in result["modes"].items() if e.get("seconds")}
+    others = [v for m, v in done.items() if m != "alone"]
+    return max(others) if others else done.get("alone")
+
+
+def _one_mode(mode: Mode, run: Run, result: dict, run_started: float | None = None) -> None:
     """Run one mode and file it under modes, and under skipped or failed with a reason in one line."""
-    reason = error = entry = None
+    reason = error = entry = evidence = None
+    status = "skipped"
     started = time.monotonic()
+    expected = expected_seconds(result)
+    left = None if run.budget_s is None else run.budget_s - (started - (run_started or started))
     if mode.cuda_only and run.device != "cuda":
         reason = f"needs cuda (MPS); this run is on {run.device}"
     elif mode.name != "alone" and run.alone_steps_per_s is None:
         error = "not run: alone failed, so there is no capacity to set the rates from"
+    elif left is not None and expected is not None and expected * 1.1 > left:
+        status = "skipped-budget"
+        reason = f"{left:.0f} s of --budget-s left, a mode takes about {expected:.0f} s: not started"
     else:
         log(f"[colocate] {mode.name}: {mode.what}")
         try:
@@ -752,7 +885,7 @@ def _one_mode(mode: Mode, run: Run, result: dict) -> None:
         except ModeSkipped as exc:
             reason = str(exc)
         except ModeFailed as exc:
-            error = str(exc)
+            error, evidence = str(exc), exc.evidence
         except OSError as exc:  # a folder or a process the bench could not make
             error = f"{type(exc).__name__}: {exc}"
     seconds = round(time.monotonic() - started, 1)
@@ -765,11 +898,12 @@ def _one_mode(mode: Mode, run: Run, result: dict) -> None:
     elif reason is not None:
         log(f"[colocate] {mode.name} skipped: {reason}")
         result["skipped"][mode.name] = reason
-        result["modes"][mode.name] = {"status": "skipped", "reason": reason}
+        result["modes"][mode.name] = {"status": status, "reason": reason}
     else:
         log(f"[colocate] {mode.name} failed: {error}")
         result["failed"][mode.name] = error
-        result["modes"][mode.name] = {"status": "failed", "error": error, "seconds": seconds}
+        result["modes"][mode.name] = {"status": "failed", "error": error, "seconds": seconds,
+                                      **({"mps": evidence} if evidence is not None else {})}
 
 
 def _num(value, spec: str, missing: str = "-") -> str:
@@ -781,10 +915,11 @@ def print_table(result: dict) -> None:
     log(f"[colocate] {result['device']} ({result['backend']}); trainer {result['trainer']['model']} batch "
         f"{result['trainer']['batch']}: {_num(result['trainer'].get('alone_steps_per_s'), '.2f')} steps/s alone")
     for name, load in result["loads"].items():
+        share = (f"{load['rate_fraction']:g} of capacity" if load.get("rate_fraction") is not None else "fixed; capacity")
         log(f"\nload {name}: {load['model']} batch {load['batch']} at {_num(load.get('rate_per_s'), '.1f')} req/s "
-            f"({load['rate_fraction']:g} of capacity {_num(load.get('capacity_per_s'), '.1f')}/s)")
+            f"({share} {_num(load.get('capacity_per_s'), '.1f')}/s)")
         log(f"  {'mode':<17} {'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'p99/alone':>9} {'dropped':>7} "
-            f"{'kept':>6} {'system':>6}")
+            f"{'queued':>6} {'kept':>6} {'system':>6}")
         for mode, entry in result["modes"].items():
             if entry["status"] != "ok":
                 log(f"  {mode:<17} {entry['status']}: {entry.get('reason') or entry.get('error')}")
@@ -793,7 +928,7 @@ def print_table(result: dict) -> None:
             kept = "-" if e["kept"] is None else f"{e['kept'] * 100:.0f}%"
             log(f"  {mode:<17} {_num(e['p50_ms'], '.1f'):>8} {_num(e['p99_ms'], '.1f'):>9} "
                 f"{_num(e['max_ms'], '.1f'):>9} {_num(e['p99_over_alone'], '.2f') + 'x':>9} {e['dropped']:>7} "
-                f"{kept:>6} {_num(e['system_throughput'], '.2f'):>6}")
+                f"{e['queued_at_end']:>6} {kept:>6} {_num(e['system_throughput'], '.2f'):>6}")
     log(f"\n[colocate] {result.get('elapsed_s')} s")
 
 

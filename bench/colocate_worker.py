@@ -15,10 +15,11 @@ time of every step since ``run``; ``stop`` ends it. On cuda a step's completion
 is when its CUDA event is seen done, not when the CPU queued it.
 
 Inference: at start it warms up every load's model (and with ``calibrate`` times
-back-to-back requests alone); ``phase`` serves open-loop Poisson arrivals from a
-seeded generator (the same arrivals in every mode) one at a time, first come
-first served, and answers with each request's latency from its arrival to the
-result in host memory. Arrivals that find ``max_backlog`` requests waiting are
+back-to-back requests alone); ``phase`` serves ``requests`` open-loop Poisson
+arrivals from a seeded generator (the same arrivals in every mode) one at a
+time, first come first served, and answers with each request's arrival, start
+and end and its latency from its arrival to the result in host memory. Both
+workers' ``ready`` carry what the CUDA driver read for MPS (``bench.mps_evidence``). Arrivals that find ``max_backlog`` requests waiting are
 dropped and counted, so an overloaded mode never queues without bound.
 """
 
@@ -100,6 +101,13 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads per process)"
+
+
+def mps_report(device) -> dict:
+    """What the CUDA driver read when this process made its context (bench.mps_evidence)."""
+    from bench.mps_evidence import client_report
+    return client_report(device if device.type == "cuda" else None) if device.type == "cuda" else {
+        "pid": os.getpid(), "mps_env": {k: v for k, v in os.environ.items() if k.startswith("CUDA_MPS_")}}
 
 
 def synchronize(device) -> None:
@@ -208,7 +216,7 @@ def trainer(spec: dict, chan: Channel) -> None:
     log("trainer", f"{spec['trainer']['model']} batch {spec['trainer']['batch']} on {device}: warm-up steps "
                    + ", ".join(f"{ms:.1f}" for ms in warmup_ms) + " ms")
     chan.send(ready=True, role="trainer", device_name=device_name(device), warmup_ms=warmup_ms,
-              pacer=pacer is not None)
+              pacer=pacer is not None, mps=mps_report(device))
     clock = StepClock(device)
     while True:
         command = chan.next_command()
@@ -260,15 +268,20 @@ class Service:
             return out.cpu()
 
 
-def poisson_arrivals(rate_per_s: float, seed: int, start_ns: int, end_ns: int) -> list[int]:
-    """Open-loop arrivals in [start, end): exponential gaps from a seeded generator."""
+def poisson_arrivals(rate_per_s: float, seed: int, start_ns: int, end_ns: int | None = None,
+                     count: int | None = None) -> list[int]:
+    """Open-loop arrivals from ``start_ns``: exponential gaps from a seeded generator, those before
+    ``end_ns``, or exactly ``count`` of them (``bench.replay`` draws the same from the seed)."""
+    if (end_ns is None) == (count is None):
+        raise ValueError("give end_ns or count")
     rng = random.Random(seed)
     out, t = [], float(start_ns)
-    while True:
+    while count is None or len(out) < count:
         t += rng.expovariate(rate_per_s) * 1e9
-        if t >= end_ns:
-            return out
+        if end_ns is not None and t >= end_ns:
+            break
         out.append(int(t))
+    return out
 
 
 def sleep_until_ns(t_ns: int) -> None:
@@ -278,9 +291,15 @@ def sleep_until_ns(t_ns: int) -> None:
 
 
 def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> dict:
-    """Serve ``arrivals`` first come first served, one at a time; a full backlog drops an arrival."""
+    """Serve ``arrivals`` first come first served, one at a time; a full backlog drops an arrival.
+
+    Per request (in arrival order, dropped ones included): its arrival, start and end in ns of
+    ``time.monotonic_ns()``; a dropped request has start and end None. ``queued_at_end``: the
+    requests waiting at ``end_ns`` (served after it: their latency counts)."""
     now = time.monotonic_ns
-    backlog: collections.deque[int] = collections.deque()
+    backlog: collections.deque[int] = collections.deque()  # indices into arrivals
+    start: list[int | None] = [None] * len(arrivals)
+    end: list[int | None] = [None] * len(arrivals)
     latency_ns, service_ns = [], []
     dropped = queued_at_end = 0
     ended = False
@@ -291,22 +310,24 @@ def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> 
             if len(backlog) >= max_backlog:
                 dropped += 1
             else:
-                backlog.append(arrivals[i])
+                backlog.append(i)
             i += 1
         if not ended and t >= end_ns:
             ended, queued_at_end = True, len(backlog)
         if not backlog:
             sleep_until_ns(arrivals[i])
             continue
-        arrived = backlog.popleft()
+        k = backlog.popleft()
         t0 = now()
         request()
         t1 = now()
-        latency_ns.append(t1 - arrived)
+        start[k], end[k] = t0, t1
+        latency_ns.append(t1 - arrivals[k])
         service_ns.append(t1 - t0)
     return {"offered": len(arrivals), "completed": len(latency_ns), "dropped": dropped,
             "queued_at_end": queued_at_end, "latency_ms": [round(v / 1e6, 3) for v in latency_ns],
-            "service_ms": [round(v / 1e6, 3) for v in service_ns]}
+            "service_ms": [round(v / 1e6, 3) for v in service_ns],
+            "arrival_ns": list(arrivals), "begin_ns": start, "finish_ns": end}
 
 
 def calibrate(services: dict, request, spec: dict) -> dict[str, float]:
@@ -344,7 +365,7 @@ def inference(spec: dict, chan: Channel) -> None:
     for service in services.values():
         for _ in range(spec["warmup_requests"]):
             request(service)
-    chan.send(ready=True, role="inference", device_name=device_name(device))
+    chan.send(ready=True, role="inference", device_name=device_name(device), mps=mps_report(device))
     while True:
         command = chan.next_command()
         op = command.get("op")
@@ -356,10 +377,12 @@ def inference(spec: dict, chan: Channel) -> None:
         if op != "phase":
             raise WorkerError(f"inference: unexpected command {op!r}")
         service = services[command["load"]]
-        arrivals = poisson_arrivals(command["rate_per_s"], command["seed"], command["start_ns"], command["end_ns"])
+        arrivals = poisson_arrivals(command["rate_per_s"], command["seed"], command["start_ns"],
+                                    count=command["requests"])
+        end_ns = arrivals[-1] + 1 if arrivals else command["start_ns"]  # the offered load's window
         sleep_until_ns(command["start_ns"])
-        result = serve_phase(lambda: request(service), arrivals, command["end_ns"], spec["max_backlog"])
-        chan.send(phase=command["load"], **result)
+        result = serve_phase(lambda: request(service), arrivals, end_ns, spec["max_backlog"])
+        chan.send(phase=command["load"], window_end_ns=end_ns, **result)
     if client is not None:
         client.close()
 

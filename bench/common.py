@@ -1,8 +1,10 @@
 """What every benchmark shares: the daemon it runs against, real work, stats, output.
 
 A benchmark uses the daemon at ``NODEAGENT_ENDPOINT`` when that is set
-("external") and otherwise starts its own ``nodeagent serve --backend cpu`` on a
-private socket ("own daemon"), stopped with SIGTERM when the run ends. Clients
+("external") and otherwise starts its own ``nodeagent serve`` on a private
+socket ("own daemon"), stopped with SIGTERM when the run ends: on the backend
+its work runs on (``--backend cuda`` for GPU work, so that the daemon's NVML
+watcher, MPS and device faults are in what is measured; cpu otherwise). Clients
 are forked processes that each open their own :class:`client_lib.Client`.
 Times taken in different processes come from ``time.monotonic_ns()``
 (CLOCK_MONOTONIC on Linux), so they compare across processes.
@@ -96,12 +98,14 @@ def wait_for_daemon(endpoint: str, timeout_s: float, proc: subprocess.Popen | No
 
 
 @contextmanager
-def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=None) -> Iterator[DaemonHandle]:
+def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=None,
+           backend: str = "cpu") -> Iterator[DaemonHandle]:
     """The external daemon if ``NODEAGENT_ENDPOINT`` is set, else a private one.
 
     ``extra_args`` (e.g. ``--quantum-ms training=50``) and ``metrics`` only
     apply to a daemon started here; an external one is used as it is.
     ``log_keep(line)`` picks the lines of its log relayed at the end (see :func:`relay_log`).
+    ``backend``: the own daemon's (see :func:`daemon_backend`).
     """
     endpoint = os.environ.get(ENV_ENDPOINT)
     if endpoint:
@@ -111,7 +115,7 @@ def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=No
         return
     workdir = tempfile.mkdtemp(prefix="nodeagent-bench-")
     handle = DaemonHandle(f"ipc://{workdir}/agent.sock", OWN, workdir=workdir)
-    handle.args = serve_args(handle.endpoint, os.path.join(workdir, "state"), extra_args)
+    handle.args = serve_args(handle.endpoint, os.path.join(workdir, "state"), extra_args, backend=backend)
     if metrics:
         handle.metrics_port = free_tcp_port()
         handle.args += ["--metrics-port", str(handle.metrics_port)]
@@ -119,7 +123,7 @@ def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=No
     try:
         handle.proc = spawn_daemon(handle.args, handle.log_path)
         wait_for_daemon(handle.endpoint, _START_TIMEOUT_S, handle.proc)
-        log(f"[bench] started nodeagent pid={handle.proc.pid} on {handle.endpoint} (backend cpu)")
+        log(f"[bench] started nodeagent pid={handle.proc.pid} on {handle.endpoint} (backend {backend})")
         yield handle
         failed = False
     finally:
@@ -128,12 +132,21 @@ def daemon(extra_args: Sequence[str] = (), *, metrics: bool = False, log_keep=No
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def daemon_backend(device: str | None) -> str:
+    """The backend of the daemon for work on ``device``: "cuda" for GPU work (``cuda``, ``cuda:N``),
+    so that what the daemon does on a GPU (NVML's process lists and Xids, MPS) is in the measurement;
+    "cpu" otherwise."""
+    return "cuda" if str(device or "").startswith("cuda") else "cpu"
+
+
 def serve_args(endpoint: str, state_dir: str, extra_args: Sequence[str] = (),
-               log_level: str = "warning") -> list[str]:
-    """The command line of a private ``nodeagent serve --backend cpu``."""
+               log_level: str = "warning", backend: str = "cpu") -> list[str]:
+    """The command line of a private ``nodeagent serve --backend BACKEND``."""
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be cpu or cuda, not {backend!r}")
     # No warm workers unless a benchmark asks: their start-up would share the cores with what is measured.
     ctxpool = () if "--ctxpool" in extra_args else ("--ctxpool", "off")
-    return [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", endpoint,
+    return [sys.executable, "-m", "nodeagent", "serve", "--backend", backend, "--endpoint", endpoint,
             "--state-dir", state_dir, "--log-level", log_level, *ctxpool, *extra_args]
 
 
@@ -380,7 +393,7 @@ def rounded(value: float, digits: int = 3) -> float | None:
 
 
 _ENDPOINT_HELP = ("use the daemon listening there instead of starting a private\n"
-                  "                      `nodeagent serve --backend cpu` (its own settings apply)")
+                  "                      `nodeagent serve` (cuda for GPU work, else cpu; its own settings apply)")
 
 
 def parser(prog: str, description: str, epilog: str = "", endpoint_help: str = _ENDPOINT_HELP

@@ -38,6 +38,12 @@ Baselines, same run:
 
   speedup        cold_ttft_ms / wake_ttft_ms
 
+The daemon runs on the server's backend (cuda on a GPU: it sees the device
+freed). --mps on puts the server on an MPS server of the daemon's ([mps]
+devices = [0]), off keeps it outside MPS; on cuda the JSON's ``mps`` holds the
+evidence either way (bench.mps_evidence: the MPS server's client list, NVML's,
+what the server's driver read) and a server that did not run as asked exits 1.
+
 Goals (issue 23, on a GPU): speedup >= 20 and wake_ms < 100 for 1 GiB of
 weights. On cpu every field is reported, but the goals are not: the "device"
 is host memory, nothing is unmapped, a park is a copy within RAM, and the
@@ -212,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cold starts; cold_ttft_ms is their median (default: 2)")
     ap.add_argument("--deadline-ms", type=common.positive_float, default=10_000.0,
                     help="suspend and reclaim deadline (default: 10000)")
+    ap.add_argument("--mps", choices=("on", "off"), default="off",
+                    help="on cuda: the daemon puts the server on an MPS server of its own ([mps] devices = [0]) "
+                         "or not ([mps] devices = []); the JSON's mps holds the evidence (default: off)")
     ap.add_argument("--threads", type=common.positive_int, default=None,
                     help="torch intra-op threads in the servers on cpu (default: all cores but one)")
     args = ap.parse_args(argv)
@@ -246,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
 
         colds = [_cold_start(server_args, workdir, i, prompt, env) for i in range(args.cold_repeats)]
 
-        node = _Node(workdir)
+        # The daemon on the backend the server runs on: on cuda it sees the device freed (NVML), and
+        # under --mps on the server is an MPS client, where its address-keeping regions must hold too.
+        mps_config = "[mps]\ndevices = [0]\n" if args.mps == "on" and on_cuda else "[mps]\ndevices = []\n"
+        node = _Node(workdir, backend=common.daemon_backend(device), config_extra=mps_config)
         server = ServerProc(server_args, workdir, "warm", {**env, "NODEAGENT_ENDPOINT": node.endpoint})
         ready = server.ready
         session = ready["session"]
+        mps = _mps_evidence(ready, args.mps == "on" and on_cuda) if on_cuda else None
         common.log(f"[llm_wake] server up in {ready['phases_ms']['start_ms']:.0f} ms: graphs {ready['graphs']}, "
                    f"keeps addresses {ready['keeps_addresses']} ({ready['address_note'] or 'CUDA VMM'})")
         reference = server.ask({"op": "generate", "prompt": prompt, "max_new_tokens": args.new_tokens})["tokens"]
@@ -327,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         "outputs_identical": all(c["identical"] for c in cycles),
         "addresses_kept": all(w["addresses_kept"] for w in wakes),
         "server_start_phases_ms": ready["phases_ms"],
+        "daemon_backend": common.daemon_backend(device),
+        "mps_asked": args.mps,
+        "mps": mps,
         "goals": goals,
         "goals_apply": on_cuda,
         "all_goals_met": on_cuda and all(g["met"] for g in goals.values()),
@@ -341,7 +357,18 @@ def main(argv: list[str] | None = None) -> int:
                + (f"; goals {'met' if result['all_goals_met'] else 'MISSED'}" if on_cuda else
                   " (cpu: the goals are for a GPU)") + f"; took {time.monotonic() - wall0:.1f} s")
     common.emit(result, args.json)
-    return 0
+    return 1 if mps is not None and mps["problems"] else 0
+
+
+def _mps_evidence(ready: dict, expected: bool) -> dict:
+    """Whether the server ran under MPS as asked (``bench.mps_evidence``); the problems named."""
+    from bench import mps_evidence
+    evidence = mps_evidence.collect({"server": ready})
+    evidence["problems"] = mps_evidence.verify(evidence, {"server": {"mps": expected, "priority": None,
+                                                                    "mem_limit": None}})
+    for line in evidence["problems"]:
+        common.log(f"[llm_wake] MPS evidence: {line}")
+    return evidence
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
     python -m bench.mps_fault --json          (cuda, as root, nvidia-cuda-mps-control on PATH)
 
-One nodeagent daemon co-running device 0 with MPS on it ([mps] devices = [0]). Two scenarios, each
-with fresh processes; every process is a nodeagent session, so each is a client of the same MPS
-server (NVIDIA's MPS: one fault domain):
+One nodeagent daemon co-running device 0 with MPS on it ([mps] devices = [0]), on the cuda backend:
+its NVML watcher reads the Xid and the process lists (every 100 ms) and sends the ``E_DEVICE``
+notices measured here. Two scenarios, each with fresh processes; every process is a nodeagent
+session, so each is a client of the same MPS server (NVIDIA's MPS: one fault domain). Each
+scenario records under ``mps`` the MPS server and client lists and each client's priority and
+memory limit (``bench.mps_evidence``); a process that did not run under MPS as meant is named in
+``problems`` and the run exits 1 (``mps_verified`` false):
 
 * ``fault``: a healthy inference service (a 1024x1024 matmul per request, a request every 10 ms)
   and a faulting client whose kernel writes to an illegal address (CuPy's RawKernel where CuPy is
@@ -51,6 +55,7 @@ def _say(**fields) -> None:
 
 
 def _worker(role: str, endpoint: str) -> int:
+    from bench.mps_evidence import client_report
     from client_lib import Client
 
     client = Client(f"mps-fault-{role}", workload="inference" if role == "service" else "training",
@@ -62,7 +67,7 @@ def _worker(role: str, endpoint: str) -> int:
         x = torch.randn(1024, 1024, device="cuda")
         torch.mm(x, x)
         torch.cuda.synchronize()
-        _say(event="ready")
+        _say(event="ready", mps=client_report())
         while True:
             t0 = time.monotonic()
             try:
@@ -76,7 +81,7 @@ def _worker(role: str, endpoint: str) -> int:
             time.sleep(_REQUEST_PERIOD_S)
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
-    _say(event="ready")
+    _say(event="ready", mps=client_report())
     sys.stdin.readline()  # go
     if role == "spinner":
         _say(event="spinning")
@@ -197,13 +202,32 @@ def why_not_here() -> str | None:
     return None
 
 
+# Every process is a session of a co-run daemon with MPS on device 0: the service (inference) at the
+# default priority, the others (training) at CUDA_MPS_CLIENT_PRIORITY=1; nobody declares memory, so no limit.
+EXPECT = {"service": {"mps": True, "priority": None, "mem_limit": None},
+          "faulty": {"mps": True, "priority": "1", "mem_limit": None},
+          "spinner": {"mps": True, "priority": "1", "mem_limit": None}}
+
+
+def mps_check(ready: dict[str, dict]) -> dict:
+    """The MPS evidence for the scenario's processes (role -> their ready line), with ``problems``."""
+    from bench import mps_evidence
+    evidence = mps_evidence.collect({role: line.get("mps") or {} for role, line in ready.items()})
+    evidence["problems"] = mps_evidence.verify(evidence, {role: EXPECT[role] for role in ready})
+    if evidence["problems"]:
+        common.log("[mps_fault] MPS evidence: " + "; ".join(evidence["problems"]))
+    return evidence
+
+
 def _fault(endpoint: str, env: dict[str, str]) -> dict:
     service = Child("service", endpoint, env)
     faulty = Child("faulty", endpoint, env)
     fresh = None
     try:
-        if service.until("ready", _READY_TIMEOUT_S) is None or faulty.until("ready", _READY_TIMEOUT_S) is None:
+        ready = {"service": service.until("ready", _READY_TIMEOUT_S), "faulty": faulty.until("ready", _READY_TIMEOUT_S)}
+        if None in ready.values():
             raise RuntimeError("a worker did not start (see its stderr above)")
+        evidence = mps_check(ready)
         time.sleep(1.0)  # requests before the fault
         faulty.go()
         fault = faulty.until("fault", 10.0)
@@ -217,6 +241,7 @@ def _fault(endpoint: str, env: dict[str, str]) -> dict:
         faulty.until("fault_error", 0.5)
         result = summarize_fault(fault_at, service.seen, notified, fresh.seen)
         result["how"] = fault.get("how")
+        result["mps"] = evidence
         result["faulting_client_error"] = next((line["error"] for line in faulty.seen
                                                 if line.get("event") == "fault_error"), None)
         return result
@@ -230,8 +255,11 @@ def _kill(endpoint: str, env: dict[str, str]) -> dict:
     service = Child("service", endpoint, env)
     spinner = Child("spinner", endpoint, env)
     try:
-        if service.until("ready", _READY_TIMEOUT_S) is None or spinner.until("ready", _READY_TIMEOUT_S) is None:
+        ready = {"service": service.until("ready", _READY_TIMEOUT_S),
+                 "spinner": spinner.until("ready", _READY_TIMEOUT_S)}
+        if None in ready.values():
             raise RuntimeError("a worker did not start (see its stderr above)")
+        evidence = mps_check(ready)
         time.sleep(1.0)
         spinner.go()
         spinner.until("spinning", 10.0)
@@ -240,7 +268,7 @@ def _kill(endpoint: str, env: dict[str, str]) -> dict:
         spinner.proc.send_signal(signal.SIGKILL)
         spinner.proc.wait()
         service.collect(2.0)  # two seconds of the service's requests after the kill
-        return {"killed_mid_kernel": True, **summarize_kill(killed_at, service.seen)}
+        return {"killed_mid_kernel": True, **summarize_kill(killed_at, service.seen), "mps": evidence}
     finally:
         service.end()
         spinner.end()
@@ -263,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="nodeagent-bench-mps-fault-")
     config = os.path.join(workdir, "nodeagent.toml")
     with open(config, "w") as f:
-        f.write("[mps]\ndevices = [0]\n")
+        f.write("[mps]\ndevices = [0]\n[memory]\nwatch_interval_ms = 100\n")  # an Xid read within 0.1 s
     try:
-        with common.daemon(["--config", config, "--sharing", "corun"], log_keep=lambda line: "[device]" in line
-                           or "[mps]" in line) as d:
+        # A cuda daemon: its NVML watcher reads the Xid and the MPS client lists, and sends the E_DEVICE notices.
+        with common.daemon(["--config", config, "--sharing", "corun"], backend="cuda",
+                           log_keep=lambda line: "[device]" in line or "[mps]" in line) as d:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))}
             result["fault"] = _fault(d.endpoint, env)
             common.log(f"[mps_fault] fault: {result['fault']}")
@@ -274,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             common.log(f"[mps_fault] kill: {result['kill']}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    problems = [f"{scenario}: {p}" for scenario in ("fault", "kill") for p in result[scenario]["mps"]["problems"]]
+    result["mps_verified"] = not problems
     common.emit(result, args.json)
-    return 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -162,18 +162,18 @@ def _expect(queue, kind: str, timeout_s: float):
 class _Node:
     """A private daemon with the cluster endpoint on, and a PlacementClient for it."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, backend: str = "cpu", config_extra: str = "") -> None:
         keys_dir = os.path.join(workdir, "keys")
         made = keys.generate(keys_dir, clients=("bench",))
         cluster = f"tcp://127.0.0.1:{_free_port()}"
         config = os.path.join(workdir, "nodeagent.toml")
         with open(config, "w") as f:
             f.write(f'[cluster]\nendpoint = "{cluster}"\nevents_endpoint = ""\nkeys_dir = "{keys_dir}"\n'
-                    f'node = "{NODE}"\nprotect_s = 0.0\n')
+                    f'node = "{NODE}"\nprotect_s = 0.0\n{config_extra}')
         self.endpoint = f"ipc://{workdir}/agent.sock"
         self.log_path = os.path.join(workdir, "daemon.log")
         args = common.serve_args(self.endpoint, os.path.join(workdir, "state"),
-                                 ["--config", config, "--ctxpool", "off"], log_level="info")
+                                 ["--config", config, "--ctxpool", "off"], log_level="info", backend=backend)
         self.proc = common.spawn_daemon(args, self.log_path)
         common.wait_for_daemon(self.endpoint, 15.0, self.proc)
         self.placement = PlacementClient({NODE: cluster}, keys=ClientKeys.load(made.clients["bench"]),
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="nodeagent-bench-reclaim-")
     node, failed = None, True
     try:
-        node = _Node(workdir)
+        node = _Node(workdir, backend=common.daemon_backend(args.device))
         common.log(f"[reclaim] daemon pid={node.proc.pid}; cooperative trainer with {args.state_mb} MiB of state "
                    f"on {args.device}")
         coop = _cooperative(node, args.repeats, args.state_mb, unit_rounds, args.device)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "reclaim",
         "backend": args.device,
-        "daemon_backend": "cpu",
+        "daemon_backend": common.daemon_backend(args.device),
         "endpoint_kind": common.OWN,
         "transport": "tcp loopback, CURVE",
         "repeats": args.repeats,

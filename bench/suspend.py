@@ -240,6 +240,20 @@ def _measure_size(state_mb: int, repeats: int, restart_repeats: int, device: tor
     return result, daemon_result
 
 
+def pinned_memcpy_ms(nbytes: int, repeats: int, device: torch.device) -> tuple[float, float] | None:
+    """Medians of one pinned cudaMemcpy of ``nbytes`` device to host and host to device (None off cuda)."""
+    if device.type != "cuda" or nbytes <= 0:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h, h2d = [], []
+    for _ in range(repeats + 1):  # the first left out, as for the park
+        d2h.append(_timed_ms(lambda: host.copy_(src, non_blocking=True), device))
+        h2d.append(_timed_ms(lambda: src.copy_(host, non_blocking=True), device))
+    del src, host
+    return statistics.median(d2h[1:]), statistics.median(h2d[1:])
+
+
 def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int, device: torch.device,
                                bytes_expected: int) -> dict:
     """Park and unpark ``state`` with its device addresses kept; timings as for the in-place rows."""
@@ -262,6 +276,7 @@ def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int
         verifies.append(yielder.verify_ms)
     after = [state.params[0], state.params[-1].grad, *state.opt.state[state.params[-1]].values()]
     suspend_ms, resume_ms = statistics.median(suspends[1:]), statistics.median(resumes[1:])
+    memcpy = pinned_memcpy_ms(yielder.bytes_copied, repeats, device)
     out = {
         "adopt_ms": common.rounded(adopt_ms),
         "bytes_copied": yielder.bytes_copied,  # the regions' spans: the state, each region rounded up to 64 KiB
@@ -275,6 +290,11 @@ def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int
         "checksum_ms": common.rounded(statistics.median(checksums[1:])),
         "verify_ms": common.rounded(statistics.median(verifies[1:])),
         "addresses_kept": [t.data_ptr() for t in tensors] == addresses,
+        # The baseline, same run and bytes: one pinned cudaMemcpy each way; goal: the park and the
+        # unpark at >= 90% of its rate (issue 33).
+        "memcpy_d2h_ms": memcpy and common.rounded(memcpy[0]), "memcpy_h2d_ms": memcpy and common.rounded(memcpy[1]),
+        "park_of_memcpy": memcpy and common.rounded(memcpy[0] / suspend_ms, 3),
+        "unpark_of_memcpy": memcpy and common.rounded(memcpy[1] / resume_ms, 3),
         "verified": yielder.bytes_copied >= bytes_expected and all(torch.equal(a, b) for a, b in
                                                                     zip(after, reference)),
     }
@@ -287,7 +307,7 @@ def _measure_keeping_addresses(state: TrainingState, state_mb: int, repeats: int
 
 def _daemon_roundtrip(state: TrainingState, yielder: Yielder, state_mb: int) -> dict:
     """One suspend and resume of a client thread holding ``state``, through a daemon."""
-    with common.daemon() as handle:
+    with common.daemon(backend=common.daemon_backend(state.params[0].device.type)) as handle:
         work = common.Work.calibrated(1.0)
         ready, stop = threading.Event(), threading.Event()
         box: dict = {}

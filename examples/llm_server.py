@@ -365,6 +365,10 @@ class Engine:
             "address_note": y.address_note if y is not None else "no Yielder (--no-daemon)",
             "host_buffer_bytes": 0 if y is None or y.host_buffer is None else y.host_buffer.numel(),
             "host_buffer_pinned": bool(y is not None and y.host_buffer is not None and y.host_buffer.is_pinned()),
+            # What the CUDA driver read for MPS when this process made its context (bench.mps_evidence).
+            "pid": os.getpid(),
+            "mps_env": {k: v for k, v in os.environ.items() if k.startswith("CUDA_MPS_")},
+            "mem_total_bytes": torch.cuda.mem_get_info(self.device)[1] if self.device.type == "cuda" else None,
         }
 
 

@@ -14,7 +14,7 @@ import platform
 import re
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from nodeagent.nvml import NA, Nvml, NvmlError, NvmlGpuLost, NvmlUnavailable
@@ -60,6 +60,10 @@ class DeviceFault:
     # before the fault or the one with it: 0 means only MPS had contexts there, so an MPS client
     # faulted; None: not looked (the backend alone cannot say).
     outside_mps: int | None = None
+    # Of those, the ones visible in the daemon's pid namespace, as :class:`nodeagent.memory.ProcessUse`
+    # (pid and parents, read while each was alive): the loop takes out those its MPS sessions own,
+    # a client NVML lists only among the compute processes (no MPS list on the driver).
+    outside_processes: tuple = field(default=(), compare=False)
 
     @property
     def ends_contexts(self) -> bool:
@@ -385,26 +389,28 @@ class CudaBackend(DeviceBackend):
         """Compute processes NVML sees on the GPU, MPS clients included; [] where it cannot say.
 
         Under MPS the compute list holds the MPS server (which owns the memory of
-        every client) and the MPS list holds the clients, each with its own use:
-        both are read, one entry per pid. DeviceLostError if the GPU has failed."""
+        every client) and the MPS list holds the clients, each with its own use;
+        some drivers list the clients in the compute list too. Both are read, one
+        entry per pid, with the larger known use; a pid in the MPS list is an MPS
+        client whichever list also shows it. DeviceLostError if the GPU has failed."""
         self._check_open()
         self._check_index(index)
         handle = self._handles[index]
-        by_pid: dict[int, DeviceProcess] = {}
+        used_by: dict[int, int | None] = {}
+        clients: set[int] = set()
         for func_name, mps_client in (("nvmlDeviceGetComputeRunningProcesses", False),
                                       ("nvmlDeviceGetMPSComputeRunningProcesses", True)):
             running = self._query(func_name, handle, device=index)
             if running is NA:
                 continue
             for process in running:
-                used = getattr(process, "usedGpuMemory", None)
-                entry = DeviceProcess(pid=int(process.pid), used_memory_bytes=None if used is None else int(used),
-                                      mps_client=mps_client)
-                seen = by_pid.get(entry.pid)
-                # A pid in both lists is counted once, with the larger (known) use.
-                if seen is None or (entry.used_memory_bytes or 0) > (seen.used_memory_bytes or 0):
-                    by_pid[entry.pid] = entry
-        return list(by_pid.values())
+                pid, used = int(process.pid), getattr(process, "usedGpuMemory", None)
+                used = None if used is None else int(used)
+                if mps_client:
+                    clients.add(pid)
+                if pid not in used_by or (used or 0) > (used_by[pid] or 0):
+                    used_by[pid] = used
+        return [DeviceProcess(pid, used, mps_client=pid in clients) for pid, used in used_by.items()]
 
     def faults(self) -> list[DeviceFault]:
         """The Xid critical errors NVML reported since the last call (at most a bounded number

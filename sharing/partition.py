@@ -15,8 +15,12 @@ Rules of a plan (:func:`plan_partition`):
 * every share is an integer >= ``min_percent`` and the shares sum to at most
   ``total``; fractions are rounded by the largest-remainder method, ties to
   the smaller session id, so the same input always gives the same plan;
-* memory works the same way when the device's memory is known: explicit
-  limits first, the rest split equally among sessions without one;
+* memory is capped only where a session declared it: explicit limits, whose
+  sum must fit the device's memory when that is known; a session that declares
+  none gets no ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (an even split of what was
+  left when it joined would cap an LLM server or trainer that fits without the
+  daemon at half the card beside one other session; memory admission stays the
+  daemon's, from declarations and NVML);
 * anything that does not fit raises :class:`PartitionError` naming the
   sessions and numbers.
 
@@ -104,7 +108,8 @@ def plan_partition(
     """Plan shares for every session in ``requested`` (``None``: no explicit request).
 
     ``memory_total_mb`` is the memory the device has for MPS clients; when it is
-    None only explicit memory requests become limits and their sum is not checked.
+    known the explicit memory requests must fit it. Only explicit requests become
+    limits: a session without one is left uncapped.
     """
     total = _int_in_range("total", total, 1, 100)
     min_percent = _int_in_range("min_percent", min_percent, 1, total)
@@ -282,14 +287,6 @@ def _plan_memory(sessions: list[str], total_mb: int | None, requests_mb: Mapping
         listing = ", ".join(f"{s}={mb} MiB" for s, mb in sorted(limits.items()))
         raise PartitionError(f"memory requests sum to {asked} MiB ({listing}), over the {total_mb} MiB "
                              "the device has")
-    open_sessions = [s for s in sessions if s not in limits]
-    if open_sessions:
-        each = (total_mb - asked) // len(open_sessions)
-        if each < 1:
-            names = ", ".join(repr(s) for s in sorted(open_sessions))
-            raise PartitionError(f"session(s) {names} without a memory request would share the "
-                                 f"{total_mb - asked} MiB left, less than 1 MiB each")
-        limits.update((s, each) for s in open_sessions)
     return limits
 
 

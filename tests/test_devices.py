@@ -278,7 +278,21 @@ def test_cuda_processes_include_mps_clients_each_once():
     gpus[1].processes = [(900, 6 * GIB)]
     gpus[1].mps_processes = [(1001, 2 * GIB), (1002, None), (900, 1 * GIB)]
     backend = CudaBackend(Nvml(lib=FakeNvmlLib(gpus)))
+    # 900, named by the MPS list too, is MPS's (with the larger use of the two lists).
     assert sorted(backend.processes(1), key=lambda p: p.pid) == [
+        DeviceProcess(900, 6 * GIB, mps_client=True), DeviceProcess(1001, 2 * GIB, mps_client=True),
+        DeviceProcess(1002, None, mps_client=True)]
+
+
+@pytest.mark.parametrize("compute_lists_clients", [False, True])
+def test_a_pid_in_the_mps_list_is_an_mps_client_whichever_list_also_shows_it(compute_lists_clients):
+    """Issue 33, defect 5: a driver that lists MPS clients among the compute processes too (same
+    use in both) had every client counted as "outside MPS", so no fault under MPS was acted on."""
+    gpus = two_gpus()
+    gpus[0].processes = [(900, 6 * GIB)] + ([(1001, 2 * GIB), (1002, None)] if compute_lists_clients else [])
+    gpus[0].mps_processes = [(1001, 2 * GIB), (1002, None)]
+    backend = CudaBackend(Nvml(lib=FakeNvmlLib(gpus)))
+    assert sorted(backend.processes(0), key=lambda p: p.pid) == [
         DeviceProcess(900, 6 * GIB), DeviceProcess(1001, 2 * GIB, mps_client=True),
         DeviceProcess(1002, None, mps_client=True)]
 

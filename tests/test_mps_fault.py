@@ -32,11 +32,13 @@ class FaultingGpus(ScriptedGpus):
         super().__init__(count)
         self.pending: list[DeviceFault] = []
         self.outsiders: list[int] = []  # pids of compute processes outside MPS
+        self.compute_listed: dict[int, int] = {}  # pid -> bytes, listed among the compute processes only
         self._lock = threading.Lock()
 
     def processes(self, index: int):
         from nodeagent.devices import DeviceProcess
-        return super().processes(index) + [DeviceProcess(pid, None, mps_client=False) for pid in self.outsiders]
+        return super().processes(index) + [DeviceProcess(pid, None, mps_client=False) for pid in self.outsiders] + \
+            [DeviceProcess(pid, used, mps_client=False) for pid, used in self.compute_listed.items()]
 
     def report(self, device: int, xid: int) -> None:
         with self._lock:
@@ -99,6 +101,30 @@ def test_a_context_fault_on_an_mps_device_ends_every_client_of_its_server_and_te
     waiter.call(p.Goodbye(id=waiter.take_id()))
     wait_for(lambda: server._mps.recovering(0) == 0, timeout=5)
     assert connect().hello("after", workload="inference").env  # on MPS again
+
+
+@pytest.mark.parametrize("listed", ["in the MPS list", "among the compute processes only"])
+def test_a_fault_is_acted_on_whichever_nvml_list_shows_the_mps_clients(mps_gpu, listed):
+    """Issue 33, defect 5: a driver without the MPS list (or one that shows clients among the compute
+    processes) had every client counted as "outside MPS", so no fault under MPS was ever acted on. A
+    process one of the device's MPS sessions owns is that server's client, whichever list names it."""
+    server, backend, _, connect = mps_gpu
+    peer = connect()
+    assert peer.hello("service", workload="inference").env  # on the device's MPS server
+    peer.call(p.Acquire(id=peer.take_id()))
+    grant = peer.next_notice(p.Grant)
+    me = os.getpid()  # the raw peer's process: the session's verified pid
+    if listed == "in the MPS list":
+        backend.used_bytes = {me: 3 << 20}
+    else:
+        backend.compute_listed = {me: 3 << 20}
+    session = next(iter(server._sessions.values()))
+    wait_for(lambda: session.memory_used_bytes == 3 << 20, timeout=5)  # a pass with the lists was applied
+    backend.report(0, 31)
+    revoke = peer.next_notice(p.Revoke, timeout=5)
+    assert revoke.grant == grant.grant and revoke.reason == "mps_fault"
+    assert peer.next_notice(p.Error, timeout=5).code == p.ErrorCode.DEVICE
+    assert _faults(server, "mps") == 1.0
 
 
 def test_a_fault_with_a_process_outside_mps_on_the_device_takes_nothing_from_its_clients(mps_gpu):

@@ -131,9 +131,18 @@ def test_partition_error_is_a_value_error_with_a_stable_code():
 # ---------------------------------------------------------------- memory
 
 
-def test_memory_explicit_then_split_of_the_rest():
+def test_memory_is_capped_only_where_declared_and_undeclared_sessions_are_left_uncapped():
+    """Issue 30, defect 5: an even split of what is left capped the second undeclared session on an
+    H200 at half the card and the third at a third, so an LLM server or trainer that fits without the
+    daemon ran out of memory beside it. Memory admission stays the daemon's (declarations and NVML)."""
     plan = plan_partition({"a": 50, "b": None, "c": None}, memory_total_mb=10000, memory_requests_mb={"a": 4000})
-    assert dict(plan.memory_limits_mb) == {"a": 4000, "b": 3000, "c": 3000}
+    assert dict(plan.memory_limits_mb) == {"a": 4000}
+    assert PINNED_MEM_LIMIT_ENV not in plan.env_for("b") and PINNED_MEM_LIMIT_ENV not in plan.env_for("c")
+    table = PartitionTable(0, memory_total_mb=143_771)  # an H200's MiB
+    for name in ("llm", "trainer", "third"):
+        table.join(name)
+    assert dict(table.plan.memory_limits_mb) == {}
+    assert all(PINNED_MEM_LIMIT_ENV not in table.issue(name, uncapped=True) for name in ("llm", "trainer", "third"))
 
 
 def test_memory_without_a_device_total_limits_only_those_who_asked():
@@ -148,9 +157,9 @@ def test_memory_over_the_device_names_sessions():
                                "the device has")
 
 
-def test_memory_left_for_open_sessions_must_be_something():
-    with pytest.raises(PartitionError, match=r"session\(s\) 'b' without a memory request would share the 0 MiB"):
-        plan_partition({"a": None, "b": None}, memory_total_mb=100, memory_requests_mb={"a": 100})
+def test_a_declaration_of_the_whole_device_leaves_the_others_uncapped_not_refused():
+    plan = plan_partition({"a": None, "b": None}, memory_total_mb=100, memory_requests_mb={"a": 100})
+    assert dict(plan.memory_limits_mb) == {"a": 100}
 
 
 def test_memory_for_unknown_sessions_and_bad_values():
@@ -198,12 +207,12 @@ def test_table_join_leave_partition():
     table = PartitionTable(0, memory_total_mb=9000)
     assert dict(table.join("a").shares) == {"a": 100}
     assert dict(table.join("b", percent=30, memory_mb=3000).shares) == {"a": 70, "b": 30}
-    assert dict(table.plan.memory_limits_mb) == {"a": 6000, "b": 3000}
+    assert dict(table.plan.memory_limits_mb) == {"b": 3000}
     plan = table.join("c")
     assert dict(plan.shares) == {"a": 35, "b": 30, "c": 35}
     plan = table.partition({"c": 50})  # the placement layer sets the whole partition
     assert dict(plan.shares) == {"a": 25, "b": 25, "c": 50}
-    assert dict(plan.memory_limits_mb) == {"a": 3000, "b": 3000, "c": 3000}  # memory requests kept
+    assert dict(plan.memory_limits_mb) == {"b": 3000}  # memory requests kept, the others uncapped
     plan = table.leave("c")
     assert dict(plan.shares) == {"a": 50, "b": 50}
     assert table.leave("c") is plan  # leaving twice is harmless

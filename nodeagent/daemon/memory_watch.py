@@ -250,8 +250,13 @@ class MemoryPolicy:
             return
         shared = [s for s in self._sessions.values() if s.device == device and s.mps] if fault.ends_contexts else []
         # Only when nothing but MPS had a context on the device is the fault its clients' (NVML's process
-        # list, read by the watcher); a process outside it may be the one that faulted.
-        if fault.outside_mps != 0:
+        # lists, read by the watcher); a process outside it may be the one that faulted. A process NVML
+        # lists only among the compute processes that one of this device's MPS sessions owns is its
+        # client (the daemon put that session on the server), whichever list the driver shows it in.
+        outside = fault.outside_mps
+        if outside and shared and fault.outside_processes:
+            outside -= sum(map(len, memory.owners(shared, fault.outside_processes).values()))
+        if outside != 0:
             shared = []
         domain = "mps" if shared else "context" if fault.ends_contexts else "other"
         self._metrics.device_faults.labels(str(device), domain).inc()
@@ -260,7 +265,7 @@ class MemoryPolicy:
         if not shared:
             log.warning("[device] Xid %d on device=%d (%s): NVML does not say which process; nothing is revoked",
                         fault.xid, device, "not a context fault" if not fault.ends_contexts else
-                        f"{fault.outside_mps} processes outside MPS there" if fault.outside_mps else
+                        f"{outside} processes outside MPS there" if outside else
                         "a fault of one context")
             return
         log.error("[device] Xid %d on device=%d under MPS: the %d sessions on its MPS server lost their CUDA "
@@ -338,7 +343,8 @@ class MemoryWatcher(threading.Thread):
                 self._lost.discard(device)
                 readings.append(DeviceBack(device))
             readings.append(DeviceReading(device, self._uses(processes)))
-            outside[device] = {proc.pid for proc in processes if not proc.mps_client and not self._mps_server(proc.pid)}
+            outside[device] = {proc.pid: self._use(proc) for proc in processes
+                               if not proc.mps_client and not self._mps_server(proc.pid)}
         self._outside = outside
         try:
             faults = self._backend.faults()
@@ -346,8 +352,9 @@ class MemoryWatcher(threading.Thread):
             log.warning("[memory] reading device faults failed: %s", exc)
             faults = []
         for fault in faults:  # with whether only MPS had contexts on its device, now and a pass ago
-            seen = outside.get(fault.device, set()) | outside_before.get(fault.device, set())
-            readings.append(dataclasses.replace(fault, outside_mps=len(seen)))
+            seen = {**outside_before.get(fault.device, {}), **outside.get(fault.device, {})}
+            readings.append(dataclasses.replace(fault, outside_mps=len(seen), outside_processes=tuple(
+                use for use in seen.values() if use is not None)))
         return readings
 
     def _mps_server(self, nvml_pid: int) -> bool:
@@ -364,12 +371,12 @@ class MemoryWatcher(threading.Thread):
     def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:
         """NVML's processes in the daemon's pid namespace, with their parents; those
         not visible here (other containers, exited meanwhile) are left out."""
-        uses = []
-        for proc in processes:
-            pid = self._translator.to_local(proc.pid)
-            stat = procwatch.read_stat(pid, self._proc_root) if pid is not None else None
-            if stat is None:
-                continue
-            chain = (stat.ppid, *procwatch.ancestors(stat.ppid, self._proc_root)) if stat.ppid > 0 else ()
-            uses.append(memory.ProcessUse(pid, chain, stat.pgrp, proc.used_memory_bytes))
-        return uses
+        return [use for use in map(self._use, processes) if use is not None]
+
+    def _use(self, proc: DeviceProcess) -> memory.ProcessUse | None:
+        pid = self._translator.to_local(proc.pid)
+        stat = procwatch.read_stat(pid, self._proc_root) if pid is not None else None
+        if stat is None:
+            return None
+        chain = (stat.ppid, *procwatch.ancestors(stat.ppid, self._proc_root)) if stat.ppid > 0 else ()
+        return memory.ProcessUse(pid, chain, stat.pgrp, proc.used_memory_bytes)
