@@ -116,9 +116,10 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def held(client):
-    """The token for a block of work: a slice with a daemon, nothing without."""
-    return client.slice() if client is not None else nullcontext()
+def held(client, queue=None):
+    """The token for a block of work: a slice with a daemon, nothing without. ``queue``: the
+    service's queue as ``Client.slice`` asks for it (requests waiting, the oldest's arrival)."""
+    return client.slice(queue=queue) if client is not None else nullcontext()
 
 
 # ------------------------------------------------------------------- trainer
@@ -292,6 +293,7 @@ def sleep_until_ns(t_ns: int) -> None:
 
 def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> dict:
     """Serve ``arrivals`` first come first served, one at a time; a full backlog drops an arrival.
+    ``request(queue)`` serves one, told the queue (a :class:`ServiceQueue`) to report with its slice.
 
     Per request (in arrival order, dropped ones included): its arrival, start and end in ns of
     ``time.monotonic_ns()``; a dropped request has start and end None. ``queued_at_end``: the
@@ -319,7 +321,7 @@ def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> 
             continue
         k = backlog.popleft()
         t0 = now()
-        request()
+        request(ServiceQueue(arrivals, backlog, i, k, max_backlog))
         t1 = now()
         start[k], end[k] = t0, t1
         latency_ns.append(t1 - arrivals[k])
@@ -328,6 +330,33 @@ def serve_phase(request, arrivals: list[int], end_ns: int, max_backlog: int) -> 
             "queued_at_end": queued_at_end, "latency_ms": [round(v / 1e6, 3) for v in latency_ns],
             "service_ms": [round(v / 1e6, 3) for v in service_ns],
             "arrival_ns": list(arrivals), "begin_ns": start, "finish_ns": end}
+
+
+class ServiceQueue:
+    """The service's queue as ``Client.slice(queue=...)`` asks for it while request ``k`` is
+    served: (requests waiting, the oldest's arrival in s of ``time.monotonic()``). Request ``k``
+    counts until the service marks it ``served`` (inside its slice, so that the release's answer
+    leaves it out); then the backlog and arrivals since the loop last looked (at most what the
+    backlog could take)."""
+
+    def __init__(self, arrivals: list[int], backlog, i: int, k: int, max_backlog: int) -> None:
+        self._arrivals, self._backlog, self._i, self._k, self._max = arrivals, backlog, i, k, max_backlog
+        self.served = False
+
+    def __call__(self) -> tuple[int, float | None]:
+        arrivals, i = self._arrivals, self._i
+        t = time.monotonic_ns()
+        j = i
+        while j < len(arrivals) and arrivals[j] <= t and j - i < self._max:
+            j += 1
+        waiting = int(not self.served) + min(len(self._backlog) + (j - i), self._max)
+        if not self.served:
+            oldest = arrivals[self._k]
+        elif self._backlog:
+            oldest = arrivals[self._backlog[0]]
+        else:
+            oldest = arrivals[i] if j > i else None
+        return waiting, (oldest / 1e9 if oldest is not None else None)
 
 
 def calibrate(services: dict, request, spec: dict) -> dict[str, float]:
@@ -358,9 +387,11 @@ def inference(spec: dict, chan: Channel) -> None:
     built: dict = {}
     services = {load["name"]: Service(load, spec, device, built) for load in spec["loads"]}
 
-    def request(service):
-        with held(client):
+    def request(service, queue=None):
+        with held(client, queue):
             service()
+            if queue is not None:
+                queue.served = True  # the release says it no longer waits
 
     for service in services.values():
         for _ in range(spec["warmup_requests"]):
@@ -381,7 +412,7 @@ def inference(spec: dict, chan: Channel) -> None:
                                     count=command["requests"])
         end_ns = arrivals[-1] + 1 if arrivals else command["start_ns"]  # the offered load's window
         sleep_until_ns(command["start_ns"])
-        result = serve_phase(lambda: request(service), arrivals, end_ns, spec["max_backlog"])
+        result = serve_phase(lambda queue: request(service, queue), arrivals, end_ns, spec["max_backlog"])
         chan.send(phase=command["load"], window_end_ns=end_ns, **result)
     if client is not None:
         client.close()

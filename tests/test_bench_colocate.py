@@ -156,7 +156,7 @@ def test_a_full_backlog_drops_arrivals_and_counts_them():
     now = time.monotonic_ns()
     burst = [now - 1000] * 30  # thirty requests, all due at once
 
-    def request():  # 1 ms of work
+    def request(queue):  # 1 ms of work
         until = time.monotonic_ns() + 1_000_000
         while time.monotonic_ns() < until:
             pass
@@ -164,6 +164,23 @@ def test_a_full_backlog_drops_arrivals_and_counts_them():
     assert (result["offered"], result["completed"], result["dropped"]) == (30, 8, 22)
     assert result["latency_ms"] == sorted(result["latency_ms"])  # first come, first served: each waited longer
     assert result["latency_ms"][-1] >= 8 * 1.0 and all(s >= 1.0 for s in result["service_ms"])
+
+
+def test_the_service_tells_its_slice_the_queue_it_has_at_acquire_and_at_release():
+    """What Client.slice(queue=...) is told: at the acquire the request in hand is counted with
+    the oldest's arrival; once served (the release) only those behind it, or none."""
+    now = time.monotonic_ns()
+    arrivals = [now - 3_000_000, now - 2_000_000, now - 1_000_000]
+    seen = []
+
+    def request(queue):
+        seen.append(queue())
+        queue.served = True
+        seen.append(queue())
+    serve_phase(request, arrivals, end_ns=now + 10**9, max_backlog=8)
+    (w0, o0), (w1, o1), (w2, o2), (w3, o3), (w4, o4), (w5, o5) = seen
+    assert (w0, w1, w2, w3, w4, w5) == (3, 2, 2, 1, 1, 0)
+    assert o0 == arrivals[0] / 1e9 and o1 == arrivals[1] / 1e9 == o2 and o3 == arrivals[2] / 1e9 and o5 is None
 
 
 def test_arrivals_are_the_same_for_a_seed_and_come_at_the_rate_asked():
@@ -314,7 +331,7 @@ def test_a_mode_that_drops_arrivals_cannot_show_a_good_p99():
 
 def test_the_record_marks_a_dropped_request_with_no_start_or_end():
     now = time.monotonic_ns()
-    result = serve_phase(lambda: None, [now - 1000] * 5, end_ns=now + 10**9, max_backlog=2)
+    result = serve_phase(lambda queue: None, [now - 1000] * 5, end_ns=now + 10**9, max_backlog=2)
     assert result["dropped"] == 3 and result["begin_ns"].count(None) == 3 == result["finish_ns"].count(None)
     assert result["arrival_ns"] == [now - 1000] * 5
     served = [(s, f) for s, f in zip(result["begin_ns"], result["finish_ns"]) if s is not None]
