@@ -7,7 +7,7 @@
 #    private target and puts it on PYTHONPATH; 2. records the machine (env.txt, env.json: GPU, driver,
 #    torch, and what the daemon relies on: pidfd_open, SO_PEERCRED, SIGSTOP, /dev/shm, page-locking);
 # 3. pytest -m gpu; 4. bench.switch, bench.suspend, bench.reclaim, bench.llm_wake and bench.handoff on cuda,
-#    bench.handoff two-hop against one-hop on the host's cores, and bench.colocate (inference p99 and
+#    bench.handoff on the host's cores, and bench.colocate (inference p99 and
 #    training kept beside each other, per sharing mode: no daemon, MPS, nodeagent); with .whl/ray-site.tar.xz
 #    (gpu-wheels.sh --ray) the Ray loan-node GPU test; 5. bench.mps_fault (a fault under MPS beside a healthy
 #    service) and the MPS tests (30/70 split) last, as they
@@ -341,13 +341,10 @@ run_step suspend 100 "$stage/suspend.json" "$python" -m bench.suspend --device c
 run_step reclaim 90 "$stage/reclaim.json" "$python" -m bench.reclaim --device cuda --repeats 5 --state-mb 256 --json
 run_step llm-wake 120 "$stage/llm-wake.json" "$python" -m bench.llm_wake --device cuda --json
 run_step handoff 80 "$stage/handoff.json" "$python" -m bench.handoff --sessions 8 --handoffs 2000 --work-device cuda --json
-# The one-hop question (docs/architecture.md, "One-hop handoffs") on a many-core host: on 2 cores the
-# extra notices cost more than the saved hop. Same sessions, back to back and with a 200 us slice.
+# The handoff on the host's cores, no GPU work: back to back and with a 200 us slice.
 for hold in 0 200; do
-    for hop in "" --one-hop; do
-        run_step "handoff-hold$hold${hop:+-one-hop}" 75 "$stage/handoff-hold$hold${hop:+-one-hop}.json" \
-            "$python" -m bench.handoff --sessions 2,64 --handoffs 3000 --hold-us "$hold" $hop --json
-    done
+    run_step "handoff-hold$hold" 75 "$stage/handoff-hold$hold.json" \
+        "$python" -m bench.handoff --sessions 2,64 --handoffs 3000 --hold-us "$hold" --json
 done
 # Issue 20's question: an inference service (ResNet-50, batch 8 and 64) beside a ResNet-50 trainer, per
 # sharing mode, baselines in the same run; 5 s phases and the modes that answer it keep it inside 240 s.
@@ -459,7 +456,6 @@ def headline(step):
     if name.startswith("handoff-"):
         return "; ".join(
             f"{n} sessions p50 {b['handoff_p50_us']} us ({b['ratio_pipe_p50']}x pipe) p99 {b['handoff_p99_us']} us"
-            + (f", one-hop share {b['one_hop_fraction']}" if r.get("one_hop_asked") else "")
             for n, b in r["by_sessions"].items())
     return ""
 
@@ -494,8 +490,7 @@ summary = {
     "results": {name: load(f"{name}.json") for name in ("switch", "suspend", "reclaim", "llm-wake", "handoff",
                                                     "mps_30_70",
                                                     "colocate",
-                                                    *(f"handoff-hold{h}{o}" for h in (0, 200)
-                                                      for o in ("", "-one-hop")))},
+                                                    *(f"handoff-hold{h}" for h in (0, 200)))},
     "pytest": {"gpu": junit("pytest-gpu.xml"), "mps": junit("pytest-mps.xml"), "ray_gpu": junit("pytest-ray-gpu.xml")},
     "ok": all(r["status"] in ("ok", "planned", "unpacked", "not-asked") for r in rows),
 }

@@ -26,8 +26,8 @@ pytest.importorskip("torch")
 PROBE = "nodeagent_gpucheck_probe"
 # Every GPU step but "handoff" (which "handoff-*" does not match): the dry run checks the filter too.
 ASKED = "pytest-gpu,switch,suspend,reclaim,llm-wake,handoff-*,colocate,ray-gpu,mps*"
-GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "llm-wake", "handoff", "handoff-hold0", "handoff-hold0-one-hop",
-             "handoff-hold200", "handoff-hold200-one-hop", "colocate", "ray-gpu", "mps-fault", "mps"]
+GPU_STEPS = ["pytest-gpu", "switch", "suspend", "reclaim", "llm-wake", "handoff", "handoff-hold0",
+             "handoff-hold200", "colocate", "ray-gpu", "mps-fault", "mps"]
 
 
 def _probe_wheel(folder: Path) -> Path:
@@ -113,8 +113,8 @@ class _Parsed(Exception):
 @pytest.mark.parametrize("step, expect", [("switch", {"backend": "cuda"}), ("suspend", {"device": "cuda"}),
                                           ("reclaim", {"device": "cuda"}), ("llm-wake", {"device": "cuda"}),
                                           ("handoff", {"work_device": "cuda"}), ("mps-fault", {"json": True}),
-                                          ("handoff-hold0", {"hold_us": 0.0, "one_hop": False}),
-                                          ("handoff-hold200-one-hop", {"hold_us": 200.0, "one_hop": True}),
+                                          ("handoff-hold0", {"hold_us": 0.0}),
+                                          ("handoff-hold200", {"hold_us": 200.0}),
                                           ("colocate", {"device": "cuda", "phase_s": 5.0, "json": True,
                                                         "modes": ["alone", "no-daemon", "mps-priority", "exclusive",
                                                                   "corun", "corun-nomps", "corun-pause", "corun-free"]})])
