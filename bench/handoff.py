@@ -88,12 +88,12 @@ def _hold(hold_us: float):
 
 
 def _contender(ctl: common.WorkerControl, endpoint: str, index: int, plan: list[int], gate: common.RoundGate,
-               work_device: str = "none", hold_us: float = 0.0, one_hop: bool = True) -> None:
+               work_device: str = "none", hold_us: float = 0.0) -> None:
     """One session: in each round, take the token, give it straight back, ask again; ``plan[r]`` times."""
     work = _gpu_work(work_device) or _hold(hold_us)
-    client = Client(f"bench-handoff-{index}", workload="training", device=0, endpoint=endpoint, one_hop=one_hop)
+    client = Client(f"bench-handoff-{index}", workload="training", device=0, endpoint=endpoint)
     now = time.monotonic_ns
-    # (round, grant id, grant observed, release call started, release call returned, woke the next holder itself)
+    # (round, grant id, grant observed, release call started, release call returned)
     records = []
     ctl.ready(client.session_id)
     try:
@@ -107,9 +107,8 @@ def _contender(ctl: common.WorkerControl, endpoint: str, index: int, plan: list[
                 # Stamped before the call: a stamp after it could land after the next
                 # holder already saw its grant when this process is descheduled.
                 t_release = now()
-                handed = client.handed_on
                 client.release()
-                records.append((round_index, grant, t_grant, t_release, now(), client.handed_on - handed))
+                records.append((round_index, grant, t_grant, t_release, now()))
             gate.leave()
         ctl.result(records)
     finally:
@@ -121,18 +120,18 @@ class Contenders:
     :func:`_contender`); ``plan[r]``: grants each takes in round ``r``."""
 
     def __init__(self, endpoint: str, sessions: int, plan: list[int], work_device: str = "none",
-                 hold_us: float = 0.0, one_hop: bool = True) -> None:
+                 hold_us: float = 0.0) -> None:
         self.sessions = sessions
         self.plan = list(plan)
         self._gate = common.RoundGate(sessions)
         self._workers = common.Workers()
-        self._args = (endpoint, plan, work_device, hold_us, one_hop)
+        self._args = (endpoint, plan, work_device, hold_us)
         self.session_ids: list[str] = []
 
     def __enter__(self) -> "Contenders":
-        endpoint, plan, work_device, hold_us, one_hop = self._args
+        endpoint, plan, work_device, hold_us = self._args
         for i in range(self.sessions):
-            self._workers.start(_contender, endpoint, i, plan, self._gate, work_device, hold_us, one_hop)
+            self._workers.start(_contender, endpoint, i, plan, self._gate, work_device, hold_us)
         self.session_ids = self._workers.wait_ready(_WORKER_TIMEOUT_S)
         self._workers.go()
         return self
@@ -149,14 +148,12 @@ class Contenders:
         self._workers.__exit__(*exc)
 
 
-def pair_handoffs(records, edge: int, one_hop: bool | None = None) -> tuple[dict[int, list[int]], int]:
+def pair_handoffs(records, edge: int) -> tuple[dict[int, list[int]], int]:
     """Handoff times (ns) per round: the release of grant g paired with the observation
     of g+1 in the same round, the first and last ``edge`` grants of each round left
     out; and how many kept releases had no observed successor (another client's grant).
-    ``one_hop``: only the releases that woke the next holder themselves (True) or
-    that did not (False); None: all.
 
-    ``records``: (round, grant, observed, release started, release returned[, handed on])."""
+    ``records``: (round, grant, observed, release started, release returned)."""
     by_round: dict[int, dict[int, tuple]] = {}
     for r in records:
         by_round.setdefault(r[0], {})[r[1]] = r
@@ -170,8 +167,6 @@ def pair_handoffs(records, edge: int, one_hop: bool | None = None) -> tuple[dict
             nxt = by_grant.get(g + 1)
             if nxt is None:
                 unpaired += 1
-                continue
-            if one_hop is not None and bool(by_grant[g][5] if len(by_grant[g]) > 5 else 0) != one_hop:
                 continue
             out.append(nxt[2] - by_grant[g][3])
     return handoffs, unpaired
@@ -187,8 +182,8 @@ def plan(sessions: int, handoffs: int, rounds: int) -> list[int]:
 
 
 def interleaved(endpoint: str, sessions: int, handoffs: int, rounds: int, pipe: baselines.PipePingPong,
-                pipe_round_trips: int, relay: bool = True, work_device: str = "none", hold_us: float = 0.0,
-                one_hop: bool = True) -> dict:
+                pipe_round_trips: int, relay: bool = True, work_device: str = "none",
+                hold_us: float = 0.0) -> dict:
     """The handoff, the pipe floor and (``relay``) the unix relay, round by round:
     per measured round the handoffs, the relay's passes, and the pipe samples taken
     in the block before and the block after the round's handoffs."""
@@ -197,7 +192,7 @@ def interleaved(endpoint: str, sessions: int, handoffs: int, rounds: int, pipe: 
     windows = []
     t0 = time.monotonic()
     relay_cm = baselines.UnixRelay(sessions, grants) if relay else None
-    with Contenders(endpoint, sessions, grants, work_device, hold_us, one_hop) as contenders:
+    with Contenders(endpoint, sessions, grants, work_device, hold_us) as contenders:
         if relay_cm is not None:
             relay_cm.__enter__()
         try:
@@ -221,14 +216,10 @@ def interleaved(endpoint: str, sessions: int, handoffs: int, rounds: int, pipe: 
             if relay_cm is not None:
                 relay_cm.__exit__(None, None, None)
     per_round, unpaired = pair_handoffs(records, sessions)
-    one_hop_per_round, _ = pair_handoffs(records, sessions, one_hop=True)
-    two_hop_per_round, _ = pair_handoffs(records, sessions, one_hop=False)
     relay_per_round, _ = pair_handoffs(relay_records, sessions)
     measured = range(1, len(grants))  # round 0: warm-up
     return {
         "handoffs": [per_round.get(r, []) for r in measured],
-        "one_hop": [t for r in measured for t in one_hop_per_round.get(r, [])],
-        "two_hop": [t for r in measured for t in two_hop_per_round.get(r, [])],
         "pipe": [pipe_blocks[r] + pipe_blocks[r + 1] for r in measured],
         "relay": [relay_per_round.get(r, []) for r in measured],
         "unpaired": unpaired,
@@ -263,8 +254,7 @@ def measure(handle: common.DaemonHandle, sessions: int, args, pipe: baselines.Pi
     """Every figure for one session count (the keys documented in bench/README.md)."""
     before = daemon_counters(handle)
     run = interleaved(handle.endpoint, sessions, args.handoffs, args.rounds, pipe, args.pipe_round_trips,
-                      relay=not args.no_relay, work_device=args.work_device, hold_us=args.hold_us,
-                      one_hop=args.one_hop)
+                      relay=not args.no_relay, work_device=args.work_device, hold_us=args.hold_us)
     after = daemon_counters(handle)
     us = 1e-3
     pairs = [h for r in run["handoffs"] for h in r]
@@ -304,14 +294,7 @@ def measure(handle: common.DaemonHandle, sessions: int, args, pipe: baselines.Pi
         "unpaired_releases": run["unpaired"],
         "startup_s": common.rounded(run["startup_s"], 2),
         "hold_us": args.hold_us,
-        "one_hop_asked": args.one_hop,
-        "one_hop_fraction": common.rounded(len(run["one_hop"]) / len(pairs), 3),
     }
-    for kind in ("one_hop", "two_hop"):
-        if run[kind]:
-            result[f"{kind}_p50_us"] = common.rounded(common.percentile(run[kind], 50) * us, 1)
-            result[f"{kind}_p99_us"] = common.rounded(common.percentile(run[kind], 99) * us, 1)
-            result[f"ratio_{kind}_pipe_p50"] = common.rounded(common.percentile(run[kind], 50) * us / pipe50, 2)
     if relays:
         r50 = common.percentile(relays, 50) * us
         relay_ratio, _ = paired_ratio(run["relay"], run["pipe"])
@@ -362,10 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: each session runs a matmul on the GPU while it holds the token (default: none)")
     ap.add_argument("--hold-us", type=float, default=0.0,
                     help="each holder spins this long before it releases, as a slice's work would (default: 0, "
-                         "back to back: a successor hint then often reaches the holder after its release)")
-    ap.add_argument("--one-hop", action="store_true",
-                    help="clients ask for one-hop handoffs (hello.one_hop); without it they take two hops, "
-                         "whatever client_lib would choose on this host (one-hop where 8+ CPUs)")
+                         "back to back)")
     args = ap.parse_args(argv)
     if args.hold_us < 0:
         ap.error("--hold-us must be >= 0")

@@ -26,7 +26,6 @@ session id, and a slice in progress completes.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import select
 import time
@@ -41,52 +40,13 @@ from client_lib.endpoint import client_endpoint
 from client_lib.errors import (CudaTooEarlyError, DaemonUnavailableError, GrantTimeoutError, NodeAgentError,
                                NoSessionError, RequestTimeoutError, from_reply)
 from client_lib.transport import ENV_HANDSHAKE_TIMEOUT, POLL_SLICE_MS, Transport, one_shot
-from client_lib.wake import WakeChannel
 
 log = logging.getLogger("client_lib.client")
 
 ENV_BORROWER = "NODEAGENT_BORROWER"  # a training session's borrower when none is given (set by a cluster engine)
-ENV_ONE_HOP = "NODEAGENT_ONE_HOP"  # 1, 0 or auto: whether a Client not told asks for one-hop handoffs
-ONE_HOP_MIN_CPUS = 8  # auto: one-hop where this process may use at least this many CPUs
 _UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
 _UNMANAGED_HANDSHAKE_S = 0.2
 _BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
-
-
-def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
-    (``cpu.max`` of its cgroup under ``cgroup_root``)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    try:
-        with open(proc_cgroup) as f:
-            path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
-        if path is not None:
-            with open(os.path.join(cgroup_root, path.lstrip("/"), "cpu.max")) as f:
-                quota, period = f.read().split()[:2]
-            if quota != "max" and int(period) > 0:
-                cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError, IndexError):
-        pass
-    return cpus
-
-
-def one_hop_default() -> bool:
-    """Whether a :class:`Client` not told asks for one-hop handoffs: ``NODEAGENT_ONE_HOP`` (1 or 0)
-    decides; unset or ``auto``, yes where this process may use at least ``ONE_HOP_MIN_CPUS`` CPUs.
-    Measured (docs/architecture.md, One-hop handoffs): on 16 cores, holders that work 200 us a
-    slice hand on in 31.5 us p50 one-hop against 72.7 us two-hop; on 2 cores the extra notices
-    compete with the processes being woken and one-hop is slower."""
-    value = os.environ.get(ENV_ONE_HOP, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value not in ("", "auto"):
-        raise ValueError(f"{ENV_ONE_HOP} must be 1, 0 or auto, got {value!r}")
-    return usable_cpus() >= ONE_HOP_MIN_CPUS
 
 
 class Client:
@@ -95,16 +55,14 @@ class Client:
     ``reconnect``: when the daemon goes away, wait up to ``reconnect_timeout_s``
     for it to come back (resuming the session) instead of raising
     :class:`DaemonUnavailableError`. ``fail_open``: while it is away and the
-    lease is over, run without the token rather than wait. ``one_hop``: take and
-    hand on the token through wake channels (protocol 2.1); None decides by
-    :func:`one_hop_default` (``NODEAGENT_ONE_HOP``, else the CPUs at hand).
+    lease is over, run without the token rather than wait.
     """
 
     def __init__(self, name: str, workload: str = "training", weight: float = 1.0,
                  device: int | None = None, endpoint: str | None = None, *,
                  memory_mb: int = 0, handshake_timeout_s: float | None = None,
                  reconnect: bool = True, reconnect_timeout_s: float = 30.0, fail_open: bool = False,
-                 managed_pgid: int | None = None, borrower: str | None = None, one_hop: bool | None = None,
+                 managed_pgid: int | None = None, borrower: str | None = None,
                  slo_ms: float | None = None) -> None:
         if workload not in p.WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(p.WORKLOADS)}, got {workload!r}")
@@ -121,18 +79,14 @@ class Client:
         if borrower is None and workload != "inference":  # inference has no borrower
             borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
-        # Hand the token on, and take it, through wake channels (protocol 2.1). None: decided by
-        # one_hop_default(), on where there are cores to spare (docs/architecture.md, One-hop handoffs).
-        self.one_hop = one_hop_default() if one_hop is None else bool(one_hop)
         if handshake_timeout_s is None:
             handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
         self.handshake_timeout_s = handshake_timeout_s
         self._wanted_device = device
-        # The connection (framing, ids, replies awaited, the I/O lock) and the one-hop wake
-        # channels; this class keeps the session: what the daemon's notices mean.
+        # The connection (framing, ids, replies awaited, the I/O lock); this class keeps the
+        # session: what the daemon's notices mean.
         self._transport = Transport(self.endpoint)
         self._io = self._transport.io  # held while this client reads or writes; the liveness thread only tries it
-        self._wake = WakeChannel(self._transport.watch_wake)
         self._grant: int | None = None
         self._yield_requested = False
         self._in_slice = False
@@ -223,16 +177,6 @@ class Client:
         return self._suspend_requested
 
     @property
-    def handed_on(self) -> int:
-        """Releases that woke the next holder directly (one-hop)."""
-        return self._wake.handed_on
-
-    @property
-    def woken(self) -> int:
-        """Grants taken from the wake channel, ahead of the daemon's notice (one-hop)."""
-        return self._wake.woken
-
-    @property
     def pacing(self) -> pace_board.PacePoint | None:
         """The co-run pause point of this session (None where the device does not pace it)."""
         return self._pace
@@ -310,17 +254,14 @@ class Client:
         self._check_open()
         transport = self._transport
         if self._grant is None and transport.conn is not None:
-            self._listen()
             transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True,
                                            **_queue_fields(waiting, oldest_arrival)))
 
     def cancel(self) -> None:
-        """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting).
-        A promise of the token made meanwhile is given up: its wake word is no longer taken."""
+        """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting)."""
         self._check_open()
         if self._grant is not None or self._transport.conn is None:
             return
-        self._wake.give_up_promise()
         self._send_quiet(p.Cancel(id=self._take_id()))
 
     def release(self, requeue: bool = False, *, waiting: int | None = None,
@@ -335,39 +276,13 @@ class Client:
             self._grant = None
             self._yield_requested = False
             return
-        if self.one_hop:
-            self._pump(0, raise_async=False)  # a successor notice (or its withdrawal) that came meanwhile
-            if self._grant is None:  # revoked meanwhile: nothing to give back
-                self._yield_requested = False
-                return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        hint = self._wake.take_hint()
-        # The next holder first (through its wake channel, if the daemon told us who it is),
-        # then the daemon: before reading anything, since someone is waiting on one or the other.
-        handed = self._wake.hand_on(hint) if hint is not None and hint[0] == grant else None
-        if requeue:
-            self._listen()
+        # The daemon first, before reading anything: the next holder waits on its grant.
         transport = self._transport
         transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
-                                       handed=handed, **_queue_fields(waiting, oldest_arrival)))
-        if not requeue and self._wake.fd is not None:
-            self._wake.unlisten()  # not waiting any more; after the frame left, off the next holder's path
+                                       **_queue_fields(waiting, oldest_arrival)))
         self._pump(0)
-
-    def _listen(self) -> None:
-        """Open our wake channel while we wait for the token (one-hop; see :mod:`client_lib.wake`)."""
-        welcome = self.welcome
-        if welcome is not None and welcome.wake and self._wake.fd is None and self._transport.conn is not None:
-            self._wake.listen(welcome.wake)
-
-    def _take_woken(self, grant: int | None) -> bool:
-        """Hold ``grant``, taken from our wake channel (None: the channel gave none)."""
-        if grant is None:
-            return False
-        self._grant = grant
-        self._yield_requested = False
-        return True
 
     @contextmanager
     def slice(self, timeout: float | None = None, *,
@@ -431,18 +346,12 @@ class Client:
             conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
             if conn_fd is not None:
                 poller.register(conn_fd, select.POLLIN)
-            wake_fd = self._wake.fd
-            if wake_fd is not None:
-                poller.register(wake_fd, select.POLLIN)
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             wait_ms = POLL_SLICE_MS
             if deadline is not None:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
-            if wake_fd is not None and wake_fd in events:
-                with self._io:
-                    self._take_woken(self._wake.read(self._grant is not None))
             if conn_fd is not None and conn_fd in events:
                 self._pump(0)
             ready = [fd for fd in fds if fd in events]
@@ -528,7 +437,6 @@ class Client:
             if self._transport.conn is not None:
                 # Wait for the bye's answer, so the daemon hears it as a goodbye and
                 # not as a vanished client.
-                self._wake.forget()
                 self._say_goodbye()
         self._grant = None
 
@@ -553,10 +461,6 @@ class Client:
         if self._resume_received:  # resumed before we got here (the suspend was cancelled): nothing to do
             self._suspend_requested = self._resume_received = False
             return
-        # Suspended, we wait for nothing: a promise's word must not wake us now (the daemon
-        # withdraws it too and waits for our answer before granting anyone else).
-        if self._grant is None:
-            self._wake.give_up_promise()
         started = time.perf_counter()
         if self._fence is not None and self._park is None:
             self._fence()  # a park handler finishes the device's work itself
@@ -651,7 +555,6 @@ class Client:
         self._transport.close()
         claim, self._grant = self._grant, None
         self._yield_requested = False
-        self._wake.forget()  # promises of the old connection
         self._transport.forget_requests()
         try:
             self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
@@ -675,7 +578,7 @@ class Client:
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
-            borrower=self.borrower, one_hop=self.one_hop, slo_ms=self.slo_ms)
+            borrower=self.borrower, slo_ms=self.slo_ms)
         try:
             welcome = self._call(hello, timeout, handshake=True)
         except BaseException:
@@ -695,7 +598,6 @@ class Client:
         self.welcome = welcome
         self._open_pace(welcome.pace)
         self._cuda_ordinal = None  # a new session may be on another GPU
-        self._wake.clear_promises()
         self._durable = welcome.durable
         self._next_heartbeat = (time.monotonic() + welcome.heartbeat_ms / 1000.0) if welcome.heartbeat_ms > 0 else None
         self._next_background_retry = None
@@ -765,7 +667,6 @@ class Client:
     def _wait_for_grant(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._asked_in = self._generation
-        self._listen()
         while self._grant is None:
             if self._unmanaged:
                 return 0
@@ -779,7 +680,6 @@ class Client:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._wake.give_up_promise()  # no longer waiting: a late wake word is not ours to take
                     self._send_quiet(p.Cancel(id=self._take_id()))
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
@@ -812,19 +712,9 @@ class Client:
             messages = self._transport.receive(timeout_ms)
             if messages is None:
                 return False  # no connection: _check_daemon decides what follows
-            # The daemon's notices first, then the wake word: a withdrawn promise (standby
-            # with withdrawn) read in the same pump as its word must win over the word, or a
-            # successor stopped meanwhile would wake on a promise the daemon took back. The
-            # daemon's copy of a grant taken from the word is recognised as a copy either way.
             for msg in messages:
                 self._handle(msg)
-            woken = False
-            if self._wake.fd is not None and self._transport.take_woken():  # only a watched channel wakes us
-                woken = self._take_woken(self._wake.read(self._grant is not None))
-            if not woken and self._wake.tail and self._wake.standby is not None:
-                # a word read before the standby it matches was handled
-                woken = self._take_woken(self._wake.match(b"", self._grant is not None))
-            if not messages and not woken:
+            if not messages:
                 return False
         if raise_async:
             err = self._transport.take_async_error()
@@ -839,9 +729,6 @@ class Client:
     def _handle(self, msg: p.DaemonMessage) -> None:
         kind = type(msg)
         if kind is p.Grant:
-            if self._wake.is_copy(msg.grant):  # the daemon's copy of a grant our wake channel gave us
-                return
-            self._wake.granted()
             self._grant = msg.grant
             self._yield_requested = False
         elif kind is p.YieldRequest:
@@ -852,21 +739,10 @@ class Client:
             self._resume_received = False
         elif kind is p.ResumeNotice:
             self._resume_received = True
-        elif kind is p.Successor:
-            if msg.grant == self._grant:
-                self._wake.on_successor(msg)
-        elif kind is p.Standby:
-            if msg.withdrawn:
-                # Say whether we had taken the withdrawn promise's word already.
-                woken = self._wake.withdraw(msg.grant)
-                self._send_quiet(p.StandbyAck(id=self._take_id(), grant=msg.grant, woken=woken))
-            elif self._grant is None:
-                self._wake.on_standby(msg)
         elif kind is p.Revoke:
             if msg.grant == self._grant:
                 self._grant = None
                 self._yield_requested = False
-                self._wake.take_hint()  # no successor to wake: the daemon passes the token on
                 self.revocations += 1
                 log.warning("[client] token revoked grant=%d reason=%s", msg.grant, msg.reason)
         elif self._transport.deliver(msg):

@@ -169,22 +169,10 @@ class Connection:
         self._rview = memoryview(self._rbuf)
         self._poll_in = select.poll()  # kept: a wait for the grant is the hot path
         self._poll_in.register(sock, select.POLLIN)
-        self._wake_fd: int | None = None
-        self.woken = False  # set by recv when the wake fd became readable: the caller reads it
         self.closed_by_peer = False
 
     def fileno(self) -> int:
         return self.sock.fileno()
-
-    def watch_wake(self, fd: int | None) -> None:
-        """Also wait on ``fd`` (a one-hop wake channel) in :meth:`recv`: when it becomes
-        readable, recv sets :attr:`woken` and returns, so the caller can read it."""
-        if self._wake_fd is not None:
-            self._poll_in.unregister(self._wake_fd)
-        self._wake_fd = fd
-        self.woken = False  # it said the old channel was readable
-        if fd is not None:
-            self._poll_in.register(fd, select.POLLIN)
 
     def send(self, body: bytes, timeout: float = 5.0) -> None:
         """Send one frame whole. ``ConnectionError`` if the daemon is gone, or if it
@@ -228,12 +216,6 @@ class Connection:
                 ready = self._poll_in.poll(int(left * 1000 + 0.999))
                 if not ready:
                     return []
-                if self._wake_fd is not None:
-                    for fd, _ in ready:
-                        if fd == self._wake_fd:
-                            self.woken = True
-                            if len(ready) == 1:
-                                return []
                 continue
             except OSError as exc:
                 self.closed_by_peer = True

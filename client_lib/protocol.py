@@ -89,7 +89,6 @@ class Hello(Request, tag="hello"):
     managed_pgid: Optional[int] = None  # process group of a child the client launched (nodeagent run)
     holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
     borrower: Optional[str] = None  # 1.1: training job this session belongs to, for a device lent to it
-    one_hop: bool = False  # 2.1: this client takes successor/standby notices and a wake channel (welcome.wake)
     slo_ms: Optional[float] = None  # 2.2: co-run: the slice time this (higher-class) session asks pacing to keep
 
 
@@ -121,7 +120,6 @@ class Release(Request, tag="release"):
     grant: int
     requeue: bool = False
     quiet: bool = False  # reply only on error: the releaser is not waiting for it
-    handed: Optional[int] = None  # 2.1: the successor's grant id, when the releaser woke it through its wake channel
     # 2.7, co-run: the requests still waiting once this slice is done, and the oldest's wait so far
     waiting: Optional[Waiting] = None
     oldest_wait_ms: Optional[WaitMs] = None
@@ -129,16 +127,6 @@ class Release(Request, tag="release"):
 
 class Cancel(Request, tag="cancel"):
     """Withdraw a pending ``acquire`` (no-op when not waiting)."""
-
-
-class StandbyAck(Request, tag="standby_ack"):
-    """2.3, the answer to a withdrawn ``standby`` notice for ``grant``: ``woken`` if this
-    client had already taken that grant from its wake channel (it holds it), else it has
-    stopped listening for it and never will take it. The daemon grants nobody the token
-    until it has this answer (or enforces past the grace). No reply unless an error."""
-
-    grant: int
-    woken: bool = False
 
 
 class StatusRequest(Request, tag="status"):
@@ -324,7 +312,7 @@ class Renew(Request, tag="renew"):
 ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest, Goodbye,
                       SuspendSession, ResumeSession, Partition, Suspended, Resumed,
                       RegisterModel, UnregisterModel, ModelsRequest, Infer,
-                      Inventory, Lend, Reclaim, Drain, SetPolicy, StandbyAck, SetWeight, Renew]
+                      Inventory, Lend, Reclaim, Drain, SetPolicy, SetWeight, Renew]
 
 
 # --------------------------------------------------------------------------
@@ -367,7 +355,6 @@ class Welcome(Reply, tag="welcome"):
     # 1.2: which GPU, by UUID (the index above is the daemon's, NVML's, not this process's CUDA ordinal)
     device_uuid: str = ""
     cuda_ordinal: Optional[int] = None  # the CUDA ordinal to use, where the daemon can tell (0 when env names the GPU)
-    wake: str = ""  # 2.1: path of this session's wake channel (a FIFO) when hello asked for one_hop; "" none
     pace: str = ""  # 2.2: co-run: the device's pace board (read-only; client_lib.pace) for a lower class; "" none
     suspended: bool = False  # 2.3: a resumed session that is suspended (a restarted daemon kept it): stay parked
 
@@ -479,32 +466,6 @@ class Revoke(Reply, tag="revoke"):
     grant: int
     reason: str  # "overrun" | "shutdown" | "memory" | "suspended" | "device_lost" (1.2: NVML reports the GPU lost)
     # | "mps_fault" (2.6: a fault ended every client of the device's MPS server)
-
-
-class Standby(Reply, tag="standby"):
-    """Notice (2.1, to a one-hop client that waits): you are promised the token next,
-    under ``grant``. The holder may wake you directly by writing ``secret`` and
-    ``grant`` to your wake channel (``welcome.wake``); accept that word only while
-    you wait and it matches this notice. The daemon's ``grant`` follows either way.
-    2.3: ``withdrawn`` takes the promise of ``grant`` back: stop accepting its word
-    (drop what the channel holds unread) and answer ``standby_ack``, saying whether
-    you had taken it already."""
-
-    grant: int
-    secret: bytes  # 16 random bytes, one use
-    withdrawn: bool = False  # 2.3
-
-
-class Successor(Reply, tag="successor"):
-    """Notice (2.1, to a one-hop holder of ``grant``): when you release, wake the
-    next holder yourself: write ``secret`` followed by ``next`` (8 bytes, big-endian)
-    to the FIFO at ``wake`` in one write, then send ``release`` with ``handed = next``.
-    ``next = None`` withdraws an earlier successor notice: release without handing."""
-
-    grant: int
-    next: Optional[int] = None
-    wake: str = ""
-    secret: bytes = b""
 
 
 class SuspendNotice(Reply, tag="suspend"):
@@ -649,7 +610,7 @@ class Event(msgspec.Struct, kw_only=True):
 
 
 DaemonMessage = Union[Ok, Error, Welcome, HeartbeatAck, StatusReply, Grant, YieldRequest, Revoke,
-                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply, Standby, Successor,
+                      SuspendNotice, ResumeNotice, SuspendResult, PartitionReply,
                       ModelRegistered, ModelsReply, InferResult,
                       InventoryReply, LifecycleReply, ReclaimReply, PolicyReply, DrainNotice]
 
@@ -659,12 +620,3 @@ MAX_REQUEST_BYTES = 64 * 1024
 MAX_NESTING_DEPTH = 32
 """Deepest nesting of arrays and maps a frame may have (requests need 5); deeper
 frames get E_BAD_REQUEST before any decoding, so no peer can exhaust the stack."""
-
-WAKE_SECRET_BYTES = 16
-"""Length of a ``standby``/``successor`` secret (2.1)."""
-
-
-def wake_word(secret: bytes, grant: int) -> bytes:
-    """What a one-hop holder writes to its successor's wake channel, in one write
-    (atomic: under PIPE_BUF): the 16-byte secret, then the grant id as 8 bytes big-endian."""
-    return bytes(secret) + int(grant).to_bytes(8, "big")

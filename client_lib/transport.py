@@ -63,19 +63,6 @@ class Transport:
         self._awaiting.clear()
         self._async_error = None
 
-    def watch_wake(self, fd: int | None) -> None:
-        """Also wake a wait for frames when ``fd`` (a one-hop wake channel) becomes readable."""
-        if self.conn is not None:
-            self.conn.watch_wake(fd)
-
-    def take_woken(self) -> bool:
-        """Whether the wake channel became readable during the last receive (then cleared)."""
-        conn = self.conn
-        if conn is None or not conn.woken:
-            return False
-        conn.woken = False
-        return True
-
     # -------------------------------------------------------------- requests
 
     def take_id(self) -> int:

@@ -45,8 +45,8 @@ SUSPEND_OUTCOMES = ("suspended", "stopped", "timeout", "gone", "cancelled")
 # Why a session was dropped without a bye (nodeagent.daemon.server: _drop's reasons).
 SESSION_LOST_REASONS = ("process_exited", "disconnected", "not_reading", "bad_frame", "heartbeat")
 # Where the loop contains a bug (nodeagent.daemon.server._contain, the endpoints' dispatch).
-INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "one-hop",
-                         "pace", "status", "metrics")
+INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "unreachable", "timers", "pace",
+                         "status", "metrics")
 DEVICE_FAULT_DOMAINS = ("mps", "context", "other")  # nodeagent.daemon.memory_watch: what an Xid ended
 METRICS_HTTP_CLOSE_REASONS = ("timeout", "evicted", "refused", "bad_request")
 

@@ -140,7 +140,7 @@ def remove_stale_socket(socket_path: str) -> None:
 
 def secure_socket(socket_path: str) -> int:
     """Mode 0660 and, for a root daemon where the group exists, group nodeagent;
-    logs who may connect, and returns the socket's gid (what the wake FIFOs get too)."""
+    logs who may connect, and returns the socket's gid (what the pace boards get too)."""
     os.chmod(socket_path, SOCKET_MODE)
     if os.geteuid() != 0:
         gid = os.stat(socket_path).st_gid

@@ -7,8 +7,8 @@ already runs several processes at once; the daemon's job is to steer that.
 
 So under co-run a device has one *lane* per workload class, each a
 :class:`~sharing.scheduler.TokenScheduler` holding only that class's sessions:
-inside a lane nothing changes (weighted fair share, quanta, grace, enforcement,
-one-hop successors), and between lanes there is no preemption. An inference
+inside a lane nothing changes (weighted fair share, quanta, grace, enforcement),
+and between lanes there is no preemption. An inference
 request beside a training holder is granted at once and both run. What a
 higher class does to a lower one is *pace* it: while a higher lane has a
 holder, every lower class is told (through the device's pace board, see
@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from sharing.scheduler import (Action, SchedulerError, SchedulerPolicy, SchedulerSnapshot, SessionState,
+from sharing.scheduler import (Action, SchedulerPolicy, SchedulerSnapshot, SessionState,
                                TokenScheduler, UnknownSessionError, Workload)
 
 __all__ = ["CoRunScheduler", "PaceController", "PaceSlot", "PaceWant", "board_slot", "DUTY_STEPS_PERMILLE"]
@@ -78,10 +78,6 @@ class CoRunScheduler:
     @property
     def corun(self) -> bool:
         return True
-
-    def lanes(self) -> tuple[TokenScheduler, ...]:
-        """The per-class schedulers, highest class first (one-hop hints are given per lane)."""
-        return self._lanes
 
     def lane_of(self, session: str) -> TokenScheduler:
         """The lane ``session`` is on; UnknownSessionError if it is on none."""
@@ -179,13 +175,6 @@ class CoRunScheduler:
     def state(self, session: str) -> SessionState:
         return self.lane_of(session).state(session)
 
-    def first_in_line(self) -> str | None:
-        for lane in self._lanes:
-            first = lane.first_in_line()
-            if first is not None:
-                return first
-        return None
-
     def snapshot(self, now: float) -> SchedulerSnapshot:
         snaps = [lane.snapshot(now) for lane in self._lanes]
         top = next((snap for snap in snaps if snap.holder is not None), None)
@@ -203,13 +192,6 @@ class CoRunScheduler:
             present += len(lane)
             active = active or lane.holder() is not None
         return tuple(out)
-
-    # One-hop successors are a lane's business: the daemon asks the lane (see lanes()).
-    def successor(self) -> str | None:
-        raise SchedulerError("a co-run device has a successor per lane; ask lane_of(session)")
-
-    bind_successor = withdraw_successor = settle_successor = bound_successor = successor  # type: ignore[assignment]
-    promised_grant = promise_withdrawing = successor  # type: ignore[assignment]
 
 
 #: The duties the controller moves between by default, in permille of each period a lower class may

@@ -20,14 +20,7 @@ Policy, in order of precedence:
   (revoke, SIGSTOP) is the daemon's decision, not the scheduler's;
 * a linger (``linger_ms``): a holder that releases while only lower classes
   wait leaves the token free that long for its own class, so a burst of short
-  higher-class slices preempts the lower class once, not once per slice;
-* a successor promised in advance (``bind_successor``) gets the token when the
-  holder's slice ends, however it ends, ahead of everything above: a holder told
-  who is next may wake it directly (the one-hop handoff). A promise is taken
-  back only with the successor's word: ``withdraw_successor`` (or the successor
-  cancelling) reserves the token, which nobody gets until ``settle_successor``
-  says whether the successor woke on it (then it holds the promised grant) or
-  not (then the promised id is burnt: no grant id is ever given twice).
+  higher-class slices preempts the lower class once, not once per slice.
 
 Each call costs O(log n) in the sessions waiting (amortised; a line per class
 in :mod:`sharing.fairqueue`); ``tick``, ``next_deadline`` and ``wanted_by`` are
@@ -148,9 +141,6 @@ class SchedulerPolicy:
     def quantum_s(self, workload: Workload) -> float:
         """Slice length of ``workload`` in seconds."""
         return self.quantum_ms[workload] / 1000.0
-
-
-_OUT, _WITHDRAWING, _WOKEN = "out", "withdrawing", "woken"  # where a promise stands (TokenScheduler._promise)
 
 
 class SessionState(enum.Enum):
@@ -333,8 +323,6 @@ class TokenScheduler:
         "_next_grant",
         "_grant_step",
         "_last_now",
-        "_successor",
-        "_promise",
         "_linger_until",
         "_linger_class",
     )
@@ -365,12 +353,6 @@ class TokenScheduler:
         # lanes share a device's id space without ever issuing the same id.
         self._grant_step = grant_step
         self._last_now = -math.inf
-        # A waiter promised the token when the holder's slice ends, however it ends
-        # (see bind_successor); None: the usual order decides. _promise says where the
-        # promise stands: OUT, WITHDRAWING (nobody else is granted until settled) or
-        # WOKEN (settled: the successor took it; it holds when the slice ends).
-        self._successor: _Session | None = None
-        self._promise = _OUT
         # While the token lingers after a release (see SchedulerPolicy.linger_ms): until when,
         # and for which class and those above it. None: not lingering.
         self._linger_until: float | None = None
@@ -420,8 +402,6 @@ class TokenScheduler:
         s = self._get(session)
         self._advance(now)
         del self._sessions[session]
-        if s is self._successor:  # gone: it wakes on nothing any more
-            self._drop_promise()
         if s.state is SessionState.WAITING:
             self._queues[s.workload].discard(session)
         elif s is self._holder:
@@ -464,9 +444,6 @@ class TokenScheduler:
             s.state = SessionState.IDLE
             s.waiting_since = None
             s.view = None
-            if s is self._successor and self._promise is _OUT:
-                # It may still wake on the holder's word: taken back only with its answer.
-                self._promise = _WITHDRAWING
         return []
 
     def release(self, session: str, grant: int, now: float, requeue: bool = False) -> list[Action]:
@@ -481,7 +458,7 @@ class TokenScheduler:
         self._take_token(s, now)
         if requeue:  # no sleeper clamp: a quick re-request keeps its fair share
             self._enqueue(s, now)
-        elif self._linger_s > 0 and self._successor is None and self._only_lower_classes_wait(s.workload):
+        elif self._linger_s > 0 and self._only_lower_classes_wait(s.workload):
             self._linger_until = now + self._linger_s
             self._linger_class = s.workload
             return []
@@ -529,78 +506,14 @@ class TokenScheduler:
         return self.tick(now)
 
     def successor(self) -> str | None:
-        """Who gets the token next if it were free now: the bound successor if there
-        is one, else the first in line (highest class, then fair order); None if
-        nobody waits. A holder that releases with ``requeue`` re-enters the line
-        first and may come before it."""
-        if self._successor is not None:
-            return self._successor.id
-        return self.first_in_line()
-
-    def first_in_line(self) -> str | None:
-        """The first waiter by the usual order (highest class, then fair order),
-        whether or not another session is promised the token; None if nobody waits."""
+        """Who gets the token next if it were free now: the first in line (highest
+        class, then fair order); None if nobody waits. A holder that releases with
+        ``requeue`` re-enters the line first and may come before it."""
         for line in self._queues:
             first = line.first()
             if first is not None:
                 return first.id
         return None
-
-    def bind_successor(self, session: str) -> int:
-        """Promise the token to the waiter ``session`` when the holder's slice ends,
-        however it ends (release, revoke, preempt, the holder leaving), ahead of the
-        usual order; returns the grant id it will get. For a handoff the holder makes
-        itself: once told who is next it may wake that session directly, so until
-        :meth:`unbind_successor` (the daemon knows the holder saw the change) no one
-        else may be granted. The promise lapses if the session stops waiting."""
-        s = self._get(session)
-        if self._holder is None:
-            raise SchedulerError(f"device {self._device} has no holder to succeed")
-        if s.state is not SessionState.WAITING:
-            raise SchedulerError(f"session {session!r} is {s.state.value}, not waiting: it cannot be promised "
-                                 "the token")
-        if self._successor is not None and (self._successor is not s or self._promise is not _OUT):
-            raise SchedulerError(f"session {self._successor.id!r} is already promised the token of device "
-                                 f"{self._device}; settle that promise first")
-        self._successor = s
-        self._promise = _OUT
-        return self._next_grant
-
-    def withdraw_successor(self) -> None:
-        """Take the promise back: from now on nobody is granted the token (a holder's slice
-        that ends leaves it free) until :meth:`settle_successor` says whether the successor,
-        told of the withdrawal, woke on the holder's word first. A no-op without a promise
-        out; withdrawing twice is withdrawing once."""
-        if self._successor is not None and self._promise is _OUT:
-            self._promise = _WITHDRAWING
-
-    def settle_successor(self, woken: bool, now: float) -> list[Action]:
-        """The withdrawn promise's successor answered: ``woken`` (it took the promised grant
-        from the holder's word: it holds it now if the token is free, else when the holder's
-        slice ends) or not (the promise goes and its grant id is never given). A no-op
-        unless a promise is being withdrawn."""
-        s = self._successor
-        if s is None or self._promise is not _WITHDRAWING:
-            return []
-        self._advance(now)
-        if woken:
-            self._promise = _WOKEN
-        else:
-            self._drop_promise()
-        if self._holder is None and self._linger_until is None:
-            return self._grant_next(now, [])
-        return []
-
-    def bound_successor(self) -> str | None:
-        return self._successor.id if self._successor is not None else None
-
-    def promised_grant(self) -> int | None:
-        """The grant id a bound successor was promised (None without a promise)."""
-        return self._next_grant if self._successor is not None else None
-
-    def promise_withdrawing(self) -> bool:
-        """True while a promise is being taken back (the token is held for its answer)."""
-        return self._successor is not None and self._promise is _WITHDRAWING
 
     def tick(self, now: float) -> list[Action]:
         """Emit what time alone makes due: a quantum or preemption ask, or one Enforce."""
@@ -662,10 +575,6 @@ class TokenScheduler:
     def holders(self) -> tuple[str, ...]:
         """Every holder of the device: at most one on an exclusive device."""
         return (self._holder.id,) if self._holder is not None else ()
-
-    def lanes(self) -> tuple[TokenScheduler, ...]:
-        """The schedulers a session may be on: this one (a co-run device has one per class)."""
-        return (self,)
 
     def lane_of(self, session: str) -> TokenScheduler:
         """The lane ``session`` is on: this scheduler; UnknownSessionError if it is not here."""
@@ -779,27 +688,13 @@ class TokenScheduler:
         self._queues[s.workload].push(s.vtime_s, waiting_since, s.id, s)
 
     def _grant_next(self, now: float, actions: list[Action]) -> list[Action]:
-        """Give the free token to the bound successor, else to the first in line
-        (highest class, then fair order)."""
-        s = self._successor
-        if s is not None:
-            if self._promise is _WITHDRAWING:
-                return actions  # held for the successor's answer (settle_successor)
-            woken = self._promise is _WOKEN
-            self._successor, self._promise = None, _OUT  # a promise covers one slice's end
-            if s.state is SessionState.WAITING:
-                self._queues[s.workload].discard(s.id)
-            elif not woken:  # not waiting, and did not take it: its id is never given
-                self._next_grant += self._grant_step
-                s = None
-            # else: it took the grant from the holder's word, whatever it asked of us since
-        if s is None:
-            for line in self._queues:
-                if line:
-                    break
-            else:
-                return actions
-            s = line.pop_first()
+        """Give the free token to the first in line (highest class, then fair order)."""
+        for line in self._queues:
+            if line:
+                break
+        else:
+            return actions
+        s = line.pop_first()
         grant = self._next_grant
         self._next_grant += self._grant_step
         waited_s = float(now - s.waiting_since) if s.waiting_since is not None else 0.0
@@ -813,13 +708,6 @@ class TokenScheduler:
         self._slice_end = now + self._quantum_s[s.workload]
         actions.append(Grant(s.id, grant, self._policy.quantum_ms[s.workload], waited_s))
         return actions
-
-    def _drop_promise(self) -> None:
-        """The promise goes without being kept: its grant id was told to the holder and the
-        successor, so it is never given to anyone (a late word for it names no grant)."""
-        self._successor = None
-        self._promise = _OUT
-        self._next_grant += self._grant_step
 
     def _ask_yield(self, h: _Session, now: float, reason: str) -> AskYield:
         h.state = SessionState.YIELDING

@@ -44,7 +44,6 @@ def main() -> int:
     ap.add_argument("--name", default="child")
     ap.add_argument("--borrower", default=None, help="the training job the session belongs to (a lent device)")
     ap.add_argument("--workload", default="training")
-    ap.add_argument("--one-hop", action="store_true", help="ask for one-hop handoffs (hello.one_hop)")
     ap.add_argument("--weight", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=8, help="sha256 rounds of 64 KiB per work unit")
@@ -52,7 +51,7 @@ def main() -> int:
     if args.mode == "spoof":
         return spoof(args)
     client = Client(args.name, workload=args.workload, weight=args.weight, memory_mb=args.memory_mb,
-                    endpoint=os.environ["NODEAGENT_ENDPOINT"], borrower=args.borrower, one_hop=args.one_hop)
+                    endpoint=os.environ["NODEAGENT_ENDPOINT"], borrower=args.borrower)
     emit("SESSION", client.session_id)
     blob = os.urandom(1 << 16)
     if args.park_bytes:

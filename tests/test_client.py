@@ -173,31 +173,3 @@ for c in clients:
     assert int(refused.split()[1]) > 40  # about one descriptor per client
     assert "out of file descriptors" in refused
     assert "SERVED" in out.stdout
-
-
-def test_a_wake_flag_of_a_channel_no_longer_watched_is_dropped(workdir):
-    """The client reads its wake channel only while one is watched: a flag the old channel
-    raised must not survive a change of channel (it would make the next pump read the new
-    channel for a word that was never written to it)."""
-    import os
-
-    from client_lib import framing
-
-    path = f"{workdir}/agent.sock"
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    conn = framing.Connection(f"ipc://{path}", 2.0)
-    r, w = os.pipe()
-    try:
-        conn.watch_wake(r)
-        os.write(w, b"x")
-        conn.recv(1.0)
-        assert conn.woken  # the watched channel became readable
-        conn.watch_wake(None)
-        assert not conn.woken
-    finally:
-        conn.close()
-        server.close()
-        os.close(r)
-        os.close(w)

@@ -8,10 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DAEMON = REPO / "nodeagent" / "daemon"
-# The tokens component and its parts (one-hop promises live on the lanes it owns).
-SCHEDULER_OWNERS = {"tokens.py", "one_hop.py"}
+SCHEDULER_OWNERS = {"tokens.py"}  # the tokens component, alone
 MUTATORS = {"add_session", "remove_session", "request", "cancel", "release", "revoke", "preempt", "set_weight",
-            "set_policy", "tick", "bind_successor", "withdraw_successor", "settle_successor"}
+            "set_policy", "tick"}
 MAX_COLLABORATORS = 8
 
 
@@ -79,7 +78,7 @@ SESSION_FIELD_OWNERS = {
     "blocked_by": {"gate.py"}, "acquire_pending": {"gate.py"},
     "suspension": {"restore.py"}, "suspend_waiters": {"suspension.py"},
     "memory_used_bytes": {"memory.py"}, "over_memory": {"memory_watch.py"},
-    "wake": {"one_hop.py"}, "one_hop": {"server.py"}, "mps": {"server.py"}, "weight": {"tokens.py"},
+    "mps": {"server.py"}, "weight": {"tokens.py"},
     "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"},
 }
 # Names that hold something else with a field of the same name (serving's queues have a grant).

@@ -1,6 +1,5 @@
 """What the daemon leaves on the host (issue 24): the socket's group said in the log,
-only directories it made given its group and mode, wake FIFOs in the socket's group,
-and nothing left after a clean stop."""
+only directories it made given its group and mode, and nothing left after a clean stop."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import grp
 import logging
 import os
 import stat
-import tempfile
 
 import pytest
 
@@ -85,40 +83,10 @@ def test_the_log_says_which_group_the_socket_got(tmp_path, monkeypatch, caplog):
     assert "groupadd" in line
 
 
-@pytest.fixture
-def setgid_workdir():
-    """A directory root:<some group> 2750, so the socket is born in that group (as
-    tests/nonroot.py arranges) while no group called ``nodeagent`` exists."""
-    _require_root()
-    workdir = tempfile.mkdtemp(prefix="na-")
-    group = _some_group()
-    os.chown(workdir, 0, group.gr_gid)
-    os.chmod(workdir, 0o2750)
-    try:
-        yield workdir, group.gr_gid
-    finally:
-        import shutil
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def test_a_wake_fifo_has_the_group_of_the_socket(setgid_workdir):
-    workdir, gid = setgid_workdir
-    d = Daemon(workdir, []).start()
-    try:
-        assert os.stat(d.socket_path).st_gid == gid
-        with Client("a", endpoint=d.endpoint, one_hop=True) as a:
-            assert a.welcome.wake
-            assert os.stat(a.welcome.wake).st_gid == gid
-            assert os.stat(os.path.dirname(a.welcome.wake)).st_gid == gid
-    finally:
-        assert d.stop() == 0, d.log()
-
-
 def test_a_clean_stop_leaves_nothing_beside_the_socket(start_daemon, workdir):
     d = start_daemon()
-    with Client("a", endpoint=d.endpoint, one_hop=True) as a:
-        assert a.welcome.wake  # wake/ holds a FIFO while the daemon runs
-        assert {"agent.sock", "agent.sock.lock", "wake"} <= set(os.listdir(workdir))
+    with Client("a", endpoint=d.endpoint):
+        assert {"agent.sock", "agent.sock.lock"} <= set(os.listdir(workdir))
     assert d.stop() == 0, d.log()
     assert sorted(os.listdir(workdir)) == ["daemon.log", "nodeagent.toml", "state"]
 

@@ -133,8 +133,7 @@ def test_token_queue_length_counts_the_waiters(start_daemon):
         assert value(families, "nodeagent_sessions", device="0", workload="training", state="waiting") == 1
         holder.release()
         waiter.acquire(timeout=5)
-        # A one-hop handoff wakes the waiter before the daemon has read the release: the daemon's
-        # count follows within that release's read, not before acquire() returns.
+        # The grant reaches the waiter in the same turn the daemon's count changes: read it after.
         wait_for(lambda: value(scrape(url)[1], "nodeagent_token_queue_length", device="0") == 0, timeout=5)
         waiter.release()
 

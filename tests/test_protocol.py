@@ -33,7 +33,7 @@ def test_every_daemon_message_round_trips():
 
 def test_wire_form_is_a_plain_map_with_op_and_id():
     raw = msgspec.msgpack.decode(codec.encode(p.Release(id=9, grant=3)))
-    assert raw == {"op": "release", "id": 9, "grant": 3, "requeue": False, "quiet": False, "handed": None,
+    assert raw == {"op": "release", "id": 9, "grant": 3, "requeue": False, "quiet": False,
                    "waiting": None, "oldest_wait_ms": None}
 
 

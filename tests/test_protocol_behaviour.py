@@ -5,6 +5,7 @@ the resume, and a session dropped for silence is told so."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -248,16 +249,46 @@ def test_a_session_dropped_for_missed_heartbeats_is_told(start_inproc_daemon):
 # ------------------------------------------------------------- versions
 
 
-def test_one_hop_is_given_only_to_clients_that_speak_2_3_or_later(inproc_daemon):
-    """A 2.1 or 2.2 client cannot answer a withdrawn promise (standby_ack is 2.3's), so it is
-    given no wake channel even when it asks; a client of this minor is."""
-    old, new = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
+def _raw_frames_until(peer: RawPeer, done, timeout: float = 5.0) -> list[dict]:
+    """Decoded maps of every frame from the daemon until ``done(maps)`` holds."""
+    maps: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while not done(maps):
+        assert time.monotonic() < deadline, f"the daemon sent only {maps}"
+        maps += [msgspec.msgpack.decode(f) for f in peer.recv_frames(0.05)]
+    return maps
+
+
+def test_a_2_6_client_that_asks_for_one_hop_is_served_on_the_one_path(inproc_daemon):
+    """2.7 dropped one-hop handoffs. A 2.1-2.6 client that asks (hello.one_hop, release.handed)
+    is served as one the daemon gave no wake channel always was: no ``wake`` in its welcome, so
+    it never hears of a successor, never writes a FIFO and takes every grant from the daemon.
+    Its ``standby_ack`` (sent only to answer a withdrawal that never comes) is a bad request."""
+    a, b = RawPeer(inproc_daemon.endpoint), RawPeer(inproc_daemon.endpoint)
     try:
-        assert old.hello("old", one_hop=True, protocol=(2, 2)).wake == ""
-        assert new.hello("new", one_hop=True).wake != ""
+        sessions = []
+        for peer, name in ((a, "old-a"), (b, "old-b")):
+            peer.send(enc({"op": "hello", "id": 1, "protocol": [2, 6], "name": name, "pid": os.getpid(),
+                           "one_hop": True}))
+            [welcome] = _raw_frames_until(peer, lambda m: m)
+            assert welcome["op"] == "welcome" and "wake" not in welcome, welcome
+            sessions.append(welcome["session"])
+        a.send(enc({"op": "acquire", "id": 2}))
+        grant_a = next(m for m in _raw_frames_until(a, lambda m: any(x["op"] == "grant" for x in m))
+                       if m["op"] == "grant")["grant"]
+        b.send(enc({"op": "acquire", "id": 2}))
+        assert _raw_frames_until(b, lambda m: m) == [{"op": "ok", "id": 2}]
+        a.send(enc({"op": "release", "id": 3, "grant": grant_a, "handed": grant_a + 1}))  # it claims it woke b
+        to_b = _raw_frames_until(b, lambda m: any(x["op"] == "grant" for x in m))
+        to_a = _raw_frames_until(a, lambda m: any(x.get("id") == 3 for x in m))
+        assert [m["op"] for m in to_a] == ["ok"] and [m["op"] for m in to_b] == ["grant"], (to_a, to_b)
+        assert inproc_daemon.status().devices[0].holder == sessions[1]
+        b.send(enc({"op": "standby_ack", "id": 4, "grant": 1, "woken": True}))
+        [error] = _raw_frames_until(b, lambda m: m)
+        assert error["op"] == "error" and error["code"] == p.ErrorCode.BAD_REQUEST and error["id"] == 4, error
     finally:
-        old.close()
-        new.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("minor, told", [(2, False), (p.PROTOCOL_VERSION[1], True)])

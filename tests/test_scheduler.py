@@ -820,9 +820,7 @@ def test_a_request_held_back_by_the_caller_keeps_its_wait_and_gets_no_clamp():
     assert s.state("late") is SessionState.IDLE
 
 
-# ---------------------------------------------------------------- a successor promised in advance
-# The groundwork of the one-hop handoff (docs/architecture.md, "Not built yet"): a holder told
-# who is next may wake that session itself, so from then on the token can go to no one else.
+# ---------------------------------------------------------------- who is next
 
 
 def _holding_with_waiters():
@@ -835,105 +833,7 @@ def _holding_with_waiters():
 def test_successor_names_who_a_release_would_grant():
     s, grant_a = _holding_with_waiters()
     assert s.successor() == "b"
+    [ask] = s.request("i", 0.03)
+    assert isinstance(ask, AskYield) and s.successor() == "i"  # a higher class first
     [grant] = s.release("a", grant_a.grant, 0.05)
-    assert grant.session == "b" and s.successor() == "c"
-
-
-def test_a_bound_successor_gets_the_token_with_the_grant_id_it_was_promised_even_past_a_higher_class():
-    s, grant_a = _holding_with_waiters()
-    promised = s.bind_successor("c")  # not first in line: the daemon chooses
-    assert s.bound_successor() == "c" and s.successor() == "c"
-    [ask] = s.request("i", 0.03)  # inference arrives after the promise: the holder is asked at once
-    assert isinstance(ask, AskYield) and ask.reason == "preempted"
-    [grant] = s.release("a", grant_a.grant, 0.04)
-    assert grant == Grant("c", promised, grant.slice_ms, grant.waited_s)
-    assert s.bound_successor() is None  # a promise covers one slice's end
-    assert s.successor() == "i"  # then the usual order: inference first
-    [ask] = s.tick(0.04)
-    assert isinstance(ask, AskYield) and ask.session == "c" and ask.reason == "preempted"
-
-
-@pytest.mark.parametrize("end", ["revoke", "preempt", "remove"])
-def test_every_end_of_the_holders_slice_honours_the_promise(end):
-    s, grant_a = _holding_with_waiters()
-    s.bind_successor("c")
-    if end == "revoke":
-        actions = s.revoke("a", 0.05, "overrun")
-    elif end == "preempt":
-        actions = s.preempt("a", 0.05)
-    else:
-        actions = s.remove_session("a", 0.05)
-    grants = [a for a in actions if isinstance(a, Grant)]
-    assert [g.session for g in grants] == ["c"]
-
-
-def test_a_successor_that_leaves_loses_the_promise_and_its_id_is_never_given():
-    s, grant_a = _holding_with_waiters()
-    promised = s.bind_successor("c")
-    s.remove_session("c", 0.03)  # gone: it wakes on nothing
-    assert s.bound_successor() is None
-    [grant] = s.release("a", grant_a.grant, 0.05)
-    assert grant.session == "b" and grant.grant != promised
-
-
-def test_a_successor_that_cancels_holds_the_token_until_it_answers():
-    """It may have woken on the holder's word before its cancel: nobody else is granted
-    until it says (issue 21: a suspended successor woke on a promise)."""
-    s, grant_a = _holding_with_waiters()
-    promised = s.bind_successor("c")
-    s.cancel("c", 0.03)
-    assert s.promise_withdrawing() and s.bound_successor() == "c"
-    assert s.release("a", grant_a.grant, 0.05) == []  # the token stays free
-    assert s.request("i", 0.06) == [] and s.next_deadline() is None  # inference too waits for the answer
-    [grant] = s.settle_successor(False, 0.07)  # it did not wake: the usual order, a new id
-    assert grant.session == "i" and grant.grant != promised and grant.grant > promised
-    assert s.bound_successor() is None and not s.promise_withdrawing()
-
-
-def test_a_withdrawn_successor_that_woke_holds_the_promised_grant():
-    s, grant_a = _holding_with_waiters()
-    promised = s.bind_successor("c")
-    s.withdraw_successor()  # a higher class arrived: the daemon takes the promise back
-    assert s.request("i", 0.03) != []  # the holder is asked to yield at once, as ever
-    assert s.settle_successor(True, 0.04) == []  # it woke (the holder wrote its word): it holds at the end
-    [grant] = s.release("a", grant_a.grant, 0.05)
-    assert grant == Grant("c", promised, grant.slice_ms, grant.waited_s)
-    [ask] = s.tick(0.05)
-    assert isinstance(ask, AskYield) and ask.session == "c"  # and gives way to inference at once
-
-
-def test_a_withdrawal_settled_after_the_slice_ended_grants_then():
-    s, grant_a = _holding_with_waiters()
-    promised = s.bind_successor("c")
-    s.withdraw_successor()
-    assert s.release("a", grant_a.grant, 0.05) == []  # reserved
-    [grant] = s.settle_successor(True, 0.06)
-    assert grant.session == "c" and grant.grant == promised
-    s2, grant_a2 = _holding_with_waiters()
-    promised2 = s2.bind_successor("c")
-    s2.withdraw_successor()
-    s2.release("a", grant_a2.grant, 0.05)
-    [grant2] = s2.settle_successor(False, 0.06)
-    assert grant2.session == "b" and grant2.grant != promised2
-    assert s2.settle_successor(True, 0.07) == []  # nothing to settle any more
-
-
-def test_only_a_waiter_can_be_promised_and_only_one_at_a_time():
-    s = make(("a", TRAIN, 1.0), ("b", TRAIN, 1.0), ("c", TRAIN, 1.0))
-    with pytest.raises(SchedulerError, match="no holder"):
-        s.bind_successor("b")
-    [grant_a] = s.request("a", 0.0)
-    with pytest.raises(SchedulerError, match="not waiting"):
-        s.bind_successor("b")  # idle
-    with pytest.raises(SchedulerError, match="not waiting"):
-        s.bind_successor("a")  # the holder itself
-    s.request("b", 0.01)
-    s.request("c", 0.02)
-    assert s.bind_successor("b") == s.bind_successor("b")  # the same promise again: the same id
-    with pytest.raises(SchedulerError, match="already promised"):
-        s.bind_successor("c")
-    s.withdraw_successor()
-    with pytest.raises(SchedulerError, match="already promised"):
-        s.bind_successor("b")  # not while the last one is being taken back
-    with pytest.raises(UnknownSessionError):
-        s.bind_successor("nobody")
+    assert grant.session == "i" and s.successor() == "b"

@@ -157,7 +157,6 @@ class AgentServer:
             p.Acquire: self._on_acquire,
             p.Release: self._on_release,
             p.Cancel: self._on_cancel,
-            p.StandbyAck: self._on_standby_ack,
             p.StatusRequest: self._on_status,
             p.Goodbye: self._on_bye,
             p.SuspendSession: self._suspensions.on_suspend_session,
@@ -246,8 +245,7 @@ class AgentServer:
         try:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
-            self._tokens.one_hop.start(path)  # wake channels live beside the socket
-            self._tokens.pacing.start(path, self.config.state_dir)  # and the co-run devices' pace boards
+            self._tokens.pacing.start(path, self.config.state_dir)  # the co-run devices' pace boards
             try:
                 self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             except BaseException:
@@ -261,7 +259,6 @@ class AgentServer:
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
             self._cluster.close()
-            self._tokens.one_hop.close()
             self._tokens.pacing.close()
             local.close()
             self._local = None
@@ -371,7 +368,6 @@ class AgentServer:
                 self._contain("timers", self._on_timers, self._clock())
                 if scrapes is not None:  # after the turn's handoffs: one step of an exposition at most
                     self._contain("metrics", scrapes.on_timers, self._clock())
-                self._contain("one-hop", self._tokens.one_hop.refresh_all)  # successor hints, after the turn
                 self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
                 if self._status_jobs:
                     self._contain("status", self._status_step)
@@ -404,7 +400,6 @@ class AgentServer:
         continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
-        self._tokens.one_hop.close()
         self._tokens.pacing.close()  # a board left behind says nobody is paced
         self._memory_policy.stop()
         self._serving.stop()
@@ -508,7 +503,6 @@ class AgentServer:
         creds = procwatch.peer_credentials(frame)
         resumed = self._try_resume(route, msg, creds, now)
         if resumed is not None:
-            self._open_wake_channel(resumed, one_hop_capable(msg))
             self._welcome(route, msg.id, resumed, resumed=True, minor=msg.protocol[1])
             self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
             self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
@@ -550,7 +544,6 @@ class AgentServer:
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, managed_cgroup=managed_cgroup, borrower=msg.borrower, slo_ms=msg.slo_ms)
         self._add_session(session, now)
-        self._open_wake_channel(session, one_hop_capable(msg))
         if verified_pid is not None and verified_pid != msg.pid:
             log.warning("[session] pid claim mismatch session=%s claimed=%d verified=%d",
                         session.id, msg.pid, verified_pid)
@@ -569,14 +562,6 @@ class AgentServer:
     def _add_session(self, session: Session, now: float) -> None:
         self._tokens.add(session.device, session.id, session.workload, session.weight, now)
         self._sessions.add(session)
-
-    def _open_wake_channel(self, s: Session, one_hop: bool) -> None:
-        """A client that asked for one-hop handoffs gets a wake channel (welcome.wake)."""
-        s.one_hop = one_hop
-        if one_hop:
-            self._tokens.one_hop.open_channel(s)
-        else:
-            self._tokens.one_hop.close_channel(s)
 
     def _try_resume(self, route: bytes, msg: p.Hello, creds, now: float) -> Session | None:
         """Reattach a live or restored session to a new connection of the same client."""
@@ -610,7 +595,7 @@ class AgentServer:
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
-            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env), wake=s.wake or "",
+            cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
             pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else "",
             suspended=resumed and s.suspension.active and minor >= 3))
         if resumed and s.grant is not None:
@@ -649,8 +634,6 @@ class AgentServer:
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
         self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
-        if self._tokens.one_hop.acquire_early(s):  # asks again after an early release: requeued at its grant
-            return
         if not s.suspension.active:
             self._tokens.time_wait(s, now)
         self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
@@ -664,10 +647,6 @@ class AgentServer:
         try:
             self._tokens.release_session(s, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
-            if requeue == msg.requeue and self._tokens.one_hop.release_early(s, msg.grant, requeue):
-                if not msg.quiet:  # a woken successor's release overtook its holder's: done at its grant
-                    self._send(route, p.Ok(id=msg.id))
-                return
             self._error(route, msg.id, p.ErrorCode.NOT_HOLDER,
                         not_holder_text(s.id, s.device, s.grant, msg.grant,
                                         self._tokens.lane_holder(s.device, s.id)))
@@ -685,12 +664,6 @@ class AgentServer:
         self._gate.withdraw(s)  # a request kept for an unblock or a resume, or held on a lost device, goes too
         self._send(route, p.Ok(id=msg.id))
         self._tokens.cancel_session(s, now)
-
-    def _on_standby_ack(self, route: bytes, msg: p.StandbyAck, frame, now: float) -> None:
-        """A successor's answer to the withdrawal of its one-hop promise (no reply: errors only)."""
-        s = self._session_for(route, msg.id, now)
-        if s is not None:
-            self._tokens.one_hop.on_answer(s, msg.grant, msg.woken, now)
 
     def _on_bye(self, route: bytes, msg: p.Goodbye, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -819,7 +792,6 @@ class AgentServer:
         elif s.stopped and reason != "process_exited":
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)
-        self._tokens.one_hop.close_channel(s)
         self._tokens.end_slice(s, now)
         self._serving.forget(s.id, now)
         self._suspensions.forget(s, now)
@@ -835,7 +807,6 @@ class AgentServer:
         self._bus.event("session_leave", s.device, s.id, name=s.name, reason=reason,
                         **({} if job is None else {"borrower": job, "attained_gpu_s": self._attained.of(job, now)}))
         self._tokens.remove(s.device, s.id, now)  # a token it held passes on now
-        self._tokens.one_hop.forget(s)
 
     def _reap_exited(self) -> None:
         """Sessions whose process exited (their pidfd became readable)."""
@@ -968,12 +939,6 @@ def welcome_ordinal(backend: str, uuid: str, env: dict[str, str]) -> int | None:
         return device_id.ordinal_in_visible(uuid, env["CUDA_VISIBLE_DEVICES"])
     except device_id.DeviceNotVisibleError:
         return None
-
-
-def one_hop_capable(msg: p.Hello) -> bool:
-    """Whether a hello's client takes part in one-hop handoffs: it asked, and it answers a
-    withdrawn promise (protocol 2.3): without that answer no promise could be taken back."""
-    return bool(msg.one_hop) and tuple(msg.protocol) >= (2, 3)
 
 
 def _check_hello(msg: p.Hello) -> str | None:

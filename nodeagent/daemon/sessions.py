@@ -63,9 +63,7 @@ class Session:
     wait_started: float | None = None  # when it last asked for the token
     grants: int = field(default=0)
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
-    one_hop: bool = False  # hello.one_hop: its client takes successor/standby notices (nodeagent.daemon.one_hop)
     mps: bool = False  # its welcome put it on its device's MPS server (it shares that server's fault domain)
-    wake: str | None = None  # path of its wake FIFO, while it has one
     host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
     host_pinned: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to

@@ -5,8 +5,7 @@ should happen; this component makes it happen: a grant or a yield request is
 sent to the session's client, an overrun is enforced (SIGSTOP of a verified
 process, journalled first, else the token is revoked), a stopped process is
 continued when its turn comes again, and the waits, slices and handoffs are
-measured. It also owns the successor hints of one-hop handoffs
-(:mod:`nodeagent.daemon.one_hop`).
+measured.
 
 A component: it owns the schedulers and the measurement state, and is given in
 its constructor what it may touch: the session table, metrics, the journal
@@ -28,7 +27,6 @@ from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, DeviceFacts, Granted, SliceEnded
 from nodeagent.daemon.device_stats import DeviceStats
-from nodeagent.daemon.one_hop import OneHop
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
@@ -67,12 +65,6 @@ class Tokens:
         self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
         self._slice_total: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
-        # Successor hints and wake channels (one-hop handoffs): a part of this component.
-        self.one_hop = OneHop(schedulers=self.schedulers, sessions=sessions, send=send,
-                              delegated=lambda sid: self._delegated(sid),
-                              clock=clock, grace_s=policy.grace_ms / 1000.0,
-                              stop=lambda s: self._enforce_mode == "stop" and self.stop(s),
-                              apply=lambda actions, now: self.apply(actions, now, handoff_from=now))
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component).
         self.pacing = Pacing(tokens=self, sessions=sessions,
@@ -140,7 +132,6 @@ class Tokens:
     def cancel_session(self, s: Session, now: float) -> None:
         """Client session ``s`` stops waiting (a no-op for a holder: it must release)."""
         actions = self.schedulers[s.device].cancel(s.id, now)
-        self.one_hop.forget(s)
         if s.grant is None:
             s.wait_started = None
         self.apply(actions, now)
@@ -219,12 +210,9 @@ class Tokens:
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        """The earliest scheduler deadline of any device (a yield or slice timer), or the
-        answer due for a withdrawn one-hop promise; None if nothing is pending."""
-        soonest = self.one_hop.next_deadline()
-        pace_at = self.pacing.next_deadline()
-        if pace_at is not None and (soonest is None or pace_at < soonest):
-            soonest = pace_at
+        """The earliest scheduler deadline of any device (a yield or slice timer), or the pacing's
+        (a queue-steered pause's projection); None if nothing is pending."""
+        soonest = self.pacing.next_deadline()
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and (soonest is None or deadline < soonest):
@@ -232,7 +220,6 @@ class Tokens:
         return soonest
 
     def on_timers(self, now: float) -> None:
-        self.one_hop.on_timers(now)
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and deadline <= now:
@@ -267,16 +254,8 @@ class Tokens:
                 self.observe_wait(s, now)
                 if handoff_from is not None:
                     self._handoff_hist[s.device].observe(self._clock() - handoff_from)
-                requeue = self.one_hop.take_early_release(s, action.grant)
-                if requeue is not None:  # it was woken, and is done already: its release came first
-                    self.end_slice(s, now)
-                    if requeue:
-                        s.wait_started = now
-                    self.apply(self.schedulers[s.device].release(s.id, action.grant, now, requeue=requeue), now,
-                               handoff_from=now)
             elif kind is AskYield:
                 s = self._sessions[action.session]
-                self.one_hop.refresh(s.device)  # a withdrawn hint must reach the holder before the ask
                 self._send(s.route, p.YieldRequest(grant=action.grant, deadline_ms=action.deadline_ms,
                                                    reason=action.reason))
                 self._bus.event("preempt", s.device, s.id, grant=action.grant, reason=action.reason,
