@@ -23,9 +23,13 @@ it, in proportion to the work done).
 Policies. The recorded modes replay from their own records. ``adaptive``,
 ``pause``, ``free`` and ``queue`` run the daemon's own pace logic: the
 :class:`~nodeagent.daemon.pace.Pacing` component with the
-:class:`~sharing.corun.PaceController` the daemon's settings make, driven by
-the replayed slices (grant, end, time passed in); the trainer's state is read
-from the pace board it writes. :class:`DaemonPacing` is the only code that
+:class:`~sharing.corun.PaceController` per higher-class session the daemon's
+settings make, driven by the replayed slices (request, grant, release, time
+passed in); the trainer's state is read from the pace board it writes.
+``queue`` is the default controller told, at each slice request and release,
+how many requests wait and the oldest's age (as ``Client.slice(queue=...)``
+says them, protocol 2.7); ``adaptive`` is the same controller told nothing
+(steered by slice lengths). :class:`DaemonPacing` is the only code that
 touches that API.
 """
 
@@ -289,76 +293,73 @@ def _mode(load: LoadRecord, mode: str) -> ModeRecord:
 
 
 class DaemonPacing:
-    """The daemon's pace logic for one device with one inference and one training session:
-    the real :class:`~nodeagent.daemon.pace.Pacing` and the controller the daemon's settings
-    make (``ServeConfig.pace_controller``), fed the replayed slices with time passed in; the
-    trainer's state is what the pace board it writes says.
+    """The daemon's pace logic for one co-run device with one inference and one training session:
+    the real :class:`~nodeagent.daemon.pace.Pacing` with the controllers the daemon's settings make
+    (``ServeConfig.pace_controller``, one per higher-class session), fed the replayed slices with
+    time passed in, in the order the daemon feeds them; the trainer's state is what the pace board
+    it writes says (read with ``PaceBoardReader``).
 
-    The only code here that knows that API, in two generations. Main before issue 30: one
-    controller per device, ``Pacing(tokens=, sessions=, controllers={device: controller})``,
-    ``granted(s)``, ``slice_ended(s, held_s)``; no queue, so no ``queue`` policy. Issue 30 part 2
-    (helper corun's tree as of 2026-12-01, not merged when this was written): one controller per
-    higher-class session, ``Pacing(tokens=, sessions=, devices=, new_controller=, clock=)``,
-    ``told_queue(s, now, waiting, oldest_wait_ms)`` with each slice request and release,
-    ``granted(s, now)``, ``slice_ended(s, now)``, ``next_deadline()`` for decisions between
-    events (the loop refreshes the boards then); ``queue`` is the default controller told the
-    queue, ``adaptive`` the same controller told nothing (steered by slice lengths). Both: the
-    board written by ``refresh_all()`` and read with ``PaceBoardReader``; ``corun.duty`` pins
-    ``pause`` and ``free``. The tokens view it reads is this object (:meth:`holders`,
-    :meth:`pace`, :meth:`lane_workload`, :meth:`sessions_on`)."""
+    The only code here that knows that API. ``joined`` for each session as it comes on the device;
+    at each slice request ``told_queue`` (``queue`` policy: the requests waiting, the one the slice
+    is for included, and the oldest's age, as ``Client.slice(queue=...)`` says them; else nothing,
+    steered by slice lengths) then ``granted``; at its release ``slice_ended`` then ``told_queue``
+    with ``released`` (what still waits); ``refresh_all`` after each, as after each loop turn, and at
+    ``next_deadline()``, when the loop wakes for a decision nobody's message brings. ``corun.duty``
+    pins ``pause`` and ``free``. The tokens view ``Pacing`` reads is this object (:meth:`holders`,
+    :meth:`pace`, :meth:`waiting_count`, :meth:`state`, :meth:`lane_workload`, :meth:`sessions_on`):
+    the trainer holds its lane's token the whole phase, the inference session holds while a request
+    is in service and is granted at once (it is alone in its lane), so it never waits in line."""
 
     DEVICE = 0
 
     def __init__(self, policy: str, *, slo_ms: float | None = None) -> None:
-        import inspect
-
+        from client_lib.pace import PaceBoardReader
         from nodeagent.config import ConfigError, ServeConfig
         from nodeagent.daemon.pace import Pacing
-        from sharing import Workload
+        from sharing import SessionState, Workload
         config = ServeConfig(corun_duty="adaptive" if policy == "queue" else policy)
         try:
             config.validate()
             config.pace_controller()
         except (ConfigError, ValueError) as exc:
             raise PolicyUnavailable(f"policy {policy!r}: the daemon's settings refuse it ({exc})") from None
-        self._workload = Workload
+        self._workload, self._state = Workload, SessionState
         self._now = 0.0
         self._says_queue = policy == "queue"
         self.inference = types.SimpleNamespace(id="inference", workload=Workload.INFERENCE, device=self.DEVICE,
                                                slo_ms=slo_ms)
         self.trainer = types.SimpleNamespace(id="trainer", workload=Workload.TRAINING, device=self.DEVICE,
                                              slo_ms=None)
-        self._holders: set[str] = {"trainer"}  # the trainer holds its lane's token the whole phase
+        self._holders: set[str] = set()
         self._sessions = {"inference": self.inference, "trainer": self.trainer}
-        self._per_session = "new_controller" in inspect.signature(Pacing).parameters
-        if self._per_session:
-            self.pacing = Pacing(tokens=self, sessions=self._sessions, devices=(self.DEVICE,),
-                                 new_controller=config.pace_controller, clock=lambda: self._now)
-            self._device_controller = None
-        else:
-            if self._says_queue:
-                raise PolicyUnavailable("policy 'queue': this tree's controller is not steered by the queue "
-                                        "(no Pacing.told_queue; issue 30 part 2)")
-            self._device_controller = config.pace_controller()
-            self.pacing = Pacing(tokens=self, sessions=self._sessions,
-                                 controllers={self.DEVICE: self._device_controller})
+        self.pacing = Pacing(tokens=self, sessions=self._sessions, devices=(self.DEVICE,),
+                             new_controller=config.pace_controller, clock=lambda: self._now)
         self._dir = tempfile.TemporaryDirectory(prefix="na-replay-")
         self.pacing.start(None, self._dir.name)
         path = self.pacing.board_path(self.DEVICE)
         if not path:
             self.close()
             raise ReplayError(f"the pace logic made no board in {self._dir.name}; see its [pace] warning")
-        from client_lib.pace import PaceBoardReader
         self._board = PaceBoardReader(path)
+        for s in (self.inference, self.trainer):
+            self.pacing.joined(self.DEVICE, s.id, s.workload)
+        self._holders.add("trainer")  # granted at once: nobody else is in its lane
+        self.pacing.granted(self.trainer, self._now)
         self.pacing.refresh_all()
 
     # The tokens component's read-only view, as Pacing reads it.
     def holders(self, device: int) -> tuple[str, ...]:
-        return tuple(sorted(self._holders))
+        return tuple(s for s in ("inference", "trainer") if s in self._holders)  # highest class first
 
     def pace(self, device: int) -> tuple[tuple[int, bool], ...]:
         inference_holds = "inference" in self._holders
         return ((0, False), (1, inference_holds), (2, inference_holds or "trainer" in self._holders))
+
+    def waiting_count(self, device: int) -> int:
+        return 0  # each session is alone in its lane: granted the moment it asks
+
+    def state(self, device: int, sid: str):
+        return self._state.HOLDING if sid in self._holders else self._state.IDLE
 
     def lane_workload(self, device: int, session: str):
         s = self._sessions.get(session)
@@ -370,29 +371,23 @@ class DaemonPacing:
     # What the replay tells it: a slice granted and ended, with the service's queue at each.
     def granted(self, now_s: float, waiting: int, oldest_arrival_s: float) -> None:
         self._now = now_s
+        self.pacing.told_queue(self.inference, now_s, waiting if self._says_queue else None,
+                               (now_s - oldest_arrival_s) * 1e3 if self._says_queue else None)
         self._holders.add("inference")
-        if self._per_session:
-            if self._says_queue:
-                self.pacing.told_queue(self.inference, now_s, waiting, (now_s - oldest_arrival_s) * 1e3)
-            self.pacing.granted(self.inference, now_s)
-        else:
-            self.pacing.granted(self.inference)
+        self.pacing.granted(self.inference, now_s)
         self.pacing.refresh_all()
 
     def ended(self, now_s: float, held_s: float, waiting: int, oldest_arrival_s: float | None) -> None:
         self._now = now_s
         self._holders.discard("inference")
-        if self._per_session:
-            self.pacing.slice_ended(self.inference, now_s)
-            if self._says_queue:
-                age_ms = None if oldest_arrival_s is None else (now_s - oldest_arrival_s) * 1e3
-                self.pacing.told_queue(self.inference, now_s, waiting, age_ms)
-        else:
-            self.pacing.slice_ended(self.inference, held_s)
+        self.pacing.slice_ended(self.inference, now_s)
+        said = self._says_queue and waiting > 0 and oldest_arrival_s is not None
+        self.pacing.told_queue(self.inference, now_s, waiting if self._says_queue else None,
+                               (now_s - oldest_arrival_s) * 1e3 if said else None, released=True)
         self.pacing.refresh_all()
 
     def next_deadline(self) -> float | None:
-        return self.pacing.next_deadline() if self._per_session else None
+        return self.pacing.next_deadline()
 
     def tick(self, now_s: float) -> None:
         self._now = now_s
@@ -401,16 +396,17 @@ class DaemonPacing:
     # What the trainer sees.
     def trainer_paused(self) -> bool:
         """Whether the trainer holds at its pause points now (a duty below 1000 while a higher class
-        holds is replayed as a pause: the default duties are 0 and 1000 only)."""
+        holds, or holds a pause, is replayed as a pause: the default duties are 0 and 1000 only)."""
         return self._board.read(int(self._workload.TRAINING)).throttled
 
     @property
     def controller(self):
-        return self.pacing.controller("inference") if self._per_session else self._device_controller
+        """The inference session's controller."""
+        return self.pacing.controller("inference")
 
     @property
     def changes(self) -> int:
-        return int(getattr(self.controller, "changes", 0))
+        return int(self.controller.changes)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -674,8 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("run", metavar="RUN.json", help="a bench.colocate --json result")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--policy", default="adaptive",
-                      help="adaptive (the daemon's default), pause, free, queue (the queue-steered controller, "
-                           "where this tree has it), or a recorded mode (default: adaptive)")
+                      help="adaptive (the daemon's default), pause, free, queue (the default controller told the "
+                           "service's queue at each slice request and release), or a recorded mode (default: adaptive)")
     what.add_argument("--reproduce", action="store_true", help="every recorded mode from its own records, "
                       "against what was recorded")
     what.add_argument("--compare", action="store_true", help=f"every daemon policy beside {BASELINE_MODE} as "
