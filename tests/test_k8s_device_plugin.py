@@ -478,3 +478,28 @@ def test_a_daemon_that_answers_with_errors_keeps_its_shares_healthy(kubelet, run
     finally:
         daemon.close()
     kubelet.wait_list(lambda d: healthy(d, a) is False and healthy(d, b) is False)  # gone is gone
+
+
+def test_held_list_and_watch_streams_cannot_starve_allocate(kubelet, run_plugin, shared_daemon):
+    """Issue 32 item 12: each ListAndWatch stream holds one of the plugin's 8 gRPC threads for
+    its life; seven held open made the kubelet's Allocate time out. A new stream past
+    MAX_STREAMS ends the oldest, so threads are always left for Allocate."""
+    from nodeagent.k8s import plugin as plugin_module
+    daemon = shared_daemon
+    plugin = run_plugin(daemon.endpoint, shares_per_device=2)
+    kubelet.wait_registrations(1)
+    uuid = daemon.status().devices[0].uuid
+    held = []
+    for _ in range(plugin_module.MAX_WORKERS + 4):  # more than every thread the server has
+        stream = kubelet.plugin().ListAndWatch(api.Empty(), timeout=60)
+        held.append(stream)
+    wait_for(lambda: plugin.service.streams >= 2, timeout=10)  # they are being served
+    answer = kubelet.plugin().Allocate(api.AllocateRequest(container_requests=[api.ContainerAllocateRequest(
+        devices_ids=[f"{uuid}::0"])]), timeout=5)
+    assert dict(answer.container_responses[0].envs)["NODEAGENT_DEVICE_UUID"] == uuid
+    limit = plugin_module.MAX_STREAMS
+    assert plugin.service.streams <= limit
+    for stream in held[-limit:]:
+        assert next(stream).devices  # the newest are served
+    for stream in held:
+        stream.cancel()
