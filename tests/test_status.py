@@ -171,6 +171,22 @@ def test_one_peer_cannot_take_every_status_slot(workdir):
     assert isinstance(local.of("flood-again")[0], p.StatusReply)
 
 
+def test_roots_status_is_built_before_the_chunks_of_another_users_flood(workdir):
+    """Issue 32 item 5: root's status (an operator's, the device plugin's) is answered within
+    two turns whatever another user has queued."""
+    server, local = _server(workdir, idle_sessions=server_module.STATUS_CHUNK + 72)  # two chunks
+    now = time.monotonic()
+    for i in range(server_module.STATUS_JOBS_PER_PEER):
+        server._on_status(f"flood-{i}", p.StatusRequest(id=i + 1), _Frame(uid=65534), now)
+    server._on_status("root", p.StatusRequest(id=99), _Frame(uid=0), now)  # its first chunk at once
+    server._status_step()  # and its second in the next turn, before the flood's
+    assert [route for route, _ in local.sent] == ["root"]
+    while server._status_jobs:
+        server._status_step()
+    assert all(isinstance(local.of(f"flood-{i}")[0], p.StatusReply)
+               for i in range(server_module.STATUS_JOBS_PER_PEER))
+
+
 def test_an_inventory_is_built_a_chunk_per_turn_and_a_handoff_goes_between(workdir):
     """Issue 32 item 6: inventory built the whole status at once, outside status's chunking."""
     server, local = _server(workdir, idle_sessions=1000)

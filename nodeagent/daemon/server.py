@@ -111,8 +111,8 @@ class AgentServer:
         self._started = clock()
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
-        # Statuses and inventories under way: peer key (_read_key) -> its jobs in order; the
-        # peers take turns, a job at a time, so a flood from one waits behind itself.
+        # Statuses and inventories under way: peer key (_read_key) -> its jobs in order; root's
+        # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
         self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
         self._status_jobs_count = 0
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
@@ -742,12 +742,13 @@ class AgentServer:
 
     def _status_step(self, job: _ReadJob | None = None) -> None:
         """Build the next chunk of a status under way (``job``, else the oldest of the peer
-        whose turn it is; peers take turns a chunk at a time); send it when it is whole.
+        whose turn it is: root's first, the others in turn a chunk at a time); send it when whole.
         A job's time is read when it starts, not when it was queued: the schedulers refuse a
         time older than one they have seen, and the whole reply is as of that one moment.
         A bug costs that status (``E_INTERNAL`` with its id), never the ones behind it."""
-        if job is None:
-            job = next(iter(self._status_jobs.values()))[0]
+        if job is None:  # root's (an operator's, the device plugin's) first, then the peers in turn
+            mine = self._status_jobs.get(_ROOT_KEY) or next(iter(self._status_jobs.values()))
+            job = mine[0]
         try:
             if job.steps is None:
                 now = self._clock()
@@ -1011,6 +1012,9 @@ class _ReadJob:
         self.key = key  # whose share of the queue it takes (_read_key)
         self.kind = kind  # "status" or "inventory"
         self.steps = None  # the generator, made when the job reaches the front
+
+
+_ROOT_KEY = ("uid", 0)
 
 
 def _read_key(route, frame):
