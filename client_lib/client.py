@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import select
 import time
 from contextlib import contextmanager
@@ -46,7 +47,11 @@ log = logging.getLogger("client_lib.client")
 ENV_BORROWER = "NODEAGENT_BORROWER"  # a training session's borrower when none is given (set by a cluster engine)
 _UNMANAGED_RETRY_S = 1.0  # fail-open: how often to try reattaching
 _UNMANAGED_HANDSHAKE_S = 0.2
-_BACKGROUND_RETRY_S = 0.2  # liveness thread: how often to try reattaching after the daemon hung up
+# Waiting on a daemon that is away: the wait between attempts doubles from the first to the
+# bound, each drawn from its upper half, so a client costs a few connects a second and a
+# hundred of them do not arrive at a new daemon in step; the bound is what a restart may wait.
+_REATTACH_FIRST_S = 0.02
+_REATTACH_MAX_S = 0.25
 
 
 class Client:
@@ -98,6 +103,8 @@ class Client:
         self._lost_at: float | None = None  # when the daemon was found gone (None: it is there)
         self._unmanaged = False  # fail-open: running without the daemon
         self._next_retry = 0.0
+        self._resume_failures, self._next_resume_try = 0, 0.0  # failed reattaches in a row; next try not before
+        self._owner_reattaching = False  # in _reattach_blocking: the liveness thread does not try too
         self._suspend_requested = False
         self._resume_received = False
         self._park: Callable[[], int] | None = None
@@ -521,8 +528,10 @@ class Client:
         if self._lost_at is None:
             self._lost_at = now
             log.warning("[client] daemon at %s lost (%s)", self.endpoint, cause)
-        if self.try_resume():  # a restarted daemon may be there already: reattach, claiming our slice
-            return
+        if now >= self._next_resume_try:  # a restarted daemon may be there already: reattach, claiming our slice
+            if self.try_resume():
+                return
+            self._resume_failed()  # tried again only after a backoff: a yield point every ms is no busy loop
         lease_end = self._lost_at + self.welcome.slice_ms / 1000.0
         if self._grant is not None and now < lease_end:
             return  # finish the slice we were given
@@ -534,16 +543,32 @@ class Client:
         self._reattach_blocking(cause)
 
     def _reattach_blocking(self, cause: str) -> None:
+        """Reattach, retrying until ``reconnect_timeout_s`` with a jittered backoff between
+        attempts (:meth:`_resume_failed`), not in a busy loop."""
         deadline = time.monotonic() + self.reconnect_timeout_s
-        while True:
-            try:
-                self._reattach(cause, min(self.handshake_timeout_s, 1.0))
-                return
-            except DaemonUnavailableError:
-                if time.monotonic() >= deadline:
-                    raise DaemonUnavailableError(
-                        self.endpoint, f"did not come back within reconnect_timeout_s={self.reconnect_timeout_s}"
-                    ) from None
+        self._owner_reattaching = True  # the liveness thread leaves it to us meanwhile
+        try:
+            while True:
+                now = time.monotonic()
+                if now < self._next_resume_try:
+                    time.sleep(max(0.0, min(self._next_resume_try, deadline) - now))
+                try:
+                    self._reattach(cause, min(self.handshake_timeout_s, 1.0))
+                    return
+                except DaemonUnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise DaemonUnavailableError(
+                            self.endpoint, f"did not come back within reconnect_timeout_s={self.reconnect_timeout_s}"
+                        ) from None
+                    self._resume_failed()
+        finally:
+            self._owner_reattaching = False
+
+    def _resume_failed(self) -> None:
+        """A reattach failed: the next attempt, whoever makes it (the owner or the liveness
+        thread), waits :func:`reattach_delay_s`, which grows with the failures in a row."""
+        self._resume_failures += 1
+        self._next_resume_try = time.monotonic() + reattach_delay_s(self._resume_failures)
 
     def _reattach(self, cause: str, handshake_timeout_s: float) -> None:
         """New sockets and a hello that resumes the session, claiming the slice we hold."""
@@ -563,6 +588,7 @@ class Client:
             raise
         self._lost_at = None
         self._unmanaged = False
+        self._resume_failures, self._next_resume_try = 0, 0.0
         if claim is not None:
             self._pump(100)  # the daemon answers a claim with a grant right after the welcome
 
@@ -772,7 +798,7 @@ class Client:
     def _watch_due(self) -> float | None:
         """When the liveness thread must next act for this client without a hang-up."""
         due = self._next_heartbeat
-        retry = self._next_background_retry
+        retry = None if self._owner_reattaching else self._next_background_retry
         if retry is not None and (due is None or retry < due):
             due = retry
         return due
@@ -798,13 +824,17 @@ class Client:
                     self._lost_at = now
                     log.warning("[client] daemon at %s lost (it closed the connection); reattaching in the "
                                 "background", self.endpoint)
+                if self._owner_reattaching or now < self._next_resume_try:  # the owner's backoff holds here too
+                    self._next_background_retry = self._next_resume_try
+                    return
                 try:
                     self._reattach_locked("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
                 except DaemonUnavailableError:
                     if now - self._lost_at > self.reconnect_timeout_s:
                         self._next_background_retry = None  # the owner raises when it next calls in
                     else:
-                        self._next_background_retry = now + _BACKGROUND_RETRY_S
+                        self._resume_failed()
+                        self._next_background_retry = self._next_resume_try
                 return
             if self._next_heartbeat is not None and self._next_heartbeat <= now:
                 self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session,
@@ -822,6 +852,13 @@ def _queue_fields(waiting: int | None, oldest_arrival: float | None) -> dict:
     if oldest_arrival is not None and waiting > 0:
         fields["oldest_wait_ms"] = min(max((time.monotonic() - oldest_arrival) * 1e3, 0.0), 3_600_000.0)
     return fields
+
+
+def reattach_delay_s(failures: int, rng: random.Random | None = None) -> float:
+    """How long to wait after ``failures`` failed reattaches in a row: doubling from
+    ``_REATTACH_FIRST_S`` to ``_REATTACH_MAX_S``, drawn from the upper half of that."""
+    bound = min(_REATTACH_MAX_S, _REATTACH_FIRST_S * 2.0 ** min(max(failures, 1) - 1, 16))
+    return bound * (rng or random).uniform(0.5, 1.0)
 
 
 def _apply_env(env: dict[str, str]) -> None:

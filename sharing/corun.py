@@ -19,9 +19,10 @@ class's measured slices.
 
 Pure logic like the rest of :mod:`sharing`: no I/O, time passed in.
 
-Grant ids: lane ``k`` issues ``first_grant + k``, ``first_grant + k + 3``, ...,
-so a grant id names one session of one lane on the device, and a session's ids
-only grow (clients rely on it).
+Grant ids: lane ``k`` issues ``first_grant + k``, ``first_grant + k + 3 * grant_stride``,
+..., so a grant id names one session of one lane on the device, and a session's ids
+only grow (clients rely on it). ``grant_stride`` leaves room between them for the other
+devices' ids (the daemon gives device ``d`` of ``n`` ``first_grant + 3 * d`` and stride ``n``).
 """
 
 from __future__ import annotations
@@ -58,10 +59,14 @@ class CoRunScheduler:
 
     __slots__ = ("_device", "_policy", "_lanes", "_lane_of")
 
-    def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1) -> None:
+    def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
+                 grant_stride: int = 1) -> None:
+        if isinstance(grant_stride, bool) or not isinstance(grant_stride, int) or grant_stride < 1:
+            raise ValueError(f"grant_stride must be an int >= 1, got {grant_stride!r}")
         self._device = device
         self._policy = SchedulerPolicy() if policy is None else policy
-        self._lanes = tuple(TokenScheduler(device, self._policy, first_grant=first_grant + w, grant_step=_LANES)
+        self._lanes = tuple(TokenScheduler(device, self._policy, first_grant=first_grant + w,
+                                           grant_step=_LANES * grant_stride)
                             for w in range(_LANES))
         self._lane_of: dict[str, TokenScheduler] = {}
 

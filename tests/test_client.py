@@ -173,3 +173,16 @@ for c in clients:
     assert int(refused.split()[1]) > 40  # about one descriptor per client
     assert "out of file descriptors" in refused
     assert "SERVED" in out.stdout
+
+
+def test_the_reattach_backoff_doubles_to_its_bound_with_jitter():
+    """Issue 32 item 7: a client waiting on a daemon that is away waits between attempts, from
+    20 ms doubling to 250 ms, each wait drawn from the upper half so that clients spread out."""
+    import random
+
+    from client_lib.client import reattach_delay_s
+    rng = random.Random(7)
+    for failures, bound in ((1, 0.02), (2, 0.04), (3, 0.08), (4, 0.16), (5, 0.25), (50, 0.25), (10**6, 0.25)):
+        waits = [reattach_delay_s(failures, rng) for _ in range(200)]
+        assert all(bound / 2 <= w <= bound for w in waits), (failures, min(waits), max(waits))
+        assert max(waits) - min(waits) > bound / 4  # jittered, not in step

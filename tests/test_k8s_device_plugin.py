@@ -16,6 +16,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 
+import msgspec
 import pytest
 
 grpc = pytest.importorskip("grpc", reason="the k8s extra (grpcio) is not installed")
@@ -395,3 +396,110 @@ def test_a_socket_another_process_serves_is_left_alone(kubelet, kubelet_dir, sha
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=15)
     assert first.returncode == 0
+
+
+class ScriptedDaemon:
+    """A local socket that answers status and inventory as a real daemon on two cpu devices
+    would, or, once ``refuse`` is set, every request with an error reply (a busy or buggy daemon)."""
+
+    def __init__(self, workdir: str) -> None:
+        import socket as socket_module
+        from nodeagent.devices import CpuBackend
+        config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/scripted.sock", state_dir=workdir)
+        server = AgentServer(config, CpuBackend(2), metrics=Metrics(CollectorRegistry()))
+        self.status, self.inventory = server.status(), server._cluster.inventory()
+        self.endpoint = config.endpoint
+        self.refuse = threading.Event()
+        self.refused = 0
+        self._conns: list = []
+        self._listener = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+        self._listener.bind(config.endpoint[len("ipc://"):])
+        self._listener.listen(16)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed: the daemon is gone
+            self._conns.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        from client_lib import codec, framing
+        buffer = framing.FrameBuffer(p.MAX_REQUEST_BYTES)
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                for body in buffer.feed(data):
+                    msg = codec.decode_request(body)
+                    if self.refuse.is_set():
+                        self.refused += 1
+                        reply = p.Error(id=msg.id, code=p.ErrorCode.UNAVAILABLE, message="busy")
+                    elif isinstance(msg, p.StatusRequest):
+                        reply = msgspec.structs.replace(self.status, id=msg.id)
+                    else:
+                        reply = msgspec.structs.replace(self.inventory, id=msg.id)
+                    conn.sendall(framing.pack(codec.encode(reply)))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        import socket as socket_module
+        self._listener.close()
+        self._thread.join(5)
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket_module.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_a_daemon_that_answers_with_errors_keeps_its_shares_healthy(kubelet, run_plugin, workdir):
+    """Issue 32 item 5: the plugin read any error reply as "daemon gone" and marked every share
+    Unhealthy while a status flood made the daemon refuse it; an answer is not an absence."""
+    daemon = ScriptedDaemon(workdir)
+    try:
+        run_plugin(daemon.endpoint, shares_per_device=2, poll_interval_s=0.05)
+        kubelet.wait_registrations(1)
+        a, b = (d.uuid for d in daemon.status.devices)
+        kubelet.wait_list(lambda d: healthy(d, a) and healthy(d, b))
+        seen = kubelet.lists_seen()
+        daemon.refuse.set()
+        wait_for(lambda: daemon.refused >= 5)  # five polls refused
+        lists = kubelet.registrations[-1].lists[seen:]
+        assert all(healthy(d, a) and healthy(d, b) for d in lists), lists
+    finally:
+        daemon.close()
+    kubelet.wait_list(lambda d: healthy(d, a) is False and healthy(d, b) is False)  # gone is gone
+
+
+def test_held_list_and_watch_streams_cannot_starve_allocate(kubelet, run_plugin, shared_daemon):
+    """Issue 32 item 12: each ListAndWatch stream holds one of the plugin's 8 gRPC threads for
+    its life; seven held open made the kubelet's Allocate time out. A new stream past
+    MAX_STREAMS ends the oldest, so threads are always left for Allocate."""
+    from nodeagent.k8s import plugin as plugin_module
+    daemon = shared_daemon
+    plugin = run_plugin(daemon.endpoint, shares_per_device=2)
+    kubelet.wait_registrations(1)
+    uuid = daemon.status().devices[0].uuid
+    held = []
+    for _ in range(plugin_module.MAX_WORKERS + 4):  # more than every thread the server has
+        stream = kubelet.plugin().ListAndWatch(api.Empty(), timeout=60)
+        held.append(stream)
+    wait_for(lambda: plugin.service.streams >= 2, timeout=10)  # they are being served
+    answer = kubelet.plugin().Allocate(api.AllocateRequest(container_requests=[api.ContainerAllocateRequest(
+        devices_ids=[f"{uuid}::0"])]), timeout=5)
+    assert dict(answer.container_responses[0].envs)["NODEAGENT_DEVICE_UUID"] == uuid
+    limit = plugin_module.MAX_STREAMS
+    assert plugin.service.streams <= limit
+    for stream in held[-limit:]:
+        assert next(stream).devices  # the newest are served
+    for stream in held:
+        stream.cancel()

@@ -342,20 +342,31 @@ def test_a_peer_that_does_not_take_its_response_gives_its_slot_up_before_a_scrap
     assert h.one_response(waiting, turns=5000)[0] == 200
 
 
-def test_with_every_slot_answering_a_newcomer_is_refused_with_503(harness):
-    h = harness(max_connections=2, min_interval_s=10.0, timeout_s=60.0)
-    first = h.connect()
-    first.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
-    assert h.one_response(first)[0] == 200  # the interval starts now
-    busy = [first, h.connect()]
-    for s in busy:
-        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # both wait for the next exposition
+def test_with_every_slot_waiting_a_newcomer_takes_the_oldest_repeaters_slot(harness):
+    """Issue 32 item 8: connections waiting for an exposition were never evicted, so keep-alive
+    peers pipelining requests held every slot and a real scrape got 503. Now the oldest waiting
+    one that was answered before on its connection gives its slot up, then the oldest first-timer."""
+    h = harness(max_connections=3, min_interval_s=10.0, timeout_s=60.0)
+    hogs = [h.connect() for _ in range(2)]
+    for hog in hogs:
+        hog.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" * 5)  # pipelined: answered, it waits again at once
+    assert all(h.one_response(hog)[0] == 200 for hog in hogs)  # the interval starts now
+    first_timer = h.connect()
+    first_timer.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    h.turn()  # every slot waits for the next exposition
+    scrape = h.connect()
+    assert h.drops == ["evicted"] and h.closed_by_endpoint(hogs[0])  # the oldest repeater
+    scrape.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
     h.turn()
-    extra = h.connect()
-    out = h.response(extra)
-    assert status_of(out) == 503 and h.drops == ["refused"]
+    later = h.connect()
+    assert h.drops == ["evicted"] * 2 and h.closed_by_endpoint(hogs[1])  # repeaters go before first requests
+    later.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    h.turn()
+    h.connect()
+    assert h.drops == ["evicted"] * 3 and h.closed_by_endpoint(first_timer)  # then the oldest first request
+    assert not h.closed_by_endpoint(scrape) and not h.closed_by_endpoint(later)
     h.clock.now += 10.0
-    assert all(h.one_response(s)[0] == 200 for s in busy)
+    assert h.one_response(scrape)[0] == 200
 
 
 def test_many_connections_at_once_are_accepted_or_shed_at_once(harness):

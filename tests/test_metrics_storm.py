@@ -10,6 +10,7 @@ import re
 import socket
 import statistics
 import time
+import urllib.error
 import urllib.request
 
 from client_lib import Client
@@ -99,3 +100,78 @@ def test_garbage_and_partial_requests_get_errors_and_the_daemon_carries_on(start
     assert value(families, "nodeagent_metrics_http_closed", reason="timeout") >= 1
     assert d.status().devices
     assert urllib.request.urlopen(url, timeout=5).status == 200
+
+
+_HOGS = r'''
+import selectors, socket, sys, time
+port, count = int(sys.argv[1]), int(sys.argv[2])
+request = b"GET /metrics HTTP/1.1\r\nHost: hog\r\n\r\n"
+sel = selectors.DefaultSelector()
+reconnects = 0
+
+def connect():
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setblocking(False)
+    s.sendall(request * 8)  # pipelined: each answer finds the next request already there
+    sel.register(s, selectors.EVENT_READ, [0])
+
+for _ in range(count):
+    connect()
+print("ready", flush=True)
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    for key, _ in sel.select(0.05):
+        s = key.fileobj
+        try:
+            data = s.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            continue
+        except OSError:
+            data = b""
+        if not data:  # evicted or at its request cap: back at once, pipelining again
+            sel.unregister(s)
+            s.close()
+            reconnects += 1
+            try:
+                connect()
+            except OSError:
+                pass
+            continue
+        key.data[0] += data.count(b"HTTP/1.1 200")
+        if key.data[0] >= 4:  # keep some requests always queued behind the one answered
+            key.data[0] -= 4
+            try:
+                s.sendall(request * 4)
+            except OSError:
+                pass
+print("reconnects", reconnects, flush=True)
+'''
+
+
+def test_a_real_scrape_is_served_under_64_pipelining_keep_alive_hogs(start_daemon, workdir):
+    """Issue 32 item 8: 64 keep-alive connections pipelining requests (each always waiting for
+    an exposition, and back at once when closed) held every slot: 0 of 32 real scrapes were
+    served (503). The oldest waiting repeater now gives its slot up to a newcomer."""
+    import subprocess
+    import sys
+
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write("[metrics]\nmax_connections = 64\ntimeout_ms = 10000\n")
+    d = start_daemon("--metrics-port", "0")
+    url = metrics_url(d)
+    hogs = subprocess.Popen([sys.executable, "-c", _HOGS, str(_port(d)), "64", "60"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert hogs.stdout.readline().strip() == "ready", hogs.stderr.read()
+        statuses = []
+        for _ in range(32):
+            try:
+                statuses.append(urllib.request.urlopen(url, timeout=5).status)
+            except urllib.error.HTTPError as exc:
+                statuses.append(exc.code)
+        alive = hogs.poll() is None
+    finally:
+        hogs.kill()
+        hogs.wait()
+    assert alive, hogs.stderr.read()
+    assert statuses == [200] * 32, statuses

@@ -153,6 +153,7 @@ class ClusterEndpoint:
         self._wake = loop.wake
         self._lost_devices = devices.lost
         handlers = server.handlers
+        self._server_handlers = handlers  # the server fills in inventory's after this is built
         count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
@@ -467,24 +468,38 @@ class ClusterEndpoint:
         return self._observe_now(device, now)
 
     def on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
-        self._send(route, self.inventory(now, msg.id))
+        self._server_handlers[p.Inventory](route, msg, frame, now)  # the server's: chunked, under status's caps
 
     def inventory(self, now: float | None = None, request_id: int = 0) -> p.InventoryReply:
         """Every device with its lifecycle state, borrower, sessions, policy, partition, utilisation."""
         now = self._clock() if now is None else now
+        lifecycles = self.lifecycle_facts(now)
+        return self.inventory_of(self._status(now), lifecycles, now, request_id)
+
+    def lifecycle_facts(self, now: float) -> list[tuple[str, str | None, float | None]]:
+        """Each device's (lifecycle state, borrower, lent until on the wall clock) at ``now``."""
         wall = time.time()
+        facts = []
+        for device in range(len(self._lifecycles)):
+            life = self._observe_now(device, now)
+            facts.append((life.state.value, life.borrower,
+                          None if life.lent_until is None else wall + (life.lent_until - now)))
+        return facts
+
+    def inventory_of(self, status: p.StatusReply, lifecycles: list, now: float,
+                     request_id: int) -> p.InventoryReply:
+        """The inventory reply from a status and :meth:`lifecycle_facts`, both taken at ``now``."""
         devices = []
-        for info in self._status(now).devices:
-            life = self._observe_now(info.index, now)
+        for info in status.devices:
+            state, borrower, lent_until = lifecycles[info.index]
             devices.append(p.DeviceInventory(
                 index=info.index, uuid=info.uuid, name=info.name, backend=info.backend,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
-                utilization_percent=info.utilization_percent, state=life.state.value, borrower=life.borrower,
-                lent_until=None if life.lent_until is None else wall + (life.lent_until - now),
-                sessions=info.sessions, policy=self._policy_info(info.index), mps=info.mps,
+                utilization_percent=info.utilization_percent, state=state, borrower=borrower,
+                lent_until=lent_until, sessions=info.sessions, policy=self._policy_info(info.index), mps=info.mps,
                 partition=info.partition))
         return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices,
-                                attained_gpu_s=self._attained(now))
+                                attained_gpu_s=status.attained_gpu_s)
 
     def _lend_target(self, route: bytes, msg, frame, now: float, act: Act) -> DeviceLifecycle | None:
         """The lifecycle a lend or renew acts on, once the peer may, the device exists and the

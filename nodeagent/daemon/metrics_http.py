@@ -5,9 +5,15 @@ of its own, and bounded whatever peers do:
 - connections: at most ``max_connections``. A new one past it takes the slot
   of the oldest that has not sent a whole request (a slowloris, an idle
   keep-alive), else of the oldest that has not taken its response (a peer
-  that does not read); only if every slot waits for the exposition under way
-  is the newcomer refused (503). The listen backlog is 1,024, so thousands
-  connecting at once are accepted or shed at once, not left in SYN retries;
+  that does not read; each given 0.5 s before it counts as either), else of
+  the oldest waiting for an exposition, or taking one, that pipelines more
+  requests behind it or was answered before on its connection (a keep-alive
+  repeater), else of the oldest just connected, and a lone first request
+  goes last:
+  whatever they do, a newcomer always gets a slot, and 64 hogs holding every
+  slot, back at once when closed, cannot keep a real scrape out. The listen
+  backlog is 1,024, so thousands connecting at once are accepted or shed at
+  once, not left in SYN retries;
 - connecting: at most ``accept_rate_per_s`` connections accepted a second
   (twice ``max_connections`` at once), 8 a wake-up; a flood beyond waits in the
   backlog and then in the peers' SYN retries, so it costs the loop a bounded
@@ -60,6 +66,7 @@ _STEP_BUDGET_S = 0.0005  # CPU per loop turn while an exposition is written
 _COST_FACTOR = 20  # the next exposition starts no sooner than this many times the last one's CPU after it
 _ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting this long (the listener would stay readable)
 _PARTIAL_PAUSE_S = 0.05  # after part of a request head, before reading that connection again
+_NEW_GRACE_S = 0.5  # a connection this new (or this recently answered) goes after every repeater
 _HANGUP = select.EPOLLHUP | select.EPOLLERR
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _REQUEST_LINE = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+) (\S+) HTTP/(\d)\.(\d)\Z")
@@ -132,10 +139,12 @@ def error_response(status: int, why: str, extra: str = "") -> bytes:
 
 class _Conn:
     __slots__ = ("sock", "fd", "state", "inbuf", "out", "keep_alive", "head_only", "served", "deadline", "closed",
-                 "read_paused")
+                 "read_paused", "accepted", "since")
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, accepted: int, since: float) -> None:
         self.sock = sock
+        self.accepted = accepted  # the endpoint's count of accepts when it came: lower is older
+        self.since = since  # when it was accepted, last answered or began taking a response
         self.fd = sock.fileno()
         self.state = READING
         self.inbuf = bytearray()
@@ -177,6 +186,7 @@ class MetricsEndpoint:
         self._next_start = 0.0  # no exposition starts before this
         self._started_at = 0.0
         self._accept_paused_until: float | None = None
+        self._accepted = 0  # connections accepted so far (their age order, for eviction)
         self.expositions = 0  # written so far
 
     # ------------------------------------------------------------------ life
@@ -306,7 +316,9 @@ class MetricsEndpoint:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 except OSError:
                     pass
-            conn = _Conn(sock, self._clock() + self.timeout_s)
+            self._accepted += 1
+            now = self._clock()
+            conn = _Conn(sock, now + self.timeout_s, self._accepted, now)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, POLLIN)
 
@@ -316,24 +328,24 @@ class MetricsEndpoint:
         self._poller.modify(self._listener.fileno(), 0)
 
     def _evict_one(self) -> bool:
-        """Free a slot, oldest first: a connection still without a whole request, else one
-        whose response is not taken yet (a peer that does not read); never one waiting for
-        the exposition under way (answered within ``min_interval_s``). A candidate whose
-        request has arrived but was not read yet (its readiness comes later in this turn)
-        is read first and kept if that makes it a scrape. False if none can go."""
-        for conn in list(self._conns.values()):
-            if conn.state != READING:
-                continue
-            self._read(conn)
-            if conn.closed:
-                return True  # it had hung up, or was answered with an error and closed
+        """Free a slot, whatever the connections are doing, by :func:`_eviction_rank`, the
+        oldest of a rank first. A reader whose request has arrived but was not read yet (its
+        readiness comes later in this turn) is read first and kept if that makes it a scrape.
+        False only with no connection."""
+        settled = self._clock() - _NEW_GRACE_S
+        for _ in range(len(self._conns) + 1):
+            open_conns = [c for c in self._conns.values() if not c.closed]
+            if not open_conns:
+                return False
+            conn = min(open_conns, key=lambda c: (_eviction_rank(c, settled), c.accepted))
             if conn.state == READING:
-                self._drop(conn, "evicted")
-                return True
-        for conn in self._conns.values():
-            if conn.state == WRITING:
-                self._drop(conn, "evicted")
-                return True
+                self._read(conn)
+                if conn.closed:
+                    return True  # it had hung up, or was answered with an error and closed
+                if conn.state != READING:
+                    continue  # a scrape after all: rank it again
+            self._drop(conn, "evicted")
+            return True
         return False
 
     # -------------------------------------------------------------- reading
@@ -428,6 +440,7 @@ class MetricsEndpoint:
 
     def _start_write(self, conn: _Conn, parts: list[memoryview]) -> None:
         conn.state = WRITING
+        conn.since = self._clock()
         conn.out = parts
         self._flush(conn)
         if not conn.closed and conn.out:
@@ -455,7 +468,8 @@ class MetricsEndpoint:
             return
         # Answered: the next request has timeout_s from now, like a new connection.
         conn.state = READING
-        conn.deadline = self._clock() + self.timeout_s
+        conn.since = self._clock()
+        conn.deadline = conn.since + self.timeout_s
         self._conns.move_to_end(conn.fd)
         self._poller.modify(conn.fd, POLLIN)
         if conn.inbuf:
@@ -487,6 +501,20 @@ class MetricsEndpoint:
             self._poller.unregister(fd)
         except KeyError:
             pass
+
+
+def _eviction_rank(conn: _Conn, settled: float) -> int:
+    """Which connection gives its slot up first (lowest): one that has had ``_NEW_GRACE_S``
+    to send a whole request and has not (a slowloris, an idle keep-alive), then one that has
+    had as long to take its response (a peer that does not read), then one waiting for an
+    exposition or taking one that has sent more requests behind it (pipelining) or was
+    answered before on its connection (a keep-alive repeater), then one just connected,
+    then a lone first request: a real scrape goes last."""
+    if conn.state == READING:
+        return 0 if conn.since <= settled else 3
+    if conn.state == WRITING and conn.since <= settled:
+        return 1
+    return 2 if conn.inbuf or conn.served > 1 else 4
 
 
 def _send_and_close(sock: socket.socket, data: bytes) -> None:

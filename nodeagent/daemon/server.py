@@ -69,7 +69,8 @@ log = logging.getLogger("nodeagent.server")
 # serving whatever else is ready between turns, so a status at 1,000 sessions never
 # holds a token handoff for more than one chunk (about 0.3 ms here, not 3-6 ms).
 STATUS_CHUNK = 128
-STATUS_JOBS_MAX = 64  # statuses being built at once; past it one is answered E_UNAVAILABLE
+STATUS_JOBS_MAX = 64  # statuses and inventories under way at once; past it one is answered E_UNAVAILABLE
+STATUS_JOBS_PER_PEER = 4  # of those, from one uid (or one cluster peer): a flood cannot crowd out root
 
 MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
@@ -110,7 +111,10 @@ class AgentServer:
         self._started = clock()
         self._next_liveness_check = 0.0
         self._last_bug_log: dict[str, float] = {}  # where -> when an internal error was last logged
-        self._status_jobs: collections.deque = collections.deque()  # (route, request id, steps) in order
+        # Statuses and inventories under way: peer key (_read_key) -> its jobs in order; root's
+        # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
+        self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
+        self._status_jobs_count = 0
         # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
         # workers) poll through this loop: target -> callable run when readable.
         self._poll_handlers: dict = {}
@@ -177,7 +181,7 @@ class AgentServer:
         self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
                                         sessions=self._sessions, journal=self._journal_writer,
                                         suspensions=self._suspensions, devices=devices)
-        self._handlers.update({p.Inventory: self._cluster.on_inventory, p.Lend: self._cluster.on_lend,
+        self._handlers.update({p.Inventory: self._on_inventory, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy, p.SetWeight: self._cluster.on_set_weight,
                                p.Renew: self._cluster.on_renew})
@@ -681,28 +685,71 @@ class AgentServer:
 
     def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
         """Answer a status: at once when it is small, else built a chunk per loop turn."""
-        if len(self._status_jobs) >= STATUS_JOBS_MAX:
-            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
-                        f"{len(self._status_jobs)} status requests are being answered; retry in a moment")
-            return
-        self._status_jobs.append((route, msg.id, self._status_steps(now, msg.id)))
-        if len(self._status_jobs) == 1:
-            self._status_step()
+        self._queue_read(route, msg.id, frame, "status")
 
-    def _status_step(self) -> None:
-        """Build the next chunk of the oldest status under way; send it when it is whole.
+    def _on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
+        """Answer an inventory (a status with lifecycle states): in chunks, under status's caps."""
+        self._queue_read(route, msg.id, frame, "inventory")
+
+    def _queue_read(self, route, request_id: int, frame, kind: str) -> None:
+        """Queue a status or an inventory, bounded in total and per peer; the first in line
+        takes its first chunk at once."""
+        key = _read_key(route, frame)
+        if self._status_jobs_count >= STATUS_JOBS_MAX:
+            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
+                        f"{self._status_jobs_count} status requests are being answered; retry in a moment")
+            return
+        mine = self._status_jobs.get(key)
+        if mine is not None and len(mine) >= STATUS_JOBS_PER_PEER:
+            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
+                        f"this peer has {STATUS_JOBS_PER_PEER} status requests being answered; "
+                        "wait for their replies before asking again")
+            return
+        job = _ReadJob(route, request_id, key, kind)
+        self._status_jobs_count += 1
+        if mine:
+            mine.append(job)
+            return
+        # A peer with nothing under way takes its first chunk at once (a small status is
+        # answered now), then its turns behind the peers already in line.
+        self._status_jobs[key] = collections.deque([job])
+        self._status_step(job)
+
+    def _status_step(self, job: _ReadJob | None = None) -> None:
+        """Build the next chunk of a status under way (``job``, else the oldest of the peer
+        whose turn it is: root's first, the others in turn a chunk at a time); send it when whole.
+        A job's time is read when it starts, not when it was queued: the schedulers refuse a
+        time older than one they have seen, and the whole reply is as of that one moment.
         A bug costs that status (``E_INTERNAL`` with its id), never the ones behind it."""
-        route, request_id, steps = self._status_jobs[0]
+        if job is None:  # root's (an operator's, the device plugin's) first, then the peers in turn
+            mine = self._status_jobs.get(_ROOT_KEY) or next(iter(self._status_jobs.values()))
+            job = mine[0]
         try:
-            next(steps)
+            if job.steps is None:
+                now = self._clock()
+                job.steps = (self._status_steps(now, job.request_id) if job.kind == "status"
+                             else self._inventory_steps(now, job.request_id))
+            next(job.steps)
+            self._status_jobs[job.key] = self._status_jobs.pop(job.key)  # its peer to the back of the line
         except StopIteration as done:
-            self._status_jobs.popleft()
-            self._send(route, done.value)
+            self._end_read(job)
+            self._send(job.route, done.value)
         except Exception:
-            self._status_jobs.popleft()
+            self._end_read(job)
             self.metrics.internal_errors.labels("status").inc()
-            log.exception("[status] building a status failed id=%d", request_id)
-            self._error(route, request_id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+            now = time.monotonic()
+            if now - self._last_bug_log.get("status", -math.inf) >= 1.0:  # a flood must not flood the log
+                self._last_bug_log["status"] = now
+                log.exception("[status] building a %s failed id=%d", job.kind, job.request_id)
+            self._error(job.route, job.request_id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
+
+    def _end_read(self, job: _ReadJob) -> None:
+        """``job`` is answered: its peer's turn passes to the next peer in line."""
+        mine = self._status_jobs.pop(job.key)
+        mine.popleft()
+        self._status_jobs_count -= 1
+        if mine:
+            self._status_jobs[job.key] = mine  # to the back of the line
 
     # ------------------------------------------------------------ scheduler
 
@@ -855,17 +902,25 @@ class AgentServer:
             except StopIteration as done:
                 return done.value
 
+    def _inventory_steps(self, now: float, request_id: int):
+        """A generator like :meth:`_status_steps` whose return value is the inventory reply:
+        the lifecycle states are read at ``now``, as the schedulers' are."""
+        lifecycles = self._cluster.lifecycle_facts(now)
+        status = yield from self._status_steps(now, request_id)
+        return self._cluster.inventory_of(status, lifecycles, now, request_id)
+
     def _status_steps(self, now: float, request_id: int):
         """A generator that builds a status reply, yielding after every ``STATUS_CHUNK``
         session rows; its return value is the reply. The schedulers' state (holder,
-        queue, each session's state and GPU time) is taken for every device at the
-        start, at one moment; the rest of a session's row is read when its turn comes,
-        and a session that left meanwhile is left out."""
+        queue, each session's state and GPU time) and the attained service are taken
+        for every device at the start, at one moment (``now``); the rest of a session's
+        row is read when its turn comes, and a session that left meanwhile is left out."""
         devices = []
         built = 0
         infos = list(self._devices.refresh())
         snaps = [self._tokens.snapshot(i, now) for i in range(self._tokens.device_count)]
         activity = [stats.report(now, self._tokens.holders(i)) for i, stats in enumerate(self._tokens.stats)]
+        attained = self._attained.snapshot(now)
         for info, snap, recent in zip(infos, snaps, activity):
             sessions = []
             for view in snap.sessions:
@@ -898,7 +953,7 @@ class AgentServer:
                 partition=self._mps.shares(info.index), activity=recent))
         return p.StatusReply(id=request_id, protocol=p.PROTOCOL_VERSION, daemon_pid=os.getpid(),
                              backend=self.backend.name, uptime_s=now - self._started, devices=devices,
-                             boot=self.boot, attained_gpu_s=self._attained.snapshot(now))
+                             boot=self.boot, attained_gpu_s=attained)
 
     def _session_rows(self) -> list[SessionRow]:
         rows = []
@@ -917,6 +972,33 @@ class AgentServer:
         return [DeviceRow(str(i), self._cluster.device_state(i), self._lost_devices.is_lost(i),
                           bool(tokens.holders(i)), tokens.waiting_count(i))
                 for i in range(tokens.device_count)]
+
+
+class _ReadJob:
+    """A status or inventory under way: who asked, and its steps once it has started."""
+
+    __slots__ = ("route", "request_id", "key", "kind", "steps")
+
+    def __init__(self, route, request_id: int, key, kind: str) -> None:
+        self.route = route
+        self.request_id = request_id
+        self.key = key  # whose share of the queue it takes (_read_key)
+        self.kind = kind  # "status" or "inventory"
+        self.steps = None  # the generator, made when the job reaches the front
+
+
+_ROOT_KEY = ("uid", 0)
+
+
+def _read_key(route, frame):
+    """Whose status requests these are, for the per-peer cap: a local peer's verified uid
+    (however many connections it opens), a cluster peer's routing id, else the connection."""
+    if type(route) is ClusterRoute:
+        return ("cluster", bytes(route))
+    creds = procwatch.peer_credentials(frame)
+    if creds is not None:
+        return ("uid", creds.uid)
+    return ("route", route)
 
 
 def not_holder_text(session: str, device: int, current: int | None, released: int, holder: str | None) -> str:

@@ -50,6 +50,7 @@ class Tokens:
         policy = config.policy()
         self.sharing = config.sharing_for(devices.name)
         self._policy = policy
+        self._device_total = device_count  # grant ids interleave across devices (new_scheduler)
         self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
         self._enforce_mode = config.enforce  # "stop" (SIGSTOP a verified overrunner) or "revoke"
         self._sessions = sessions
@@ -77,10 +78,15 @@ class Tokens:
         self._delegated, self._delegate = owns, on_action
 
     def new_scheduler(self, device: int, first_grant: int = 1) -> TokenScheduler | CoRunScheduler:
-        """A fresh scheduler for ``device``: one lane per class under co-run, else one token."""
+        """A fresh scheduler for ``device``: one lane per class under co-run, else one token.
+        Its grant ids interleave with the other devices': device ``d`` of ``n`` issues
+        ``first_grant + d``, then every ``n`` (each co-run lane its own, ``3 * n`` apart), so
+        an id is unique per boot across devices, and a session's ids still only grow."""
+        total = self._device_total
         if self.sharing == "corun":
-            return CoRunScheduler(device, self._policy, first_grant=first_grant)
-        return TokenScheduler(device, self._policy, first_grant=first_grant)
+            return CoRunScheduler(device, self._policy, first_grant=first_grant + device * len(Workload),
+                                  grant_stride=total)
+        return TokenScheduler(device, self._policy, first_grant=first_grant + device, grant_step=total)
 
     # ------------------------------------------------------------------ commands
     # The only way a scheduler changes: every component asks here, and what the scheduler

@@ -41,6 +41,10 @@ KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 STREAM_CHECK_S = 1.0  # how often an idle ListAndWatch stream looks whether its kubelet is still there
 MAX_WORKERS = 8  # gRPC threads: a ListAndWatch stream holds one for its life
+# ListAndWatch streams at once; a new one past it ends the oldest (a kubelet that restarted
+# dials anew, and the newest is the one that matters), so MAX_WORKERS - MAX_STREAMS threads
+# are always there for Allocate and the other calls, however many streams are held open.
+MAX_STREAMS = 2
 MAX_CONCURRENT_RPCS = 16  # past this the server answers RESOURCE_EXHAUSTED
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before registering again after a refusal
@@ -74,16 +78,25 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
         self._allocation = allocation
         self._stopping = stopping
         self._lock = threading.Lock()
+        self._open_streams: list[threading.Event] = []  # oldest first; set: that stream is to end
         self.streams = 0  # ListAndWatch streams open now
+        self.superseded = 0  # streams ended because newer ones came (MAX_STREAMS)
         self.allocations = 0
 
     def GetDevicePluginOptions(self, request, context):
         return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request, context):
-        """The device list now, then again each time it changes, until the kubelet goes or we stop."""
+        """The device list now, then again each time it changes, until the kubelet goes, we
+        stop, or ``MAX_STREAMS`` newer streams came (the oldest ends: each holds a thread)."""
+        ended = threading.Event()
         with self._lock:
+            self._open_streams.append(ended)
             self.streams += 1
+            while len(self._open_streams) > MAX_STREAMS:
+                self._open_streams.pop(0).set()
+                self.superseded += 1
+        self._board.wake()  # a superseded stream waiting for a newer view ends now
         try:
             view, version = self._board.current()
             sent: list[shares.ShareDevice] | None = None
@@ -92,12 +105,17 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                 if devices != sent:
                     yield api.ListAndWatchResponse(devices=[api.Device(ID=d.id, health=d.health) for d in devices])
                     sent = devices
-                if self._stopping.is_set() or self._board.closed or not context.is_active():
+                if ended.is_set() or self._stopping.is_set() or self._board.closed or not context.is_active():
+                    if ended.is_set():
+                        log.info("[k8s] a ListAndWatch stream ended: newer ones came (at most %d at once)",
+                                 MAX_STREAMS)
                     return
-                view, version = self._board.wait_newer(version, STREAM_CHECK_S)
+                view, version = self._board.wait_newer(version, STREAM_CHECK_S, unless=ended.is_set)
         finally:
             with self._lock:
                 self.streams -= 1
+                if ended in self._open_streams:
+                    self._open_streams.remove(ended)
 
     def GetPreferredAllocation(self, request, context):
         return api.PreferredAllocationResponse(container_responses=[

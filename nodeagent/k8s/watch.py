@@ -61,11 +61,19 @@ class ViewBoard:
         with self._cond:
             return self._view, self._version
 
-    def wait_newer(self, version: int, timeout: float) -> tuple[NodeView, int]:
-        """The view once its version is past ``version``, or as it is after ``timeout`` s or a close."""
+    def wait_newer(self, version: int, timeout: float,
+                   unless: Callable[[], bool] | None = None) -> tuple[NodeView, int]:
+        """The view once its version is past ``version``, or as it is after ``timeout`` s, a
+        close, or a :meth:`wake` that finds ``unless()`` true."""
         with self._cond:
-            self._cond.wait_for(lambda: self._version > version or self._closed, timeout)
+            self._cond.wait_for(lambda: self._version > version or self._closed or (unless is not None and unless()),
+                                timeout)
             return self._view, self._version
+
+    def wake(self) -> None:
+        """Have every waiter look at its ``unless`` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Wake every waiter for good (the plugin is stopping)."""
@@ -257,6 +265,11 @@ class DaemonWatcher:
         self.polls += 1
         try:
             status = query_status(self.endpoint, timeout=self.request_timeout_s)
+        except DaemonError as exc:  # it answered, with an error (busy, a bug): it is there, keep what it said
+            log.debug("[k8s] status refused: %s", exc)
+            if self._last is not None and self._last.reachable:
+                return self._last
+            return NodeView(reachable=False, problem=f"the daemon refused status: {exc}")
         except NodeAgentError as exc:
             gpus = self._last.gpus if self._last is not None else ()
             return NodeView(reachable=False, gpus=gpus, problem=str(exc))
@@ -264,6 +277,9 @@ class DaemonWatcher:
             self._boot = status.boot
             self._lost = {d: v for d, v in self._lost.items() if v[0] == status.boot}
         states = self._inventory_states()
+        if states is None:  # refused: what the last answer said, for the devices it named
+            last = self._last.gpus if self._last is not None and self._last.reachable else ()
+            states = {g.index: (g.state, g.borrower) for g in last}
         gpus = []
         for info in status.devices:
             state, borrower = states.get(info.index, (None, None))
@@ -274,8 +290,9 @@ class DaemonWatcher:
                             lost_reason=lost[1] if lost is not None else ""))
         return NodeView(reachable=True, gpus=tuple(gpus))
 
-    def _inventory_states(self) -> dict[int, tuple[str, str | None]]:
-        """Device -> (lifecycle state, borrower) from ``inventory``; {} where it did not answer."""
+    def _inventory_states(self) -> dict[int, tuple[str, str | None]] | None:
+        """Device -> (lifecycle state, borrower) from ``inventory``; {} where it did not answer,
+        None where it answered with an error (busy: the last states still hold)."""
         if self._placement is None:
             return {}
         try:
@@ -283,6 +300,9 @@ class DaemonWatcher:
         except (OSError, DaemonError) as exc:  # the daemon went between the two requests
             log.debug("[k8s] inventory failed: %s", exc)
             return {}
+        if isinstance(result.reply, p.Error):
+            log.debug("[k8s] inventory refused: %s", result.reply.message)
+            return None
         if result.error is not None or not isinstance(result.reply, p.InventoryReply):
             log.debug("[k8s] inventory failed: %s", result.error)
             return {}

@@ -1,0 +1,65 @@
+"""Grant ids (nodeagent/daemon/tokens.py): unique per boot across every device, in both
+sharing modes, as docs/protocol.md says; a session's ids only grow.
+
+The server runs in this process with its local endpoint replaced by a recorder."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from client_lib import codec
+from client_lib import protocol as p
+from nodeagent.config import ServeConfig
+from nodeagent.daemon.server import AgentServer
+from nodeagent.daemon.sessions import Session
+from nodeagent.devices import CpuBackend
+from nodeagent.metrics import Metrics
+from sharing import Workload
+
+
+class RecordingLocal:
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, object]] = []
+
+    def send(self, route, body: bytes) -> bool:
+        self.sent.append((route, codec.decode_reply(body)))
+        return True
+
+
+@pytest.mark.parametrize("sharing", ["exclusive", "corun"])
+def test_grant_ids_are_unique_per_boot_across_devices(workdir, sharing):
+    """Issue 32 item 13: each device numbered its grants from ``boot << 32`` on its own, so
+    device 0's first grant and device 1's first grant had the same id."""
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/ids.sock", state_dir=workdir, sharing=sharing)
+    server = AgentServer(config, CpuBackend(3), metrics=Metrics(CollectorRegistry()))
+    local = RecordingLocal()
+    server._local = local
+    boot = 5
+    server._tokens.renew((boot << 32) + 1)  # what a restart does (restore.py)
+    now = time.monotonic()
+    sessions = []
+    for device in range(3):
+        for workload in (Workload.TRAINING, Workload.INFERENCE, Workload.TRAINING):
+            sid = f"s{device}-{len(sessions)}"
+            s = Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                        uid=0, workload=workload, weight=1.0, device=device, memory_mb=0, created=now, last_seen=now)
+            server._add_session(s, now)
+            sessions.append(s)
+    for _ in range(20):  # every session asks, is granted in turn and releases, over and over
+        for s in sessions:
+            if s.grant is None:  # asking again while waiting is a no-op
+                server._gate.ask(s, time.monotonic())
+        for s in sessions:
+            if s.grant is not None:
+                server._on_release(s.route, p.Release(id=1, grant=s.grant, quiet=True), None, time.monotonic())
+    grants = [(route, msg.grant, msg.device) for route, msg in local.sent if isinstance(msg, p.Grant)]
+    ids = [g for _, g, _ in grants]
+    assert {d for _, _, d in grants} == {0, 1, 2} and len(ids) > 60, grants[:5]
+    assert len(set(ids)) == len(ids), sorted(g - (boot << 32) for g in ids)[:20]
+    assert min(ids) > boot << 32 and max(ids) < (boot + 1) << 32
+    for s in sessions:
+        mine = [g for route, g, _ in grants if route == s.route]
+        assert mine == sorted(mine), (s.id, mine)  # a session's ids only grow
