@@ -68,6 +68,9 @@ class Session:
     wake: str | None = None  # path of its wake FIFO, while it has one
     host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
     host_pinned: bool = False
+    # A suspend notice was sent and no resumed report has come since: only then are its
+    # suspended and resumed reports (and the host bytes they carry) believed.
+    suspend_asked: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
 
     @property
