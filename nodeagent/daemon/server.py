@@ -545,7 +545,7 @@ class AgentServer:
             id=session_id, key=new_session_key(), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
-            uid=creds.uid if creds is not None else None,
+            uid=creds.uid if creds is not None else None, namespaces=creds.namespaces if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, managed_cgroup=managed_cgroup, borrower=msg.borrower, slo_ms=msg.slo_ms)
@@ -587,6 +587,8 @@ class AgentServer:
             return None
         if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
             return None
+        if session.verified_pid is not None and session.namespaces is None:
+            session.namespaces = creds.namespaces  # its very process: a restored session is not journalled with them
         self._sessions.attach(session, route)
         self._sessions.touch(session, now)
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)

@@ -44,6 +44,7 @@ class Session:
     memory_mb: int
     created: float
     last_seen: float
+    namespaces: tuple | None = None  # its peer's, at hello (procwatch.PeerCredentials.namespaces)
     pidfd: int | None = None
     managed_pgid: int | None = None  # verified process group of a program launched by nodeagent run
     managed_pidfd: int | None = None  # pidfd of that group's leader

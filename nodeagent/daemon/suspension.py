@@ -220,7 +220,7 @@ class Suspensions:
         if target is None:
             self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
             return None
-        refusal = may_act_on_session(route, frame, target.uid, act)
+        refusal = may_act_on_session(route, frame, target.uid, act, target.namespaces)
         if refusal is not None:
             self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"session {target_id}: {refusal}")
             return None
