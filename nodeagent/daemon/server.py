@@ -521,6 +521,12 @@ class AgentServer:
         if device is None:
             self._error(route, msg.id, code, problem)
             return
+        why = self._cluster.borrower_refusal(device, msg.workload, msg.borrower, creds)
+        if why is not None:  # a borrower is who the lend names, not whoever says it
+            self.metrics.refused_claims.labels("borrower").inc()
+            log.info("[session] refused claim=borrower name=%s: %s", msg.name, why)
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, why)
+            return
         verified_pid = creds.pid if creds is not None else None
         managed_pidfd = managed_cgroup = None
         if msg.managed_pgid is not None:
