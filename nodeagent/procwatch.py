@@ -144,7 +144,8 @@ def namespaces_of(pid: int | str, pidfd: int | None = None, proc_root: str = "/p
             for line in f:
                 fields = line.split(b" ", 5)
                 if len(fields) > 4 and fields[4] == b"/":
-                    root_mount = int(fields[0])  # the last "/" is the one on top
+                    root_mount = int(fields[0])  # any mount names its namespace: the first "/" will do
+                    break
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         log.debug("[procwatch] namespaces of pid=%s unreadable: %s", pid, exc)
         return None

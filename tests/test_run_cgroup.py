@@ -441,23 +441,30 @@ def test_a_reclaim_and_a_resume_never_run_what_the_launcher_stopped(start_daemon
     assert proc.poll() is None
 
 
-@needs_cgroup
-def test_a_restarted_daemon_continues_only_what_it_stopped_not_what_the_launcher_did(start_daemon, launch, escaper):
-    """The old daemon stopped CMD (a missed suspend deadline) while its launcher held it stopped
-    too, and was SIGKILLed: its successor continues what it finds stopped, its own freezer only."""
+@pytest.mark.parametrize("hold", HOLDS)
+@pytest.mark.parametrize("how", ["restart", "shutdown"])
+def test_a_daemon_that_stops_continues_only_what_it_stopped_not_what_the_launcher_did(
+        start_daemon, launch, escaper, hold, how):
+    """The daemon stopped CMD (a missed suspend deadline) while its launcher (fail-closed) held it
+    stopped too. SIGKILLed, its successor continues what it finds stopped; shut down, it continues
+    what it stopped: its own freezer only (a process group: not at all), never the launcher's."""
     from client_lib import suspend_session
 
     d = start_daemon("--quantum-ms", "training=50")
-    proc, sid, roles = _launched_and_held_by_its_launcher(d, launch, escaper, "cgroup", "--fail-closed")
-    with Client("infer", workload="inference", endpoint=d.endpoint) as client:  # reattaches across the restart
+    proc, sid, roles = _launched_and_held_by_its_launcher(d, launch, escaper, hold, "--fail-closed")
+    with Client("infer", workload="inference", endpoint=d.endpoint) as client:  # reattaches across a restart
         with client.slice(timeout=5):
             escaper.assert_frozen(0.2, roles)
             assert suspend_session(sid, deadline_ms=200, endpoint=d.endpoint).outcome == "stopped"
-            d.kill()
-            d2 = start_daemon("--quantum-ms", "training=50")
-            wait_for(lambda: all(s.attached for s in d2.status().devices[0].sessions)
-                     and len(d2.status().devices[0].sessions) == 2, timeout=10)
-            escaper.assert_frozen(0.5, roles)  # the launcher's freeze stands: it has no token
+            if how == "shutdown":
+                assert d.stop() == 0
+                assert "step=continue stopped=1" in d.log()
+            else:
+                d.kill()
+                d2 = start_daemon("--quantum-ms", "training=50")
+                wait_for(lambda: len(d2.status().devices[0].sessions) == 2
+                         and all(s.attached for s in d2.status().devices[0].sessions), timeout=10)
+            escaper.assert_frozen(0.5, roles)  # the launcher's stop stands: it has no token
     assert proc.poll() is None
 
 
