@@ -819,8 +819,8 @@ class AgentServer:
             # may run unmanaged, so the program goes with it.
             enforce.end_launched(s)
         elif s.managed_pidfd is not None:
-            # The launcher lives (bye, a lost connection) and may have stopped its
-            # program rather than us: continue it whatever the reason (harmless if running).
+            # The launcher lives (bye, a lost connection): undo any stop of ours whatever the
+            # reason (harmless if none); its own stop is its to undo (nodeagent.enforce).
             self._tokens.cont(s, anyway=True)
         elif s.stopped and reason != "process_exited":
             self._tokens.cont(s)
