@@ -173,6 +173,12 @@ class Client:
         return self._grant is not None
 
     @property
+    def grant_id(self) -> int | None:
+        """The id of the grant this client holds (as last heard), None when it holds none."""
+        self._pump(0)
+        return self._grant
+
+    @property
     def yield_requested(self) -> bool:
         self._pump(0)
         return self._yield_requested

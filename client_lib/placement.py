@@ -322,8 +322,12 @@ class PlacementClient:
         return self.call(p.Inventory, nodes)
 
     def lend(self, node: str, device: int, borrower: str, max_s: float | None = None, *,
-             suspend: Sequence[str] = (), deadline_ms: float = 5000.0) -> p.LifecycleReply:
+             suspend: Sequence[str] = (), deadline_ms: float = 5000.0,
+             borrower_uids: Sequence[int] | None = None) -> p.LifecycleReply:
         """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was).
+
+        ``borrower_uids``: the users whose sessions may join as ``borrower`` (the node checks the
+        uid the kernel gives it); None: only the node's root may.
 
         ``suspend``: sessions to put to sleep once the device is lent, each within ``deadline_ms``
         (an inference service such as examples/llm_server.py parks its weights and KV cache in host
@@ -331,8 +335,9 @@ class PlacementClient:
         A session that does not end ``suspended`` (stopped at the deadline, so still holding its
         memory; gone; ...) raises :class:`PlacementError` ``E_NOT_SUSPENDED`` naming it, after the
         others were asked; the device stays lent."""
-        reply = self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s),
-                          p.LifecycleReply)
+        uids = None if borrower_uids is None else [int(uid) for uid in borrower_uids]
+        reply = self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s,
+                                                   borrower_uids=uids), p.LifecycleReply)
         failed = []
         for session in suspend:
             try:

@@ -32,6 +32,7 @@ RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 HostBytes = Annotated[int, msgspec.Meta(ge=0, le=2**53)]  # bytes of host memory a client reports
 Waiting = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # 2.7: requests a service says wait
 WaitMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]  # 2.7: how long its oldest has waited
+Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]  # a user id ((uid_t) -1 is none)
 """Request ids fit a signed 64-bit integer so every peer can hold them."""
 
 
@@ -263,6 +264,9 @@ class Lend(Request, tag="lend"):
     device: int
     borrower: str
     max_s: Optional[float] = None
+    # issue 32: the uids whose sessions may join as ``borrower`` (SO_PEERCRED's, verified); None or
+    # empty: only local root's. Again with the same borrower: replaces them.
+    borrower_uids: Optional[Annotated[list[Uid], msgspec.Meta(max_length=64)]] = None
 
 
 class Reclaim(Request, tag="reclaim"):

@@ -1,8 +1,11 @@
 """cgroup v2: a launched program's own cgroup, stopped, continued and ended as one.
 
-``nodeagent run`` puts CMD in a cgroup of its own, a child of the launcher's
-cgroup. Every process CMD starts stays in it whatever it does (``setsid``,
-double forks, threads), so where the process group leaks this does not::
+``nodeagent run`` puts CMD in a cgroup of its own, ``cmd`` inside
+``nodeagent-run.<launcher pid>``, a child of the launcher's cgroup. Every process
+CMD starts stays in it whatever it does (``setsid``, double forks, threads), so
+where the process group leaks this does not. Two freezers, one each: the
+launcher freezes ``cmd``, the daemon ``nodeagent-run.<pid>``; a cgroup runs only
+while neither is frozen, so neither's thaw undoes the other's freeze::
 
     stop      cgroup.freeze <- 1, then wait for cgroup.events "frozen 1"
     continue  cgroup.freeze <- 0
@@ -16,10 +19,10 @@ kernel without ``cgroup.freeze``), :func:`create_child` raises
 :class:`Unavailable` with the reason and the launcher keeps to the process
 group and SIGSTOP.
 
-The daemon finds the same cgroup from the kernel (``/proc/PID/cgroup`` of the
-launcher's verified child), never from a path a peer names, and accepts it
-only as a direct child of the launcher's own cgroup, owned by the launcher's
-uid, holding that child (:func:`open_verified`).
+The daemon finds the same cgroups from the kernel (``/proc/PID/cgroup`` of the
+launcher's verified child), never from a path a peer names, and holds the one
+that is a direct child of the launcher's own cgroup, owned by the launcher's
+uid, with that child in a cgroup below it (:func:`open_verified`).
 
 The v2 hierarchy is found in ``/proc/self/mountinfo`` (``/sys/fs/cgroup`` on a
 pure v2 host, ``/sys/fs/cgroup/unified`` on a hybrid one), and cgroup paths are
@@ -234,20 +237,40 @@ class Cgroup:
                 self.wait(lambda: not self.populated(), 0.05)
         self.thaw()
 
+    def sub(self, name: str) -> "Cgroup":
+        """Make and open the cgroup ``name`` inside this one (OSError as the kernel refuses)."""
+        path = os.path.join(self.path, name)
+        os.mkdir(path)
+        try:
+            return Cgroup.open(path, self.name.rstrip("/") + "/" + name)
+        except OSError:
+            os.rmdir(path)
+            raise
+
     def remove(self) -> bool:
-        """Thaw, close and remove the directory; False if processes are still in it."""
+        """Thaw, close and remove the directory, and every cgroup made inside it (a program may
+        make its own); False if processes are still in one."""
         try:
             self.thaw()
         except OSError:
             pass
         self.close()
+        removed = True
+        for below, dirs, _ in os.walk(self.path, topdown=False):
+            for name in dirs:
+                try:
+                    os.rmdir(os.path.join(below, name))
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    removed = False
         try:
             os.rmdir(self.path)
         except FileNotFoundError:
-            return True
+            return removed
         except OSError:
             return False
-        return True
+        return removed
 
     def close(self) -> None:
         for name in ("_freeze_fd", "_events_fd", "_dirfd"):
@@ -289,11 +312,32 @@ def create_child(name: str, hierarchy: Hierarchy | None = None) -> Cgroup:
         raise Unavailable(f"cannot open {path}: {exc.strerror}") from None
 
 
+def ways_out(cg: Cgroup, hierarchy: Hierarchy | None = None) -> list[str]:
+    """The files by which a process in ``cg`` running as this process's user could undo its hold:
+    the ``cgroup.freeze`` of ``cg`` and of its ancestors (a thaw), and the ``cgroup.procs`` of its
+    ancestors (a move out of the frozen cgroup), as far as the kernel's write permission goes.
+    Empty: this user cannot; a launcher's own cgroups are its user's, so it always can."""
+    hierarchy = hierarchy or v2_hierarchy()
+    top = hierarchy.mount.rstrip("/") if hierarchy is not None else os.path.dirname(cg.path)
+    found = []
+    path = cg.path.rstrip("/")
+    if os.access(os.path.join(path, "cgroup.freeze"), os.W_OK):
+        found.append(os.path.join(path, "cgroup.freeze"))
+    while path != top and path.startswith(top + "/"):
+        path = os.path.dirname(path)
+        for name in ("cgroup.freeze", "cgroup.procs"):
+            file = os.path.join(path, name)
+            if os.path.exists(file) and os.access(file, os.W_OK):
+                found.append(file)
+    return found
+
+
 def open_verified(child_pid: int, launcher_pid: int, launcher_uid: int | None,
                   hierarchy: Hierarchy | None) -> tuple[Cgroup | None, str]:
-    """The cgroup the kernel says ``child_pid`` is in, if it is the launcher's own for
-    that child: a direct child of ``launcher_pid``'s cgroup, owned by ``launcher_uid``,
-    freezable. Else (None, why). The caller verified ``child_pid`` as the launcher's child."""
+    """The cgroup the daemon holds ``child_pid`` by, if the kernel says the launcher made it for
+    that child: a direct child of ``launcher_pid``'s cgroup, owned by ``launcher_uid``, with the
+    child in a cgroup below it (the launcher's own freeze: two freezers, so that neither thaws
+    what the other froze). Else (None, why). The caller verified ``child_pid`` as the launcher's child."""
     if hierarchy is None:
         return None, "no cgroup v2 hierarchy is mounted"
     if launcher_uid is None:
@@ -303,21 +347,24 @@ def open_verified(child_pid: int, launcher_pid: int, launcher_uid: int | None,
         return None, "no cgroup v2 path for the launcher or its child"
     if mine == theirs:
         return None, "the child shares its launcher's cgroup"
-    if os.path.dirname(mine) != theirs:
-        return None, f"the child's cgroup {mine} is not a child of its launcher's {theirs}"
-    path = hierarchy.fs_path(mine)
+    if not mine.startswith(theirs.rstrip("/") + "/"):
+        return None, f"the child's cgroup {mine} is not below its launcher's {theirs}"
+    held = theirs.rstrip("/") + "/" + mine[len(theirs.rstrip("/")) + 1:].split("/")[0]
+    if held == mine:  # a launcher that freezes the cgroup the daemon would hold (older than this daemon)
+        return None, f"the child is in {mine} itself, not in a cgroup of its launcher's below it"
+    path = hierarchy.fs_path(held)
     if path is None:
-        return None, f"cgroup {mine} is not under {hierarchy.mount}"
+        return None, f"cgroup {held} is not under {hierarchy.mount}"
     try:
-        cg = Cgroup.open(path, mine)
+        cg = Cgroup.open(path, held)
     except OSError as exc:
         return None, f"cannot open {path}: {exc.strerror}"
     try:
         why = ""
         if cg.owner_uid() != launcher_uid:
             why = f"{path} is owned by uid {cg.owner_uid()}, not the launcher's {launcher_uid}"
-        elif cgroup_of(child_pid) != mine:  # moved while we opened it: the open one may not be it
-            why = f"the child left {mine}"
+        elif not (cgroup_of(child_pid) or "").startswith(held + "/"):  # moved while we opened it
+            why = f"the child left {held}"
     except OSError as exc:
         why = f"cannot read {path}: {exc.strerror}"
     if why:

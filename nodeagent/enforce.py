@@ -5,14 +5,17 @@ pidfd, so a signal sent through it can only reach that process, never one
 that reused its pid. A program launched by ``nodeagent run`` is accepted only
 when its process group is led by a child of the verified launcher; then
 
-- if the kernel says that child is in a cgroup v2 of its own, a direct child
-  of the launcher's cgroup owned by the launcher's uid (the launcher made it:
-  :func:`nodeagent.cgroup.open_verified`), the daemon holds that directory open
-  and stops the program by freezing it (``cgroup.freeze``), continues it by
-  thawing, and, when the launcher's process dies, kills it (``cgroup.kill``):
-  nothing the program starts escapes, setsid or not;
-- else it signals the process group (SIGSTOP, SIGCONT; SIGKILL when the
-  launcher dies), while the leader's pidfd proves the group is the one verified.
+- if the kernel says that child is in a cgroup v2 below one that is a direct
+  child of the launcher's cgroup owned by the launcher's uid (the launcher made
+  both: :func:`nodeagent.cgroup.open_verified`), the daemon holds that outer
+  directory open and stops the program by freezing it (``cgroup.freeze``),
+  continues it by thawing, and, when the launcher's process dies, kills it
+  (``cgroup.kill``): nothing the program starts escapes, setsid or not. The
+  launcher freezes the inner one: a thaw by either never runs what the other froze;
+- else it stops the process group (SIGSTOP; SIGKILL when the launcher dies),
+  while the leader's pidfd proves the group is the one verified, and never
+  continues it (one SIGCONT would undo the launcher's stop too): the launcher,
+  which stops and continues it by the token, continues it at its next grant.
 
 A pid claimed in a hello, or a cgroup path a peer names, is never acted on.
 """
@@ -72,8 +75,15 @@ def send(s: Session, sig: int) -> bool:
     try:
         if s.managed_cgroup is not None and sig in (signal.SIGSTOP, signal.SIGCONT):
             # Not waiting for "frozen 1": this runs on the handoff path, as a SIGSTOP is not waited on.
+            # The daemon's own freezer (the launcher's is below it): a thaw leaves the launcher's hold.
             if not cgroup.act(s.managed_cgroup, "freeze" if sig == signal.SIGSTOP else "thaw"):
                 return False
+        elif s.managed_pidfd is not None and sig == signal.SIGCONT:
+            # A process group has one stop for two holders: a SIGCONT here would run what its
+            # launcher stopped. The launcher continues it when it may (a grant, back to unmanaged).
+            signal.pidfd_send_signal(s.managed_pidfd, 0)
+            log.debug("[enforce] SIGCONT session=%s left to its launcher (pgroup)", s.id)
+            return True
         elif s.managed_pidfd is not None:
             # The leader's pidfd proves the group is still the one we verified.
             signal.pidfd_send_signal(s.managed_pidfd, 0)

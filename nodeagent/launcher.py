@@ -133,6 +133,7 @@ class Launcher:
         self.exit_code: int | None = None  # set once CMD has been reaped
         self.client: Client | None = None
         self._cmd_running = False  # False while the launcher holds CMD stopped
+        self._continued_for: int | None = None  # the grant CMD was last continued for
         self._pidfd: int | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -261,13 +262,17 @@ class Launcher:
                 self._daemon_lost("it stopped answering heartbeats, or restarted")
                 return
             if client.holding:
+                grant = client.grant_id
                 if client.yield_requested:
                     self._stop_cmd("yield requested")  # before the token goes, never after
                     client.release(requeue=True)
                 elif self._paced():
                     self._stop_cmd("paced: a higher class holds the device", quiet=True)
-                elif not self._cmd_running:
-                    self._continue_cmd("granted", quiet=self._was_paced)
+                elif not self._cmd_running or grant != self._continued_for:
+                    # A new grant continues CMD even if we think it runs: the daemon stops a
+                    # launcher that overran and leaves continuing it to us (nodeagent.enforce).
+                    self._continue_cmd("granted", quiet=self._was_paced, force=grant != self._continued_for)
+                    self._continued_for = grant
             elif self._cmd_running:
                 self._stop_cmd("token revoked")
                 client.request()
@@ -282,10 +287,11 @@ class Launcher:
         self._next_attach = time.monotonic() + self._retry_s()
         if self.fail_closed:
             log.warning("daemon lost (%s); CMD stays stopped until it returns (--fail-closed)", reason)
-            self._stop_cmd("daemon lost, fail-closed")
+            self._stop_cmd("daemon lost, fail-closed", force=True)
         else:
             log.warning("daemon lost (%s); CMD runs unmanaged until it returns (fail-open)", reason)
-            self._continue_cmd("daemon lost, fail-open")
+            self.hold.release_daemons_stop()  # a daemon that died holding it stopped is not there to continue it
+            self._continue_cmd("daemon lost, fail-open", force=True)
 
     def _no_daemon_yet(self, exc: DaemonUnavailableError) -> None:
         """AWAY from the start: no daemon to attach to (there never was one, for this launcher)."""
@@ -318,8 +324,9 @@ class Launcher:
             log.warning("daemon found (session %s); CMD is managed from now on", self.client.session_id)
         else:
             log.warning("daemon is back (session %s); CMD is managed again", self.client.session_id)
+        self._continued_for = None  # a grant held across the restart continues CMD again
         if not holding:
-            self._stop_cmd("waiting for a grant")
+            self._stop_cmd("waiting for a grant", force=True)
             self.client.request()
 
     def _retry_s(self) -> float:
@@ -330,7 +337,7 @@ class Launcher:
     def _go_unmanaged(self) -> None:
         """CMD runs until it exits; the session is closed so the token passes on."""
         self.mode = Mode.UNMANAGED
-        self._continue_cmd("unmanaged")
+        self._continue_cmd("unmanaged", force=True)
         self._close_client()
 
     def _on_signals(self) -> None:
@@ -427,14 +434,17 @@ class Launcher:
         self._was_paced = pace.throttled and not in_on_phase(pace, time.monotonic())
         return self._was_paced
 
-    def _stop_cmd(self, why: str, quiet: bool = False) -> None:
-        if self._cmd_running and self.exit_code is None:
+    def _stop_cmd(self, why: str, quiet: bool = False, force: bool = False) -> None:
+        """Stop CMD if it runs (``force``: whatever we last did: the daemon may have acted since)."""
+        if (self._cmd_running or force) and self.exit_code is None:
             self.hold.stop()
             self._cmd_running = False
             (log.debug if quiet else log.info)("CMD stopped (%s)", why)
 
-    def _continue_cmd(self, why: str, quiet: bool = False) -> None:
-        if not self._cmd_running and self.exit_code is None:
+    def _continue_cmd(self, why: str, quiet: bool = False, force: bool = False) -> None:
+        """Continue CMD if stopped (``force``: as :meth:`_stop_cmd`'s). The daemon never continues a
+        process group its launcher may have stopped (nodeagent.enforce): we do, at each new grant."""
+        if (not self._cmd_running or force) and self.exit_code is None:
             self.hold.cont()
             self._cmd_running = True
             (log.debug if quiet else log.info)("CMD continued (%s)", why)
@@ -556,7 +566,8 @@ class Hold:
         self.why = why  # why there is no cgroup
 
     def describe(self) -> str:
-        return f"process group {self.pgid}, stopped by SIGSTOP (a child that calls setsid escapes it: {self.why})"
+        return (f"process group {self.pgid}, stopped by SIGSTOP (a child that calls setsid escapes it, and any "
+                f"process of CMD's may SIGCONT the group: the hold is not trusted; no cgroup: {self.why})")
 
     def fds(self) -> tuple[int, ...]:
         return ()
@@ -570,6 +581,9 @@ class Hold:
     def kill(self) -> None:
         _killpg(self.pgid, signal.SIGKILL)
 
+    def release_daemons_stop(self) -> None:
+        """The daemon is gone (fail-open): undo a stop it made (here the group's one stop: :meth:`cont`)."""
+
     def finish(self, cmd_running: bool) -> None:
         """CMD has exited: what it left in its group must not stay stopped."""
         if not cmd_running:
@@ -581,19 +595,31 @@ class Hold:
 
 
 class CgroupHold(Hold):
-    """CMD in a cgroup of its own: frozen, thawed, killed as one; removed when CMD is gone."""
+    """CMD in a cgroup of its own (``cgroup``), inside the one the daemon holds (``outer``):
+    frozen and thawed as one by the launcher, killed as one; both removed when CMD is gone."""
 
     kind = "cgroup"
 
-    def __init__(self, pgid: int, cg: cgroup.Cgroup) -> None:
+    def __init__(self, pgid: int, cg: cgroup.Cgroup, outer: cgroup.Cgroup) -> None:
         super().__init__(pgid)
         self.cgroup = cg
+        self.outer = outer
 
     def describe(self) -> str:
-        return f"cgroup {self.cgroup.path}, stopped by cgroup.freeze"
+        held = f"cgroup {self.cgroup.path}, stopped by cgroup.freeze (the daemon's freeze is its parent's)"
+        try:
+            out = cgroup.ways_out(self.cgroup)
+        except OSError:
+            out = []
+        if not out:
+            return held
+        shown = ", ".join(out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
+        return (f"{held}; the hold is not trusted: CMD runs as uid {os.geteuid()}, which may write {shown}, so a "
+                "process of CMD's can thaw its cgroup or move out of it and run without the token (the launcher "
+                "and the daemon stop, continue and end it by the token; they cannot keep it from undoing that)")
 
     def fds(self) -> tuple[int, ...]:
-        return self.cgroup.fds()
+        return self.cgroup.fds() + self.outer.fds()
 
     def stop(self) -> None:
         if not self.cgroup.stop(_FREEZE_WAIT_S):
@@ -601,10 +627,16 @@ class CgroupHold(Hold):
                         "uninterruptible wait freezes when it leaves it)", _FREEZE_WAIT_S * 1e3)
 
     def cont(self) -> None:
-        self.cgroup.thaw()
+        self.cgroup.thaw()  # the launcher's freeze only: one the daemon made stays until it thaws it
 
     def kill(self) -> None:
-        self.cgroup.kill()
+        self.outer.kill()
+
+    def release_daemons_stop(self) -> None:
+        try:
+            self.outer.thaw()
+        except OSError as exc:
+            log.warning("cannot thaw %s, which the daemon froze: %s", self.outer.path, exc)
 
     def finish(self, cmd_running: bool) -> None:
         """CMD has exited: end what it left in its cgroup, thaw, remove the cgroup."""
@@ -618,11 +650,12 @@ class CgroupHold(Hold):
         self.end_orphaned()
 
     def end_orphaned(self) -> None:
-        if self.cgroup.populated():
-            self.cgroup.kill()
-            self.cgroup.wait(lambda: not self.cgroup.populated(), _EMPTY_WAIT_S)
-        if not self.cgroup.remove():
-            log.warning("cannot remove %s: processes are still in it (thawed)", self.cgroup.path)
+        if self.outer.populated():
+            self.outer.kill()
+            self.outer.wait(lambda: not self.outer.populated(), _EMPTY_WAIT_S)
+        self.cgroup.close()
+        if not self.outer.remove():
+            log.warning("cannot remove %s: processes are still in it (thawed)", self.outer.path)
 
 
 def choose_hold(pid: int, mode: str) -> Hold | None:
@@ -632,32 +665,37 @@ def choose_hold(pid: int, mode: str) -> Hold | None:
     if mode == "off":
         hold = Hold(pid, "asked for (--cgroup off)")
     else:
-        cg = None
+        outer = cg = None
         adopted = False
         try:
-            cg = cgroup.create_child(f"nodeagent-run.{os.getpid()}")
+            outer = cgroup.create_child(f"nodeagent-run.{os.getpid()}")  # the daemon freezes this one
+            cg = outer.sub("cmd")  # and the launcher this one
             cg.adopt(pid)
             adopted = True
             cg.stop(_FREEZE_WAIT_S)  # a stopped task counts as frozen: at once
             os.kill(pid, signal.SIGCONT)  # no longer stopped; held by the freezer from now on
-            hold = CgroupHold(pid, cg)
+            hold = CgroupHold(pid, cg, outer)
         except (cgroup.Unavailable, OSError) as exc:
+            where = cg.path if cg is not None else outer.path if outer is not None else "its cgroup"
             why = str(exc) if isinstance(exc, cgroup.Unavailable) else \
-                f"cannot move CMD into {cg.path}: {exc.strerror} (cgroup v2 delegation: the launcher needs " \
+                f"cannot move CMD into {where}: {exc.strerror} (cgroup v2 delegation: the launcher needs " \
                 f"write access to cgroup.procs of its own cgroup and of the new one)"
             if adopted:  # back where it came from, so that the directory can go
                 why = f"cannot freeze {cg.path}: {exc}"
                 try:
-                    cg.eject(pid)
+                    _write_procs(os.path.dirname(outer.path), pid)
                 except OSError:
                     pass
             if cg is not None:
-                cg.remove()
+                cg.close()
+            if outer is not None:
+                outer.remove()
             if mode == "require":
                 log.error("no cgroup for CMD (--cgroup require): %s", why)
                 return None
             hold = Hold(pid, why)
-    (log.info if hold.kind == "cgroup" else log.warning)("CMD (pid %d) runs in %s", pid, hold.describe())
+    described = hold.describe()
+    (log.warning if "not trusted" in described else log.info)("CMD (pid %d) runs in %s", pid, described)
     return hold
 
 
@@ -684,6 +722,12 @@ def _read_env(fd: int) -> dict[str, str]:
         return {}
     env = json.loads(b"".join(chunks))
     return {str(k): str(v) for k, v in env.items()}
+
+
+def _write_procs(directory: str, pid: int) -> None:
+    """Move ``pid`` into the cgroup at ``directory``."""
+    with open(os.path.join(directory, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
 
 
 def _killpg(pgid: int, signum: int) -> None:

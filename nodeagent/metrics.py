@@ -49,6 +49,8 @@ INTERNAL_ERROR_PLACES = ("serve", "cluster", "pidfd", "memory", "mps", "poll", "
                          "status", "metrics")
 DEVICE_FAULT_DOMAINS = ("mps", "context", "other")  # nodeagent.daemon.memory_watch: what an Xid ended
 METRICS_HTTP_CLOSE_REASONS = ("timeout", "evicted", "refused", "bad_request")
+# Claims a peer made that the daemon could not verify and refused (nodeagent.daemon.suspension, admission).
+REFUSED_CLAIMS = ("borrower", "suspended", "resumed", "host_bytes")
 
 
 class MetricDoc(NamedTuple):
@@ -278,6 +280,11 @@ class Metrics:
             "Co-run: permille of each pacing period lower classes may issue work while a higher class holds "
             "(0: paused, 1000: MPS priority alone)", ("device",))
         self.bad_requests = self._counter("nodeagent_bad_requests", "Frames refused with E_BAD_REQUEST")
+        self.refused_claims = self._counter(
+            "nodeagent_refused_claims",
+            "Claims refused as unverified (borrower: a hello naming a job whose lend does not name the peer; "
+            "suspended, resumed: a report no suspension asked for; host_bytes: more than the host's memory)",
+            ("claim",))
         self.metrics_http_closed = self._counter(
             "nodeagent_metrics_http_closed",
             "Connections to this metrics endpoint it closed itself (timeout: no whole request and response within "
@@ -341,6 +348,8 @@ class Metrics:
             self.internal_errors.labels(where)
         for reason in METRICS_HTTP_CLOSE_REASONS:
             self.metrics_http_closed.labels(reason)
+        for claim in REFUSED_CLAIMS:
+            self.refused_claims.labels(claim)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = (), loop: bool = False) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))

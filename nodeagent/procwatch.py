@@ -31,11 +31,19 @@ kernel constant (PROC_PID_INIT_INO), the same on every boot and host."""
 MAX_ANCESTRY: Final = 64  # parents walked per process: deeper trees are cut off there
 
 
+NAMESPACE_KINDS: Final = ("pid", "user", "mnt")
+"""The namespaces that say whether a peer is the daemon's neighbour or a container's process
+(:attr:`PeerCredentials.namespaces`, :mod:`nodeagent.daemon.authz`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PeerCredentials:
     uid: int
     gid: int
     pid: int
+    # What the kernel says of the peer's pid, user and mount namespaces (namespaces_of), read
+    # when it connected; None where they could not be read (then it is never taken for root).
+    namespaces: tuple | None = None
 
 
 def peer_credentials(frame) -> PeerCredentials | None:
@@ -116,6 +124,51 @@ def read_nspid(pid: int, proc_root: str = "/proc") -> tuple[int, ...] | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def namespaces_of(pid: int | str, pidfd: int | None = None, proc_root: str = "/proc") -> tuple | None:
+    """What the kernel says of ``pid``'s namespaces (:data:`NAMESPACE_KINDS`), in files any process
+    may read (/proc/PID/ns/* would need CAP_SYS_PTRACE over a peer with capabilities the daemon
+    dropped): how many pid namespaces it is below the one /proc belongs to (``NSpid:``, 0 in the
+    same), its ``uid_map`` as this process sees it (the identity map in the same user namespace),
+    and the mount id of its root (each mount belongs to one mount namespace). Equal for two
+    processes in the same three namespaces; different for a container's. None if unreadable, or
+    if ``pidfd``, the pidfd of the process meant, says it exited meanwhile (the pid may name
+    another process now)."""
+    nspid = read_nspid(pid, proc_root)
+    try:
+        with open(f"{proc_root}/{pid}/uid_map", "rb") as f:
+            uid_map = b" ".join(f.read(4096).split()).decode()
+        root_mount = None
+        with open(f"{proc_root}/{pid}/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split(b" ", 5)
+                if len(fields) > 4 and fields[4] == b"/":
+                    root_mount = int(fields[0])  # any mount names its namespace: the first "/" will do
+                    break
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        log.debug("[procwatch] namespaces of pid=%s unreadable: %s", pid, exc)
+        return None
+    if nspid is None or root_mount is None or (pidfd is not None and pidfd_exited(pidfd)):
+        return None
+    return (len(nspid) - 1, uid_map, root_mount)
+
+
+_HOME_NAMESPACES: list[frozenset[tuple]] = []
+
+
+def own_namespaces() -> tuple | None:
+    """This process's namespaces (:func:`namespaces_of`)."""
+    return namespaces_of("self")
+
+
+def home_namespaces() -> frozenset[tuple]:
+    """The namespaces a local root is at home in, read once: this process's own and those of its
+    pid namespace's init (pid 1: the host's, where systemd gave the daemon private mounts or a
+    DaemonSet its own container)."""
+    if not _HOME_NAMESPACES:
+        _HOME_NAMESPACES.append(frozenset(ns for ns in (own_namespaces(), namespaces_of(1)) if ns is not None))
+    return _HOME_NAMESPACES[0]
 
 
 def pid_namespace(pid: int | str = "self", proc_root: str = "/proc") -> str | None:

@@ -22,7 +22,7 @@ from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.journal import Journal
 from nodeagent.metrics import Metrics
-from nodeagent.procwatch import PeerCredentials
+from nodeagent.procwatch import PeerCredentials, own_namespaces
 from sharing import Workload
 from tests.conftest import wait_for
 from tests.daemon_parts import make_tokens
@@ -30,7 +30,7 @@ from tests.test_cluster import _inventory_or_none, cluster_node  # noqa: F401 (a
 from tests.test_cluster_endpoint import PLACEMENT, endpoint  # noqa: F401 (a fixture)
 
 USER = SimpleNamespace(creds=PeerCredentials(uid=1000, gid=1000, pid=4242))
-ROOT = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1))
+ROOT = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1, namespaces=own_namespaces()))
 
 
 class Clock:

@@ -21,6 +21,7 @@ from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
 from tests.test_enforce import assert_stopped, proc_state
 from tests.conftest import free_port
+from tests.nonroot import nobody_daemon  # noqa: F401  (a fixture)
 
 _event_decoder = msgspec.msgpack.Decoder(p.Event)
 
@@ -450,21 +451,17 @@ def test_reclaim_stops_a_borrower_that_ignores_it_at_the_deadline(cluster_node, 
     peer.close()
 
 
-def test_reclaim_revokes_the_token_of_a_borrower_that_cannot_be_stopped(cluster_node, spawn):
-    # Over a tcp local endpoint the daemon cannot verify a client's pid, so it never signals it.
+def test_a_borrower_that_cannot_be_verified_is_refused(cluster_node):
+    # Over a tcp local endpoint the daemon cannot verify a client (no peer credentials): it may not
+    # claim a lent device's borrower (issue 32), so no borrower there is one it could not stop.
     node = cluster_node(endpoint=f"tcp://127.0.0.1:{free_port()}")
     peer = node.peer()
-    peer.call(p.Lend(id=0, device=0, borrower="job"))
-    hog = spawn(node.daemon.endpoint, "stubborn", "--name", "hog", "--borrower", "job")
-    sid = hog.expect("SESSION")[2]
-    hog.expect("TICK", count=2)
-    assert holder(peer.call(p.Inventory(id=0)).devices[0]) == sid
-    reply = peer.call(p.Reclaim(id=0, device=0, deadline_ms=300.0))
-    assert reply.outcomes == {sid: "timeout"} and 300 <= reply.free_ms < 2000, reply
-    assert holder(peer.call(p.Inventory(id=0)).devices[0]) is None  # the device is free for inference
-    assert proc_state(hog.proc.pid) != "T"
+    peer.call(p.Lend(id=0, device=0, borrower="job", borrower_uids=[os.getuid()]))
+    with pytest.raises(DaemonError) as refused:
+        Client("hog", workload="training", borrower="job", endpoint=node.daemon.endpoint)
+    assert refused.value.code == p.ErrorCode.FORBIDDEN and "an unverifiable peer may not join" in str(refused.value)
     with Client("ranker", workload="inference", endpoint=node.daemon.endpoint) as ranker:
-        ranker.acquire(timeout=2)
+        ranker.acquire(timeout=2)  # inference still may
     peer.close()
 
 
@@ -612,3 +609,43 @@ def _inventory_or_none(peer: CurvePeer):
         return peer.call(p.Inventory(id=0), timeout=0.5)
     except TimeoutError:
         return None
+
+
+_JOIN_AS_JOBX = r"""
+import sys
+from client_lib import Client, DaemonError
+try:
+    with Client("claims-jobX", workload="training", borrower="jobX", device=0, endpoint=sys.argv[1]) as c:
+        c.acquire(timeout=10)
+        print("JOINED", flush=True)
+except DaemonError as exc:
+    print("REFUSED", exc.code, exc, flush=True)
+"""
+
+
+def test_a_borrower_is_who_the_lend_names_not_whoever_claims_it(nobody_daemon):
+    """Issue 32, item 10: device 0 lent to jobX for uid 1234 (its user); another user (uid 65534,
+    a real process) saying borrower=jobX is refused E_FORBIDDEN and counted, and charges jobX
+    nothing. Lent again naming 65534, the same program joins."""
+    import urllib.request
+
+    from tests.nonroot import NOBODY_UID, run_as_nobody
+
+    port = free_port()
+    d = nobody_daemon("--metrics-port", str(port))
+    root = RawPeer(d.endpoint)
+    lent = root.call(p.Lend(id=root.take_id(), device=0, borrower="jobX", borrower_uids=[1234]))
+    assert isinstance(lent, p.LifecycleReply) and lent.state == "LENT", lent
+    done = run_as_nobody(_JOIN_AS_JOBX, d.endpoint)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"REFUSED {p.ErrorCode.FORBIDDEN}"), done.stdout
+    assert f"uid {NOBODY_UID} may not join as 'jobX'" in done.stdout and "names uids 1234" in done.stdout
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'nodeagent_refused_claims_total{claim="borrower"} 1.0' in scrape
+    inventory = root.call(p.Inventory(id=root.take_id()))
+    assert inventory.devices[0].sessions == [] and inventory.attained_gpu_s.get("jobX", 0.0) == 0.0
+    again = root.call(p.Lend(id=root.take_id(), device=0, borrower="jobX", borrower_uids=[1234, NOBODY_UID]))
+    assert isinstance(again, p.LifecycleReply) and not again.changed
+    done = run_as_nobody(_JOIN_AS_JOBX, d.endpoint)
+    assert done.stdout.startswith("JOINED"), done.stdout + done.stderr
+    root.close()

@@ -16,7 +16,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, ServerView
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.metrics import Metrics
-from nodeagent.procwatch import PeerCredentials
+from nodeagent.procwatch import PeerCredentials, own_namespaces
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
 from tests.daemon_parts import FakeDevices, loop_handle, make_tokens, replies
@@ -132,7 +132,7 @@ def test_operations_need_root_locally_and_a_reclaim_under_way_is_answered_at_clo
     [refused] = rec.to("local-conn")
     assert refused.code == p.ErrorCode.FORBIDDEN
     assert cluster.admission_refusal(0, "training", "job-a") is not None  # not lent: the refusal changed nothing
-    root = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1))
+    root = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1, namespaces=own_namespaces()))
     cluster.on_lend("root-conn", p.Lend(id=2, device=0, borrower="job-a"), root, 0.0)
     assert rec.to("root-conn")[-1].state == "LENT"
 

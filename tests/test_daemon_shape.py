@@ -79,7 +79,7 @@ SESSION_FIELD_OWNERS = {
     "suspension": {"restore.py"}, "suspend_waiters": {"suspension.py"},
     "memory_used_bytes": {"memory.py"}, "over_memory": {"memory_watch.py"},
     "mps": {"server.py"}, "weight": {"tokens.py"},
-    "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"},
+    "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"}, "suspend_asked": {"suspension.py"},
 }
 # Names that hold something else with a field of the same name (serving's queues have a grant).
 NOT_SESSIONS = {("serving.py", "q")}

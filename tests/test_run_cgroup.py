@@ -186,35 +186,42 @@ def test_without_a_cgroup_auto_falls_back_to_the_group_and_require_refuses(monke
 
 @needs_cgroup
 def test_the_daemon_accepts_only_a_cgroup_the_launcher_made_for_its_child(workdir):
-    """open_verified against real cgroups: this process plays the launcher."""
+    """open_verified against real cgroups: this process plays the launcher. The daemon holds
+    the launcher's child cgroup by its own freezer, with the child in one below it (the
+    launcher's freezer): never the one the child is in itself, which the launcher freezes."""
     h = cgroup.v2_hierarchy()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     own = cgroup.create_child(f"nodeagent-test.{os.getpid()}")
-    nested = None
+    inner = deeper = None
     try:
         same, why = cgroup.open_verified(child.pid, os.getpid(), os.getuid(), h)
         assert same is None and "shares its launcher's cgroup" in why
         own.adopt(child.pid)
+        flat, why = cgroup.open_verified(child.pid, os.getpid(), os.getuid(), h)
+        assert flat is None and "not in a cgroup of its launcher's below it" in why
+        inner = own.sub("cmd")
+        inner.adopt(child.pid)
         cg, why = cgroup.open_verified(child.pid, os.getpid(), os.getuid(), h)
         assert cg is not None, why
-        assert cg.name == cgroup.cgroup_of(child.pid)
+        assert cg.name == own.name == os.path.dirname(cgroup.cgroup_of(child.pid))
         cg.close()
         other, why = cgroup.open_verified(child.pid, os.getpid(), os.getuid() + 1, h)
         assert other is None and "owned by uid" in why
-        os.mkdir(os.path.join(own.path, "deeper"))  # a grandchild cgroup is not the launcher's own
-        nested = cgroup.Cgroup.open(os.path.join(own.path, "deeper"), own.name + "/deeper")
-        nested.adopt(child.pid)
+        deeper = inner.sub("deeper")  # one the program made itself: still held by the same outer one
+        deeper.adopt(child.pid)
         deep, why = cgroup.open_verified(child.pid, os.getpid(), os.getuid(), h)
-        assert deep is None and "not a child of its launcher's" in why
+        assert deep is not None and deep.name == own.name, why
+        deep.close()
         assert cgroup.open_verified(child.pid, os.getpid(), os.getuid(), None)[0] is None
     finally:
         child.kill()
         child.wait()
-        if nested is not None:
-            wait_for(lambda: not nested.populated())
-            nested.remove()
+        for cg in (deeper, inner):
+            if cg is not None:
+                cg.close()
         wait_for(lambda: not own.populated())
-        assert own.remove()
+        assert own.remove()  # and every cgroup below it
+        assert not os.path.exists(own.path)
 
 
 # ------------------------------------------------------------- in its own cgroup
@@ -228,7 +235,8 @@ def test_nothing_cmd_starts_runs_while_another_session_holds(start_daemon, launc
     where = cgroup_dir(pids["main"])
     assert {cgroup_dir(pid) for pid in pids.values()} == {where}  # setsid and double forks stayed in
     s = launched_session(d)
-    assert s.managed_pgid == pids["main"] and s.managed_cgroup == cgroup.cgroup_of(pids["main"])
+    # The daemon holds the launcher's outer cgroup; CMD is in the launcher's own, below it.
+    assert s.managed_pgid == pids["main"] and s.managed_cgroup == os.path.dirname(cgroup.cgroup_of(pids["main"]))
     assert f"hold=cgroup:{s.managed_cgroup}" in d.log()
     with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
         for _ in range(2):  # stopped, continued, stopped again
@@ -272,7 +280,7 @@ def test_launcher_killed_ends_everything_cmd_started_and_leaves_no_cgroup(start_
             proc.kill()
             proc.wait()
             wait_for(lambda: all(gone(pid) for pid in pids.values()), timeout=3)
-    wait_for(lambda: not os.path.exists(where), timeout=3)
+    wait_for(lambda: not os.path.exists(os.path.dirname(where)), timeout=3)  # both levels
     assert "CMD's cgroup was killed" in proc.stderr.read()
 
 
@@ -294,7 +302,8 @@ def test_with_its_keeper_gone_too_the_daemon_kills_the_cgroup_it_verified(start_
     finally:
         escaper.kill_all()
         wait_for(lambda: "populated 0" in open(os.path.join(where, "cgroup.events")).read())
-        os.rmdir(where)  # left empty: removing it was the keeper's part
+        os.rmdir(where)  # left empty: removing them was the keeper's part
+        os.rmdir(os.path.dirname(where))
 
 
 @needs_cgroup
@@ -372,3 +381,155 @@ def test_the_fallback_stops_and_ends_the_process_group(start_daemon, launch, esc
             wait_for(lambda: all(gone(pids[r]) for r in IN_GROUP), timeout=3)
     escaper.kill_all()  # the setsid child: it escaped the group, and holds the launcher's stderr open
     assert "CMD's process group was killed" in proc.stderr.read()
+
+
+# ------------------------------------------------------------- one authority over whether CMD runs
+#
+# Issue 32, item 3: what the launcher holds stopped (it has no token: inference holds the device)
+# stays stopped whatever path the daemon resumes by. The cgroup hold has two freezers (the
+# daemon's above the launcher's); the process group has one stop, which the daemon never undoes.
+
+HOLDS = [pytest.param("cgroup", marks=needs_cgroup), "pgroup"]
+
+
+def _launched_and_held_by_its_launcher(d, launch, escaper, hold, *flags):
+    cgroup_flag = ["--cgroup", "require" if hold == "cgroup" else "off"]
+    proc = launch(d.endpoint, "--name", "trainer", *cgroup_flag, *flags, cmd=escaper.cmd)
+    roles = ROLES if hold == "cgroup" else IN_GROUP  # the setsid child leaves a process group
+    escaper.wait_advancing(roles)
+    return proc, launched_session(d).id, roles
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+def test_a_resume_after_a_missed_suspend_deadline_never_runs_what_the_launcher_stopped(
+        start_daemon, launch, escaper, hold):
+    from client_lib import resume_session, suspend_session
+
+    d = start_daemon("--quantum-ms", "training=50")
+    proc, sid, roles = _launched_and_held_by_its_launcher(d, launch, escaper, hold)
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=5):
+            escaper.assert_frozen(0.2, roles)  # its launcher stopped it: inference holds the device
+            assert suspend_session(sid, deadline_ms=200, endpoint=d.endpoint).outcome == "stopped"
+            resume_session(sid, endpoint=d.endpoint)  # the daemon lets go of its own stop only
+            escaper.assert_frozen(0.5, roles)
+        escaper.wait_advancing(roles)  # its turn: its launcher continues it
+    assert proc.poll() is None
+
+
+@needs_cgroup
+def test_a_reclaim_and_a_resume_never_run_what_the_launcher_stopped(start_daemon, launch, escaper, monkeypatch):
+    from client_lib import resume_session
+    from client_lib import protocol as p
+    from tests.rawpeer import RawPeer
+
+    d = start_daemon("--quantum-ms", "training=50")
+    root = RawPeer(d.endpoint)
+    assert root.call(p.Lend(id=root.take_id(), device=0, borrower="jobX")).state == "LENT"
+    monkeypatch.setenv("NODEAGENT_BORROWER", "jobX")  # the launcher's session is the borrower's
+    proc, sid, roles = _launched_and_held_by_its_launcher(d, launch, escaper, "cgroup")
+    with Client("infer", workload="inference", endpoint=d.endpoint, reconnect=False) as client:
+        with client.slice(timeout=5):
+            escaper.assert_frozen(0.2, roles)
+            reclaimed = root.call(p.Reclaim(id=root.take_id(), device=0, deadline_ms=200), timeout=10)
+            assert isinstance(reclaimed, p.ReclaimReply), reclaimed
+            assert next(s for s in d.status().devices[0].sessions if s.id == sid).suspended == "stopped"
+            resume_session(sid, endpoint=d.endpoint)
+            escaper.assert_frozen(0.5, roles)
+        escaper.wait_advancing(roles)
+    root.close()
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+@pytest.mark.parametrize("how", ["restart", "shutdown"])
+def test_a_daemon_that_stops_continues_only_what_it_stopped_not_what_the_launcher_did(
+        start_daemon, launch, escaper, hold, how):
+    """The daemon stopped CMD (a missed suspend deadline) while its launcher (fail-closed) held it
+    stopped too. SIGKILLed, its successor continues what it finds stopped; shut down, it continues
+    what it stopped: its own freezer only (a process group: not at all), never the launcher's."""
+    from client_lib import suspend_session
+
+    d = start_daemon("--quantum-ms", "training=50")
+    proc, sid, roles = _launched_and_held_by_its_launcher(d, launch, escaper, hold, "--fail-closed")
+    with Client("infer", workload="inference", endpoint=d.endpoint) as client:  # reattaches across a restart
+        with client.slice(timeout=5):
+            escaper.assert_frozen(0.2, roles)
+            assert suspend_session(sid, deadline_ms=200, endpoint=d.endpoint).outcome == "stopped"
+            if how == "shutdown":
+                assert d.stop() == 0
+                assert "step=continue stopped=1" in d.log()
+            else:
+                d.kill()
+                d2 = start_daemon("--quantum-ms", "training=50")
+                wait_for(lambda: len(d2.status().devices[0].sessions) == 2
+                         and all(s.attached for s in d2.status().devices[0].sessions), timeout=10)
+            escaper.assert_frozen(0.5, roles)  # the launcher's stop stands: it has no token
+    assert proc.poll() is None
+
+
+# ------------------------------------------------------------- a program that undoes its own hold
+#
+# Issue 32, item 4: the launcher's cgroups are its user's, so CMD (the same user) may write their
+# cgroup.freeze and its ancestors' cgroup.procs: the launcher says so at start, naming the files;
+# and whatever cgroups CMD makes inside its own are removed with it.
+
+MAKES_ITS_OWN_CGROUP = r"""
+import os, sys, time
+d = sys.argv[1]
+mine = open("/proc/self/cgroup").read().split("0::", 1)[1].strip()
+mount = [l.split()[4] for l in open("/proc/self/mountinfo") if " - cgroup2 " in l][0]
+sub = os.path.join(mount + mine, "made-by-cmd")
+os.mkdir(sub)
+os.mkdir(os.path.join(sub, "deeper"))
+pid = os.fork()
+if pid == 0:
+    open(os.path.join(sub, "deeper", "cgroup.procs"), "w").write(str(os.getpid()))
+    open(os.path.join(d, "child.pid"), "w").write(str(os.getpid()))
+    time.sleep(60)
+    os._exit(0)
+while not os.path.exists(os.path.join(d, "child.pid")):
+    time.sleep(0.01)
+open(os.path.join(d, "made"), "w").write(sub)
+if sys.argv[2] == "exit":
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@needs_cgroup
+def test_the_launcher_says_at_start_how_cmd_could_undo_its_hold(daemon, launch, escaper):
+    proc = launch(daemon.endpoint, "--cgroup", "require", cmd=escaper.cmd)
+    escaper.wait_advancing()
+    inner = cgroup_dir(escaper.pid("main"))
+    outer, launchers = os.path.dirname(inner), cgroup_dir(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    said = next(line for line in err.splitlines() if "runs in cgroup" in line)
+    assert "the hold is not trusted" in said and f"uid {os.geteuid()}" in said, said
+    # CMD's user owns them (the launcher made them): a thaw, and a move out to its launcher's cgroup.
+    for path in (f"{inner}/cgroup.freeze", f"{outer}/cgroup.freeze", f"{outer}/cgroup.procs"):
+        assert path in said, (path, said)
+    assert f"{launchers}/cgroup.procs" in said or "more" in said, said
+
+
+@needs_cgroup
+@pytest.mark.parametrize("how", ["exit", "launcher killed"])
+def test_cgroups_cmd_makes_inside_its_own_go_with_it(daemon, launch, workdir, how):
+    proc = launch(daemon.endpoint, "--cgroup", "require",
+                  cmd=[sys.executable, "-c", MAKES_ITS_OWN_CGROUP, workdir, "exit" if how == "exit" else "stay"])
+    made = wait_for(lambda: os.path.exists(os.path.join(workdir, "made")) and open(os.path.join(workdir, "made")).read(),
+                    timeout=20)
+    child = int(open(os.path.join(workdir, "child.pid")).read())
+    outer = os.path.dirname(os.path.dirname(made))
+    assert os.path.basename(outer) == f"nodeagent-run.{proc.pid}"
+    if how == "exit":
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 3, err
+    else:
+        proc.kill()
+        proc.wait()
+        err = proc.stderr.read()
+    wait_for(lambda: gone(child), timeout=5)
+    wait_for(lambda: not os.path.exists(outer), timeout=5)  # every level, what CMD made included
+    assert "cannot remove" not in err, err

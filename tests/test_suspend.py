@@ -295,3 +295,42 @@ def _suspend_quietly(sid: str, endpoint: str) -> None:
         suspend_session(sid, deadline_ms=10_000, endpoint=endpoint, timeout=15)
     except Exception:
         pass
+
+
+def _refused(d, claim: str) -> float:
+    return d.server.metrics.registry.get_sample_value("nodeagent_refused_claims_total", {"claim": claim})
+
+
+def test_a_report_no_suspension_asked_for_is_refused_and_counted(inproc_daemon):
+    """A session never asked to suspend cannot say it parked, nor set the host memory it keeps
+    (nodeagent_host_kept_bytes): its suspended is answered E_INVALID, its resumed ignored, both
+    counted. Asked, it may report, but not more host memory than the host has."""
+    from client_lib import protocol as p
+    from nodeagent.daemon.suspension import HOST_MEMORY_BYTES
+    from tests.rawpeer import RawPeer
+
+    d = inproc_daemon
+    liar = RawPeer(d.endpoint)
+    sid = liar.hello("liar").session
+    reply = liar.call(p.Suspended(id=liar.take_id(), bytes_parked=1, suspend_ms=1.0, host_bytes=9 * 10**15,
+                                  host_pinned=True))
+    assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID and "not asked" in reply.message
+    liar.send(p.Resumed(id=liar.take_id(), resume_ms=1.0, host_bytes=9 * 10**15))
+    wait_for(lambda: _refused(d, "resumed") == 1)
+    info = session_by_name(d, "liar")
+    assert (info.host_bytes, info.host_pinned, info.suspended) == (0, False, None)
+    assert _refused(d, "suspended") == 1
+    # Asked now (by its owner): the report is believed, but not a host bigger than this one.
+    results = []
+    t = threading.Thread(target=lambda: results.append(suspend_session(sid, deadline_ms=60_000, endpoint=d.endpoint)))
+    t.start()
+    liar.next_notice(p.SuspendNotice)
+    reply = liar.call(p.Suspended(id=liar.take_id(), bytes_parked=1, suspend_ms=1.0,
+                                  host_bytes=HOST_MEMORY_BYTES + 1))
+    assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID and "host" in reply.message
+    assert _refused(d, "host_bytes") == 1
+    liar.send(p.Suspended(id=liar.take_id(), bytes_parked=7, suspend_ms=1.0, host_bytes=4096, host_pinned=True))
+    t.join(timeout=10)
+    assert results and (results[0].outcome, results[0].bytes_parked) == ("suspended", 7)
+    assert (session_by_name(d, "liar").host_bytes, _refused(d, "suspended")) == (4096, 1)
+    liar.close()

@@ -8,6 +8,16 @@ user, or a peer whose identity cannot be verified (no peer credentials). Each
 act is allowed to some roles; :func:`refusal` says why a peer may not, in words
 a user can act on, or None. Identity comes from the transport (the local
 socket's peer credentials, the cluster's CURVE handshake), never from a claim.
+
+Namespaces count (issue 32): a local peer is ROOT, the daemon's user or a registrant
+only if the kernel says it is in the daemon's own pid, user and mount namespaces, or
+in the host's (those of pid 1: systemd gives the daemon private mounts, a DaemonSet
+its own container; :attr:`nodeagent.procwatch.PeerCredentials.namespaces`). A container's root is uid 0
+but not the host's root: it is a local user, the owner of the sessions it opened
+from those same namespaces (or of none, once they cannot be read), and no more; and
+a container chooses its own supplementary groups, so they make no registrant. A pod
+is identified by what the kernel says of its processes (uid and namespaces), not by
+anything it claims (docs/kubernetes.md, "What a pod may do").
 """
 
 from __future__ import annotations
@@ -73,10 +83,17 @@ class Peer:
     label: str  # "uid 1000", "an unverifiable peer", "an authenticated placement client"
 
 
+def at_home(creds: procwatch.PeerCredentials | None) -> bool:
+    """Whether the kernel says the peer is in the daemon's pid, user and mount namespaces, or
+    in the host's (:func:`nodeagent.procwatch.home_namespaces`)."""
+    return creds is not None and creds.namespaces is not None and creds.namespaces in procwatch.home_namespaces()
+
+
 def peer_of(route, frame, *, owner_uid: int | None = None, register_gid: int | None = None,
-            daemon_uid: int | None = None) -> Peer:
+            daemon_uid: int | None = None, owner_namespaces: tuple | None = None) -> Peer:
     """The peer that sent a request on ``route`` (``frame``: what its identity is read from).
-    ``owner_uid``: the uid of the session the request names, if any."""
+    ``owner_uid``, ``owner_namespaces``: the uid and namespaces of the session the request
+    names, if any (a peer outside the daemon's namespaces owns only sessions opened from its own)."""
     from nodeagent.daemon.cluster import ClusterRoute  # the route's type is what the cluster endpoint proved
     if type(route) is ClusterRoute:
         return Peer(frozenset({Role.CLUSTER}), Role.CLUSTER.value)
@@ -84,18 +101,21 @@ def peer_of(route, frame, *, owner_uid: int | None = None, register_gid: int | N
     if creds is None:
         return Peer(frozenset({Role.UNVERIFIED}), Role.UNVERIFIED.value)
     found = {Role.LOCAL}
-    if creds.uid == 0:
+    host = at_home(creds)
+    if host and creds.uid == 0:
         found.add(Role.ROOT)
-    if creds.uid == (os.geteuid() if daemon_uid is None else daemon_uid):
+    if host and creds.uid == (os.geteuid() if daemon_uid is None else daemon_uid):
         found.add(Role.DAEMON_USER)
-    if owner_uid is not None and creds.uid == owner_uid:
+    if owner_uid is not None and creds.uid == owner_uid and (
+            host or (creds.namespaces is not None and creds.namespaces == owner_namespaces)):
         found.add(Role.OWNER)
-    if register_gid is not None:
+    if register_gid is not None and host:
         from ctxpool import peer_open
         identity = peer_open.identity_of(creds.uid, creds.gid, creds.pid)
         if register_gid in {identity.gid, *identity.groups}:
             found.add(Role.REGISTRANT)
-    return Peer(frozenset(found), f"uid {creds.uid}")
+    where = "" if host else " in other pid, user or mount namespaces than the daemon's and the host's"
+    return Peer(frozenset(found), f"uid {creds.uid}{where}")
 
 
 def refusal(act: Act, peer: Peer) -> str | None:
@@ -107,6 +127,7 @@ def refusal(act: Act, peer: Peer) -> str | None:
     return f"{peer.label} may not {act.value}: only {who} may"
 
 
-def may_act_on_session(route, frame, owner_uid: int | None, act: Act = Act.SUSPEND) -> str | None:
-    """:func:`refusal` for an act on a session owned by ``owner_uid``."""
-    return refusal(act, peer_of(route, frame, owner_uid=owner_uid))
+def may_act_on_session(route, frame, owner_uid: int | None, act: Act = Act.SUSPEND,
+                       owner_namespaces: tuple | None = None) -> str | None:
+    """:func:`refusal` for an act on a session owned by ``owner_uid`` (opened from ``owner_namespaces``)."""
+    return refusal(act, peer_of(route, frame, owner_uid=owner_uid, owner_namespaces=owner_namespaces))

@@ -52,7 +52,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.authz import Act, peer_of, refusal
+from nodeagent.daemon.authz import Act, at_home, peer_of, refusal
 from nodeagent.daemon.bus import DeviceFacts, Granted, LoopHandle, Published, ServerView, SuspendFinished
 from nodeagent.daemon.tokens import Tokens
 from sharing.suspension import SuspendState
@@ -156,6 +156,7 @@ class ClusterEndpoint:
         self._server_handlers = handlers  # the server fills in inventory's after this is built
         count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
+        self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
         self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
         self._node = config.cluster_node or socket.gethostname()
         self._router: zmq.Socket | None = None
@@ -207,6 +208,11 @@ class ClusterEndpoint:
                 log.warning("[cluster] journalled state of device %d ignored: %s", device, exc)
                 continue
             self._lifecycles[device] = life
+            uids = detail.get("borrower_uids", [])
+            if isinstance(uids, list) and all(type(uid) is int and uid >= 0 for uid in uids):
+                self._borrower_uids[device] = frozenset(uids)
+            else:
+                log.warning("[cluster] journalled borrower_uids of device %d ignored: %r", device, uids)
             log.info("[cluster] restored device=%d state=%s borrower=%s", device, life.state.value, life.borrower)
 
     def bind(self) -> None:
@@ -408,6 +414,25 @@ class ClusterEndpoint:
         """Why the device's lifecycle refuses a new session there, or None."""
         return self._lifecycles[device].admits(workload, borrower)
 
+    def borrower_refusal(self, device: int, workload: str, borrower: str | None,
+                         creds: procwatch.PeerCredentials | None) -> str | None:
+        """Why the peer ``creds`` may not join ``device`` as ``borrower`` (the lend does not name
+        its uid), or None. Inference and sessions without a borrower are not borrowers."""
+        life = self._lifecycles[device]
+        if workload == "inference" or borrower is None or life.state is not DeviceState.LENT \
+                or life.borrower != borrower:
+            return None  # not joining a lend (the lifecycle refuses a borrower anywhere else)
+        if at_home(creds) and creds.uid in (0, os.geteuid()):
+            return None  # root, or the daemon's user: it could lend the device itself
+        allowed = self._borrower_uids.get(device, frozenset())
+        if creds is not None and creds.uid in allowed:
+            return None
+        who = "an unverifiable peer" if creds is None else f"uid {creds.uid}"
+        named = (f"names uids {', '.join(map(str, sorted(allowed)))}" if allowed
+                 else "names no borrower_uids (only root's sessions may join)")
+        return (f"device {device} is lent to {borrower!r}, and the lend {named}: {who} may not join as "
+                f"{borrower!r}; the placement layer names its users in lend.borrower_uids")
+
     def device_state(self, device: int) -> str:
         """The device's lifecycle state (FREE, RUN, ...); read by metrics at scrape time."""
         return self._lifecycles[device].state.value
@@ -437,6 +462,7 @@ class ClusterEndpoint:
         detail: dict = {}
         if life.borrower is not None:
             detail["borrower"] = life.borrower
+            detail["borrower_uids"] = sorted(self._borrower_uids.get(device, ()))
         for key, at in (("lent_until_unix", life.lent_until), ("protect_until_unix", life.protect_until)):
             if at is not None:
                 detail[key] = wall + (at - now)
@@ -533,8 +559,11 @@ class ClusterEndpoint:
             return
         changed = any(t.new is DeviceState.LENT for t in moved)
         self._moved(moved, op=True)
-        if changed:
+        uids = frozenset(msg.borrower_uids or ())
+        if changed or (msg.borrower_uids is not None and uids != self._borrower_uids.get(msg.device)):
+            self._borrower_uids[msg.device] = uids  # a new lend names its own; a repeat may name others
             self._journal_lifecycle(msg.device, now)
+        if changed:
             self._metrics.lends.labels(str(msg.device)).inc()
             self.event("lend", msg.device, borrower=msg.borrower, max_s=msg.max_s)
             log.info("[cluster] lend device=%d borrower=%s max_s=%s by=%s", msg.device, msg.borrower, msg.max_s,

@@ -39,6 +39,7 @@ from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller
 log = logging.getLogger("nodeagent.local")
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # <asm-generic/socket.h>, Linux 6.5
 _READ_CHUNK = 64 * 1024
 _READ_BUDGET = 256 * 1024  # per connection per wake-up
 _ACCEPT_BUDGET = 64  # connections accepted per wake-up
@@ -340,4 +341,35 @@ def _peer_credentials(conn: socket.socket) -> procwatch.PeerCredentials | None:
         return None
     if pid <= 0:
         return None
-    return procwatch.PeerCredentials(uid=uid, gid=gid, pid=pid)
+    return procwatch.PeerCredentials(uid=uid, gid=gid, pid=pid, namespaces=_peer_namespaces(conn, pid))
+
+
+def _peer_namespaces(conn: socket.socket, pid: int) -> tuple | None:
+    """The namespaces of the process that connected (:func:`procwatch.namespaces_of`), read through
+    its pidfd: SO_PEERPIDFD's (Linux 6.5: that very process; None once it has exited, whatever
+    process has its pid now), else one opened for ``pid`` now (the connecting process, unless it
+    exited before the accept)."""
+    try:
+        pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        pidfd = procwatch.open_pidfd(pid)
+    if pidfd is None or pidfd < 0:
+        return None
+    try:
+        if _pidfd_pid(pidfd) not in (None, pid):
+            return None
+        return procwatch.namespaces_of(pid, pidfd)
+    finally:
+        os.close(pidfd)
+
+
+def _pidfd_pid(pidfd: int) -> int | None:
+    """The pid a pidfd refers to, in this pid namespace (``Pid:`` of its fdinfo), or None."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

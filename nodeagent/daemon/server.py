@@ -519,6 +519,12 @@ class AgentServer:
         if device is None:
             self._error(route, msg.id, code, problem)
             return
+        why = self._cluster.borrower_refusal(device, msg.workload, msg.borrower, creds)
+        if why is not None:  # a borrower is who the lend names, not whoever says it
+            self.metrics.refused_claims.labels("borrower").inc()
+            log.info("[session] refused claim=borrower name=%s: %s", msg.name, why)
+            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, why)
+            return
         verified_pid = creds.pid if creds is not None else None
         managed_pidfd = managed_cgroup = None
         if msg.managed_pgid is not None:
@@ -543,7 +549,7 @@ class AgentServer:
             id=session_id, key=new_session_key(), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
-            uid=creds.uid if creds is not None else None,
+            uid=creds.uid if creds is not None else None, namespaces=creds.namespaces if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
             created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, managed_cgroup=managed_cgroup, borrower=msg.borrower, slo_ms=msg.slo_ms)
@@ -576,6 +582,8 @@ class AgentServer:
             return None
         if session.verified_pid is not None and (creds is None or creds.pid != session.verified_pid):
             return None
+        if session.verified_pid is not None and session.namespaces is None:
+            session.namespaces = creds.namespaces  # its very process: a restored session is not journalled with them
         self._sessions.attach(session, route)
         self._sessions.touch(session, now)
         log.info("[session] resumed session=%s claim=%s", session.id, msg.holding_grant)
@@ -833,8 +841,8 @@ class AgentServer:
             # may run unmanaged, so the program goes with it.
             enforce.end_launched(s)
         elif s.managed_pidfd is not None:
-            # The launcher lives (bye, a lost connection) and may have stopped its
-            # program rather than us: continue it whatever the reason (harmless if running).
+            # The launcher lives (bye, a lost connection): undo any stop of ours whatever the
+            # reason (harmless if none); its own stop is its to undo (nodeagent.enforce).
             self._tokens.cont(s, anyway=True)
         elif s.stopped and reason != "process_exited":
             self._tokens.cont(s)

@@ -44,6 +44,7 @@ class Session:
     memory_mb: int
     created: float
     last_seen: float
+    namespaces: tuple | None = None  # its peer's, at hello (procwatch.PeerCredentials.namespaces)
     pidfd: int | None = None
     managed_pgid: int | None = None  # verified process group of a program launched by nodeagent run
     managed_pidfd: int | None = None  # pidfd of that group's leader
@@ -66,6 +67,9 @@ class Session:
     mps: bool = False  # its welcome put it on its device's MPS server (it shares that server's fault domain)
     host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
     host_pinned: bool = False
+    # A suspend notice was sent and no resumed report has come since: only then are its
+    # suspended and resumed reports (and the host bytes they carry) believed.
+    suspend_asked: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
 
     @property

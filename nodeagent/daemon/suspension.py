@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 from client_lib import protocol as p
@@ -34,6 +35,17 @@ from sharing.suspension import (AskToken, ContinueProcess, LeaveLine, Notify, Re
                                 TakeToken)
 
 log = logging.getLogger("nodeagent.suspension")
+
+
+def _host_memory_bytes() -> int:
+    """The host's physical memory: no client keeps more than that for its parked state."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 2**53
+
+
+HOST_MEMORY_BYTES = _host_memory_bytes()
 
 
 class Suspensions:
@@ -127,6 +139,14 @@ class Suspensions:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return  # answered E_NO_SESSION
+        if not s.suspend_asked:  # a client reports suspended only after a suspend notice
+            self._refuse_claim(route, msg.id, s, "suspended",
+                               f"session {s.id} was not asked to suspend; a suspended report is refused")
+            return
+        if msg.host_bytes > HOST_MEMORY_BYTES:
+            self._refuse_claim(route, msg.id, s, "host_bytes",
+                               f"host_bytes {msg.host_bytes} is more than this host's memory ({HOST_MEMORY_BYTES})")
+            return
         s.host_bytes, s.host_pinned = msg.host_bytes, msg.host_pinned  # held whatever the suspension is now
         actions = s.suspension.suspended(now, msg.bytes_parked)
         if not actions:
@@ -151,11 +171,23 @@ class Suspensions:
 
     def on_resumed(self, route, msg: p.Resumed, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
-        if s is not None:
-            self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
-            if msg.host_bytes is not None:  # what it keeps for the next park (0: let go)
-                s.host_bytes = msg.host_bytes
-                s.host_pinned = s.host_pinned and msg.host_bytes > 0
+        if s is None:
+            return
+        if not s.suspend_asked:
+            # Not answered: a client whose suspension a daemon without its journal forgot resumes
+            # and says so, and an error it would raise later must not end its program.
+            self._metrics.refused_claims.labels("resumed").inc()
+            log.info("[suspend] refused claim=resumed session=%s: it was not asked to suspend", s.id)
+            return
+        if msg.host_bytes is not None and msg.host_bytes > HOST_MEMORY_BYTES:
+            self._refuse_claim(route, msg.id, s, "host_bytes",
+                               f"host_bytes {msg.host_bytes} is more than this host's memory ({HOST_MEMORY_BYTES})")
+            return
+        s.suspend_asked = False
+        self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
+        if msg.host_bytes is not None:  # what it keeps for the next park (0: let go)
+            s.host_bytes = msg.host_bytes
+            s.host_pinned = s.host_pinned and msg.host_bytes > 0
 
     # ------------------------------------------------------------------ restart
 
@@ -164,6 +196,7 @@ class Suspensions:
         deadline was pending is pending again (what is left of it), and one the old daemon had
         stopped is asked again (the restarted daemon continued every process it finds stopped)."""
         state = s.suspension.state
+        s.suspend_asked = state is not SuspendState.RUNNING  # its welcome says so; its reports are due
         if state is SuspendState.STOPPED:
             s.suspension.state = SuspendState.RUNNING
             s.suspension.request(now, 5000.0, "restart", waiting=False)
@@ -176,6 +209,7 @@ class Suspensions:
         machine = s.suspension
         if machine.state is SuspendState.REQUESTED:
             left_ms = max(1.0, ((machine.deadline or now) - now) * 1000.0)
+            s.suspend_asked = True
             self._send(s.route, p.SuspendNotice(deadline_ms=left_ms, reason=machine.reason or "restart"))
 
     # ---------------------------------------------------------------- internals
@@ -186,7 +220,7 @@ class Suspensions:
         if target is None:
             self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
             return None
-        refusal = may_act_on_session(route, frame, target.uid, act)
+        refusal = may_act_on_session(route, frame, target.uid, act, target.namespaces)
         if refusal is not None:
             self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"session {target_id}: {refusal}")
             return None
@@ -201,6 +235,7 @@ class Suspensions:
             kind = type(action)
             if kind is Notify:
                 if action.what == "suspend":
+                    s.suspend_asked = True
                     self._send(s.route, p.SuspendNotice(deadline_ms=action.deadline_ms, reason=action.reason))
                 else:
                     self._send(s.route, p.ResumeNotice())
@@ -222,6 +257,12 @@ class Suspensions:
                 self._bus.publish(MayAsk(s.id, now))
             elif kind is Report:
                 self._report(s, action.outcome, action.elapsed_ms, now, suspend_ms)
+
+    def _refuse_claim(self, route, request_id: int, s: Session, claim: str, why: str) -> None:
+        """A report the daemon did not ask for, or cannot be true: answered, counted, not acted on."""
+        self._metrics.refused_claims.labels(claim).inc()
+        log.info("[suspend] refused claim=%s session=%s: %s", claim, s.id, why)
+        self._error(route, request_id, p.ErrorCode.INVALID, why)
 
     def _journal_state(self, s: Session, now: float) -> None:
         record = s.suspension.to_record(now, time.time())

@@ -319,8 +319,9 @@ class Tokens:
 
     def cont(self, s: Session, *, anyway: bool = False) -> bool:
         """SIGCONT a session the daemon stopped. Never leaves a process stopped it can reach.
-        ``anyway``: continue it even if the daemon did not stop it (a launched program, which
-        its launcher may have stopped)."""
+        ``anyway``: undo the daemon's stop even if it does not know of one (a launched program's
+        session ending). A launched program's own launcher's stop is never undone here: the daemon
+        thaws only its own freezer, and leaves a process group to its launcher (:mod:`nodeagent.enforce`)."""
         if not (s.stopped or anyway):
             return False
         sent = enforce.send(s, signal.SIGCONT)
