@@ -24,6 +24,7 @@ What it knows it re-reads from the nodes, the loan nodes and the jobs, so a new 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -108,6 +109,9 @@ class CoreConfig:
     retry_failed_lend_s: float = 30.0  # a device whose loan node failed to start is not lent again for this long
     policy: pol.PolicyConfig = pol.PolicyConfig()  # its name picks the policy (nodeagent_ray.policies)
     dedicated_nodes: tuple[str, ...] = ()  # training nodes: no inference there, their loans never reclaimed for it
+    # The users whose sessions may join a lent device as its borrower: the loan nodes' Ray workers,
+    # started by this controller's user (None: this process's uid). The daemon refuses anyone else.
+    borrower_uids: tuple[int, ...] | None = None
 
 
 class _Failed:
@@ -394,7 +398,7 @@ class ControllerCore:
 
     def _do_resume(self, d: pol.Resume, view: pol.ClusterView) -> None:
         started = self._clock()
-        self._placement.lend(d.node, d.device, d.job, max_s=self.config.lend_max_s)
+        self._placement.lend(d.node, d.device, d.job, max_s=self.config.lend_max_s, borrower_uids=self._borrowers())
         reply = self._inventory.get(d.node)
         sessions = [s.id for dev in (reply.devices if reply else ()) if dev.index == d.device
                     for s in dev.sessions if s.borrower == d.job and s.suspended is not None]
@@ -405,6 +409,10 @@ class ControllerCore:
                  sessions, ms)
         self._record({"kind": "resume", "node": d.node, "device": d.device, "job": d.job, "sessions": sessions,
                       "resume_ms": round(ms, 3)})
+
+    def _borrowers(self) -> tuple[int, ...]:
+        uids = self.config.borrower_uids
+        return uids if uids is not None else (os.getuid(),)
 
     def _do_renew(self, d: pol.Renew, view: pol.ClusterView) -> None:
         # The lease is the daemon's: a new term for the lend (renew), which the next inventory reports
@@ -422,7 +430,7 @@ class ControllerCore:
         if failed is not None and started - failed < self.config.retry_failed_lend_s:
             return  # its loan node failed to start a moment ago: not again yet
         max_s = self.config.lend_max_s if d.lease_s is None else d.lease_s + self.config.lease_grace_s
-        reply = self._placement.lend(d.node, d.device, d.job, max_s=max_s)
+        reply = self._placement.lend(d.node, d.device, d.job, max_s=max_s, borrower_uids=self._borrowers())
         lend_ms = (self._clock() - started) * 1000.0
         device = view.device((d.node, d.device))
         try:

@@ -3,6 +3,8 @@ no Ray, no sockets, no clock. Every node here has one device, index 0."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nodeagent_ray.policies import Deadline, Fifo, Knapsack, Tiresias, make_policy
@@ -281,7 +283,8 @@ def test_the_controller_reads_leases_and_attained_service_from_the_nodes_and_ren
             return p.LifecycleReply(device=dev, state="LENT", borrower=borrower, changed=True,
                                     lent_until=1000.0 + max_s)
 
-        def lend(self, node, dev, borrower, max_s=None):
+        def lend(self, node, dev, borrower, max_s=None, borrower_uids=None):
+            assert borrower_uids == (os.getuid(),)  # the loan nodes' workers run as the controller's user
             self.lent.append((node, dev, borrower, max_s))
             return p.LifecycleReply(device=dev, state="LENT", borrower=borrower, changed=True)
 
