@@ -49,6 +49,9 @@ class Pacing:
         """Create ``<socket dir>/pace/dev<N>`` for each co-run device (the state dir over tcp)."""
         if not self._controllers:
             return
+        if self._metrics is not None:  # each co-run device's series from the start: 0 changes yet
+            for device in self._controllers:
+                self._metrics.pace_changes.labels(str(device))
         base = os.path.dirname(socket_path) if socket_path else state_dir
         directory = os.path.join(base or ".", PACE_DIR)
         system = os.geteuid() == 0
