@@ -57,3 +57,43 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path):
     # The last status: the trainer still on the device, with GPU time, after the service's run.
     last_status = out[out.rindex("nodeagent pid"):]
     assert re.search(r"examples/train_loop +training .* [1-9]\d*\s+\d+$", last_status, re.M), last_status
+
+
+# ------------------------------------------------------------- a first line at once
+
+def first_line(argv: list[str], env: dict, timeout_s: float = 60.0) -> str:
+    """The first line ``argv`` prints (stdout and stderr in one pipe); then it is killed with
+    everything it started (its own session: the demo's daemon too)."""
+    import selectors
+    import signal
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout_s), f"{argv}: nothing printed in {timeout_s:g} s"
+        return proc.stdout.readline().decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("script", ["examples/train_loop.py", "examples/inference_service.py"])
+def test_an_example_says_it_is_starting_before_torch_loads(script, tmp_path):
+    """torch's first import takes seconds (5-7 s before the examples' first line, issue 29):
+    the first line comes before it. Here torch is a package whose import never ends."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import select\nselect.select([], [], [])  # an import that never ends\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{ROOT}", NODEAGENT_ENDPOINT=f"ipc://{tmp_path}/none.sock")
+    line = first_line([sys.executable, script], env)
+    assert re.fullmatch(r"(train_loop|inference_service): loading torch \.\.\.\n", line), line
+
+
+def test_the_demo_says_what_it_does_before_its_daemon_is_up(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))  # the demo's socket dir: removed with tmp_path
+    env.pop("NODEAGENT_ENDPOINT", None)
+    line = first_line([sys.executable, "-m", "nodeagent", "demo", "--seconds", "1"], env)
+    # before the daemon it starts prints "nodeagent: ready" on the same pipe
+    assert line.startswith("nodeagent demo: an inference and a training client sharing device 0"), line
