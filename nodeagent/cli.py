@@ -72,7 +72,8 @@ TOP_DESCRIPTION = """\
 A live view of the daemon, refreshed every --interval seconds (q quits). Per device:
 the token's holder and queue; a strip of the last 60 s, one character a second,
 showing who held the token longest in it (each session a letter, as in the session
-table; '.' idle, '*' many sessions); token waits p50/p99 over the last 512 grants;
+table; '.' idle, '*' many sessions), and under it who else held it in that second
+('+': two or more others); token waits p50/p99 over the last 512 grants;
 counts of grants, preemptions (a higher class waited), quantum yields, enforcements
 (holders stopped or revoked past their yield deadline) and suspensions; and per
 session its class, state, grants, GPU time and device memory (used/declared, MiB).
@@ -616,7 +617,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_status(status) -> str:
-    from nodeagent.top import shown  # peers' names reach a terminal: no control characters
+    from nodeagent.top import name_width, shown  # peers' names reach a terminal: no control characters
     gib = 1024 ** 3
     lines = [f"nodeagent pid {status.daemon_pid}  backend {status.backend}  up {status.uptime_s:.0f} s  "
              f"protocol {status.protocol[0]}.{status.protocol[1]}"]
@@ -630,11 +631,13 @@ def format_status(status) -> str:
         lines.append(f"device {d.index}  {d.name}  memory {used}/{d.memory_total_bytes / gib:.1f} GiB{util}")
         lines.append(f"  holder {holder}   queue {queue}")
         if d.sessions:
-            lines.append(f"  {'SESSION':<16}{'NAME':<20}{'WORKLOAD':<13}{'WEIGHT':>7}  {'STATE':<9}"
+            wide = name_width(s.name for s in d.sessions)
+            lines.append(f"  {'SESSION':<16}{'NAME':<{wide + 1}}{'WORKLOAD':<13}{'WEIGHT':>7}  {'STATE':<9}"
                          f"{'GPU-TIME':>10}{'GRANTS':>8}{'PID':>9}")
             for s in d.sessions:
                 pid = f"{s.pid}" + ("" if s.pid_verified else "?")
-                lines.append(f"  {s.id:<16}{shown(s.name[:19]):<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
+                lines.append(f"  {s.id:<16}{shown(s.name)[:wide]:<{wide + 1}}{s.workload:<13}{s.weight:>7g}  "
+                             f"{s.state:<9}"
                              f"{s.gpu_time_s:>9.2f}s{s.grants:>8}{pid:>9}")
                 if s.managed_pgid is not None:  # nodeagent run: how the daemon would stop its program
                     how = (f"cgroup {shown(s.managed_cgroup)} (cgroup.freeze)" if s.managed_cgroup
