@@ -453,7 +453,7 @@ class Journal:
             repair.write_boot_file(self.boot_path, boot)
         except repair.RepairError as exc:
             raise JournalError(f"{exc}; free space or fix permissions there") from None
-        log.info("[journal] boot=%d path=%s", boot, self.path)
+        log.log(logging.DEBUG if boot == 1 else logging.INFO, "[journal] boot=%d path=%s", boot, self.path)
         return boot
 
     @contextlib.contextmanager

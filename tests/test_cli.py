@@ -297,3 +297,27 @@ def test_keys_generate_into_a_closed_pipe_still_writes_its_keys(tmp_path):
     out = run_into_a_closed_pipe("keys", "generate", "--dir", str(tmp_path / "keys"))
     assert "Traceback" not in out.stderr and out.returncode == 141, out.stderr
     assert (tmp_path / "keys" / "server.key_secret").exists()
+
+
+def test_a_fresh_start_says_what_matters_in_a_few_lines(workdir):
+    """A first start at the default level (issue 29: 17 lines, six of them a brand-new
+    journal's migrations): what it serves, on which backend, where, and anything wrong."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--config", "/dev/null",
+                             "--state-dir", os.path.join(workdir, "state"), "--endpoint", f"ipc://{workdir}/a.sock"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        before = []
+        for line in proc.stderr:
+            if line.startswith("nodeagent: ready "):
+                break
+            before.append(line)
+        else:
+            pytest.fail("serve ended before it was ready:\n" + "".join(before))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert "journal=" in line and os.path.join(workdir, "state", "state.db") in line  # where its state is
+    assert not any("migrated" in l for l in before), before
+    assert len(before) <= 6, "".join(before)
+    assert any("[journal] created" in l for l in before) and any("[serve] listening" in l for l in before)
