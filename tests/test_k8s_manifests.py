@@ -336,11 +336,35 @@ def chart_problems(helm: str, schema_problems, chart: Path, sets: list[str]) -> 
     return schema_problems([(f"helm template {' '.join(sets)}", d) for d in docs], KUBERNETES_VERSIONS)
 
 
+def chart_problems_of_each(helm: str, schema_problems, variants: dict[str, tuple[Path, list[str]]]) -> dict:
+    """chart_problems for several (chart, value sets), the schema check of all of them in one run
+    of the validator (it loads the schemas once): name -> (problems, helm template's output)."""
+    out, docs = {}, []
+    for name, (chart, sets) in variants.items():
+        lint = subprocess.run([helm, "lint", "--strict", str(chart), "--namespace", NAMESPACE, *set_flags(sets)],
+                              capture_output=True, text=True, timeout=120)
+        done = helm_template(helm, chart, sets)
+        problems = [] if lint.returncode == 0 else [f"helm lint --strict: {lint.stdout}{lint.stderr}"]
+        problems += [] if done.returncode == 0 else [f"helm template: {done.stderr}"]
+        out[name] = (problems, done.stdout)
+        if done.returncode == 0:
+            docs += [(name, d) for d in yaml.safe_load_all(done.stdout) if d is not None]
+    for line in schema_problems(docs, KUBERNETES_VERSIONS):
+        out[line.split(":", 1)[0]][0].append(line)
+    return out
+
+
+@pytest.fixture(scope="module")
+def variants_checked(helm, schema_problems) -> dict:
+    return chart_problems_of_each(helm, schema_problems, {name: (CHART, sets) for name, sets in VARIANTS.items()})
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_helm_lints_renders_and_every_object_validates(variant, helm, schema_problems):
+def test_helm_lints_renders_and_every_object_validates(variant, variants_checked):
     sets = VARIANTS[variant]
-    assert chart_problems(helm, schema_problems, CHART, sets) == []
-    docs = load_docs(helm_template(helm, CHART, sets).stdout, f"helm template ({variant})")
+    problems, rendered = variants_checked[variant]
+    assert problems == []
+    docs = load_docs(rendered, f"helm template ({variant})")
     check_node_agent(docs)
     # tests/helm_subset.py, which the tests above use, renders what helm renders
     values = Chart(CHART).values
@@ -422,12 +446,19 @@ PLANTED = [  # (file under templates/, text to replace, what replaces it): each 
 ]
 
 
-@pytest.mark.parametrize("planted", range(len(PLANTED)))
-def test_an_error_planted_in_a_template_fails_these_checks(planted, helm, schema_problems, tmp_path):
-    name, old, new = PLANTED[planted]
-    chart = tmp_path / "nodeagent"
-    shutil.copytree(CHART, chart)
-    template = chart / "templates" / name
-    assert old in template.read_text(), (name, old)
-    template.write_text(template.read_text().replace(old, new, 1))
-    assert chart_problems(helm, schema_problems, chart, []) != []
+def test_an_error_planted_in_a_template_fails_these_checks(helm, schema_problems, tmp_path):
+    charts = {}
+    for i, (name, old, new) in enumerate(PLANTED):
+        chart = tmp_path / f"planted{i}" / "nodeagent"
+        shutil.copytree(CHART, chart)
+        template = chart / "templates" / name
+        assert old in template.read_text(), (name, old)
+        template.write_text(template.read_text().replace(old, new, 1))
+        charts[f"planted{i}"] = chart
+    charts["unplanted"] = CHART
+    checked = chart_problems_of_each(helm, schema_problems, {name: (chart, []) for name, chart in charts.items()})
+    for name, (problems, _) in checked.items():
+        if name == "unplanted":
+            assert problems == []  # the same checks pass on the chart as it is
+        else:
+            assert problems != [], PLANTED[int(name.removeprefix("planted"))]
