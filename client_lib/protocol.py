@@ -412,6 +412,8 @@ class TokenActivity(msgspec.Struct, kw_only=True):
     bucket_ms: float = 1000.0
     timeline: list[str] = []  # per bucket: session id that held the token longest, "" idle, "*" many sessions
     names: dict[str, str] = {}  # session id -> name, for the ids in timeline
+    # 2.7: per bucket, every session that held a token in it, longest first ("*": the rest); names has them
+    holders: list[list[str]] = []
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):

@@ -23,8 +23,6 @@ import random
 import statistics
 import time
 
-import torch
-
 from client_lib import Client
 
 
@@ -52,6 +50,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.seconds <= 0 or args.rate <= 0 or args.batch <= 0 or args.every <= 0:
         ap.error("--seconds, --rate, --batch and --every must be positive")
+    # A first line at once: torch takes seconds to import, and a silent start looks hung.
+    print("inference_service: loading torch ...", flush=True)
+    import torch
 
     with Client("examples/inference_service", workload="inference") as client:
         if args.device == "auto":  # only now may CUDA start (see train_loop.py)

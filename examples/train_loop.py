@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from client_lib import Client
-from client_lib.torch import Yielder
 
 
 def main() -> int:
@@ -36,6 +33,10 @@ def main() -> int:
     ap.add_argument("--device", default="auto", help="cuda, cpu, or auto: cuda when there is one")
     ap.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     args = ap.parse_args()
+    # A first line at once: torch takes seconds to import, and a silent start looks hung.
+    print("train_loop: loading torch ...", flush=True)
+    import torch
+    from client_lib.torch import Yielder
 
     # The session first: the daemon may hand over settings (an MPS share) that
     # CUDA reads only when it initialises.

@@ -15,13 +15,19 @@ import time
 
 import msgspec
 
-from nodeagent.config import DEFAULT_CONFIG_PATH
+from client_lib.endpoint import daemon_endpoint
+from nodeagent.config import DEFAULT_CONFIG_PATH, default_state_dir
 
 # Exit statuses of `serve` that the systemd unit does not restart on (RestartPreventExitStatus=):
 # a restart cannot fix them. Each comes with one line on stderr saying what to change.
 EXIT_BAD_SETTING = 2  # as argparse: a flag, config value or NODEAGENT_ENDPOINT that is not valid
 EXIT_STATE_UNUSABLE = 74  # sysexits EX_IOERR: the state dir or journal cannot be used
 EXIT_ADDRESS_UNUSABLE = 78  # sysexits EX_CONFIG: a valid address this host cannot bind (in use, not its own)
+
+# What `nodeagent bench NAME` runs (python -m bench.NAME): every benchmark the README and
+# bench/README.md tell a user to run (tests/test_cli.py checks the docs against this list).
+BENCHMARKS = ("handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend", "switch", "reclaim",
+              "llm_wake", "scrapers", "colocate", "mps_fault", "cluster_sim", "report")
 
 EPILOG = """\
 environment:
@@ -66,7 +72,8 @@ TOP_DESCRIPTION = """\
 A live view of the daemon, refreshed every --interval seconds (q quits). Per device:
 the token's holder and queue; a strip of the last 60 s, one character a second,
 showing who held the token longest in it (each session a letter, as in the session
-table; '.' idle, '*' many sessions); token waits p50/p99 over the last 512 grants;
+table; '.' idle, '*' many sessions), and under it who else held it in that second
+('+': two or more others); token waits p50/p99 over the last 512 grants;
 counts of grants, preemptions (a higher class waited), quantum yields, enforcements
 (holders stopped or revoked past their yield deadline) and suspensions; and per
 session its class, state, grants, GPU time and device memory (used/declared, MiB).
@@ -112,11 +119,47 @@ def _quantum(text: str) -> tuple[str, float]:
 class Parser(argparse.ArgumentParser):
     """An argument parser that takes no abbreviations, and makes its subcommands' parsers
     the same: ``--quantum training=100`` must not pass for ``--quantum-ms``, nor a typo for
-    whichever flag it happens to prefix."""
+    whichever flag it happens to prefix. Its subcommands' parsers are kept in ``commands``,
+    so that an unknown flag is reported by the subcommand it was given to (its usage, and
+    the flag it was probably meant to be)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+        self.commands: dict[str, Parser] = {}
+
+    def add_subparsers(self, **kwargs):
+        action = super().add_subparsers(**kwargs)
+        add_parser = action.add_parser
+
+        def add_and_keep(name, **sub_kwargs):
+            self.commands[name] = add_parser(name, **sub_kwargs)
+            return self.commands[name]
+        action.add_parser = add_and_keep
+        return action
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.commands.get(getattr(parsed, "command", None), self)
+            nested = getattr(parsed, "keys_action", None)  # `nodeagent keys generate`
+            command = command.commands.get(nested, command)
+            command.error(f"unrecognized arguments: {' '.join(extras)}{command.meant(extras)}")
+        return parsed
+
+    def meant(self, extras: list[str]) -> str:
+        """``" (did you mean --quantum-ms?)"`` for the first unknown flag that resembles one of ours."""
+        import difflib
+        ours = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        for extra in extras:
+            if not extra.startswith("--"):
+                continue
+            given = extra.split("=", 1)[0]
+            guesses = [flag for flag in ours if flag.startswith(given)] or \
+                difflib.get_close_matches(given, ours, n=1, cutoff=0.6)
+            if guesses:
+                return f" (did you mean {guesses[0]}?)"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-node GPU sharing daemon: processes take turns holding each device's "
                     "token in time slices; inference outranks training; weighted fair shares.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print nodeagent's version and the protocol it speaks, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
@@ -140,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="device backend; auto picks cuda when NVML initialises, else cpu (default: auto)")
     serve.add_argument("--cpu-devices", type=int, metavar="N",
                        help="logical devices the cpu backend exposes (default: 1)")
-    serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to listen on")
-    serve.add_argument("--state-dir", metavar="DIR", help="where state is kept")
+    serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to listen on "
+                                          f"(default here: {daemon_endpoint()}; $NODEAGENT_ENDPOINT overrides it)")
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help=f"where the journal (state.db) is kept (default here: {default_state_dir()})")
     serve.add_argument("--metrics-port", type=int, metavar="P",
                        help="serve Prometheus metrics on this port (off unless given; 0 picks one)")
     serve.add_argument("--metrics-addr", metavar="ADDR",
@@ -232,10 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_gen.add_argument("--force", action="store_true",
                           help="replace existing key files (every client then needs the new keys)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (handoff, scale, fairness, preempt, enforce, recovery, suspend, switch, reclaim, scrapers)",
-                           description="Equivalent to python -m bench.NAME ARGS.")
-    bench.add_argument("name", choices=["handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend",
-                                        "switch", "reclaim", "scrapers"])
+    bench = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHMARKS)})",
+                           description="Equivalent to python -m bench.NAME ARGS; bench/README.md says what "
+                                       "each measures.")
+    bench.add_argument("name", choices=BENCHMARKS, metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
     from nodeagent.k8s.cli import add_parser as add_k8s_device_plugin  # needs no grpc until it runs
@@ -243,7 +290,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    from client_lib.protocol import PROTOCOL_VERSION
+    try:
+        installed = version("nodeagent")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        installed = "unknown (not installed)"
+    return f"nodeagent {installed} (protocol {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]})"
+
+
+EXIT_OUTPUT_CLOSED = 141  # as a shell reports a command that SIGPIPE ended: `nodeagent status | head -1`
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A reader that stops reading (``| head -1``) ends it quietly, not
+    with a BrokenPipeError traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return code
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OUTPUT_CLOSED
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -475,8 +550,8 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda s, _f: server.request_stop(signal.Signals(s).name))
     signal.signal(signal.SIGHUP, lambda _s, _f: server.request_reload())  # re-read the cluster's allowed keys
     signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
-    print(f"nodeagent: ready endpoint={endpoint} backend={backend.name} devices={backend.count()} "
-          f"pid={os.getpid()}", file=sys.stderr, flush=True)
+    print(f"nodeagent: ready endpoint={endpoint} journal={os.path.join(config.state_dir, 'state.db')} "
+          f"backend={backend.name} devices={backend.count()} pid={os.getpid()}", file=sys.stderr, flush=True)
     notify_systemd("READY=1")
     try:
         reason = server.serve_forever()
@@ -542,7 +617,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_status(status) -> str:
-    from nodeagent.top import shown  # peers' names reach a terminal: no control characters
+    from nodeagent.top import name_width, shown  # peers' names reach a terminal: no control characters
     gib = 1024 ** 3
     lines = [f"nodeagent pid {status.daemon_pid}  backend {status.backend}  up {status.uptime_s:.0f} s  "
              f"protocol {status.protocol[0]}.{status.protocol[1]}"]
@@ -556,11 +631,13 @@ def format_status(status) -> str:
         lines.append(f"device {d.index}  {d.name}  memory {used}/{d.memory_total_bytes / gib:.1f} GiB{util}")
         lines.append(f"  holder {holder}   queue {queue}")
         if d.sessions:
-            lines.append(f"  {'SESSION':<16}{'NAME':<20}{'WORKLOAD':<13}{'WEIGHT':>7}  {'STATE':<9}"
+            wide = name_width(s.name for s in d.sessions)
+            lines.append(f"  {'SESSION':<16}{'NAME':<{wide + 1}}{'WORKLOAD':<13}{'WEIGHT':>7}  {'STATE':<9}"
                          f"{'GPU-TIME':>10}{'GRANTS':>8}{'PID':>9}")
             for s in d.sessions:
                 pid = f"{s.pid}" + ("" if s.pid_verified else "?")
-                lines.append(f"  {s.id:<16}{shown(s.name[:19]):<20}{s.workload:<13}{s.weight:>7g}  {s.state:<9}"
+                lines.append(f"  {s.id:<16}{shown(s.name)[:wide]:<{wide + 1}}{s.workload:<13}{s.weight:>7g}  "
+                             f"{s.state:<9}"
                              f"{s.gpu_time_s:>9.2f}s{s.grants:>8}{pid:>9}")
                 if s.managed_pgid is not None:  # nodeagent run: how the daemon would stop its program
                     how = (f"cgroup {shown(s.managed_cgroup)} (cgroup.freeze)" if s.managed_cgroup

@@ -485,7 +485,12 @@ def load_file(config: ServeConfig, path: str, *, required: bool, applied: set[st
     the dotted keys the file set."""
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            raw = f.read()
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, not a traceback
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {exc.start}: {raw[exc.start]:#04x}); "
+                          "TOML files are UTF-8: save it as UTF-8") from None
     except FileNotFoundError:
         if required:
             raise ConfigError(f"config file {path} does not exist") from None

@@ -100,26 +100,33 @@ def _start_daemon(socket_dir: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--endpoint", endpoint,
          "--state-dir", os.path.join(socket_dir, "state"), "--log-level", "warning", "--ctxpool", "off"])
     deadline = time.monotonic() + 15
-    while True:
-        try:
-            query_status(endpoint, timeout=0.5)
-            return proc, endpoint
-        except DaemonUnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit("nodeagent demo: the daemon did not start; see the messages above")
+    try:
+        while True:
+            try:
+                query_status(endpoint, timeout=0.5)
+                return proc, endpoint
+            except DaemonUnavailableError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("nodeagent demo: the daemon did not start; see the messages above") from None
+    except BaseException:  # Ctrl-C while it starts too: no daemon left behind
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def run_demo(seconds: float) -> int:
     endpoint = os.environ.get(ENV_ENDPOINT)
     daemon = socket_dir = None
-    if endpoint is None:
-        socket_dir = tempfile.mkdtemp(prefix="nodeagent-demo-")
-        daemon, endpoint = _start_daemon(socket_dir)
-        print(f"started nodeagent (pid {daemon.pid}) on {endpoint}, backend cpu", flush=True)
-    else:
-        print(f"using the daemon at {endpoint}", flush=True)
+    # A first line before anything slow (a daemon to start, two clients that import torch).
+    print(f"nodeagent demo: an inference and a training client sharing device 0 for {seconds:g} s; "
+          "starting them takes a few seconds", flush=True)
     try:
+        if endpoint is None:
+            socket_dir = tempfile.mkdtemp(prefix="nodeagent-demo-")
+            daemon, endpoint = _start_daemon(socket_dir)
+            print(f"started nodeagent (pid {daemon.pid}) on {endpoint}, backend cpu", flush=True)
+        else:
+            print(f"using the daemon at {endpoint}", flush=True)
         ctx = mp.get_context("spawn")
         ready, go = ctx.Barrier(3), ctx.Queue()
         procs = [ctx.Process(target=_trainer, args=(endpoint, seconds, ready, go)),
@@ -144,4 +151,5 @@ def run_demo(seconds: float) -> int:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(timeout=10)
+        if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)

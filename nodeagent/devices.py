@@ -510,5 +510,5 @@ def open_backend(
             reason = f"auto: no NVIDIA GPU (NVML: {exc.reason}), using cpu with {cpu_devices} device(s)"
     else:
         raise DeviceError(f"unknown device backend {kind!r}; valid kinds are {', '.join(BACKEND_KINDS)}")
-    log.info("[devices] backend=%s count=%d reason=%s", backend.name, backend.count(), reason)
+    log.debug("[devices] backend=%s count=%d reason=%s", backend.name, backend.count(), reason)  # serve says it
     return backend, reason

@@ -53,7 +53,7 @@ def log_raise(raised: RaisedLimit) -> None:
     elif raised.after != raised.before:
         log.info("[serve] RLIMIT_NOFILE soft limit raised from %d to %d (hard %s)", raised.before, raised.after, hard)
     else:
-        log.info("[serve] RLIMIT_NOFILE soft limit %d (hard %s)", raised.before, hard)
+        log.debug("[serve] RLIMIT_NOFILE soft limit %d (hard %s)", raised.before, hard)  # unchanged: not news
 
 
 def soft_limit() -> int | None:

@@ -225,8 +225,15 @@ class Journal:
                     db.execute(statement)
                 db.execute(f"PRAGMA application_id={APPLICATION_ID}")
                 db.execute(f"PRAGMA user_version={step + 1}")
-            log.info("[journal] migrated path=%s from=%d to=%d", self.path, step, step + 1)
-        log.info("[journal] open path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
+            log.debug("[journal] migrated path=%s from=%d to=%d", self.path, step, step + 1)
+        # One line at INFO: a new journal is made in every step from 0 and that is not news.
+        if version == 0:
+            log.info("[journal] created path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
+        elif version < SCHEMA_VERSION:
+            log.info("[journal] open path=%s schema=%d migrated_from=%d journal_mode=%s", self.path,
+                     SCHEMA_VERSION, version, journal_mode)
+        else:
+            log.info("[journal] open path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
 
     # ------------------------------------------------------------ sessions
 
@@ -446,7 +453,7 @@ class Journal:
             repair.write_boot_file(self.boot_path, boot)
         except repair.RepairError as exc:
             raise JournalError(f"{exc}; free space or fix permissions there") from None
-        log.info("[journal] boot=%d path=%s", boot, self.path)
+        log.log(logging.DEBUG if boot == 1 else logging.INFO, "[journal] boot=%d path=%s", boot, self.path)
         return boot
 
     @contextlib.contextmanager

@@ -321,7 +321,8 @@ class Metrics:
         self.sessions_lost = self._counter(
             "nodeagent_sessions_lost",
             "Sessions dropped because their client vanished (reason: process_exited, disconnected, not_reading, "
-            "heartbeat, ...; a bye is not counted)", ("reason",))
+            "heartbeat, ...; a bye is not counted, nor a process that ended holding no token with no frame "
+            "half-sent: a client never closed)", ("reason",))
         self.lends = self._counter("nodeagent_lends", "Devices lent to a borrower (a lend that changed the state)",
                                    ("device",))
         self.reclaims = self._counter("nodeagent_reclaims", "Reclaims of a lent device that finished",

@@ -1,7 +1,8 @@
 """``nodeagent top``: a live terminal view of the daemon, as nvitop and htop show a machine.
 
 Per device: the token's holder and queue, a strip of the last minute showing who
-held the token (one character a bucket, each session a letter, ``.`` idle),
+held the token (one character a bucket, each session a letter, ``.`` idle; the
+longest holder, and in a row under it who else held it: protocol 2.7),
 token waits p50/p99, counts of preemptions, enforcements and suspensions, and
 each session's state, GPU time and memory. Everything comes from one ``status``
 request per refresh (``status_reply.devices[].activity``, protocol 2.1).
@@ -73,6 +74,33 @@ def strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None)
     if width is not None and width < len(chars):
         chars = chars[len(chars) - max(0, width):]
     return "".join(chars)
+
+
+def also_strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None) -> str:
+    """Under the strip: per bucket, who else held a token in it (the next longest; ``+`` when
+    two or more others did), blank where nobody else did. Empty from a daemon before 2.7."""
+    holders = activity.holders
+    if len(holders) != len(activity.timeline) or not any(len(held) > 1 for held in holders):
+        return ""
+    chars = []
+    for longest, held in zip(activity.timeline, holders):
+        others = [sid for sid in held if sid != longest]  # an idle bucket ("") keeps whoever held it at all
+        if not others:
+            chars.append(" ")
+        elif len(others) > 1:
+            chars.append("+")
+        else:
+            sid = others[0]
+            chars.append(MANY_CHAR if sid == "*" else letters.get(sid, UNKNOWN_CHAR))
+    if width is not None and width < len(chars):
+        chars = chars[len(chars) - max(0, width):]
+    return "".join(chars)
+
+
+def name_width(names) -> int:
+    """The NAME column: as wide as the longest name shown (README's ``examples/inference_service``
+    whole), between 4 and 40 characters."""
+    return min(40, max([4, *(len(shown(name)) for name in names)]))
 
 
 def shown(text: str) -> str:
@@ -154,17 +182,22 @@ def _device_lines(d: p.DeviceInfo, letters: Letters, width: int | None) -> list[
         line = f"  token   -{seconds:g}s |{drawn}| now"
         scale = f"   ({activity.bucket_ms / 1000.0:g} s a char)"
         lines.append(line + scale if width is None or len(line) + len(scale) < width else line)
+        also = also_strip(activity, book, room)
+        if also:  # the token moved within those seconds: who else held it
+            lines.append(f"{'also':>{len(line) - len(drawn) - 7}} |{also}|")
         lines.append(f"  waits   p50 {_ms(activity.wait_p50_ms)}  p99 {_ms(activity.wait_p99_ms)}  "
                      f"(last {activity.waits} grants)")
         lines.append(f"  counts  grants {activity.grants}  preemptions {activity.preemptions}  "
                      f"quantum-yields {activity.quantum_yields}  enforcements {activity.enforcements}  "
                      f"suspensions {activity.suspensions}")
     if d.sessions:
-        lines.append(f"     {'SESSION':<15}{'NAME':<20}{'CLASS':<12}{'STATE':<10}{'GRANTS':>7}{'GPU-TIME':>10}"
+        wide = name_width(s.name for s in d.sessions)
+        lines.append(f"     {'SESSION':<15}{'NAME':<{wide + 1}}{'CLASS':<12}{'STATE':<10}{'GRANTS':>7}{'GPU-TIME':>10}"
                      f"{'MEM-USED':>10}{'MEM-DECL':>10}{'PID':>9}")
         for s in d.sessions:
             pid = f"{s.pid}" + ("" if s.pid_verified else "?")
-            lines.append(f"  {book.get(s.id, UNKNOWN_CHAR)}  {shown(s.id):<15}{shown(s.name[:19]):<20}{s.workload:<12}"
+            lines.append(f"  {book.get(s.id, UNKNOWN_CHAR)}  {shown(s.id):<15}{shown(s.name)[:wide]:<{wide + 1}}"
+                         f"{s.workload:<12}"
                          f"{_state(s):<10}{s.grants:>7}{s.gpu_time_s:>9.2f}s{_mib(s.memory_used_bytes):>10}"
                          f"{s.memory_mb:>10}{pid:>9}")
     else:

@@ -131,6 +131,9 @@ class CoRunScheduler:
     def revoke(self, session: str, now: float, reason: str) -> list[Action]:
         return self.lane_of(session).revoke(session, now, reason)
 
+    def extend_yield(self, session: str, now: float, extra_s: float) -> bool:
+        return self.lane_of(session).extend_yield(session, now, extra_s)
+
     def preempt(self, session: str, now: float) -> list[Action]:
         return self.lane_of(session).preempt(session, now)
 

@@ -543,6 +543,19 @@ class TokenScheduler:
             return [Enforce(h.id, self._grant, overrun_ms)]
         return []
 
+    def extend_yield(self, session: str, now: float, extra_s: float) -> bool:
+        """Wait ``extra_s`` more for ``session``, a holder asked to yield that has just been
+        enforced (``Enforce`` emitted), before a second ``Enforce``: the daemon's warning step
+        for a late but cooperative yield (:mod:`sharing.yield_grace`). False, and nothing
+        changed, unless ``session`` is that holder."""
+        h = self._holder
+        if (h is None or h.id != session or h.state is not SessionState.YIELDING or not self._enforced
+                or not (extra_s > 0 and math.isfinite(extra_s))):
+            return False
+        self._enforced = False
+        self._yield_deadline = now + extra_s
+        return True
+
     def _owed_the_device(self, workload: Workload) -> bool:
         """True if a session of this class or a higher one waits."""
         queues = self._queues

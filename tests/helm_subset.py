@@ -1,9 +1,11 @@
 """Render a Helm chart's templates without helm, for CI machines that have none: only the
 subset of Go template syntax the nodeagent chart uses (value paths, ``include``, ``toYaml``,
-``nindent``/``indent``, ``quote``, ``default``, ``if``/``else``/``end``, ``define``, comments
-and whitespace trimming). Anything else raises :class:`Unsupported`, naming the action, so
-a template that outgrows the subset fails here rather than rendering wrongly. Where helm is
-installed the tests use ``helm template`` instead."""
+``nindent``/``indent``, ``quote``, ``default``, ``if``/``else``/``end``, ``define``,
+``range $key, $value := .Values.MAP`` over a map, comments and whitespace trimming), with the
+values checked against ``values.schema.json`` as helm checks them. Anything else raises
+:class:`Unsupported`, naming the action, so a template that outgrows the subset fails here
+rather than rendering wrongly. Where helm can be had (tests/k8s_tools.py) the tests run
+``helm template`` too."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import yaml
 
 _ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
+_RANGE = re.compile(r"range \$(\w+), \$(\w+) := (\.\S+)$")
 
 
 class Unsupported(ValueError):
@@ -59,6 +62,13 @@ def _tree(tokens):
             if stack[-1][0] != "if":
                 raise Unsupported("else outside an if")
             stack[-1] = ("else", stack[-1][2][3], stack[-1][2])
+        elif word == "range":
+            m = _RANGE.match(value)
+            if m is None:
+                raise Unsupported(f"{{{{ {value} }}}} (only range $key, $value := .PATH)")
+            node = ["range", m.group(1), m.group(2), m.group(3), []]
+            body.append(node)
+            stack.append(("range", node[4], node))
         elif word == "define":
             node = ["define", json.loads(value[7:].strip()), []]
             body.append(node)
@@ -67,7 +77,7 @@ def _tree(tokens):
             if len(stack) == 1:
                 raise Unsupported("end without a block")
             stack.pop()
-        elif word in ("range", "with", "template", "block", "tpl"):
+        elif word in ("with", "template", "block", "tpl"):
             raise Unsupported(f"{{{{ {value} }}}}")
         else:
             body.append(("expr", value))
@@ -88,6 +98,11 @@ class Chart:
         self.values = yaml.safe_load((self.path / "values.yaml").read_text())
         if values:
             self.values = _merge(self.values, values)
+        schema = self.path / "values.schema.json"
+        if schema.exists():  # as helm does before it renders
+            import jsonschema
+            jsonschema.validate(self.values, json.loads(schema.read_text()))
+        self.variables: dict[str, object] = {}  # $key and $value inside a range
         self.root = {"Values": self.values, "Release": {"Name": release, "Namespace": namespace},
                      "Chart": {"Name": self.meta["name"], "Version": self.meta["version"],
                                "AppVersion": self.meta.get("appVersion", "")}}
@@ -119,6 +134,13 @@ class Chart:
                 parts.append(self._pipeline(node[1]))
             elif node[0] == "if":
                 parts.append(self._run(node[2] if _truthy(self._value(node[1])) else node[3]))
+            elif node[0] == "range":
+                mapping = self._value(node[3]) or {}
+                if not isinstance(mapping, dict):
+                    raise Unsupported(f"range over {node[3]}, which is not a map")
+                for key in sorted(mapping):  # Go's templates range over a map in key order
+                    self.variables[node[1]], self.variables[node[2]] = key, mapping[key]
+                    parts.append(self._run(node[4]))
             elif node[0] == "define":
                 self.defines[node[1]] = node[2]
         return "".join(parts)
@@ -152,6 +174,8 @@ class Chart:
         raise Unsupported(f"{{{{ {text} }}}}")
 
     def _value(self, ref: str):
+        if ref.startswith("$") and ref[1:] in self.variables:
+            return self.variables[ref[1:]]
         if not ref.startswith("."):
             raise Unsupported(f"{ref!r} (only .Values, .Release and .Chart paths)")
         node = self.root

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import threading
 import time
@@ -203,3 +205,119 @@ def test_status_wait_tries_again_until_its_time_is_up_then_says_why(tmp_path, ca
     start = time.monotonic()
     assert main(["status", "--endpoint", endpoint]) == 1
     assert time.monotonic() - start < 0.4
+
+
+# --- the first hour: what a newcomer types, answered in one line -----------------------------
+
+def test_version_names_the_package_and_the_protocol():
+    from client_lib.protocol import PROTOCOL_VERSION
+    out = nodeagent("--version")
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(rf"nodeagent \S+ \(protocol {PROTOCOL_VERSION[0]}\.{PROTOCOL_VERSION[1]}\)\n", out.stdout)
+
+
+@pytest.mark.parametrize("args, usage, meant", [
+    (["serve", "--quantum", "training=100"], "nodeagent serve", "--quantum-ms"),
+    (["serve", "--grace=50"], "nodeagent serve", "--grace-ms"),
+    (["keys", "generate", "--forc"], "nodeagent keys generate", "--force"),
+    (["status", "--jsn"], "nodeagent status", "--json"),
+])
+def test_an_unknown_flag_is_refused_by_its_command_naming_the_flag_meant(args, usage, meant):
+    out = nodeagent(*args)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"usage: {usage} "), out.stderr  # that command's usage, not the top level's
+    assert f"{usage}: error: unrecognized arguments: " in out.stderr
+    assert f"(did you mean {meant}?)" in out.stderr
+
+
+def test_serve_help_shows_the_default_endpoint_and_state_dir():
+    from client_lib.endpoint import daemon_endpoint
+    from nodeagent.config import default_state_dir
+    out = nodeagent("serve", "--help", env={**os.environ, "COLUMNS": "400"})
+    assert out.returncode == 0
+    assert f"(default here: {daemon_endpoint()};" in out.stdout
+    assert f"(default here: {default_state_dir()})" in out.stdout
+
+
+def documented_benchmarks() -> set[str]:
+    """Every benchmark the docs tell a user to run: `python -m bench.NAME` or `nodeagent bench NAME`."""
+    docs = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(path.read_text() for path in docs)
+    named = set(re.findall(r"python -m bench\.([a-z_]+)", text)) | set(re.findall(r"nodeagent bench ([a-z_]+)", text))
+    return named - {"models"}  # `python -m bench.models cold` is bench.switch's cold-start child, not a benchmark
+
+
+def test_bench_offers_every_benchmark_the_docs_name():
+    from nodeagent.cli import BENCHMARKS
+    documented = documented_benchmarks()
+    assert {"colocate", "llm_wake", "handoff"} <= documented  # the scan finds them
+    assert documented <= set(BENCHMARKS), f"documented but not offered by `nodeagent bench`: " \
+                                           f"{sorted(documented - set(BENCHMARKS))}"
+    for name in BENCHMARKS:  # each is a module that runs
+        assert 'if __name__ == "__main__":' in (REPO / "bench" / f"{name}.py").read_text(), name
+    out = nodeagent("bench", "--help", env={**os.environ, "COLUMNS": "400"})
+    assert all(name in out.stdout for name in BENCHMARKS), out.stdout
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_and_exit_2(workdir):
+    path = os.path.join(workdir, "latin1.toml")
+    with open(path, "wb") as f:
+        f.write(b'log_level = "info"\n# caf\xe9\n')
+    out = nodeagent("serve", "--backend", "cpu", "--config", path, "--state-dir", workdir)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"nodeagent: error: {path}: not UTF-8 text (line 2, byte 24: 0xe9); " \
+                         "TOML files are UTF-8: save it as UTF-8\n"
+
+
+def run_into_a_closed_pipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``nodeagent ARGS`` with stdout a pipe whose reader has already gone (`| head -1` that
+    has exited): every write it makes fails with EPIPE, every time, not in 7 of 10 tries."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "nodeagent", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=30, cwd=REPO, env=env)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["serve", "--help"], ["config-example"],
+                                  ["status"], ["status", "--json"], ["top", "--once"]])
+def test_a_reader_that_stops_reading_ends_a_command_quietly(args, daemon):
+    env = {**os.environ, "NODEAGENT_ENDPOINT": daemon.endpoint}
+    out = run_into_a_closed_pipe(*args, env=env)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+    assert out.stderr == "", out.stderr
+    # 141 as a shell reports a command SIGPIPE ended; argparse's --help and --version drop what
+    # cannot be written and exit 0.
+    assert out.returncode in (0, 141), out.stderr
+
+
+def test_keys_generate_into_a_closed_pipe_still_writes_its_keys(tmp_path):
+    out = run_into_a_closed_pipe("keys", "generate", "--dir", str(tmp_path / "keys"))
+    assert "Traceback" not in out.stderr and out.returncode == 141, out.stderr
+    assert (tmp_path / "keys" / "server.key_secret").exists()
+
+
+def test_a_fresh_start_says_what_matters_in_a_few_lines(workdir):
+    """A first start at the default level (issue 29: 17 lines, six of them a brand-new
+    journal's migrations): what it serves, on which backend, where, and anything wrong."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--config", "/dev/null",
+                             "--state-dir", os.path.join(workdir, "state"), "--endpoint", f"ipc://{workdir}/a.sock"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        before = []
+        for line in proc.stderr:
+            if line.startswith("nodeagent: ready "):
+                break
+            before.append(line)
+        else:
+            pytest.fail("serve ended before it was ready:\n" + "".join(before))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert "journal=" in line and os.path.join(workdir, "state", "state.db") in line  # where its state is
+    assert not any("migrated" in l for l in before), before
+    assert len(before) <= 6, "".join(before)
+    assert any("[journal] created" in l for l in before) and any("[serve] listening" in l for l in before)

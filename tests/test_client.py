@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import socket
@@ -144,6 +145,44 @@ def test_close_then_immediate_exit_is_a_clean_close_not_a_lost_session(daemon):
     # The daemon answers the bye before it writes its log line: read the log once all ten are there.
     log = wait_for(lambda: (lambda text: text if text.count("[session] close") == 10 else None)(daemon.log()))
     assert "lost session" not in log
+
+
+def _lost_total(daemon_url: str) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(daemon_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nodeagent_sessions_lost_total{"))
+
+
+def _metrics_url(daemon) -> str:
+    import re
+    return wait_for(lambda: re.search(r"\[metrics\] serving (http://\S+/metrics)", daemon.log())).group(1)
+
+
+def test_a_process_that_ends_without_closing_its_client_is_not_a_lost_session(start_daemon):
+    """A script that never calls close() nor uses `with` (issue 29): its process ends with
+    nothing undone, which the daemon tells from a lost client by its pidfd, no token held
+    and no frame half-sent."""
+    d = start_daemon("--metrics-port", "0")
+    url = _metrics_url(d)
+    code = ("import sys; from client_lib import Client; "
+            "c = Client('unclosed', endpoint=sys.argv[1]); c.acquire(timeout=10); c.release()")
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", code, d.endpoint], check=True, cwd=REPO, timeout=60)
+    log = wait_for(lambda: (lambda text: text if text.count("[session] end ") == 3 else None)(d.log()))
+    assert "lost session" not in log and "reason=exited" in log
+    assert _lost_total(url) == 0
+
+
+def test_a_process_that_dies_holding_the_token_is_still_a_lost_session(start_daemon, spawn):
+    d = start_daemon("--metrics-port", "0")
+    url = _metrics_url(d)
+    holder = spawn(d.endpoint, "hold", "--name", "victim")
+    holder.expect("GRANT")
+    holder.proc.send_signal(signal.SIGKILL)
+    log = wait_for(lambda: (lambda text: text if "lost session" in text else None)(d.log()))
+    assert "name=victim" in log and "reason=process_exited" in log
+    assert wait_for(lambda: _lost_total(url) == 1)
 
 
 def test_a_process_out_of_descriptors_gets_a_clear_error_and_its_clients_carry_on(daemon):

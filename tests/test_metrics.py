@@ -246,7 +246,8 @@ def test_dashboard_shows_what_operators_watch():
             "nodeagent_reclaims_total"} <= used
     for histogram in ("nodeagent_token_wait_seconds", "nodeagent_token_handoff_seconds"):
         for q in ("0.5", "0.99"):
-            assert any(e.startswith(f"histogram_quantile({q},") and f"{histogram}_bucket" in e for e in exprs), (
+            assert any(e.lstrip("(").startswith(f"histogram_quantile({q},") and f"{histogram}_bucket" in e
+                       for e in exprs), (
                 histogram, q)
 
 
@@ -260,14 +261,52 @@ def test_every_dashboard_expression_names_a_metric_the_daemon_exports(start_daem
         assert names <= exported, f"{sorted(names - exported)} in {expr!r} is not exported by the daemon"
 
 
-def test_every_series_the_dashboard_reads_has_a_sample_on_a_fresh_daemon(start_daemon):
+@pytest.mark.parametrize("sharing", ["corun", "exclusive"])
+def test_every_series_the_dashboard_reads_has_a_sample_on_a_fresh_daemon(start_daemon, sharing):
     """A healthy node that has seen nothing yet: every panel has a series to show (at 0),
-    not "No data". A labelled metric with no sample is exported as its HELP line alone."""
-    d = start_daemon("--metrics-port", "0")
+    not "No data". A labelled metric with no sample is exported as its HELP line alone.
+    Co-run (the GPU's default) has every series; an exclusive daemon has no pacing, and its
+    pacing panels say so (test_a_panel_that_can_be_empty_says_why)."""
+    d = start_daemon("--metrics-port", "0", "--sharing", sharing)
     _, families = scrape(metrics_url(d))
     sampled = {s.name for f in families.values() for s in f.samples}
     read = set().union(*map(metric_names, dashboard_queries(json.loads(DASHBOARD.read_text()))))
+    if sharing == "exclusive":
+        read -= {"nodeagent_pace_duty_permille", "nodeagent_pace_changes_total"}
     assert not read - sampled, f"no sample on a fresh daemon for {sorted(read - sampled)}: start them at 0"
+
+
+def test_every_exported_family_is_on_a_panel(start_daemon):
+    d = start_daemon("--metrics-port", "0", "--sharing", "corun")
+    _, families = scrape(metrics_url(d))
+    used = set().union(*map(metric_names, dashboard_queries(json.loads(DASHBOARD.read_text()))))
+    missing = sorted(f.name for f in families.values()
+                     if f.name.startswith("nodeagent_") and not any(
+                         f.name + suffix in used for suffix in SUFFIXES.get(f.type, ("",))))
+    assert not missing, f"exported but on no panel of {DASHBOARD.name}: {missing}"
+
+
+def _quantile_samples_free(expr: str) -> bool:
+    """Whether ``expr``, a quantile, draws nothing where it has no samples: NaN filtered out."""
+    return re.fullmatch(r"\(histogram_quantile\(.*\)\) >= 0", expr) is not None
+
+
+def test_a_panel_that_can_be_empty_says_why():
+    """A quantile over a window with no samples is NaN, which Grafana draws as nothing at all
+    (10 of the dashboard's expressions on a fresh daemon, 6 under the README's walkthrough):
+    each quantile keeps only numbers, and its panel says what it waits for."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        exprs = [t["expr"] for t in panel.get("targets", ())]
+        quantiles = [e for e in exprs if "histogram_quantile" in e]
+        may_be_empty = quantiles or any("nodeagent_pace_" in e for e in exprs)
+        for expr in quantiles:
+            assert _quantile_samples_free(expr), f"{panel['title']!r}: {expr} draws NaN before its first sample"
+        if may_be_empty:
+            no_value = panel["fieldConfig"]["defaults"].get("noValue", "")
+            assert no_value.startswith("no "), f"{panel['title']!r} says nothing while it has no samples"
+    assert _quantile_samples_free('(histogram_quantile(0.5, sum by (le) (rate(x_bucket[1m])))) >= 0')
+    assert not _quantile_samples_free('histogram_quantile(0.5, sum by (le) (rate(x_bucket[1m])))')
 
 
 def test_the_label_values_started_at_0_are_those_the_daemon_uses():

@@ -67,6 +67,29 @@ def test_an_error_echoes_the_request_id_whenever_it_can_be_read(shared_daemon, b
         peer.close()
 
 
+# An `op` whose value is a byte MessagePack never uses (0xC1): msgspec's typed decoder reads it as
+# one byte of unknown type and refuses the op (a ValidationError, not a DecodeError), and the id
+# salvage that follows decodes loosely, fails on the same byte, and said id 0. Needs the codec
+# change described in the firsthour helper's report (client_lib/codec.py belongs to the lead).
+@pytest.mark.xfail(strict=True, reason="client_lib/codec.py: _salvage_id must fall back to _scan_id, and "
+                                       "_scan_id read past a 0xC1 value (issue 29 part 4)")
+@pytest.mark.parametrize("body", [
+    b"\x82\xa2id\x07\xa2op\xc1",                   # the id, then an op that is not MessagePack
+    b"\x82\xa2op\xc1\xa2id\x07",                   # the op first, as msgspec and most encoders write it
+    b"\x83\xa2op\xc1\xa2id\x07\xa5quiet\xc3",        # ... and a field after the id
+], ids=["id-then-bad-op", "bad-op-then-id", "bad-op-id-field"])
+def test_an_op_that_is_not_messagepack_is_answered_with_the_requests_id(shared_daemon, body):
+    peer = RawPeer(shared_daemon.endpoint)
+    try:
+        peer.send(body)
+        reply = peer.recv()
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST, reply
+        assert reply.id == 7, reply
+        assert isinstance(peer.call(p.StatusRequest(id=8)), p.StatusReply)  # the connection serves on
+    finally:
+        peer.close()
+
+
 @pytest.mark.parametrize("body", [
     enc([1, 2, 3]),                               # not a map
     enc({"op": "status", "id": -4}),              # an id out of range

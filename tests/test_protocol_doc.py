@@ -31,7 +31,8 @@ import pytest
 from client_lib import protocol as p
 from sharing import DeviceState, SessionState
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "protocol.md"
 
 _MESSAGE_HEADING = re.compile(r"^#{2,4} `([a-z_]+)` \((request|reply|notice)\)\s*$")
 _STRUCT_HEADING = re.compile(r"^#{2,4} `([A-Z][A-Za-z]+)`\s*$")
@@ -122,8 +123,35 @@ def code_structs() -> dict[tuple[str, str], Shape]:
     return structs
 
 
+# The packages whose errors a user can catch: each string constant that is an error code in
+# their source (an ErrorCode, a ``code = "E_..."`` of an exception class, placement's own).
+_PRODUCT = ("client_lib", "nodeagent", "sharing", "ctxpool", "nodeagent_ray")
+_WHOLE_CODE = re.compile(r"E_[A-Z][A-Z_]*")
+
+
+def scanned_error_codes() -> dict[str, str]:
+    """Every string constant in the product's source that is an error code -> a file that has it."""
+    import ast
+    found: dict[str, str] = {}
+    for package in _PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and _WHOLE_CODE.fullmatch(node.value):
+                    found.setdefault(node.value, str(path.relative_to(ROOT)))
+    return found
+
+
 def code_errors() -> set[str]:
-    return {v for k, v in vars(p.ErrorCode).items() if k.isupper() and isinstance(v, str)}
+    declared = {v for k, v in vars(p.ErrorCode).items() if k.isupper() and isinstance(v, str)}
+    return declared | set(scanned_error_codes())
+
+
+def test_the_error_code_scan_finds_codes_outside_error_code():
+    found = scanned_error_codes()
+    # raised by client_lib (its base error, placement's checks) and the daemon's MPS manager
+    assert {"E_CLIENT", "E_BAD_REPLY", "E_NOT_SUSPENDED", "E_MPS"} <= set(found), found
+    assert found["E_MPS"] == "nodeagent/mps.py"
 
 
 # ---------------------------------------------------------------------- the doc

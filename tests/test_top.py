@@ -54,7 +54,10 @@ def test_the_timeline_names_who_held_each_bucket_longest():
     # buckets 99..106, oldest first: 99 before anything, 100-101 a, 102 a (0.5 > 0.3 b, 0.2 idle),
     # 103 idle (0.2 b), 104 idle (0.4 a < 0.6 free), 105 a, 106 a (0.5 of the 0.5 so far)
     assert report.timeline == ["", "s-a", "s-a", "s-a", "", "", "s-a", "s-a"]
-    assert report.names == {"s-a": "trainer-a"} and report.bucket_ms == 1000.0
+    assert report.bucket_ms == 1000.0
+    # (2.7) and everyone who held it in each bucket, longest first: b's two short turns too
+    assert report.holders == [[], ["s-a"], ["s-a"], ["s-a", "s-b"], ["s-b"], ["s-a"], ["s-a"], ["s-a"]]
+    assert report.names == {"s-a": "trainer-a", "s-b": "trainer-b"}
     # A wider view of the same: b wins its bucket when it held it longest.
     stats.slice_ended("s-a", 107.0)
     stats.granted("s-b", "trainer-b", 107.0, 0.0)
@@ -170,6 +173,37 @@ def test_a_session_name_cannot_write_escape_codes_to_the_terminal():
     frame = "\n".join(top.render(status, "ipc:///x"))
     assert "\x1b" not in frame and "\x07" not in frame and "\r" not in frame
     assert "holder  A x?]0;owned??[2J?name" in frame and "left    B ?[31mred" in frame and "|BA| now" in frame
+
+
+def test_the_strip_shows_the_token_moving_not_only_who_held_longest():
+    """A trainer holds most of every second and a service takes short slices in some (the
+    README's walkthrough): the strip alone says only the trainer; the row under it shows the
+    service's turns, and its name is shown whole."""
+    trainer = p.SessionInfo(id="s-t", name="examples/train_loop", pid=5, pid_verified=True, workload="training",
+                            weight=1.0, state="holding", gpu_time_s=9.0, grants=40, memory_mb=0)
+    service = p.SessionInfo(id="s-i", name="examples/inference_service", pid=6, pid_verified=True,
+                            workload="inference", weight=1.0, state="idle", gpu_time_s=0.4, grants=40, memory_mb=0)
+    activity = p.TokenActivity(grants=80, timeline=["s-t", "s-t", "s-t", "", "s-t"],
+                               holders=[["s-t", "s-i"], ["s-t"], ["s-t", "s-i", "s-x"], ["s-i"], ["s-t", "s-i"]],
+                               names={"s-t": "examples/train_loop", "s-i": "examples/inference_service",
+                                      "s-x": "other"})
+    status = p.StatusReply(id=1, protocol=(2, 7), daemon_pid=1, backend="cpu", uptime_s=3.0, devices=[
+        p.DeviceInfo(index=0, backend="cpu", uuid="CPU-0", name="cpu:0", memory_total_bytes=1 << 30,
+                     memory_used_bytes=None, utilization_percent=None, holder="s-t", queue=[],
+                     sessions=[trainer, service], activity=activity)])
+    frame = "\n".join(top.render(status, "ipc:///x"))
+    assert "|AAA.A| now" in frame, frame
+    [also] = [line for line in frame.splitlines() if line.strip().startswith("also |")]
+    assert also.strip() == "also |B +BB|", frame  # B's turns; "+": two others; the idle second: B held some
+    assert also.index("|") == frame.splitlines()[[i for i, line in enumerate(frame.splitlines())
+                                                  if "| now" in line][0]].index("|")  # under the strip
+    assert "examples/inference_service " in frame  # whole, not examples/inference_
+    from nodeagent.cli import format_status
+    assert "examples/inference_service " in format_status(status)
+    # a daemon before 2.7 sends no holders: no second row
+    older = p.TokenActivity(grants=80, timeline=activity.timeline, names=activity.names)
+    status.devices[0].activity = older
+    assert "also |" not in "\n".join(top.render(status, "ipc:///x"))
 
 
 # --------------------------------------------------------------------- --once, real daemon

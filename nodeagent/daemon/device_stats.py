@@ -100,24 +100,26 @@ class DeviceStats:
         for lane, (session, _, _) in list(self._open.items()):
             if session not in holders:
                 self._close(lane, now)
-        timeline, names = self._timeline(now)
+        timeline, holders, names = self._timeline(now)
         waits = sorted(self._waits)
         return p.TokenActivity(
             grants=self.grants, preemptions=self.preemptions, quantum_yields=self.quantum_yields,
             enforcements=self.enforcements, suspensions=self.suspensions, waits=len(waits),
             wait_p50_ms=percentile(waits, 50) * 1e3 if waits else None,
             wait_p99_ms=percentile(waits, 99) * 1e3 if waits else None,
-            bucket_ms=self.bucket_s * 1e3, timeline=timeline, names=names)
+            bucket_ms=self.bucket_s * 1e3, timeline=timeline, names=names, holders=holders)
 
-    def _timeline(self, now: float) -> tuple[list[str], dict[str, str]]:
+    def _timeline(self, now: float) -> tuple[list[str], list[list[str]], dict[str, str]]:
         """Per bucket, oldest first and ending with the one ``now`` is in: the session that
-        held the token longest (or ``MANY``), or ``IDLE`` if it was free for longer. A past
-        bucket's answer is kept until a slice closing into it changes it."""
+        held the token longest (or ``MANY``), or ``IDLE`` if it was free for longer; every
+        session that held a token in it, longest first; and the names of the ids in either.
+        A past bucket's winner is kept until a slice closing into it changes it."""
         bs = self.bucket_s
         current = int(now // bs)
         running = list(self._open.values())
         open_from = min((int(since // bs) for _, _, since in running), default=current + 1)
         timeline: list[str] = []
+        holders: list[list[str]] = []
         names: dict[str, str] = {}
         for b in range(current - self.buckets + 1, current + 1):
             i = b % self.buckets
@@ -127,6 +129,7 @@ class DeviceStats:
                 if cached is None or cached[0] != b:
                     cached = self._best[i] = (b, _winner(slot, bs, {}))
                 best = cached[1]
+                extra = {}
             else:
                 start = b * bs
                 extra = {}
@@ -136,10 +139,16 @@ class DeviceStats:
                         extra[session] = extra.get(session, 0.0) + seconds
                 best = _winner(slot, min(now, start + bs) - start, extra)
             timeline.append(best)
-            if best != IDLE and best != MANY and best not in names:
-                names[best] = (slot[best][1] if slot is not None and best in slot
-                               else next(name for session, name, _ in running if session == best))
-        return timeline, names
+            seconds = {sid: entry[0] for sid, entry in (slot or {}).items()}
+            for sid, more in extra.items():
+                seconds[sid] = seconds.get(sid, 0.0) + more
+            held = sorted((sid for sid, s in seconds.items() if s > 0), key=lambda sid: -seconds[sid])
+            holders.append(held)
+            for sid in held:
+                if sid != MANY and sid not in names:
+                    names[sid] = (slot[sid][1] if slot is not None and sid in slot
+                                  else next(name for session, name, _ in running if session == sid))
+        return timeline, holders, names
 
     # ------------------------------------------------------------ bucket arithmetic
 

@@ -64,6 +64,9 @@ class Pacing:
         the last daemon left is reused in place or replaced by rename, never truncated under its readers."""
         if not self._devices:
             return
+        if self._metrics is not None:  # each co-run device's series from the start: 0 changes yet
+            for device in self._controllers:
+                self._metrics.pace_changes.labels(str(device))
         base = os.path.dirname(socket_path) if socket_path else state_dir
         directory = os.path.join(base or ".", PACE_DIR)
         system = os.geteuid() == 0

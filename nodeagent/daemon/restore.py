@@ -125,7 +125,9 @@ class Restorer:
             self._parked.setdefault(rec.device, [])
             restored += 1
         self._restore_deadline = now + self._config.heartbeat_timeout_s
-        log.info("[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
+        # A first boot has nothing to restore: that is not news on a fresh start.
+        log.log(logging.DEBUG if boot == 1 and not (restored or dropped or bad) else logging.INFO,
+                "[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
         return boot
 
     # --------------------------------------------------------- restore window

@@ -75,6 +75,7 @@ STATUS_JOBS_PER_PEER = 4  # of those, from one uid (or one cluster peer): a floo
 MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
 MAX_SLO_MS = 3_600_000.0
+ENDED = "exited"  # a session's end reason when its process ended leaving nothing undone: not a lost one
 
 
 class AgentServer:
@@ -834,8 +835,9 @@ class AgentServer:
         """End a session; a token it held passes on at once."""
         if not self._sessions.remove(s):
             return
+        exited = reason in ("process_exited", ENDED)  # its process is gone, not only its connection
         if s.managed_pidfd is not None and reason != "bye" and (
-                reason == "process_exited" or procwatch.exiting(s.pidfd, s.verified_pid)):
+                exited or procwatch.exiting(s.pidfd, s.verified_pid)):
             # Its launcher died (the launcher ends its program itself whenever it exits
             # alive; its connection may close before its pidfd says it exited): nothing
             # may run unmanaged, so the program goes with it.
@@ -844,7 +846,7 @@ class AgentServer:
             # The launcher lives (bye, a lost connection): undo any stop of ours whatever the
             # reason (harmless if none); its own stop is its to undo (nodeagent.enforce).
             self._tokens.cont(s, anyway=True)
-        elif s.stopped and reason != "process_exited":
+        elif s.stopped and not exited:
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)
         self._tokens.end_slice(s, now)
@@ -855,6 +857,9 @@ class AgentServer:
         self._restorer.forget(s, now)
         if reason == "bye":
             log.info("[session] close session=%s name=%s", s.id, s.name)
+        elif reason == ENDED:  # not lost: nothing was left undone
+            log.info("[session] end session=%s name=%s pid=%d reason=%s (its process ended without closing "
+                     "its client, holding no token)", s.id, s.name, s.pid, reason)
         else:
             self.metrics.sessions_lost.labels(reason).inc()
             log.warning("[session] lost session=%s name=%s pid=%d reason=%s", s.id, s.name, s.pid, reason)
@@ -866,7 +871,7 @@ class AgentServer:
     def _reap_exited(self) -> None:
         """Sessions whose process exited (their pidfd became readable)."""
         for session in self._sessions.exited():
-            self._drop(session, "process_exited", self._clock())
+            self._drop(session, self._exit_reason(session), self._clock())
 
     def _flush_unreachable(self) -> None:
         while self._unreachable:
@@ -874,8 +879,19 @@ class AgentServer:
             s = self._sessions.by_route(peer)
             if s is not None:
                 if reason == "closed":  # say why, when it is known: its process is gone, or only the connection
-                    reason = "process_exited" if procwatch.pidfd_exited(s.pidfd) else "disconnected"
+                    reason = self._exit_reason(s) if procwatch.exiting(s.pidfd, s.verified_pid) else "disconnected"
                 self._drop(s, reason, self._clock())
+
+    def _exit_reason(self, s: Session) -> str:
+        """Why the session of a process that exited (or is exiting) ends: ``ENDED`` when nothing
+        was left undone, as a script that never closed its Client leaves it: the process is the
+        kernel's word (pidfd), it held no token, and its connection holds no frame half-sent;
+        else ``process_exited``, a lost session (it died mid-slice or mid-frame)."""
+        peer = s.route
+        half_sent = isinstance(peer, Peer) and len(peer.frames) > 0
+        if s.pidfd is None or half_sent or s.id in self._tokens.holders(s.device):
+            return "process_exited"
+        return ENDED
 
     def _send(self, route: bytes | None, msg) -> None:
         if route is None:  # a restored session that has not reattached yet

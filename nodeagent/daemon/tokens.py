@@ -30,6 +30,7 @@ from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
+from sharing.yield_grace import YieldGrace
 from sharing.corun import CoRunScheduler
 
 log = logging.getLogger("nodeagent.daemon.tokens")
@@ -53,6 +54,7 @@ class Tokens:
         self._device_total = device_count  # grant ids interleave across devices (new_scheduler)
         self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
         self._enforce_mode = config.enforce  # "stop" (SIGSTOP a verified overrunner) or "revoke"
+        self._late = YieldGrace()  # how long each session's yields take; a late one is waited for once
         self._sessions = sessions
         self._metrics = metrics
         self._journal = journal
@@ -99,6 +101,7 @@ class Tokens:
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
+        self._late.forget(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
         self.pacing.drop(sid)
 
@@ -128,6 +131,7 @@ class Tokens:
         """Client session ``s`` gives ``grant`` back (NotHolderError, nothing changed, if it does
         not hold it): its slice is over, and the next holder hears before anything is counted."""
         actions = self.schedulers[s.device].release(s.id, grant, now, requeue=requeue)
+        self._late.yielded(s.id, now)
         held_since = s.granted_at
         s.grant = s.granted_at = None
         if requeue:
@@ -268,6 +272,7 @@ class Tokens:
                             deadline_ms=action.deadline_ms)
                 self._metrics.yield_requests.labels(str(s.device), action.reason).inc()
                 self.stats[s.device].yield_asked(action.reason)
+                self._late.asked(s.id, now)
                 log.debug("[token] ask-yield session=%s grant=%d reason=%s", s.id, action.grant, action.reason)
             elif kind is Enforce:
                 self._enforce(action, now)
@@ -282,8 +287,11 @@ class Tokens:
         token away. The waiter is granted before the log line; the journal write
         stays ahead of SIGSTOP."""
         s = self._sessions[action.session]
+        if self._wait_for_late_yield(s, action, now):
+            return
         self.stats[s.device].enforced()
         if self._enforce_mode == "stop" and self.stop(s):
+            self._late.stopped(s.id)
             self.end_slice(s, now)
             self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
             self._metrics.enforcements.labels("stop").inc()
@@ -291,11 +299,28 @@ class Tokens:
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
                         s.id, action.grant, action.overrun_ms, s.pid, s.managed_pgid)
             return
+        self._late.ended(s.id)
         self.apply(self.schedulers[s.device].revoke(s.id, now, "overrun"), now, handoff_from=now)
         self._metrics.enforcements.labels("revoke").inc()
         self._bus.event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="revoke")
         log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=revoke verified=%s",
                     s.id, action.grant, action.overrun_ms, enforce.can_signal(s))
+
+    def _wait_for_late_yield(self, s: Session, action: Enforce, now: float) -> bool:
+        """A verified holder that would be stopped is first warned and waited for once in this
+        ask, by what its own yields take (:mod:`sharing.yield_grace`): a cooperative client on a
+        loaded host is late, not hostile. True if it was given that time."""
+        if self._enforce_mode != "stop" or not enforce.can_signal(s):
+            return False
+        scheduler = self.schedulers[s.device]
+        extra_s = self._late.extension_s(s.id, scheduler.policy.grace_ms / 1000.0)
+        if extra_s is None or not scheduler.extend_yield(s.id, now, extra_s):
+            return False
+        slowest = self._late.slowest_s(s.id)
+        log.warning("[token] late yield session=%s grant=%d overrun_ms=%.1f: waiting %.0f ms more before a stop "
+                    "(its yields took up to %s)", s.id, action.grant, action.overrun_ms, extra_s * 1e3,
+                    "%.0f ms" % (slowest * 1e3) if slowest is not None else "? ms: none measured yet")
+        return True
 
     # ------------------------------------------------------------------ stopping
 

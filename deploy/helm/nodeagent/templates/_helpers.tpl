@@ -1,5 +1,5 @@
 {{/* Templates here use only what tests/helm_subset.py renders: value paths, include, toYaml,
-nindent, quote, default, if/else/end and define. */}}
+nindent, quote, default, if/else/end, define and range $key, $value over a map. */}}
 
 {{- define "nodeagent.labels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
