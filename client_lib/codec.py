@@ -109,7 +109,7 @@ def _salvage_id(frame: bytes) -> int:
     try:
         loose = _loose_decoder.decode(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
-        return 0
+        return _scan_id(frame)  # malformed further on (an `op` of 0xC1): walk the keys for it
     if isinstance(loose, dict):
         rid = loose.get("id")
         rid = _exact_integer(rid) if type(rid) is float else rid
@@ -170,6 +170,9 @@ def _scan_id(frame: bytes) -> int:
                 value = int.from_bytes(raw, "big", signed=b >= 0xD0)
                 if len(raw) == width and 0 <= value < 2**63:
                     found = value  # a later "id" wins, as when decoding
+        if pos < len(frame) and frame[pos] == 0xC1:  # a value MessagePack never uses: one byte, as msgspec reads it
+            pos += 1
+            continue
         value = _skip(frame, pos, steps)
         if value is None:
             break

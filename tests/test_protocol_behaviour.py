@@ -68,11 +68,8 @@ def test_an_error_echoes_the_request_id_whenever_it_can_be_read(shared_daemon, b
 
 
 # An `op` whose value is a byte MessagePack never uses (0xC1): msgspec's typed decoder reads it as
-# one byte of unknown type and refuses the op (a ValidationError, not a DecodeError), and the id
-# salvage that follows decodes loosely, fails on the same byte, and said id 0. Needs the codec
-# change described in the firsthour helper's report (client_lib/codec.py belongs to the lead).
-@pytest.mark.xfail(strict=True, reason="client_lib/codec.py: _salvage_id must fall back to _scan_id, and "
-                                       "_scan_id read past a 0xC1 value (issue 29 part 4)")
+# one byte of unknown type and refuses the op (a ValidationError, not a DecodeError); the loose
+# decode of the id salvage fails on the same byte, so the id is read by walking the map's keys.
 @pytest.mark.parametrize("body", [
     b"\x82\xa2id\x07\xa2op\xc1",                   # the id, then an op that is not MessagePack
     b"\x82\xa2op\xc1\xa2id\x07",                   # the op first, as msgspec and most encoders write it
