@@ -219,11 +219,11 @@ def test_the_planned_pytest_steps_name_test_files_that_exist():
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # torch imported in the probe: minutes on a loaded 2-core VM
 def test_a_step_that_cannot_start_in_what_is_left_is_skipped_budget_by_name(tmp_path):
-    """With 120 s of budget, what the wheels and the probe took spent and 15 s kept back, a step whose
+    """With 70 s of budget, what the wheels and the probe took spent and 15 s kept back, a step whose
     cap is over what is left is not started (skipped-budget, by name); one that fits runs (here it
     fails or skips at once: no GPU)."""
     pytest.importorskip("torch")
-    run, folder, _ = _gpu_check(tmp_path, "rest", GPU_CHECK_FORCE="1", GPU_CHECK_BUDGET_S="120",
+    run, folder, _ = _gpu_check(tmp_path, "rest", GPU_CHECK_FORCE="1", GPU_CHECK_BUDGET_S="70",
                                 GPU_CHECK_ENV_CAP_S="60", GPU_CHECK_STEPS="llm-wake,mps-fault,nccl-park")
     with open(folder / "steps-rest.tsv") as f:
         steps = {row["step"]: row for row in csv.DictReader(f, delimiter="\t")}
@@ -238,7 +238,7 @@ def test_a_step_that_cannot_start_in_what_is_left_is_skipped_budget_by_name(tmp_
             assert said.group(1) == "skipped-budget" and steps[name]["status"] == "skipped-budget", name
         else:
             assert said.group(1) == "running" and steps[name]["status"] in ("ok", "failed", "timeout"), name
-    assert steps["llm-wake"]["status"] == "skipped-budget"  # 60 s: over what 120 s leaves after the set-up
+    assert steps["llm-wake"]["status"] == "skipped-budget"  # 60 s: over the 55 s that 70 s leaves at most
     assert steps["switch"]["status"] == "not-asked"
     assert {s["step"] for s in json.loads((folder / "summary-rest.json").read_text())["steps"]} >= set(steps)
 

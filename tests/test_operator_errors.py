@@ -199,6 +199,8 @@ def test_status_with_no_socket_file_says_so_at_once(workdir):
 def test_run_with_no_daemon_says_there_is_none_not_that_it_was_lost(workdir):
     marker = os.path.join(workdir, "ran")
     out = nodeagent("run", "--endpoint", f"ipc://{workdir}/nobody.sock", "--", "touch", marker)
+    # As root, the launcher first says its cgroup hold is not trusted (issue 32 item 4): its own line.
+    out.stderr = "".join(line for line in out.stderr.splitlines(True) if "the hold is not trusted" not in line)
     line = one_error_line(out)
     assert out.returncode == 0 and os.path.exists(marker)  # fail-open: CMD ran, unmanaged
     assert "no nodeagent daemon at" in line and "lost" not in line and "until one starts" in line

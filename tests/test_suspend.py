@@ -276,6 +276,7 @@ def test_a_daemon_sigkilled_mid_suspension_finishes_it_after_a_restart(start_dae
         os.kill(trainer.proc.pid, signals.SIGCONT)
         trainer.expect("PARKED", timeout=10)  # asked again by the restarted daemon, it parks now
     wait_for(lambda: getattr(_session_or_none(d2, "trainer"), "suspended", None) == "suspended", timeout=10)
+    wait_for(lambda: session_by_name(d2, "trainer").attached, timeout=10)  # its reattach backs off (issue 32)
     info = session_by_name(d2, "trainer")
     assert info.id == sid and info.bytes_parked == 4096 and info.attached
     time.sleep(0.3)
