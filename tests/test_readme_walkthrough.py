@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,21 @@ def test_the_demo_says_what_it_does_before_its_daemon_is_up(tmp_path):
     line = first_line([sys.executable, "-m", "nodeagent", "demo", "--seconds", "1"], env)
     # before the daemon it starts prints "nodeagent: ready" on the same pipe
     assert line.startswith("nodeagent demo: an inference and a training client sharing device 0"), line
+
+
+def test_a_demo_whose_clients_never_connect_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """The clients' first torch import after a set-up can take minutes on a busy VM; past the
+    demo's wait it says so in one line, ends its clients, and leaves no daemon (it once raised
+    BrokenBarrierError with three tracebacks). Here torch is a package whose import never ends."""
+    from nodeagent import demo
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import select\nselect.select([], [], [])  # an import that never ends\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")  # the spawned clients' path
+    monkeypatch.delenv("NODEAGENT_ENDPOINT", raising=False)
+    monkeypatch.setattr(demo, "CONNECT_S", 3.0)
+    started = time.monotonic()
+    assert demo.run_demo(1.0) == 1
+    err = capsys.readouterr().err
+    assert "nodeagent demo: the two clients did not connect within 3 s" in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 60
