@@ -27,7 +27,7 @@ EXIT_ADDRESS_UNUSABLE = 78  # sysexits EX_CONFIG: a valid address this host cann
 # What `nodeagent bench NAME` runs (python -m bench.NAME): every benchmark the README and
 # bench/README.md tell a user to run (tests/test_cli.py checks the docs against this list).
 BENCHMARKS = ("handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend", "switch", "reclaim",
-              "llm_wake", "scrapers", "colocate", "mps_fault", "cluster_sim", "report")
+              "llm_wake", "scrapers", "colocate", "replay", "mps_fault", "cluster_sim", "report", "gpu_summary")
 
 EPILOG = """\
 environment:

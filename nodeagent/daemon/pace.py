@@ -65,7 +65,7 @@ class Pacing:
         if not self._devices:
             return
         if self._metrics is not None:  # each co-run device's series from the start: 0 changes yet
-            for device in self._controllers:
+            for device in self._devices:
                 self._metrics.pace_changes.labels(str(device))
         base = os.path.dirname(socket_path) if socket_path else state_dir
         directory = os.path.join(base or ".", PACE_DIR)
