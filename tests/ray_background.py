@@ -45,11 +45,11 @@ def _popen(*args: str) -> subprocess.Popen:
 
 
 def full_run() -> Outcome:
-    """The whole scenario, SIGTERMed (it stops everything it started, then prints its JSON) past 360 s."""
+    """The whole scenario, SIGTERMed (it stops everything it started, then prints its JSON) past 600 s."""
     started = time.monotonic()
     proc = _popen()
     try:
-        stdout, stderr = proc.communicate(timeout=360)
+        stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=50)
