@@ -13,6 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from client_lib import codec
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, LoopHandle, Replies
 from nodeagent.daemon.loop import EventLoopPoller
@@ -71,3 +72,17 @@ def replies(sent: list, session_for=lambda route, request_id, now: None) -> Repl
                                                                                      message=message))),
                    bad=lambda route, rid, message: sent.append((route, ("bad", rid, message))),
                    session_for=session_for)
+
+
+class RecordingLocal:
+    """Stands in for the LocalEndpoint: every message the daemon sends, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, object]] = []
+
+    def send(self, route, body: bytes) -> bool:
+        self.sent.append((route, codec.decode_reply(body)))
+        return True
+
+    def of(self, route) -> list:
+        return [msg for r, msg in self.sent if r == route]

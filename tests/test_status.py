@@ -20,22 +20,9 @@ from nodeagent.devices import CpuBackend
 from nodeagent.metrics import Metrics
 from nodeagent.procwatch import PeerCredentials
 from sharing import Workload
+from tests.daemon_parts import RecordingLocal
 from tests.conftest import REPO
 from tests.nonroot import nobody_daemon  # noqa: F401 - a fixture
-
-
-class RecordingLocal:
-    """Stands in for the LocalEndpoint: every message the daemon sends, in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[object, object]] = []
-
-    def send(self, route, body: bytes) -> bool:
-        self.sent.append((route, codec.decode_reply(body)))
-        return True
-
-    def of(self, route) -> list:
-        return [msg for r, msg in self.sent if r == route]
 
 
 def _server(workdir: str, idle_sessions: int) -> tuple[AgentServer, RecordingLocal]:

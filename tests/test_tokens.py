@@ -10,7 +10,6 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from client_lib import codec
 from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.server import AgentServer
@@ -18,15 +17,7 @@ from nodeagent.daemon.sessions import Session
 from nodeagent.devices import CpuBackend
 from nodeagent.metrics import Metrics
 from sharing import Workload
-
-
-class RecordingLocal:
-    def __init__(self) -> None:
-        self.sent: list[tuple[object, object]] = []
-
-    def send(self, route, body: bytes) -> bool:
-        self.sent.append((route, codec.decode_reply(body)))
-        return True
+from tests.daemon_parts import RecordingLocal
 
 
 @pytest.mark.parametrize("sharing", ["exclusive", "corun"])
