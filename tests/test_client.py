@@ -159,19 +159,74 @@ def _metrics_url(daemon) -> str:
     return wait_for(lambda: re.search(r"\[metrics\] serving (http://\S+/metrics)", daemon.log())).group(1)
 
 
+# A client process that closes its connection, waits argv[2] s, then ends without Python's
+# finalizers (os._exit): its connection closes before the kernel marks it exiting, as a script's
+# does when its interpreter finalizes (Client.__del__'s bye may or may not get out by then).
+_CLOSE_THEN_EXIT = """
+import os, socket, sys, time
+from client_lib import Client
+c = Client("unclosed", endpoint=sys.argv[1], reconnect=False)  # nothing reattaches it
+c.acquire(timeout=10)
+c.release()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            socket.socket(fileno=int(fd)).shutdown(socket.SHUT_RDWR)  # at once, whoever polls it
+    except OSError:
+        pass
+time.sleep(float(sys.argv[2]))
+os._exit(0)
+"""
+
+
 def test_a_process_that_ends_without_closing_its_client_is_not_a_lost_session(start_daemon):
-    """A script that never calls close() nor uses `with` (issue 29): its process ends with
-    nothing undone, which the daemon tells from a lost client by its pidfd, no token held
-    and no frame half-sent."""
+    """A script that never calls close() nor uses `with` (issue 29): its session ends, by the
+    bye Client.__del__ sends at interpreter exit or, where that does not get out, as `exited`
+    (its pidfd, no token held, no frame half-sent): never lost."""
     d = start_daemon("--metrics-port", "0")
     url = _metrics_url(d)
     code = ("import sys; from client_lib import Client; "
             "c = Client('unclosed', endpoint=sys.argv[1]); c.acquire(timeout=10); c.release()")
     for _ in range(3):
         subprocess.run([sys.executable, "-c", code, d.endpoint], check=True, cwd=REPO, timeout=60)
-    log = wait_for(lambda: (lambda text: text if text.count("[session] end ") == 3 else None)(d.log()))
+    log = wait_for(lambda: (lambda text: text if text.count("[session] end ") + text.count("[session] close ")
+                            == 3 else None)(d.log()), timeout=15)
+    assert "lost session" not in log
+    assert _lost_total(url) == 0
+
+
+def test_a_connection_closed_just_before_its_process_exits_is_not_a_lost_session(start_daemon):
+    """The race behind the unclosed script: its connection closes while the kernel still has
+    it running (not yet exiting). The daemon waits for its pidfd (ENDED_GRACE_S) instead of
+    calling it lost; on a loaded host the gap is seconds."""
+    d = start_daemon("--metrics-port", "0")
+    url = _metrics_url(d)
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", _CLOSE_THEN_EXIT, d.endpoint, "0.5"], check=True, cwd=REPO,
+                       timeout=60)
+    log = wait_for(lambda: (lambda text: text if text.count("[session] end ") == 2 else None)(d.log()), timeout=15)
     assert "lost session" not in log and "reason=exited" in log
     assert _lost_total(url) == 0
+
+
+def test_a_connection_closed_by_a_process_that_lives_on_is_lost_after_the_grace(start_daemon):
+    """The fault side: a process that closes its connection and lives on is a lost session,
+    `disconnected`, once the grace passes (nothing waits on it forever)."""
+    from nodeagent.daemon.server import ENDED_GRACE_S
+    d = start_daemon("--metrics-port", "0")
+    url = _metrics_url(d)
+    proc = subprocess.Popen([sys.executable, "-c", _CLOSE_THEN_EXIT, d.endpoint, "60"], cwd=REPO)
+    try:
+        try:
+            log = wait_for(lambda: (lambda text: text if "lost session" in text else None)(d.log()),
+                           timeout=ENDED_GRACE_S + 10)
+        except AssertionError:
+            raise AssertionError(d.log()) from None
+        assert "reason=disconnected" in log and proc.poll() is None, log
+        assert wait_for(lambda: _lost_total(url) == 1)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_process_that_dies_holding_the_token_is_still_a_lost_session(start_daemon, spawn):

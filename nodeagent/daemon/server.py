@@ -60,7 +60,7 @@ from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
 from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
 from nodeagent.daemon.suspension import Suspensions
-from sharing import NotHolderError, Workload
+from sharing import NotHolderError, SessionState, Workload
 from sharing.partition import ACTIVE_THREAD_PERCENTAGE_ENV as ACTIVE_THREADS_ENV, PartitionError
 
 log = logging.getLogger("nodeagent.server")
@@ -76,6 +76,10 @@ MAX_NAME_CHARS = 128
 MAX_WEIGHT = 1e6
 MAX_SLO_MS = 3_600_000.0
 ENDED = "exited"  # a session's end reason when its process ended leaving nothing undone: not a lost one
+# How long a session whose connection closed with nothing undone waits for its process's pidfd
+# before it is called lost: a Python client's socket closes while its interpreter finalizes,
+# before the kernel marks the process exiting; on a loaded host that takes seconds.
+ENDED_GRACE_S = 3.0
 
 
 class AgentServer:
@@ -100,6 +104,9 @@ class AgentServer:
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
         self._unreachable: list[tuple[Peer, str]] = []  # connections gone, handled after the step that saw it
+        # Sessions whose connection closed with nothing undone while their process still ran:
+        # id -> when they are called lost unless their pidfd says the process ended first.
+        self._closing: dict[str, float] = {}
         self._local: LocalEndpoint | None = None
         self._metrics_http: MetricsEndpoint | None = None  # Prometheus scrapes, once serve_metrics() is called
         self._poller = EventLoopPoller()
@@ -764,6 +771,8 @@ class AgentServer:
 
     def _on_timers(self, now: float) -> None:
         self._tokens.on_timers(now)
+        if self._closing:
+            self._drop_closed(now)
         if now >= self._next_liveness_check:
             self._check_heartbeats(now)
             self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
@@ -788,7 +797,7 @@ class AgentServer:
         serving_at = self._serving.next_deadline()
         if serving_at is not None and serving_at < wake_at:
             wake_at = serving_at
-        wake_at = min(wake_at, self._attained.next_deadline())
+        wake_at = min(wake_at, self._attained.next_deadline(), *self._closing.values())
         if self._metrics_http is not None:
             metrics_at = self._metrics_http.next_deadline()
             if metrics_at is not None and metrics_at < wake_at:
@@ -821,7 +830,8 @@ class AgentServer:
         # process cannot heartbeat: its pidfd says whether it lives. A restored
         # session that has not reattached (no connection) gets the timeout to do so.
         for s in [s for s in self._sessions.values()
-                  if now - s.last_seen > limit and not s.stopped and (s.pidfd is None or s.route is None)]:
+                  if now - s.last_seen > limit and not s.stopped and (s.pidfd is None or s.route is None)
+                  and s.id not in self._closing]:
             # Told, in case it still reads: a notice (id 0), as for a lost device.
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.NO_SESSION, message=(
                 f"session {s.id} ended: nothing came from it for {limit * 1000:.0f} ms (heartbeat.misses x "
@@ -835,6 +845,7 @@ class AgentServer:
         """End a session; a token it held passes on at once."""
         if not self._sessions.remove(s):
             return
+        self._closing.pop(s.id, None)
         exited = reason in ("process_exited", ENDED)  # its process is gone, not only its connection
         if s.managed_pidfd is not None and reason != "bye" and (
                 exited or procwatch.exiting(s.pidfd, s.verified_pid)):
@@ -877,10 +888,39 @@ class AgentServer:
         while self._unreachable:
             peer, reason = self._unreachable.pop()
             s = self._sessions.by_route(peer)
-            if s is not None:
-                if reason == "closed":  # say why, when it is known: its process is gone, or only the connection
-                    reason = self._exit_reason(s) if procwatch.exiting(s.pidfd, s.verified_pid) else "disconnected"
-                self._drop(s, reason, self._clock())
+            if s is None:
+                continue
+            now = self._clock()
+            if reason == "closed":  # say why, when it is known: its process is gone, or only the connection
+                if procwatch.exiting(s.pidfd, s.verified_pid):
+                    reason = self._exit_reason(s)
+                elif self._nothing_undone(s):
+                    # Its process may be ending (a client closed at interpreter exit): its pidfd
+                    # decides within ENDED_GRACE_S (_reap_exited), else it is lost then.
+                    self._sessions.detach(s)
+                    self._closing[s.id] = now + ENDED_GRACE_S
+                    continue
+                else:
+                    reason = "disconnected"
+            self._drop(s, reason, now)
+
+    def _nothing_undone(self, s: Session) -> bool:
+        """Whether ``s`` left nothing undone: watched by a pidfd, holding no token and not in line
+        for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
+        ENDED, before the process has ended)."""
+        return (s.pidfd is not None and s.managed_pidfd is None and not s.stopped
+                and s.suspend_state is None and s.grant is None and not s.acquire_pending
+                and self._tokens.state(s.device, s.id) is SessionState.IDLE
+                and self._exit_reason(s) == ENDED)
+
+    def _drop_closed(self, now: float) -> None:
+        """Sessions whose connection closed and whose process lived on past ENDED_GRACE_S: lost."""
+        for sid, deadline in list(self._closing.items()):
+            if now >= deadline:
+                del self._closing[sid]
+                s = self._sessions.get(sid)
+                if s is not None and s.route is None:
+                    self._drop(s, "disconnected", now)
 
     def _exit_reason(self, s: Session) -> str:
         """Why the session of a process that exited (or is exiting) ends: ``ENDED`` when nothing

@@ -158,6 +158,12 @@ class SessionTable:
         session.route = route
         self._by_route[route] = session
 
+    def detach(self, session: Session) -> None:
+        """``session``'s connection is gone; it stays (restored ones start so) until it reattaches or ends."""
+        if session.route is not None and self._by_route.get(session.route) is session:
+            del self._by_route[session.route]
+        session.route = None
+
     def remove(self, session: Session) -> bool:
         """Take ``session`` out (its pidfds stay open until :meth:`close_pidfds`). False if it was not in."""
         if self._by_id.pop(session.id, None) is None:
