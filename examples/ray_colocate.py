@@ -521,7 +521,7 @@ class Scenario:
 
     def phases(self) -> None:
         import ray
-        self.wait("1. job trains with one worker on n2", self.training_at(1, since_step=0, steps=10), 120)
+        self.wait("1. job trains with one worker on n2", self.training_at(1, since_step=0, steps=10), 300)
         self.stop_serving("n3")
         self.wait("2. n3 lent after its protect window: job grows to two", self.training_at(2, steps=10), 120)
 

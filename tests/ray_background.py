@@ -45,11 +45,11 @@ def _popen(*args: str) -> subprocess.Popen:
 
 
 def full_run() -> Outcome:
-    """The whole scenario, SIGTERMed (it stops everything it started, then prints its JSON) past 600 s."""
+    """The whole scenario, SIGTERMed (it stops everything it started, then prints its JSON) past 900 s."""
     started = time.monotonic()
     proc = _popen()
     try:
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=50)
@@ -102,7 +102,7 @@ class Background:
             finally:
                 self._done[name].set()
 
-    def outcome(self, name: str, timeout: float = 600.0) -> Outcome:
+    def outcome(self, name: str, timeout: float = 900.0) -> Outcome:
         """The run's outcome: the background one if it was started, else a run made now."""
         done = self._done.get(name)
         if done is None:

@@ -19,7 +19,7 @@ pytest.importorskip("ray", reason="the ray extra is not installed (pip install -
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(660)
+@pytest.mark.timeout(960)
 def test_ray_colocate_lends_reclaims_resizes_and_loses_no_work():
     run = BACKGROUND.outcome("full")  # started when collection ended (tests/ray_background.py)
     assert run.error is None, run.error
@@ -29,7 +29,7 @@ def test_ray_colocate_lends_reclaims_resizes_and_loses_no_work():
     except json.JSONDecodeError:
         pytest.fail(f"no JSON on stdout (exit {run.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
     assert result["ok"], json.dumps(result, indent=1) + stderr[-4000:]
-    assert run.returncode == 0 and wall_s < 600, wall_s
+    assert run.returncode == 0 and wall_s < 900, wall_s
 
     assert result["nodes"] == ["n1", "n2", "n3"]
     assert {lend["node"] for lend in result["lends"]} == {"n2", "n3"}  # n1's inference kept it
