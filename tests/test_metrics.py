@@ -5,11 +5,13 @@ to 0 rather than vanish, and the Grafana dashboard in deploy/grafana/."""
 from __future__ import annotations
 
 import json
+import math
 import re
-import shutil
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -160,11 +162,20 @@ def test_lend_and_reclaim_move_the_device_state_gauge_and_are_counted(workdir, s
         peer.close()
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def _prom_tool(name: str) -> str:
+    """Debian's Prometheus binaries (tests/prom_tools.py), or a skip that says why not here."""
+    from tests import prom_tools
+    try:
+        return str(getattr(prom_tools, name)())
+    except prom_tools.ToolMissing as exc:
+        pytest.skip(str(exc))
+
+
 def test_promtool_finds_nothing_to_complain_about(start_daemon):
     d = start_daemon("--metrics-port", "0")
     text, _ = scrape(metrics_url(d))
-    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    out = subprocess.run([_prom_tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
 
 
@@ -384,3 +395,104 @@ def test_the_daemon_writes_its_hot_path_metrics_through_the_loop_instruments():
         __import__("prometheus_client").generate_latest(m.registry).decode())}
     assert text["nodeagent_token_handoff_seconds"].type == "histogram"
     assert text["nodeagent_slice_seconds"].type == "counter"
+
+
+# ------------------------------------------------------------------ a real Prometheus
+
+class _Prometheus:
+    """A real Prometheus on loopback scraping one daemon every second, for the dashboard's
+    expressions evaluated as Grafana asks them (its variables filled in)."""
+
+    def __init__(self, tmp_path, target: str) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        config = tmp_path / "prometheus.yml"
+        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+                          "scrape_configs:\n"
+                          f"  - {{job_name: nodeagent, static_configs: [{{targets: ['{target}']}}]}}\n")
+        self.log = tmp_path / "prometheus.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [_prom_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def query(self, expr: str) -> list[dict]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
+
+    def scrapes(self) -> int:
+        """How many scrapes of the daemon it has stored in the last minute."""
+        try:
+            found = self.query('count_over_time(up{job="nodeagent"}[1m])')
+        except OSError:  # not listening yet
+            return 0
+        return int(float(found[0]["value"][1])) if found else 0
+
+    def draws(self, expr: str) -> bool:
+        """Whether Grafana draws something for ``expr``: a series with a number (NaN is nothing)."""
+        for name, fill in (("$__rate_interval", "10s"), ("$instance", ".*"), ("$device", ".*")):
+            expr = expr.replace(name, fill)
+        return any(not math.isnan(float(series["value"][1])) for series in self.query(expr))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _silent_panels(prom: _Prometheus) -> dict[str, bool]:
+    """Each panel that draws nothing -> whether it says why (its noValue text)."""
+    silent = {}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] != "row" and not any(prom.draws(t["expr"]) for t in panel["targets"]):
+            silent[panel["title"]] = panel["fieldConfig"]["defaults"].get("noValue", "").startswith("no ")
+    return silent
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_draws_every_panel_or_says_why_fresh_and_under_load(start_daemon, tmp_path):
+    """Issue 29's operator check, live: Prometheus 2.42 scrapes a co-run daemon every second and
+    evaluates every panel's expressions. On a fresh daemon each panel draws or says what it waits
+    for; after slices of two trainers and a service the token panels draw."""
+    d = start_daemon("--metrics-port", "0", "--sharing", "corun")
+    prom = _Prometheus(tmp_path, metrics_url(d).split("/")[2])
+    try:
+        wait_for(lambda: prom.scrapes() >= 3, timeout=60, interval=0.25)
+        silent = _silent_panels(prom)
+        assert all(silent.values()), f"fresh daemon: panels that draw nothing and say nothing: {silent}"
+
+        stop = threading.Event()
+
+        def take_turns(name: str, workload: str) -> None:
+            with Client(name, workload=workload, endpoint=d.endpoint) as c:
+                while not stop.is_set():
+                    c.acquire(timeout=10)
+                    time.sleep(0.01)
+                    c.release()
+        # Two trainers hand the token to each other (a co-run service runs beside them, no handoff).
+        turns = [threading.Thread(target=take_turns, args=(n, w)) for n, w in (
+            ("trainer-a", "training"), ("trainer-b", "training"), ("service", "inference"))]
+        for t in turns:
+            t.start()
+        try:
+            time.sleep(3.0)  # a few scrapes with slices in them
+        finally:
+            stop.set()
+            for t in turns:
+                t.join(timeout=30)
+        seen = prom.scrapes()
+        wait_for(lambda: prom.scrapes() >= seen + 2, timeout=30, interval=0.25)
+        silent = _silent_panels(prom)
+        assert all(silent.values()), f"under load: panels that draw nothing and say nothing: {silent}"
+        for drawn in ("Token wait p50 / p99, by workload", "Token handoff p50 / p99, by device",
+                      "GPU time held, by workload", "Token holder per device", "Sessions by workload"):
+            assert drawn not in silent, f"{drawn!r} draws nothing after slices were taken"
+    finally:
+        prom.close()
