@@ -93,9 +93,9 @@ class ClusterEndpoint:
 
     Owns the ROUTER and events sockets, the ZAP thread, the events publisher, one
     :class:`sharing.DeviceLifecycle` per device and the reclaims under way. Everything
-    else it touches is given here: the daemon's data objects, and callables for what
-    other parts own (answering a peer, decoding a frame, carrying out scheduler actions,
-    starting a suspension, journal writes)."""
+    else it touches is a constructor parameter: the config, the loop, the server's view
+    (:class:`nodeagent.daemon.bus.ServerView`), the tokens and suspension components, the
+    sessions, the journal writer and the device facts."""
 
     def __init__(self, *, config: ServeConfig, loop: LoopHandle, server: ServerView, tokens: Tokens,
                  sessions: SessionTable, journal: JournalWriter, suspensions, devices: DeviceFacts) -> None:
