@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("nodeagent", "sharing", "client_lib", "ctxpool", "nodeagent_ray")
 GENERATED = ("nodeagent/k8s/v1beta1/",)
-DOCS = ("docs/internals.md",)
+DOCS = ("docs/architecture.md", "docs/internals.md")
 
 # Third-party modules (and the few foreign names written bare) the package's text may name.
 EXTERNAL = {
