@@ -2,7 +2,8 @@
 its levers (``inventory``, ``lend``, ``renew``, ``reclaim``, ``drain``, policies), over a CURVE
 ROUTER and an events XPUB (:mod:`nodeagent.daemon.events`). It owns the sockets, the ZAP thread,
 each device's :class:`sharing.lifecycle.DeviceLifecycle` and the reclaims under way; its
-collaborators are its constructor's parameters. The reclaim walk: docs/architecture.md.
+collaborators are its constructor's parameters. The reclaim walk: docs/architecture.md;
+detail: docs/internals.md.
 """
 
 from __future__ import annotations

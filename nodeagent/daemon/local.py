@@ -1,7 +1,7 @@
 """The local endpoint (:class:`LocalEndpoint`): a unix stream socket (or TCP, unverified)
 speaking :mod:`client_lib.framing`, with peer credentials and pidfds taken from the socket. It owns
-the listener and connections and bounds what a peer can make the daemon hold. Detail:
-docs/architecture.md.
+the listener and connections and bounds what a peer can make the daemon hold. Its bounds:
+docs/architecture.md; detail: docs/internals.md.
 """
 
 from __future__ import annotations
