@@ -5,8 +5,9 @@ looking for code that is not there. This test collects what the package's docstr
 code -- ``double`` or `single` backticks, ``:meth:``/``:class:`` roles, ``module.attr``,
 ``Class.method``, file paths -- and checks each against an index of the package built from its
 source (modules, classes, functions, methods, attributes, parameters, the string constants that
-are its ops, event kinds and metric names), the config declaration (``EXAMPLE_TOML``) and the
-repository's files. Names from outside the package are allowed by the first segment: the standard
+are its ops, event kinds and metric names), the config declaration (``EXAMPLE_TOML``: a
+``table.key`` must be a setting), the wire types (``welcome.pace`` must be a field of the
+message tagged ``welcome`` in ``client_lib/protocol.py``) and the repository's files. Names from outside the package are allowed by the first segment: the standard
 library's modules, and the short explicit list ``EXTERNAL`` below.
 """
 
@@ -70,6 +71,8 @@ class Index:
     config_keys: set[str] = field(default_factory=set)
     files: list[str] = field(default_factory=list)
     tails: dict[str, str] = field(default_factory=dict)         # a module's dotted tail -> the module
+    messages: dict[str, str] = field(default_factory=dict)      # a wire message's tag -> its Struct
+    config_tables: set[str] = field(default_factory=set)        # [local], [scheduler], ...
 
     def class_members(self, name: str, seen=None) -> set[str]:
         seen = seen or set()
@@ -189,6 +192,10 @@ def build_index(with_tests: bool = False) -> Index:
         index.names.update(module.split("."))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
+                if module == "client_lib.protocol":  # hello, welcome, ...: the wire's message names
+                    for keyword_ in node.keywords:
+                        if keyword_.arg == "tag" and isinstance(keyword_.value, ast.Constant):
+                            index.messages[keyword_.value.value] = node.name
                 index.classes.setdefault(node.name, set()).update(_class_members(node))
                 index.bases.setdefault(node.name, set()).update(
                     base.id if isinstance(base, ast.Name) else base.attr
@@ -215,6 +222,7 @@ def build_index(with_tests: bool = False) -> Index:
     for module, source in stars:
         index.modules[module] |= index.modules.get(source, set())
     index.config_keys = _config_keys()
+    index.config_tables = {key.split(".")[0] for key in index.config_keys if "." in key}
     listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
     index.files = listed or [p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if p.is_file()]
     return index
@@ -250,6 +258,8 @@ def resolves(index: Index, reference: str) -> bool:
         return True
     parts = reference.split(".")
     head = parts[0]
+    if head in index.messages and len(parts) == 2:  # ``welcome.pace``: a field of that message
+        return parts[1] in index.class_members(index.messages[head])
     prefix = _module_prefix(index, parts)
     if head in EXTERNAL or (head in sys.stdlib_module_names and (prefix is None or prefix[1] == 0)):
         return True
@@ -270,8 +280,11 @@ def resolves(index: Index, reference: str) -> bool:
             return all(_known_single(index, part) for part in rest[1:])
         if module + "." + rest[0] in index.modules:  # a submodule
             return True
-        # a bare module tail is also a common variable name (``client.yield_point``, ``server.key``)
-        return length == 1 and head not in PACKAGES and loose
+        # a bare module tail is also a common variable name (``client.yield_point``, ``server.key``),
+        # but not where it is a config table too (``local.max_queued_kb`` must be a config key)
+        return length == 1 and head not in PACKAGES and head not in index.config_tables and loose
+    if head in index.config_tables and len(parts) == 2:
+        return False  # ``scheduler.quantum_ms`` names a setting: it is not one
     # an attribute reached through a variable (``tokens.pacing``, ``config.local``): each part exists
     return loose
 
@@ -352,15 +365,17 @@ def test_every_file_and_name_the_docs_write_as_code_exists():
 
 
 def test_a_planted_stale_name_is_caught():
-    """The check is not vacuous: a method, a class member, a module attribute and a file that do
-    not exist, planted in one module's docstring, are each reported."""
+    """The check is not vacuous: a method, a module attribute, a file, a function, a wire field
+    and a setting that do not exist, planted in one module's docstring, are each reported."""
     target = REPO / "nodeagent" / "daemon" / "tokens.py"
     planted = ('"""Planted: ``Tokens.bind_successor`` hands on, see :meth:`Tokens.settle_successor`,\n'
-               "`nodeagent.daemon.tokens.OneHop`, ``sharing/successor.py`` and ``no_such_helper()``.\"\"\"\n")
+               "`nodeagent.daemon.tokens.OneHop`, ``sharing/successor.py``, ``no_such_helper()``,\n"
+               "``welcome.wake_fifo`` and ``local.one_hop_min_cpus``.\"\"\"\n")
     sources = {target: planted + target.read_text()}
     index = build_index()
     found = [entry for entry in stale_names(index, sources) if entry.startswith("nodeagent/daemon/tokens.py:1 ")]
     assert {entry.split("`")[1] for entry in found} == {
         "Tokens.bind_successor", "Tokens.settle_successor", "nodeagent.daemon.tokens.OneHop",
-        "sharing/successor.py", "no_such_helper"}
-    assert "Tokens.request" not in " ".join(stale_names(index, {target: '"""``Tokens.request``"""\n'}))
+        "sharing/successor.py", "no_such_helper", "welcome.wake_fifo", "local.one_hop_min_cpus"}
+    real = '"""``Tokens.request``, ``welcome.pace``, ``local.max_queued_kb``, `tokens.py`."""\n'
+    assert stale_names(index, {target: real}) == []
