@@ -223,7 +223,11 @@ def build_index(with_tests: bool = False) -> Index:
         index.modules[module] |= index.modules.get(source, set())
     index.config_keys = _config_keys()
     index.config_tables = {key.split(".")[0] for key in index.config_keys if "." in key}
-    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    try:  # the repository's files, committed or not (git's ignores applied)
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
     index.files = listed or [p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if p.is_file()]
     return index
 
