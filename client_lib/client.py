@@ -1,26 +1,6 @@
-"""The client side of a nodeagent session: connect, take turns at the device.
-
-    with Client("trainer", workload="training") as client:
-        with client.slice():            # blocks until this process holds the token
-            for batch in loader:
-                step(batch)
-                client.yield_point()    # gives the token up only if the daemon asked
-
-A :class:`Client` is used from one thread; it owns one connection to the
-daemon (framed MessagePack over a unix stream socket, :mod:`client_lib.framing`).
-The daemon watches the client's process and connection, so an idle session
-costs nothing: no heartbeats. One thread per process
-(:mod:`client_lib.liveness`) notices the daemon hanging up and reattaches the
-session in the background, so a program that does not call the library for a
-while survives a daemon restart too. No torch here: :mod:`client_lib.torch`
-holds the torch helpers.
-
-When the daemon goes away (``reconnect=True``, the default), a client that
-holds the token keeps it for one more slice (its lease); after that it waits
-for the daemon to come back (fail-closed, the default) or carries on without
-it (``fail_open=True``) and reattaches when it returns. A restarted daemon that
-restored the session from its journal takes the client back under the same
-session id, and a slice in progress completes.
+"""The client side of a nodeagent session (:class:`Client`): connect, take turns at the device
+(``slice()``, ``yield_point()``), suspend and resume on request, reattach after a daemon restart.
+Over a transport of its own (:mod:`client_lib.transport`). Usage: README.md and docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -516,7 +496,7 @@ class Client:
     # ------------------------------------------------------- daemon away
 
     def _check_daemon(self) -> None:
-        """React to the daemon going away or restarting (see the module docstring)."""
+        """React to the daemon going away or restarting (see docs/internals.md)."""
         if self._closed:
             return
         now = time.monotonic()

@@ -1,26 +1,6 @@
-"""Whether this process has initialised CUDA already, asked without initialising it.
-
-The settings of an MPS session (``CUDA_MPS_PIPE_DIRECTORY``, its SM share and
-memory limit, ``CUDA_VISIBLE_DEVICES``) are read by the CUDA driver once, in
-``cuInit``; a process that reached it before its session's welcome keeps
-whatever it started with. Two looks, neither of which initialises anything:
-
-1. torch's lazy-init state, ``torch.cuda.is_initialized()``: true once torch
-   has set up CUDA for itself (first tensor, first ``torch.cuda.*`` call that
-   needs a device). Not enough alone: ``torch.cuda.is_available()`` calls
-   ``cudaGetDeviceCount`` (unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), which
-   runs ``cuInit`` and leaves that flag false; torch keeps the count it got in
-   C++, where Python cannot see it (``torch.cuda.device_count()`` caches only
-   after lazy init), and its fork poisoning is visible only in a child.
-2. The driver itself: ``libcuda.so.1`` opened with ``RTLD_NOLOAD`` (which
-   never loads it: not loaded means never initialised, the runtime loads it in
-   its first call), then ``cuDeviceGetCount``, which answers
-   ``CUDA_ERROR_NOT_INITIALIZED`` until ``cuInit`` has run and does not run it.
-   This catches every route to the driver (torch, CuPy, JAX, numba, a C
-   extension). A failed ``cuInit`` counts as initialised: it is final too.
-
-torch is looked at only if something already imported it: this module imports
-neither torch nor the driver.
+"""Whether this process has initialised CUDA already, asked without initialising it
+(:func:`cuda_initialised_by`): MPS settings are read once, at CUDA's init, so a session's
+welcome must come first. The two looks it takes: docs/internals.md.
 """
 
 from __future__ import annotations

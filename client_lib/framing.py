@@ -1,19 +1,5 @@
-"""The local endpoint's framing: length-prefixed MessagePack over a stream socket.
-
-A connection to ``ipc://PATH`` is a unix stream socket (``tcp://HOST:PORT``: a
-TCP one, whose peers cannot be verified). Each message, either way, is
-
-    +----------------------+---------------------------------+
-    | length: u32, big end | length bytes: one MessagePack map |
-    +----------------------+---------------------------------+
-
-Any language's standard library speaks this (Node's ``net``, Go's ``net``,
-Python's ``socket``); docs/protocol.md is the normative text. Requests are at
-most :data:`~client_lib.protocol.MAX_REQUEST_BYTES`: a longer one is skipped
-unread and answered ``E_BAD_REQUEST``; a header declaring more than
-:data:`MAX_DAEMON_FRAME_BYTES` (16 MiB) is answered and the connection closed,
-since such a stream is not one anybody meant. Daemon messages are at most
-:data:`MAX_DAEMON_FRAME_BYTES`.
+"""The local endpoint's framing: length-prefixed MessagePack over a unix (or TCP) stream socket.
+docs/protocol.md specifies it.
 """
 
 from __future__ import annotations

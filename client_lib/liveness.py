@@ -1,19 +1,6 @@
-"""One thread per process that keeps every :class:`~client_lib.client.Client`'s
-session alive without chatter.
-
-A local session needs no periodic heartbeat: the daemon watches the client's
-process through a pidfd and its connection, and the client learns that the
-daemon went away from its connection closing. What still needs a thread is a
-program that does not call the library for a while: when the daemon restarts,
-its clients must reattach (resume their sessions) whether or not their
-program calls in meanwhile, or the restarted daemon drops them. This thread
-sleeps in ``poll`` on every client's connection for a hang-up, and wakes for
-nothing else, except for the sessions the daemon cannot watch (unverified
-peers, e.g. over TCP), whose heartbeats it sends.
-
-Each client is touched only while its owner is not inside the library (the
-client's I/O lock, tried without waiting), so the owner's thread and this one
-never interleave on a connection.
+"""One thread per process that keeps every :class:`~client_lib.client.Client`'s session alive
+without chatter: it waits for hang-ups to reattach after a daemon restart, and sends heartbeats
+only for sessions the daemon cannot watch. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""NCCL's communicators through a park: their device buffers released with the job's state, and back.
-
-A live NCCL process group holds device memory of its own (its communicators' buffers: tens to
-hundreds of MiB per communicator) that torch's allocator never sees, so a park that frees the
-job's state leaves it on the device. NCCL 2.29.7 added ``ncclCommSuspend(comm,
-NCCL_SUSPEND_MEM)`` / ``ncclCommResume``, which release and restore a communicator's dynamic
-allocations, and PyTorch 2.12 exposes them as ``suspend()`` / ``resume()`` (and
-``memory_stats()``) on a process group's NCCL backend. :class:`Communicators` calls them for every
-NCCL process group of the process at a park and resumes the same ones at the unpark; where torch
-or NCCL is older it says so once (:attr:`Communicators.note`) and the communicators keep their
-memory, as before.
-
-Every rank of a group must suspend and resume it, in the same order, with no collective in
-flight: a whole-job park (the placement layer suspending each of the job's sessions) is what
-does that. A rank that parks alone leaves its peers' next collective waiting for it, suspended
-or not. Only groups whose communicator exists are suspended (torch makes them at the first
-collective on a device).
+"""NCCL's communicators through a park (:class:`Communicators`): their device buffers released
+with the job's state and restored at the unpark, where PyTorch and NCCL can; else said once.
+Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -61,7 +47,7 @@ def _backend_name(group: Any) -> str:
 
 class Communicators:
     """Suspends the NCCL communicators of ``groups()`` at :meth:`suspend` and resumes the same
-    ones at :meth:`resume` (see the module docstring)."""
+    ones at :meth:`resume` (see docs/internals.md)."""
 
     def __init__(self, groups: Groups = nccl_groups) -> None:
         self._groups = groups

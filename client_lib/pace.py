@@ -1,47 +1,7 @@
-"""The pace board: how the daemon tells a lower class, in nanoseconds, to slow down.
-
-Under co-run (see :mod:`sharing.corun`) an inference request beside a training
-job is granted at once and both run; the trainer is paced instead of stopped.
-It must hear "a higher class is on the device now" within a fraction of a
-millisecond and at a cost it can pay between every two layers, which no
-socket round trip allows. So the daemon keeps, per device, a 128-byte file that
-clients map read-only (``welcome.pace`` names it) and read with one memory
-load per pause point.
-
-Layout, little-endian unsigned 32-bit words::
-
-    0  magic 0x4E415043 ("NAPC")     1  version (1)
-    2  sequence (odd while the daemon writes; see read())
-    3  daemon pid
-    4 + 4k .. 7 + 4k, for class k (0 inference, 1 training, 2 best-effort):
-       present    sessions of higher classes on the device
-       active     1 while one of them holds its token
-       duty       permille of each period the class may issue GPU work while active
-       period_us  the period
-    16 + k, for class k: flags (bit 0: armed, a pause may come before the
-       board changes again: keep the queued GPU work short; the rest 0)
-    19 .. 31  0 (reserved)
-
-Words 16-31 (protocol 2.7) make the file 128 bytes; version stays 1, so a
-reader that knows only the first 64 bytes reads them as before, and a reader
-of a 64-byte board (an older daemon) takes ``armed`` as "a higher class is
-present and the duty is below 1000", what that daemon's board meant.
-
-A reader that finds the sequence odd, or changed across its read, reads again
-(a seqlock). The file is the daemon's (mode 0640, the socket's group, under a
-root daemon); a client can only read it, and a client that ignores it is
-slowed by MPS client priority and, past a grace, by the daemon.
-
-A board a client maps is never truncated or shrunk (touching a mapped page past
-a file's end is SIGBUS): a restarted daemon reuses a valid board in place,
-carrying its sequence on, or writes a new file beside it and renames it over
-the path; a reader checks, every :data:`RECHECK_READS` reads and at most
-every :data:`RECHECK_S`, whether the path names another file (a replaced
-board, or a new one after a clean restart unlinked the old) and then maps that
-one; a client checks again whenever it reattaches.
-
-No torch here: :mod:`client_lib.torch` adds bounded run-ahead and pause points
-between layers on top of :class:`PacePoint`.
+"""The pace board: a 128-byte file per device, written by the daemon (:class:`PaceBoardWriter`)
+and mapped read-only by clients (:class:`PaceBoardReader`, :class:`PacePoint`), that tells a lower
+class within nanoseconds whether to slow down. Its layout and seqlock are specified in
+docs/protocol.md; how a board is replaced without SIGBUS, in docs/internals.md.
 """
 
 from __future__ import annotations
@@ -76,7 +36,7 @@ class PaceBoardError(OSError):
 
 @dataclass(frozen=True, slots=True)
 class Pace:
-    """One class's slot as read: see the module docstring."""
+    """One class's slot as read: see docs/internals.md."""
 
     present: int
     active: bool
@@ -96,7 +56,7 @@ FREE = Pace(0, False, 1000, 10_000)
 class PaceBoardWriter:
     """The daemon's side: one device's board at ``path``, reused in place when a valid one of
     this user's is there (its sequence carried on), else written anew and renamed over the path;
-    never truncated under a reader (see the module docstring)."""
+    never truncated under a reader (see docs/internals.md)."""
 
     def __init__(self, path: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.path = path

@@ -1,60 +1,9 @@
-"""Pause points between layers and a bounded GPU run-ahead, for a trainer that co-runs.
+"""Pause points between layers and a bounded GPU run-ahead, for a trainer that co-runs (:class:`Pacer`).
 
-    client = Client("trainer", workload="training")
-    pacer = Pacer(client, model, optimizer)     # hooks between layers; a fence before each yield
-    with client.slice():
-        for batch in loader:
-            step(batch)
-            client.yield_point()
-
-Under co-run (see :mod:`sharing.corun`) an inference request beside this
-trainer is granted at once, and the trainer is asked, through the device's pace
-board (:mod:`client_lib.pace`), to hold back while it runs. Two things make
-that take effect on the GPU within about a millisecond rather than a training
-step:
-
-* **Pause points finer than a step.** Forward pre-hooks on about ``points``
-  modules (chosen by parameter count, so that the segments between two points
-  are of similar size), a hook on one parameter of each as its gradient is
-  accumulated (in backward), and an optimizer step pre-hook. At each point the
-  board is read (one memory load); when the trainer is paced, it waits there.
-* **A bounded run-ahead.** A training step's CPU side runs ahead of its GPU
-  work by up to a whole step, and work already queued cannot be called back.
-  While a higher-class session is on the device, each point records a CUDA
-  event and waits until the GPU has at most ``ahead_ms`` of this process's
-  work queued (estimated from the measured time between consecutive points),
-  so a pause leaves at most that much to drain. Under MPS client priority the
-  bound holds only while a pause can come (the board says ``armed``: the
-  daemon arms it before the request that may pause this class, and under queue
-  steering the moment a request waits): where no pause can come, queued work
-  yields to the higher class block by block and no pause needs a short queue,
-  and a bound kept there cost a trainer that was never paused about 10 points
-  of its throughput (corun-free 82% kept against MPS priority alone 93%, light
-  load, bench/results/h100-80gb-hbm3-2026-11-27). Without MPS the device
-  time-slices the two contexts, so the bound holds while a higher class is on
-  the device at all. The bound is in time, not in
-  points, because eager training is nearly CPU-bound on a fast GPU: on an H100
-  a ResNet-50 step's backward issues kernels about as fast as the GPU runs
-  them, and a bound of two segments (about 1 ms) cost 15-20% of its throughput
-  (bench/results/h100-80gb-hbm3-2026-11-27); the forward's lead is what keeps
-  the backward fed. Under MPS client priority, work already queued yields to
-  the higher class block by block, so a longer bound costs the higher class
-  little. With no higher class on the device nothing is recorded: a trainer
-  alone pays one read per point.
-
-And a **fence**: before the client hands the token on at a yield or a
-suspend (exclusive sharing, training beside training), the device's queued
-work is finished, so the next holder gets the GPU rather than a queue of ours.
-
-**CUDA graph capture** (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``):
-while the current stream is capturing, a point records, queries and waits on no
-event and the fence does not synchronise (any of them would invalidate the
-capture); the board is still read and a pause still holds the CPU. Nothing
-captured runs until the graph is replayed, and a replay passes no point: the
-bound holds at the points outside the graph.
-
-On the cpu backend there is no run-ahead to bound: the points pause and the
-fence does nothing. Hooks are removed by :meth:`Pacer.close`.
+Hooks on about ``points`` modules, their gradients and the optimizer step read the device's pace
+board (:mod:`client_lib.pace`) and wait there while the trainer is paused; while a pause can come,
+each point also keeps this process's queued GPU work under ``ahead_ms``. A fence finishes queued
+work before the token is handed on. Why the bound is in time, and what it cost: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -71,7 +20,7 @@ log = logging.getLogger("client_lib.pacer")
 
 class Pacer:
     """Pause points, bounded run-ahead and a yield fence for ``modules`` of a lower-class session
-    (see the module docstring; while the current stream captures a CUDA graph, the bound and the
+    (see docs/internals.md; while the current stream captures a CUDA graph, the bound and the
     fence make no CUDA call). ``optimizers``: an optimizer or several, paused before each step.
     ``ahead_ms``: GPU time of this process's work that may stay queued while a higher class is on
     the device (None: 8 ms under MPS client priority, where queued work yields block by block,

@@ -1,24 +1,6 @@
-"""Tensors across processes without pickling: POSIX shared memory plus
-msgspec metadata (:class:`client_lib.protocol.TensorRef`).
-
-A sender packs its tensors into one new segment (64-byte aligned, C order)
-and sends the refs; the receiver maps the segment and reads zero-copy views.
-Whoever the protocol names as owner unlinks the segment: the client owns its
-input segment and, once answered, the output segment the worker made (which
-the worker creates owned by the client's verified uid, so that it may).
-
-A segment named by someone else is opened without following symlinks and
-its owner checked on the opened descriptor (:func:`attach_segment` with
-``owner_uid``), so a root daemon never maps or unlinks, on a peer's word, a
-segment that peer does not own.
-
-Segments are not tracked by :mod:`multiprocessing`'s resource tracker, which
-would unlink a segment when the process that merely mapped it exits. Their
-mode is 0600, or 0660 with the daemon socket's group where a client and a
-daemon of another, non-root user must share them (:func:`share_group`).
-
-Neither torch nor numpy is required to import this module; each function
-uses whichever the caller's tensors are.
+"""Tensors across processes without pickling: POSIX shared memory plus msgspec metadata
+(:class:`client_lib.protocol.TensorRef`), read as zero-copy views; whoever the protocol names as
+owner unlinks the segment. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

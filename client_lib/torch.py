@@ -1,100 +1,9 @@
-"""Park a training job's state in host memory and bring it back, in place.
+"""Park a training job's state in host memory and bring it back in place (:class:`Yielder`).
 
-    client = Client("trainer", workload="training")
-    yielder = Yielder(client, modules=[model], optimizers=[opt])
-    with client.slice():
-        for batch in loader:
-            step(batch)
-            client.yield_point()   # on a daemon's ``suspend``: park, report, wait, unpark
-
-When the daemon asks for the whole device, :meth:`Yielder.park` copies every
-parameter, gradient, buffer and optimizer-state tensor into one host buffer
-(:class:`HostBuffer`) and frees the device memory; :meth:`Yielder.unpark`
-copies it all back into the same tensors. Both are public and need no daemon
-(tests, other schedulers). On CUDA the state keeps its device addresses across
-(see "Keeping addresses" below), so CUDA graphs and compiled models survive.
-
-The host buffer, on CUDA: exactly the size of the state, page-locked with
-``cudaHostRegister``, and reserved when the Yielder is made (and again after
-each optimizer's first step, when Adam-like state appears), so that pinning
-(seconds for tens of GB) happens outside the suspend deadline. It is not
-``torch.empty(n, pin_memory=True)``: torch's pinned cache rounds every request
-up to a power of two (17 GB of state would lock 32 GB of host memory) and keeps
-the old block when a buffer grows. State that grows later grows the buffer at
-the next park (logged: call :meth:`Yielder.reserve` after such changes). On the
-cpu backend the buffer is plain memory, allocated at the first park.
-
-What a park frees, and what stays on the device: the parked storages, then
-torch's cuBLAS workspaces, then every cached block that is now empty
-(``empty_cache``), then NCCL's communicators' buffers where torch and NCCL can
-suspend them (:mod:`client_lib.nccl`: PyTorch 2.12 and NCCL 2.29.7 or newer).
-The CUDA context (0.3-0.6 GB), NCCL's buffers elsewhere, CUDA graphs
-and their memory pools, and blocks of cached segments that other live tensors
-(activations, tensors not registered) still use stay. ``bytes_parked`` counts
-only what was released: on CUDA the drop of torch's reserved device memory;
-``bytes_copied`` is the size of the state moved to the host.
-
-What "in place" means, and why: each tensor's *storage* is emptied with
-``untyped_storage().resize_(0)`` and later grown back and refilled, so the
-storage object itself survives. Every reference stays valid, the ones we know
-(the Parameter objects, ``.grad``, the optimizer's ``state`` tensors) and the
-ones we do not (views of the same storage elsewhere: tied weights, flat
-parameter buffers, DDP's gradient buckets), and training continues bit for bit.
-Swapping ``t.data`` for a new tensor would keep the Python objects but strand
-such views on the old memory (never freed, and stale after the resume). While
-parked, the tensors we know are also pointed at an empty tensor (``numel() ==
-0``), so touching one by mistake gives a shape error rather than reading freed
-memory; unpark points them back at their storage with the same offset, size
-and stride. Views it does not know of keep their shape over empty memory:
-nothing may touch them until the unpark (the training thread is blocked in
-``yield_point()`` meanwhile).
-
-Which tensors are parked: those on an accelerator (e.g. ``cuda:0``); anything
-already on the CPU there (Adam's ``step`` counters) is host memory and stays.
-When every tensor is on the CPU (the ``cpu`` backend) the CPU tensors are
-parked, so the same code path runs and can be tested without a GPU. Pass
-``device=`` to park only one device's tensors.
-
-Call :meth:`Client.yield_point` where no autograd graph is alive (between
-steps): activations and a retained graph are not parked and keep their memory.
-Not supported, refused by :meth:`park` with a :class:`ParkError` naming the
-tensor before anything changes: tensors in shared memory or wrapping foreign
-memory (their storage cannot be resized), sparse tensors, and tensor
-subclasses with their own ``__torch_dispatch__`` (DTensor and other wrapper
-subclasses: their storage is not where their data lives; register the plain
-tensors they wrap instead).
-
-Keeping addresses (``keep_addresses``, on by default where the state is on CUDA
-and the driver's virtual memory calls work): the storages above are freed and
-grown back at new addresses, which a CUDA graph captured before the park (and
-so ``torch.compile(mode="reduce-overhead")``) would still read. Instead, the
-Yielder moves the state once, when it is made (and after each optimizer's first
-step, and at :meth:`Yielder.reserve`), into address ranges of its own
-(:class:`client_lib.vmm.Region`: one reserved range of device addresses per
-device, gradients in one apart, with physical memory mapped at it); each known
-tensor is pointed at its place there, so every reference stays valid. A park
-copies each region into the host buffer and unmaps its physical memory (the
-device gets it back: another process can use it; torch's allocator never saw
-it); an unpark maps new physical memory at the same addresses and copies back.
-Make the Yielder before capturing graphs or compiling: a graph captured earlier
-read the old addresses. State that appears later (a gradient made since, a
-registered tensor) is parked in place at the next park and moved into a region
-at the unpark, its addresses changing that once; state held by something the
-Yielder does not know of (a view elsewhere, DDP's gradient buckets) is always
-parked in place, as without keeping addresses; state in a CUDA graph's memory
-pool (made during a capture) belongs to the graph and stays on the device
-(:attr:`Yielder.bytes_left_on_device`). cuBLAS's workspaces are not freed
-(a captured graph may use them). The host buffer holds each region's span (its
-state rounded up to 64 KiB), reserved and pinned once when state moves in.
-
-Verified restore (``verify``, on by default when keeping addresses): a park
-takes checksums of what it copies, on the device (per 64 KiB the wrapping sum
-of its 8-byte words: :func:`client_lib.vmm.block_sums`), an unpark takes them
-again of what it restored and raises :class:`RestoreVerifyError` naming the
-first differing bytes. It catches a host buffer written while parked, a copy
-that went wrong or went elsewhere, and blocks restored in the wrong place. Its
-cost, one read of the state on the device each way, is in
-:attr:`Yielder.checksum_ms` and :attr:`Yielder.verify_ms`.
+A park copies every registered parameter, gradient, buffer and optimizer tensor into one host
+buffer (:class:`HostBuffer`) and frees the device memory; an unpark copies it back into the same
+storages, so every reference stays valid. On CUDA the state can keep its device addresses
+(:mod:`client_lib.vmm`) and the restore is checksummed. How, and what a park frees: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -351,7 +260,7 @@ class Yielder:
 
     def park(self) -> int:
         """Copy the state into host memory and free it on the device; returns the
-        device bytes released (:attr:`bytes_parked`; see the module docstring).
+        device bytes released (:attr:`bytes_parked`; see docs/internals.md).
 
         Nothing is changed when it raises (:class:`AlreadyParkedError`, a
         :class:`ParkError` for a tensor that cannot be parked, or out of host memory),

@@ -1,26 +1,6 @@
-"""Device memory whose virtual addresses outlive its physical memory (CUDA's virtual memory management).
-
-A :class:`Region` is one range of device virtual addresses, reserved with
-``cuMemAddressReserve``, with one physical allocation (``cuMemCreate``) mapped
-at it. :meth:`Region.unmap` gives the physical memory back to the device (the
-addresses stay reserved; nothing may touch them meanwhile) and
-:meth:`Region.remap` maps new physical memory at the same addresses. Torch
-tensors made over a region (:meth:`Region.tensor`, through
-``__cuda_array_interface__``) keep their ``data_ptr()`` across, so a CUDA graph
-or a ``torch.compile(mode="reduce-overhead")`` model that captured them replays
-unchanged: what ``client_lib.torch.Yielder(keep_addresses=...)`` builds on.
-
-The driver is called through ``ctypes`` (``libcuda.so.1``), not
-``cuda-bindings`` or ``torch_memory_saver``: nothing to install, the same code
-on CUDA 12 and 13 (these calls and structs have one ABI since CUDA 10.2), and
-every call checked, a failure raised as :class:`DriverError` naming the call and
-its ``CUresult``. The calls go through a small backend object (:class:`CudaVmm`)
-so that the same region logic runs in tests over host memory.
-
-A region's memory goes when its last tensor does (the tensors hold the region),
-after a device synchronisation (kernels still queued may use it); inside a CUDA
-graph capture, where synchronising is not allowed, it waits for the next
-:meth:`VmmBackend.drain`.
+"""Device memory whose virtual addresses outlive its physical memory (CUDA's virtual memory
+management): a :class:`Region` is reserved once, unmapped to give the memory back and remapped
+at the same addresses, so tensors over it keep their ``data_ptr()``. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

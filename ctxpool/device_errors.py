@@ -1,21 +1,5 @@
-"""Which device errors leave a CUDA context dead: one classifier for the engine and the worker.
-
-Some CUDA errors are *sticky*: once one is raised, every later call in that
-process fails the same way (an illegal address, a device-side assert, an
-unspecified launch failure, an uncorrectable ECC error, "unknown error"), and
-the only cure is a new process. The math libraries report the same state in
-their own words (cuBLAS ``CUBLAS_STATUS_EXECUTION_FAILED``, cuDNN
-``CUDNN_STATUS_EXECUTION_FAILED``). Others (out of memory, an invalid argument,
-a shape mismatch) fail one call and leave the context usable.
-
-Two checks, because errors arrive asynchronously and in many wordings:
-
-- :func:`is_fatal` reads an exception: the CUDA error code of a
-  ``torch.AcceleratorError`` (torch >= 2.8) and the text of it and of what it
-  was raised from;
-- the engine synchronises the device after every failure
-  (:meth:`ctxpool.engine.Engine`), and an error *there* is fatal whatever
-  its words: it raises :class:`DeviceLost`.
+"""Which device errors leave a CUDA context dead (:func:`is_fatal`): one classifier for the
+engine and the worker, and :class:`DeviceLost` for a context that is. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

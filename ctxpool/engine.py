@@ -1,55 +1,7 @@
-"""One worker's device: a warm context, resident models under a memory budget (LRU), pipelined swap-in.
-
-    engine = Engine("cuda", 0, memory_budget_bytes=20 << 30)
-    engine.warm_up(pool_bytes=4 << 30)
-    engine.add_model("resnet", module, (example_batch,))   # measures, plans groups; not left resident
-    out, stats = engine.infer("resnet", (batch,))         # swaps in if needed; out is on the device, ready
-
-How a model moves: the module object stays the caller's. Each parameter and
-buffer (found by identity, so tied weights are one) has ``.data`` pointing at
-its host tensor while the model is not resident, and at a view of the
-model's one flat device buffer while it is (see :mod:`ctxpool.layout`).
-Host tensors are never written. On cuda they are page-locked
-(``cudaHostRegister``) for as long as the model is registered: in place when
-they are views of a file mapping (the model store's segment), else first moved,
-each keeping its identity, to pages that hold nothing else
-(:meth:`~ctxpool.streams.CudaBackend.adopt_host`), because a registered page
-shared with another tensor makes that tensor's copies fail.
-
-A pipelined swap-in copies the inputs first, then, on cuda, queues every group's
-copy on the copy stream at once (the CPU only issues them), or on cpu hands the
-groups to the copy thread (:mod:`ctxpool.streams`), and calls the module at once: a forward pre-hook on every layer that owns
-bytes waits for its group (on cuda the compute stream waits for the group's
-event on the GPU), so compute runs group k while group k+1 is copying.
-Groups come from :func:`ctxpool.grouping.plan_groups` over per-layer times
-measured at registration (:mod:`ctxpool.profile`: a first run that also finds
-which layer first needs each tensor, then timed runs). A sequential swap-in
-copies every group, blocks the CPU until the copies have finished, then runs:
-the baseline.
-
-The engine is single-threaded from the caller's view: one call at a time
-(a second concurrent ``infer`` raises RuntimeError); the copy thread is its own.
-Modules are put in eval mode and run under ``torch.no_grad()``. What a forward
-writes into a model's buffers on the device is dropped when it is evicted.
-An exception from the model propagates unchanged; if it came before every
-group was waited for, the model is left evicted (its copy is dropped), else
-resident. A failed copy raises :class:`CopyError` and leaves it evicted.
-After any failure the engine synchronises the device (so that no kernel of
-the failed run still uses memory the next swap-in may be given) and, if that
-raises or the error is one that kills a CUDA context
-(:func:`ctxpool.device_errors.is_fatal`), raises
-:class:`~ctxpool.device_errors.DeviceLost` instead; from then on every call
-raises it: the process must be replaced.
-
-Device memory: resident models stay within ``memory_budget_bytes`` (the least
-recently used are evicted to make room; a model larger than the budget is
-refused at registration with :class:`BudgetError`). An evicted or removed
-model's buffer goes back to the caching allocator, which would keep it for this
-process alone; :meth:`Engine.release_cached` gives such memory back to the
-device (beyond the pool reserved at warm-up). ``remove_model`` and ``evict``
-call it; after an eviction that made room for a swap-in, the caller does once
-the outputs are delivered (the worker, after its reply), so that no request
-waits for it.
+"""One worker's device (:class:`Engine`): a warm context, resident models under a memory
+budget (LRU), and pipelined swap-in (a copy stream moves layer groups while compute runs the ones
+already there). A failure that kills the context turns every later call into
+:class:`~ctxpool.device_errors.DeviceLost`. How a model moves, and its failure rules: docs/internals.md.
 """
 
 from __future__ import annotations

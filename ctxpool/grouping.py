@@ -1,27 +1,5 @@
-"""Layer groups for pipelined swap-in: which layers travel to the device together.
-
-Pure logic (no torch), so it can be stepped by hand and property-tested. The
-engine measures each layer's bytes and forward time once (``LayerCost``) and
-asks :func:`plan_groups` for groups; a copy stream then moves the groups in
-order while compute runs the ones already there.
-
-The model of the pipeline (:func:`simulate`): copies run back to back on one
-copy engine at ``bytes_per_s``; group k computes once it has arrived and group
-k-1 has computed. The rule (greedy, one pass, in execution order):
-
-1. Group 0 is the shortest prefix holding at least ``first_group_bytes``
-   (default: up to the first layer that owns any bytes), so compute starts
-   after a short copy.
-2. When group k's copy ends, the compute still ahead of the compute stream
-   (``backlog = compute_end(k) - copy_end(k)``) is time the next copy can hide
-   behind. Group k+1 takes layers while its copy time stays within
-   ``max(backlog, min_group_bytes / bytes_per_s)``; it always takes at least
-   one layer that owns bytes (a layer is never split).
-3. Layers that own no bytes cost no copy and join the group being built.
-
-``min_group_bytes`` bounds the number of groups when the copy cannot hide
-(backlog near zero): each group costs an event and a wait, so tiny groups in
-a copy-bound stretch add overhead and save nothing.
+"""Layer groups for pipelined swap-in, pure: which layers travel to the device together
+(:func:`plan_groups` over each layer's :class:`LayerCost`). The objective: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -62,7 +40,7 @@ def _check(layers: Sequence[LayerCost], bytes_per_s: float) -> None:
 
 def plan_groups(layers: Sequence[LayerCost], bytes_per_s: float, *, first_group_bytes: int | None = None,
                 min_group_bytes: int = 0) -> list[list[int]]:
-    """Contiguous groups of layer indices covering every layer once, in order (see the module docstring)."""
+    """Contiguous groups of layer indices covering every layer once, in order (see docs/internals.md)."""
     _check(layers, bytes_per_s)
     n = len(layers)
     if n == 0:

@@ -1,32 +1,6 @@
-"""Host memory the copy path depends on: the cpu backend's "device" pool, and cuda page-locking.
-
-``HostArena`` is the cpu backend's answer to CUDA's caching allocator: one
-anonymous mapping, faulted in once at warm-up, from which swap-ins take blocks
-(first fit, neighbours merged on free). Without it every swap-in writes into
-fresh pages and the kernel's page faults, not the copy, set the speed
-(measured here: 1.7 GB/s into fresh pages against 10 GB/s into touched ones).
-A block goes back to the arena only when the last tensor viewing it is gone
-(the block's memoryview is finalised with its storage), so an output that
-aliases a weight can never see its memory reused.
-
-``PinRegistry`` page-locks (``cudaHostRegister``) the host memory of models
-whose tensors someone else allocated, in place, and unlocks it when the last
-model using a page range leaves. Ranges are whole pages, merged across models
-so that no page is registered twice (CUDA refuses that). A failed runtime
-call leaves a per-thread "last error" in the libcudart that made it; it is
-cleared through that same library (:func:`loaded_library`: the one torch
-loaded, found without loading another), never through whatever ``dlsym`` of
-the global namespace happens to find.
-
-Page-locking in place is only safe for pages that hold nothing but the model:
-CUDA refuses (``cudaErrorInvalidValue``) any copy whose source starts in a
-registered range and runs past its end, so registering a heap page shared
-with, say, the next request's input tensor breaks that tensor's ``.to(device)``
-(seen on an H100: the first GPU run). :func:`file_backed_mappings` names the
-pages that hold only a file's bytes (weights mapped from a shared-memory
-segment or a safetensors file stay where they are, zero-copy);
-:func:`move_to_private_pages` moves every other storage of a module into one
-fresh anonymous mapping that holds nothing else.
+"""Host memory the copy path depends on: the cpu backend's "device" pool (:class:`HostArena`)
+and cuda page-locking in place (:class:`PinRegistry`, :func:`move_to_private_pages`).
+Why pages must hold nothing but the model: docs/internals.md.
 """
 
 from __future__ import annotations

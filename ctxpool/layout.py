@@ -1,25 +1,6 @@
-"""Where a module's parameters and buffers live on the host, and where they go on the device.
-
-A model's device copy is one flat byte buffer. Host memory is copied as
-*extents* (the bytes a tensor's view spans), never tensor by tensor through
-torch, and each device tensor is a view at the same place in the copy. So
-whatever aliasing the host tensors have, the device tensors have it too: a
-parameter tied between two modules is one object (copied once, switched
-once); two tensors viewing the same storage get views of one device copy.
-
-- ``Slot``: one tensor object (a Parameter or buffer, found by identity)
-  whose ``.data`` is switched between its host tensor and a device view.
-- ``Atom``: a maximal run of overlapping host extents: the unit of ownership
-  (which layer needs it first) and of device placement.
-- ``Placement``: for a grouping of atoms, the copy spans of each group and
-  the device offset of every atom. Every atom starts 512-byte aligned on the
-  device, as the caching allocator aligns a plain ``.cuda()`` copy, so that
-  cuBLAS(Lt) and cuDNN, which choose kernels by alignment, choose the same
-  ones. Atoms less than a page apart are copied as one span (gap included)
-  when that keeps each of them aligned: when their host addresses lie a
-  multiple of 512 bytes apart, as in the model store's segments.
-
-The host tensors are never copied, reallocated or written.
+"""Where a module's parameters and buffers live on the host, and where they go on the device: one
+flat device buffer, copied as extents, each device tensor a view at the same place, so aliasing
+(tied weights) survives. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""Messages between the daemon's pool supervisor and its worker processes, and the
-events the pool hands the daemon.
-
-One msgspec Struct per message, MessagePack on a ``multiprocessing`` pipe
-(``Connection.send_bytes`` / ``recv_bytes``), never pickle. Each side decodes
-only the union it expects. Every daemon -> worker message except
-``Shutdown`` gets exactly one reply, so the supervisor keeps at most one
-message in flight per worker and always knows what a dead worker was doing.
-
-    daemon -> worker            worker -> daemon
-    ----------------            ----------------
-    (process start)             Ready(pid, warm_up_ms)
-    Prepare(model, ...)         Prepared(model, manifest, ...) | Rejected(model, "prepare", ...)
-    Attach(model, ...)          Attached(model, groups, ...)   | Rejected(model, "attach", ...)
-    Drop(model)                 Dropped(model)
-    Run(request_id, ...)        Done(request_id, ...)          | Failed(request_id, code, message)
-    Shutdown()                  (exits)
-                                Dying(reason): last frame of a worker about to die of an exception
-
-This module imports no torch: the daemon side of the pool stays light.
+"""Messages between the daemon's pool supervisor and its worker processes, and the events the
+pool hands the daemon: msgspec Structs, MessagePack on a ``multiprocessing`` pipe, never pickle;
+one reply per request, so at most one message is in flight per worker. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""Open a file a peer named with that peer's rights, never the daemon's.
-
-A root daemon that opens ``/home/alice/../../etc/shadow`` (or a symlink to it)
-because a peer asked has lent the peer root's eyes. :func:`open_as` opens the
-path in a forked child that has become the peer (supplementary groups, gid,
-uid, for good) and takes the descriptor back over a socket pair (SCM_RIGHTS).
-The kernel then applies every rule that would apply to the peer itself:
-search rights on each directory of the path, symlinks resolved as the peer,
-ACLs, security modules. A mode-bit check on a file root opened could not: it
-misses the directories on the way (a 0644 file in a 0700 directory) and ACLs.
-Nothing in the calling process changes credentials, so none of its threads
-ever runs with the peer's rights or keeps them by mistake.
-
-The child is forked, not exec'd: it needs no program the peer may run (the
-daemon's interpreter may live where the peer cannot reach), it opens with
-O_NONBLOCK (a FIFO named as weights must not hang it), and between fork and
-``_exit`` it makes only system calls, so the threads of the forking process
-(torch's pools) cannot leave it a lock it would wait on.
-
-The errors are the peer's own (what ``open(2)`` would tell the peer), so they
-say nothing the peer could not learn by trying: a file in a directory it may
-not search is "Permission denied" whether or not it exists.
+"""Open a file a peer named with that peer's rights, never the daemon's (:func:`open_as`: a forked
+child becomes the peer and passes the descriptor back over SCM_RIGHTS). Why not a mode-bit
+check: docs/internals.md.
 """
 
 from __future__ import annotations

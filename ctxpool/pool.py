@@ -1,41 +1,6 @@
-"""The worker pool supervisor: warm workers per device, models on them, requests routed to them.
-
-Driven by the daemon's poll loop and never blocking it (only :meth:`WorkerPool.shutdown`
-waits). The daemon polls :meth:`WorkerPool.watch_targets` (each worker's pipe and
-process sentinel), calls :meth:`WorkerPool.on_readable` with a ready fd and acts on
-the :class:`PoolEvent` list it gets back. A worker's death is an event (its sentinel
-or its pipe's EOF), never found by a timer.
-
-Active/standby, as in PipeSwitch: every device has ``workers_per_device`` (2) warm
-workers, each with the device context created, libraries warmed and a memory pool
-reserved, and every registered model attached (its weights mapped from the one
-shared segment). A request goes to an idle worker where its model is already
-resident on the device (the active one, ``swap="ready"``); otherwise to the idle
-worker used least recently (the standby), which swaps the model in, pipelined,
-while the active worker keeps its model resident for the next request. So a
-switch to another model never waits for a context to be created, and a worker's
-death leaves a warm one serving at once while its replacement starts and attaches
-every model before it takes requests. When no worker is idle, requests wait FIFO
-per device.
-
-What a device's workers start with comes from the ``device_setup`` hook, asked at
-every spawn (:class:`ctxpool.procs.WorkerSetup`): the environment they start CUDA
-in (the daemon names the GPU by UUID in ``CUDA_VISIBLE_DEVICES`` and adds its MPS
-client settings), the CUDA ordinal they then use, and their memory budget.
-
-The restart budget guards a device against workers that keep crashing: past it,
-dead workers are not replaced. Deaths that say nothing about the device do not
-count: a worker killed because a request ran past its deadline plus
-``timeout_grace_s`` (a hung model holds a worker no longer than that), and a
-worker that a registration's own code (factory, weights, example input) ended,
-which fails that registration only (E_MODEL). A model whose requests hang is
-held to a budget of its own instead (``hang_budget``: hangs per window): past
-it, its requests are refused (E_MODEL) until the window has passed or it is
-registered again, so a client calling a hanging model in a loop cannot keep
-the device's workers restarting.
-
-Not thread-safe: one owner (the daemon loop thread, which must also be the thread
-that lives as long as the workers: they die with it through PR_SET_PDEATHSIG).
+"""The worker pool supervisor (:class:`WorkerPool`): warm workers per device, the models on
+them, requests routed to them. Driven by the daemon's loop and never blocking it: it reports a
+worker's death, replies and replacements as :class:`PoolEvent` lists. Its rules: docs/internals.md.
 """
 
 from __future__ import annotations

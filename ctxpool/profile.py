@@ -1,22 +1,5 @@
-"""Measured forward passes: the layers in execution order, their times, and who needs which tensor first.
-
-A *layer* is any module that is called during the example run, numbered by
-its first call (the model itself, named "", is layer 0). Time is cut at every
-layer's forward pre-hook (synchronised with the device): the segment from one
-pre-hook to the next is charged to the layer whose pre-hook opened it, so
-glue code between children (a residual add) counts too and the times add up
-to the whole forward.
-
-A tensor's *owner* is the layer by whose start it must be on the device: the
-earlier of
-- the first layer registering it, or the nearest called ancestor of a
-  registering module that is never called itself (``MultiheadAttention`` uses
-  ``out_proj.weight`` without calling ``out_proj``; a bare ``nn.Parameter`` on
-  the model belongs to layer 0), and
-- the layer whose segment first used it in the run, seen by a
-  ``TorchFunctionMode`` (a module reading a sibling's weight).
-The engine waits for a layer's group in that layer's pre-hook, so a tensor is
-on the device before any segment that uses it in a run shaped like this one.
+"""Measured forward passes (:func:`profile`): the layers in execution order, their times,
+and which layer first needs each tensor, for :mod:`ctxpool.grouping`. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -65,7 +48,7 @@ def _parent(name: str) -> str:
 
 def profile(module: torch.nn.Module, run: Callable[[], Any], slots: list[Slot],
             synchronize: Callable[[], None], timed_runs: int = 2) -> Profile:
-    """Run ``run()`` (which calls ``module``) 1 + ``timed_runs`` times; see the module docstring.
+    """Run ``run()`` (which calls ``module``) 1 + ``timed_runs`` times; see docs/internals.md.
 
     The first run watches first uses (a TorchFunctionMode is slow) and pays for first-call costs
     (kernel selection, lazy init); the others, with only the timing hooks, are measured."""

@@ -1,49 +1,6 @@
-"""The copy path of a swap-in: a copy thread, and the cpu and cuda ways to copy and to wait.
-
-A swap-in is one :class:`CopyJob`: a list of groups, each a list of
-:class:`Span` (host bytes -> offset in the model's flat device buffer). A job
-runs group by group; after a group's copies are issued it calls the job's
-``attach(k)`` (which points that group's parameters at their device memory)
-and sets the group's ``threading.Event``. The compute thread waits with
-:meth:`CopyJob.wait`. Where issuing is all a copy costs the CPU (cuda,
-``issues_async``) the engine runs the job in the calling thread before the
-forward; elsewhere the engine's one :class:`CopyWorker` thread runs it while
-the forward goes on.
-
-Backends differ in what "issued" means and in how compute waits:
-
-- ``CudaBackend``: copies go on a dedicated copy stream from page-locked host
-  memory (``cudaMemcpyAsync``, returns at once); a ``torch.cuda.Event`` is
-  recorded after each group, and ``wait`` makes the compute stream (the
-  caller's current stream) wait for it on the GPU, so the CPU never blocks on
-  a copy. The thread event only says the copy was *enqueued* (waiting on an
-  event not yet recorded would be a no-op). Measured on an H100: a copy
-  thread there started compute 8 ms after its group had arrived (the GIL).
-- ``CpuBackend``: the "device" is host memory (a :class:`HostArena` block when
-  one was reserved); the copy thread itself copies with ``memmove``. That
-  call is single-threaded and releases the GIL: torch's ``copy_`` would start
-  its own OpenMP team and fight the compute threads for the cores. When the
-  thread event is set the bytes are there.
-
-Ordering rules on cuda (the cpu backend has nothing to order):
-
-- before each job, the copy stream waits for the compute stream
-  (:meth:`CudaBackend.order_after_compute`): the job's device buffer may be a
-  block the caching allocator took back from compute work still queued (the
-  activations of a forward pass that raised), and the copies must not
-  overwrite it before that work is done;
-- a sequential swap-in blocks the CPU until the last copy has finished
-  (:meth:`block_until_copied`) before it launches any compute;
-- after a failure the engine synchronises the whole device
-  (:meth:`synchronize_device`): an error there means the context is dead;
-- page-locked host memory is unregistered only once the copy stream is idle
-  (:meth:`CudaBackend.unpin`), since a copy may still be reading it;
-- cached device memory is given back (:meth:`CudaBackend.release_cached`) only
-  between requests: ``torch.cuda.empty_cache`` waits for the device.
-
-Timestamps (``mark``) are ``time.perf_counter()`` floats on cpu and timing
-events on cuda; :meth:`Backend.elapsed_s` turns two into seconds (on cuda
-only once the events completed).
+"""The copy path of a swap-in: a :class:`CopyJob` of groups of :class:`Span`, the copy thread
+(:class:`CopyWorker`), and the cpu and cuda backends' ways to copy and to wait
+(:class:`CpuBackend`, :class:`CudaBackend`). The ordering rules on cuda: docs/internals.md.
 """
 
 from __future__ import annotations

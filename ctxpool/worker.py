@@ -1,21 +1,6 @@
-"""A ctxpool worker process: one warm engine on one device, driven over a pipe.
-
-Started by :class:`ctxpool.pool.WorkerPool` with the ``spawn`` start method
-(the daemon holds a ZeroMQ context, which must never be forked). It first puts
-its device's environment in place (``CUDA_VISIBLE_DEVICES=<uuid>``, MPS
-settings: CUDA reads them once, when it initialises), creates its
-:class:`ctxpool.engine.Engine` on the CUDA ordinal it was given, warms it up (a
-matmul and a conv run, the memory pool reserved), says ``Ready`` and then serves
-one message at a time (see :mod:`ctxpool.messages`). After each reply it gives
-back the device memory that models which left it had cached
-(:meth:`ctxpool.engine.Engine.release_cached`). A model that raises fails only its request;
-the worker exits when the daemon's end of the pipe closes, when the daemon
-dies (``PR_SET_PDEATHSIG``), on ``Shutdown``, or on an exception of its own,
-after a last ``Dying`` frame saying why.
-
-``NODEAGENT_CTXPOOL_TEST_FAULT`` (comma-separated) makes a worker misbehave on
-cue, for the supervisor's tests: ``ignore-shutdown`` (the Shutdown message is
-ignored), ``ignore-sigterm``, ``fail-start`` (raise before Ready).
+"""A ctxpool worker process: one warm :class:`ctxpool.engine.Engine` on one device, driven over a
+pipe (:mod:`ctxpool.messages`), started by :class:`ctxpool.pool.WorkerPool` with ``spawn``.
+Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
-"""cgroup v2: a launched program's own cgroup, stopped, continued and ended as one.
-
-``nodeagent run`` puts CMD in a cgroup of its own, ``cmd`` inside
-``nodeagent-run.<launcher pid>``, a child of the launcher's cgroup. Every process
-CMD starts stays in it whatever it does (``setsid``, double forks, threads), so
-where the process group leaks this does not. Two freezers, one each: the
-launcher freezes ``cmd``, the daemon ``nodeagent-run.<pid>``; a cgroup runs only
-while neither is frozen, so neither's thaw undoes the other's freeze::
-
-    stop      cgroup.freeze <- 1, then wait for cgroup.events "frozen 1"
-    continue  cgroup.freeze <- 0
-    end       cgroup.kill <- 1 (Linux 5.14); before that: frozen, every pid
-              in cgroup.procs SIGKILLed until none is left, thawed
-
-The cgroup v2 delegation rules apply: the launcher must be able to create the
-directory and to write ``cgroup.procs`` of its own cgroup (the source) and of
-the new one (the target). Where it cannot (cgroup v1 only, no permission, a
-kernel without ``cgroup.freeze``), :func:`create_child` raises
-:class:`Unavailable` with the reason and the launcher keeps to the process
-group and SIGSTOP.
-
-The daemon finds the same cgroups from the kernel (``/proc/PID/cgroup`` of the
-launcher's verified child), never from a path a peer names, and holds the one
-that is a direct child of the launcher's own cgroup, owned by the launcher's
-uid, with that child in a cgroup below it (:func:`open_verified`).
-
-The v2 hierarchy is found in ``/proc/self/mountinfo`` (``/sys/fs/cgroup`` on a
-pure v2 host, ``/sys/fs/cgroup/unified`` on a hybrid one), and cgroup paths are
-mapped through the mount's root, so a daemon in a cgroup namespace reads them
-right.
+"""cgroup v2: a launched program's own cgroup, stopped, continued and ended as one
+(:func:`create_child`, :func:`open_verified`); :class:`Unavailable` where no cgroup can be made.
+The two freezers, the delegation rules and how the hierarchy is found: docs/internals.md.
 """
 
 from __future__ import annotations

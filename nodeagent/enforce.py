@@ -1,23 +1,5 @@
-"""Stopping and continuing client processes, and only ones whose identity was verified.
-
-A library client's pid comes from the kernel (SO_PEERCRED) and is held as a
-pidfd, so a signal sent through it can only reach that process, never one
-that reused its pid. A program launched by ``nodeagent run`` is accepted only
-when its process group is led by a child of the verified launcher; then
-
-- if the kernel says that child is in a cgroup v2 below one that is a direct
-  child of the launcher's cgroup owned by the launcher's uid (the launcher made
-  both: :func:`nodeagent.cgroup.open_verified`), the daemon holds that outer
-  directory open and stops the program by freezing it (``cgroup.freeze``),
-  continues it by thawing, and, when the launcher's process dies, kills it
-  (``cgroup.kill``): nothing the program starts escapes, setsid or not. The
-  launcher freezes the inner one: a thaw by either never runs what the other froze;
-- else it stops the process group (SIGSTOP; SIGKILL when the launcher dies),
-  while the leader's pidfd proves the group is the one verified, and never
-  continues it (one SIGCONT would undo the launcher's stop too): the launcher,
-  which stops and continues it by the token, continues it at its next grant.
-
-A pid claimed in a hello, or a cgroup path a peer names, is never acted on.
+"""Stopping and continuing client processes, and only ones whose identity was verified (through
+a pidfd, or a launched program's verified group or cgroup). Detail: docs/internals.md.
 """
 
 from __future__ import annotations

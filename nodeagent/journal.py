@@ -1,23 +1,6 @@
-"""The daemon's durable state: sessions, scheduler policies, device states and
-a little metadata, journaled in SQLite so a daemon killed with SIGKILL and
-started again restores them (clients then reattach by session id + key).
-
-Writes come on session open/close/changes and policy changes, never per token
-grant. One writer: the daemon's loop thread. Every write is one transaction,
-so a reader after a crash sees each change whole or not at all.
-
-Durability: WAL with ``synchronous=FULL``. A commit appends to the WAL and
-fsyncs it once, so a committed change survives SIGKILL of the daemon (and a
-power cut); DELETE mode with FULL is as safe but costs about three fsyncs per
-commit (rollback journal, database, journal removal) and blocks readers such
-as an operator's ``sqlite3 state.db`` while a write is under way. SQLite gives
-the ``-wal`` and ``-shm`` files the database file's mode, so 0600 covers them.
-
-Faults: a row with a bad value is skipped and logged by the reader, the rest is
-kept; a damaged file is salvaged and moved aside, and the boot counter never
-goes back (:mod:`nodeagent.journal_repair`). A file it must not touch (not a
-journal, too new) or cannot use (full disk, read-only) is a :class:`JournalError`
-with one line saying what to do.
+"""The daemon's durable state (:class:`Journal`): sessions, scheduler policies, device states and
+a little metadata in SQLite, one transaction a write, so a daemon killed with SIGKILL restores
+them. Damage on disk is :mod:`nodeagent.journal_repair`'s. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

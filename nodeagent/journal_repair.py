@@ -1,20 +1,5 @@
-"""What the journal does about damage it finds on disk, so that a bad file never
-stops the daemon with a traceback and never makes grant ids repeat.
-
-- The boot counter is kept twice: in the database and in a side file
-  ``state.db.boot`` written atomically beside it. A starting daemon takes the
-  larger, so a journal that lost writes (emptied, replaced, its WAL discarded)
-  cannot send the counter back and make grant ids (``boot << 32``) repeat.
-- A WAL whose header is not SQLite's is moved aside before SQLite opens the
-  database (SQLite would silently drop it): its changes are lost either way, but
-  the operator hears about it and keeps the file.
-- A damaged database (not SQLite any more, or failing ``PRAGMA quick_check``) has
-  what can still be read salvaged, is moved aside as ``state.db.damaged-<time>``
-  (its WAL and index with it), and a fresh one is started holding the salvaged
-  rows. A file that is SQLite but not ours, or from a newer nodeagent, is not
-  damage: the journal refuses it and leaves it alone (see :class:`Journal`).
-
-Nothing here deletes a file the daemon did not derive itself (only ``-shm``).
+"""What the journal does about damage it finds on disk, so that a bad file never stops the
+daemon with a traceback and never makes grant ids repeat. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

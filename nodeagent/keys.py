@@ -1,18 +1,5 @@
-"""CURVE keys of the cluster endpoint: create them, and load them with errors that say what to fix.
-
-Layout of a keys directory (ZeroMQ certificate files, as ``zmq.auth`` writes them)::
-
-    keys_dir/                      0750  (daemon's)
-      server.key                   0644  the daemon's public key: give it to every placement client
-      server.key_secret            0600  the daemon's secret key: never leaves the node
-      allowed/                     0750  public keys of the clients allowed to connect (the authenticator reads these)
-        <name>.key                 0644
-      clients/                     0700  secret keys made for clients: move each to its client, then delete here
-        <name>.key_secret          0600
-
-The files are written into a private temporary directory first and renamed into
-place, so a secret never exists with a looser mode, and a half-written key set
-never looks complete.
+"""CURVE keys of the cluster endpoint: create them, and load them with errors that say what to
+fix. The keys directory's layout: docs/cluster.md and docs/internals.md.
 """
 
 from __future__ import annotations

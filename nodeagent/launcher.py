@@ -1,58 +1,9 @@
 """``nodeagent run``: time-slice an unmodified program as a session of the daemon.
 
-The launcher starts CMD in a new session and process group (its pgid is its
-pid), stopped before it executes anything, and holds it by one of two means
-(a :class:`Hold`), chosen once at start and logged:
-
-- **its own cgroup** (cgroup v2, :mod:`nodeagent.cgroup`): a child of the
-  launcher's cgroup, ``nodeagent-run.<launcher pid>``. Stopped by
-  ``cgroup.freeze`` (the launcher waits for the kernel to say frozen), continued
-  by thawing, ended by ``cgroup.kill``: no process CMD starts can leave it,
-  whether it calls setsid, double-forks or starts threads.
-- **its process group** (the fallback where no cgroup can be made: cgroup v1
-  only, no permission, no freezer): SIGSTOP, SIGCONT and SIGKILL to the group.
-  A child that calls setsid leaves the group and is not stopped.
-
-``--cgroup off`` (or ``NODEAGENT_RUN_CGROUP=off``) asks for the process group,
-``require`` refuses to start CMD without a cgroup. The launcher then opens a
-daemon session whose hello names the group (``managed_pgid``; the daemon finds
-the cgroup from the kernel) and from then on lets CMD run only while the
-session holds its device's token:
-
-    grant              -> continue CMD
-    yield requested    -> stop CMD, then release and queue again
-    token revoked      -> stop CMD, ask again
-    paced (co-run)     -> stop CMD while the device's pace board says a higher
-                          class holds and this class must pause, continue after
-
-CMD is always stopped before the token is given away, so it never runs
-without it. The launcher complies by itself; the daemon, which can verify that
-the group is led by a child of this process (and that the cgroup is the one
-this launcher made for it), may also stop it should the launcher fail to.
-
-The launcher's death ends CMD, never leaves it running unmanaged: a keeper
-process, forked at start into a session of its own, holds a pipe from the
-launcher and, when it reads end-of-file without the launcher's word that it
-exited cleanly, kills CMD's cgroup (or its group) and removes the cgroup.
-CMD itself gets SIGKILL as its parent-death signal, and the daemon, seeing the
-launcher's process exit, kills the cgroup (or the group) it verified too.
-When CMD exits, what it left in its cgroup is killed and the cgroup removed
-(in the fallback, what it left in its group is continued, as before).
-
-One loop in one thread owns everything, in one of three modes::
-
-    MANAGED --daemon lost--> AWAY --daemon back--> MANAGED
-       |                      |
-       +----------------------+--SIGINT/TERM/HUP forwarded, internal error--> UNMANAGED
-
-    AWAY       fail-open (default): CMD runs; fail-closed: CMD stays stopped.
-               Reattaching is tried every second (every half second fail-closed).
-    UNMANAGED  CMD runs, the session is closed (the token passes on); the
-               launcher only forwards signals and waits for CMD to exit.
-
-Signal handlers only wake the loop (``signal.set_wakeup_fd``); CMD's exit is
-an event (a pidfd). The launcher exits with CMD's status, 128+N if CMD died of
-signal N, and never leaves CMD stopped (or a cgroup frozen) behind it.
+The launcher holds CMD in a cgroup of its own (else its process group), lets it run only while
+its session holds the token, and never leaves it running unmanaged or stopped behind it (a keeper
+process ends CMD if the launcher dies). Its modes (MANAGED, AWAY, UNMANAGED) and its two
+holds: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -97,7 +48,16 @@ _KEEPER_DONE = b"d"  # launcher -> keeper: CMD is ended and cleaned up; exit wit
 
 
 class Mode(enum.Enum):
-    """What the loop is doing; the transitions are drawn in the module docstring."""
+    """What the launcher's loop is doing::
+
+        MANAGED --daemon lost--> AWAY --daemon back--> MANAGED
+           |                      |
+           +----------------------+--SIGINT/TERM/HUP forwarded, internal error--> UNMANAGED
+
+    AWAY: fail-open (default) CMD runs, fail-closed it stays stopped; reattaching is tried every
+    second (every half second fail-closed). UNMANAGED: CMD runs, the session is closed, the
+    launcher only forwards signals and waits for CMD to exit.
+    """
 
     MANAGED = "managed"
     AWAY = "away"
@@ -458,7 +418,7 @@ class Launcher:
     def _start_keeper(self) -> None:
         """Fork the keeper: in a session of its own (so that a terminal's or a group's
         signals meant for the launcher miss it), it waits on a pipe from us and ends
-        CMD if the pipe closes without our word (we died). See the module docstring."""
+        CMD if the pipe closes without our word (we died). See docs/internals.md."""
         r, w = os.pipe()
         keep = {r, 2, *self.hold.fds()}
         pid = os.fork()

@@ -1,38 +1,6 @@
-"""MPS manager: one ``nvidia-cuda-mps-control`` daemon per GPU, started, spoken to and supervised.
-
-What the real program does, and what this module relies on (NVIDIA's MPS
-docs, "Appendix: Tools and Interface Reference" / "Legacy MPS v2 Interface",
-and ``man nvidia-cuda-mps-control``):
-
-* ``nvidia-cuda-mps-control -d`` starts the control daemon in the background;
-  the process we launch returns once the daemon is detached, so the daemon is
-  not our child. It writes its pid to
-  ``$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid``.
-* It listens on the UNIX socket ``$CUDA_MPS_PIPE_DIRECTORY/control`` (its log
-  says "Starting control daemon using socket <pipe>/control") and logs to
-  ``$CUDA_MPS_LOG_DIRECTORY/control.log``. The socket file outlives a killed
-  daemon, so liveness is never judged by files: by the pid (a pidfd) and by a
-  command answered.
-* A command is sent by running the program without ``-d``, with the same pipe
-  and log directory variables, and writing the command line to its stdin
-  (``echo quit | nvidia-cuda-mps-control``). Answers come on stdout:
-  ``get_server_list`` prints one server pid per line (nothing when no server
-  runs), ``get_default_active_thread_percentage`` prints e.g. ``100.0``. With
-  no daemon it prints "Cannot find MPS control daemon process".
-* ``set_default_*`` values apply to MPS servers started afterwards and are
-  lost when the daemon exits; this manager re-applies them after a restart.
-* One daemon per GPU: each gets its own pipe and log directories and is
-  started with ``CUDA_VISIBLE_DEVICES=<GPU UUID>`` (the docs recommend UUIDs:
-  the MPS server remaps indices). Device ordinals in commands and in a client's
-  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` are then as that daemon sees the GPU,
-  i.e. 0 (NVIDIA's k8s device plugin sets limits by index for this reason:
-  the daemon did not apply limits given by UUID, NVIDIA/k8s-device-plugin#572).
-
-Never changed here: the compute mode, clocks or any other GPU setting. NVIDIA
-recommends EXCLUSIVE_PROCESS compute mode under MPS; setting it
-(``nvidia-smi -c EXCLUSIVE_PROCESS``) is left to the operator.
-
-An :class:`MpsControl` is not thread-safe: one owner (the daemon loop) calls it.
+"""MPS manager: one ``nvidia-cuda-mps-control`` daemon per GPU, started, spoken to and
+supervised (:class:`MpsControl`). What the real program does and what this module relies on:
+docs/internals.md.
 """
 
 from __future__ import annotations

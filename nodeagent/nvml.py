@@ -70,8 +70,8 @@ class NvmlGpuLost(NvmlError):
 class Nvml:
     """A lazily initialised handle on the NVML library.
 
-    `lib` is the module (or a scripted fake) exposing `nvmlInit`, `nvmlShutdown`,
-    `NVMLError` and the `nvml*` functions; None imports `pynvml` on first use.
+    `lib` is the module (or a scripted fake) exposing ``pynvml.nvmlInit``, ``pynvml.nvmlShutdown``,
+    ``pynvml.NVMLError`` and the `nvml*` functions; None imports `pynvml` on first use.
     NVML reference-counts init/shutdown, so several instances may coexist.
     """
 

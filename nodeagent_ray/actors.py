@@ -1,23 +1,6 @@
-"""The Ray side of nodeagent's placement layer.
-
-- :class:`LoanAgent`: one per GPU node, placed on it. A loan is a Ray node of its own
-  (design B in ``docs/cluster.md``): ``ray start`` with one unit of ``nodeagent_loan``
-  and of ``nodeagent_loan:<job>``, labels naming the node, device and borrower, and
-  ``NODEAGENT_BORROWER`` (and, on a GPU host, ``CUDA_VISIBLE_DEVICES=<uuid>``) in its
-  environment, which every worker it runs inherits. Started at lend, stopped at reclaim:
-  the raylet's own SIGTERM path unregisters it from the GCS, so Ray's accounting drops
-  the loan in milliseconds (a raylet that dies unannounced is declared dead after ~12 s).
-- :class:`Controller`: the placement layer as a Ray actor that Ray restarts when it
-  dies. It runs :class:`nodeagent_ray.core.ControllerCore` on a thread of its own,
-  with :class:`RayLoanNodes` and :class:`RayJobs` as the core's hands.
-- :class:`TrainingJob`: a job's tracker, a named actor: how many devices the job wants,
-  its progress (steps since the last checkpoint, for the cost of a reclaim), the notice
-  its workers get before a resize, and what happened to it (restarts, steps redone).
-
-Names: every actor lives in the ``nodeagent`` namespace; the controller is
-``controller``, a node's agent ``loans:<node>``, a job's tracker ``job:<name>``.
-Job and node names are Ray label values: 1-63 of ``[A-Za-z0-9_.-]``, starting and
-ending with a letter or digit.
+"""The Ray side of nodeagent's placement layer: :class:`LoanAgent` (one per GPU node: a loan is a
+Ray node of its own), :class:`Controller` (the placement layer as a restartable Ray actor running
+:class:`nodeagent_ray.core.ControllerCore`) and the job helpers. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -344,7 +327,7 @@ def job_tracker(job: str):
 
 
 def finish_job(job: str, timeout_s: float = 10.0) -> None:
-    """Training job ``job`` is over (call it after ``fit()`` returns): the controller takes its
+    """Training job ``job`` is over (call it after the trainer's fit returns): the controller takes its
     loans back and lends it nothing more. A driver that exits without it ends the job too (the
     tracker goes with it), only later. Not from a worker: other ranks may still be returning."""
     ray.get(job_tracker(job).finished.remote(), timeout=timeout_s)

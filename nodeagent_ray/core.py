@@ -1,24 +1,6 @@
-"""The controller's loop: read every node, decide, carry it out, record what it did.
-
-:class:`ControllerCore` owns one :class:`~client_lib.placement.PlacementClient` (one
-thread uses it: the loop's) and is given the two things outside nodeagent it acts on:
-``loans`` (:class:`LoanNodes`: start and stop the Ray node a loan's workers run on,
-one per lent device) and ``jobs`` (:class:`Jobs`: the training jobs that want devices,
-and how to tell them a loan came or went). Neither is Ray here, so tests drive this
-loop against real daemons with fakes; :mod:`nodeagent_ray.actors` gives the Ray ones.
-
-Each turn waits for events up to ``tick_ms``. An inference session joining a LENT
-device is the demand a reclaim answers, so that node's inventory is read again and
-the policy run at once; other events only mark their node to read again at the end
-of the turn. Every ``resync_s`` everything is read again: inventories, loan nodes,
-jobs. A node that fails ``dead_after`` inventories in a row is dead: its loans are
-written off and nothing else changes. Starting a loan node takes seconds, so it runs
-in the background (``LoanNodes.start`` returns a :class:`Pending`) and a reclaim
-never waits behind it.
-
-What it knows it re-reads from the nodes, the loan nodes and the jobs, so a new core
-(a restarted controller) picks up where the old one stopped: see
-:mod:`nodeagent_ray.policy`.
+"""The controller's loop (:class:`ControllerCore`): read every node, decide
+(:mod:`nodeagent_ray.policy`), carry it out through ``loans`` (:class:`LoanNodes`) and ``jobs``
+(:class:`Jobs`), record what it did. No Ray here: :mod:`nodeagent_ray.actors` gives the Ray hands.
 """
 
 from __future__ import annotations

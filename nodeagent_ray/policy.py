@@ -1,53 +1,8 @@
-"""The controller's decisions: which FREE device goes to which training job, which loan
-inference takes back, and what becomes of a loan after that.
+"""The controller's decisions, pure (no I/O, no clock, no Ray): which FREE device goes to
+which training job, which loan inference takes back, and what becomes of a loan after that.
 
-Pure, like :mod:`sharing.scheduler`: no I/O, no clock, no Ray. The controller's core
-(:mod:`nodeagent_ray.core`) builds a :class:`ClusterView` from every node's inventory,
-the loan nodes that exist and the registered jobs, calls :func:`decide`, and carries
-out what it returns. The view holds everything a decision depends on, so a
-controller that restarts reads the same sources, builds the same view and decides
-the same things: it keeps no state of its own that a restart could lose.
-
-A loan is one device of one node lent to one job, together with its loan node (the
-Ray node the job's worker runs on). Its status follows from the view::
-
-    ACTIVE   the device is LENT to the job                 (the worker trains)
-    PARKED   not lent any more, the job's sessions there    (reclaimed while it was the job's
-             are suspended                                  last running worker: kept to resume)
-    STALE    neither                                        (nothing left to keep: release it)
-    DEAD     its node stopped answering                     (written off)
-
-Rules, in the order :func:`decide` applies them:
-
-1. A dead node's loans are written off; nothing else on other nodes changes.
-2. An ACTIVE loan whose device has an inference session is reclaimed at once (the
-   session joining is the demand). So are the cheapest ACTIVE loans when a serving
-   layer asks for devices anywhere (``inference_wanted``), cheapest in the policy's
-   order; today's is :func:`reclaim_cost`: a loan whose job would stall last, then the
-   fewest workers lost, then the least progress since the job's last checkpoint
-   (Aryl's preemption cost).
-   After the reclaim the loan is released (its loan node stopped: the job shrinks),
-   or PARKED when it held the job's last running worker, so that the job resumes
-   in-process from its parked state when the device is lent to it again.
-3. A PARKED loan whose device is FREE again (no inference there) is resumed: lent
-   to the same job and its sessions resumed. One parked for longer than
-   ``park_max_s``, or whose job can be given another device now, is released.
-   STALE loans, and loans of jobs that are gone, are released.
-4. A device LENT to a known job whose loan node is missing (a controller that died
-   between the two halves of a lend) is lent again, which finishes the lend.
-5. FREE devices with no inference session and no loan are lent, never a device in
-   RUN, PROTECT or DRAINING. Who gets them is the one rule that differs between
-   policies (``PolicyConfig.name``): today's, ``max-workers``, lends each to the job
-   furthest below its ``max_workers`` and never takes a loan back for another job.
-   The others (:mod:`nodeagent_ray.policies`: ``fifo``, ``tiresias``, ``knapsack``,
-   ``deadline``) may also take loans back from one training job to give them to
-   another (always released, never parked: the job restarts elsewhere from its
-   handed-off state), and choose the loans inference takes in their own order.
-   Loans on a ``dedicated`` node (a training node no inference is placed on) are
-   never taken for inference.
-
-Rules 1-4 are :func:`run_policy`'s; rule 5 is an :class:`Allocator`'s, handed a
-:class:`Round` (what the shared rules left: free devices, what each job holds).
+:func:`decide` maps a :class:`ClusterView` to actions; rules 1-4 (:func:`run_policy`) are shared,
+rule 5 is an :class:`Allocator`'s. The loan states and the rules in order: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -370,7 +325,7 @@ class MaxWorkers:
 
 
 def decide(view: ClusterView, now: float, config: PolicyConfig = PolicyConfig()) -> list[Decision]:
-    """What to do now, in the order to do it (see the module docstring for the rules), by the
+    """What to do now, in the order to do it (see docs/internals.md for the rules), by the
     policy ``config.name`` names."""
     if config.name == MaxWorkers.name and not config.options:
         return run_policy(MaxWorkers(), view, now, config)

@@ -1,44 +1,6 @@
-"""What a Ray Train worker on a lent device runs, so that losing or gaining a device costs
-no step of work.
-
-    def train_fn(config):
-        worker = LentWorker(config["job"], config["handoff_dir"])   # the session first: before CUDA
-        model, opt = build()
-        model = ray.train.torch.prepare_model(model)
-        step = worker.start(model, opt)                             # from the newest hand-off
-        while True:
-            train_one_step(model, opt)
-            step += 1
-            if worker.step_done(step):                              # together on every rank
-                break
-        worker.close()
-
-    # the driver: the controller lends to the job from create_job() until finish_job()
-    create_job(job, max_workers=3)
-    TorchTrainer(train_fn, ...).fit()
-    finish_job(job)                                                 # its loans are taken back
-
-The worker's session names its job as borrower (``NODEAGENT_BORROWER``, which the loan
-node's environment gives every worker on it), so the daemon admits it only on the
-device lent to that job. Three things can happen to it, and none loses a step:
-
-- **Reclaim** (inference wants the device): the daemon asks the session to suspend;
-  at its next ``step_done`` it writes the state to the hand-off directory, parks it in
-  host memory (:class:`client_lib.torch.Yielder`) and waits. If the controller then
-  stops its loan node (the job has other workers), the job restarts on the rest from
-  that hand-off, which is the last step any worker finished: a data-parallel peer
-  cannot finish the next step without it. If the controller keeps the loan (it was the
-  job's last worker), the same process resumes from its parked state when the device
-  is lent again: in-process, no step redone, no hand-off read.
-- **Resize** (a loan node for the job came up): Ray Train restarts the worker group
-  to grow it, stopping the workers wherever they are. The job's tracker passes the
-  controller's notice to rank 0, every rank learns it in the same step (one small
-  all-reduce per step), rank 0 writes the hand-off and all wait to be restarted
-  (``resize_wait_s`` at most, then they train on; a stop asked meanwhile ends the wait).
-- **Checkpoint** every ``checkpoint_every`` steps (0: never), from rank 0: what a
-  crash without notice costs at most.
-
-Without Ray (tests, a single process) pass ``tracker=None, rank=0, world_size=1``.
+"""What a Ray Train worker on a lent device runs (:class:`LentWorker`), so that a reclaim, a
+resize or a crash costs no step of work: it parks or hands off its state at ``step_done``.
+Its three cases (reclaim, resize, checkpoint) and a driver's outline: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ def scheduler_step_us(waiting: int, samples: int = 300) -> dict[str, float | int
     All sessions are of one class (training), the worst case for the in-class fair
     order. Measured, each ``samples`` times:
 
-    * ``grant_next``: the holder releases with requeue and the next waiter is
+    * ``grant_next_us_*``: the holder releases with requeue and the next waiter is
       granted (one ``release`` call), so the queue length stays ``waiting``;
-    * ``request``: an idle session of the same class asks (the sleeper clamp
+    * ``request_us_*``: an idle session of the same class asks (the sleeper clamp
       reads the class minimum) while the token is held;
-    * ``cancel``: that session leaves the line again;
+    * ``cancel_us_*``: that session leaves the line again;
     * ``snapshot``: a full snapshot (every session's view and the ordered queue)
       taken after a handoff, reported in ms from fewer samples.
     """

@@ -1,28 +1,7 @@
-"""Co-run sharing: each class has its own token, and a lower class is paced, not stopped.
-
-Measured on an H100 (issue 20): exclusive slices at training-iteration
-granularity made an inference service 17-886x worse at p99 than running with
-no daemon, while MPS with the trainer at client priority 1 gave 1.25x. A GPU
-already runs several processes at once; the daemon's job is to steer that.
-
-So under co-run a device has one *lane* per workload class, each a
-:class:`~sharing.scheduler.TokenScheduler` holding only that class's sessions:
-inside a lane nothing changes (weighted fair share, quanta, grace, enforcement),
-and between lanes there is no preemption. An inference
-request beside a training holder is granted at once and both run. What a
-higher class does to a lower one is *pace* it: while a higher lane has a
-holder, every lower class is told (through the device's pace board, see
-:mod:`client_lib.pace`) to issue GPU work only for ``duty_permille`` of each
-period, from 0 (pause at its next pause point) to 1000 (run, slowed only by
-MPS client priority). :class:`PaceController` picks the duty from the higher
-class's measured slices.
-
-Pure logic like the rest of :mod:`sharing`: no I/O, time passed in.
-
-Grant ids: lane ``k`` issues ``first_grant + k``, ``first_grant + k + 3 * grant_stride``,
-..., so a grant id names one session of one lane on the device, and a session's ids
-only grow (clients rely on it). ``grant_stride`` leaves room between them for the other
-devices' ids (the daemon gives device ``d`` of ``n`` ``first_grant + 3 * d`` and stride ``n``).
+"""Co-run sharing, pure: each workload class has its own token (a lane, one
+:class:`~sharing.scheduler.TokenScheduler` each), and a lower class is paced, not stopped
+(:class:`CoRunScheduler`, :class:`PaceController`). Why, and how grant ids are spread over lanes:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -55,7 +34,7 @@ class PaceSlot:
 
 class CoRunScheduler:
     """A device's lanes, one :class:`TokenScheduler` per class, behind the
-    TokenScheduler interface the daemon speaks (see the module docstring)."""
+    TokenScheduler interface the daemon speaks (see docs/internals.md)."""
 
     __slots__ = ("_device", "_policy", "_lanes", "_lane_of")
 

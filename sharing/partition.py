@@ -1,32 +1,6 @@
-"""MPS partition planning: which share of a GPU's SMs and memory each session gets.
-
-Pure logic: no I/O. The daemon hands the result to clients as environment
-variables that the CUDA driver reads when a client creates its context:
-
-* ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: an integer percent of the SMs (1..100);
-* ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``"<ordinal>=<N>M"``, e.g. ``"0=2048M"``
-  (comma-separated pairs, suffix M or G, per NVIDIA's MPS docs, "Appendix:
-  Environment Variables"; GKE's device plugin writes ``0=%dM`` with MiB).
-
-Rules of a plan (:func:`plan_partition`):
-
-* a session with an explicit request gets that percent; sessions without one
-  share what the explicit requests leave, equally;
-* every share is an integer >= ``min_percent`` and the shares sum to at most
-  ``total``; fractions are rounded by the largest-remainder method, ties to
-  the smaller session id, so the same input always gives the same plan;
-* memory is capped only where a session declared it: explicit limits, whose
-  sum must fit the device's memory when that is known; a session that declares
-  none gets no ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (an even split of what was
-  left when it joined would cap an LLM server or trainer that fits without the
-  daemon at half the card beside one other session; memory admission stays the
-  daemon's, from declarations and NVML);
-* anything that does not fit raises :class:`PartitionError` naming the
-  sessions and numbers.
-
-A share is a cap, not a reservation: MPS never gives a client more than its
-percent, so shares that sum to <= 100 keep every client's cap clear of the
-others'.
+"""MPS partition planning, pure: which share of a GPU's SMs and memory each session gets
+(:func:`plan_partition`), as the environment variables the CUDA driver reads at context creation.
+Anything that does not fit raises :class:`PartitionError`. The rules of a plan: docs/internals.md.
 """
 
 from __future__ import annotations

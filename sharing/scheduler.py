@@ -1,30 +1,8 @@
-"""Token scheduler for one GPU: who may run now, and who must give way.
+"""Token scheduler for one GPU (:class:`TokenScheduler`): who may run now, and who must give way.
 
-Pure logic: no I/O, no threads, no clock of its own. Every call takes ``now``
-(float seconds on a monotonic clock) and returns the actions the daemon must
-carry out, so tests step it by hand. The daemon's loop is, in outline::
-
-    actions = scheduler.request(session_id, now)   # or release, tick, ...
-    carry_out(actions)                              # notices, signals, revoke()
-    poll(timeout=scheduler.next_deadline() - now)   # then tick(now)
-
-Policy, in order of precedence:
-
-* strict priority between classes: inference > training > best-effort;
-* weighted fair share inside a class by virtual GPU time (held time / weight),
-  with a CFS-style bounded sleeper credit so that a newcomer or a session back
-  from idle gets at most one quantum ahead of the others;
-* a quantum per class: when it ends and a session of the same class waits, the
-  holder is asked to yield; when a higher class waits, it is asked at once;
-* a grace period after the ask, then one ``Enforce``. What enforcement means
-  (revoke, SIGSTOP) is the daemon's decision, not the scheduler's;
-* a linger (``linger_ms``): a holder that releases while only lower classes
-  wait leaves the token free that long for its own class, so a burst of short
-  higher-class slices preempts the lower class once, not once per slice.
-
-Each call costs O(log n) in the sessions waiting (amortised; a line per class
-in :mod:`sharing.fairqueue`); ``tick``, ``next_deadline`` and ``wanted_by`` are
-O(1). ``snapshot`` is O(sessions) and reuses what did not change since the last.
+Pure: every call takes ``now`` and returns the actions the daemon carries out. Strict priority
+between classes, weighted fair share inside one, a quantum per class, a grace before one
+``Enforce``, and a linger for bursts. The policy and its costs: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -303,7 +281,7 @@ class _Session:
 
 
 class TokenScheduler:
-    """Arbitrates one device's token between its sessions (see the module docstring)."""
+    """Arbitrates one device's token between its sessions (see docs/internals.md)."""
 
     __slots__ = (
         "_device",

@@ -1,30 +1,6 @@
-"""Whole-device suspension of one session, as a pure machine; and the gate in front of the token.
-
-A suspension asks a session's client to park its state in host memory and give
-the whole device up (a placement layer's reclaim, an operator, or admission
-making room for a higher class), and later to take it back. Pure like the rest
-of :mod:`sharing`: time is passed in, actions are returned, the daemon carries
-them out (:mod:`nodeagent.daemon.suspension`) and journals the state first.
-
-::
-
-                  request                  client parked ("suspended")
-      ┌─────────┐ ───────► ┌───────────┐ ─────────────────────────► ┌───────────┐
-      │ RUNNING │          │ REQUESTED │                            │ SUSPENDED │
-      └─────────┘ ◄─────── └───────────┘ ─────────┐                 └───────────┘
-           ▲       resume     │   ▲  deadline,    │ deadline,             │
-           │    ("cancelled") │   │  not stoppable│ stopped               │
-           │                  └───┘ ("timeout",   ▼                       │
-           │                        still asked) ┌─────────┐               │
-           └──────────────────────────────────── │ STOPPED │ ◄─────────────┘ (no)
-                      resume (continued)         └─────────┘
-                      resume from SUSPENDED too
-
-A request, a resume, the deadline and the client's report each return the
-actions to take, in order. ``keep_request`` is the session's wish for the token
-while it cannot have it (it asked while suspended, or was waiting when the
-suspension began): :func:`token_gate` keeps it, and a resume returns
-:class:`AskToken` to make it again.
+"""Whole-device suspension of one session, as a pure machine (:class:`Suspension`: RUNNING,
+REQUESTED, SUSPENDED, STOPPED, drawn on :class:`SuspendState`; time passed in, actions
+returned), and the gate in front of the token (:func:`token_gate`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -39,7 +15,20 @@ __all__ = ["SuspendState", "Suspension", "Notify", "StopProcess", "ContinueProce
 
 
 class SuspendState(enum.Enum):
-    """Where a session stands with a suspension (see the module docstring)."""
+    """Where a session stands with a suspension::
+
+                      request                  client parked ("suspended")
+          ┌─────────┐ ───────► ┌───────────┐ ─────────────────────────► ┌───────────┐
+          │ RUNNING │          │ REQUESTED │                            │ SUSPENDED │
+          └─────────┘ ◄─────── └───────────┘ ─────────┐                 └───────────┘
+               ▲       resume     │   ▲  deadline,    │ deadline,             │
+               │    ("cancelled") │   │  not stoppable│ stopped               │
+               │                  └───┘ ("timeout",   ▼                       │
+               │                        still asked) ┌─────────┐               │
+               └──────────────────────────────────── │ STOPPED │ ◄─────────────┘ (no)
+                          resume (continued)         └─────────┘
+                          resume from SUSPENDED too
+    """
 
     RUNNING = "running"
     REQUESTED = "requested"

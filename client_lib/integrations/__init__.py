@@ -1,26 +1,6 @@
-"""Callbacks that make a framework's training loop take turns at the device.
-
-Each module imports its framework, and only that one; it raises an
-ImportError that says what to install when the framework is missing:
-
-    from client_lib.integrations.lightning import NodeAgentCallback         # PyTorch Lightning
-    from client_lib.integrations.huggingface import NodeAgentTrainerCallback  # transformers.Trainer
-
-Both hold the token for the whole fit, call ``client.yield_point()`` after
-every optimizer step, and park the model and its optimizers in host memory
-when the daemon asks for the whole device (:class:`client_lib.torch.Yielder`).
-They also attach a :class:`client_lib.torch.Pacer`: pause points between
-layers and a bounded GPU run-ahead while an inference service co-runs on the
-device, and a fence before each yield.
-A suspend asked for before training began is honoured as soon as the model
-and optimizers exist, before the first step (Lightning: ``on_fit_start``,
-ahead of the sanity-check validation; Hugging Face: ``on_train_begin``);
-until then (building the model, moving it to the device) the process does
-not call into the client, and a suspend whose deadline passes meanwhile ends
-in a SIGSTOP. Open the Client before anything touches the GPU: settings the
-daemon hands over in the welcome (an MPS share) reach CUDA only at context
-creation. Runnable examples: ``examples/lightning_yield.py`` and
-``examples/hf_trainer_yield.py``.
+"""Callbacks that make a framework's training loop take turns at the device: one module per
+framework (:mod:`client_lib.integrations.huggingface`, :mod:`client_lib.integrations.lightning`),
+each importing only its own and saying what to install when it is missing.
 """
 
 from __future__ import annotations

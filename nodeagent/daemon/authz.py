@@ -1,23 +1,6 @@
-"""Who may do what to the daemon: one table, one function (issue 22).
-
-A request is made by a peer the daemon knows in one or more roles: a placement
-client on the cluster endpoint (it proved an allowed CURVE key: root-equivalent),
-root on the local socket, the daemon's own user, the owner of the session a
-request names, a member of ``ctxpool.register_group``, any other verified local
-user, or a peer whose identity cannot be verified (no peer credentials). Each
-act is allowed to some roles; :func:`refusal` says why a peer may not, in words
-a user can act on, or None. Identity comes from the transport (the local
-socket's peer credentials, the cluster's CURVE handshake), never from a claim.
-
-Namespaces count (issue 32): a local peer is ROOT, the daemon's user or a registrant
-only if the kernel says it is in the daemon's own pid, user and mount namespaces, or
-in the host's (those of pid 1: systemd gives the daemon private mounts, a DaemonSet
-its own container; :attr:`nodeagent.procwatch.PeerCredentials.namespaces`). A container's root is uid 0
-but not the host's root: it is a local user, the owner of the sessions it opened
-from those same namespaces (or of none, once they cannot be read), and no more; and
-a container chooses its own supplementary groups, so they make no registrant. A pod
-is identified by what the kernel says of its processes (uid and namespaces), not by
-anything it claims (docs/kubernetes.md, "What a pod may do").
+"""Who may do what to the daemon: one table, one function (:func:`refusal`). Roles come from the
+transport (peer credentials, the cluster's CURVE handshake), never from a claim; the answer is
+None or a reason a user can act on. The roles and acts: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
-"""The cluster endpoint, as part of :class:`nodeagent.daemon.server.AgentServer`: the
-placement layer's view of this node and its levers.
-
-A second ROUTER on ``cluster.endpoint`` (tcp) and an XPUB socket on
-``cluster.events_endpoint`` (see :mod:`nodeagent.daemon.events`), both CURVE servers: only clients whose public key
-is in ``keys_dir/allowed/`` complete the handshake (pyzmq's ZAP authenticator
-thread checks it), so an unknown peer never gets a byte back. A peer that got
-in is treated as root for operator requests. Frames go through the same codec
-and the same handlers as local ones; their route is a :class:`ClusterRoute`,
-which is how ``_send`` puts the reply on the right socket.
-
-Operations (also accepted from root on the local socket): ``inventory``,
-``lend``, ``renew``, ``reclaim``, ``drain``, ``set_policy``, ``set_weight``, and the existing
-``partition``, ``suspend_session``, ``resume_session`` and ``status``.
-Sessions themselves (``hello``, ``acquire``, ...) connect locally only.
-
-Each device has a :class:`sharing.DeviceLifecycle`, fed after every loop turn
-with whether inference holds or waits for the device, ticked at its deadlines.
-A reclaim suspends the borrower's sessions on the device with the existing
-suspension machinery and answers once every one of them is off it (parked,
-stopped, gone, or, when unverifiable, its token revoked). What operators
-change (lend, reclaim, drain, policies) is journalled and restored after a
-restart; states that inference alone moves (RUN, PROTECT ending) are
-re-derived by observation instead, so the hot path never writes the journal.
-
-A component, :class:`ClusterEndpoint`: it owns the sockets, the ZAP thread,
-the events publisher, the lifecycles and the reclaims under way, and is given
-in its constructor everything else it may touch (the schedulers and sessions it
-reads, the loop's poller, and callables for answering peers, decoding frames,
-carrying out scheduler actions, starting suspensions and writing the journal).
-Every event the daemon publishes goes through :meth:`ClusterEndpoint.event`.
+"""The cluster endpoint (:class:`ClusterEndpoint`): the placement layer's view of this node and
+its levers (``inventory``, ``lend``, ``renew``, ``reclaim``, ``drain``, policies), over a CURVE
+ROUTER and an events XPUB (:mod:`nodeagent.daemon.events`). It owns the sockets, the ZAP thread,
+each device's :class:`sharing.lifecycle.DeviceLifecycle` and the reclaims under way; its
+collaborators are its constructor's parameters. The reclaim walk: docs/architecture.md;
+detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -115,13 +90,13 @@ class _Reclaim:
 
 
 class ClusterEndpoint:
-    """Cluster endpoint, device lifecycles and placement operations (see the module docstring).
+    """Cluster endpoint, device lifecycles and placement operations (see docs/internals.md).
 
     Owns the ROUTER and events sockets, the ZAP thread, the events publisher, one
     :class:`sharing.DeviceLifecycle` per device and the reclaims under way. Everything
-    else it touches is given here: the daemon's data objects, and callables for what
-    other parts own (answering a peer, decoding a frame, carrying out scheduler actions,
-    starting a suspension, journal writes)."""
+    else it touches is a constructor parameter: the config, the loop, the server's view
+    (:class:`nodeagent.daemon.bus.ServerView`), the tokens and suspension components, the
+    sessions, the journal writer and the device facts."""
 
     def __init__(self, *, config: ServeConfig, loop: LoopHandle, server: ServerView, tokens: Tokens,
                  sessions: SessionTable, journal: JournalWriter, suspensions, devices: DeviceFacts) -> None:

@@ -1,25 +1,5 @@
-"""One device's recent token history, for ``status`` and ``nodeagent top``.
-
-:class:`DeviceStats` is fed by the tokens component (grants, slice ends, yield
-requests, enforcements) and the suspension component (suspensions asked), and
-read when a status is built. Every event costs O(1) and the memory is bounded
-whatever the traffic:
-
-- a **timeline** of ``buckets`` time buckets of ``bucket_s`` each (60 x 1 s):
-  per bucket, how long each session held the token (at most
-  ``MAX_HOLDERS_PER_BUCKET`` sessions, the rest pooled under ``MANY``), so a
-  status can say who held the token longest in each of the last seconds;
-- the last ``wait_window`` grant waits (a ring), for p50 and p99;
-- counters since the daemon started.
-
-A slice whose end is not reported here (a serving sub-session gives the token
-back inside the serving component) ends at the next grant of its lane, or at
-the next status that finds another holder (or none), whichever comes first.
-A lane is the token a grant is of: a device's only one when it is exclusive,
-one per class when it co-runs (see :mod:`sharing.corun`), where the slices of
-different lanes overlap; a bucket's time then adds up past its length, and
-"idle" means that no lane held the token for most of it.
-Time is passed in (the loop's monotonic clock); nothing here touches a socket.
+"""One device's recent token history, for ``status`` and ``nodeagent top`` (:class:`DeviceStats`):
+fed by the tokens and suspension components, O(1) an event and bounded whatever the traffic.
 """
 
 from __future__ import annotations
@@ -41,7 +21,7 @@ def percentile(ordered: list[float], q: float) -> float:
 
 
 class DeviceStats:
-    """Recent token history of one device (see the module docstring)."""
+    """Recent token history of one device (see docs/internals.md)."""
 
     def __init__(self, *, bucket_s: float = 1.0, buckets: int = 60, wait_window: int = 512) -> None:
         if not (bucket_s > 0 and math.isfinite(bucket_s)) or buckets < 1 or wait_window < 1:

@@ -1,20 +1,6 @@
-"""The events socket of the cluster endpoint: what happened on this node, numbered.
-
-Each message is two frames: the topic (the event's ``kind``, so a subscriber
-filters with ``SUBSCRIBE``) and one MessagePack :class:`client_lib.protocol.Event`.
-
-The socket is an XPUB, so the daemon knows which topics anyone subscribed to
-and builds only those events: with no subscriber, or one that wants only
-``device_state`` and ``reclaim``, a token grant costs one dictionary lookup
-(an XPUB is a PUB to its subscribers). ``seq`` numbers the events built, from 1
-per daemon boot: a subscriber to every kind sees them without gaps unless it
-lost some (PUB drops for a subscriber past its high-water mark, and a late
-one misses the start); ``boot`` changes when the daemon restarts.
-
-Only the daemon's loop thread uses the publisher. Its owner is the cluster
-endpoint (:class:`nodeagent.daemon.cluster.ClusterEndpoint`), which binds the socket
-and holds ``None`` instead of a publisher when it is not bound; the rest of the
-daemon publishes through the endpoint's ``event``.
+"""The events socket of the cluster endpoint (:class:`EventPublisher`): what happened on this
+node, numbered, one :class:`client_lib.protocol.Event` per message under its ``kind`` as topic.
+Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""The token gate: every request for a session's token passes here, in one order.
-
-A session asks for the token with ``acquire``; the daemon also asks again on its
-behalf when what kept it waiting ends (it is resumed, the sessions suspending to
-make room for it are off the device, a restart's restore window closes, a failed
-device answers again). Wherever the request comes from, it passes
-:func:`sharing.suspension.token_gate`: kept while the session is suspended or
-blocked by make-room, parked during a restore window, held on a failed device,
-else made to the device's scheduler.
-
-A component: it owns the order, and a session's wish for the token while it is
-kept (``Session.blocked_by`` and ``acquire_pending`` while blocked; the suspension's
-``keep_request``, journalled with it, while suspended): only the gate writes them.
-It reads the suspension state the suspension component keeps on each session,
-and the restorer's and the lost devices' tables; it asks ``tokens`` for the token. Requests made again on a
-session's behalf come as :class:`MayAsk` events on the bus (the restorer, the
-memory policy and the suspension component publish them), so none of those
-components calls this one.
+"""The token gate (:class:`TokenGate`): every request for a session's token passes here, in
+:func:`sharing.suspension.token_gate`'s order (kept while suspended or blocked by make-room,
+parked in a restore window, held on a failed device, else asked of the scheduler).
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ log = logging.getLogger("nodeagent.daemon.gate")
 
 
 class TokenGate:
-    """See the module docstring."""
+    """See docs/internals.md."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts, restorer) -> None:
         """``restorer``: its ``restoring(device)`` and ``park(session)`` (a restart's window)."""
@@ -41,7 +26,7 @@ class TokenGate:
         self._restorer = restorer
 
     def ask(self, s: Session, now: float, since: float | None = None, claimed: bool = False) -> Gate:
-        """Where ``s``'s request for the token went (see the module docstring). ``claimed``: it is
+        """Where ``s``'s request for the token went (see docs/internals.md). ``claimed``: it is
         the slice a restart's restore window lets go first."""
         decision = token_gate(suspended=s.suspension.active, blocked=bool(s.blocked_by),
                               restoring=not claimed and self._restorer.restoring(s.device),

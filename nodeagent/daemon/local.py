@@ -1,24 +1,7 @@
-"""The local endpoint: a unix stream socket (or TCP, unverified) speaking the
-length-prefixed framing of :mod:`client_lib.framing`.
-
-Chosen for the token handoff's critical path: a frame from a client wakes the
-loop's epoll and nothing else (no I/O thread), and a notice written to a
-connection wakes the client's own thread directly. Peer credentials come from
-the socket (SO_PEERCRED at accept), and the pidfd of the peer with them.
-
-Everything a peer can make the daemon hold is bounded here:
-- bytes queued to a peer that does not read (``max_queued_bytes``): past it
-  the peer is dropped, its session handled as lost;
-- frame size: a frame over the request limit is skipped unread and answered
-  ``E_BAD_REQUEST``; a header declaring more than 16 MiB is answered and the
-  connection closed (no client means that); the codec bounds nesting depth;
-- connections (``max_connections``, ``max_connections_per_uid`` so that one
-  user cannot take every slot, and whatever descriptors are left): a
-  connection over a limit gets one ``E_UNAVAILABLE`` frame and is closed, and
-  running out of descriptors never aborts anything (a reserve descriptor lets
-  the endpoint accept and close the connection it cannot keep);
-- bytes read per connection per wake-up, so one chatty peer cannot starve
-  the others or the timers.
+"""The local endpoint (:class:`LocalEndpoint`): a unix stream socket (or TCP, unverified)
+speaking :mod:`client_lib.framing`, with peer credentials and pidfds taken from the socket. It owns
+the listener and connections and bounds what a peer can make the daemon hold. Its bounds:
+docs/architecture.md; detail: docs/internals.md.
 """
 
 from __future__ import annotations

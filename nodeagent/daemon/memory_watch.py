@@ -1,25 +1,8 @@
-"""Measured device memory against declarations, and lost devices: a watcher
-thread reads per-process memory off the loop thread (an NVML call can take
-milliseconds, and /proc is read for each process) and the loop applies
-``memory.policy`` (warn, revoke, stop) to sessions over their declaration,
-tells the sessions of a device that NVML reports lost, and acts on the Xid
-errors NVML reports (a fault under MPS ends every client of the server:
-:meth:`MemoryPolicy._on_device_fault`).
-
-What the watcher reads, per device: NVML's compute processes and MPS clients
-(:meth:`nodeagent.devices.CudaBackend.processes`), each translated into the
-daemon's pid namespace (:class:`nodeagent.procwatch.PidTranslator`) with its
-chain of parents, so that the loop can give every process to the session that
-owns its tree (:func:`nodeagent.memory.owners`).
-
-A component, :class:`MemoryPolicy`: it owns the watcher thread and the queue of
-its readings, and is given what it may touch in its constructor: the sessions,
-the tokens component (revoke, stop, end a slice), the shared :class:`LostDevices`
-table, metrics, a way to send, and the bus (health events, :class:`DeviceLost`
-for serving, :class:`MayAsk` for the requests held while a device was lost). The
-token gate (:mod:`nodeagent.daemon.gate`) holds a request made while its device
-is lost in that table; when the device answers again this component asks for
-them again, first come first, through the gate.
+"""Measured device memory against declarations, and lost devices (:class:`MemoryPolicy`): a
+watcher thread reads per-process memory off the loop, and the loop applies ``memory.policy``
+to sessions over their declaration, tells the sessions of a lost device, and acts on Xid errors.
+It owns the watcher, its readings and the lost-devices table (:class:`LostDevices`). Detail:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -292,7 +275,7 @@ class MemoryPolicy:
 
 class MemoryWatcher(threading.Thread):
     """Reads per-process device memory every ``interval_s`` off the loop thread
-    and hands the readings to the loop (see the module docstring).
+    and hands the readings to the loop (see docs/internals.md).
 
     ``host_proc``: the host's /proc as mounted for a daemon in a container
     (``memory.host_proc``); ``proc_root`` and ``translator`` are for tests."""

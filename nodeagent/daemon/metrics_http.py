@@ -1,42 +1,7 @@
-"""The metrics endpoint: Prometheus scrapes served from the daemon's own loop.
-
-Plain HTTP/1.1 on non-blocking sockets in the loop's epoll set, with no thread
-of its own, and bounded whatever peers do:
-- connections: at most ``max_connections``. A new one past it takes the slot
-  of the oldest that has not sent a whole request (a slowloris, an idle
-  keep-alive), else of the oldest that has not taken its response (a peer
-  that does not read; each given 0.5 s before it counts as either), else of
-  the oldest waiting for an exposition, or taking one, that pipelines more
-  requests behind it or was answered before on its connection (a keep-alive
-  repeater), else of the oldest just connected, and a lone first request
-  goes last:
-  whatever they do, a newcomer always gets a slot, and 64 hogs holding every
-  slot, back at once when closed, cannot keep a real scrape out. The listen
-  backlog is 1,024, so thousands connecting at once are accepted or shed at
-  once, not left in SYN retries;
-- connecting: at most ``accept_rate_per_s`` connections accepted a second
-  (twice ``max_connections`` at once), 8 a wake-up; a flood beyond waits in the
-  backlog and then in the peers' SYN retries, so it costs the loop a bounded
-  share (an accept with its eviction: about 70 us on 2 shared cores);
-- time: ``timeout_s`` from a connection's acceptance (or the end of its last
-  response) to the end of its next response. A peer that sends one byte a
-  second, or never reads what it asked for, is closed when that runs out;
-- bytes: a request head over 8 KiB is answered 431 and closed; bodies are
-  not read (a request with one is answered and closed); a keep-alive
-  connection serves at most ``_MAX_REQUESTS`` requests; after part of a
-  head, a connection is read again no sooner than 50 ms later, so a peer
-  trickling bytes wakes the loop 20 times a second at most;
-- CPU: the exposition is written in steps of ``_STEP_BUDGET_S`` between
-  the loop's turns (:class:`nodeagent.metrics.Exposition`), one written for
-  every scrape waiting when it starts, and a new one starts no sooner than
-  ``min_interval_s`` after the last started and no sooner than
-  ``_COST_FACTOR`` times its CPU after it ended, so scrapers cannot take more
-  than about 1/``_COST_FACTOR`` of the loop. A scrape is answered with
-  figures read after it arrived.
-
-GET and HEAD of ``/metrics`` are served (the query string is ignored);
-another path is 404, another method 405, a malformed request 400, a version
-other than HTTP/1.x 505, each closing the connection.
+"""The metrics endpoint (:class:`MetricsEndpoint`): Prometheus scrapes served by hand-parsed
+HTTP/1.1 on non-blocking sockets in the daemon's own loop, bounded in connections, bytes, time
+and share of the loop whatever peers do; the exposition is written in 0.5 ms steps
+(:class:`Exposition`). Its bounds and eviction order: docs/internals.md.
 """
 
 from __future__ import annotations

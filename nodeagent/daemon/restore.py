@@ -1,21 +1,7 @@
-"""Restore after a restart: the :class:`Restorer` component.
-
-Sessions are journalled on open, close and change (never per grant; the writes
-go through :class:`nodeagent.daemon.journal_writer.JournalWriter`). A starting daemon
-increments the boot counter, numbers grants from ``boot << 32``, restores each
-journalled session whose process still lives, continues any the old daemon
-left stopped, and opens a restore window per device in which the client that
-was using it reclaims its slice before parked requests run.
-
-While the journal fails, the restorer's timer probes it every
-``JOURNAL_RETRY_S`` and, once it works, writes the stale sessions again. The
-daemon never SIGSTOPs a process whose stop it could not journal (``Tokens.stop``
-takes the token away instead), so a successor always knows which processes to
-continue.
-
-A component: it owns the restore windows (restored sessions not yet
-reattached, requests parked until then, the window's deadline) and the retry
-timer, and is given what it may touch in its constructor.
+"""Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives,
+stops the old daemon left, suspensions and policies, and a restore window per device in which
+the client that was using it reclaims its slice before parked requests run. Detail:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -45,7 +31,7 @@ JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the jo
 
 
 class Restorer:
-    """Restore after a restart and the restore windows (see the module docstring).
+    """Restore after a restart and the restore windows (see docs/internals.md).
 
     :meth:`restore` renews the schedulers through ``tokens`` (grant ids continue
     above the old daemon's)."""

@@ -1,20 +1,6 @@
-"""The daemon's loop, the session handshake, and the components it is built from.
-
-``AgentServer`` builds the components (``Tokens``: the schedulers and their
-actions; ``MemoryPolicy``; ``Serving``; ``Suspensions``; ``Restorer``;
-``ClusterEndpoint``; ``MpsPartitions``; the ``SessionTable`` and the
-``JournalWriter``), each given in its constructor what it may touch (see
-docs/architecture.md), routes requests to them, and runs their timers.
-
-The loop waits in one epoll set (:mod:`nodeagent.daemon.loop`) on the local
-endpoint's listener and connections (:mod:`nodeagent.daemon.local`: framed
-MessagePack over a unix stream socket), a wake-up socket (signals and
-:meth:`AgentServer.request_stop`), the pidfds of verified client processes and
-whatever components registered; the poll timeout is the components' next
-deadline, so quantum ends and yield deadlines are acted on without polling.
-
-Bad input never crashes the loop and never changes state: every frame that is
-not a valid request is answered ``E_BAD_REQUEST`` and counted.
+"""The daemon's loop (:class:`AgentServer`): it builds the components, each given in its
+constructor what it may touch, routes requests and events to them, runs their timers, and
+speaks the session handshake (hello, resume, heartbeat, bye). docs/architecture.md draws it.
 """
 
 from __future__ import annotations

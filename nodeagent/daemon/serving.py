@@ -1,29 +1,7 @@
-"""Server-side inference, as part of :class:`nodeagent.daemon.server.AgentServer`:
-registered models run in the ctxpool's warm workers under the device token.
-
-Each client session that sends ``infer`` gets a serving sub-session
-(``<session>:serve``, workload inference, the client's weight) in its device's
-scheduler. Requests queue on it; when it is granted the token the daemon
-hands them to the worker pool one at a time and gives the token back when
-the queue is empty or it is asked to yield. A forward pass cannot be cut
-short: a serving sub-session that overruns its yield deadline loses the token
-(revoke), never a signal - the worker is shared by every client.
-
-Registration is answered once every worker of the model's devices has it
-(weights placed once in shared host memory, layer groups planned); it is
-journalled then, and a restarted daemon registers the journalled models
-again. The example input is copied out of the client's segment into one the
-daemon owns, since the client may unlink its own as soon as it is answered.
-
-Workers start pointed at their GPU by UUID, with their device's MPS client
-settings on an MPS device and a budget for resident models; what they may hold
-is a standing declaration in admission (:mod:`nodeagent.daemon.worker_setup`).
-
-A component (:class:`Serving`): it owns the pool, the models, the queues and
-the requests in flight, and is given in its constructor what else it may
-touch: the sessions and schedulers, the devices, the lost devices, the MPS
-component, the journal writer, the loop's poller, and the server's ``send``,
-``error``, ``apply`` and ``session_for``.
+"""Server-side inference (:class:`Serving`): registered models run in the ctxpool's warm
+workers under the device token. It owns the worker pool, the models, each client's serving
+sub-session (``<session>:serve``) with its queue, and the requests in flight; the sub-sessions'
+token actions come to it through :meth:`nodeagent.daemon.tokens.Tokens.delegate`.
 """
 
 from __future__ import annotations
@@ -128,7 +106,7 @@ def ctxpool_wanted(setting: str) -> tuple[bool, str]:
 
 
 class Serving:
-    """Model registration and server-side inference (see the module docstring).
+    """Model registration and server-side inference (see docs/internals.md).
 
     Owns the worker pool, the registered models, each client session's serving
     sub-session (its queue of requests), the requests in flight and what admission

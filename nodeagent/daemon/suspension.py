@@ -1,19 +1,6 @@
-"""Whole-device suspension: the :class:`Suspensions` component.
-
-The state of each session's suspension is the pure machine
-:class:`sharing.suspension.Suspension` (its states and transitions are drawn
-there); this component feeds it (requests, the client's report, deadlines,
-resumes, sessions ending) and carries out the actions it returns: notices to
-the client, SIGSTOP and SIGCONT of a verified process (through ``tokens``),
-taking the token, results for the callers waiting on a suspension. Every change
-of state is journalled before the notice or the signal it stands for, so a
-daemon killed mid-suspension is restarted with it and finishes it
-(:meth:`restored`). ``memory.make_room = "suspend"`` starts suspensions to admit
-an inference session (admission's plan, :mod:`nodeagent.daemon.admission`).
-
-A component: it owns the suspensions (the machine on each session, written only
-here), the callers waiting on them and the deadlines, and is given in its
-constructor what it may touch.
+"""Whole-device suspension (:class:`Suspensions`): it drives each session's
+:class:`sharing.suspension.Suspension` machine, journals each state before acting on it, and
+carries out its actions (notices, stops through ``tokens``, taking the token, answering callers).
 """
 
 from __future__ import annotations
@@ -49,7 +36,7 @@ HOST_MEMORY_BYTES = _host_memory_bytes()
 
 
 class Suspensions:
-    """Whole-device suspension handlers (see the module docstring)."""
+    """Whole-device suspension handlers (see docs/internals.md)."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
                  journal: JournalWriter) -> None:

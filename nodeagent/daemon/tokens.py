@@ -1,18 +1,8 @@
-"""Each device's token: its scheduler, and the carrying-out of what the scheduler decides.
-
-The schedulers (:class:`sharing.scheduler.TokenScheduler`, pure logic) say what
-should happen; this component makes it happen: a grant or a yield request is
-sent to the session's client, an overrun is enforced (SIGSTOP of a verified
-process, journalled first, else the token is revoked), a stopped process is
-continued when its turn comes again, and the waits, slices and handoffs are
-measured.
-
-A component: it owns the schedulers and the measurement state, and is given in
-its constructor what it may touch: the session table, metrics, the journal
-writer, how to answer a peer (``send``), how to publish an event (``event``),
-and which sessions are the serving component's (``delegated`` / ``delegate``:
-a client's server-side inference queue holds the token through a sub-session
-whose actions the serving component carries out).
+"""Each device's token (:class:`Tokens`): the only writer of the schedulers, and the carrying-out
+of what they decide: grants and yield requests to clients, enforcement (SIGSTOP of a verified
+process, journalled first, else a revoke), continuing a stopped process, the co-run pace boards
+(:mod:`nodeagent.daemon.pace`), and the waits and slices measured. Actions for the serving
+component's sub-sessions are handed to it instead (it registers with :meth:`Tokens.delegate`).
 """
 
 from __future__ import annotations

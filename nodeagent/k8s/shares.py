@@ -1,23 +1,6 @@
-"""What the device plugin tells the kubelet, decided from what the daemon reports: pure.
-
-Each device the daemon reports becomes ``shares`` kubelet devices, ``<uuid>::<n>`` for
-n in 0..shares-1 (NVIDIA's time-slicing replicas do the same), all healthy or all not:
-
-| the daemon says                              | the shares are |
-| -------------------------------------------- | -------------- |
-| FREE, RUN, PROTECT                           | Healthy        |
-| LENT to a borrower (a placement layer's loan) | Unhealthy (``lent="healthy"``: Healthy) |
-| DRAINING                                     | Unhealthy      |
-| lost (NVML; a ``health`` event)              | Unhealthy      |
-| nothing: the daemon does not answer          | Unhealthy, the last list kept |
-
-Unhealthy rather than withdrawn: the kubelet then allocates none of them to new pods,
-keeps them in the node's capacity, and leaves running pods alone. A LENT device admits
-only its borrower's training sessions (and inference), so a new pod there would be
-refused by the daemon unless it belonged to the loan; ``lent="healthy"`` is for nodes
-whose pods are inference services, which a lent device still admits.
-
-No I/O, no clock, no gRPC: :mod:`nodeagent.k8s.plugin` turns these into protobufs.
+"""What the device plugin tells the kubelet, decided from what the daemon reports, pure: each
+device becomes ``shares`` kubelet devices (``<uuid>::<n>``), all healthy or all not. Detail:
+docs/internals.md.
 """
 
 from __future__ import annotations

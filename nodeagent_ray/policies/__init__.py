@@ -1,28 +1,7 @@
-"""The placement policies of issue 25, side by side, each the rule 5 of
-:func:`nodeagent_ray.policy.decide` (who gets free devices, which loans move between
-training jobs, which loans inference takes first); rules 1-4 are the same for all.
-
-========== ===========================================================================
-name        what it does
-========== ===========================================================================
-max-workers today's rule: each free device to the job furthest below ``max_workers``
-fifo        gang, first come first served: a job gets all of ``max_workers`` or waits;
-            nothing is taken back for another job (YARN-CS, the papers' baseline)
-tiresias    gang, 2D attained service (GPUs x time): discretised priority queues, FIFO
-            inside a queue, preemption by priority, promotion of starving jobs
-knapsack    elastic (DeepBoot, Aryl): every job is admitted with one worker first, then
-            the devices are spread by a multiple-choice knapsack over each job's
-            throughput at each worker count (value: 1 / its remaining time there,
-            resize cost included); a job is resized at most once per
-            ``min_resize_interval_s``; inference takes the loans whose loss costs least
-deadline    Chronus-like: SLO jobs (a deadline) are admitted earliest deadline first
-            while the dedicated nodes can guarantee the fewest workers that meet the
-            deadline, and hold them under a lease; best-effort jobs get the rest,
-            shortest remaining time first
-========== ===========================================================================
-
-Every policy is a frozen dataclass whose fields are its settings; :func:`make_policy`
-builds one from ``PolicyConfig.name`` and ``PolicyConfig.options``. Pure: no I/O, no clock.
+"""The placement policies side by side (``max-workers``, ``fifo``, ``tiresias``,
+``knapsack``, ``deadline``), each the rule 5 of :func:`nodeagent_ray.policy.decide`; built by
+:func:`make_policy` from ``PolicyConfig.name`` and ``PolicyConfig.options``. Pure. What each does:
+docs/internals.md.
 """
 
 from __future__ import annotations

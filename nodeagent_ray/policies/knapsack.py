@@ -1,21 +1,6 @@
-"""Elastic lending by knapsack (DeepBoot, Aryl; Pollux's speedup model).
-
-Each round, every job that holds a device keeps one, and waiting jobs are admitted with one
-worker each, first come first served, while devices last (Aryl: queueing first). All the
-devices are then spread by a multiple-choice knapsack: each admitted job picks one worker
-count ``n`` up to its ``max_workers``, and the sum of
-
-    value(n) = 1 / T(n),   T(n) = remaining steps / steps_per_s(n) + resize_s if n != now
-
-is made largest. ``1 / T`` is the share of its remaining work a job does per second: its
-speedup at ``n`` workers over its remaining time on one (Pollux's speedup, weighted so that
-a worker goes where it brings a completion nearest, as shortest-remaining-time-first would;
-valuing the seconds saved, ``T(1) - T(n)``, hands spare workers to the longest jobs and did
-worse on average JCT in bench.cluster_sim). A resize that costs more than it gives is not
-made (Ray Train stops and restarts the whole group on every resize: 7-18 s measured), and a
-job resized less than ``min_resize_interval_s`` ago keeps its count (DeepBoot: at most one
-resize a minute). When inference wants devices, the loans whose loss adds least to their
-jobs' completion times go first, and a job's last worker last (Aryl's least preemption cost).
+"""Elastic lending by knapsack (DeepBoot, Aryl; Pollux's speedup model): every job keeps or gets
+one worker, then the devices are spread by a multiple-choice knapsack over each job's
+throughput at each worker count. The objective: docs/internals.md.
 """
 
 from __future__ import annotations
