@@ -121,7 +121,7 @@ class Setting:
     help: str  # one line: the example file's comment and the flag's --help
     default: Any = None  # None: off unless set
     factory: Callable[[], Any] | None = None  # makes the default (a host's own where ``example`` is given)
-    low: float | None = None  # bounds of a number
+    low: float | None = None  # bounds of a number (a bounded setting has a low one)
     high: float | None = None
     above: bool = False  # ``low`` itself is not allowed
     unit: str = ""  # named in the bounds' message ("a positive number of ms")
@@ -167,7 +167,7 @@ class Setting:
             span = f"({self.low:g}, {self.high:g}]" if self.above else f"{self.low:g}..{self.high:g}"
             allowed = f"a number{of} in {span}" if of else f"in {span}"
         elif self.above:
-            allowed = f"a positive number{of}"
+            allowed = f"a positive number{of}" if self.low == 0 else f"a number{of} > {self.low:g}"
         elif not self.integral():
             allowed = f"a number >= {self.low:g}"
         else:
@@ -492,7 +492,7 @@ def example_toml(cls: type | None = None) -> str:
 def _commented(line: str, comment: str) -> list[str]:
     """``line`` with ``comment`` beside it from column 28, wrapped to 110 columns."""
     column = max(len(line) + 2, 28)
-    wrapped = textwrap.wrap(comment, width=max(108 - column, 40))
+    wrapped = textwrap.wrap(comment, width=max(108 - column, 40)) or [""]
     return [f"{line:<{column}}# {wrapped[0]}", *(f"{'':<{column}}# {more}" for more in wrapped[1:])]
 
 
