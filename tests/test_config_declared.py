@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
 import re
 from dataclasses import dataclass
 
@@ -143,3 +144,12 @@ def test_values_a_bound_cannot_say_are_refused_by_the_declared_check(tmp_path, t
     with pytest.raises(ConfigError) as info:
         loaded.validate()
     assert str(info.value) == message
+
+
+def test_the_helm_charts_bounds_are_the_declared_ones():
+    """values.schema.json repeats two settings' bounds so that helm refuses a bad value before the pod starts."""
+    schema = json.loads((REPO / "deploy/helm/nodeagent/values.schema.json").read_text())["properties"]["daemon"]
+    declared = {s.key: s for s in settings()}
+    assert tuple(schema["properties"]["backend"]["enum"]) == declared["backend"].choices
+    port = schema["properties"]["metricsPort"]
+    assert (port["minimum"], port["maximum"]) == (declared["metrics.port"].low, declared["metrics.port"].high)
