@@ -171,7 +171,7 @@ def _add_setting_flags(serve: argparse.ArgumentParser) -> None:
             serve.add_argument(s.flag, dest=s.attr, type=_quantum, action="append", default=[], metavar=s.metavar,
                                help=f"{s.help}, repeatable{default}".replace("%", "%%"))
             continue
-        kind = int if s.integral() else float if float in s.types else None
+        kind = {(int,): int, (int, float): float}.get(s.types)  # else a string: a word, or digits it parses
         serve.add_argument(s.flag, dest=s.attr, type=kind, choices=s.choices or None, metavar=s.metavar,
                            help=f"{s.help}{default}".replace("%", "%%"))
 

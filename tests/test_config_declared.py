@@ -96,6 +96,19 @@ def test_each_bound_is_enforced_where_it_is_declared(declared):
         assert str(info.value).startswith(f"{declared.key} must be ") and f"got {value:g}" in str(info.value)
 
 
+def _flagged():
+    return [pytest.param(s, id=s.flag) for s in settings() if s.flag and dict not in s.types]
+
+
+@pytest.mark.parametrize("declared", _flagged())
+def test_each_flag_takes_what_its_setting_allows(declared):
+    """The flag's type is the setting's: its default (or example) given as the flag is taken as it is."""
+    value = declared.example if declared.default_value() is None else declared.default_value()
+    argv = ["serve", "--config", "/dev/null", declared.flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    configured, origins = cli._config_from(cli.build_parser().parse_args(argv))
+    assert getattr(configured, declared.attr) == value and origins.name(declared.key) == declared.flag
+
+
 def test_every_flag_of_serve_is_a_declared_setting():
     """No setting flag is written by hand beside the declarations (--config is the file, not a setting)."""
     serve = cli.build_parser().commands["serve"]
