@@ -18,6 +18,7 @@ from client_lib import pace as pace_board
 from client_lib import protocol as p
 from client_lib import serving
 from client_lib.endpoint import client_endpoint
+from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS
 from client_lib.errors import (CudaTooEarlyError, DaemonUnavailableError, GrantTimeoutError, NodeAgentError,
                                NoSessionError, RequestTimeoutError, from_reply)
 from client_lib.transport import ENV_HANDSHAKE_TIMEOUT, POLL_SLICE_MS, Transport, one_shot
@@ -836,7 +837,7 @@ def _queue_fields(waiting: int | None, oldest_arrival: float | None) -> dict:
         return {}
     fields: dict = {"waiting": min(max(int(waiting), 0), 2**31 - 1)}
     if oldest_arrival is not None and waiting > 0:
-        fields["oldest_wait_ms"] = min(max((time.monotonic() - oldest_arrival) * 1e3, 0.0), 3_600_000.0)
+        fields["oldest_wait_ms"] = min(max((time.monotonic() - oldest_arrival) * 1e3, 0.0), MAX_DEADLINE_MS)
     return fields
 
 
@@ -868,7 +869,7 @@ def query_status(endpoint: str | None = None, timeout: float = 5.0) -> p.StatusR
     return one_shot(p.StatusRequest(id=1), p.StatusReply, endpoint, timeout, "status")
 
 
-def suspend_session(session: str, deadline_ms: float = 5000.0, endpoint: str | None = None,
+def suspend_session(session: str, deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS, endpoint: str | None = None,
                     timeout: float | None = None) -> p.SuspendResult:
     """Ask ``session`` to give up its whole device; returns once the device is free."""
     timeout = timeout if timeout is not None else deadline_ms / 1000.0 + 5.0

@@ -32,6 +32,7 @@ import zmq.auth
 from client_lib import codec, framing
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
+from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS
 from client_lib.errors import DaemonError
 
 log = logging.getLogger("client_lib.placement")
@@ -322,7 +323,7 @@ class PlacementClient:
         return self.call(p.Inventory, nodes)
 
     def lend(self, node: str, device: int, borrower: str, max_s: float | None = None, *,
-             suspend: Sequence[str] = (), deadline_ms: float = 5000.0,
+             suspend: Sequence[str] = (), deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
              borrower_uids: Sequence[int] | None = None) -> p.LifecycleReply:
         """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was).
 
@@ -351,7 +352,7 @@ class PlacementClient:
                                  f"was suspended: {', '.join(failed)}", node)
         return reply
 
-    def reclaim(self, node: str, device: int, deadline_ms: float = 5000.0,
+    def reclaim(self, node: str, device: int, deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
                 timeout_ms: float | None = None, *, resume: Sequence[str] = ()) -> p.ReclaimReply:
         """Take ``device`` back for inference. The node answers once the device is free, so the default
         timeout is ``deadline_ms`` plus the client's timeout.
@@ -407,7 +408,7 @@ class PlacementClient:
         return self._one(node, lambda id: p.Partition(id=id, device=device, shares=shares, memory_mb=memory_mb),
                          p.PartitionReply)
 
-    def suspend(self, node: str, session: str, deadline_ms: float = 5000.0,
+    def suspend(self, node: str, session: str, deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
                 timeout_ms: float | None = None) -> p.SuspendResult:
         timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
         return self._one(node, lambda id: p.SuspendSession(id=id, session=session, deadline_ms=deadline_ms),

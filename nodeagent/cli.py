@@ -15,8 +15,7 @@ import time
 
 import msgspec
 
-from client_lib.endpoint import daemon_endpoint
-from nodeagent.config import DEFAULT_CONFIG_PATH, default_state_dir
+from nodeagent.config import DEFAULT_CONFIG_PATH, settings
 
 # Exit statuses of `serve` that the systemd unit does not restart on (RestartPreventExitStatus=):
 # a restart cannot fix them. Each comes with one line on stderr saying what to change.
@@ -162,6 +161,21 @@ class Parser(argparse.ArgumentParser):
         return ""
 
 
+def _add_setting_flags(serve: argparse.ArgumentParser) -> None:
+    """A flag for each setting that declares one, with its declared help and default."""
+    for s in settings():
+        if s.flag is None:
+            continue
+        default = f" ({s.shown_default()})" if s.shown_default() else ""
+        if dict in s.types:  # a table: each flag sets one class's entry
+            serve.add_argument(s.flag, dest=s.attr, type=_quantum, action="append", default=[], metavar=s.metavar,
+                               help=f"{s.help}, repeatable{default}".replace("%", "%%"))
+            continue
+        kind = {(int,): int, (int, float): float}.get(s.types)  # else a string: a word, or digits it parses
+        serve.add_argument(s.flag, dest=s.attr, type=kind, choices=s.choices or None, metavar=s.metavar,
+                           help=f"{s.help}{default}".replace("%", "%%"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="nodeagent",
@@ -181,41 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE",
                        help=f"TOML settings file (default: {DEFAULT_CONFIG_PATH} if it exists); "
                             "flags override it; `nodeagent config-example` prints a commented one")
-    serve.add_argument("--backend", choices=["auto", "cuda", "cpu"],
-                       help="device backend; auto picks cuda when NVML initialises, else cpu (default: auto)")
-    serve.add_argument("--cpu-devices", type=int, metavar="N",
-                       help="logical devices the cpu backend exposes (default: 1)")
-    serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to listen on "
-                                          f"(default here: {daemon_endpoint()}; $NODEAGENT_ENDPOINT overrides it)")
-    serve.add_argument("--state-dir", metavar="DIR",
-                       help=f"where the journal (state.db) is kept (default here: {default_state_dir()})")
-    serve.add_argument("--metrics-port", type=int, metavar="P",
-                       help="serve Prometheus metrics on this port (off unless given; 0 picks one)")
-    serve.add_argument("--metrics-addr", metavar="ADDR",
-                       help="address for the metrics server (default: 127.0.0.1)")
-    serve.add_argument("--quantum-ms", type=_quantum, action="append", default=[], metavar="CLASS=MS",
-                       help="time slice of a workload class, repeatable "
-                            "(defaults: inference=50 training=200 best-effort=200)")
-    serve.add_argument("--grace-ms", type=float, help="time a holder has to yield before enforcement (default: 100)")
-    serve.add_argument("--heartbeat-ms", type=float, help="client heartbeat interval (default: 1000)")
-    serve.add_argument("--enforce", choices=["stop", "revoke"],
-                       help="a holder past its yield deadline: stop (SIGSTOP it if its identity is verified, "
-                            "else revoke) or revoke (never signal) (default: stop)")
-    serve.add_argument("--sharing", choices=["auto", "corun", "exclusive"],
-                       help="how classes share a device: corun (each class its own token; a higher class is "
-                            "granted at once and lower ones are paced) or exclusive (one holder; a higher class "
-                            "preempts); auto: corun on cuda, exclusive on cpu (default: auto)")
-    serve.add_argument("--corun-duty", metavar="adaptive|pause|free|PERMILLE",
-                       help="co-run: how lower classes are paced while a higher class holds: adaptive (steered "
-                            "by the higher class's slice times), pause, free (MPS priority only) or the permille "
-                            "of each period they may run (default: adaptive)")
-    serve.add_argument("--memory-policy", choices=["warn", "revoke", "stop"],
-                       help="a session using more device memory than it declared (default: warn)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    serve.add_argument("--ctxpool", choices=["auto", "on", "off"],
-                       help="warm worker processes for server-side inference (they hold device memory: "
-                            "contexts, pools, resident models); auto starts them where torch is importable "
-                            "(default: off)")
+    _add_setting_flags(serve)
 
     sub.add_parser("config-example", help="print a commented config file with the defaults",
                    description="Print a commented nodeagent.toml holding every setting and its default.")
@@ -323,8 +303,8 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "config-example":
-        from nodeagent.config import EXAMPLE_TOML
-        print(EXAMPLE_TOML, end="")
+        from nodeagent.config import example_toml
+        print(example_toml(), end="")
         return 0
     if args.command == "status":
         return _status(args)
@@ -366,25 +346,6 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
-# (argparse dest, ServeConfig attribute, key in the config file, flag)
-_SERVE_FLAGS = (
-    ("backend", "backend", "backend", "--backend"),
-    ("cpu_devices", "cpu_devices", "cpu_devices", "--cpu-devices"),
-    ("endpoint", "endpoint", "endpoint", "--endpoint"),
-    ("state_dir", "state_dir", "state_dir", "--state-dir"),
-    ("metrics_port", "metrics_port", "metrics.port", "--metrics-port"),
-    ("metrics_addr", "metrics_addr", "metrics.addr", "--metrics-addr"),
-    ("grace_ms", "grace_ms", "scheduler.grace_ms", "--grace-ms"),
-    ("heartbeat_ms", "heartbeat_ms", "heartbeat.interval_ms", "--heartbeat-ms"),
-    ("enforce", "enforce", "scheduler.enforce", "--enforce"),
-    ("sharing", "sharing", "scheduler.sharing", "--sharing"),
-    ("corun_duty", "corun_duty", "corun.duty", "--corun-duty"),
-    ("memory_policy", "memory_policy", "memory.policy", "--memory-policy"),
-    ("log_level", "log_level", "log_level", "--log-level"),
-    ("ctxpool", "ctxpool_enabled", "ctxpool.enabled", "--ctxpool"),
-)
-
-
 class _Origins:
     """Where each setting of `serve` came from (a flag, the config file, NODEAGENT_ENDPOINT),
     so that an error names what the user typed rather than the setting's internal name."""
@@ -403,7 +364,7 @@ class _Origins:
             return f"{key} in {self.file}"
         if key in self.env:
             return self.env[key]
-        return next((flag for _, _, k, flag in _SERVE_FLAGS if k == key), key)
+        return next((s.flag for s in settings() if s.key == key and s.flag), key)
 
     def explain(self, exc) -> str:
         """The message of a ConfigError, naming the flag, file or variable the bad value came from."""
@@ -420,22 +381,22 @@ class _Origins:
 def _config_from(args: argparse.Namespace):
     """Defaults, then the config file, then flags: (ServeConfig, _Origins).
     Raises ConfigError whose message names the flag, file or variable at fault."""
-    from client_lib.endpoint import ENV_ENDPOINT
     from nodeagent.config import ConfigError, ServeConfig, load_file
     config, origins = ServeConfig(), _Origins()
-    if os.environ.get(ENV_ENDPOINT):
-        origins.env["endpoint"] = ENV_ENDPOINT
+    declared = settings(type(config))
+    origins.env = {s.key: s.env for s in declared if s.env and os.environ.get(s.env)}
     path = args.config or DEFAULT_CONFIG_PATH
     if load_file(config, path, required=args.config is not None, applied=origins.file_keys):
         origins.file = path
-    for dest, attr, key, flag in _SERVE_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            setattr(config, attr, value)
-            origins.flags[key] = flag
-    for name, ms in args.quantum_ms:
-        config.quantum_ms[name] = ms
-        origins.flags[f"scheduler.quantum_ms.{name}"] = "--quantum-ms"
+    for s in declared:
+        value = getattr(args, s.attr, None) if s.flag else None
+        if dict in s.types:  # (class, value) pairs: one entry of the table each
+            for name, entry in value or ():
+                getattr(config, s.attr)[name] = entry
+                origins.flags[f"{s.key}.{name}"] = s.flag
+        elif value is not None:
+            setattr(config, s.attr, value)
+            origins.flags[s.key] = s.flag
     try:
         config.validate()
     except ConfigError as exc:

@@ -1,19 +1,25 @@
-"""Daemon settings: defaults, then the TOML config file, then command-line flags.
+"""Daemon settings, each declared once as a field of :class:`ServeConfig` (:func:`setting`: its
+key in the TOML file, type, default, bounds, help and flag). The example file, the file's keys,
+validation and the ``serve`` flags are derived from those declarations.
 
-The file mirrors :data:`EXAMPLE_TOML`. Unknown keys and bad values stop the
-daemon at start-up with an error naming the key, so a typo never silently
-leaves a default in force.
+Defaults, then the file, then flags. Unknown keys and bad values stop the daemon at start-up with
+an error naming the key, so a typo never silently leaves a default in force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import grp
 import math
 import os
 import shutil
+import textwrap
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 try:
     import tomllib
@@ -22,99 +28,11 @@ except ModuleNotFoundError:  # Python 3.10
 
 from client_lib.endpoint import ENV_ENDPOINT, client_endpoint, daemon_endpoint
 from client_lib.framing import parse_endpoint
+from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS
 from sharing import SchedulerPolicy, Workload
 from sharing.corun import PaceController
 
 DEFAULT_CONFIG_PATH = "/etc/nodeagent/nodeagent.toml"
-MEMORY_POLICIES = ("warn", "revoke", "stop")
-SHARING_MODES = ("auto", "corun", "exclusive")
-
-EXAMPLE_TOML = """\
-# /etc/nodeagent/nodeagent.toml: every key is optional; these are the defaults.
-backend = "auto"            # auto | cuda | cpu
-cpu_devices = 1             # logical devices of the cpu backend
-# endpoint = "ipc:///run/nodeagent/agent.sock"
-# state_dir = "/var/lib/nodeagent"
-log_level = "info"          # debug | info | warning | error
-
-[scheduler]
-grace_ms = 100.0            # a holder asked to yield has this long before enforcement
-enforce = "stop"            # stop: SIGSTOP verified processes (else revoke) | revoke: never signal
-sharing = "auto"            # corun: each class its own token, lower classes paced (auto: on cuda)
-                            # | exclusive: one holder per device, a higher class preempts
-linger_ms = 2.0             # exclusive: after a higher class's slice, the token waits this long for its
-                            # next request before a lower class gets it (a burst pays one preemption)
-
-[corun]
-duty = "adaptive"           # how lower classes are paced while a higher class holds: adaptive
-                            # (a controller steers by the higher class's slice times) | pause | free
-                            # (MPS priority only) | a permille 0..1000 of each period they may run
-tolerance_percent = 5.0     # adaptive: how much longer than its reference a higher-class slice may take
-period_ms = 10.0            # the pacing period lower classes run and pause in
-lower_sm_percent = 0        # on an MPS device, cap lower classes to this percent of the SMs (0: no cap),
-                            # so that a higher class arriving finds SMs free; a partition overrides it
-
-[scheduler.quantum_ms]
-inference = 50.0
-training = 200.0
-best-effort = 200.0
-
-[heartbeat]
-interval_ms = 1000.0        # clients send a heartbeat at least this often
-misses = 3                  # silent for this many intervals: the session is lost
-
-[local]
-max_connections = 4096      # connections to the local socket; more are refused with E_UNAVAILABLE
-max_connections_per_uid = 1024  # of them, what one user may hold (so that one user cannot take every slot)
-max_queued_kb = 4096        # a peer with more than this queued to it (not reading) is dropped
-
-[memory]
-policy = "warn"             # a session over its declared memory: warn | revoke | stop
-watch_interval_ms = 1000.0  # how often per-process device memory is read (cuda)
-context_allowance_mb = "auto"  # per process, beyond its session's declaration (its CUDA context); auto: 512 on cuda, else 0
-host_proc = ""              # the host's /proc, mounted for a daemon in its own pid namespace (see README)
-reserve_mb = 0              # device memory kept out of admission
-make_room = "suspend"       # a session that does not fit: suspend (lower-class sessions, to fit it) | refuse
-make_room_deadline_ms = 5000.0  # how long those sessions get to park their state
-
-[memory.class_cap_percent]  # most of a device's capacity one class may declare in all (default 100)
-# best-effort = 50.0
-
-[metrics]
-# port = 9400               # off unless set
-addr = "127.0.0.1"
-max_connections = 64        # scrapers at once; a new one past it takes the slot of the oldest idle one
-timeout_ms = 10000.0        # a scrape connection gets this long for each request and its response
-
-[mps]
-devices = "auto"            # device indices that get an MPS control daemon; [] : MPS off; auto: every GPU
-                            # when the daemon co-runs on cuda as root and control_binary is found (lower
-                            # classes then run at MPS client priority 1: see docs/architecture.md, Co-run)
-control_binary = "nvidia-cuda-mps-control"
-min_percent = 5             # smallest SM share a partition may give a session
-
-[ctxpool]
-enabled = "off"             # warm workers for server-side models (they hold device memory): off | on |
-                            # auto (on where torch is importable by the daemon)
-workers_per_device = 2      # one active, the rest on standby with warm contexts
-pool_mb = 0                 # device memory each worker reserves in its allocator at start
-resident_mb = "auto"        # device memory each worker may keep models resident in (LRU), held in admission;
-                            # auto: half of what contexts, pools and sessions leave at start, split between
-                            # workers (nodeagent.memory.auto_resident_mb); 0: no bound, not held
-python_path = []            # directories workers add to sys.path to import model factories
-restart_budget = 5          # worker deaths per device in 60 s before it stops replacing them
-hang_budget = 3             # a model's requests hanging (worker replaced) this often in 10 min: refused for a while
-timeout_grace_ms = 2000.0   # a worker still running a request this long after its timeout is replaced
-register_group = ""         # group (name or gid) whose members may register models; "": root only
-
-[cluster]
-# endpoint = "tcp://0.0.0.0:7410"   # placement API (CURVE); off unless set
-events_endpoint = "tcp://0.0.0.0:7411"  # PUB socket for events (CURVE), bound with the endpoint; "" for none
-keys_dir = "/etc/nodeagent/keys"  # server.key_secret and allowed/*.key (`nodeagent keys generate`)
-protect_s = 60.0            # a device whose inference went idle is not lent until this long after
-node = ""                   # node name in inventory and events; "" = the hostname
-health_interval_s = 5.0     # how often a health event is published
-"""
 
 
 def default_state_dir() -> str:
@@ -192,175 +110,274 @@ def client_endpoint_problem(flag: str | None) -> str | None:
     return f"{'--endpoint' if flag else ENV_ENDPOINT} {problem}"
 
 
+# ------------------------------------------------------------ declaring a setting
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as :func:`setting` declared it; ``attr`` and ``types`` come from its field."""
+
+    key: str  # dotted key in the file; a dict-typed setting is a table with one number per workload class
+    help: str  # one line: the example file's comment and the flag's --help
+    default: Any = None  # None: off unless set
+    factory: Callable[[], Any] | None = None  # makes the default (a host's own where ``example`` is given)
+    low: float | None = None  # bounds of a number (a bounded setting has a low one)
+    high: float | None = None
+    above: bool = False  # ``low`` itself is not allowed
+    unit: str = ""  # named in the bounds' message ("a positive number of ms")
+    choices: tuple[str, ...] = ()
+    words: tuple[str, ...] = ()  # strings allowed beside a number or a list ("auto")
+    check: Callable[[Any], str | None] | None = None  # what else is wrong with a value (a clause), or None
+    flag: str | None = None  # its ``serve`` flag, if it has one
+    metavar: str | None = None
+    env: str | None = None  # an environment variable that sets its default
+    example: Any = None  # written commented out in the example file, where the default is not written
+    attr: str = ""
+    types: tuple[type, ...] = ()  # what the file may give; float takes an int too
+
+    def integral(self) -> bool:
+        return int in self.types and float not in self.types
+
+    def default_value(self) -> Any:
+        return self.factory() if self.factory is not None else self.default
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` cannot be this setting's (a clause after its key), or None."""
+        if value is None and self.default_value() is None:
+            return None  # off
+        if self.choices:
+            return None if value in self.choices else f"must be one of {', '.join(self.choices)}, got {value!r}"
+        if value in self.words:
+            return None
+        if self.low is not None and not self.within(value):
+            return f"must be {self.allowed()}, got {_shown(value)}"
+        return self.check(value) if self.check is not None else None
+
+    def within(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if self.integral() and not isinstance(value, int):
+            return False
+        return (value > self.low if self.above else value >= self.low) and (self.high is None or value <= self.high)
+
+    def allowed(self) -> str:
+        """What the bounds allow, as the error says it: ``in 1..1000``, ``a positive number``."""
+        of = f" of {self.unit}" if self.unit else ""
+        if self.high is not None:
+            span = f"({self.low:g}, {self.high:g}]" if self.above else f"{self.low:g}..{self.high:g}"
+            allowed = f"a number{of} in {span}" if of else f"in {span}"
+        elif self.above:
+            allowed = f"a positive number{of}" if self.low == 0 else f"a number{of} > {self.low:g}"
+        elif not self.integral():
+            allowed = f"a number >= {self.low:g}"
+        else:
+            allowed = f"an integer >= {self.low:g}" if self.words else f">= {self.low:g}"
+        return " or ".join([*(f'"{word}"' for word in self.words), allowed])
+
+    def shown_default(self) -> str:
+        """The default as ``--help`` shows it: ``default: 100``, ``default here: /run/...``, or ``""``."""
+        value = self.default_value()
+        if dict in self.types:
+            return "defaults: " + " ".join(f"{name}={ms:g}" for name, ms in value.items())
+        if self.example is not None and self.factory is not None:  # the host's own
+            return f"default here: {value}" + (f"; ${self.env} overrides it" if self.env else "")
+        if value is None:
+            return ""
+        return f"default: {value:g}" if isinstance(value, float) else f"default: {value}"
+
+
+def setting(key: str, default: Any = None, *, factory: Callable[[], Any] | None = None, **declared: Any) -> Any:
+    """A field of :class:`ServeConfig` declaring the setting at ``key`` (the rest: :class:`Setting`)."""
+    meta = {"setting": Setting(key, default=default, factory=factory, **declared)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
+
+
+def _must(ok: Callable[[Any], bool], allowed: str) -> Callable[[Any], str | None]:
+    """A check: None where ``ok(value)``, else ``must be ALLOWED, got VALUE``."""
+    return lambda value: None if ok(value) else f"must be {allowed}, got {value!r}"
+
+
+def _index_list(value: Any) -> bool:
+    return isinstance(value, list) and all(not isinstance(d, bool) and isinstance(d, int) and d >= 0 for d in value)
+
+
 @dataclass
 class ServeConfig:
-    backend: str = "auto"  # auto | cuda | cpu
-    cpu_devices: int = 1
-    endpoint: str = field(default_factory=daemon_endpoint)
-    state_dir: str = field(default_factory=default_state_dir)
-    log_level: str = "info"
-    metrics_port: int | None = None  # None: no metrics HTTP server
-    metrics_addr: str = "127.0.0.1"
-    metrics_max_connections: int = 64  # connections to the metrics endpoint at once
-    metrics_timeout_ms: float = 10000.0  # from a connection (or its last response) to its next response
-    quantum_ms: dict[str, float] = field(
-        default_factory=lambda: {"inference": 50.0, "training": 200.0, "best-effort": 200.0})
-    grace_ms: float = 100.0
-    enforce: str = "stop"  # stop | revoke
-    sharing: str = "auto"  # auto (corun on cuda, else exclusive) | corun | exclusive
-    linger_ms: float = 2.0  # exclusive: how long a higher class's token waits for its next request
-    corun_duty: str | int = "adaptive"  # adaptive | pause | free | permille 0..1000
-    corun_tolerance_percent: float = 5.0
-    corun_period_ms: float = 10.0
-    corun_lower_sm_percent: int = 0  # MPS devices under co-run: SM cap of lower classes; 0: none
-    heartbeat_ms: float = 1000.0  # clients send a heartbeat at least this often
-    heartbeat_misses: int = 3  # a session that sent nothing for this many intervals is lost
-    local_max_connections: int = 4096  # local endpoint: more are refused (E_UNAVAILABLE), never an abort
-    local_max_connections_per_uid: int = 1024  # of those, what one user may hold
-    local_max_queued_kb: int = 4096  # bytes queued to a peer that does not read before it is dropped
-    memory_policy: str = "warn"  # warn | revoke | stop
-    memory_watch_ms: float = 1000.0
-    memory_context_allowance_mb: int | str = "auto"  # per process (its CUDA context); auto: 512 on cuda, else 0
-    memory_host_proc: str = ""  # "": NVML's pids are read as the daemon's (see nodeagent.procwatch.PidTranslator)
-    memory_reserve_mb: int = 0
-    memory_make_room: str = "suspend"  # suspend | refuse: may a higher class push lower-class declarations out
-    memory_class_cap_percent: dict[str, float] = field(default_factory=dict)  # workload -> percent; absent: 100
-    memory_make_room_deadline_ms: float = 5000.0
-    mps_devices: list[int] | str = "auto"  # indices, or "auto" (see mps_devices_for)
-    mps_control_binary: str = "nvidia-cuda-mps-control"
-    mps_min_percent: int = 5
-    ctxpool_enabled: str = "off"  # off | on | auto (on where torch is importable); opt-in: workers hold memory
-    ctxpool_workers_per_device: int = 2
-    ctxpool_pool_mb: int = 0
-    ctxpool_resident_mb: int | str = "auto"  # "auto" (memory.auto_resident_mb) | MiB per worker | 0: no bound
-    ctxpool_python_path: list[str] = field(default_factory=list)
-    ctxpool_restart_budget: int = 5
-    ctxpool_hang_budget: int = 3  # hangs of one model in 10 minutes before its requests are refused
-    ctxpool_timeout_grace_ms: float = 2000.0  # past a request's timeout, before its worker is replaced
-    ctxpool_register_group: str | int = ""  # name or gid of the group that may register models; "": root only
-    cluster_endpoint: str | None = None  # None: no cluster endpoint (and no events socket)
-    cluster_events_endpoint: str = "tcp://0.0.0.0:7411"
-    cluster_keys_dir: str = "/etc/nodeagent/keys"
-    cluster_protect_s: float = 60.0
-    cluster_node: str = ""  # "": the hostname
-    cluster_health_interval_s: float = 5.0
+    """The daemon's settings; each field declares one (its key, default, bounds, help and flag)."""
+
+    backend: str = setting("backend", "auto", choices=("auto", "cuda", "cpu"), flag="--backend",
+                           help="device backend; auto picks cuda when NVML initialises, else cpu")
+    cpu_devices: int = setting("cpu_devices", 1, low=1, flag="--cpu-devices", metavar="N",
+                               help="logical devices the cpu backend exposes")
+    endpoint: str = setting("endpoint", factory=daemon_endpoint, example="ipc:///run/nodeagent/agent.sock",
+                            check=endpoint_problem, flag="--endpoint", env=ENV_ENDPOINT,
+                            help="ipc://PATH or tcp://HOST:PORT to listen on")
+    state_dir: str = setting("state_dir", factory=default_state_dir, example="/var/lib/nodeagent",
+                             flag="--state-dir", metavar="DIR", help="where the journal (state.db) is kept")
+    log_level: str = setting("log_level", "info", choices=("debug", "info", "warning", "error"), flag="--log-level",
+                             help="the least severe log lines written")
+
+    grace_ms: float = setting("scheduler.grace_ms", 100.0, low=0, above=True, flag="--grace-ms",
+                              help="a holder asked to yield has this long before enforcement")
+    enforce: str = setting("scheduler.enforce", "stop", choices=("stop", "revoke"), flag="--enforce",
+                           help="a holder past its yield deadline: stop (SIGSTOP it if its identity is verified, "
+                                "else revoke) or revoke (never signal)")
+    sharing: str = setting("scheduler.sharing", "auto", choices=("auto", "corun", "exclusive"), flag="--sharing",
+                           help="how classes share a device: corun (each class its own token; a higher class is "
+                                "granted at once and lower ones are paced) or exclusive (one holder; a higher class "
+                                "preempts); auto: corun on cuda, exclusive on cpu")
+    linger_ms: float = setting("scheduler.linger_ms", 2.0, low=0, high=1000, unit="ms",
+                               help="exclusive: after a higher class's slice, the token waits this long for its next "
+                                    "request before a lower class gets it (a burst pays one preemption)")
+    quantum_ms: dict[str, float] = setting(
+        "scheduler.quantum_ms", factory=lambda: {"inference": 50.0, "training": 200.0, "best-effort": 200.0},
+        low=0, above=True, unit="ms", flag="--quantum-ms", metavar="CLASS=MS",
+        help="time slice of each workload class")
+
+    corun_duty: str | int = setting("corun.duty", "adaptive", flag="--corun-duty",
+                                    metavar="adaptive|pause|free|PERMILLE",
+                                    help="co-run: how lower classes are paced while a higher class holds: adaptive "
+                                         "(steered by the higher class's slice times), pause, free (MPS priority "
+                                         "only) or the permille 0..1000 of each period they may run")
+    corun_tolerance_percent: float = setting("corun.tolerance_percent", 5.0, low=0, above=True, high=500,
+                                             help="adaptive: how much longer than its reference a higher-class "
+                                                  "slice may take")
+    corun_period_ms: float = setting("corun.period_ms", 10.0, low=1, high=1000,
+                                     help="the pacing period lower classes run and pause in")
+    corun_lower_sm_percent: int = setting("corun.lower_sm_percent", 0, low=0, high=100,
+                                          help="on an MPS device, cap lower classes to this percent of the SMs "
+                                               "(0: no cap), so that a higher class arriving finds SMs free; a "
+                                               "partition overrides it")
+
+    heartbeat_ms: float = setting("heartbeat.interval_ms", 1000.0, low=0, above=True, flag="--heartbeat-ms",
+                                  help="clients send a heartbeat at least this often")
+    heartbeat_misses: int = setting("heartbeat.misses", 3, low=1,
+                                    help="silent for this many intervals: the session is lost")
+
+    local_max_connections: int = setting("local.max_connections", 4096, low=1,
+                                         help="connections to the local socket; more are refused with "
+                                              "E_UNAVAILABLE, never an abort")
+    local_max_connections_per_uid: int = setting("local.max_connections_per_uid", 1024, low=1,
+                                                 help="of them, what one user may hold (so that one user cannot "
+                                                      "take every slot)")
+    local_max_queued_kb: int = setting("local.max_queued_kb", 4096, low=64,
+                                       help="a peer with more than this queued to it (not reading) is dropped")
+
+    memory_policy: str = setting("memory.policy", "warn", choices=("warn", "revoke", "stop"), flag="--memory-policy",
+                                 help="a session using more device memory than it declared")
+    memory_watch_ms: float = setting("memory.watch_interval_ms", 1000.0, low=0, above=True,
+                                     help="how often per-process device memory is read (cuda)")
+    memory_context_allowance_mb: int | str = setting(
+        "memory.context_allowance_mb", "auto", words=("auto",), low=0,
+        help="per process, beyond its session's declaration (its CUDA context); auto: 512 on cuda, else 0")
+    memory_host_proc: str = setting(
+        "memory.host_proc", "", check=_must(lambda v: v == "" or os.path.isabs(v), "an absolute directory or empty"),
+        help="the host's /proc, mounted for a daemon in its own pid namespace (see README); empty: the pids NVML "
+             "gives are read as the daemon's")
+    memory_reserve_mb: int = setting("memory.reserve_mb", 0, low=0, help="device memory kept out of admission")
+    memory_make_room: str = setting("memory.make_room", "suspend", choices=("suspend", "refuse"),
+                                    help="a session that does not fit: suspend (lower-class sessions, to fit it) or "
+                                         "refuse")
+    memory_make_room_deadline_ms: float = setting("memory.make_room_deadline_ms", DEFAULT_SUSPEND_DEADLINE_MS, low=0,
+                                                  above=True, help="how long those sessions get to park their state")
+    memory_class_cap_percent: dict[str, float] = setting(
+        "memory.class_cap_percent", factory=dict, example={"best-effort": 50.0}, low=0, above=True, high=100,
+        help="most of a device's capacity one class may declare in all (default 100)")
+
+    metrics_port: int | None = setting("metrics.port", None, example=9400, low=0, high=65535, flag="--metrics-port",
+                                       metavar="P", help="serve Prometheus metrics on this port (off unless set; 0 "
+                                                         "picks one)")
+    metrics_addr: str = setting("metrics.addr", "127.0.0.1", flag="--metrics-addr", metavar="ADDR",
+                                help="address for the metrics server")
+    metrics_max_connections: int = setting("metrics.max_connections", 64, low=1, high=4096,
+                                           help="scrapers at once; a new one past it takes the slot of the oldest "
+                                                "idle one")
+    metrics_timeout_ms: float = setting("metrics.timeout_ms", 10000.0, low=0, above=True,
+                                        help="a scrape connection gets this long for each request and its response")
+
+    mps_devices: list[int] | str = setting(
+        "mps.devices", "auto", words=("auto",), check=_must(_index_list, "\"auto\" or a list of device indices"),
+        help="device indices that get an MPS control daemon; []: MPS off; auto: every GPU when the daemon co-runs "
+             "on cuda as root and control_binary is found (lower classes then run at MPS client priority 1: see "
+             "docs/architecture.md, Co-run)")
+    mps_control_binary: str = setting("mps.control_binary", "nvidia-cuda-mps-control",
+                                      help="the MPS control program: a name on PATH, or a path")
+    mps_min_percent: int = setting("mps.min_percent", 5, low=1, high=100,
+                                   help="smallest SM share a partition may give a session")
+
+    ctxpool_enabled: str = setting("ctxpool.enabled", "off", choices=("off", "on", "auto"), flag="--ctxpool",
+                                   help="warm worker processes for server-side models (they hold device memory: "
+                                        "contexts, pools, resident models); auto starts them where torch is "
+                                        "importable by the daemon")
+    ctxpool_workers_per_device: int = setting("ctxpool.workers_per_device", 2, low=1,
+                                              help="one active, the rest on standby with warm contexts")
+    ctxpool_pool_mb: int = setting("ctxpool.pool_mb", 0, low=0,
+                                   help="device memory each worker reserves in its allocator at start")
+    ctxpool_resident_mb: int | str = setting(
+        "ctxpool.resident_mb", "auto", words=("auto",), low=0,
+        help="device memory each worker may keep models resident in (LRU), held in admission; auto: half of what "
+             "contexts, pools and sessions leave at start, split between workers (nodeagent.memory."
+             "auto_resident_mb); 0: no bound, not held")
+    ctxpool_python_path: list[str] = setting(
+        "ctxpool.python_path", factory=list, help="directories workers add to sys.path to import model factories",
+        check=_must(lambda v: isinstance(v, list) and all(isinstance(d, str) and os.path.isabs(d) for d in v),
+                    "a list of absolute directories"))
+    ctxpool_restart_budget: int = setting("ctxpool.restart_budget", 5, low=0,
+                                          help="worker deaths per device in 60 s before it stops replacing them")
+    ctxpool_hang_budget: int = setting("ctxpool.hang_budget", 3, low=1,
+                                       help="a model's requests hanging (worker replaced) this often in 10 min: "
+                                            "refused for a while")
+    ctxpool_timeout_grace_ms: float = setting("ctxpool.timeout_grace_ms", 2000.0, low=0,
+                                              help="a worker still running a request this long after its timeout "
+                                                   "is replaced")
+    ctxpool_register_group: str | int = setting("ctxpool.register_group", "",
+                                                help='group (name or gid) whose members may register models; "": '
+                                                     "root only")
+
+    cluster_endpoint: str | None = setting("cluster.endpoint", None, example="tcp://0.0.0.0:7410",
+                                           check=_must(lambda v: v.startswith("tcp://"), "tcp://HOST:PORT"),
+                                           help="placement API (CURVE); off unless set")
+    cluster_events_endpoint: str = setting(
+        "cluster.events_endpoint", "tcp://0.0.0.0:7411",
+        check=_must(lambda v: v == "" or v.startswith("tcp://"), "tcp://HOST:PORT or empty"),
+        help='PUB socket for events (CURVE), bound with the endpoint; "" for none')
+    cluster_keys_dir: str = setting("cluster.keys_dir", "/etc/nodeagent/keys",
+                                    help="server.key_secret and allowed/*.key (`nodeagent keys generate`)")
+    cluster_protect_s: float = setting("cluster.protect_s", 60.0, low=0,
+                                       help="a device whose inference went idle is not lent until this long after")
+    cluster_node: str = setting("cluster.node", "", help='node name in inventory and events; "": the hostname')
+    cluster_health_interval_s: float = setting("cluster.health_interval_s", 5.0, low=0, above=True,
+                                               help="how often a health event is published")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (with its ``key``) for the first setting that cannot be used."""
-        if self.backend not in ("auto", "cuda", "cpu"):
-            raise _bad("backend", f"must be auto, cuda or cpu, got {self.backend!r}")
-        if self.cpu_devices < 1:
-            raise _bad("cpu_devices", f"must be >= 1, got {self.cpu_devices}")
-        problem = endpoint_problem(self.endpoint)
-        if problem is not None:
-            raise _bad("endpoint", problem)
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise _bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise _bad("metrics.port", f"must be in 0..65535, got {self.metrics_port}")
-        if not 1 <= self.metrics_max_connections <= 4096:
-            raise _bad("metrics.max_connections", f"must be in 1..4096, got {self.metrics_max_connections}")
-        if not (math.isfinite(self.metrics_timeout_ms) and self.metrics_timeout_ms > 0):
-            raise _bad("metrics.timeout_ms", f"must be a positive number, got {self.metrics_timeout_ms:g}")
-        for name, ms in self.quantum_ms.items():  # a table of its own: one key per workload class
-            if name not in WORKLOADS:
-                raise _bad(f"scheduler.quantum_ms.{name}", f"has unknown workload class {name!r}"
-                           f"{did_you_mean(name, WORKLOADS)} (classes: {', '.join(WORKLOADS)})",
-                           subject="scheduler.quantum_ms")
-            if not (math.isfinite(ms) and ms > 0):
-                raise _bad(f"scheduler.quantum_ms.{name}", f"must be a positive number of ms, got {name}={ms:g}",
-                           subject="scheduler.quantum_ms")
-        for name, value in (("scheduler.grace_ms", self.grace_ms), ("heartbeat.interval_ms", self.heartbeat_ms),
-                            ("memory.watch_interval_ms", self.memory_watch_ms)):
-            if not (math.isfinite(value) and value > 0):
-                raise _bad(name, f"must be a positive number, got {value:g}")
-        if self.heartbeat_misses < 1:
-            raise _bad("heartbeat.misses", f"must be >= 1, got {self.heartbeat_misses}")
-        if self.enforce not in ("stop", "revoke"):
-            raise _bad("scheduler.enforce", f"must be stop or revoke, got {self.enforce!r}")
-        if self.sharing not in SHARING_MODES:
-            raise _bad("scheduler.sharing", f"must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}")
-        if not (math.isfinite(self.linger_ms) and 0 <= self.linger_ms <= 1000):
-            raise _bad("scheduler.linger_ms", f"must be a number of ms in 0..1000, got {self.linger_ms:g}")
-        self.corun_fixed_duty()
-        if not (math.isfinite(self.corun_tolerance_percent) and 0 < self.corun_tolerance_percent <= 500):
-            raise _bad("corun.tolerance_percent", f"must be in (0, 500], got {self.corun_tolerance_percent:g}")
-        if not (math.isfinite(self.corun_period_ms) and 1 <= self.corun_period_ms <= 1000):
-            raise _bad("corun.period_ms", f"must be in 1..1000, got {self.corun_period_ms:g}")
-        if not 0 <= self.corun_lower_sm_percent <= 100:
-            raise _bad("corun.lower_sm_percent", f"must be in 0..100, got {self.corun_lower_sm_percent}")
-        if self.memory_policy not in MEMORY_POLICIES:
-            raise _bad("memory.policy", f"must be one of {', '.join(MEMORY_POLICIES)}, got {self.memory_policy!r}")
-        if self.mps_devices != "auto" and (not isinstance(self.mps_devices, list) or any(
-                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.mps_devices)):
-            raise _bad("mps.devices", f"must be \"auto\" or a list of device indices, got {self.mps_devices!r}")
-        if not 1 <= self.mps_min_percent <= 100:
-            raise _bad("mps.min_percent", f"must be in 1..100, got {self.mps_min_percent}")
-        for workload, percent in self.memory_class_cap_percent.items():
-            key = f"memory.class_cap_percent.{workload}"
-            if workload not in WORKLOADS:
-                raise _bad(key, f"has unknown workload class {workload!r}{did_you_mean(workload, WORKLOADS)} "
-                                f"(classes: {', '.join(WORKLOADS)})", subject="memory.class_cap_percent")
-            if not (math.isfinite(percent) and 0 < percent <= 100):
-                raise _bad(key, f"must be in (0, 100], got {percent:g}")
-        if self.memory_make_room not in ("refuse", "suspend"):
-            raise _bad("memory.make_room", f"must be refuse or suspend, got {self.memory_make_room!r}")
-        if not (math.isfinite(self.memory_make_room_deadline_ms) and self.memory_make_room_deadline_ms > 0):
-            raise _bad("memory.make_room_deadline_ms",
-                       f"must be a positive number, got {self.memory_make_room_deadline_ms:g}")
-        if self.ctxpool_enabled not in ("auto", "on", "off"):
-            raise _bad("ctxpool.enabled", f"must be auto, on or off, got {self.ctxpool_enabled!r}")
-        for name, value, low in (("ctxpool.workers_per_device", self.ctxpool_workers_per_device, 1),
-                                 ("ctxpool.pool_mb", self.ctxpool_pool_mb, 0),
-                                 ("ctxpool.restart_budget", self.ctxpool_restart_budget, 0),
-                                 ("ctxpool.hang_budget", self.ctxpool_hang_budget, 1)):
-            if value < low:
-                raise _bad(name, f"must be >= {low}, got {value}")
-        resident = self.ctxpool_resident_mb
-        if resident != "auto" and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
-            raise _bad("ctxpool.resident_mb", f"must be \"auto\" or an integer >= 0, got {resident!r}")
-        if not (math.isfinite(self.ctxpool_timeout_grace_ms) and self.ctxpool_timeout_grace_ms >= 0):
-            raise _bad("ctxpool.timeout_grace_ms", f"must be a number >= 0, got {self.ctxpool_timeout_grace_ms:g}")
-        self.ctxpool_register_gid()
-        if any(not isinstance(d, str) or not os.path.isabs(d) for d in self.ctxpool_python_path):
-            raise _bad("ctxpool.python_path",
-                       f"must be a list of absolute directories, got {self.ctxpool_python_path!r}")
-        if self.cluster_endpoint is not None and not self.cluster_endpoint.startswith("tcp://"):
-            raise _bad("cluster.endpoint", f"must be tcp://HOST:PORT, got {self.cluster_endpoint!r}")
-        if self.cluster_events_endpoint and not self.cluster_events_endpoint.startswith("tcp://"):
-            raise _bad("cluster.events_endpoint", f"must be tcp://HOST:PORT or empty, "
-                                                  f"got {self.cluster_events_endpoint!r}")
+        for s in settings(type(self)):
+            value = getattr(self, s.attr)
+            if dict in s.types:  # a table of its own: one key per workload class
+                for name, entry in value.items():
+                    if name not in WORKLOADS:
+                        raise _bad(f"{s.key}.{name}", f"has unknown workload class {name!r}"
+                                   f"{did_you_mean(name, WORKLOADS)} (classes: {', '.join(WORKLOADS)})", subject=s.key)
+                    if not s.within(entry):
+                        raise _bad(f"{s.key}.{name}", f"must be {s.allowed()}, got {name}={_shown(entry)}",
+                                   subject=s.key)
+            elif (problem := s.problem(value)) is not None:
+                raise _bad(s.key, problem)
         if self.cluster_endpoint is not None and self.cluster_endpoint == self.cluster_events_endpoint:
             raise ConfigError("cluster.endpoint and cluster.events_endpoint must differ "
                               f"(both are {self.cluster_endpoint!r})")
-        if not (math.isfinite(self.cluster_protect_s) and self.cluster_protect_s >= 0):
-            raise _bad("cluster.protect_s", f"must be a number >= 0, got {self.cluster_protect_s:g}")
-        if not (math.isfinite(self.cluster_health_interval_s) and self.cluster_health_interval_s > 0):
-            raise _bad("cluster.health_interval_s",
-                       f"must be a positive number, got {self.cluster_health_interval_s:g}")
-        if self.local_max_connections < 1:
-            raise _bad("local.max_connections", f"must be >= 1, got {self.local_max_connections}")
-        if self.local_max_connections_per_uid < 1:
-            raise _bad("local.max_connections_per_uid", f"must be >= 1, got {self.local_max_connections_per_uid}")
-        if self.local_max_queued_kb < 64:
-            raise _bad("local.max_queued_kb", f"must be >= 64, got {self.local_max_queued_kb}")
-        if self.memory_reserve_mb < 0:
-            raise _bad("memory.reserve_mb", f"must be >= 0, got {self.memory_reserve_mb}")
-        allowance = self.memory_context_allowance_mb
-        if allowance != "auto" and (isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0):
-            raise _bad("memory.context_allowance_mb", f"must be \"auto\" or an integer >= 0, got {allowance!r}")
-        if self.memory_host_proc and not os.path.isabs(self.memory_host_proc):
-            raise _bad("memory.host_proc", f"must be an absolute directory or empty, got {self.memory_host_proc!r}")
+        self.corun_fixed_duty()
+        self.ctxpool_register_gid()
         self.policy()
-
     def policy(self) -> SchedulerPolicy:
-        """The scheduling policy these settings give (validate first: a bad quantum raises ConfigError)."""
-        quanta = {}
-        for name, ms in self.quantum_ms.items():
-            if name not in WORKLOADS:
-                raise _bad(f"scheduler.quantum_ms.{name}", f"has unknown workload class {name!r} "
-                           f"(classes: {', '.join(WORKLOADS)})", subject="scheduler.quantum_ms")
-            quanta[Workload.parse(name)] = ms
+        """The scheduling policy these settings give (validate first: it names an unknown class's key)."""
+        quanta = {Workload.parse(name): ms for name, ms in self.quantum_ms.items()}
         try:
             return SchedulerPolicy(quantum_ms=quanta, grace_ms=self.grace_ms, linger_ms=self.linger_ms)
         except ValueError as exc:  # validate() checked each value; this is what the scheduler adds
@@ -424,58 +441,54 @@ class ServeConfig:
         return self.heartbeat_ms * self.heartbeat_misses / 1000.0
 
 
-# (dotted key in the file, attribute, accepted types)
-_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "backend": ("backend", (str,)),
-    "cpu_devices": ("cpu_devices", (int,)),
-    "endpoint": ("endpoint", (str,)),
-    "state_dir": ("state_dir", (str,)),
-    "log_level": ("log_level", (str,)),
-    "scheduler.grace_ms": ("grace_ms", (int, float)),
-    "scheduler.enforce": ("enforce", (str,)),
-    "scheduler.sharing": ("sharing", (str,)),
-    "scheduler.linger_ms": ("linger_ms", (int, float)),
-    "corun.duty": ("corun_duty", (str, int)),
-    "corun.tolerance_percent": ("corun_tolerance_percent", (int, float)),
-    "corun.period_ms": ("corun_period_ms", (int, float)),
-    "corun.lower_sm_percent": ("corun_lower_sm_percent", (int,)),
-    "heartbeat.interval_ms": ("heartbeat_ms", (int, float)),
-    "heartbeat.misses": ("heartbeat_misses", (int,)),
-    "local.max_connections": ("local_max_connections", (int,)),
-    "local.max_connections_per_uid": ("local_max_connections_per_uid", (int,)),
-    "local.max_queued_kb": ("local_max_queued_kb", (int,)),
-    "memory.policy": ("memory_policy", (str,)),
-    "memory.watch_interval_ms": ("memory_watch_ms", (int, float)),
-    "memory.reserve_mb": ("memory_reserve_mb", (int,)),
-    "memory.context_allowance_mb": ("memory_context_allowance_mb", (int, str)),
-    "memory.host_proc": ("memory_host_proc", (str,)),
-    "memory.make_room": ("memory_make_room", (str,)),
-    "memory.make_room_deadline_ms": ("memory_make_room_deadline_ms", (int, float)),
-    "metrics.port": ("metrics_port", (int,)),
-    "metrics.addr": ("metrics_addr", (str,)),
-    "metrics.max_connections": ("metrics_max_connections", (int,)),
-    "metrics.timeout_ms": ("metrics_timeout_ms", (int, float)),
-    "mps.devices": ("mps_devices", (list, str)),
-    "mps.control_binary": ("mps_control_binary", (str,)),
-    "mps.min_percent": ("mps_min_percent", (int,)),
-    "ctxpool.enabled": ("ctxpool_enabled", (str,)),
-    "ctxpool.workers_per_device": ("ctxpool_workers_per_device", (int,)),
-    "ctxpool.pool_mb": ("ctxpool_pool_mb", (int,)),
-    "ctxpool.resident_mb": ("ctxpool_resident_mb", (int, str)),
-    "ctxpool.python_path": ("ctxpool_python_path", (list,)),
-    "ctxpool.restart_budget": ("ctxpool_restart_budget", (int,)),
-    "ctxpool.hang_budget": ("ctxpool_hang_budget", (int,)),
-    "ctxpool.timeout_grace_ms": ("ctxpool_timeout_grace_ms", (int, float)),
-    "ctxpool.register_group": ("ctxpool_register_group", (str, int)),
-    "cluster.endpoint": ("cluster_endpoint", (str,)),
-    "cluster.events_endpoint": ("cluster_events_endpoint", (str,)),
-    "cluster.keys_dir": ("cluster_keys_dir", (str,)),
-    "cluster.protect_s": ("cluster_protect_s", (int, float)),
-    "cluster.node": ("cluster_node", (str,)),
-    "cluster.health_interval_s": ("cluster_health_interval_s", (int, float)),
-}
-_SECTIONS = {"scheduler", "scheduler.quantum_ms", "heartbeat", "local", "memory", "memory.class_cap_percent", "metrics",
-             "mps", "ctxpool", "cluster", "corun"}
+
+# ------------------------------------------------------------ what the declarations give
+
+
+def settings(cls: type | None = None) -> tuple[Setting, ...]:
+    """Every setting declared on ``cls`` (default: this module's :class:`ServeConfig`), in order."""
+    return _declared(cls or ServeConfig)
+
+
+@functools.cache
+def _declared(cls: type) -> tuple[Setting, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(dataclasses.replace(f.metadata["setting"], attr=f.name, types=_file_types(hints[f.name]))
+                 for f in dataclasses.fields(cls) if "setting" in f.metadata)
+
+
+def _file_types(hint: Any) -> tuple[type, ...]:
+    """What a file may give for a field typed ``hint``: a float takes an int too; None is "off", not a value."""
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    found: list[type] = []
+    for part in parts:
+        part = typing.get_origin(part) or part
+        found += [int, float] if part is float else [] if part is type(None) else [part]
+    return tuple(dict.fromkeys(found))
+
+
+def example_toml(cls: type | None = None) -> str:
+    """The commented example file, every setting at its default: what `nodeagent config-example` prints."""
+    blocks: dict[str, list[str]] = {"": [f"# {DEFAULT_CONFIG_PATH}: every key is optional; these are the defaults."]}
+    for s in settings(cls):
+        shown = s.example if s.example is not None else s.default_value()
+        off = "# " if s.example is not None else ""  # a default the file cannot hold: shown, not set
+        if dict in s.types:
+            blocks[s.key] = [*_commented(f"[{s.key}]", s.help),
+                             *(f"{off}{name} = {_toml(float(v))}" for name, v in shown.items())]
+            continue
+        section, _, name = s.key.rpartition(".")
+        choices = f"{' | '.join(s.choices)}: " if s.choices else ""
+        blocks.setdefault(section, [f"[{section}]"]).extend(_commented(f"{off}{name} = {_toml(shown)}",
+                                                                       choices + s.help))
+    return "\n\n".join("\n".join(lines) for lines in blocks.values()) + "\n"
+
+
+def _commented(line: str, comment: str) -> list[str]:
+    """``line`` with ``comment`` beside it from column 28, wrapped to 110 columns."""
+    column = max(len(line) + 2, 28)
+    wrapped = textwrap.wrap(comment, width=max(108 - column, 40)) or [""]
+    return [f"{line:<{column}}# {wrapped[0]}", *(f"{'':<{column}}# {more}" for more in wrapped[1:])]
 
 
 def load_file(config: ServeConfig, path: str, *, required: bool, applied: set[str] | None = None) -> bool:
@@ -499,48 +512,50 @@ def load_file(config: ServeConfig, path: str, *, required: bool, applied: set[st
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    per_workload = {"scheduler.quantum_ms.": config.quantum_ms,
-                    "memory.class_cap_percent.": config.memory_class_cap_percent}
-    for key, value in _flatten(doc, path):
-        table_prefix, workload = key.rsplit(".", 1)[0] + ".", key.rsplit(".", 1)[-1]
-        if table_prefix in per_workload:  # [section.table] with one number per workload class
+    declared = settings(type(config))
+    tables = {s.key: s for s in declared if dict in s.types}
+    keys = {s.key: s for s in declared if dict not in s.types}
+    for key, value in _flatten(doc, path, _sections(declared)):
+        table, _, workload = key.rpartition(".")
+        if table in tables:  # [section.table] with one number per workload class
             if workload not in WORKLOADS:
                 guess = nearest(workload, WORKLOADS)
-                hint = f"; did you mean {table_prefix + guess!r}?" if guess is not None else ""
+                hint = f"; did you mean {table + '.' + guess!r}?" if guess is not None else ""
                 raise ConfigError(f"{path}: unknown key {key!r}{hint} (workload classes: {', '.join(WORKLOADS)})")
             _check_type(path, key, value, (int, float))
-            per_workload[table_prefix][workload] = float(value)
+            getattr(config, tables[table].attr)[workload] = float(value)
+        elif key in keys:
+            _check_type(path, key, value, keys[key].types)
+            setattr(config, keys[key].attr, float(value) if float in keys[key].types else value)
         else:
-            spec = _KEYS.get(key)
-            if spec is None:
-                raise ConfigError(f"{path}: unknown key {key!r}{did_you_mean(key, _all_keys())} "
-                                  "(`nodeagent config-example` prints every key)")
-            attr, types = spec
-            _check_type(path, key, value, types)
-            setattr(config, attr, float(value) if float in types else value)
+            known = [*keys, *(f"{table}.{w}" for table in tables for w in WORKLOADS)]
+            raise ConfigError(f"{path}: unknown key {key!r}{did_you_mean(key, known)} "
+                              "(`nodeagent config-example` prints every key)")
         if applied is not None:
             applied.add(key)
     return True
 
 
-def _all_keys() -> list[str]:
-    return [*_KEYS, *(f"{table}.{w}" for table in ("scheduler.quantum_ms", "memory.class_cap_percent")
-                      for w in WORKLOADS)]
+def _sections(declared: tuple[Setting, ...]) -> set[str]:
+    """Every [section] the declared keys live in, and each table."""
+    found = set()
+    for s in declared:
+        parts = s.key.split(".")
+        found.update(".".join(parts[:end]) for end in range(1, len(parts) + (dict in s.types)))
+    return found
 
 
-def _flatten(doc: dict[str, Any], path: str, prefix: str = ""):
+def _flatten(doc: dict[str, Any], path: str, sections: set[str], prefix: str = ""):
     for name, value in doc.items():
         key = f"{prefix}{name}"
         if isinstance(value, dict):
-            if key not in _SECTIONS:
-                guess = nearest(key, _SECTIONS)
+            if key not in sections:
+                guess = nearest(key, sections)
                 hint = f"; did you mean [{guess}]?" if guess is not None else ""
-                raise ConfigError(f"{path}: unknown section [{key}]{hint} (sections: {', '.join(sorted(_SECTIONS))})")
-            yield from _flatten(value, path, key + ".")
+                raise ConfigError(f"{path}: unknown section [{key}]{hint} (sections: {', '.join(sorted(sections))})")
+            yield from _flatten(value, path, sections, key + ".")
         else:
             yield key, value
-
-
 def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass in Python; a TOML true is never a number here.
     if isinstance(value, bool) or not isinstance(value, types):
@@ -560,3 +575,6 @@ def _toml(value: Any) -> str:
     if isinstance(value, dict):
         return "a table"
     return repr(value) if isinstance(value, (int, float)) else str(value)  # dates and times print as TOML writes them
+
+
+EXAMPLE_TOML = example_toml()

@@ -22,6 +22,7 @@ from zmq.utils import z85
 
 from client_lib import codec
 from client_lib import protocol as p
+from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import keys, procwatch
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.events import EventPublisher
@@ -43,10 +44,8 @@ from sharing import (
 log = logging.getLogger("nodeagent.cluster")
 
 FORBIDDEN_ON_CLUSTER = "the cluster endpoint serves placement operations; sessions connect locally"
-EXPIRY_DEADLINE_MS = 5000.0  # a lend that ran out (max_s) is reclaimed with this suspend deadline
+EXPIRY_DEADLINE_MS = DEFAULT_SUSPEND_DEADLINE_MS  # a lend that ran out (max_s) is reclaimed with this deadline
 MAX_BORROWER_CHARS = 128
-MAX_WEIGHT = 1e6  # as hello.weight
-_MAX_DEADLINE_MS = 3_600_000.0
 _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests are far smaller
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
 _SHUTDOWN_LINGER_MS = 100
@@ -591,9 +590,9 @@ class ClusterEndpoint:
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
             return
-        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= _MAX_DEADLINE_MS):
+        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= MAX_DEADLINE_MS):
             self._error(route, msg.id, p.ErrorCode.INVALID,
-                        f"deadline_ms must be in (0, {_MAX_DEADLINE_MS:.0f}], got {msg.deadline_ms}")
+                        f"deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got {msg.deadline_ms}")
             return
         pending = self._reclaims.get(msg.device)
         if pending is not None:  # a retry, or a second caller: both hear how the one under way ends

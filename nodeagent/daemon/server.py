@@ -21,6 +21,7 @@ import zmq
 from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
+from client_lib.limits import MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
@@ -59,8 +60,7 @@ STATUS_JOBS_MAX = 64  # statuses and inventories under way at once; past it one 
 STATUS_JOBS_PER_PEER = 4  # of those, from one uid (or one cluster peer): a flood cannot crowd out root
 
 MAX_NAME_CHARS = 128
-MAX_WEIGHT = 1e6
-MAX_SLO_MS = 3_600_000.0
+MAX_SLO_MS = MAX_DEADLINE_MS
 ENDED = "exited"  # a session's end reason when its process ended leaving nothing undone: not a lost one
 # How long a session whose connection closed with nothing undone waits for its process's pidfd
 # before it is called lost: a Python client's socket closes while its interpreter finalizes,

@@ -20,6 +20,7 @@ from typing import Callable
 from client_lib import protocol as p
 from client_lib import tensors
 from client_lib.endpoint import ipc_path
+from client_lib.limits import MAX_DEADLINE_MS
 from ctxpool import peer_open
 from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, RequestFailed, WorkerReady,
                               WorkerReplaced)
@@ -434,9 +435,9 @@ class Serving:
                         f"model {msg.model!r} is registered on device {model.record.device}; "
                         f"this session is on device {s.device}")
             return
-        if len(msg.inputs) > MAX_TENSORS or not (0 < msg.timeout_ms <= 3_600_000):
+        if len(msg.inputs) > MAX_TENSORS or not (0 < msg.timeout_ms <= MAX_DEADLINE_MS):
             self._error(route, msg.id, p.ErrorCode.INVALID,
-                        f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, 3600000]")
+                        f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, {MAX_DEADLINE_MS:.0f}]")
             return
         problem = _inputs_problem(msg.inputs, s.uid)
         if problem is not None:

@@ -11,6 +11,7 @@ import os
 import time
 
 from client_lib import protocol as p
+from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS
 from nodeagent.daemon.authz import Act, may_act_on_session
 from nodeagent.daemon.bus import Bus, MayAsk, Replies, SuspendFinished, SuspensionAsked
 from nodeagent.daemon.journal_writer import JournalWriter
@@ -95,9 +96,9 @@ class Suspensions:
     # ----------------------------------------------------------------- requests
 
     def on_suspend_session(self, route, msg: p.SuspendSession, frame, now: float) -> None:
-        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= 3_600_000):
+        if not (math.isfinite(msg.deadline_ms) and 0 < msg.deadline_ms <= MAX_DEADLINE_MS):
             self._error(route, msg.id, p.ErrorCode.INVALID,
-                        f"deadline_ms must be in (0, 3600000], got {msg.deadline_ms}")
+                        f"deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got {msg.deadline_ms}")
             return
         s = self._target(route, msg.id, frame, msg.session, Act.SUSPEND)
         if s is None:
@@ -186,7 +187,7 @@ class Suspensions:
         s.suspend_asked = state is not SuspendState.RUNNING  # its welcome says so; its reports are due
         if state is SuspendState.STOPPED:
             s.suspension.state = SuspendState.RUNNING
-            s.suspension.request(now, 5000.0, "restart", waiting=False)
+            s.suspension.request(now, DEFAULT_SUSPEND_DEADLINE_MS, "restart", waiting=False)
         if s.suspension.pending_deadline:
             self._pending.add(s)
 
