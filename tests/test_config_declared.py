@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -125,6 +126,13 @@ def _named_in_docs():
             section, leaf = name.split(".")[:2]
             with contextlib.suppress(ImportError):  # `memory.owners`: a function of nodeagent.memory
                 if hasattr(importlib.import_module(f"nodeagent.{section}"), leaf):
+                    continue
+            with contextlib.suppress(ImportError):  # `ctxpool.engine`: a module of the ctxpool package
+                if importlib.util.find_spec(f"{section}.{leaf}") is not None:
+                    continue
+            with contextlib.suppress(ImportError):  # `scheduler.request`: a method of sharing.scheduler's class
+                module = importlib.import_module(f"sharing.{section}")
+                if any(hasattr(v, leaf) for v in vars(module).values() if isinstance(v, type)):
                     continue
             yield path.relative_to(REPO).as_posix(), name
 
