@@ -89,9 +89,11 @@ def at_home(creds: procwatch.PeerCredentials | None) -> bool:
     return creds is not None and creds.namespaces is not None and creds.namespaces in procwatch.home_namespaces()
 
 
-def is_root(creds: procwatch.PeerCredentials | None) -> bool:
-    """Whether a local peer is :attr:`Role.ROOT`: uid 0 :func:`at_home`, never a container's root
-    (what root is first for, as in the status queue, goes by this, not by uid 0)."""
+def is_root(creds) -> bool:
+    """Whether a local peer is :attr:`Role.ROOT`: uid 0 :func:`at_home`, never a container's root.
+    ``creds``: its :class:`~nodeagent.procwatch.PeerCredentials`, or a session (its peer's uid and
+    namespaces at hello), or None. What root may or goes first for (the status queue, any segment
+    named) goes by this, never by uid 0 alone."""
     return creds is not None and creds.uid == 0 and at_home(creds)
 
 
