@@ -199,23 +199,22 @@ class LocalEndpoint:
         """Handle up to ``budget`` of ``peer``'s frames read so far; what is left waits for the
         next turn (remembered, the eventfd made readable). Returns the budget left."""
         backlog = peer.backlog
-        while backlog and budget > 0:
-            if peer.closed:
-                backlog.clear()
-                return 0
-            body = backlog.popleft()
-            budget -= 1
-            if type(body) is framing.Oversized:
-                self.send(peer, codec.encode(p.Error(
-                    id=0, code=p.ErrorCode.BAD_REQUEST,
-                    message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
-                continue
-            self._on_frame(peer, body)
-        if backlog and not peer.closed:
-            self._backlogged[peer.fd] = peer
-            if not self._more_armed:
-                os.eventfd_write(self._more_fd, 1)
-                self._more_armed = True
+        try:
+            while backlog and budget > 0 and not peer.closed:
+                body = backlog.popleft()
+                budget -= 1
+                if type(body) is framing.Oversized:
+                    self.send(peer, codec.encode(p.Error(
+                        id=0, code=p.ErrorCode.BAD_REQUEST,
+                        message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
+                    continue
+                self._on_frame(peer, body)
+        finally:  # even past a handler's bug: frames left and nobody coming back would be a hang
+            if backlog and not peer.closed:
+                self._backlogged[peer.fd] = peer
+                if not self._more_armed:
+                    os.eventfd_write(self._more_fd, 1)
+                    self._more_armed = True
         return budget
 
     def _accept(self) -> None:
