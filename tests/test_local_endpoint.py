@@ -197,7 +197,7 @@ def test_a_request_split_across_many_writes_is_one_request(inproc_daemon):
 
 
 @pytest.mark.parametrize("frames", [3_000, 10_000],
-                         ids=["one read: the endpoint comes back", "the kernel keeps the rest"])
+                         ids=["one read, the eventfd brings the loop back", "the kernel keeps the rest"])
 def test_a_peer_pipelining_thousands_of_frames_is_served_a_budget_a_turn_and_others_between(workdir, frames):
     """Issue 32 (left over from item 5): every frame one read brought (256 KiB: 10,000 small
     requests) was handled in that turn, holding the loop from every other peer. Now a connection
