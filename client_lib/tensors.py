@@ -164,7 +164,7 @@ def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, 
 
 def _open_checked(name: str, flags: int, owner_uid: int | None) -> tuple[int, os.stat_result]:
     """Open an existing segment (never through a symlink) and, with ``owner_uid``,
-    refuse it unless that uid owns it (uid 0 may name any). The check is on the
+    refuse it unless that uid owns it (uid 0 too: who may name any passes None). The check is on the
     opened descriptor, so a name swapped meanwhile cannot pass it. Non-blocking:
     a FIFO planted under the name must not hang the opener."""
     _check_name(name)
@@ -185,7 +185,7 @@ def _open_checked(name: str, flags: int, owner_uid: int | None) -> tuple[int, os
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SegmentAccessError(f"{name!r} is not a shared-memory segment")
-        if owner_uid is not None and owner_uid != 0 and st.st_uid != owner_uid:
+        if owner_uid is not None and st.st_uid != owner_uid:
             raise SegmentAccessError(f"shared-memory segment {name!r} does not belong to uid {owner_uid}; "
                                      "name only segments your own user created")
     except BaseException:
@@ -201,15 +201,15 @@ def attach_segment(name: str, *, owner_uid: int | None = None) -> Segment:
     return Segment(name, fd, st.st_size)
 
 
-def check_owner(refs: Sequence[p.TensorRef], owner_uid: int) -> None:
-    """Raise unless every segment the refs name exists and belongs to ``owner_uid``."""
+def check_owner(refs: Sequence[p.TensorRef], owner_uid: int | None) -> None:
+    """Raise unless every segment the refs name exists and belongs to ``owner_uid`` (None: anyone)."""
     for name in dict.fromkeys(r.shm for r in refs if r.shm):
         fd, _ = _open_checked(name, os.O_RDONLY, owner_uid)
         os.close(fd)
 
 
 def unlink_if_owned(name: str, owner_uid: int) -> bool:
-    """Unlink ``name`` only if it is a segment ``owner_uid`` owns (uid 0: any); True if
+    """Unlink ``name`` only if it is a segment ``owner_uid`` owns (uid 0: only root's); True if
     unlinked. What a root daemon cleaning up after a peer uses: never another user's."""
     try:
         fd, _ = _open_checked(name, os.O_RDONLY, owner_uid)

@@ -93,12 +93,14 @@ class Drop(ToWorker, tag="drop"):
 
 class Run(ToWorker, tag="run"):
     """Run ``model`` on ``inputs``. With ``owner_uid`` (the requester's verified uid), input
-    segments must belong to that uid and the output segment is created owned by it."""
+    segments must belong to that uid (unless ``any_inputs``: the requester is the daemon's ROOT)
+    and the output segment is created owned by it."""
 
     request_id: int
     model: str
     inputs: list[TensorRef]
     owner_uid: Optional[int] = None
+    any_inputs: bool = False
 
 
 class Shutdown(ToWorker, tag="shutdown"):

@@ -52,6 +52,7 @@ class _Request:
     inputs: list[p.TensorRef]
     cancelled: bool = False  # answered or withdrawn already: no event follows for it
     owner_uid: Optional[int] = None  # the requester's verified uid: its inputs must be its own
+    any_inputs: bool = False  # the requester is the daemon's ROOT: its inputs may be anyone's
     deadline: Optional[float] = None  # on the pool's clock: answered E_TIMEOUT then if not done
     kill_at: Optional[float] = None  # timed out while running: its worker is killed then if still at it
 
@@ -348,9 +349,10 @@ class WorkerPool:
     # ------------------------------------------------------------ requests
 
     def submit(self, request_id: int, device: int, model: str, input_refs: list[p.TensorRef],
-               owner_uid: Optional[int] = None, deadline: Optional[float] = None) -> None:
+               owner_uid: Optional[int] = None, deadline: Optional[float] = None, any_inputs: bool = False) -> None:
         """Run ``model`` on ``input_refs`` (segments the caller keeps until the answer) on ``device``;
-        with ``owner_uid``, inputs must be that uid's and outputs are made owned by it; with
+        with ``owner_uid``, inputs must be that uid's (uid 0's too, unless ``any_inputs``: the
+        requester is the daemon's ROOT) and outputs are made owned by it; with
         ``deadline`` (on the pool's clock), it is answered E_TIMEOUT then at the latest (see
         :meth:`on_deadline`). The answer comes as RequestDone or RequestFailed; PoolError when
         refused at once."""
@@ -378,7 +380,8 @@ class WorkerPool:
         if not any(self._can_serve(w, model) for w in self._live(device)):
             raise PoolError(E.UNAVAILABLE, f"no worker on device {device} can run {model!r}: "
                                            f"{self._unavailable(device)}")
-        request = _Request(request_id, device, model, list(input_refs), owner_uid=owner_uid, deadline=deadline)
+        request = _Request(request_id, device, model, list(input_refs), owner_uid=owner_uid, any_inputs=any_inputs,
+                           deadline=deadline)
         self._requests[request_id] = request
         self._queues[device].append(request)
         idle = [w for w in self._live(device) if w.state is WorkerState.IDLE and model in w.attached]
@@ -588,7 +591,7 @@ class WorkerPool:
         queue.remove(request)
         worker.request = request
         self._send(worker, msg.Run(request_id=request.request_id, model=request.model, inputs=request.inputs,
-                                   owner_uid=request.owner_uid))
+                                   owner_uid=request.owner_uid, any_inputs=request.any_inputs))
 
     def _send(self, worker: _Worker, message: msg.ToWorker) -> None:
         worker.inflight = message

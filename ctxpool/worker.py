@@ -228,7 +228,8 @@ class _Worker:
         if request.model not in self.models:
             return failed(p.ErrorCode.NO_MODEL, f"model {request.model!r} is not attached to worker {os.getpid()}")
         try:  # only the requester's own segments, checked on the opened fd
-            segments = tensors.attach_all(request.inputs, owner_uid=request.owner_uid)
+            segments = tensors.attach_all(request.inputs,
+                                          owner_uid=None if request.any_inputs else request.owner_uid)
         except tensors.SegmentAccessError as exc:
             return failed(p.ErrorCode.FORBIDDEN, f"inputs: {exc}")
         except tensors.TensorTransportError as exc:

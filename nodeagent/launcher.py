@@ -576,7 +576,10 @@ class CgroupHold(Hold):
         shown = ", ".join(out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
         return (f"{held}; the hold is not trusted: CMD runs as uid {os.geteuid()}, which may write {shown}, so a "
                 "process of CMD's can thaw its cgroup or move out of it and run without the token (the launcher "
-                "and the daemon stop, continue and end it by the token; they cannot keep it from undoing that)")
+                "and the daemon stop, continue and end it by the token; they cannot keep it from undoing that); "
+                "for a trusted hold run CMD as a user who may write none of them: from a root launcher outside "
+                "that user's delegated cgroups, `nodeagent run -- setpriv --reuid=USER --regid=GROUP --init-groups "
+                "CMD`")
 
     def fds(self) -> tuple[int, ...]:
         return self.cgroup.fds() + self.outer.fds()

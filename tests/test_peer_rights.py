@@ -215,6 +215,66 @@ def test_a_queued_request_naming_another_users_segment_does_not_make_bye_unlink_
         holder.close()
 
 
+_IN_A_CONTAINER = """
+import json, sys
+import numpy as np
+from client_lib import Client, DaemonError, tensors
+from client_lib import protocol as p
+endpoint, model, theirs = sys.argv[1:4]
+own = tensors.create_segment(64, prefix="na-test-ns-own")  # uid 0's, made in here
+own.buf[:64] = np.arange(16, dtype=np.float32).tobytes()
+results = {}
+try:
+    with Client("container-root", workload="inference", endpoint=endpoint) as c:
+        for label, name in (("theirs", theirs), ("own", own.name)):
+            ref = p.TensorRef(dtype="float32", shape=[1, 16], shm=name, nbytes=64)
+            try:
+                reply = c._call(p.Infer(id=c._take_id(), model=model, inputs=[ref]), 30.0)
+                results[label] = {"data": tensors.take(reply.outputs, like="numpy")[0].tobytes().hex()}
+            except DaemonError as exc:
+                results[label] = {"code": exc.code, "message": str(exc)}
+finally:
+    own.close()
+    own.unlink()
+print(json.dumps(results))
+"""
+
+
+def test_a_containers_root_may_name_only_uid_0s_segments_and_host_root_any(served):
+    """Issue 32 (left over from item 2): the segment-owner check let uid 0 name any segment, so
+    a real uid-0 process in new pid and mount namespaces (unshare(1)), a container's root, read
+    another tenant's segment back through a Flatten model. Only the ROOT role may: host root,
+    asking the same, is answered; the container's root gets E_FORBIDDEN, and its own segment works."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to make a process in new pid and mount namespaces")
+    seg = tensors.create_segment(len(SECRET), prefix="na-test-tenant", owner=NOBODY_UID)  # another tenant's
+    seg.buf[:len(SECRET)] = SECRET
+    seg.close()
+    try:
+        run = subprocess.run(["unshare", "--pid", "--mount", "--fork", "--", sys.executable, "-c", _IN_A_CONTAINER,
+                              served.endpoint, "flat", seg.name], cwd=REPO, capture_output=True, text=True,
+                             timeout=90)
+        if run.returncode != 0 and "unshare" in run.stderr and "Operation not permitted" in run.stderr:
+            pytest.skip(f"this sandbox refuses new namespaces: {run.stderr.strip()}")
+        results = _last_json(run)
+        assert results["theirs"].get("code") == p.ErrorCode.FORBIDDEN, results
+        assert "does not belong to uid 0" in results["theirs"]["message"], results
+        assert SECRET.hex() not in json.dumps(results["theirs"])
+        assert results["own"].get("data") == np.arange(16, dtype=np.float32).tobytes().hex(), results
+        assert _holds(seg.name, SECRET)  # and nothing unlinked it
+        with Client("host-root", workload="inference", endpoint=served.endpoint) as c:  # ROOT: any segment
+            ref = p.TensorRef(dtype="float32", shape=[1, 16], shm=seg.name, nbytes=64)
+            reply = c._call(p.Infer(id=c._take_id(), model="flat", inputs=[ref]), 30.0)
+            assert tensors.take(reply.outputs, like="numpy")[0].tobytes() == SECRET
+    finally:
+        tensors.unlink_segment(seg.name)
+
+
 # ------------------------------------------------------------- outputs
 
 _INFER = """

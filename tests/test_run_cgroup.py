@@ -513,6 +513,43 @@ def test_the_launcher_says_at_start_how_cmd_could_undo_its_hold(daemon, launch, 
     assert f"{launchers}/cgroup.procs" in said or "more" in said, said
 
 
+TRIES_EVERY_WAY_OUT = r"""
+cg=$(sed -n 's/^0:://p' /proc/self/cgroup)
+mount=$(grep ' - cgroup2 ' /proc/self/mountinfo | head -n 1 | cut -d ' ' -f 5)
+mine="$mount$cg"; outer=$(dirname "$mine"); above=$(dirname "$outer")
+for f in "$mine/cgroup.freeze" "$outer/cgroup.freeze" "$outer/cgroup.procs" "$above/cgroup.freeze" "$above/cgroup.procs"
+do
+    [ -e "$f" ] || continue
+    if (echo 0 > "$f") 2>/dev/null; then echo "wrote $f"; else echo "refused $f"; fi
+done
+"""
+
+
+@needs_cgroup
+def test_the_launcher_names_a_trusted_hold_and_cmd_run_so_cannot_undo_it(daemon, launch):
+    """Issue 32 item 4: the start-up line said the hold is not trusted, not how to get one that is.
+    It names setpriv(1): CMD run as another user by a root launcher (here outside any cgroup
+    delegated to that user) may write none of the files that would thaw it or move it out, and
+    its cgroups are gone when it exits."""
+    import re
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv(1) to run CMD as another user")
+    proc = launch(daemon.endpoint, "--cgroup", "require",
+                  cmd=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "sh", "-c",
+                       TRIES_EVERY_WAY_OUT])
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    said = next(line for line in err.splitlines() if "runs in cgroup" in line)
+    assert "the hold is not trusted" in said and "for a trusted hold run CMD as a user who may write none" in said
+    assert "nodeagent run -- setpriv --reuid=USER --regid=GROUP --init-groups CMD" in said, said
+    tried = out.split("\n")[:-1]
+    assert len(tried) >= 4 and all(line.startswith("refused ") for line in tried), out  # thaw, move out: none
+    outer = re.search(r"cgroup (\S+)/cmd,", said).group(1)
+    wait_for(lambda: not os.path.exists(outer), timeout=5)  # no directory left behind
+
+
 @needs_cgroup
 @pytest.mark.parametrize("how", ["exit", "launcher killed"])
 def test_cgroups_cmd_makes_inside_its_own_go_with_it(daemon, launch, workdir, how):

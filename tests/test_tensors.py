@@ -128,8 +128,16 @@ def test_a_segment_of_another_user_is_refused_by_its_opened_fd(segment):
         T.attach_segment(segment, owner_uid=other)
     with pytest.raises(T.SegmentAccessError):
         T.attach_all([p.TensorRef(dtype="uint8", shape=[4], shm=segment, nbytes=4)], owner_uid=other)
-    if me == 0:
-        T.attach_segment(segment, owner_uid=0).close()  # root may name any
+    T.attach_segment(segment, owner_uid=None).close()  # who may name any (the daemon's ROOT) passes None
+    if me == 0:  # and uid 0 is checked as any other uid: a container's root is uid 0 too (issue 32)
+        theirs = T.create_segment(8, prefix="na-test-t", owner=65534)
+        theirs.close()
+        try:
+            with pytest.raises(T.SegmentAccessError, match="does not belong to uid 0"):
+                T.attach_segment(theirs.name, owner_uid=0)
+            assert not T.unlink_if_owned(theirs.name, 0) and _exists(theirs.name)
+        finally:
+            T.unlink_segment(theirs.name)
     # Cleaning up after a peer: never a segment it does not own.
     assert not T.unlink_if_owned(segment, other) and _exists(segment)
     T.discard([p.TensorRef(dtype="uint8", shape=[4], shm=segment, nbytes=4)], owner_uid=other)

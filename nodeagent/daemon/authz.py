@@ -72,6 +72,14 @@ def at_home(creds: procwatch.PeerCredentials | None) -> bool:
     return creds is not None and creds.namespaces is not None and creds.namespaces in procwatch.home_namespaces()
 
 
+def is_root(creds) -> bool:
+    """Whether a local peer is :attr:`Role.ROOT`: uid 0 :func:`at_home`, never a container's root.
+    ``creds``: its :class:`~nodeagent.procwatch.PeerCredentials`, or a session (its peer's uid and
+    namespaces at hello), or None. What root may or goes first for (the status queue, any segment
+    named) goes by this, never by uid 0 alone."""
+    return creds is not None and creds.uid == 0 and at_home(creds)
+
+
 def peer_of(route, frame, *, owner_uid: int | None = None, register_gid: int | None = None,
             daemon_uid: int | None = None, owner_namespaces: tuple | None = None) -> Peer:
     """The peer that sent a request on ``route`` (``frame``: what its identity is read from).
@@ -85,7 +93,7 @@ def peer_of(route, frame, *, owner_uid: int | None = None, register_gid: int | N
         return Peer(frozenset({Role.UNVERIFIED}), Role.UNVERIFIED.value)
     found = {Role.LOCAL}
     host = at_home(creds)
-    if host and creds.uid == 0:
+    if is_root(creds):
         found.add(Role.ROOT)
     if host and creds.uid == (os.geteuid() if daemon_uid is None else daemon_uid):
         found.add(Role.DAEMON_USER)

@@ -6,6 +6,7 @@ docs/architecture.md; detail: docs/internals.md.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -25,6 +26,7 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # <asm-generic/socket.h>, Linux 6.5
 _READ_CHUNK = 64 * 1024
 _READ_BUDGET = 256 * 1024  # per connection per wake-up
+_FRAME_BUDGET = 32  # frames handled per connection per loop turn; the rest wait for the next
 _ACCEPT_BUDGET = 64  # connections accepted per wake-up
 
 
@@ -32,13 +34,14 @@ class Peer:
     """One client connection. Its identity (``creds``) is the kernel's word,
     read when it connected; None over TCP."""
 
-    __slots__ = ("sock", "fd", "creds", "frames", "out", "closed", "__weakref__")
+    __slots__ = ("sock", "fd", "creds", "frames", "backlog", "out", "closed", "__weakref__")
 
     def __init__(self, sock: socket.socket, creds: procwatch.PeerCredentials | None) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.creds = creds
         self.frames = framing.FrameBuffer(p.MAX_REQUEST_BYTES, skip_up_to_bytes=framing.MAX_DAEMON_FRAME_BYTES)
+        self.backlog: collections.deque = collections.deque()  # frames read, not yet handled (over a turn's budget)
         self.out = bytearray()  # bytes the kernel has not taken yet
         self.closed = False
 
@@ -72,6 +75,9 @@ class LocalEndpoint:
         self._path: str | None = None
         self._rbuf = bytearray(_READ_CHUNK)  # one loop thread: one read buffer for every connection
         self._rview = memoryview(self._rbuf)
+        self._backlogged: dict[int, Peer] = {}  # fd -> a connection with frames left for the next turn
+        self._more_fd: int | None = None  # eventfd, readable while any connection is backlogged
+        self._more_armed = False
 
     # ------------------------------------------------------------------ life
 
@@ -99,13 +105,16 @@ class LocalEndpoint:
         self._listener = sock
         self._poller.register(sock.fileno(), POLLIN)
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._more_fd, POLLIN)
 
     @property
     def listener_fd(self) -> int | None:
         return self._listener.fileno() if self._listener is not None else None
 
     def owns(self, fd: int) -> bool:
-        return fd in self._peers or (self._listener is not None and fd == self._listener.fileno())
+        return fd in self._peers or fd == self._more_fd or (self._listener is not None
+                                                             and fd == self._listener.fileno())
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -127,6 +136,10 @@ class LocalEndpoint:
         if self._reserve_fd is not None:
             os.close(self._reserve_fd)
             self._reserve_fd = None
+        if self._more_fd is not None:
+            self._unwatch(self._more_fd)
+            os.close(self._more_fd)
+            self._more_fd = None
 
     # ----------------------------------------------------------------- input
 
@@ -135,13 +148,51 @@ class LocalEndpoint:
         if self._listener is not None and fd == self._listener.fileno():
             self._accept()
             return
+        if fd == self._more_fd:
+            self._serve_backlogs()
+            return
         peer = self._peers.get(fd)
         if peer is None:
             return
         if events & POLLOUT:
             self._flush(peer)
-        if events & POLLIN and not peer.closed:
-            self._read(peer)
+        if events & POLLIN and not peer.closed and not peer.backlog:  # a backlogged one: in _serve_backlogs
+            self._read(peer, _FRAME_BUDGET)
+
+    def _serve_backlogs(self) -> None:
+        """Once a turn while any connection has frames left: a budget of them each. One whose
+        frames are all handled is read again when its socket is next ready (level-triggered)."""
+        for peer in list(self._backlogged.values()):
+            del self._backlogged[peer.fd]
+            self._handle(peer, _FRAME_BUDGET)
+        if not self._backlogged and self._more_armed:
+            try:
+                os.eventfd_read(self._more_fd)
+            except BlockingIOError:
+                pass
+            self._more_armed = False
+
+    def _handle(self, peer: Peer, budget: int) -> int:
+        """Handle up to ``budget`` of ``peer``'s frames read so far; what is left waits for the
+        next turn (remembered, the eventfd made readable). Returns the budget left."""
+        backlog = peer.backlog
+        try:
+            while backlog and budget > 0 and not peer.closed:
+                body = backlog.popleft()
+                budget -= 1
+                if type(body) is framing.Oversized:
+                    self.send(peer, codec.encode(p.Error(
+                        id=0, code=p.ErrorCode.BAD_REQUEST,
+                        message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
+                    continue
+                self._on_frame(peer, body)
+        finally:  # even past a handler's bug: frames left and nobody coming back would be a hang
+            if backlog and not peer.closed:
+                self._backlogged[peer.fd] = peer
+                if not self._more_armed:
+                    os.eventfd_write(self._more_fd, 1)
+                    self._more_armed = True
+        return budget
 
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BUDGET):
@@ -204,7 +255,9 @@ class LocalEndpoint:
             pass
         conn.close()
 
-    def _read(self, peer: Peer) -> None:
+    def _read(self, peer: Peer, frame_budget: int) -> None:
+        """Read what ``peer`` sent and handle up to ``frame_budget`` frames of it. Reading stops
+        once frames are left over: the kernel keeps the rest (its readiness fires again)."""
         budget = _READ_BUDGET
         while budget > 0 and not peer.closed:
             try:
@@ -229,16 +282,9 @@ class LocalEndpoint:
                 self._flush(peer)
                 self._drop(peer, "bad_frame")
                 return
-            for body in frames:
-                if peer.closed:
-                    return
-                if type(body) is framing.Oversized:
-                    self.send(peer, codec.encode(p.Error(
-                        id=0, code=p.ErrorCode.BAD_REQUEST,
-                        message=f"frame of {body.declared} bytes exceeds the {body.limit}-byte request limit")))
-                    continue
-                self._on_frame(peer, body)
-            if drained:
+            peer.backlog.extend(frames)
+            frame_budget = self._handle(peer, frame_budget)
+            if drained or peer.backlog or not frame_budget:
                 return
 
     # ---------------------------------------------------------------- output
@@ -290,6 +336,8 @@ class LocalEndpoint:
         if peer.closed:
             return
         peer.closed = True
+        peer.backlog.clear()
+        self._backlogged.pop(peer.fd, None)
         if self._peers.pop(peer.fd, None) is not None:
             uid = peer.creds.uid if peer.creds is not None else None
             left = self._per_uid.get(uid, 1) - 1

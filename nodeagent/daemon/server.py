@@ -29,7 +29,7 @@ from nodeagent.daemon.local import LocalEndpoint, Peer
 from nodeagent.daemon.loop import POLLIN, EventLoopPoller
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
-from nodeagent.daemon.authz import Act, peer_of, refusal
+from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.attained import AttainedService, job_of
 from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, MpsFaulted,
                                   Published,
@@ -1037,7 +1037,7 @@ class _ReadJob:
         self.steps = None  # the generator, made when the job reaches the front
 
 
-_ROOT_KEY = ("uid", 0)
+_ROOT_KEY = ("root",)  # the ROOT role's (authz.is_root): a container's root is ("uid", 0)
 
 
 def _read_key(route, frame):
@@ -1047,7 +1047,7 @@ def _read_key(route, frame):
         return ("cluster", bytes(route))
     creds = procwatch.peer_credentials(frame)
     if creds is not None:
-        return ("uid", creds.uid)
+        return _ROOT_KEY if is_root(creds) else ("uid", creds.uid)
     return ("route", route)
 
 

@@ -34,7 +34,7 @@ from nodeagent.journal import ModelRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import context_allowance_mb
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.authz import Act, peer_of
+from nodeagent.daemon.authz import Act, is_root, peer_of
 from nodeagent.daemon.authz import refusal as authz_refusal
 from nodeagent.daemon.bus import DeviceFacts, DeviceLost, LoopHandle, Replies
 from nodeagent.daemon.tokens import Tokens
@@ -83,6 +83,7 @@ class _ServeQueue:
     owner_gone: bool = False
     served: int = 0
     uid: int | None = None  # the client's verified uid: whose segments its requests may name
+    root: bool = False  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
     outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
 
 
@@ -315,7 +316,7 @@ class Serving:
             record = ModelRecord(name=msg.name, factory=msg.factory, weights=msg.weights, device=msg.device,
                                  example_refs=[], example_bytes=b"", created_unix=time.time(),
                                  registrant=registrant)
-            record = _with_example(record, msg.example_input, owner_uid=creds.uid)
+            record = _with_example(record, msg.example_input, owner_uid=None if is_root(creds) else creds.uid)
             self._begin_registration(record, journalled=False, waiter=(route, msg.id), reader=registrant)
         except tensors.SegmentAccessError as exc:
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN, f"example input: {exc}")
@@ -439,7 +440,7 @@ class Serving:
             self._error(route, msg.id, p.ErrorCode.INVALID,
                         f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, {MAX_DEADLINE_MS:.0f}]")
             return
-        problem = _inputs_problem(msg.inputs, s.uid)
+        problem = _inputs_problem(msg.inputs, s.uid, any_owner=is_root(s))
         if problem is not None:
             self._error(route, msg.id, *problem)
             return
@@ -456,7 +457,7 @@ class Serving:
             return
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
-                            uid=s.uid, outputs=output_segments.OutputSegments(s.uid))
+                            uid=s.uid, root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
             self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
@@ -501,7 +502,7 @@ class Serving:
                 continue
             try:
                 self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.uid,
-                                  deadline=job.deadline)
+                                  any_inputs=q.root, deadline=job.deadline)
             except PoolError as exc:
                 self._error(job.route, job.request_id, exc.code, exc.message)
                 continue
@@ -533,7 +534,7 @@ class Serving:
             return
         q.owner_gone = True
         for job in q.pending:
-            _discard_inputs(job.inputs, q.uid)  # the client is gone; nobody else will unlink them
+            _discard_inputs(job.inputs, q.uid, q.root)  # the client is gone; nobody else will unlink them
         q.pending.clear()
         q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
@@ -630,7 +631,7 @@ class Serving:
                 return
             if q.owner_gone:
                 tensors.discard(event.outputs)  # made by our worker for a client now gone
-                _discard_inputs(job.inputs, q.uid)
+                _discard_inputs(job.inputs, q.uid, q.root)
             else:
                 q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(
@@ -643,7 +644,7 @@ class Serving:
             if job is None:
                 return
             if q.owner_gone:
-                _discard_inputs(job.inputs, q.uid)
+                _discard_inputs(job.inputs, q.uid, q.root)
             else:
                 self._error(job.route, job.request_id, event.code, event.message)
             self._job_finished(q, now)
@@ -722,16 +723,17 @@ class Serving:
             weight=q.weight, state=view.state.value, gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=0)
 
 
-def _inputs_problem(refs: list[p.TensorRef], uid: int | None) -> tuple[str, str] | None:
+def _inputs_problem(refs: list[p.TensorRef], uid: int | None, any_owner: bool = False) -> tuple[str, str] | None:
     """Why a peer of ``uid`` may not send these inputs (code, message), or None. Each
-    segment named must be that uid's own (checked on the opened fd, no symlinks)."""
+    segment named must be that uid's own (checked on the opened fd, no symlinks), uid 0's
+    too, unless ``any_owner`` (the peer is ROOT: a container's root is uid 0, and not)."""
     if uid is None:
         if any(r.shm for r in refs):
             return p.ErrorCode.FORBIDDEN, ("tensors in shared memory need a local connection whose user the "
                                            "daemon can verify (ipc://); this one cannot be")
         return None
     try:
-        tensors.check_owner(refs, uid)
+        tensors.check_owner(refs, None if any_owner else uid)
     except tensors.SegmentAccessError as exc:
         return p.ErrorCode.FORBIDDEN, f"inputs: {exc}"
     except tensors.TensorTransportError as exc:
@@ -739,10 +741,10 @@ def _inputs_problem(refs: list[p.TensorRef], uid: int | None) -> tuple[str, str]
     return None
 
 
-def _discard_inputs(refs: list[p.TensorRef], uid: int | None) -> None:
-    """Unlink a departed client's input segments: only those its own user owns."""
+def _discard_inputs(refs: list[p.TensorRef], uid: int | None, any_owner: bool = False) -> None:
+    """Unlink a departed client's input segments: only those its own user owns (ROOT: any it named)."""
     if uid is not None:
-        tensors.discard(refs, owner_uid=uid)
+        tensors.discard(refs, owner_uid=None if any_owner else uid)
 
 
 def _with_example(record: ModelRecord, refs: list[p.TensorRef], owner_uid: int | None = None) -> ModelRecord:
