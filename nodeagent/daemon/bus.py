@@ -146,11 +146,10 @@ class Bus:
 
 @dataclass(frozen=True, slots=True)
 class LoopHandle:
-    """What a component needs of the loop: its poller and readable-target table (where a
-    component registers the sockets and pipes it owns), its clock, and a wake-up."""
+    """What a component needs of the loop: its poller (where a component registers the sockets
+    and pipes it owns, each with what runs when it is readable), its clock, and a wake-up."""
 
     poller: Any  # nodeagent.daemon.loop.EventLoopPoller
-    poll_handlers: dict  # readable target -> callable run when it is readable
     clock: Callable[[], float]
     wake: Callable[[], None]  # wake the loop (signal- and thread-safe)
 

@@ -114,15 +114,12 @@ class LocalEndpoint:
             sock.close()
             raise
         self._listener = sock
-        self._poller.register(sock.fileno(), POLLIN)
+        self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="serve")
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     @property
     def listener_fd(self) -> int | None:
         return self._listener.fileno() if self._listener is not None else None
-
-    def owns(self, fd: int) -> bool:
-        return fd in self._peers or (self._listener is not None and fd == self._listener.fileno())
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -189,7 +186,7 @@ class LocalEndpoint:
             peer = Peer(conn, creds)
             self._peers[peer.fd] = peer
             self._per_uid[uid] = held + 1
-            self._poller.register(peer.fd, POLLIN)
+            self._poller.register(peer.fd, POLLIN, on_ready=self.on_ready, where="serve")
 
     def _shed_one(self, exc: OSError) -> None:
         """Out of descriptors: free the reserve to accept one connection, tell it

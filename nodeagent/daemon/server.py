@@ -39,7 +39,7 @@ from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
-from nodeagent.daemon.loop import POLLIN, EventLoopPoller
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller, Timer, Timers
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, peer_of, refusal
@@ -123,16 +123,13 @@ class AgentServer:
         # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
         self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
         self._status_jobs_count = 0
-        # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
-        # workers) poll through this loop: target -> callable run when readable.
-        self._poll_handlers: dict = {}
 
         # What components are handed: the bus they publish on, the loop, how to answer peers,
         # the devices. Each component below names in its constructor what it may touch, and
         # every subscription is made here, after all of them exist: no component calls into
         # one built after it.
         bus = self._bus = Bus()
-        loop = LoopHandle(self._poller, self._poll_handlers, clock, self._wake)
+        loop = LoopHandle(self._poller, clock, self._wake)
         replies = Replies(self._send, self._error, self._bad, self._session_for)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
         devices = self._devices = DeviceFacts(backend, self._lost_devices)
@@ -208,6 +205,13 @@ class AgentServer:
         bus.subscribe(SliceEnded, self._attained.on_slice_ended)
         bus.subscribe(Granted, self._cluster.on_granted)
         bus.subscribe(Granted, self._attained.on_granted)
+        # Whose timers run after every turn, in this order; the poll timeout is their earliest deadline.
+        timers = self._timers = Timers()
+        timers.add("timers", self._tokens)
+        timers.add("timers", Timer(self._closing_deadline, self._drop_closed))
+        timers.add("timers", Timer(lambda now: self._next_liveness_check, self._check_liveness))
+        for component in (self._suspensions, self._cluster, self._restorer, self._serving, self._attained):
+            timers.add("timers", component)
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""
@@ -251,8 +255,9 @@ class AgentServer:
             self._leave_socket_dir(path)
             raise
         self._local = local
-        self._poller.register(self._wake_r.fileno(), POLLIN)
-        self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
+        self._poller.register(self._wake_r.fileno(), POLLIN, on_ready=self._on_wake, where="memory")
+        self._poller.register(self._sessions.fileno(), POLLIN, on_ready=self._reap_exited,  # client processes' pidfds
+                              where="pidfd")
         opened_journal = self.journal is None
         try:
             self._cluster.bind()
@@ -327,6 +332,7 @@ class AgentServer:
             on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
         port = endpoint.bind(addr, port)
         self._metrics_http = endpoint
+        self._timers.add("metrics", endpoint)  # after the turn's handoffs: one step of an exposition at most
         shown = f"[{addr}]" if ":" in addr else addr
         log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
                  shown, port, endpoint.max_connections, endpoint.timeout_s)
@@ -353,33 +359,15 @@ class AgentServer:
         """Run until stopped; returns the stop reason."""
         if self._local is None:
             raise RuntimeError("bind() before serve_forever()")
-        local = self._local
-        scrapes = self._metrics_http
-        wake_fd = self._wake_r.fileno()
-        pidfds_fd = self._sessions.fileno()
+        poller = self._poller
         try:
             while self._stop_reason is None:
-                events = self._poller.poll(self._poll_timeout_ms())
-                for target, ready in events:
-                    if type(target) is int and local.owns(target):
-                        self._contain("serve", local.on_ready, target, ready)
-                    elif target == pidfds_fd:
-                        self._contain("pidfd", self._reap_exited)
-                    elif target == wake_fd:
-                        self._drain_wakeups()
-                        self._contain("memory", self._memory_policy.apply_readings)
-                    elif self._mps.owns(target):
-                        self._contain("mps", self._mps.on_exit, target)
-                    elif scrapes is not None and type(target) is int and scrapes.owns(target):
-                        self._contain("metrics", scrapes.on_ready, target, ready)
-                    else:
-                        handler = self._poll_handlers.get(target)
-                        if handler is not None:
-                            self._contain("poll", handler)
+                for target, ready in poller.poll(self._poll_timeout_ms()):
+                    reader = poller.reader(target)  # None: unregistered by a step before it this turn
+                    if reader is not None:
+                        self._contain(reader.where, reader.on_ready, target, ready)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
-                if scrapes is not None:  # after the turn's handoffs: one step of an exposition at most
-                    self._contain("metrics", scrapes.on_timers, self._clock())
                 self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
                 if self._status_jobs:
                     self._contain("status", self._status_step)
@@ -483,12 +471,14 @@ class AgentServer:
             log.exception("[%s] handler failed op=%s id=%d", where, type(msg).__name__, msg.id)
             self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
-    def _drain_wakeups(self) -> None:
+    def _on_wake(self, fd: int, events: int) -> None:
+        """The wake-up socket: a signal, a stop, or the memory watcher's readings to apply."""
         try:
             while self._wake_r.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._memory_policy.apply_readings()
 
     # ------------------------------------------------------------- handlers
 
@@ -770,42 +760,19 @@ class AgentServer:
     # ------------------------------------------------------------ scheduler
 
     def _on_timers(self, now: float) -> None:
-        self._tokens.on_timers(now)
-        if self._closing:
-            self._drop_closed(now)
-        if now >= self._next_liveness_check:
-            self._check_heartbeats(now)
-            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
-        self._suspensions.on_timers(now)
-        self._cluster.on_timers(now)
-        self._restorer.on_timers(now)
-        self._serving.on_timers(now)
-        self._restorer.retry_journal(now)
-        self._attained.on_timers(now)
+        """Every timed component's timers, in the list's order; a bug costs that component's step."""
+        for where, timed in self._timers:
+            self._contain(where, timed.on_timers, now)
 
     def _poll_timeout_ms(self) -> int:
-        wake_at = self._next_liveness_check
-        suspend_at = self._suspensions.next_deadline()
-        if suspend_at is not None and suspend_at < wake_at:
-            wake_at = suspend_at
-        deadline = self._tokens.next_deadline()
-        if deadline is not None and deadline < wake_at:
-            wake_at = deadline
-        cluster_at = self._cluster.next_deadline()
-        if cluster_at < wake_at:
-            wake_at = cluster_at
-        serving_at = self._serving.next_deadline()
-        if serving_at is not None and serving_at < wake_at:
-            wake_at = serving_at
-        wake_at = min(wake_at, self._attained.next_deadline(), *self._closing.values())
-        if self._metrics_http is not None:
-            metrics_at = self._metrics_http.next_deadline()
-            if metrics_at is not None and metrics_at < wake_at:
-                wake_at = metrics_at
-        # Round up: waking early would spin until the deadline.
         if self._status_jobs:
             return 0  # a status is being built: take the next chunk after what is ready now
-        return max(0, math.ceil((wake_at - self._clock()) * 1000.0))
+        now = self._clock()
+        wake_at = self._timers.next_deadline(now)
+        if wake_at is None:
+            return -1
+        # Round up: waking early would spin until the deadline.
+        return max(0, math.ceil((wake_at - now) * 1000.0))
 
     def _tell_durability(self, session_id: str | None) -> None:
         """Whether a session is journalled changed (None: for every session): tell its
@@ -823,6 +790,12 @@ class AgentServer:
         watches its process through a pidfd and its connection (either going away
         ends the session at once); else ``heartbeat.interval_ms``."""
         return 0.0 if s.pidfd is not None else self.config.heartbeat_ms
+
+    def _check_liveness(self, now: float) -> None:
+        """Every quarter heartbeat interval: drop the sessions whose heartbeats stopped."""
+        if now >= self._next_liveness_check:
+            self._check_heartbeats(now)
+            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
 
     def _check_heartbeats(self, now: float) -> None:
         limit = self.config.heartbeat_timeout_s
@@ -879,8 +852,8 @@ class AgentServer:
                         **({} if job is None else {"borrower": job, "attained_gpu_s": self._attained.of(job, now)}))
         self._tokens.remove(s.device, s.id, now)  # a token it held passes on now
 
-    def _reap_exited(self) -> None:
-        """Sessions whose process exited (their pidfd became readable)."""
+    def _reap_exited(self, fd: int, events: int) -> None:
+        """Sessions whose process exited (the pidfd set became readable)."""
         for session in self._sessions.exited():
             self._drop(session, self._exit_reason(session), self._clock())
 
@@ -912,6 +885,10 @@ class AgentServer:
                 and s.suspend_state is None and s.grant is None and not s.acquire_pending
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
+
+    def _closing_deadline(self, now: float) -> float | None:
+        """When the first session whose connection closed is called lost unless its process ends."""
+        return min(self._closing.values(), default=None)
 
     def _drop_closed(self, now: float) -> None:
         """Sessions whose connection closed and whose process lived on past ENDED_GRACE_S: lost."""

@@ -149,7 +149,6 @@ class Serving:
         self._mps = mps  # a worker of an MPS device is a client of its control daemon
         self._journal = journal  # models are journalled through it; its .journal is read at start
         self._poller = loop.poller
-        self._poll_handlers = loop.poll_handlers  # the loop's: target -> callable run when readable
         self._clock = loop.clock
         self._send = replies.send
         self._error = replies.error
@@ -271,7 +270,6 @@ class Serving:
         for fd in removed:
             if fd in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.discard(fd)
-                self._poll_handlers.pop(fd, None)
                 try:
                     self._poller.unregister(fd)
                 except KeyError:
@@ -279,8 +277,7 @@ class Serving:
         for fd in added:
             if fd not in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.add(fd)
-                self._poll_handlers[fd] = lambda fd=fd: self._on_pool_readable(fd)
-                self._poller.register(fd, 1)  # zmq.POLLIN
+                self._poller.register(fd, on_ready=self._on_pool_readable, where="poll")
 
     def _journal_read(self, fn, default):
         try:
@@ -583,7 +580,7 @@ class Serving:
 
     # ------------------------------------------------------- the workers
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """The earliest of the pool's deadlines (requests it runs or queues, starting workers)
         and those of requests still waiting for their session's token."""
         if self._pool is None:
@@ -630,7 +627,7 @@ class Serving:
                     f"request for model {job.model!r} waited {1000.0 * (now - job.arrived):.0f} ms for the device "
                     "and did not start within its timeout (raise the timeout, or the device is busy)")
 
-    def _on_pool_readable(self, fd: int) -> None:
+    def _on_pool_readable(self, fd: int, events: int) -> None:
         if self._pool is None:
             return
         self._on_pool_events(self._pool.on_readable(fd))

@@ -219,7 +219,7 @@ class Tokens:
 
     # ------------------------------------------------------------------ timers
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """The earliest scheduler deadline of any device (a yield or slice timer), or the pacing's
         (a queue-steered pause's projection); None if nothing is pending."""
         soonest = self.pacing.next_deadline()
