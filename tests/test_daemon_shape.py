@@ -193,3 +193,21 @@ def test_the_registry_runs_what_a_target_was_registered_with_and_forgets_it_when
         a.close()
         b.close()
 
+
+def test_the_server_reaches_through_no_component():
+    """The server asks components; it never reaches into one's parts (``self._tokens.pacing.x``):
+    no chain of three attributes below ``self`` but the metrics' families."""
+    tree = ast.parse((DAEMON / "server.py").read_text())
+    deep = []
+    for node in ast.walk(tree):
+        parts, value = [], node
+        while isinstance(value, ast.Attribute):
+            parts.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id == "self" and len(parts) >= 3 and parts[-1] != "metrics":
+            deep.append(f"server.py:{node.lineno} self.{'.'.join(reversed(parts))}")
+    assert not deep, "the server reaches through a component: " + ", ".join(deep)
+    pacing = [f"{path.name}:{node.lineno}" for path in sorted(DAEMON.glob("*.py")) if path.name != "tokens.py"
+              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+              and node.attr in ("pacing", "_pacing")]
+    assert not pacing, "the pacing is the tokens component's part, reached through it: " + ", ".join(pacing)

@@ -262,7 +262,7 @@ class AgentServer:
         try:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
-            self._tokens.pacing.start(path, self.config.state_dir)  # the co-run devices' pace boards
+            self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices'
             try:
                 self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             except BaseException:
@@ -276,7 +276,7 @@ class AgentServer:
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
             self._cluster.close()
-            self._tokens.pacing.close()
+            self._tokens.close_pace_boards()
             local.close()
             self._local = None
             if opened_journal and self.journal is not None:
@@ -368,7 +368,7 @@ class AgentServer:
                         self._contain(reader.where, reader.on_ready, target, ready)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
-                self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
+                self._contain("pace", self._tokens.write_pace_boards)  # who lower classes make way for
                 if self._status_jobs:
                     self._contain("status", self._status_step)
         finally:
@@ -400,7 +400,7 @@ class AgentServer:
         continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
-        self._tokens.pacing.close()  # a board left behind says nobody is paced
+        self._tokens.close_pace_boards()  # a board left behind says nobody is paced
         self._memory_policy.stop()
         self._serving.stop()
         self._mps.stop()
@@ -606,7 +606,7 @@ class AgentServer:
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
-            pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else "",
+            pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
             suspended=resumed and s.suspension.active and minor >= 3))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
@@ -643,7 +643,7 @@ class AgentServer:
             return
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
-        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
+        self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
         if not s.suspension.active:
             self._tokens.time_wait(s, now)
         self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
@@ -661,7 +661,7 @@ class AgentServer:
                         not_holder_text(s.id, s.device, s.grant, msg.grant,
                                         self._tokens.lane_holder(s.device, s.id)))
             return
-        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
+        self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
         if msg.requeue and not requeue:
             self._gate.ask(s, now)  # kept for the resume
         if not msg.quiet:
