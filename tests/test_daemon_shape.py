@@ -211,3 +211,16 @@ def test_the_server_reaches_through_no_component():
               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
               and node.attr in ("pacing", "_pacing")]
     assert not pacing, "the pacing is the tokens component's part, reached through it: " + ", ".join(pacing)
+
+
+def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
+    """``Pacing(tokens=self)`` and ``tokens.delegate(owns, on_action)`` were back-references bound
+    while the components were being built; the pacing is handed the schedulers call by call, and
+    a serving queue's actions are a bus event (``DelegatedAction``)."""
+    import inspect
+
+    from nodeagent.daemon.pace import Pacing
+    from nodeagent.daemon.tokens import Tokens
+
+    assert not hasattr(Tokens, "delegate")
+    assert "tokens" not in inspect.signature(Pacing).parameters

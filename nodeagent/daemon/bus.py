@@ -109,6 +109,15 @@ class SliceEnded:
     held_s: float
 
 
+@dataclass(slots=True)  # not frozen: on a serving queue's every handoff (see Granted)
+class DelegatedAction:
+    """A scheduler action (Grant, AskYield, Enforce, Revoked) for a sub-session added as delegated:
+    the component that holds the token for it (serving's queues) carries it out. Read-only."""
+
+    action: Any  # a sharing action whose .session is the sub-session
+    now: float
+
+
 @dataclass(frozen=True, slots=True)
 class DurabilityChanged:
     """Whether ``session`` (None: every session) is journalled changed."""

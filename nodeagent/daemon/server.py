@@ -44,8 +44,8 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, peer_of, refusal
 from nodeagent.daemon.attained import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, MpsFaulted,
-                                  Published,
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
+                                  MpsFaulted, Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
@@ -199,6 +199,7 @@ class AgentServer:
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
         bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
+        bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
         bus.subscribe(MpsFaulted, self._mps.on_fault)  # its server takes no one until they have left

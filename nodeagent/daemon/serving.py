@@ -57,7 +57,7 @@ from nodeagent.daemon.memory_watch import context_allowance_mb
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.authz import Act, peer_of
 from nodeagent.daemon.authz import refusal as authz_refusal
-from nodeagent.daemon.bus import DeviceFacts, DeviceLost, LoopHandle, Replies
+from nodeagent.daemon.bus import DelegatedAction, DeviceFacts, DeviceLost, LoopHandle, Replies
 from nodeagent.daemon.tokens import Tokens
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
 
@@ -162,15 +162,10 @@ class Serving:
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
-        tokens.delegate(self.owns, self.on_action)
 
     def on_device_lost(self, event: DeviceLost) -> None:
         """The bus's :class:`DeviceLost`: see :meth:`device_lost`."""
         self.device_lost(event.device, event.notice, event.now)
-
-    def owns(self, session_id: str) -> bool:
-        """Whether ``session_id`` is a serving sub-session (its scheduler actions are ours: :meth:`on_action`)."""
-        return session_id in self._queues
 
     # ---------------------------------------------------------------- life
 
@@ -475,7 +470,7 @@ class Serving:
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
                             uid=s.uid, outputs=output_segments.OutputSegments(s.uid))
-            self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now)
+            self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now, delegated=True)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
                               inputs=list(msg.inputs), arrived=now, deadline=now + msg.timeout_ms / 1000.0))
@@ -487,8 +482,12 @@ class Serving:
 
     # ------------------------------------------------------- the token
 
+    def on_delegated(self, event: DelegatedAction) -> None:
+        """The bus's :class:`DelegatedAction`: a scheduler action for one of this component's queues."""
+        self.on_action(event.action, event.now)
+
     def on_action(self, action, now: float) -> None:
-        """A scheduler action for a serving sub-session (one this component :meth:`owns`)."""
+        """A scheduler action for a serving sub-session (added ``delegated``: one of :attr:`_queues`)."""
         q = self._queues[action.session]
         kind = type(action)
         if kind is Grant:

@@ -9,10 +9,10 @@ measured.
 
 A component: it owns the schedulers and the measurement state, and is given in
 its constructor what it may touch: the session table, metrics, the journal
-writer, how to answer a peer (``send``), how to publish an event (``event``),
-and which sessions are the serving component's (``delegated`` / ``delegate``:
-a client's server-side inference queue holds the token through a sub-session
-whose actions the serving component carries out).
+writer, how to answer a peer (``send``) and the bus. A sub-session added as
+``delegated`` (a client's server-side inference queue, which holds the token
+for its requests) is not a client session: its actions are published as
+:class:`nodeagent.daemon.bus.DelegatedAction` for the serving component.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DeviceFacts, Granted, SliceEnded
+from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -60,10 +60,9 @@ class Tokens:
         self._journal = journal
         self._send = send
         self._bus = bus
-        # Sub-sessions another component holds the token for (serving's queues): it says
-        # which ids are its and carries out their actions (delegate()).
-        self._delegated: Callable[[str], bool] = lambda sid: False
-        self._delegate: Callable[[object, float], None] = lambda action, now: None
+        # Sub-sessions another component holds the token for (serving's queues): their actions
+        # are published (DelegatedAction) for it to carry out.
+        self._delegated: set[str] = set()
         self._clock = clock
         self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
         self._slice_total: dict[tuple[int, Workload], object] = {}
@@ -73,11 +72,6 @@ class Tokens:
         self._pacing = Pacing(sessions=sessions,
                              devices=range(device_count) if self.sharing == "corun" else (),
                              new_controller=config.pace_controller, clock=clock, metrics=metrics)
-
-    def delegate(self, owns: Callable[[str], bool], on_action: Callable[[object, float], None]) -> None:
-        """Hand the actions of the sub-sessions ``owns`` says are its to ``on_action`` (the serving
-        component's queues hold the token for their clients' requests)."""
-        self._delegated, self._delegate = owns, on_action
 
     def new_scheduler(self, device: int, first_grant: int = 1) -> TokenScheduler | CoRunScheduler:
         """A fresh scheduler for ``device``: one lane per class under co-run, else one token.
@@ -95,13 +89,19 @@ class Tokens:
     # decides is carried out at once (``apply``), in the same loop turn. Sessions and the
     # serving component's sub-sessions are named the same way, by (device, id).
 
-    def add(self, device: int, sid: str, workload: Workload, weight: float, now: float) -> None:
+    def add(self, device: int, sid: str, workload: Workload, weight: float, now: float, *,
+            delegated: bool = False) -> None:
+        """``sid`` joins ``device``; ``delegated``: a sub-session whose actions another component carries
+        out (published as :class:`DelegatedAction`), not a client session."""
         self.schedulers[device].add_session(sid, workload, weight, now)
+        if delegated:
+            self._delegated.add(sid)
         self._pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
         self._late.forget(sid)
+        self._delegated.discard(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
         self._pacing.drop(sid)
 
@@ -257,9 +257,9 @@ class Tokens:
     def apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
-            if self._delegated(action.session):  # a client's server-side inference queue
+            if action.session in self._delegated:  # a client's server-side inference queue
                 self._note_delegated(action, now)
-                self._delegate(action, now)
+                self._bus.publish(DelegatedAction(action, now))
                 continue
             kind = type(action)
             if kind is Grant:
