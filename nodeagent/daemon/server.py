@@ -263,7 +263,7 @@ class AgentServer:
         try:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
-            self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices'
+            self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices' boards
             try:
                 self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             except BaseException:
@@ -770,8 +770,8 @@ class AgentServer:
             return 0  # a status is being built: take the next chunk after what is ready now
         now = self._clock()
         wake_at = self._timers.next_deadline(now)
-        if wake_at is None:
-            return -1
+        if wake_at is None or wake_at == math.inf:
+            return -1  # nothing timed is pending (the liveness check always is, in practice)
         # Round up: waking early would spin until the deadline.
         return max(0, math.ceil((wake_at - now) * 1000.0))
 
