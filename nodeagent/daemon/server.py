@@ -197,7 +197,7 @@ class AgentServer:
         bus.subscribe(Published, self._cluster.on_published)
         bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
-        bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
+        bus.subscribe(SuspensionAsked, self._tokens.on_suspension_asked)
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
         bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
@@ -961,7 +961,7 @@ class AgentServer:
         built = 0
         infos = list(self._devices.refresh())
         snaps = [self._tokens.snapshot(i, now) for i in range(self._tokens.device_count)]
-        activity = [stats.report(now, self._tokens.holders(i)) for i, stats in enumerate(self._tokens.stats)]
+        activity = self._tokens.activity(now)
         attained = self._attained.snapshot(now)
         for info, snap, recent in zip(infos, snaps, activity):
             sessions = []

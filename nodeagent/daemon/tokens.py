@@ -25,7 +25,7 @@ from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded
+from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded, SuspensionAsked
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -211,6 +211,14 @@ class Tokens:
 
     def snapshot(self, device: int, now: float):
         return self.schedulers[device].snapshot(now)
+
+    def activity(self, now: float) -> list:
+        """Each device's recent history (``status``'s ``activity``, ``nodeagent top``), in index order."""
+        return [stats.report(now, self.holders(i)) for i, stats in enumerate(self.stats)]
+
+    def on_suspension_asked(self, event: SuspensionAsked) -> None:
+        """The bus's :class:`SuspensionAsked`: counted in the device's history."""
+        self.stats[event.device].suspension_asked()
 
     def pace_board(self, device: int) -> str:
         """The pace board a lower-class session on ``device`` reads ("" where the device does not co-run)."""
