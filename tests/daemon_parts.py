@@ -61,7 +61,7 @@ def make_tokens(*, count: int = 1, sessions: SessionTable | None = None, metrics
 
 
 def loop_handle(clock=time.monotonic, wake=lambda: None) -> LoopHandle:
-    return LoopHandle(EventLoopPoller(), {}, clock, wake)
+    return LoopHandle(EventLoopPoller(), clock, wake)
 
 
 def replies(sent: list, session_for=lambda route, request_id, now: None) -> Replies:

@@ -111,20 +111,20 @@ def test_the_ledger_is_journalled_every_flush_s_and_restored_by_the_next_daemon(
     attained, tokens, sessions, clock, path = ledger
     s = _join(tokens, sessions, _session("s-1", borrower="job-7"))
     _slice(tokens, clock, s, 0.0, 2.0)
-    assert attained.next_deadline() == pytest.approx(1.0)  # flush_s after the grant: not per grant or slice
+    assert attained.next_deadline(0.0) == pytest.approx(1.0)  # flush_s after the grant: not per grant or slice
     assert _journalled(path) == {}
     attained.on_timers(0.9)
     assert _journalled(path) == {}
     attained.on_timers(2.0)
     assert _journalled(path) == {"job-7": pytest.approx(2.0)}
-    assert attained.next_deadline() == math.inf  # nothing changes and nothing holds: no more writes
+    assert attained.next_deadline(2.0) == math.inf  # nothing changes and nothing holds: no more writes
     # While a job's session holds the token, its running slice is written every flush_s.
     clock.now = 10.0
     tokens.request(0, s.id, 10.0)
-    assert attained.next_deadline() == pytest.approx(11.0)
+    assert attained.next_deadline(10.0) == pytest.approx(11.0)
     attained.on_timers(11.0)
     assert _journalled(path) == {"job-7": pytest.approx(3.0)}
-    assert attained.next_deadline() == pytest.approx(12.0)
+    assert attained.next_deadline(11.0) == pytest.approx(12.0)
     attained.on_timers(12.5)
     # A daemon killed now keeps what was written: another ledger on the same journal reads it.
     restarted = AttainedService(sessions=SessionTable(), journal=JournalWriter(Journal(path), Metrics(
@@ -161,7 +161,7 @@ def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):  # no
     assert isinstance(reply, p.LifecycleReply) and reply.id == 2 and reply.changed and reply.state == "LENT"
     # 10 s left at the lend, 20 s left at the renewal (the wall clock does not move with the scripted one)
     assert reply.lent_until == pytest.approx(rec.to(PLACEMENT)[0].lent_until + 10.0, abs=0.5)
-    assert cluster.next_deadline() == pytest.approx(25.0)
+    assert cluster.next_deadline(5.0) == pytest.approx(25.0)
     assert rec.of("renew") == [{"borrower": "job-a", "max_s": 20.0}]
     cluster.on_timers(10.0)
     assert rec.suspends == []  # the first term's end passed: the lease holds
@@ -178,7 +178,7 @@ def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):  # no
         cluster.on_renew(route, msg, peer, 11.0)
         answer = rec.to(route)[-1]
         assert isinstance(answer, p.Error) and (answer.id, answer.code) == (msg.id, code), answer
-    assert cluster.next_deadline() == pytest.approx(25.0) and len(rec.of("renew")) == 1
+    assert cluster.next_deadline(11.0) == pytest.approx(25.0) and len(rec.of("renew")) == 1
     cluster.on_renew("root-conn", p.Renew(id=20, device=0, borrower="job-a", max_s=30.0), ROOT, 12.0)
     assert rec.to("root-conn")[-1].changed  # local root may renew too
     # A lease that ran out is reclaimed, and cannot be renewed then.

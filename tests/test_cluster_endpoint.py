@@ -117,7 +117,7 @@ def test_a_lend_that_runs_out_starts_a_reclaim_at_its_deadline(endpoint):
     cluster, rec, sessions, schedulers = endpoint
     cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a", max_s=10.0), None, 0.0)
     _borrower_session(sessions, schedulers, "s-a", "job-a")
-    assert cluster.next_deadline() == pytest.approx(10.0)
+    assert cluster.next_deadline(0.0) == pytest.approx(10.0)
     cluster.on_timers(9.9)
     assert rec.suspends == []
     cluster.on_timers(10.0)

@@ -394,13 +394,13 @@ def test_each_higher_class_session_has_its_own_controller_fed_by_its_own_slices(
     for n in range(6):
         _slice(tokens, s["a"], now + 0.1 * n, 0.004)
         _slice(tokens, s["b"], now + 0.1 * n + 0.05, 0.040)
-    a, b, t = (tokens.pacing.controller(sid) for sid in "abt")
+    a, b, t = (tokens.pace_controller(sid) for sid in "abt")
     assert a is not b and a is not None and b is not None
     assert a.slo_s == 0.020 and b.slo_s == 0.050  # not overwritten by each other's slices
     assert max(a._reference) < 0.01 and min(b._reference) > 0.01  # each its own slices only
     assert t is not None and 3.0 not in a._reference and 3.0 not in b._reference
     tokens.remove(0, "a", now + 1.0)
-    assert tokens.pacing.controller("a") is None  # gone with its session
+    assert tokens.pace_controller("a") is None  # gone with its session
 
 
 @pytest.mark.parametrize("duty, armed", [("adaptive", True), ("pause", True), ("free", False)])
@@ -410,11 +410,11 @@ def test_the_bound_is_armed_before_the_request_wherever_a_pause_can_come_and_nev
 
     tokens, s, clock = _tokens_with(("a", "inference", None), ("b", "inference", None), ("t", "training", None),
                                     duty=duty)
-    tokens.pacing.start(None, str(tmp_path))
+    tokens.open_pace_boards(None, str(tmp_path))
     try:
-        board = PaceBoardReader(tokens.pacing.board_path(0))
+        board = PaceBoardReader(tokens.pace_board(0))
         tokens.request(0, "t", 0.0)
-        tokens.pacing.refresh_all()
+        tokens.write_pace_boards()
         pace = board.read(int(Workload.TRAINING))
         # Adaptive controllers start paused, so a pause comes with the next request: the bound is
         # armed already (the daemon wrote duty 1000 between requests, and a Pacer under MPS priority
@@ -422,12 +422,12 @@ def test_the_bound_is_armed_before_the_request_wherever_a_pause_can_come_and_nev
         assert pace.present == 2 and not pace.active and pace.armed is armed
         assert pace.duty_permille == (1000 if duty == "free" else 0)  # what a 2.6 Pacer bounds by
         tokens.request(0, "a", 1.0)
-        tokens.pacing.refresh_all()
+        tokens.write_pace_boards()
         pace = board.read(int(Workload.TRAINING))
         assert pace.active and pace.throttled is armed and pace.armed is armed
         board.close()
     finally:
-        tokens.pacing.close()
+        tokens.close_pace_boards()
 
 
 # --------------------------------------------------------------- the linger
@@ -850,19 +850,19 @@ def test_a_services_slice_says_its_queue_when_it_asks_and_when_it_gives_back(sta
 
 def test_a_queue_said_by_a_session_not_in_line_holds_nobody_back(tmp_path):
     tokens, s, clock = _tokens_with(("a", "inference", 1.0), ("t", "training", None))
-    tokens.pacing.start(None, str(tmp_path))
+    tokens.open_pace_boards(None, str(tmp_path))
     try:
-        board = pb.PaceBoardReader(tokens.pacing.board_path(0))
+        board = pb.PaceBoardReader(tokens.pace_board(0))
         tokens.request(0, "t", 0.0)
         clock[0] = 1.0
         # Two wait, the oldest for 50 ms, past a 1 ms target; but its request is not in line (kept for
         # a resume, say): nothing it waits for can run, so the trainer is not held for it.
-        tokens.pacing.told_queue(s["a"], 1.0, 2, 50.0)
-        tokens.pacing.refresh_all()
+        tokens.told_queue(s["a"], 1.0, 2, 50.0)
+        tokens.write_pace_boards()
         assert not board.read(int(Workload.TRAINING)).active
         tokens.request(0, "a", 1.0)  # in line (granted at once beside the trainer): paused
-        tokens.pacing.refresh_all()
+        tokens.write_pace_boards()
         assert board.read(int(Workload.TRAINING)).throttled
         board.close()
     finally:
-        tokens.pacing.close()
+        tokens.close_pace_boards()

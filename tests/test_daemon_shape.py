@@ -116,3 +116,115 @@ def test_the_field_check_sees_a_write_where_one_is():
     """Not vacuous: a write of each kind, in code, is found."""
     tree = ast.parse("s.grant = 1\ns.blocked_by.add(x)\na, s.stopped = 1, 2\ns.grants += 1\nself.grant = 2\n")
     assert sorted(f for f, _ in _session_field_writes(tree)) == ["blocked_by", "grant", "grants", "stopped"]
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def _server(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.server import AgentServer
+    from nodeagent.devices import CpuBackend
+    from nodeagent.metrics import Metrics
+
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{tmp_path}/shape.sock", state_dir=str(tmp_path))
+    return AgentServer(config, CpuBackend(1), metrics=Metrics(CollectorRegistry()))
+
+
+def test_every_component_with_timers_is_in_the_timed_list_with_a_deadline(tmp_path):
+    """One list of timed components: the poll timeout is the earliest of their deadlines, so a
+    component with timers left out of it (or without a deadline) acts late, on someone else's wake-up."""
+    server = _server(tmp_path)
+    server.serve_metrics(0)
+    try:
+        timed = [component for _, component in server._timers]
+        with_timers = {name: value for name, value in vars(server).items() if callable(getattr(value, "on_timers", None))
+                       and not isinstance(value, type)}
+        missing = [name for name, value in with_timers.items() if not any(value is t for t in timed)]
+        assert not missing, f"components with timers left out of the timed list: {missing}"
+        assert "_restorer" in with_timers and "_metrics_http" in with_timers and "_tokens" in with_timers
+        now = server._clock()
+        for component in timed:
+            at = component.next_deadline(now)  # every one says when it is next due
+            assert at is None or isinstance(at, float), (component, at)
+        duties = {getattr(t.on_timers, "__name__", "") for t in timed}
+        assert {"_drop_closed", "_check_liveness"} <= duties  # the server's own timed duties are listed too
+    finally:
+        server._metrics_http.close()
+        server._sessions.close()
+
+
+def test_the_loop_dispatches_readiness_through_one_registry():
+    """No ``owns`` chain in the loop and no second table of readable targets: each ready target is
+    looked up once in the poller, which holds what runs for every registered target."""
+    tree = ast.parse((DAEMON / "server.py").read_text())
+    calls = [node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute)]
+    assert "owns" not in calls and calls.count("reader") == 1
+    assert "poll_handlers" not in (DAEMON / "bus.py").read_text()
+    registers = [node for path in sorted(DAEMON.glob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and node.func.attr == "register" and "poller" in ast.unparse(node.func.value)]
+    assert len(registers) >= 8 and all({"on_ready", "where"} <= {k.arg for k in node.keywords} for node in registers)
+
+
+def test_the_registry_runs_what_a_target_was_registered_with_and_forgets_it_when_unregistered():
+    import socket
+
+    from nodeagent.daemon.loop import EventLoopPoller
+
+    poller = EventLoopPoller()
+    a, b = socket.socketpair()
+    try:
+        seen = []
+        poller.register(a.fileno(), on_ready=lambda fd, events: seen.append(fd), where="test")
+        b.send(b"x")
+        [(target, _events)] = poller.poll(1000)
+        reader = poller.reader(target)
+        assert reader.where == "test"
+        reader.on_ready(target, _events)
+        assert seen == [a.fileno()]
+        poller.unregister(a.fileno())
+        assert poller.reader(a.fileno()) is None and a.fileno() not in poller
+    finally:
+        poller.close()
+        a.close()
+        b.close()
+
+
+def test_the_server_reaches_through_no_component():
+    """The server asks components; it never reaches into one's parts (``self._tokens.pacing.x``):
+    no chain of three attributes below ``self`` but the metrics' families."""
+    tree = ast.parse((DAEMON / "server.py").read_text())
+    deep = []
+    for node in ast.walk(tree):
+        parts, value = [], node
+        while isinstance(value, ast.Attribute):
+            parts.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id == "self" and len(parts) >= 3 and parts[-1] != "metrics":
+            deep.append(f"server.py:{node.lineno} self.{'.'.join(reversed(parts))}")
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                and node.value.attr == "_tokens" and node.attr in ("stats", "schedulers", "_pacing")):
+            deep.append(f"server.py:{node.lineno} self._tokens.{node.attr}")  # its parts, read or indexed
+    assert not deep, "the server reaches through a component: " + ", ".join(deep)
+    pacing = [f"{path.name}:{node.lineno}" for path in sorted(DAEMON.glob("*.py")) if path.name != "tokens.py"
+              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+              and node.attr in ("pacing", "_pacing")]
+    assert not pacing, "the pacing is the tokens component's part, reached through it: " + ", ".join(pacing)
+
+
+def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
+    """``Pacing(tokens=self)`` and ``tokens.delegate(owns, on_action)`` were back-references bound
+    while the components were being built; the pacing is handed the schedulers call by call, and
+    a serving queue's actions are a bus event (``DelegatedAction``)."""
+    import inspect
+
+    from nodeagent.daemon.pace import Pacing
+    from nodeagent.daemon.tokens import Tokens
+
+    assert not hasattr(Tokens, "delegate")
+    assert "tokens" not in inspect.signature(Pacing).parameters

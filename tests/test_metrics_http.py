@@ -277,7 +277,7 @@ def test_a_slow_request_is_closed_at_the_timeout_however_it_trickles(harness):
     h.clock.now += 0.3
     assert h.closed_by_endpoint(slow) and h.closed_by_endpoint(idle)
     assert h.drops == ["timeout", "timeout"] and len(h.ep) == 0
-    assert h.ep.next_deadline() is None  # nothing left to wake for
+    assert h.ep.next_deadline(h.clock.now) is None  # nothing left to wake for
 
 
 def test_a_keep_alive_connection_gets_the_timeout_anew_after_each_response(harness):
@@ -393,7 +393,7 @@ def test_a_connect_flood_is_accepted_no_faster_than_the_rate(harness):
         h.peers.append(s)
     h.turn(100)
     assert len(h.drops) == 16 and len(h.ep) == 16  # a burst of twice the cap, then nothing while no time passes
-    assert h.ep.next_deadline() == h.clock.now + 8 / 100.0  # back when a wake-up's worth (8) has accrued
+    assert h.ep.next_deadline(h.clock.now) == h.clock.now + 8 / 100.0  # back when a wake-up's worth (8) has accrued
     h.clock.now += 0.2
     h.turn(100)
     assert len(h.drops) == 16 + 20  # 100 a second for 0.2 s, each taking an idle one's slot
@@ -412,7 +412,7 @@ def test_a_collector_that_raises_costs_its_scrape_a_500_and_nothing_more(harness
     with pytest.raises(RuntimeError):  # the loop's _contain counts it as an internal error
         h.turn()
     assert status_of(h.response(s)) == 500
-    assert h.ep.next_deadline() is None or h.ep.next_deadline() > 0.0  # no exposition left under way
+    assert h.ep.next_deadline(h.clock.now) is None or h.ep.next_deadline(h.clock.now) > 0.0  # no exposition left under way
 
 
 def test_a_request_that_arrived_but_was_not_read_yet_is_served_not_evicted(harness):

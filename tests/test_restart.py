@@ -235,6 +235,44 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         journal.close()
 
 
+def test_a_restore_window_closes_at_its_deadline_not_at_the_next_liveness_tick(workdir):
+    """The restorer is a timed component: the loop wakes for its window's deadline. Before,
+    a window closed on the liveness check (every heartbeat_ms / 4): with the loop's ticks
+    falling half a tick after the restore, a request parked in a 2 s window was granted
+    250 ms late; now within a few milliseconds of the deadline (bound: 120 ms, a loaded VM)."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.server import AgentServer
+    from nodeagent.devices import CpuBackend
+    from nodeagent.journal import Journal, SessionRecord
+    from nodeagent.metrics import Metrics
+
+    journal = Journal(f"{workdir}/state.db")
+    assert journal.next_boot() == 1  # the daemon that died, leaving a session that never comes back
+    journal.put_session(SessionRecord(id="s-gone", key="k", name="gone", claimed_pid=1, verified_pid=None,
+                                      start_ticks=None, uid=None, workload="training", weight=1.0, device=0,
+                                      memory_mb=0, created_unix=1.0))
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/w.sock", state_dir=workdir,
+                         heartbeat_ms=2000.0, heartbeat_misses=1)  # a 2 s window; liveness ticks every 0.5 s
+    server = AgentServer(config, CpuBackend(1), metrics=Metrics(CollectorRegistry()), journal=journal)
+    bound_at = time.monotonic()
+    server.bind()  # restores s-gone: device 0's window closes 2 s from here
+    deadline_latest = time.monotonic() + config.heartbeat_timeout_s
+    time.sleep(0.25)  # not a cue: the loop's liveness ticks fall half a tick after the window's deadline
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client("waiter", workload="training", endpoint=config.endpoint, reconnect=False) as client:
+            assert client.acquire(timeout=5)  # parked until the window closes
+            granted_at = time.monotonic()
+        assert granted_at >= bound_at + config.heartbeat_timeout_s  # not before the window closed
+        assert granted_at - deadline_latest < 0.12, f"granted {granted_at - deadline_latest:.3f} s after the deadline"
+    finally:
+        server.request_stop()
+        thread.join(timeout=10)
+
+
 def test_a_journal_row_declaring_more_memory_than_its_device_has_is_not_restored():
     """Issue 21: a row declaring 10^15 MB was restored as is; admission never let it in."""
     from nodeagent.daemon.restore import unrestorable

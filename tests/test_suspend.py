@@ -235,13 +235,13 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     try:
         s.suspend_waiters.append(("operator", 5))
         suspensions.begin(s, 500.0, 10.0, reason="requested")
-        assert suspensions.under_way(s) and suspensions.next_deadline() == 10.5
+        assert suspensions.under_way(s) and suspensions.next_deadline(10.0) == 10.5
         assert sent == [("trainer", p.SuspendNotice(deadline_ms=500.0, reason="requested"))]
         suspensions.on_timers(10.49)
         assert stop_asked == [] and finished == []
         suspensions.on_timers(10.5)
         assert stop_asked == ["s-t"] and finished == [("s-t", "timeout", 500.0)]
-        assert not suspensions.under_way(s) and suspensions.next_deadline() is None
+        assert not suspensions.under_way(s) and suspensions.next_deadline(10.5) is None
         [(route, result)] = sent[1:]
         assert (route, result.id, result.outcome) == ("operator", 5, "timeout")
         assert s.suspend_state == "requested" and s.suspend_waiters == []

@@ -114,17 +114,20 @@ def test_a_serving_queue_counts_in_its_devices_history():
     from sharing import Workload
     from tests.daemon_parts import make_tokens
 
+    from nodeagent.daemon.bus import Bus, DelegatedAction
+
     delegated = []
     sessions = SessionTable()
-    tokens = make_tokens(sessions=sessions)
-    tokens.delegate(lambda sid: sid.endswith(":serve"), lambda action, now: delegated.append(action))
+    bus = Bus()
+    bus.subscribe(DelegatedAction, lambda event: delegated.append(event.action))
+    tokens = make_tokens(sessions=sessions, bus=bus)
     try:
         owner = Session(id="s-owner", key="k", route="r", name="ranker", claimed_pid=1, verified_pid=None,
                         start_ticks=None, uid=0, workload=Workload.INFERENCE, weight=1.0, device=0, memory_mb=0,
                         created=0.0, last_seen=0.0)
         sessions.add(owner)
         scheduler = tokens.schedulers[0]
-        scheduler.add_session("s-owner:serve", Workload.INFERENCE, 1.0, 0.0)
+        tokens.add(0, "s-owner:serve", Workload.INFERENCE, 1.0, 0.0, delegated=True)
         tokens.apply(scheduler.request("s-owner:serve", 10.0), 10.0)
         assert [type(a).__name__ for a in delegated] == ["Grant"]  # still the serving component's to carry out
         grant = delegated[0].grant

@@ -105,7 +105,7 @@ class AttainedService:
 
     # ------------------------------------------------------------------ timers
 
-    def next_deadline(self) -> float:
+    def next_deadline(self, now: float) -> float:
         return self._next_flush
 
     def on_timers(self, now: float) -> None:

@@ -109,6 +109,15 @@ class SliceEnded:
     held_s: float
 
 
+@dataclass(slots=True)  # not frozen: on a serving queue's every handoff (see Granted)
+class DelegatedAction:
+    """A scheduler action (Grant, AskYield, Enforce, Revoked) for a sub-session added as delegated:
+    the component that holds the token for it (serving's queues) carries it out. Read-only."""
+
+    action: Any  # a sharing action whose .session is the sub-session
+    now: float
+
+
 @dataclass(frozen=True, slots=True)
 class DurabilityChanged:
     """Whether ``session`` (None: every session) is journalled changed."""
@@ -146,11 +155,10 @@ class Bus:
 
 @dataclass(frozen=True, slots=True)
 class LoopHandle:
-    """What a component needs of the loop: its poller and readable-target table (where a
-    component registers the sockets and pipes it owns), its clock, and a wake-up."""
+    """What a component needs of the loop: its poller (where a component registers the sockets
+    and pipes it owns, each with what runs when it is readable), its clock, and a wake-up."""
 
     poller: Any  # nodeagent.daemon.loop.EventLoopPoller
-    poll_handlers: dict  # readable target -> callable run when it is readable
     clock: Callable[[], float]
     wake: Callable[[], None]  # wake the loop (signal- and thread-safe)
 

@@ -108,7 +108,6 @@ class ClusterEndpoint:
         self._config = config
         self._ctx = server.context
         self._poller = loop.poller
-        self._poll_handlers = loop.poll_handlers
         self._tokens = tokens  # token commands and views
         self._sessions = sessions
         self._metrics = server.metrics
@@ -217,13 +216,12 @@ class ClusterEndpoint:
         except BaseException:
             self.close()
             raise
-        self._poller.register(self._router, zmq.POLLIN)
-        self._poll_handlers[self._router] = self._drain
+        self._poller.register(self._router, zmq.POLLIN, on_ready=self._drain, where="poll")
         events_at = None
         if self._events_sock is not None:
-            self.events = EventPublisher(self._events_sock, self._node, self._boot())
-            self._poller.register(self._events_sock, zmq.POLLIN)  # subscriptions coming in
-            self._poll_handlers[self._events_sock] = self.events.on_subscriptions
+            self.events = publisher = EventPublisher(self._events_sock, self._node, self._boot())
+            self._poller.register(self._events_sock, zmq.POLLIN, where="poll",  # subscriptions coming in
+                                  on_ready=lambda sock, events: publisher.on_subscriptions())
             self._next_health = self._clock() + cfg.cluster_health_interval_s
             events_at = self._events_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("[cluster] listening endpoint=%s events=%s node=%s allowed_clients=%s",
@@ -281,7 +279,6 @@ class ClusterEndpoint:
         """Stop polling ``sock`` and close it (None: nothing to do); whether it was open."""
         if sock is None:
             return False
-        self._poll_handlers.pop(sock, None)
         try:
             self._poller.unregister(sock)
         except KeyError:
@@ -291,7 +288,8 @@ class ClusterEndpoint:
 
     # ------------------------------------------------------------------ transport
 
-    def _drain(self) -> None:
+    def _drain(self, sock: zmq.Socket, events: int) -> None:
+        """The ROUTER is readable: take up to a batch of its messages (while it is still open)."""
         for _ in range(_MAX_BATCH):
             router = self._router
             if router is None or not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -375,7 +373,7 @@ class ClusterEndpoint:
             self._moved(life.observe(active, now), op=False)
         return life
 
-    def next_deadline(self) -> float:
+    def next_deadline(self, now: float) -> float:
         """The earliest lifecycle deadline or health event (monotonic; inf if none)."""
         wake_at = self._next_health
         for life in self._lifecycles:

@@ -103,18 +103,14 @@ class LocalEndpoint:
             sock.close()
             raise
         self._listener = sock
-        self._poller.register(sock.fileno(), POLLIN)
+        self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="serve")
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._poller.register(self._more_fd, POLLIN)
+        self._poller.register(self._more_fd, POLLIN, on_ready=self.on_ready, where="serve")
 
     @property
     def listener_fd(self) -> int | None:
         return self._listener.fileno() if self._listener is not None else None
-
-    def owns(self, fd: int) -> bool:
-        return fd in self._peers or fd == self._more_fd or (self._listener is not None
-                                                             and fd == self._listener.fileno())
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -223,7 +219,7 @@ class LocalEndpoint:
             peer = Peer(conn, creds)
             self._peers[peer.fd] = peer
             self._per_uid[uid] = held + 1
-            self._poller.register(peer.fd, POLLIN)
+            self._poller.register(peer.fd, POLLIN, on_ready=self.on_ready, where="serve")
 
     def _shed_one(self, exc: OSError) -> None:
         """Out of descriptors: free the reserve to accept one connection, tell it

@@ -169,11 +169,8 @@ class MetricsEndpoint:
             sock.close()
             raise
         self._listener = sock
-        self._poller.register(sock.fileno(), POLLIN)
+        self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="metrics")
         return sock.getsockname()[1]
-
-    def owns(self, fd: int) -> bool:
-        return fd in self._conns or (self._listener is not None and fd == self._listener.fileno())
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -191,7 +188,7 @@ class MetricsEndpoint:
 
     # ----------------------------------------------------------------- loop
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """When :meth:`on_timers` next has something to do (0.0, long past, while an exposition is under way)."""
         if self._exposition is not None:
             return 0.0
@@ -285,7 +282,7 @@ class MetricsEndpoint:
             now = self._clock()
             conn = _Conn(sock, now + self.timeout_s, self._accepted, now)
             self._conns[conn.fd] = conn
-            self._poller.register(conn.fd, POLLIN)
+            self._poller.register(conn.fd, POLLIN, on_ready=self.on_ready, where="metrics")
 
     def _pause_accepting(self, until: float) -> None:
         """Stop watching the listener until ``until`` (the timers watch it again)."""

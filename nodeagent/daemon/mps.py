@@ -83,10 +83,7 @@ class MpsPartitions:
             self._unwatch(fd)
         self._controls.clear()
 
-    def owns(self, fd) -> bool:
-        return fd in self._by_fd
-
-    def on_exit(self, fd: int) -> None:
+    def on_exit(self, fd: int, events: int) -> None:
         """A control daemon's pidfd fired: restart it (within its budget) and watch the new one."""
         device = self._by_fd.get(fd)
         if device is None:
@@ -104,7 +101,7 @@ class MpsPartitions:
         fd = self._controls[device].watch_fd()
         if fd is not None:
             self._by_fd[fd] = device
-            self._poller.register(fd, POLLIN)
+            self._poller.register(fd, POLLIN, on_ready=self.on_exit, where="mps")
 
     def _unwatch(self, fd: int) -> None:
         self._by_fd.pop(fd, None)

@@ -9,9 +9,9 @@ from the scheduler's lanes and one :class:`sharing.corun.PaceController` per
 higher-class session, fed by that session's slices and the queue it says it
 has (:func:`sharing.corun.board_slot` combines them).
 
-A part of :class:`nodeagent.daemon.tokens.Tokens` (which owns the schedulers);
-given the tokens component's views and the session table to read, a controller
-factory, the clock and the metrics.
+A part of :class:`nodeagent.daemon.tokens.Tokens`, which owns the schedulers,
+offers its commands and hands it, call by call, the schedulers it reads; given
+the session table to read, a controller factory, the clock and the metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from client_lib.pace import Pace, PaceBoardError, PaceBoardWriter
 from nodeagent import runtime
@@ -35,9 +35,8 @@ PACE_DIR = "pace"
 class Pacing:
     """Boards and controllers of the co-run devices (see the module docstring)."""
 
-    def __init__(self, *, tokens, sessions: SessionTable, devices: Iterable[int],
+    def __init__(self, *, sessions: SessionTable, devices: Iterable[int],
                  new_controller: Callable[[], PaceController], clock: Callable[[], float], metrics=None) -> None:
-        self._tokens = tokens  # read only: each device's lanes (pace()) and holders
         self._sessions = sessions
         self._devices = tuple(devices)  # the co-run devices
         self._new_controller = new_controller
@@ -114,15 +113,17 @@ class Pacing:
 
     # ---------------------------------------------------------------- turns
 
-    def refresh_all(self) -> None:
-        """Write every board from its device's lanes and controllers (after each loop turn)."""
+    def refresh_all(self, schedulers: Sequence) -> None:
+        """Write every board from its device's lanes (``schedulers``, read only) and controllers
+        (after each loop turn)."""
         if not self._boards:
             return
         now = self._clock()
         for device, board in self._boards.items():
-            lanes = self._tokens.pace(device)
-            holders = self._tokens.holders(device)
-            seen = (lanes, holders, self._tokens.waiting_count(device))
+            scheduler = schedulers[device]
+            lanes = scheduler.pace()
+            holders = scheduler.holders()
+            seen = (lanes, holders, scheduler.waiting_count())
             due = self._due.get(device)
             if device not in self._dirty and self._seen.get(device) == seen and (due is None or now < due):
                 continue
@@ -133,7 +134,7 @@ class Pacing:
             for sid, (workload, controller) in self._on_device[device].items():
                 holding = sid in holders
                 in_line = holding or not controller.queue_steered or \
-                    self._tokens.state(device, sid) is SessionState.WAITING
+                    scheduler.state(sid) is SessionState.WAITING
                 wants.append((workload, self._counted(device, controller.want, now, in_line), holding))
                 deadline = controller.next_deadline()
                 if deadline is not None and (due is None or deadline < due):
@@ -144,12 +145,12 @@ class Pacing:
                 self._due[device] = due
             for holder in holders:  # a holder with no controller of its own
                 if holder not in self._controllers:
-                    workload = self._tokens.lane_workload(device, holder)
+                    workload = _lane_workload(scheduler, holder)
                     if workload is not None:
                         wants.append((workload, self._shared[device].want(now), True))
             period_us = self._shared[device].period_us
             for workload, (present, active) in enumerate(lanes):
-                if workload == Workload.BEST_EFFORT and not self._lowest_present(device, lanes):
+                if workload == Workload.BEST_EFFORT and len(scheduler) <= lanes[-1][0]:
                     board.set(workload, Pace(present, active, 1000, period_us))  # nobody of it is there
                     continue
                 slot = board_slot(present, ((w, h) for k, w, h in wants if k < workload), period_us)
@@ -177,21 +178,22 @@ class Pacing:
                       None if oldest_wait_ms is None else oldest_wait_ms / 1000.0, released=released)
         self._dirty.add(s.device)
 
-    def granted(self, s: Session, now: float) -> None:
-        """``s`` was granted: its controller notes the duty and whether a lower class holds."""
+    def granted(self, s: Session, now: float, scheduler) -> None:
+        """``s`` was granted (``scheduler``: its device's, read only): its controller notes the duty
+        and whether a lower class holds."""
         controller = self._controller_for(s)
         if controller is not None:
             controller.set_slo(s.slo_ms / 1000.0 if s.slo_ms else None)
-            self._counted(s.device, controller.slice_started, now, self._lower_active(s))
+            self._counted(s.device, controller.slice_started, now, self._lower_active(s, scheduler.holders()))
             self._dirty.add(s.device)
 
-    def slice_ended(self, s: Session, now: float) -> None:
-        """``s``'s slice ended at ``now``: its controller learns from it."""
+    def slice_ended(self, s: Session, now: float, scheduler) -> None:
+        """``s``'s slice ended at ``now`` (``scheduler``: its device's, read only): its controller learns."""
         controller = self._controllers.get(s.id)
         if controller is None:
             return
         self._dirty.add(s.device)
-        if self._counted(s.device, controller.slice_ended, now, self._lower_active(s)):
+        if self._counted(s.device, controller.slice_ended, now, self._lower_active(s, scheduler.holders())):
             log.info("[pace] device=%d session=%s duty_permille=%d (reference %s)", s.device, s.id,
                      controller.duty_permille,
                      "%.2f ms" % (controller.reference_s() * 1e3) if controller.reference_s() else "unknown")
@@ -233,10 +235,13 @@ class Pacing:
             self._metrics.pace_changes.labels(str(device)).inc(controller.changes - before)
         return result
 
-    def _lowest_present(self, device: int, lanes) -> bool:
-        """Whether any session of the lowest class is on ``device``."""
-        return self._tokens.sessions_on(device) > lanes[-1][0]
-
-    def _lower_active(self, s: Session) -> bool:
-        holders = self._tokens.holders(s.device)
+    def _lower_active(self, s: Session, holders: tuple[str, ...]) -> bool:
+        """Whether a session of a lower class than ``s`` is among ``holders``."""
         return any(self._sessions[h].workload > s.workload for h in holders if h in self._sessions)
+
+
+def _lane_workload(scheduler, sid: str) -> Workload | None:
+    """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
+    if not scheduler.corun or sid not in scheduler:
+        return None
+    return Workload(scheduler.lanes().index(scheduler.lane_of(sid)))

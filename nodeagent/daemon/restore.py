@@ -165,11 +165,19 @@ class Restorer:
             if not restoring:
                 self._end_restore(s.device, now)
 
+    def next_deadline(self, now: float) -> float | None:
+        """When the restore windows close, or the journal is probed again (None: neither is pending)."""
+        at = self._restore_deadline if self._restoring else None
+        if self._next_retry is not None and (at is None or self._next_retry < at):
+            at = self._next_retry
+        return at
+
     def on_timers(self, now: float) -> None:
-        """Close every restore window still open at its deadline."""
+        """Close every restore window still open at its deadline; then the journal's retry."""
         if self._restoring and now >= self._restore_deadline:
             for device in list(self._restoring):
                 self._end_restore(device, now)
+        self.retry_journal(now)
 
     def _end_restore(self, device: int, now: float) -> None:
         """Close a device's restore window and hand its parked requests to the scheduler."""

@@ -26,13 +26,13 @@ from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.local import LocalEndpoint, Peer
-from nodeagent.daemon.loop import POLLIN, EventLoopPoller
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller, Timer, Timers
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.attained import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk, MpsFaulted,
-                                  Published,
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
+                                  MpsFaulted, Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
@@ -109,16 +109,13 @@ class AgentServer:
         # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
         self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
         self._status_jobs_count = 0
-        # Sockets or fds that other parts of the daemon (cluster endpoint, ctxpool
-        # workers) poll through this loop: target -> callable run when readable.
-        self._poll_handlers: dict = {}
 
         # What components are handed: the bus they publish on, the loop, how to answer peers,
         # the devices. Each component below names in its constructor what it may touch, and
         # every subscription is made here, after all of them exist: no component calls into
         # one built after it.
         bus = self._bus = Bus()
-        loop = LoopHandle(self._poller, self._poll_handlers, clock, self._wake)
+        loop = LoopHandle(self._poller, clock, self._wake)
         replies = Replies(self._send, self._error, self._bad, self._session_for)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
         devices = self._devices = DeviceFacts(backend, self._lost_devices)
@@ -186,14 +183,22 @@ class AgentServer:
         bus.subscribe(Published, self._cluster.on_published)
         bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
-        bus.subscribe(SuspensionAsked, lambda e: self._tokens.stats[e.device].suspension_asked())
+        bus.subscribe(SuspensionAsked, self._tokens.on_suspension_asked)
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
+        bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
         bus.subscribe(MpsFaulted, self._mps.on_fault)  # its server takes no one until they have left
         bus.subscribe(SliceEnded, self._attained.on_slice_ended)
         bus.subscribe(Granted, self._cluster.on_granted)
         bus.subscribe(Granted, self._attained.on_granted)
+        # Whose timers run after every turn, in this order; the poll timeout is their earliest deadline.
+        timers = self._timers = Timers()
+        timers.add("timers", self._tokens)
+        timers.add("timers", Timer(self._closing_deadline, self._drop_closed))
+        timers.add("timers", Timer(lambda now: self._next_liveness_check, self._check_liveness))
+        for component in (self._suspensions, self._cluster, self._restorer, self._serving, self._attained):
+            timers.add("timers", component)
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""
@@ -237,13 +242,14 @@ class AgentServer:
             self._leave_socket_dir(path)
             raise
         self._local = local
-        self._poller.register(self._wake_r.fileno(), POLLIN)
-        self._poller.register(self._sessions.fileno(), POLLIN)  # client processes' pidfds
+        self._poller.register(self._wake_r.fileno(), POLLIN, on_ready=self._on_wake, where="memory")
+        self._poller.register(self._sessions.fileno(), POLLIN, on_ready=self._reap_exited,  # client processes' pidfds
+                              where="pidfd")
         opened_journal = self.journal is None
         try:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
-            self._tokens.pacing.start(path, self.config.state_dir)  # the co-run devices' pace boards
+            self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices' boards
             try:
                 self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             except BaseException:
@@ -257,7 +263,7 @@ class AgentServer:
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
             self._cluster.close()
-            self._tokens.pacing.close()
+            self._tokens.close_pace_boards()
             local.close()
             self._local = None
             if opened_journal and self.journal is not None:
@@ -313,6 +319,7 @@ class AgentServer:
             on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
         port = endpoint.bind(addr, port)
         self._metrics_http = endpoint
+        self._timers.add("metrics", endpoint)  # after the turn's handoffs: one step of an exposition at most
         shown = f"[{addr}]" if ":" in addr else addr
         log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
                  shown, port, endpoint.max_connections, endpoint.timeout_s)
@@ -339,34 +346,16 @@ class AgentServer:
         """Run until stopped; returns the stop reason."""
         if self._local is None:
             raise RuntimeError("bind() before serve_forever()")
-        local = self._local
-        scrapes = self._metrics_http
-        wake_fd = self._wake_r.fileno()
-        pidfds_fd = self._sessions.fileno()
+        poller = self._poller
         try:
             while self._stop_reason is None:
-                events = self._poller.poll(self._poll_timeout_ms())
-                for target, ready in events:
-                    if type(target) is int and local.owns(target):
-                        self._contain("serve", local.on_ready, target, ready)
-                    elif target == pidfds_fd:
-                        self._contain("pidfd", self._reap_exited)
-                    elif target == wake_fd:
-                        self._drain_wakeups()
-                        self._contain("memory", self._memory_policy.apply_readings)
-                    elif self._mps.owns(target):
-                        self._contain("mps", self._mps.on_exit, target)
-                    elif scrapes is not None and type(target) is int and scrapes.owns(target):
-                        self._contain("metrics", scrapes.on_ready, target, ready)
-                    else:
-                        handler = self._poll_handlers.get(target)
-                        if handler is not None:
-                            self._contain("poll", handler)
+                for target, ready in poller.poll(self._poll_timeout_ms()):
+                    reader = poller.reader(target)  # None: unregistered by a step before it this turn
+                    if reader is not None:
+                        self._contain(reader.where, reader.on_ready, target, ready)
                 self._contain("unreachable", self._flush_unreachable)
                 self._contain("timers", self._on_timers, self._clock())
-                if scrapes is not None:  # after the turn's handoffs: one step of an exposition at most
-                    self._contain("metrics", scrapes.on_timers, self._clock())
-                self._contain("pace", self._tokens.pacing.refresh_all)  # who lower classes make way for
+                self._contain("pace", self._tokens.write_pace_boards)  # who lower classes make way for
                 if self._status_jobs:
                     self._contain("status", self._status_step)
         finally:
@@ -398,7 +387,7 @@ class AgentServer:
         continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
-        self._tokens.pacing.close()  # a board left behind says nobody is paced
+        self._tokens.close_pace_boards()  # a board left behind says nobody is paced
         self._memory_policy.stop()
         self._serving.stop()
         self._mps.stop()
@@ -469,12 +458,14 @@ class AgentServer:
             log.exception("[%s] handler failed op=%s id=%d", where, type(msg).__name__, msg.id)
             self._error(route, msg.id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
-    def _drain_wakeups(self) -> None:
+    def _on_wake(self, fd: int, events: int) -> None:
+        """The wake-up socket: a signal, a stop, or the memory watcher's readings to apply."""
         try:
             while self._wake_r.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._memory_policy.apply_readings()
 
     # ------------------------------------------------------------- handlers
 
@@ -602,7 +593,7 @@ class AgentServer:
             grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
-            pace=self._tokens.pacing.board_path(s.device) if s.workload is not Workload.INFERENCE else "",
+            pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
             suspended=resumed and s.suspension.active and minor >= 3))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
@@ -639,7 +630,7 @@ class AgentServer:
             return
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
-        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
+        self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
         if not s.suspension.active:
             self._tokens.time_wait(s, now)
         self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
@@ -657,7 +648,7 @@ class AgentServer:
                         not_holder_text(s.id, s.device, s.grant, msg.grant,
                                         self._tokens.lane_holder(s.device, s.id)))
             return
-        self._tokens.pacing.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
+        self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
         if msg.requeue and not requeue:
             self._gate.ask(s, now)  # kept for the resume
         if not msg.quiet:
@@ -756,42 +747,19 @@ class AgentServer:
     # ------------------------------------------------------------ scheduler
 
     def _on_timers(self, now: float) -> None:
-        self._tokens.on_timers(now)
-        if self._closing:
-            self._drop_closed(now)
-        if now >= self._next_liveness_check:
-            self._check_heartbeats(now)
-            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
-        self._suspensions.on_timers(now)
-        self._cluster.on_timers(now)
-        self._restorer.on_timers(now)
-        self._serving.on_timers(now)
-        self._restorer.retry_journal(now)
-        self._attained.on_timers(now)
+        """Every timed component's timers, in the list's order; a bug costs that component's step."""
+        for where, timed in self._timers:
+            self._contain(where, timed.on_timers, now)
 
     def _poll_timeout_ms(self) -> int:
-        wake_at = self._next_liveness_check
-        suspend_at = self._suspensions.next_deadline()
-        if suspend_at is not None and suspend_at < wake_at:
-            wake_at = suspend_at
-        deadline = self._tokens.next_deadline()
-        if deadline is not None and deadline < wake_at:
-            wake_at = deadline
-        cluster_at = self._cluster.next_deadline()
-        if cluster_at < wake_at:
-            wake_at = cluster_at
-        serving_at = self._serving.next_deadline()
-        if serving_at is not None and serving_at < wake_at:
-            wake_at = serving_at
-        wake_at = min(wake_at, self._attained.next_deadline(), *self._closing.values())
-        if self._metrics_http is not None:
-            metrics_at = self._metrics_http.next_deadline()
-            if metrics_at is not None and metrics_at < wake_at:
-                wake_at = metrics_at
-        # Round up: waking early would spin until the deadline.
         if self._status_jobs:
             return 0  # a status is being built: take the next chunk after what is ready now
-        return max(0, math.ceil((wake_at - self._clock()) * 1000.0))
+        now = self._clock()
+        wake_at = self._timers.next_deadline(now)
+        if wake_at is None or wake_at == math.inf:
+            return -1  # nothing timed is pending (the liveness check always is, in practice)
+        # Round up: waking early would spin until the deadline.
+        return max(0, math.ceil((wake_at - now) * 1000.0))
 
     def _tell_durability(self, session_id: str | None) -> None:
         """Whether a session is journalled changed (None: for every session): tell its
@@ -809,6 +777,12 @@ class AgentServer:
         watches its process through a pidfd and its connection (either going away
         ends the session at once); else ``heartbeat.interval_ms``."""
         return 0.0 if s.pidfd is not None else self.config.heartbeat_ms
+
+    def _check_liveness(self, now: float) -> None:
+        """Every quarter heartbeat interval: drop the sessions whose heartbeats stopped."""
+        if now >= self._next_liveness_check:
+            self._check_heartbeats(now)
+            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
 
     def _check_heartbeats(self, now: float) -> None:
         limit = self.config.heartbeat_timeout_s
@@ -865,8 +839,8 @@ class AgentServer:
                         **({} if job is None else {"borrower": job, "attained_gpu_s": self._attained.of(job, now)}))
         self._tokens.remove(s.device, s.id, now)  # a token it held passes on now
 
-    def _reap_exited(self) -> None:
-        """Sessions whose process exited (their pidfd became readable)."""
+    def _reap_exited(self, fd: int, events: int) -> None:
+        """Sessions whose process exited (the pidfd set became readable)."""
         for session in self._sessions.exited():
             self._drop(session, self._exit_reason(session), self._clock())
 
@@ -898,6 +872,10 @@ class AgentServer:
                 and s.suspend_state is None and s.grant is None and not s.acquire_pending
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
+
+    def _closing_deadline(self, now: float) -> float | None:
+        """When the first session whose connection closed is called lost unless its process ends."""
+        return min(self._closing.values(), default=None)
 
     def _drop_closed(self, now: float) -> None:
         """Sessions whose connection closed and whose process lived on past ENDED_GRACE_S: lost."""
@@ -969,7 +947,7 @@ class AgentServer:
         built = 0
         infos = list(self._devices.refresh())
         snaps = [self._tokens.snapshot(i, now) for i in range(self._tokens.device_count)]
-        activity = [stats.report(now, self._tokens.holders(i)) for i, stats in enumerate(self._tokens.stats)]
+        activity = self._tokens.activity(now)
         attained = self._attained.snapshot(now)
         for info, snap, recent in zip(infos, snaps, activity):
             sessions = []

@@ -36,7 +36,7 @@ from nodeagent.daemon.memory_watch import context_allowance_mb
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.authz import Act, is_root, peer_of
 from nodeagent.daemon.authz import refusal as authz_refusal
-from nodeagent.daemon.bus import DeviceFacts, DeviceLost, LoopHandle, Replies
+from nodeagent.daemon.bus import DelegatedAction, DeviceFacts, DeviceLost, LoopHandle, Replies
 from nodeagent.daemon.tokens import Tokens
 from sharing import AskYield, Enforce, Grant, Revoked, Workload
 
@@ -129,7 +129,6 @@ class Serving:
         self._mps = mps  # a worker of an MPS device is a client of its control daemon
         self._journal = journal  # models are journalled through it; its .journal is read at start
         self._poller = loop.poller
-        self._poll_handlers = loop.poll_handlers  # the loop's: target -> callable run when readable
         self._clock = loop.clock
         self._send = replies.send
         self._error = replies.error
@@ -143,15 +142,10 @@ class Serving:
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
-        tokens.delegate(self.owns, self.on_action)
 
     def on_device_lost(self, event: DeviceLost) -> None:
         """The bus's :class:`DeviceLost`: see :meth:`device_lost`."""
         self.device_lost(event.device, event.notice, event.now)
-
-    def owns(self, session_id: str) -> bool:
-        """Whether ``session_id`` is a serving sub-session (its scheduler actions are ours: :meth:`on_action`)."""
-        return session_id in self._queues
 
     # ---------------------------------------------------------------- life
 
@@ -251,7 +245,6 @@ class Serving:
         for fd in removed:
             if fd in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.discard(fd)
-                self._poll_handlers.pop(fd, None)
                 try:
                     self._poller.unregister(fd)
                 except KeyError:
@@ -259,8 +252,7 @@ class Serving:
         for fd in added:
             if fd not in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.add(fd)
-                self._poll_handlers[fd] = lambda fd=fd: self._on_pool_readable(fd)
-                self._poller.register(fd, 1)  # zmq.POLLIN
+                self._poller.register(fd, on_ready=self._on_pool_readable, where="poll")
 
     def _journal_read(self, fn, default):
         try:
@@ -458,7 +450,7 @@ class Serving:
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
                             uid=s.uid, root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
-            self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now)
+            self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now, delegated=True)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
                               inputs=list(msg.inputs), arrived=now, deadline=now + msg.timeout_ms / 1000.0))
@@ -470,8 +462,12 @@ class Serving:
 
     # ------------------------------------------------------- the token
 
+    def on_delegated(self, event: DelegatedAction) -> None:
+        """The bus's :class:`DelegatedAction`: a scheduler action for one of this component's queues."""
+        self.on_action(event.action, event.now)
+
     def on_action(self, action, now: float) -> None:
-        """A scheduler action for a serving sub-session (one this component :meth:`owns`)."""
+        """A scheduler action for a serving sub-session (added ``delegated``: one of :attr:`_queues`)."""
         q = self._queues[action.session]
         kind = type(action)
         if kind is Grant:
@@ -563,7 +559,7 @@ class Serving:
 
     # ------------------------------------------------------- the workers
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """The earliest of the pool's deadlines (requests it runs or queues, starting workers)
         and those of requests still waiting for their session's token."""
         if self._pool is None:
@@ -610,7 +606,7 @@ class Serving:
                     f"request for model {job.model!r} waited {1000.0 * (now - job.arrived):.0f} ms for the device "
                     "and did not start within its timeout (raise the timeout, or the device is busy)")
 
-    def _on_pool_readable(self, fd: int) -> None:
+    def _on_pool_readable(self, fd: int, events: int) -> None:
         if self._pool is None:
             return
         self._on_pool_events(self._pool.on_readable(fd))

@@ -61,7 +61,7 @@ class Suspensions:
         """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
         return s.suspension.pending_deadline
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """The earliest suspend deadline pending, or None."""
         return min((s.suspension.deadline for s in self._pending if s.suspension.deadline is not None), default=None)
 

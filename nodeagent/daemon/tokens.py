@@ -1,8 +1,9 @@
 """Each device's token (:class:`Tokens`): the only writer of the schedulers, and the carrying-out
 of what they decide: grants and yield requests to clients, enforcement (SIGSTOP of a verified
 process, journalled first, else a revoke), continuing a stopped process, the co-run pace boards
-(:mod:`nodeagent.daemon.pace`), and the waits and slices measured. Actions for the serving
-component's sub-sessions are handed to it instead (it registers with :meth:`Tokens.delegate`).
+(:mod:`nodeagent.daemon.pace`), and the waits and slices measured. A sub-session added as
+``delegated`` (a client's server-side inference queue) is not a client session: its actions are
+published as :class:`nodeagent.daemon.bus.DelegatedAction` for the serving component.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from client_lib import protocol as p
 from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DeviceFacts, Granted, SliceEnded
+from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded, SuspensionAsked
 from nodeagent.daemon.device_stats import DeviceStats
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -50,24 +51,18 @@ class Tokens:
         self._journal = journal
         self._send = send
         self._bus = bus
-        # Sub-sessions another component holds the token for (serving's queues): it says
-        # which ids are its and carries out their actions (delegate()).
-        self._delegated: Callable[[str], bool] = lambda sid: False
-        self._delegate: Callable[[object, float], None] = lambda action, now: None
+        # Sub-sessions another component holds the token for (serving's queues): their actions
+        # are published (DelegatedAction) for it to carry out.
+        self._delegated: set[str] = set()
         self._clock = clock
         self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
         self._slice_total: dict[tuple[int, Workload], object] = {}
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
-        # Co-run devices: their pace boards and controllers (a part of this component).
-        self.pacing = Pacing(tokens=self, sessions=sessions,
+        # Co-run devices: their pace boards and controllers (a part of this component, reading the schedulers).
+        self._pacing = Pacing(sessions=sessions,
                              devices=range(device_count) if self.sharing == "corun" else (),
                              new_controller=config.pace_controller, clock=clock, metrics=metrics)
-
-    def delegate(self, owns: Callable[[str], bool], on_action: Callable[[object, float], None]) -> None:
-        """Hand the actions of the sub-sessions ``owns`` says are its to ``on_action`` (the serving
-        component's queues hold the token for their clients' requests)."""
-        self._delegated, self._delegate = owns, on_action
 
     def new_scheduler(self, device: int, first_grant: int = 1) -> TokenScheduler | CoRunScheduler:
         """A fresh scheduler for ``device``: one lane per class under co-run, else one token.
@@ -85,15 +80,21 @@ class Tokens:
     # decides is carried out at once (``apply``), in the same loop turn. Sessions and the
     # serving component's sub-sessions are named the same way, by (device, id).
 
-    def add(self, device: int, sid: str, workload: Workload, weight: float, now: float) -> None:
+    def add(self, device: int, sid: str, workload: Workload, weight: float, now: float, *,
+            delegated: bool = False) -> None:
+        """``sid`` joins ``device``; ``delegated``: a sub-session whose actions another component carries
+        out (published as :class:`DelegatedAction`), not a client session."""
         self.schedulers[device].add_session(sid, workload, weight, now)
-        self.pacing.joined(device, sid, workload)
+        if delegated:
+            self._delegated.add(sid)
+        self._pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
         self._late.forget(sid)
+        self._delegated.discard(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
-        self.pacing.drop(sid)
+        self._pacing.drop(sid)
 
     def request(self, device: int, sid: str, now: float, waiting_since: float | None = None) -> None:
         self.apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)
@@ -154,6 +155,12 @@ class Tokens:
     def set_policy(self, device: int, policy: SchedulerPolicy, now: float) -> None:
         self.apply(self.schedulers[device].set_policy(policy, now), now)
 
+    def told_queue(self, s: Session, now: float, waiting: int | None, oldest_wait_ms: float | None,
+                   released: bool = False) -> None:
+        """``s`` said with a slice request (``released``: a release) how many of its requests wait;
+        its pace controller hears it (co-run devices)."""
+        self._pacing.told_queue(s, now, waiting, oldest_wait_ms, released=released)
+
     def renew(self, first_grant: int) -> None:
         """Fresh schedulers whose grant ids start at ``first_grant`` (a restart: ids continue above
         the old daemon's); in place, so every view of the list sees them."""
@@ -187,17 +194,6 @@ class Tokens:
         """Who holds the token ``sid`` takes turns at (its class's, on a co-run device)."""
         return self.schedulers[device].lane_of(sid).holder()
 
-    def lane_workload(self, device: int, sid: str) -> Workload | None:
-        """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
-        scheduler = self.schedulers[device]
-        if not scheduler.corun or sid not in scheduler:
-            return None
-        return Workload(scheduler.lanes().index(scheduler.lane_of(sid)))
-
-    def pace(self, device: int) -> tuple[tuple[int, bool], ...]:
-        """Per class: sessions of higher classes on ``device``, and whether one holds (co-run)."""
-        return self.schedulers[device].pace()
-
     def wanted_by(self, device: int, workload: Workload) -> bool:
         return self.schedulers[device].wanted_by(workload)
 
@@ -207,12 +203,42 @@ class Tokens:
     def snapshot(self, device: int, now: float):
         return self.schedulers[device].snapshot(now)
 
+    def activity(self, now: float) -> list:
+        """Each device's recent history (``status``'s ``activity``, ``nodeagent top``), in index order."""
+        return [stats.report(now, self.holders(i)) for i, stats in enumerate(self.stats)]
+
+    def on_suspension_asked(self, event: SuspensionAsked) -> None:
+        """The bus's :class:`SuspensionAsked`: counted in the device's history."""
+        self.stats[event.device].suspension_asked()
+
+    def pace_board(self, device: int) -> str:
+        """The pace board a lower-class session on ``device`` reads ("" where the device does not co-run)."""
+        return self._pacing.board_path(device)
+
+    def pace_controller(self, sid: str):
+        """``sid``'s pace controller (None: it has none, or is of the lowest class); read it, never step it."""
+        return self._pacing.controller(sid)
+
+    # ------------------------------------------------------------------ pace boards
+
+    def open_pace_boards(self, socket_path: str | None, state_dir: str) -> None:
+        """Create the co-run devices' pace boards beside the socket (``state_dir`` over tcp)."""
+        self._pacing.start(socket_path, state_dir)
+
+    def write_pace_boards(self) -> None:
+        """Write the boards from the lanes and controllers (after every loop turn)."""
+        self._pacing.refresh_all(self.schedulers)
+
+    def close_pace_boards(self) -> None:
+        """Remove the boards: a board left behind says nobody is paced."""
+        self._pacing.close()
+
     # ------------------------------------------------------------------ timers
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float) -> float | None:
         """The earliest scheduler deadline of any device (a yield or slice timer), or the pacing's
         (a queue-steered pause's projection); None if nothing is pending."""
-        soonest = self.pacing.next_deadline()
+        soonest = self._pacing.next_deadline()
         for scheduler in self.schedulers:
             deadline = scheduler.next_deadline()
             if deadline is not None and (soonest is None or deadline < soonest):
@@ -230,9 +256,9 @@ class Tokens:
     def apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
-            if self._delegated(action.session):  # a client's server-side inference queue
+            if action.session in self._delegated:  # a client's server-side inference queue
                 self._note_delegated(action, now)
-                self._delegate(action, now)
+                self._bus.publish(DelegatedAction(action, now))
                 continue
             kind = type(action)
             if kind is Grant:
@@ -246,7 +272,7 @@ class Tokens:
                     s.stopped = False
                     self._sessions.touch(s, now)  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
-                self.pacing.granted(s, now)
+                self._pacing.granted(s, now, self.schedulers[s.device])
                 self.stats[s.device].granted(s.id, s.name, now, action.waited_s, lane=self._lane(s.device, s.workload))
                 self._bus.publish(Granted(s, action.grant, action.waited_s * 1e3))
                 if was_stopped:
@@ -373,9 +399,9 @@ class Tokens:
             if total is None:
                 total = self._slice_total[key] = self._metrics.slice_seconds.labels(str(s.device), s.workload.wire)
             total.inc(max(0.0, now - held_since))
-            self.pacing.slice_ended(s, now)
+            self._pacing.slice_ended(s, now, self.schedulers[s.device])
         else:
-            self.pacing.forget(s)
+            self._pacing.forget(s)
 
     def _lane(self, device: int, workload: Workload) -> int:
         """Which token of ``device`` a grant to ``workload`` is of: its class's on a co-run device."""
