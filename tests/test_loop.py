@@ -14,12 +14,12 @@ def test_plain_descriptors_report_readable_writable_and_hang_ups():
     poller = EventLoopPoller()
     r, w = os.pipe()
     try:
-        poller.register(r, POLLIN)
+        poller.register(r, POLLIN, on_ready=lambda *_: None, where="test")
         assert poller.poll(0) == []
         os.write(w, b"x")
         assert poller.poll(1000) == [(r, POLLIN)]
         os.read(r, 1)
-        poller.register(w, POLLOUT)
+        poller.register(w, POLLOUT, on_ready=lambda *_: None, where="test")
         assert (w, POLLOUT) in poller.poll(0)
         poller.unregister(w)
         os.close(w)
@@ -42,7 +42,7 @@ def test_a_zmq_message_that_arrived_while_the_loop_was_busy_is_not_missed():
     b.connect("inproc://loop-test")
     poller = EventLoopPoller()
     try:
-        poller.register(b, POLLIN)
+        poller.register(b, POLLIN, on_ready=lambda *_: None, where="test")
         a.send(b"one")
         assert poller.poll(1000) == [(b, POLLIN)]
         a.send(b"two")  # arrives before the first is read: no new edge on b's FD

@@ -116,7 +116,7 @@ class Harness:
         bus.subscribe(Published, lambda e: self.events.append((e.kind, e.device, e.data)))
         bus.subscribe(BusDeviceLost, lambda e: self.serving_told.append((e.device, e.notice, e.now)))
         self.policy = MemoryPolicy(
-            config=self.config, devices=devices, loop=LoopHandle(None, {}, lambda: self.now, self.wakes.set),
+            config=self.config, devices=devices, loop=LoopHandle(None, lambda: self.now, self.wakes.set),
             sessions=self.sessions, tokens=self.tokens, metrics=self.metrics,
             send=lambda route, msg: self.sent.append((route, msg)), bus=bus)
         self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices, restorer=NoRestore())

@@ -1,7 +1,7 @@
 """Server-side inference (:class:`Serving`): registered models run in the ctxpool's warm
 workers under the device token. It owns the worker pool, the models, each client's serving
 sub-session (``<session>:serve``) with its queue, and the requests in flight; the sub-sessions'
-token actions come to it through :meth:`nodeagent.daemon.tokens.Tokens.delegate`.
+token actions come to it as :class:`nodeagent.daemon.bus.DelegatedAction` events.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Serving:
     Owns the worker pool, the registered models, each client session's serving
     sub-session (its queue of requests), the requests in flight and what admission
     holds for the workers. The server hands it the four serving requests, the scheduler
-    actions of the sub-sessions it :meth:`owns`, the end of a client session
+    actions of its sub-sessions (:meth:`on_delegated`), the end of a client session
     (:meth:`forget`), a lost device (:meth:`device_lost`) and its timers."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
