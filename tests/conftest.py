@@ -333,6 +333,25 @@ def _mark_for_workers(items) -> None:
             item.add_marker(pytest.mark.serial)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that keeps ONE_WORKER_MODULES together. xdist 3.8 groups by a suffix it
+    writes into each item's nodeid, which pytest 9 no longer reads back (nodeid is built from
+    ``_id``): its groups never form, and each test was scheduled alone. Here the controller groups
+    by the nodeid's module instead; a nodeid that does carry a group keeps xdist's own scope."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:
+                return super()._split_scope(nodeid)
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).name in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
+
+
 class _Exclusive:
     """Across the workers of one run: a ``serial`` test holds ``room`` exclusively, every other
     test holds it shared. A serial test first takes ``turnstile``, which every other test passes
@@ -381,6 +400,7 @@ def pytest_configure(config):
         config.option.testrunuid = uuid.uuid4().hex  # the workers' shared directory (_run_share)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     _mark_for_workers(items)
     if not any(item.path.name == SCENARIO_MODULE for item in items):

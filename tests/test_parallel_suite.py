@@ -16,51 +16,67 @@ from tests.conftest import REPO
 
 pytest.importorskip("xdist", reason="pytest-xdist is not installed (it is in the dev extra)")
 
-# Two groups, one a worker: in each a plain test that meets the other group's plain test (each
-# waits for the other to have started: they can only pass side by side), then a serial test. Each
-# test writes when it ran. Without the lock the two serial tests would run at the same moment.
-TIMED = """
+# Two modules named as two of ONE_WORKER_MODULES, so kept each on one worker: each makes a
+# module-scoped fixture (once, in the worker that runs all of the module's tests), has a plain
+# test that meets the other module's plain test (each waits for the other to have started: they
+# can only pass side by side), then a serial test, then more tests that use the fixture. Each
+# test writes when it ran. Without the lock the two serial tests would run at the same moment;
+# without the grouping the modules' tests would spread over both workers.
+KEPT = """
 import os, time, pytest
+
+ME, OTHER = ("a", "b") if __name__.endswith("test_replay") else ("b", "a")
+FOLDER = os.path.dirname(os.environ["RAN_LOG"])
 
 def record(kind, start):
     with open(os.environ["RAN_LOG"], "a") as f:
         f.write(f"{kind} {os.getpid()} {start} {time.monotonic()}\\n")
 
-@pytest.mark.parametrize("me, other", [pytest.param("a", "b", marks=pytest.mark.xdist_group("a")),
-                                       pytest.param("b", "a", marks=pytest.mark.xdist_group("b"))])
-def test_beside(me, other):
+@pytest.fixture(scope="module")
+def made():
+    with open(os.environ["RAN_LOG"] + ".made", "a") as f:
+        f.write(f"{ME} {os.getpid()}\\n")
+    return os.getpid()
+
+def test_beside(made):
     start = time.monotonic()
-    folder = os.path.dirname(os.environ["RAN_LOG"])
-    open(os.path.join(folder, "started-" + me), "w").close()
-    while not os.path.exists(os.path.join(folder, "started-" + other)):
+    open(os.path.join(FOLDER, "started-" + ME), "w").close()
+    while not os.path.exists(os.path.join(FOLDER, "started-" + OTHER)):
         assert time.monotonic() < start + 60, "the other worker's test never ran beside this one"
         time.sleep(0.01)
     time.sleep(0.3)
     record("beside", start)
 
 @pytest.mark.serial
-@pytest.mark.parametrize("me", [pytest.param("a", marks=pytest.mark.xdist_group("a")),
-                                pytest.param("b", marks=pytest.mark.xdist_group("b"))])
-def test_alone(me):
+def test_alone(made):
     start = time.monotonic()
     time.sleep(1.0)
     record("alone", start)
+
+@pytest.mark.parametrize("i", range(4))
+def test_on_the_same_worker(made, i):
+    assert made == os.getpid()
 """
+KEPT_AS = ("test_replay.py", "test_replay_log.py")
 
 
-def test_a_serial_test_runs_while_no_other_test_runs_and_the_others_run_side_by_side(tmp_path):
-    (tmp_path / "test_timed.py").write_text(TIMED)
+def test_serial_tests_run_alone_the_others_side_by_side_and_a_kept_module_on_one_worker(tmp_path):
+    for name in KEPT_AS:
+        assert name in conftest.ONE_WORKER_MODULES
+        (tmp_path / name).write_text(KEPT)
     log = tmp_path / "ran.log"
-    # tests/conftest.py as a plugin: its hooks, on a test file of its own, in two workers.
+    # tests/conftest.py as a plugin: its hooks, on test files of its own, in two workers.
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
                           "-c", os.devnull, "--rootdir", str(tmp_path), "-n", "2", "--dist", "loadgroup",
-                          str(tmp_path / "test_timed.py")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, RAN_LOG=str(log)))
+                          *(str(tmp_path / name) for name in KEPT_AS)],
+                         cwd=REPO, capture_output=True, text=True, timeout=180, env=dict(os.environ, RAN_LOG=str(log)))
     assert out.returncode == 0, out.stdout + out.stderr
+    made = sorted((tmp_path / "ran.log.made").read_text().splitlines())
+    assert [line.split()[0] for line in made] == ["a", "b"]  # each module's fixture made once
+    assert len({line.split()[1] for line in made}) == 2  # the two modules on the two workers
     ran = [(kind, int(pid), float(a), float(b)) for kind, pid, a, b in
            (line.split() for line in log.read_text().splitlines())]
     assert sorted(kind for kind, *_ in ran) == ["alone"] * 2 + ["beside"] * 2
-    assert len({pid for _, pid, *_ in ran}) == 2  # both workers ran tests
 
     def overlap(x, y):
         return x[2] < y[3] and y[2] < x[3]
