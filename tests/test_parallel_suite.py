@@ -5,6 +5,7 @@ made once for the whole run, whichever worker claims them, and read by any worke
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -129,3 +130,27 @@ def test_every_test_named_serial_or_kept_on_one_worker_exists():
             assert f"\ndef {name}(" in source, f"tests/conftest.py's SERIAL names {module}::{name}, not found"
     for module in conftest.ONE_WORKER_MODULES:
         assert (REPO / "tests" / module).exists(), module
+
+
+def _test_sh(tmp_path, *args: str) -> list[str]:
+    """scripts/test.sh in a copy of the layout whose bootstrap does nothing and whose python
+    prints the arguments it was given and whether PYTHONDONTWRITEBYTECODE reached it."""
+    (tmp_path / "scripts").mkdir(exist_ok=True)
+    shutil.copy(REPO / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    (tmp_path / "scripts" / "bootstrap.sh").write_text("true\n")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text('#!/bin/sh\necho "nobytecode=${PYTHONDONTWRITEBYTECODE-unset}"\nprintf "%s\\n" "$@"\n')
+    python.chmod(0o755)
+    out = subprocess.run(["bash", str(tmp_path / "scripts" / "test.sh"), *args], capture_output=True, text=True,
+                         timeout=30, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_the_readmes_command_runs_the_suite_on_every_core_and_no_xdist_runs_it_serially(tmp_path):
+    assert _test_sh(tmp_path) == ["nobytecode=unset", "-m", "pytest", "-n", "auto", "--dist", "loadgroup"]
+    assert _test_sh(tmp_path, "tests/test_cli.py") == ["nobytecode=unset", "-m", "pytest", "-n", "auto", "--dist",
+                                                       "loadgroup", "tests/test_cli.py"]
+    for serially in (["-p", "no:xdist"], ["-pno:xdist"], ["-n", "0"], ["-n0"], ["--dist=load"]):
+        assert _test_sh(tmp_path, *serially) == ["nobytecode=unset", "-m", "pytest", *serially], serially
