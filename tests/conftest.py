@@ -378,7 +378,7 @@ class _Exclusive:
 _EXCLUSIVE: list[_Exclusive] = []
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait here is no test's time
 def pytest_runtest_protocol(item, nextitem):
     share = _run_share(item.config)
     if share is None:  # not under xdist: nothing runs beside this test
