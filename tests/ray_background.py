@@ -45,9 +45,17 @@ class Outcome:
     error: str | None = None  # the runner itself failed (not the scenario)
 
 
+# Runs argv[1:] with PR_SET_PDEATHSIG = SIGTERM: when the thread that started the run goes (its
+# pytest worker killed, Ctrl-C), the run is told to stop and stops everything it started, rather
+# than leaving a Ray cluster running under the rest of the machine's work.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0); "
+                    "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def _popen(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "examples/ray_colocate.py", "--json", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, sys.executable, "examples/ray_colocate.py",
+                             "--json", *args], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
@@ -59,7 +67,13 @@ def full_run() -> Outcome:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=50)
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # never leave it running: a loaded VM once kept its cluster for an hour
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            return Outcome(stdout, stderr, proc.returncode, time.monotonic() - started,
+                           error="the full run did not stop within 120 s of SIGTERM past 600 s: SIGKILLed")
     return Outcome(stdout, stderr, proc.returncode, time.monotonic() - started)
 
 

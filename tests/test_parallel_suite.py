@@ -154,3 +154,27 @@ def test_the_readmes_command_runs_the_suite_on_every_core_and_no_xdist_runs_it_s
                                                        "loadgroup", "tests/test_cli.py"]
     for serially in (["-p", "no:xdist"], ["-pno:xdist"], ["-n", "0"], ["-n0"], ["--dist=load"]):
         assert _test_sh(tmp_path, *serially) == ["nobytecode=unset", "-m", "pytest", *serially], serially
+
+
+def test_a_background_run_is_told_to_stop_when_what_started_it_goes():
+    """A worker killed mid-run must not leave the run's Ray cluster behind: the run gets SIGTERM
+    (PR_SET_PDEATHSIG, set before exec) when the thread that started it ends."""
+    child = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('stopping', flush=True), " \
+            "sys.exit(0))); print('ready', flush=True); time.sleep(60)"
+    started: list[tuple[subprocess.Popen, str]] = []
+
+    def start() -> None:  # as Background's thread does, then ends (as a killed worker's threads do)
+        proc = subprocess.Popen([sys.executable, "-c", ray_background._DIE_WITH_PARENT, sys.executable, "-c", child],
+                                stdout=subprocess.PIPE, text=True)
+        started.append((proc, proc.stdout.readline().strip()))
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    proc, said = started[0]
+    try:
+        assert said == "ready"
+        assert proc.wait(timeout=20) == 0 and proc.stdout.read().strip() == "stopping"
+    finally:
+        proc.kill()
+        proc.wait()
