@@ -333,6 +333,7 @@ def _mark_for_workers(items) -> None:
             item.add_marker(pytest.mark.serial)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` that keeps ONE_WORKER_MODULES together. xdist 3.8 groups by a suffix it
     writes into each item's nodeid, which pytest 9 no longer reads back (nodeid is built from

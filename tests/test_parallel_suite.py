@@ -178,3 +178,11 @@ def test_a_background_run_is_told_to_stop_when_what_started_it_goes():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_suite_still_runs_serially_without_xdist():
+    """``bash scripts/test.sh -p no:xdist``: conftest's xdist hooks must not stop pytest there."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+                          "tests/test_parallel_suite.py", "-k", "every_test_named"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
