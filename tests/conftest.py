@@ -260,10 +260,11 @@ MEASURE_MOST = {
 # scripts/test.sh runs the suite on every core (pytest -n auto --dist loadgroup). Two things keep
 # that as reliable as a serial run:
 # - A module whose module-scoped fixture is expensive (a benchmark run, a dry run, a daemon) runs on
-#   one worker, so that the fixture is made once, not once per worker.
+#   one worker, so that the fixture is made once, not once per worker (the controller's scheduler,
+#   pytest_xdist_make_scheduler below).
 # - A test that asserts how long something took (a grace, a deadline, a latency bound) is marked
 #   ``serial``: it runs while no other test runs on any worker (a readers-writer lock on a file of
-#   the test run: ``_exclusive`` below), so another worker's daemons cannot slow it into a flake.
+#   the test run: ``_Exclusive`` below), so another worker's daemons cannot slow it into a flake.
 #   Mark one with @pytest.mark.serial or name it here.
 ONE_WORKER_MODULES = {
     "test_bench_colocate.py", "test_bench_report.py", "test_cluster_real.py", "test_gpu_check.py",
