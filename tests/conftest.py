@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ class Daemon:
         self.log_path = os.path.join(workdir, "daemon.log")
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 15.0) -> "Daemon":
+    def start(self, timeout: float = 60.0) -> "Daemon":  # a start is 1 s; a 2-core box under load took 15+
         log = open(self.log_path, "ab")
         config = os.path.join(self.workdir, "nodeagent.toml")
         if not os.path.exists(config):
@@ -254,7 +255,156 @@ MEASURE_MOST = {
 }
 
 
+# ------------------------------------------------------------------ parallel runs (pytest-xdist)
+
+# scripts/test.sh runs the suite on every core (pytest -n auto --dist loadgroup). Two things keep
+# that as reliable as a serial run:
+# - A module whose module-scoped fixture is expensive (a benchmark run, a dry run, a daemon) runs on
+#   one worker, so that the fixture is made once, not once per worker (the controller's scheduler,
+#   pytest_xdist_make_scheduler below).
+# - A test that asserts how long something took (a grace, a deadline, a latency bound) is marked
+#   ``serial``: it runs while no other test runs on any worker (a readers-writer lock on a file of
+#   the test run: ``_Exclusive`` below), so another worker's daemons cannot slow it into a flake.
+#   Mark one with @pytest.mark.serial or name it here.
+ONE_WORKER_MODULES = {
+    "test_bench_colocate.py", "test_bench_report.py", "test_cluster_real.py", "test_gpu_check.py",
+    "test_k8s_device_plugin.py", "test_k8s_manifests.py", "test_one_holder.py", "test_peer_rights.py",
+    "test_protocol_behaviour.py", "test_protocol_doc.py", "test_replay.py", "test_replay_log.py",
+    "test_serving.py", "test_systemd.py",
+}
+# The serial tests: each asserts how long something took (under a bound a busy core can break),
+# or leaves a killed process's segment in /dev/shm and asserts it is there until its own sweep
+# (a daemon starting on another worker sweeps the dead's segments at its start).
+SERIAL = {
+    "test_bench.py": {"test_enforce_bench_reports_both_hogs",
+                      "test_fairness_bench_reports_shares"},
+    "test_bench_reclaim.py": {"test_reclaim_bench_reports_cooperative_and_enforced_reclaims"},
+    "test_bench_scale.py": {"test_scale_bench_reports_idle_cost_status_handoffs_and_scheduler_steps"},
+    "test_cli.py": {"test_status_wait_tries_again_until_its_time_is_up_then_says_why"},
+    "test_client.py": {"test_daemon_killed_while_waiting_raises_unavailable",
+                       "test_no_daemon_is_said_at_once_naming_the_endpoint"},
+    "test_cluster.py": {"test_a_second_reclaim_joins_the_one_under_way_and_a_session_that_dies_counts_as_gone",
+                        "test_reclaim_stops_a_borrower_that_ignores_it_at_the_deadline",
+                        "test_reclaim_suspends_a_cooperative_borrower_and_reports_when_the_device_was_free"},
+    "test_cluster_sim.py": {"test_cluster_sim_json_end_to_end_on_the_small_preset"},
+    "test_connect_backlog.py": {"test_a_backlog_that_stays_full_is_one_line_after_the_timeout"},
+    "test_corun.py": {"test_a_pause_point_holds_while_paused_and_lets_go_when_the_daemon_is_gone",
+                      "test_a_service_with_the_measured_spread_runs_beside_the_trainer_when_that_costs_nothing",
+                      "test_beside_a_trainer_with_50_ms_steps_inference_waits_under_5_ms_only_under_corun"},
+    "test_daemon.py": {"test_a_watched_session_needs_no_heartbeat_and_ends_when_its_connection_closes",
+                       "test_an_unverified_holder_whose_connection_closes_is_dropped_at_once",
+                       "test_holder_killed_with_sigkill_hands_token_on_at_once",
+                       "test_holder_that_ignores_yield_is_revoked_after_grace",
+                       "test_silent_unverified_session_is_dropped_after_missed_heartbeats"},
+    "test_enforce.py": {"test_library_client_that_ignores_yields_is_stopped_then_continued"},
+    "test_gpu_check.py": {"test_the_dry_run_installs_the_wheels_probes_the_machine_and_lists_each_step_with_its_cap"},
+    "test_metrics_storm.py": {"test_a_few_hundred_slow_scrapers_cost_no_thread_little_memory_and_no_grant_time"},
+    "test_mps.py": {"test_command_to_a_stuck_daemon_times_out",
+                    "test_quit_and_sigterm_ignored_needs_sigkill"},
+    "test_operator_errors.py": {"test_status_with_no_socket_file_says_so_at_once"},
+    "test_placement.py": {"test_a_node_that_is_down_times_out_without_holding_up_the_others",
+                          "test_a_slow_node_costs_only_the_timeout"},
+    "test_ray_core.py": {"test_once_a_stop_is_asked_a_loan_node_coming_up_pauses_the_job_no_more"},
+    "test_ray_train.py": {"test_a_group_waiting_for_a_resize_that_does_not_come_trains_on_after_resize_wait_s",
+                          "test_a_group_waiting_for_a_resize_that_does_not_come_trains_on_when_asked_to_stop"},
+    "test_readme_walkthrough.py": {"test_a_demo_whose_clients_never_connect_says_so_in_one_line"},
+    "test_restart.py": {"test_fail_open_client_runs_unmanaged_while_the_daemon_is_away_then_reattaches"},
+    "test_serving.py": {"test_restart_keeps_registrations"},
+    "test_serving_faults.py": {"test_a_hung_request_gets_e_timeout_near_its_timeout",
+                               "test_a_model_that_keeps_hanging_is_refused_for_a_while_and_the_device_serves_on",
+                               "test_two_hung_requests_do_not_block_a_third_clients_quick_one"},
+    "test_serving_shutdown.py": {"test_sigterm_answers_a_queued_infer_and_a_pending_registration_at_once"},
+    "test_status.py": {"test_status_under_another_users_flood_answers_root_and_never_fails"},
+    "test_suspend.py": {"test_a_cooperative_trainer_parks_frees_the_device_and_resumes",
+                        "test_a_trainer_that_never_yields_is_stopped_at_the_deadline_and_continued_on_resume"},
+    "test_three_nodes.py": {"test_lend_two_devices_reclaim_one_under_inference_and_lose_no_session"},
+    "test_worker_pool.py": {"test_a_request_past_its_deadline_is_answered_and_its_hung_worker_replaced",
+                            "test_a_worker_still_starting_gets_sigterm_at_once",
+                            "test_shutdown_escalates_and_records_the_step",
+                            "test_workers_die_with_a_daemon_killed_by_sigkill_and_its_segment_is_swept"},
+}
+
+
+def _mark_for_workers(items) -> None:
+    for item in items:
+        name = item.path.name
+        if name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(name))
+        if getattr(item, "originalname", item.name) in SERIAL.get(name, ()):
+            item.add_marker(pytest.mark.serial)
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that keeps ONE_WORKER_MODULES together. xdist 3.8 groups by a suffix it
+    writes into each item's nodeid, which pytest 9 no longer reads back (nodeid is built from
+    ``_id``): its groups never form, and each test was scheduled alone. Here the controller groups
+    by the nodeid's module instead; a nodeid that does carry a group keeps xdist's own scope."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:
+                return super()._split_scope(nodeid)
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).name in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
+
+
+class _Exclusive:
+    """Across the workers of one run: a ``serial`` test holds ``room`` exclusively, every other
+    test holds it shared. A serial test first takes ``turnstile``, which every other test passes
+    through before it takes ``room``, so that a stream of parallel tests cannot starve it."""
+
+    def __init__(self, share: Path) -> None:
+        share.mkdir(parents=True, exist_ok=True)
+        self.turnstile = os.open(share / "turnstile", os.O_CREAT | os.O_RDWR, 0o600)
+        self.room = os.open(share / "room", os.O_CREAT | os.O_RDWR, 0o600)
+
+    def acquire(self, serial: bool) -> None:
+        import fcntl
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        if not serial:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self.room, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        import fcntl
+        fcntl.flock(self.room, fcntl.LOCK_UN)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+
+_EXCLUSIVE: list[_Exclusive] = []
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait here is no test's time
+def pytest_runtest_protocol(item, nextitem):
+    share = _run_share(item.config)
+    if share is None:  # not under xdist: nothing runs beside this test
+        yield
+        return
+    if not _EXCLUSIVE:
+        _EXCLUSIVE.append(_Exclusive(share))
+    lock = _EXCLUSIVE[0]
+    lock.acquire(item.get_closest_marker("serial") is not None)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def pytest_configure(config):
+    if (not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None)
+            and not getattr(config.option, "testrunuid", None)):
+        config.option.testrunuid = uuid.uuid4().hex  # the workers' shared directory (_run_share)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    _mark_for_workers(items)
     if not any(item.path.name == SCENARIO_MODULE for item in items):
         return
     def rank(item) -> int:
@@ -279,4 +429,24 @@ def pytest_collection_finish(session):
     except ImportError:
         return
     from tests.ray_background import BACKGROUND
-    BACKGROUND.start(runs)
+    BACKGROUND.start(runs, _run_share(session.config))
+
+
+def _run_share(config) -> Path | None:
+    """A directory that every xdist worker of this test run names alike (None without xdist)."""
+    if hasattr(config, "workerinput"):
+        uid = config.workerinput["testrunuid"]
+    else:
+        uid = config.option.__dict__.get("testrunuid")
+    return Path(tempfile.gettempdir(), f"nodeagent-testrun-{uid}") if uid else None
+
+
+def pytest_sessionfinish(session):
+    from tests.ray_background import BACKGROUND
+    BACKGROUND.join()  # an xdist worker done with its own tests must not leave before the runs
+
+
+def pytest_unconfigure(config):
+    share = _run_share(config)
+    if share is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(share, ignore_errors=True)  # the controller, after every worker is done

@@ -5,6 +5,7 @@ processes running torch on the cpu backend."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,8 +31,18 @@ def _infer_reply(c: Client, d: Daemon, name: str, x: torch.Tensor) -> p.InferRes
         return c._call(p.Infer(id=c._take_id(), model=name, inputs=packed.refs), 30.0)
 
 
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("na-")}
+def _shm_names(*pids: int) -> set[str]:
+    """The na- segments in /dev/shm; given pids, only those these processes made (a name carries its
+    maker's pid): under pytest-xdist another worker's daemons make and unlink theirs beside."""
+    names = {n for n in os.listdir("/dev/shm") if n.startswith("na-")}
+    if not pids:
+        return names
+    return {n for n in names if (m := re.match(r"na-[a-z]+-(\d+)-", n)) and int(m.group(1)) in pids}
+
+
+def _made_by(d: Daemon, *others: int) -> tuple[int, ...]:
+    """Daemon ``d``, its workers, this process and ``others``: who may make a test's segments."""
+    return (os.getpid(), d.proc.pid, *_workers_of(d.proc.pid), *others)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +77,7 @@ def test_infer_equals_the_module_run_plainly(served):
 
 def test_registration_errors_register_nothing(served, tmp_path):
     x = torch.randn(2, 16)
-    before = _shm_names()
+    before = _shm_names(*_made_by(served))
     with Client("svc", workload="inference", endpoint=served.endpoint) as c:
         with pytest.raises(ModelError, match="package.module:callable"):
             c.register_model("m", "no-colon-here", example_input=x)
@@ -86,7 +97,7 @@ def test_registration_errors_register_nothing(served, tmp_path):
         assert c.models() == []
         with pytest.raises(NoModelError):
             c.infer("m", x)
-    assert _shm_names() <= before  # nothing left in /dev/shm
+    assert _shm_names(*_made_by(served)) <= before  # nothing left in /dev/shm
 
 
 def test_weights_file_is_used(served, tmp_path):
@@ -236,7 +247,7 @@ def test_client_killed_mid_infer_leaves_nothing_and_others_are_served(start_daem
         open(release, "w").close()  # the dead client's request may finish now (a cue, not a timer)
         # Once the dead client's request completes, the daemon unlinks what that
         # client owned: its inputs, and the outputs it will never read.
-        wait_for(lambda: not (_shm_names() - before), timeout=60, interval=0.05)
+        wait_for(lambda: not (_shm_names(*_made_by(d, doomed.pid)) - before), timeout=60, interval=0.05)
         status = d.status()
         assert all("doomed" not in s.name for dev in status.devices for s in dev.sessions)
 
