@@ -305,8 +305,8 @@ class DaemonPacing:
     steered by slice lengths) then ``granted``; at its release ``slice_ended`` then ``told_queue``
     with ``released`` (what still waits); ``refresh_all`` after each, as after each loop turn, and at
     ``next_deadline()``, when the loop wakes for a decision nobody's message brings. ``corun.duty``
-    pins ``pause`` and ``free``. The tokens view ``Pacing`` reads is this object (:meth:`holders`,
-    :meth:`pace`, :meth:`waiting_count`, :meth:`state`, :meth:`lane_workload`, :meth:`sessions_on`):
+    pins ``pause`` and ``free``. The scheduler ``Pacing`` is handed to read is this object
+    (:meth:`holders`, :meth:`pace`, :meth:`waiting_count`, :meth:`state`, :meth:`lanes`, :meth:`lane_of`):
     the trainer holds its lane's token the whole phase, the inference session holds while a request
     is in service and is granted at once (it is alone in its lane), so it never waits in line."""
 
@@ -332,7 +332,8 @@ class DaemonPacing:
                                              slo_ms=None)
         self._holders: set[str] = set()
         self._sessions = {"inference": self.inference, "trainer": self.trainer}
-        self.pacing = Pacing(tokens=self, sessions=self._sessions, devices=(self.DEVICE,),
+        self._lanes = tuple(object() for _ in Workload)  # a lane per class, indexed by its workload
+        self.pacing = Pacing(sessions=self._sessions, devices=(self.DEVICE,),
                              new_controller=config.pace_controller, clock=lambda: self._now)
         self._dir = tempfile.TemporaryDirectory(prefix="na-replay-")
         self.pacing.start(None, self._dir.name)
@@ -344,28 +345,35 @@ class DaemonPacing:
         for s in (self.inference, self.trainer):
             self.pacing.joined(self.DEVICE, s.id, s.workload)
         self._holders.add("trainer")  # granted at once: nobody else is in its lane
-        self.pacing.granted(self.trainer, self._now)
-        self.pacing.refresh_all()
+        self.pacing.granted(self.trainer, self._now, self)
+        self.pacing.refresh_all([self])
 
-    # The tokens component's read-only view, as Pacing reads it.
-    def holders(self, device: int) -> tuple[str, ...]:
+    # The device's co-run scheduler, read only, as Pacing reads it.
+    corun = True
+
+    def holders(self) -> tuple[str, ...]:
         return tuple(s for s in ("inference", "trainer") if s in self._holders)  # highest class first
 
-    def pace(self, device: int) -> tuple[tuple[int, bool], ...]:
+    def pace(self) -> tuple[tuple[int, bool], ...]:
         inference_holds = "inference" in self._holders
         return ((0, False), (1, inference_holds), (2, inference_holds or "trainer" in self._holders))
 
-    def waiting_count(self, device: int) -> int:
+    def waiting_count(self) -> int:
         return 0  # each session is alone in its lane: granted the moment it asks
 
-    def state(self, device: int, sid: str):
+    def state(self, sid: str):
         return self._state.HOLDING if sid in self._holders else self._state.IDLE
 
-    def lane_workload(self, device: int, session: str):
-        s = self._sessions.get(session)
-        return s.workload if s is not None else None
+    def lanes(self) -> list:
+        return list(self._lanes)
 
-    def sessions_on(self, device: int) -> int:
+    def lane_of(self, sid: str):
+        return self._lanes[int(self._sessions[sid].workload)]
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._sessions
+
+    def __len__(self) -> int:
         return len(self._sessions)
 
     # What the replay tells it: a slice granted and ended, with the service's queue at each.
@@ -374,24 +382,24 @@ class DaemonPacing:
         self.pacing.told_queue(self.inference, now_s, waiting if self._says_queue else None,
                                (now_s - oldest_arrival_s) * 1e3 if self._says_queue else None)
         self._holders.add("inference")
-        self.pacing.granted(self.inference, now_s)
-        self.pacing.refresh_all()
+        self.pacing.granted(self.inference, now_s, self)
+        self.pacing.refresh_all([self])
 
     def ended(self, now_s: float, held_s: float, waiting: int, oldest_arrival_s: float | None) -> None:
         self._now = now_s
         self._holders.discard("inference")
-        self.pacing.slice_ended(self.inference, now_s)
+        self.pacing.slice_ended(self.inference, now_s, self)
         said = self._says_queue and waiting > 0 and oldest_arrival_s is not None
         self.pacing.told_queue(self.inference, now_s, waiting if self._says_queue else None,
                                (now_s - oldest_arrival_s) * 1e3 if said else None, released=True)
-        self.pacing.refresh_all()
+        self.pacing.refresh_all([self])
 
     def next_deadline(self) -> float | None:
         return self.pacing.next_deadline()
 
     def tick(self, now_s: float) -> None:
         self._now = now_s
-        self.pacing.refresh_all()  # the loop's turn at a timed component's deadline
+        self.pacing.refresh_all([self])  # the loop's turn at a timed component's deadline
 
     # What the trainer sees.
     def trainer_paused(self) -> bool:

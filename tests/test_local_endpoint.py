@@ -246,6 +246,7 @@ def _turn(poller, endpoint, timeout_ms: int = 2000) -> int:
     """One loop turn over the endpoint alone (what serve_forever does for it); how many were ready."""
     events = poller.poll(timeout_ms)
     for target, ready in events:
-        assert endpoint.owns(target), target
-        endpoint.on_ready(target, ready)
+        reader = poller.reader(target)
+        assert reader is not None and reader.on_ready == endpoint.on_ready, target  # every ready target is its
+        reader.on_ready(target, ready)
     return len(events)
