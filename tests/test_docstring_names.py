@@ -121,16 +121,19 @@ def _targets(node: ast.AST):
         yield from _targets(node.value)
 
 
+def _bound(child: ast.stmt) -> set[str]:
+    """The names one statement of a module or class body defines (a def, a class, an assignment)."""
+    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {child.name}
+    if isinstance(child, ast.Assign):
+        return {name for target in child.targets for name in _targets(target)}
+    if isinstance(child, ast.AnnAssign):
+        return set(_targets(child.target))
+    return set()
+
+
 def _class_members(node: ast.ClassDef) -> set[str]:
-    members = set()
-    for child in node.body:
-        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            members.add(child.name)
-        elif isinstance(child, ast.Assign):
-            for target in child.targets:
-                members.update(_targets(target))
-        elif isinstance(child, ast.AnnAssign):
-            members.update(_targets(child.target))
+    members = set().union(*map(_bound, node.body))
     for sub in ast.walk(node):  # self.x = ... anywhere in its methods
         if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
@@ -143,14 +146,8 @@ def _class_members(node: ast.ClassDef) -> set[str]:
 def _top_level(tree: ast.Module) -> set[str]:
     names = set()
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                names.update(_targets(target))
-        elif isinstance(node, ast.AnnAssign):
-            names.update(_targets(node.target))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        names |= _bound(node)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((alias.asname or alias.name).split(".")[0] for alias in node.names if alias.name != "*")
         elif isinstance(node, (ast.If, ast.Try)):
             names.update(_top_level(ast.Module(body=[*node.body, *getattr(node, "orelse", [])], type_ignores=[])))
