@@ -25,11 +25,12 @@ _loose_decoder = msgspec.msgpack.Decoder()
 
 
 class BadFrame(ValueError):
-    """A frame that is not a valid message. ``request_id`` is 0 when unknown."""
+    """A frame that is not a valid message. ``request_id`` is 0 when unknown; ``code`` is what the
+    daemon answers: E_INVALID for a value of the right type outside its wire type's bounds."""
 
-    def __init__(self, message: str, request_id: int = 0) -> None:
+    def __init__(self, message: str, request_id: int = 0, code: str = p.ErrorCode.BAD_REQUEST) -> None:
         super().__init__(message)
-        self.request_id = request_id
+        self.request_id, self.code = request_id, code
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -192,7 +193,8 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     except msgspec.ValidationError as exc:
         msg = _with_integral_floats(frame, exc)
         if isinstance(msg, msgspec.ValidationError):
-            raise BadFrame(_invalid_text(msg, frame), _salvage_id(frame)) from None
+            text, code = _invalid_text(msg, frame)
+            raise BadFrame(text, _salvage_id(frame), code) from None
     except msgspec.DecodeError:
         raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
     except (ValueError, TypeError, OverflowError):  # e.g. a str that is not UTF-8, on older msgspec
@@ -264,11 +266,12 @@ _TYPE_WORDS = {mi.IntType: "integer", mi.FloatType: "number", mi.StrType: "strin
 
 
 class _Wrong(Exception):
-    """Where a decoded value departs from its wire type (``path``: ``field[3].other``) and how."""
+    """Where a decoded value departs from its wire type (``path``: ``field[3].other``) and how;
+    ``bound``: it has the right type but breaks a ``Meta`` constraint."""
 
-    def __init__(self, path: str, text: str) -> None:
+    def __init__(self, path: str, text: str, bound: bool = False) -> None:
         super().__init__(path, text)
-        self.path, self.text = path, text
+        self.path, self.text, self.bound = path, text, bound
 
 
 def _kind(value: object) -> str:
@@ -279,16 +282,16 @@ def _bounds(value: float, t: mi.IntType | mi.FloatType, path: str) -> None:
     for bound, ok, word in ((t.ge, lambda b: value >= b, ">="), (t.gt, lambda b: value > b, ">"),
                             (t.le, lambda b: value <= b, "<="), (t.lt, lambda b: value < b, "<")):
         if bound is not None and not ok(bound):
-            raise _Wrong(path, f"expected a value {word} {bound}")
+            raise _Wrong(path, f"expected a value {word} {bound}", bound=True)
     if t.multiple_of is not None and value % t.multiple_of:
-        raise _Wrong(path, f"expected a multiple of {t.multiple_of}")
+        raise _Wrong(path, f"expected a multiple of {t.multiple_of}", bound=True)
 
 
 def _lengths(value: typing.Sized, t: typing.Any, path: str, unit: str) -> None:
     if t.min_length is not None and len(value) < t.min_length:
-        raise _Wrong(path, f"expected at least {t.min_length} {unit}")
+        raise _Wrong(path, f"expected at least {t.min_length} {unit}", bound=True)
     if t.max_length is not None and len(value) > t.max_length:
-        raise _Wrong(path, f"expected at most {t.max_length} {unit}")
+        raise _Wrong(path, f"expected at most {t.max_length} {unit}", bound=True)
 
 
 def _at(path: str, key: str | int) -> str:
@@ -325,7 +328,7 @@ def _check(value: typing.Any, t: mi.Type, path: str) -> typing.Any:
             raise _Wrong(path, f"expected string, got {_kind(value)}")
         _lengths(value, t, path, "characters")
         if t.pattern is not None and re.search(t.pattern, value) is None:
-            raise _Wrong(path, f"expected a string matching {t.pattern!r}")
+            raise _Wrong(path, f"expected a string matching {t.pattern!r}", bound=True)
         return value
     if kind is mi.BytesType:
         if type(value) is not bytes:
@@ -394,25 +397,28 @@ def _check_union(value: typing.Any, t: mi.UnionType, path: str) -> typing.Any:
     raise _Wrong(path, f"expected {names}, got {_kind(value)}")
 
 
-def _invalid_text(exc: msgspec.ValidationError, frame: bytes) -> str:
-    """A frame the typed decoder refused: which field is wrong and how (or that it is no map at all)."""
+def _invalid_text(exc: msgspec.ValidationError, frame: bytes) -> tuple[str, str]:
+    """A frame the typed decoder refused: which field is wrong and how (or that it is no map at
+    all), and the error code to answer it with."""
+    bad = p.ErrorCode.BAD_REQUEST
     try:
         value = _loose_decoder.decode(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
-        return _malformed_text(frame)  # not one MessagePack value at all (b"hello")
+        return _malformed_text(frame), bad  # not one MessagePack value at all (b"hello")
     if type(value) is not dict:
         return (f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
-                "a request is a map with 'op' and 'id'")
+                "a request is a map with 'op' and 'id'"), bad
     try:
         _check(value, _CLIENT_TYPE, "")
     except _Wrong as wrong:
+        code = p.ErrorCode.INVALID if wrong.bound and wrong.path != "id" else bad  # an id out of range is unreadable
         if wrong.path == "op" and wrong.text == "unknown tag":
-            return f"invalid request: unknown op {value['op']!r} (ops: {', '.join(_OPS)})"
+            return f"invalid request: unknown op {value['op']!r} (ops: {', '.join(_OPS)})", bad
         if wrong.path:
-            return f"invalid request: field '{wrong.path}': {wrong.text}"
-        return f"invalid request: {wrong.text}"
+            return f"invalid request: field '{wrong.path}': {wrong.text}", code
+        return f"invalid request: {wrong.text}", code
     # The decoder refused what the wire types allow: a check they do not describe to inspect.
-    return "invalid request: a field's value is not allowed by the protocol (docs/protocol.md lists each field)"
+    return "invalid request: a field's value is not allowed by the protocol (docs/protocol.md lists each field)", bad
 
 
 def _malformed_text(frame: bytes) -> str:

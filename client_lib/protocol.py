@@ -20,6 +20,8 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
+from client_lib.limits import MAX_DEADLINE_MS, MAX_NAME_CHARS, MAX_TENSORS, MAX_WEIGHT, MODEL_NAME_PATTERN
+
 PROTOCOL_VERSION: tuple[int, int] = (2, 7)
 """(major, minor) of the wire protocol spoken by this copy of client_lib. What each minor
 added is listed in docs/protocol.md (Versioning)."""
@@ -34,6 +36,13 @@ Waiting = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # 2.7: requests a se
 WaitMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]  # 2.7: how long its oldest has waited
 Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]  # a user id ((uid_t) -1 is none)
 """Request ids fit a signed 64-bit integer so every peer can hold them."""
+# Bounds a value of the right type must keep: a frame that breaks one is answered E_INVALID
+# (client_lib.codec), one of the wrong type or shape E_BAD_REQUEST.
+Weight = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_WEIGHT)]  # a fair-share weight
+DeadlineMs = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_DEADLINE_MS)]  # a deadline, timeout or SLO
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+Borrower = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS, pattern=r"\S")]  # not blank
+ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
 
 
 class ErrorCode:
@@ -79,18 +88,18 @@ class Hello(Request, tag="hello"):
     the connection's peer credentials where the transport allows."""
 
     protocol: tuple[int, int]
-    name: str
-    pid: int
+    name: Name
+    pid: Annotated[int, msgspec.Meta(gt=0)]
     workload: Workload = "training"
-    weight: float = 1.0
+    weight: Weight = 1.0
     device: Optional[int] = None  # None: the daemon picks the least loaded device
-    memory_mb: int = 0
+    memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
     resume_session: Optional[str] = None  # reattach to this session id if it still exists
     resume_key: Optional[str] = None  # the key the welcome carried for that session
     managed_pgid: Optional[int] = None  # process group of a child the client launched (nodeagent run)
     holding_grant: Optional[int] = None  # on resume: the grant the client was using when it lost the daemon
-    borrower: Optional[str] = None  # 1.1: training job this session belongs to, for a device lent to it
-    slo_ms: Optional[float] = None  # 2.2: co-run: the slice time this (higher-class) session asks pacing to keep
+    borrower: Optional[Borrower] = None  # 1.1: training job this session belongs to, for a device lent to it
+    slo_ms: Optional[DeadlineMs] = None  # 2.2: co-run: the slice time this (higher-class) session asks pacing to keep
 
 
 class Heartbeat(Request, tag="heartbeat"):
@@ -145,7 +154,7 @@ class SuspendSession(Request, tag="suspend_session"):
     once the device is free (or the deadline forced it)."""
 
     session: str
-    deadline_ms: float = 5000.0
+    deadline_ms: DeadlineMs = 5000.0
 
 
 class ResumeSession(Request, tag="resume_session"):
@@ -222,10 +231,10 @@ class RegisterModel(Request, tag="register_model"):
     factory's own initialisation). ``example_input`` is run once to check the
     model and to time its layers. Answered ``model_registered`` or ``E_MODEL``."""
 
-    name: str
+    name: ModelName
     factory: str
     weights: Optional[str] = None
-    example_input: list[TensorRef] = []
+    example_input: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_TENSORS)] = []
     device: Optional[int] = None  # None: every device that has workers
     replace: bool = False  # False: registering an existing name with other arguments is E_INVALID
 
@@ -245,8 +254,8 @@ class Infer(Request, tag="infer"):
     shared-memory segment), or an error."""
 
     model: str
-    inputs: list[TensorRef]
-    timeout_ms: float = 60000.0
+    inputs: Annotated[list[TensorRef], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
+    timeout_ms: DeadlineMs = 60000.0
 
 
 # -- 1.1: cluster placement (the tcp endpoint) --------------------------------
@@ -274,7 +283,7 @@ class Reclaim(Request, tag="reclaim"):
     suspended (stopped after ``deadline_ms``). Answered once the device is free."""
 
     device: int
-    deadline_ms: float = 5000.0
+    deadline_ms: DeadlineMs = 5000.0
 
 
 class Drain(Request, tag="drain"):
@@ -301,7 +310,7 @@ class SetWeight(Request, tag="set_weight"):
     """Change ``session``'s share of its device's time within its class (``hello.weight``)."""
 
     session: str
-    weight: float
+    weight: Weight
 
 
 class Renew(Request, tag="renew"):

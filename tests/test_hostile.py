@@ -76,7 +76,7 @@ def test_codec_depth_bound_leaves_real_requests_alone():
     assert not codec.nesting_depth_exceeds(nested_array(p.MAX_NESTING_DEPTH), p.MAX_NESTING_DEPTH)
     assert codec.nesting_depth_exceeds(nested_array(p.MAX_NESTING_DEPTH + 1), p.MAX_NESTING_DEPTH)
     # Strings full of bytes that look like container headers (UTF-8 continuation bytes) are not nesting.
-    name = "模型" * 200
+    name = "模型" * 64  # 128 characters (the most a name may have), 384 bytes, 128 of them like openers
     hello = p.Hello(id=1, name=name, pid=1, workload="training", protocol=p.PROTOCOL_VERSION)
     assert codec.decode_request(codec.encode(hello)).name == name
 

@@ -176,3 +176,43 @@ def test_a_queue_said_out_of_bounds_is_refused_by_the_field_it_names(fields, nam
         assert named in str(caught.value) and caught.value.request_id == 4
     ok = codec.decode_request(msgspec.msgpack.encode({"op": "acquire", "id": 5, "waiting": 3, "oldest_wait_ms": 2.5}))
     assert ok == p.Acquire(id=5, waiting=3, oldest_wait_ms=2.5)
+
+
+_HELLO = {"op": "hello", "id": 7, "protocol": list(p.PROTOCOL_VERSION), "name": "n", "pid": 1}
+
+
+@pytest.mark.parametrize("frame, field", [
+    ({**_HELLO, "weight": 0}, "weight"),
+    ({**_HELLO, "weight": 1e7}, "weight"),
+    ({**_HELLO, "weight": float("nan")}, "weight"),
+    ({**_HELLO, "name": ""}, "name"),
+    ({**_HELLO, "name": "x" * 129}, "name"),
+    ({**_HELLO, "pid": 0}, "pid"),
+    ({**_HELLO, "memory_mb": -1}, "memory_mb"),
+    ({**_HELLO, "borrower": "  "}, "borrower"),
+    ({**_HELLO, "slo_ms": 0.0}, "slo_ms"),
+    ({"op": "suspend_session", "id": 7, "session": "s", "deadline_ms": 4e6}, "deadline_ms"),
+    ({"op": "reclaim", "id": 7, "device": 0, "deadline_ms": -1.0}, "deadline_ms"),
+    ({"op": "set_weight", "id": 7, "session": "s", "weight": -2.0}, "weight"),
+    ({"op": "infer", "id": 7, "model": "m", "inputs": []}, "inputs"),
+    ({"op": "infer", "id": 7, "model": "m", "inputs": [{"dtype": "f", "shape": []}], "timeout_ms": 0}, "timeout_ms"),
+    ({"op": "register_model", "id": 7, "name": "-bad", "factory": "a:b"}, "name"),
+    ({"op": "register_model", "id": 7, "name": "m", "factory": "a:b",
+      "example_input": [{"dtype": "f", "shape": []}] * 65}, "example_input"),
+])
+def test_a_value_outside_its_wire_bounds_is_invalid_and_names_its_field(frame, field):
+    """The bounds live on the wire types (msgspec Meta, numbers from client_lib.limits): a value of
+    the right type outside them is E_INVALID naming the field; a wrong type stays E_BAD_REQUEST."""
+    with pytest.raises(codec.BadFrame) as caught:
+        codec.decode_request(msgspec.msgpack.encode(frame))
+    assert caught.value.code == p.ErrorCode.INVALID and caught.value.request_id == 7
+    assert str(caught.value).startswith(f"invalid request: field '{field}': expected ")
+    with pytest.raises(codec.BadFrame) as wrong_type:
+        codec.decode_request(msgspec.msgpack.encode({**frame, field: True}))
+    assert wrong_type.value.code == p.ErrorCode.BAD_REQUEST
+
+
+def test_an_id_out_of_range_stays_a_bad_request():
+    with pytest.raises(codec.BadFrame) as caught:
+        codec.decode_request(msgspec.msgpack.encode({"op": "acquire", "id": -3}))
+    assert caught.value.code == p.ErrorCode.BAD_REQUEST

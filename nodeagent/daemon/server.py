@@ -440,7 +440,7 @@ class AgentServer:
         try:
             msg = codec.decode_request(body)
         except codec.BadFrame as exc:
-            self._bad(route, exc.request_id, str(exc))
+            self._bad(route, exc.request_id, str(exc), exc.code)
             return
         except Exception as exc:  # the codec promises BadFrame only; a frame must never cost the loop
             self._bad(route, 0, f"undecodable frame ({type(exc).__name__})")
@@ -910,10 +910,10 @@ class AgentServer:
     def _error(self, route: bytes, request_id: int, code: str, message: str) -> None:
         self._send(route, p.Error(id=request_id, code=code, message=message))
 
-    def _bad(self, route: bytes, request_id: int, message: str) -> None:
+    def _bad(self, route: bytes, request_id: int, message: str, code: str = p.ErrorCode.BAD_REQUEST) -> None:
         self.metrics.bad_requests.inc()
         log.debug("[serve] bad request: %s", message)
-        self._error(route, request_id, p.ErrorCode.BAD_REQUEST, message)
+        self._error(route, request_id, code, message)
 
     def request_reload(self) -> None:
         """Re-read the cluster's allowed client keys (SIGHUP; nodeagent/cli.py). Safe from signal handlers."""
