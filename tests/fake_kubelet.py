@@ -16,7 +16,7 @@ import grpc
 from concurrent import futures
 
 from nodeagent.k8s.v1beta1 import api_pb2 as api
-from nodeagent.k8s.v1beta1 import api_pb2_grpc as api_grpc
+from nodeagent.k8s.v1beta1 import api_grpc
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Registration:
     stream_ended: bool = False
 
 
-class FakeKubelet(api_grpc.RegistrationServicer):
+class FakeKubelet:
     def __init__(self, directory: str, refuse: str | None = None) -> None:
         self.directory = directory
         self.socket = os.path.join(directory, "kubelet.sock")
@@ -44,7 +44,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
 
     def start(self) -> FakeKubelet:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        api_grpc.add_RegistrationServicer_to_server(self, server)
+        api_grpc.add_servicer(server, "Registration", self)
         if not server.add_insecure_port(f"unix:{self.socket}"):
             raise RuntimeError(f"cannot bind {self.socket}")
         server.start()
@@ -88,7 +88,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
     def _watch(self, reg: Registration) -> None:
         channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, reg.endpoint)}")
         self._channels.append(channel)
-        stub = api_grpc.DevicePluginStub(channel)
+        stub = api_grpc.Stub(channel, "DevicePlugin")
         try:
             reg.plugin_options = stub.GetDevicePluginOptions(api.Empty(), timeout=5)
             for answer in stub.ListAndWatch(api.Empty()):
@@ -134,8 +134,8 @@ class FakeKubelet(api_grpc.RegistrationServicer):
                     raise AssertionError(f"no device list as wanted within {timeout} s; got {seen}")
                 self._cond.wait(left)
 
-    def plugin(self, registration: Registration | None = None) -> api_grpc.DevicePluginStub:
+    def plugin(self, registration: Registration | None = None) -> api_grpc.Stub:
         reg = registration or self.registrations[-1]
         channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, reg.endpoint)}")
         self._channels.append(channel)
-        return api_grpc.DevicePluginStub(channel)
+        return api_grpc.Stub(channel, "DevicePlugin")

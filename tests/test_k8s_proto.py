@@ -1,12 +1,11 @@
 """The device plugin API as the kubelet speaks it: the shipped .proto's services, messages and
 field numbers against the published v1beta1 API (written out here by hand, so that an edit to
-the .proto cannot pass unnoticed), and the shipped generated modules against the .proto."""
+the .proto cannot pass unnoticed), and the shipped generated module against the .proto."""
 
 from __future__ import annotations
 
 import ast
 import os
-import re
 
 import pytest
 
@@ -108,19 +107,9 @@ def _serialized_descriptor(path: str) -> bytes:
     raise AssertionError(f"no AddSerializedFile call in {path}")
 
 
-def _without_versions(text: str) -> str:
-    """A generated module less what names the generator's version."""
-    text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = ''", text)
-    text = re.sub(r"# Protobuf Python Version: .*", "", text)
-    return re.sub(r"ValidateProtobufRuntimeVersion\([^)]*\)", "ValidateProtobufRuntimeVersion()", text)
-
-
-def test_the_shipped_modules_are_what_the_proto_generates(tmp_path):
+def test_the_shipped_module_is_what_the_proto_generates(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) is not installed: cannot regenerate")
-    fresh_pb2, fresh_grpc = gen.generate(str(tmp_path))
+    fresh_pb2 = gen.generate(str(tmp_path))
     shipped = os.path.join(gen.REPO, "nodeagent", "k8s", "v1beta1")
     assert _serialized_descriptor(fresh_pb2) == _serialized_descriptor(os.path.join(shipped, "api_pb2.py")), \
         "api_pb2.py is stale: run python -m nodeagent.k8s.gen"
-    assert _without_versions(open(fresh_grpc).read()) == \
-        _without_versions(open(os.path.join(shipped, "api_pb2_grpc.py")).read()), \
-        "api_pb2_grpc.py is stale: run python -m nodeagent.k8s.gen"

@@ -1,11 +1,11 @@
 """Generate the device plugin API's Python modules from ``v1beta1/api.proto``.
 
-    python -m nodeagent.k8s.gen            # rewrite nodeagent/k8s/v1beta1/api_pb2*.py
+    python -m nodeagent.k8s.gen            # rewrite nodeagent/k8s/v1beta1/api_pb2.py
     python -m nodeagent.k8s.gen --out DIR  # write them under DIR instead (the test compares)
 
 Needs grpcio-tools (in the ``dev`` extra), which brings its own protoc; running the
-plugin needs only grpcio and protobuf. The proto path is the repository root, so the
-generated service module imports its messages as ``nodeagent.k8s.v1beta1.api_pb2``.
+plugin needs only grpcio and protobuf. The services are served and called through
+``api_grpc``, which reads them from the descriptor, so no service module is generated.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROTO = os.path.join("nodeagent", "k8s", "v1beta1", "api.proto")
 
 
-def generate(out_dir: str = REPO) -> list[str]:
-    """Write ``api_pb2.py`` and ``api_pb2_grpc.py`` under ``out_dir``/nodeagent/k8s/v1beta1; their paths."""
+def generate(out_dir: str = REPO) -> str:
+    """Write ``api_pb2.py`` under ``out_dir``/nodeagent/k8s/v1beta1; its path."""
     try:
         from grpc_tools import protoc
     except ImportError:
@@ -28,21 +28,19 @@ def generate(out_dir: str = REPO) -> list[str]:
     os.makedirs(os.path.join(out_dir, os.path.dirname(PROTO)), exist_ok=True)
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")  # well-known types, unused today
     code = protoc.main(["grpc_tools.protoc", f"--proto_path={REPO}", f"--proto_path={include}",
-                        f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", os.path.join(REPO, PROTO)])
+                        f"--python_out={out_dir}", os.path.join(REPO, PROTO)])
     if code != 0:
         raise SystemExit(f"nodeagent.k8s.gen: error: protoc failed on {PROTO} (exit {code})")
-    base = os.path.join(out_dir, os.path.dirname(PROTO))
-    return [os.path.join(base, "api_pb2.py"), os.path.join(base, "api_pb2_grpc.py")]
+    return os.path.join(out_dir, os.path.dirname(PROTO), "api_pb2.py")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nodeagent.k8s.gen", allow_abbrev=False,
                                      description="Generate the kubelet device plugin API's Python modules.")
     parser.add_argument("--out", default=REPO, metavar="DIR",
-                        help="root to write nodeagent/k8s/v1beta1/api_pb2*.py under (default: this repository)")
+                        help="root to write nodeagent/k8s/v1beta1/api_pb2.py under (default: this repository)")
     args = parser.parse_args(argv)
-    for path in generate(args.out):
-        print(f"wrote {path}")
+    print(f"wrote {generate(args.out)}")
     return 0
 
 

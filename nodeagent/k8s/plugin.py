@@ -31,7 +31,7 @@ import grpc
 from nodeagent.k8s import shares
 from nodeagent.k8s.dirwatch import IN_CREATE, IN_MOVED_TO, DirWatch
 from nodeagent.k8s.v1beta1 import api_pb2 as api
-from nodeagent.k8s.v1beta1 import api_pb2_grpc as api_grpc
+from nodeagent.k8s.v1beta1 import api_grpc
 from nodeagent.k8s.watch import ViewBoard
 
 log = logging.getLogger("nodeagent.k8s")
@@ -68,7 +68,7 @@ class AllocationSettings:
     gpu_access: str = "env"  # env | cdi | none
 
 
-class DevicePluginService(api_grpc.DevicePluginServicer):
+class DevicePluginService:
     """The gRPC methods the kubelet calls. Reads the board; changes nothing outside itself."""
 
     def __init__(self, board: ViewBoard, policy: shares.SharePolicy, allocation: AllocationSettings,
@@ -175,7 +175,7 @@ class PluginServer:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="k8s-grpc"),
                              maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        api_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        api_grpc.add_servicer(server, "DevicePlugin", self.service)
         try:
             bound = server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
@@ -235,7 +235,7 @@ def register(kubelet_socket: str, endpoint_name: str, resource_name: str, timeou
         options=api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
     with grpc.insecure_channel(f"unix:{kubelet_socket}") as channel:
         try:
-            api_grpc.RegistrationStub(channel).Register(request, timeout=timeout_s)
+            api_grpc.Stub(channel, "Registration").Register(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code()
             details = exc.details() or ""
