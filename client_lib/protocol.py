@@ -254,7 +254,7 @@ class Infer(Request, tag="infer"):
     shared-memory segment), or an error."""
 
     model: str
-    inputs: Annotated[list[TensorRef], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
+    inputs: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_TENSORS)]
     timeout_ms: DeadlineMs = 60000.0
 
 
