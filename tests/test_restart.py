@@ -164,13 +164,16 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from prometheus_client import CollectorRegistry
 
     from nodeagent.config import ServeConfig
-    from nodeagent.daemon.bus import Bus, MayAsk
+    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.gate import TokenGate
     from nodeagent.journal import Journal, SessionRecord
     from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
     from nodeagent.daemon.restore import Restorer
     from nodeagent.daemon.sessions import SessionTable
     from sharing import Grant, TokenScheduler
+    from sharing.suspension import Gate
+    from tests.daemon_parts import FakeDevices
 
     class NoMps:
         def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
@@ -200,36 +203,38 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         def cont(self, s):
             return False
 
+        def on_device(self, device, sid):
+            return sid in schedulers[device]
+
+        def request(self, device, sid, now, waiting_since=None):
+            """What the gate lets through is asked of the scheduler (here, straight away)."""
+            requested.append((sid, waiting_since))
+            grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
+                          if type(a) is Grant)
+
     def add_session(s, now):
         schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
         sessions.add(s)
 
-    def may_ask(event: MayAsk) -> None:
-        """The token gate's part: what the restorer held back is asked for (here, straight away)."""
-        requested.append((event.session, event.since))
-        device = sessions[event.session].device
-        grants.extend((a.session, a.grant) for a in schedulers[device].request(event.session, event.now, event.since)
-                      if type(a) is Grant)
-
-    bus = Bus()
-    bus.subscribe(MayAsk, may_ask)
-    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), bus),
-                        sessions=sessions, tokens=RenewingTokens(), mps=NoMps(),
-                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, bus=bus)
+    tokens = RenewingTokens()
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(2))  # where the windows are kept
+    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), Bus()),
+                        sessions=sessions, tokens=tokens, mps=NoMps(),
+                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, gate=gate)
     try:
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]
         holder, other = sessions["s-holder"], sessions["s-other"]
         other.wait_started = 100.5
-        assert restorer.park(other) and restorer.park(other)  # asked twice: parked once
-        assert requested == []
-        restorer.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
+        assert gate.ask(other, 100.6) is Gate.PARK and gate.ask(other, 100.7) is Gate.PARK  # asked twice
+        assert requested == [] and {s.id for s in restorer.restored()} == {"s-holder", "s-other"}
+        gate.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
         assert grants == [("s-holder", (2 << 32) + 1)]  # numbered above every grant of boot 1
-        restorer.on_timers(100.0 + config.heartbeat_timeout_s - 0.01)  # window still open
+        gate.on_timers(100.0 + config.heartbeat_timeout_s - 0.01)  # window still open
         assert requested == [("s-holder", None)]
-        restorer.honour_claim(other, None, 102.0)  # the last one back: the window closes
-        assert requested == [("s-holder", None), ("s-other", 100.5)]  # its wait kept
-        assert not restorer.park(other)  # no window any more: requests go straight to the scheduler
+        gate.honour_claim(other, None, 102.0)  # the last one back: the window closes
+        assert requested == [("s-holder", None), ("s-other", 100.5)]  # its wait kept, parked once
+        assert gate.ask(other, 103.0) is Gate.QUEUE  # no window any more: requests go straight to the scheduler
     finally:
         sessions.close()
         journal.close()

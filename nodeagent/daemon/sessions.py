@@ -55,10 +55,6 @@ class Session:
     # Its whole-device suspension (sharing.suspension): written by the suspension component only.
     suspension: Suspension = field(default_factory=Suspension)
     suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
-    blocked_by: set = field(default_factory=set)  # sessions suspending to make room for this one
-    # Asked for the token while blocked_by was not empty (the gate kept it): asked for when it is
-    # empty; cancel clears it. (A wish made while suspended is the suspension's: keep_request.)
-    acquire_pending: bool = False
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
