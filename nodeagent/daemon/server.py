@@ -30,7 +30,7 @@ from nodeagent.daemon.loop import POLLIN, EventLoopPoller, Timer, Timers
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
-from nodeagent.daemon.attained import AttainedService, job_of
+from nodeagent.daemon.history import AttainedService, job_of
 from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
                                   MpsFaulted, Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)

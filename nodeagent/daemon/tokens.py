@@ -17,7 +17,7 @@ from nodeagent import enforce
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded, SuspensionAsked
-from nodeagent.daemon.device_stats import DeviceStats
+from nodeagent.daemon.history import DeviceStats
 from nodeagent.daemon.pace import Pacing
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
