@@ -25,8 +25,7 @@ from client_lib.limits import MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.local import LocalEndpoint, Peer
-from nodeagent.daemon.loop import POLLIN, EventLoopPoller, Timer, Timers
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller, LocalEndpoint, Peer, Timer, Timers
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
