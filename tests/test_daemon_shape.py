@@ -222,7 +222,7 @@ def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
     a serving queue's actions are a bus event (``DelegatedAction``)."""
     import inspect
 
-    from nodeagent.daemon.pace import Pacing
+    from nodeagent.daemon.tokens import Pacing
     from nodeagent.daemon.tokens import Tokens
 
     assert not hasattr(Tokens, "delegate")
