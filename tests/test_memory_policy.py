@@ -208,7 +208,7 @@ def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, st
     h.policy.on_readings(over, 1.0)
     h.policy.on_readings(over, 2.0)  # still over: flagged once, not at every reading
     assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 1
-    assert s.over_memory and s.memory_used_bytes == 300 * MiB
+    assert h.policy.over_memory(s) and s.memory_used_bytes == 300 * MiB
     enforced = {a: h.count("nodeagent_enforcements_total", {"kind": a}) for a in ("stop", "revoke")}
     assert enforced == {"stop": float(action == "stop"), "revoke": float(action == "revoke")}
     assert h.stopped == (["s-big"] if policy == "stop" else [])
@@ -219,7 +219,7 @@ def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, st
         assert h.grants()[-1][0] == "s-big"
 
     h.policy.on_readings([DeviceReading(0, [ProcessUse(os.getpid(), (), os.getpid(), 50 * MiB)])], 3.0)
-    assert not s.over_memory  # under again: the next overuse counts anew
+    assert not h.policy.over_memory(s)  # under again: the next overuse counts anew
     h.policy.on_readings(over, 4.0)
     assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 2
 

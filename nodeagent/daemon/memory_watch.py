@@ -87,6 +87,7 @@ class MemoryPolicy:
         self._bus = bus
         self._readings: queue.SimpleQueue = queue.SimpleQueue()  # filled by the watcher thread
         self._watcher: MemoryWatcher | None = None
+        self._over: set[str] = set()  # sessions flagged over their declaration, until back under
 
     # ------------------------------------------------------------------ life
 
@@ -103,6 +104,10 @@ class MemoryPolicy:
             self._watcher.stop()
 
     # -------------------------------------------------------------- readings
+
+    def over_memory(self, s: Session) -> bool:
+        """Whether ``s`` was last measured over its declaration (a read-only view)."""
+        return s.id in self._over
 
     def apply_readings(self) -> None:
         """Act on what the memory watcher measured (it runs on its own thread)."""
@@ -130,9 +135,12 @@ class MemoryPolicy:
             sessions = [s for s in self._sessions.values() if s.device == reading.device]
             over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
             for s in sessions:
-                if s.id in over and not s.over_memory:
+                if s.id in over and s.id not in self._over:
                     self._on_overuse(s, over[s.id], now)
-                s.over_memory = s.id in over
+                    self._over.add(s.id)
+                elif s.id not in over:
+                    self._over.discard(s.id)
+        self._over = {sid for sid in self._over if sid in self._sessions}  # ended sessions let go
 
     def _on_overuse(self, s: Session, over: memory.Overuse, now: float) -> None:
         policy = self._config.memory_policy
