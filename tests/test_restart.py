@@ -379,3 +379,44 @@ def test_100_waiting_clients_back_off_while_the_daemon_is_away_and_are_granted_w
     assert away_share < 0.25, f"100 waiting clients took {away_share * 100:.0f}% of a core while the daemon was away"
     assert first < 1.0 and tenth < 1.0, (first, tenth)
     assert "restored=100" in d2.log()
+
+
+def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_deadline():
+    """The window waits for the restored sessions to reattach; one that ends instead (its process
+    gone, bye) is waited for no longer: when it was the last, the parked requests are made at
+    once, keeping their wait, not at the window's deadline (the token gate owns the windows)."""
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from sharing import Workload
+    from sharing.suspension import Gate
+    from tests.daemon_parts import FakeDevices
+
+    asked: list[tuple[str, float | None]] = []
+
+    class AskedTokens:
+        def on_device(self, device, sid):
+            return True
+
+        def request(self, device, sid, now, waiting_since=None):
+            asked.append((sid, waiting_since))
+
+    sessions = SessionTable()
+
+    def session(sid: str) -> Session:
+        s = Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                    uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0,
+                    last_seen=0.0)
+        sessions.add(s)
+        return s
+
+    gone, waiting = session("s-gone"), session("s-new")
+    gate = TokenGate(sessions=sessions, tokens=AskedTokens(), devices=FakeDevices(1))
+    try:
+        gate.open_windows({0: {"s-gone"}}, deadline=100.0)
+        waiting.wait_started = 1.5
+        assert gate.ask(waiting, 2.0) is Gate.PARK and asked == []
+        sessions.remove(gone)
+        gate.forget(gone, 3.0)  # what the server does when a session ends
+        assert asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
+    finally:
+        sessions.close()
