@@ -104,7 +104,8 @@ class EventPublisher:
         if changed:
             self._wanted = {kind: any(topic.startswith(prefix) for prefix in self._prefixes)
                             for kind, topic in _TOPICS.items()}
-            events_log.info("[events] subscriptions now %s", sorted(k for k, on in self._wanted.items() if on) or "none")
+            events_log.info("[events] subscriptions now %s",
+                            sorted(k for k, on in self._wanted.items() if on) or "none")
 
     def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
         """Send one event if anyone subscribed to its kind; never blocks (PUB drops for a slow subscriber)."""

@@ -30,8 +30,8 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.history import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
-                                  MpsFaulted, Published,
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
+                                  DeviceBack, MpsFaulted, Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
 from nodeagent.daemon.gate import LostDevices, TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
