@@ -22,7 +22,7 @@ it, in proportion to the work done).
 
 Policies. The recorded modes replay from their own records. ``adaptive``,
 ``pause``, ``free`` and ``queue`` run the daemon's own pace logic: the
-:class:`~nodeagent.daemon.pace.Pacing` component with the
+:class:`~nodeagent.daemon.tokens.Pacing` component with the
 :class:`~sharing.corun.PaceController` per higher-class session the daemon's
 settings make, driven by the replayed slices (request, grant, release, time
 passed in); the trainer's state is read from the pace board it writes.
@@ -294,7 +294,7 @@ def _mode(load: LoadRecord, mode: str) -> ModeRecord:
 
 class DaemonPacing:
     """The daemon's pace logic for one co-run device with one inference and one training session:
-    the real :class:`~nodeagent.daemon.pace.Pacing` with the controllers the daemon's settings make
+    the real :class:`~nodeagent.daemon.tokens.Pacing` with the controllers the daemon's settings make
     (``ServeConfig.pace_controller``, one per higher-class session), fed the replayed slices with
     time passed in, in the order the daemon feeds them; the trainer's state is what the pace board
     it writes says (read with ``PaceBoardReader``).
@@ -315,7 +315,7 @@ class DaemonPacing:
     def __init__(self, policy: str, *, slo_ms: float | None = None) -> None:
         from client_lib.pace import PaceBoardReader
         from nodeagent.config import ConfigError, ServeConfig
-        from nodeagent.daemon.pace import Pacing
+        from nodeagent.daemon.tokens import Pacing
         from sharing import SessionState, Workload
         config = ServeConfig(corun_duty="adaptive" if policy == "queue" else policy)
         try:

@@ -2,7 +2,7 @@
 
 A pid claimed in ``hello`` is never trusted. On the local unix socket the
 daemon reads the peer's credentials with SO_PEERCRED when it connects
-(:mod:`nodeagent.daemon.local`); that pid is verified.
+(:mod:`nodeagent.daemon.loop`); that pid is verified.
 A verified process is watched through a pidfd, which becomes readable the
 moment the process exits, so a dead client loses its token without waiting
 for missed heartbeats.
@@ -48,7 +48,7 @@ class PeerCredentials:
 
 def peer_credentials(frame) -> PeerCredentials | None:
     """Kernel-verified credentials of the peer that sent ``frame``, if known:
-    a local connection (:class:`nodeagent.daemon.local.Peer`) carries them; a
+    a local connection (:class:`nodeagent.daemon.loop.Peer`) carries them; a
     ZeroMQ frame may (libzmq's ``Peer-Address`` of an ipc peer)."""
     creds = getattr(frame, "creds", False)
     if creds is not False:

@@ -248,7 +248,7 @@ class PaceController:
     only"); observations are then only counted, and the bound is armed only where the fixed
     duty can pause. Pure: time is passed in.
 
-    Driving it (the daemon's :class:`nodeagent.daemon.pace.Pacing`, a replay, a test), all
+    Driving it (the daemon's :class:`nodeagent.daemon.tokens.Pacing`, a replay, a test), all
     times in seconds on one clock: :meth:`tell_queue` at each slice request and release (or
     never, for slice-length steering), :meth:`slice_started` at the grant, :meth:`slice_ended`
     at the release, :meth:`want` for what the lower classes are told now, and

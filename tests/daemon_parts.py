@@ -17,7 +17,7 @@ from client_lib import codec
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, LoopHandle, Replies
 from nodeagent.daemon.loop import EventLoopPoller
-from nodeagent.daemon.memory_watch import LostDevices
+from nodeagent.daemon.gate import LostDevices
 from nodeagent.daemon.sessions import SessionTable
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import CpuBackend

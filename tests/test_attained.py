@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from client_lib import Client
 from client_lib import protocol as p
-from nodeagent.daemon.attained import AttainedService
+from nodeagent.daemon.history import AttainedService
 from nodeagent.daemon.bus import Bus, SliceEnded
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable

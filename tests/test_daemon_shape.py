@@ -75,11 +75,10 @@ SESSION_FIELD_OWNERS = {
     "last_seen": {"sessions.py"}, "pidfd": {"sessions.py"}, "route": {"sessions.py"},
     "managed_cgroup": {"sessions.py", "restore.py"}, "managed_pidfd": {"sessions.py", "restore.py"},
     "managed_pgid": {"restore.py"},
-    "blocked_by": {"gate.py"}, "acquire_pending": {"gate.py"},
-    "suspension": {"restore.py"}, "suspend_waiters": {"suspension.py"},
-    "memory_used_bytes": {"memory.py"}, "over_memory": {"memory_watch.py"},
+    "suspension": {"restore.py"},
+    "memory_used_bytes": {"memory.py"},
     "mps": {"server.py"}, "weight": {"tokens.py"},
-    "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"}, "suspend_asked": {"suspension.py"},
+    "host_bytes": {"suspension.py"}, "host_pinned": {"suspension.py"},
 }
 # Names that hold something else with a field of the same name (serving's queues have a grant).
 NOT_SESSIONS = {("serving.py", "q")}
@@ -114,8 +113,8 @@ def test_each_session_field_is_written_by_its_owner_only():
 
 def test_the_field_check_sees_a_write_where_one_is():
     """Not vacuous: a write of each kind, in code, is found."""
-    tree = ast.parse("s.grant = 1\ns.blocked_by.add(x)\na, s.stopped = 1, 2\ns.grants += 1\nself.grant = 2\n")
-    assert sorted(f for f, _ in _session_field_writes(tree)) == ["blocked_by", "grant", "grants", "stopped"]
+    tree = ast.parse("s.grant = 1\ns.host_bytes.append(x)\na, s.stopped = 1, 2\ns.grants += 1\nself.grant = 2\n")
+    assert sorted(f for f, _ in _session_field_writes(tree)) == ["grant", "grants", "host_bytes", "stopped"]
 
 
 # ------------------------------------------------------------------ the loop
@@ -223,7 +222,7 @@ def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
     a serving queue's actions are a bus event (``DelegatedAction``)."""
     import inspect
 
-    from nodeagent.daemon.pace import Pacing
+    from nodeagent.daemon.tokens import Pacing
     from nodeagent.daemon.tokens import Tokens
 
     assert not hasattr(Tokens, "delegate")

@@ -12,7 +12,7 @@ import pytest
 from client_lib import Client
 from client_lib import protocol as p
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.memory_watch import LostDevices
+from nodeagent.daemon.gate import LostDevices
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
 from tests.test_memory_watch import ScriptedGpus, scripted_daemon

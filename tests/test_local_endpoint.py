@@ -204,7 +204,7 @@ def test_a_peer_pipelining_thousands_of_frames_is_served_a_budget_a_turn_and_oth
     gets a budget of frames a turn, the rest in later turns: another peer's frame is handled within
     a turn or two, and every frame of the pipeline in order, none lost. 3,000 frames come in one
     read, so the kernel has nothing more to say: the endpoint's own readiness brings the loop back."""
-    from nodeagent.daemon import local as local_module
+    from nodeagent.daemon import loop as local_module
     from nodeagent.daemon.loop import EventLoopPoller
 
     poller = EventLoopPoller()

@@ -15,13 +15,14 @@ from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.devices import CpuBackend, DeviceLostError, DeviceProcess
 from nodeagent.memory import MiB, ProcessUse
-from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading, LostDevices, MemoryPolicy
+from nodeagent.daemon.gate import LostDevices, TokenGate
+from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading, MemoryPolicy
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
 from nodeagent.daemon.bus import Bus, LoopHandle, MayAsk, Published
-from nodeagent.daemon.gate import TokenGate
 from sharing.suspension import Suspension
+from nodeagent.daemon.bus import DeviceBack as BusDeviceBack
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from tests.conftest import wait_for
 from tests.daemon_parts import FakeDevices
@@ -79,16 +80,6 @@ class RecordingTokens:
         self.h.slices_ended.append(s.id)
 
 
-class NoRestore:
-    """No restart's restore window: what the gate asks of the restorer."""
-
-    def restoring(self, device: int) -> bool:
-        return False
-
-    def park(self, s: Session) -> None:
-        raise AssertionError("nothing is parked outside a restore window")
-
-
 class Harness:
     """A :class:`MemoryPolicy` over two devices, with every collaborator recorded."""
 
@@ -112,14 +103,17 @@ class Harness:
         devices.lost = self.lost
         self.tokens = RecordingTokens(self)
         self.schedulers = self.tokens.schedulers
+        # The real token gate, which keeps the lost-devices table: it hears a lost device first.
+        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices)
         bus = Bus()
         bus.subscribe(Published, lambda e: self.events.append((e.kind, e.device, e.data)))
+        bus.subscribe(BusDeviceLost, self.gate.on_device_lost)
         bus.subscribe(BusDeviceLost, lambda e: self.serving_told.append((e.device, e.notice, e.now)))
+        bus.subscribe(BusDeviceBack, self.gate.on_device_back)
         self.policy = MemoryPolicy(
             config=self.config, devices=devices, loop=LoopHandle(None, lambda: self.now, self.wakes.set),
             sessions=self.sessions, tokens=self.tokens, metrics=self.metrics,
             send=lambda route, msg: self.sent.append((route, msg)), bus=bus)
-        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices, restorer=NoRestore())
         bus.subscribe(MayAsk, self.gate.on_may_ask)
 
     def ask(self, sid: str, now: float) -> None:
@@ -214,7 +208,7 @@ def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, st
     h.policy.on_readings(over, 1.0)
     h.policy.on_readings(over, 2.0)  # still over: flagged once, not at every reading
     assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 1
-    assert s.over_memory and s.memory_used_bytes == 300 * MiB
+    assert h.policy.over_memory(s) and s.memory_used_bytes == 300 * MiB
     enforced = {a: h.count("nodeagent_enforcements_total", {"kind": a}) for a in ("stop", "revoke")}
     assert enforced == {"stop": float(action == "stop"), "revoke": float(action == "revoke")}
     assert h.stopped == (["s-big"] if policy == "stop" else [])
@@ -225,7 +219,7 @@ def test_a_holder_over_its_declaration_meets_the_policy_once(harness, policy, st
         assert h.grants()[-1][0] == "s-big"
 
     h.policy.on_readings([DeviceReading(0, [ProcessUse(os.getpid(), (), os.getpid(), 50 * MiB)])], 3.0)
-    assert not s.over_memory  # under again: the next overuse counts anew
+    assert not h.policy.over_memory(s)  # under again: the next overuse counts anew
     h.policy.on_readings(over, 4.0)
     assert h.count("nodeagent_memory_violations_total", {"device": "0", "policy": policy}) == 2
 

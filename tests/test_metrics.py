@@ -331,7 +331,7 @@ def test_the_label_values_started_at_0_are_those_the_daemon_uses():
         re.findall(r'internal_errors\.labels\("([\w-]+)"\)', code)) | set(
         re.findall(r'_dispatch\([^)]*?"([\w-]+)",', code))
     assert places and places <= set(metrics.INTERNAL_ERROR_PLACES), sorted(places - set(metrics.INTERNAL_ERROR_PLACES))
-    local = set(re.findall(r'self\._drop\(peer, "(\w+)"', (daemon / "local.py").read_text())) - {"closed", "shutdown"}
+    local = set(re.findall(r'self\._drop\(peer, "(\w+)"', (daemon / "loop.py").read_text())) - {"closed", "shutdown"}
     server = set(re.findall(r'self\._drop\(\w+, "(\w+)"', (daemon / "server.py").read_text())) - {"bye"}
     reasons = local | server | {"process_exited", "disconnected"}  # what a closed connection becomes
     assert reasons == set(metrics.SESSION_LOST_REASONS), (sorted(reasons), metrics.SESSION_LOST_REASONS)

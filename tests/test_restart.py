@@ -164,13 +164,16 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from prometheus_client import CollectorRegistry
 
     from nodeagent.config import ServeConfig
-    from nodeagent.daemon.bus import Bus, MayAsk
+    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.gate import TokenGate
     from nodeagent.journal import Journal, SessionRecord
     from nodeagent.daemon.journal_writer import JournalWriter
     from nodeagent.metrics import Metrics
     from nodeagent.daemon.restore import Restorer
     from nodeagent.daemon.sessions import SessionTable
     from sharing import Grant, TokenScheduler
+    from sharing.suspension import Gate
+    from tests.daemon_parts import FakeDevices
 
     class NoMps:
         def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
@@ -200,36 +203,38 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         def cont(self, s):
             return False
 
+        def on_device(self, device, sid):
+            return sid in schedulers[device]
+
+        def request(self, device, sid, now, waiting_since=None):
+            """What the gate lets through is asked of the scheduler (here, straight away)."""
+            requested.append((sid, waiting_since))
+            grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
+                          if type(a) is Grant)
+
     def add_session(s, now):
         schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
         sessions.add(s)
 
-    def may_ask(event: MayAsk) -> None:
-        """The token gate's part: what the restorer held back is asked for (here, straight away)."""
-        requested.append((event.session, event.since))
-        device = sessions[event.session].device
-        grants.extend((a.session, a.grant) for a in schedulers[device].request(event.session, event.now, event.since)
-                      if type(a) is Grant)
-
-    bus = Bus()
-    bus.subscribe(MayAsk, may_ask)
-    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), bus),
-                        sessions=sessions, tokens=RenewingTokens(), mps=NoMps(),
-                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, bus=bus)
+    tokens = RenewingTokens()
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(2))  # where the windows are kept
+    restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), Bus()),
+                        sessions=sessions, tokens=tokens, mps=NoMps(),
+                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, gate=gate)
     try:
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]
         holder, other = sessions["s-holder"], sessions["s-other"]
         other.wait_started = 100.5
-        assert restorer.park(other) and restorer.park(other)  # asked twice: parked once
-        assert requested == []
-        restorer.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
+        assert gate.ask(other, 100.6) is Gate.PARK and gate.ask(other, 100.7) is Gate.PARK  # asked twice
+        assert requested == [] and {s.id for s in restorer.restored()} == {"s-holder", "s-other"}
+        gate.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
         assert grants == [("s-holder", (2 << 32) + 1)]  # numbered above every grant of boot 1
-        restorer.on_timers(100.0 + config.heartbeat_timeout_s - 0.01)  # window still open
+        gate.on_timers(100.0 + config.heartbeat_timeout_s - 0.01)  # window still open
         assert requested == [("s-holder", None)]
-        restorer.honour_claim(other, None, 102.0)  # the last one back: the window closes
-        assert requested == [("s-holder", None), ("s-other", 100.5)]  # its wait kept
-        assert not restorer.park(other)  # no window any more: requests go straight to the scheduler
+        gate.honour_claim(other, None, 102.0)  # the last one back: the window closes
+        assert requested == [("s-holder", None), ("s-other", 100.5)]  # its wait kept, parked once
+        assert gate.ask(other, 103.0) is Gate.QUEUE  # no window any more: requests go straight to the scheduler
     finally:
         sessions.close()
         journal.close()
@@ -374,3 +379,44 @@ def test_100_waiting_clients_back_off_while_the_daemon_is_away_and_are_granted_w
     assert away_share < 0.25, f"100 waiting clients took {away_share * 100:.0f}% of a core while the daemon was away"
     assert first < 1.0 and tenth < 1.0, (first, tenth)
     assert "restored=100" in d2.log()
+
+
+def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_deadline():
+    """The window waits for the restored sessions to reattach; one that ends instead (its process
+    gone, bye) is waited for no longer: when it was the last, the parked requests are made at
+    once, keeping their wait, not at the window's deadline (the token gate owns the windows)."""
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from sharing import Workload
+    from sharing.suspension import Gate
+    from tests.daemon_parts import FakeDevices
+
+    asked: list[tuple[str, float | None]] = []
+
+    class AskedTokens:
+        def on_device(self, device, sid):
+            return True
+
+        def request(self, device, sid, now, waiting_since=None):
+            asked.append((sid, waiting_since))
+
+    sessions = SessionTable()
+
+    def session(sid: str) -> Session:
+        s = Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                    uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0,
+                    last_seen=0.0)
+        sessions.add(s)
+        return s
+
+    gone, waiting = session("s-gone"), session("s-new")
+    gate = TokenGate(sessions=sessions, tokens=AskedTokens(), devices=FakeDevices(1))
+    try:
+        gate.open_windows({0: {"s-gone"}}, deadline=100.0)
+        waiting.wait_started = 1.5
+        assert gate.ask(waiting, 2.0) is Gate.PARK and asked == []
+        sessions.remove(gone)
+        gate.forget(gone, 3.0)  # what the server does when a session ends
+        assert asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
+    finally:
+        sessions.close()

@@ -186,7 +186,7 @@ class _ContainersRoot:
         import subprocess
         import sys
 
-        from nodeagent.daemon import local as local_module
+        from nodeagent.daemon import loop as local_module
 
         if os.geteuid() != 0 or shutil.which("unshare") is None:
             pytest.skip("needs root and unshare(1) to make a process in new pid and mount namespaces")

@@ -233,7 +233,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     suspensions = Suspensions(sessions=sessions, tokens=ScriptedTokens(), metrics=Metrics(CollectorRegistry()),
                               replies=replies(sent), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
     try:
-        s.suspend_waiters.append(("operator", 5))
+        suspensions.wait_for(s, "operator", 5)
         suspensions.begin(s, 500.0, 10.0, reason="requested")
         assert suspensions.under_way(s) and suspensions.next_deadline(10.0) == 10.5
         assert sent == [("trainer", p.SuspendNotice(deadline_ms=500.0, reason="requested"))]
@@ -244,7 +244,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         assert not suspensions.under_way(s) and suspensions.next_deadline(10.5) is None
         [(route, result)] = sent[1:]
         assert (route, result.id, result.outcome) == ("operator", 5, "timeout")
-        assert s.suspend_state == "requested" and s.suspend_waiters == []
+        assert s.suspend_state == "requested" and suspensions.waiters(s) == ()
         suspensions.on_timers(20.0)
         suspensions.forget(s, 20.0)  # reported once: nothing more to tell when it ends
         assert len(finished) == 1

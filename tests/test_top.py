@@ -17,7 +17,7 @@ import pytest
 from client_lib import Client, resume_session, suspend_session
 from client_lib import protocol as p
 from nodeagent import top
-from nodeagent.daemon.device_stats import MANY, MAX_HOLDERS_PER_BUCKET, DeviceStats, percentile
+from nodeagent.daemon.history import MANY, MAX_HOLDERS_PER_BUCKET, DeviceStats, percentile
 from tests.conftest import REPO, wait_for
 
 # --------------------------------------------------------------------- DeviceStats

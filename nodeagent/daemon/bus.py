@@ -71,10 +71,19 @@ class SuspensionAsked:
 
 @dataclass(frozen=True, slots=True)
 class DeviceLost:
-    """``device`` failed: everything on it is told ``notice``."""
+    """``device`` failed (``reason``: what NVML said): everything on it is told ``notice``."""
 
     device: int
     notice: str
+    now: float
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBack:
+    """A lost ``device`` answers again: the requests held on it are made."""
+
+    device: int
     now: float
 
 
@@ -199,7 +208,7 @@ class DeviceFacts:
 
     def __init__(self, backend, lost) -> None:
         self.backend = backend
-        self.lost = lost  # nodeagent.daemon.memory_watch.LostDevices: owned by the memory policy
+        self.lost = lost  # nodeagent.daemon.gate.LostDevices: written by the token gate alone
         self._info = backend.devices()
 
     @property

@@ -1,6 +1,6 @@
 """The cluster endpoint (:class:`ClusterEndpoint`): the placement layer's view of this node and
 its levers (``inventory``, ``lend``, ``renew``, ``reclaim``, ``drain``, policies), over a CURVE
-ROUTER and an events XPUB (:mod:`nodeagent.daemon.events`). It owns the sockets, the ZAP thread,
+ROUTER and an events XPUB (:class:`EventPublisher`). It owns the sockets, the ZAP thread,
 each device's :class:`sharing.lifecycle.DeviceLifecycle` and the reclaims under way; its
 collaborators are its constructor's parameters. The reclaim walk: docs/architecture.md;
 detail: docs/internals.md.
@@ -25,7 +25,6 @@ from client_lib import protocol as p
 from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import keys, procwatch
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.events import EventPublisher
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.authz import Act, at_home, peer_of, refusal
@@ -42,6 +41,7 @@ from sharing import (
 )
 
 log = logging.getLogger("nodeagent.cluster")
+events_log = logging.getLogger("nodeagent.events")
 
 FORBIDDEN_ON_CLUSTER = "the cluster endpoint serves placement operations; sessions connect locally"
 EXPIRY_DEADLINE_MS = DEFAULT_SUSPEND_DEADLINE_MS  # a lend that ran out (max_s) is reclaimed with this deadline
@@ -54,6 +54,76 @@ SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
 """Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
 
 Handler = Callable[[bytes, object, object, float], None]  # (route, request, frame, now)
+
+# ------------------------------------------------------------------ the events socket
+# What happened on this node, numbered, one client_lib.protocol.Event per message under its kind
+# as topic (detail: docs/internals.md).
+
+KINDS = ("device_state", "grant", "preempt", "session_join", "session_leave", "suspend", "resume",
+         "reclaim", "lend", "policy", "health", "renew", "weight")
+"""Every ``Event.kind`` the daemon publishes (the topic frame of each message)."""
+
+_TOPICS = {kind: kind.encode() for kind in KINDS}
+
+
+class EventPublisher:
+    """Numbers, stamps and sends events on a bound XPUB socket it does not own."""
+
+    def __init__(self, sock: zmq.Socket, node: str, boot: int,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._sock = sock
+        self.node = node
+        self.boot = boot
+        self.seq = 0  # of the last event published
+        self.dropped = 0  # events libzmq would not take (socket closed or full)
+        self._wall = wall_clock
+        self._prefixes: set[bytes] = set()  # topics subscribed to by someone (SUB filters are prefixes)
+        self._wanted = dict.fromkeys(KINDS, False)
+
+    def wanted(self, kind: str) -> bool:
+        """Whether a subscriber would receive an event of ``kind``."""
+        return self._wanted.get(kind, False)
+
+    def on_subscriptions(self) -> None:
+        """Read (un)subscriptions off the socket; the loop calls this when it is readable.
+
+        A non-verbose XPUB passes a topic's first subscription and its last
+        unsubscription (a subscriber leaving counts), so a set is enough."""
+        changed = False
+        while True:
+            try:
+                msg = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if msg[:1] == b"\x01":
+                self._prefixes.add(msg[1:])
+                changed = True
+            elif msg[:1] == b"\x00":
+                self._prefixes.discard(msg[1:])
+                changed = True
+        if changed:
+            self._wanted = {kind: any(topic.startswith(prefix) for prefix in self._prefixes)
+                            for kind, topic in _TOPICS.items()}
+            events_log.info("[events] subscriptions now %s",
+                            sorted(k for k, on in self._wanted.items() if on) or "none")
+
+    def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
+        """Send one event if anyone subscribed to its kind; never blocks (PUB drops for a slow subscriber)."""
+        wanted = self._wanted.get(kind)
+        if not wanted:
+            if wanted is None:
+                raise ValueError(f"unknown event kind {kind!r}; add it to nodeagent.daemon.cluster.KINDS")
+            return
+        self.seq += 1
+        event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=self._wall(), kind=kind,
+                        device=device, session=session, data=data)
+        try:
+            self._sock.send_multipart([_TOPICS[kind], codec.encode(event)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.dropped += 1
+            events_log.warning("[events] dropped seq=%d kind=%s: %s", self.seq, kind, exc)
+
+
 
 
 class ClusterRoute(bytes):
@@ -324,7 +394,7 @@ class ClusterEndpoint:
             log.warning("[cluster] dropped %s to a placement peer that is gone or not reading", type(msg).__name__)
 
     def event(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
-        """Publish one event (a kind of :data:`nodeagent.daemon.events.KINDS`) to whoever subscribed to
+        """Publish one event (a kind of :data:`KINDS`) to whoever subscribed to
         its kind; nothing without the events socket."""
         if self.events is not None:
             self.events.publish(kind, device, session, **data)

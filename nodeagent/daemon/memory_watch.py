@@ -1,8 +1,8 @@
 """Measured device memory against declarations, and lost devices (:class:`MemoryPolicy`): a
 watcher thread reads per-process memory off the loop, and the loop applies ``memory.policy``
-to sessions over their declaration, tells the sessions of a lost device, and acts on Xid errors.
-It owns the watcher, its readings and the lost-devices table (:class:`LostDevices`). Detail:
-docs/internals.md.
+to sessions over their declaration, tells the sessions of a lost device (the token gate keeps
+the lost-devices table, fed by ``DeviceLost`` and ``DeviceBack``), and acts on Xid errors. It
+owns the watcher and its readings. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceBackend, DeviceError, DeviceFault, DeviceLostError, DeviceProcess
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MayAsk, MpsFaulted
+from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MpsFaulted
+from nodeagent.daemon.bus import DeviceBack as BusDeviceBack
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
-from sharing import SessionState
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -64,73 +64,30 @@ class DeviceBack:
 Reading = Union[DeviceReading, DeviceLost, DeviceBack, DeviceFault]
 
 
-class LostDevices:
-    """Devices NVML reports lost, and the token requests held back on them: a lost device
-    takes no new session and grants nothing until it answers again. Pure: no I/O, no clock."""
-
-    def __init__(self) -> None:
-        self._why: dict[int, str] = {}  # device -> what NVML said
-        self._held: dict[int, dict[str, float]] = {}  # device -> session -> waiting since, in order
-
-    def lose(self, device: int, message: str) -> None:
-        self._why[device] = message
-        self._held.setdefault(device, {})
-
-    def back(self, device: int) -> dict[str, float]:
-        """The device answers again: the requests held on it (session -> waiting since), in order."""
-        self._why.pop(device, None)
-        return self._held.pop(device, {})
-
-    def is_lost(self, device: int) -> bool:
-        return device in self._why
-
-    def refusal(self, device: int) -> str | None:
-        """Why ``device`` takes no new session now (a sentence for the peer), or None."""
-        why = self._why.get(device)
-        if why is None:
-            return None
-        return (f"device {device} has failed ({why}); it takes no new sessions and grants nothing until it "
-                "answers again: use another device")
-
-    def hold(self, device: int, session: str, since: float) -> bool:
-        """Hold a token request of ``session`` if ``device`` is lost (True), else False."""
-        held = self._held.get(device)
-        if held is None:
-            return False
-        held.setdefault(session, since)
-        return True
-
-    def forget(self, session: str) -> None:
-        """The session withdrew its request (cancel) or ended."""
-        for held in self._held.values():
-            held.pop(session, None)
-
-
 Send = Callable[[object, object], None]  # (route, message)
 
 
 class MemoryPolicy:
     """The memory policy applied to measured use, and lost devices (see the module
-    docstring). It owns the memory watcher thread and the queue it reads into; the
-    lost-device table is shared (admission, serving and suspension read it)."""
+    docstring). It owns the memory watcher thread and the queue it reads into."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, metrics: Metrics, send: Send, bus: Bus) -> None:
-        """``devices``: the backend (which measures per-process memory on cuda) and the lost-
-        device table this component keeps; ``bus``: health events and :class:`DeviceLost` (the
-        serving component's queues hear it there) are published on it."""
+        """``devices``: the backend (which measures per-process memory on cuda); ``bus``: health
+        events, :class:`DeviceLost` and :class:`DeviceBack` (the token gate and serving's queues
+        hear them there) are published on it."""
         self._config = config
         self._backend = devices.backend
         self._clock = loop.clock
         self._sessions = sessions
         self._tokens = tokens  # token commands, stopping a verified process
         self._metrics = metrics
-        self._lost_devices = devices.lost
         self._wake = loop.wake
         self._send = send
         self._bus = bus
         self._readings: queue.SimpleQueue = queue.SimpleQueue()  # filled by the watcher thread
         self._watcher: MemoryWatcher | None = None
+        self._over: set[str] = set()  # sessions flagged over their declaration, until back under
 
     # ------------------------------------------------------------------ life
 
@@ -147,6 +104,10 @@ class MemoryPolicy:
             self._watcher.stop()
 
     # -------------------------------------------------------------- readings
+
+    def over_memory(self, s: Session) -> bool:
+        """Whether ``s`` was last measured over its declaration (a read-only view)."""
+        return s.id in self._over
 
     def apply_readings(self) -> None:
         """Act on what the memory watcher measured (it runs on its own thread)."""
@@ -174,9 +135,12 @@ class MemoryPolicy:
             sessions = [s for s in self._sessions.values() if s.device == reading.device]
             over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
             for s in sessions:
-                if s.id in over and not s.over_memory:
+                if s.id in over and s.id not in self._over:
                     self._on_overuse(s, over[s.id], now)
-                s.over_memory = s.id in over
+                    self._over.add(s.id)
+                elif s.id not in over:
+                    self._over.discard(s.id)
+        self._over = {sid for sid in self._over if sid in self._sessions}  # ended sessions let go
 
     def _on_overuse(self, s: Session, over: memory.Overuse, now: float) -> None:
         policy = self._config.memory_policy
@@ -202,19 +166,14 @@ class MemoryPolicy:
         first (so that the revoke grants nobody) and their requests are held."""
         sessions = [s for s in self._sessions.values() if s.device == lost.device]
         log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
-        self._lost_devices.lose(lost.device, lost.message)
         self._bus.event("health", lost.device, None, device_state="lost", reason=lost.message)
         notice = (f"device {lost.device} has failed ({lost.message}); the work on it is lost: "
                   "end this session and start again on another device")
-        tokens = self._tokens
-        for s in sessions:
-            if tokens.state(s.device, s.id) is SessionState.WAITING:
-                tokens.cancel(s.device, s.id, now)
-                self._lost_devices.hold(lost.device, s.id, s.wait_started if s.wait_started is not None else now)
-        self._bus.publish(BusDeviceLost(lost.device, notice, now))  # serving's queues on it hear first
+        # The token gate hears first (its waiters leave the line and are held), then serving's queues.
+        self._bus.publish(BusDeviceLost(lost.device, notice, now, lost.message))
         for s in sessions:
             if s.grant is not None:
-                tokens.revoke(s.device, s.id, now, "device_lost")
+                self._tokens.revoke(s.device, s.id, now, "device_lost")
         for s in sessions:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
@@ -264,13 +223,10 @@ class MemoryPolicy:
 
     def _on_device_back(self, device: int, now: float) -> None:
         """A lost device answers again: it admits sessions, and the requests held on it go to its
-        scheduler in the order they were made, keeping their wait."""
-        held = self._lost_devices.back(device)
-        log.warning("[device] device=%d answers NVML again: open for sessions and grants, held requests=%d",
-                    device, len(held))
+        scheduler in the order they were made, keeping their wait (the token gate's part)."""
+        log.warning("[device] device=%d answers NVML again: open for sessions and grants", device)
         self._bus.event("health", device, None, device_state="ok")
-        for sid, since in held.items():  # through the token gate again: suspended ones are kept
-            self._bus.publish(MayAsk(sid, now, min(since, now)))
+        self._bus.publish(BusDeviceBack(device, now))
 
 
 class MemoryWatcher(threading.Thread):

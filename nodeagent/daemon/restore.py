@@ -1,7 +1,7 @@
 """Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives,
-stops the old daemon left, suspensions and policies, and a restore window per device in which
-the client that was using it reclaims its slice before parked requests run. Detail:
-docs/internals.md.
+stops the old daemon left, suspensions and policies; it opens a restore window per device in
+the token gate (the client that was using the device reclaims its slice before parked requests
+run), and writes stale sessions again while the journal fails. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import SessionRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
-from nodeagent.daemon.bus import Bus, MayAsk
+from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.tokens import Tokens
 from sharing import Workload
 from sharing.suspension import Suspension
@@ -31,16 +31,15 @@ JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the jo
 
 
 class Restorer:
-    """Restore after a restart and the restore windows (see docs/internals.md).
+    """Restore after a restart (see docs/internals.md).
 
     :meth:`restore` renews the schedulers through ``tokens`` (grant ids continue
     above the old daemon's)."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int],
-                 add_session: Callable[[Session, float], None], bus: Bus) -> None:
-        """``bus``: token requests this component held back (a restore window's) are made again
-        through the token gate (:class:`MayAsk`)."""
+                 add_session: Callable[[Session, float], None], gate: TokenGate) -> None:
+        """``gate``: where the restore windows of the devices with restored sessions are opened."""
         self._config = config
         self._journal = journal
         self._sessions = sessions
@@ -48,12 +47,7 @@ class Restorer:
         self._mps = mps
         self._capacities_mb = capacities_mb  # per device: the most a session may have declared
         self._add_session = add_session
-        self._bus = bus
-        # Devices whose restored sessions have not all reattached yet. Only the
-        # slice in progress may be granted there; other requests wait (parked).
-        self._restoring: dict[int, set[str]] = {}
-        self._parked: dict[int, list[str]] = {}
-        self._restore_deadline = 0.0
+        self._gate = gate
         self._next_retry: float | None = None  # monotonic: when to probe and write stale sessions again
 
     # ---------------------------------------------------------------- restore
@@ -71,6 +65,7 @@ class Restorer:
         self._tokens.renew((boot << 32) + 1)
         restored = dropped = 0
         records, bad = journal.read_sessions()
+        windows: dict[int, set[str]] = {}
         for row in bad:  # logged by the journal; a process it stopped must not stay stopped
             continue_orphan(row.values)
             self._journal.write(lambda j, seq=row.seq: j.delete_session_row(seq))
@@ -107,87 +102,25 @@ class Restorer:
             self._add_session(session, now)
             if session.stopped:  # the old daemon died holding it stopped: let it run
                 self._tokens.cont(session)
-            self._restoring.setdefault(rec.device, set()).add(rec.id)
-            self._parked.setdefault(rec.device, [])
+            windows.setdefault(rec.device, set()).add(rec.id)
             restored += 1
-        self._restore_deadline = now + self._config.heartbeat_timeout_s
+        self._gate.open_windows(windows, now + self._config.heartbeat_timeout_s)
         # A first boot has nothing to restore: that is not news on a fresh start.
         log.log(logging.DEBUG if boot == 1 and not (restored or dropped or bad) else logging.INFO,
                 "[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
         return boot
 
-    # --------------------------------------------------------- restore window
-
-    def honour_claim(self, s: Session, claim: int | None, now: float) -> None:
-        """A resumed client that was using the device when it lost us gets the
-        token back first, so its slice in progress completes."""
-        restoring = self._restoring.get(s.device)
-        if restoring is not None:
-            restoring.discard(s.id)
-        if claim is not None and s.grant is None:
-            self._bus.publish(MayAsk(s.id, now, claimed=True))
-        if restoring is not None and not restoring:
-            self._end_restore(s.device, now)
-
-    def restoring(self, device: int) -> bool:
-        """Whether ``device`` is in its restore window (only the slice that was running goes first)."""
-        return device in self._parked
-
     def restored(self) -> list[Session]:
         """The sessions :meth:`restore` brought back that are still in a restore window."""
-        ids = {sid for pending in self._restoring.values() for sid in pending}
+        ids = self._gate.awaited()
         return [s for s in self._sessions.values() if s.id in ids]
 
-    def park(self, s: Session) -> bool:
-        """While ``s``'s device is in its restore window, hold its token request until the
-        window closes (the slice that was running goes first); False if there is no window."""
-        parked = self._parked.get(s.device)
-        if parked is None:
-            return False
-        if s.id not in parked:
-            parked.append(s.id)
-        return True
-
-    def unpark(self, s: Session) -> None:
-        """``s`` withdrew its request (cancel): it is not made when the window closes."""
-        for parked in self._parked.values():
-            if s.id in parked:
-                parked.remove(s.id)
-
-    def forget(self, s: Session, now: float) -> None:
-        """``s`` ended: it is parked no more, and the window waits for it no longer."""
-        for parked in self._parked.values():
-            if s.id in parked:
-                parked.remove(s.id)
-        restoring = self._restoring.get(s.device)
-        if restoring is not None:
-            restoring.discard(s.id)
-            if not restoring:
-                self._end_restore(s.device, now)
-
     def next_deadline(self, now: float) -> float | None:
-        """When the restore windows close, or the journal is probed again (None: neither is pending)."""
-        at = self._restore_deadline if self._restoring else None
-        if self._next_retry is not None and (at is None or self._next_retry < at):
-            at = self._next_retry
-        return at
+        """When the journal is probed again (None: it is not pending)."""
+        return self._next_retry
 
     def on_timers(self, now: float) -> None:
-        """Close every restore window still open at its deadline; then the journal's retry."""
-        if self._restoring and now >= self._restore_deadline:
-            for device in list(self._restoring):
-                self._end_restore(device, now)
         self.retry_journal(now)
-
-    def _end_restore(self, device: int, now: float) -> None:
-        """Close a device's restore window and hand its parked requests to the scheduler."""
-        self._restoring.pop(device, None)
-        parked = self._parked.pop(device, [])
-        log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
-        for sid in parked:
-            s = self._sessions.get(sid)
-            if s is not None:  # waited through the window: keeps its wait, no sleeper clamp; held if lost
-                self._bus.publish(MayAsk(sid, now, s.wait_started))
 
     # ---------------------------------------------------------- journal retry
 

@@ -25,22 +25,21 @@ from client_lib.limits import MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.local import LocalEndpoint, Peer
-from nodeagent.daemon.loop import POLLIN, EventLoopPoller, Timer, Timers
+from nodeagent.daemon.loop import POLLIN, EventLoopPoller, LocalEndpoint, Peer, Timer, Timers
 from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
-from nodeagent.daemon.attained import AttainedService, job_of
+from nodeagent.daemon.history import AttainedService, job_of
 from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
-                                  MpsFaulted, Published,
+                                  DeviceBack, MpsFaulted, Published,
                                   Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
-from nodeagent.daemon.gate import TokenGate
+from nodeagent.daemon.gate import LostDevices, TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
 from nodeagent.daemon.journal_writer import JournalWriter
-from nodeagent.daemon.memory_watch import LostDevices, MemoryPolicy
+from nodeagent.daemon.memory_watch import MemoryPolicy
 from nodeagent.daemon.metrics_http import MetricsEndpoint
 from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
@@ -117,7 +116,7 @@ class AgentServer:
         bus = self._bus = Bus()
         loop = LoopHandle(self._poller, clock, self._wake)
         replies = Replies(self._send, self._error, self._bad, self._session_for)
-        self._lost_devices = LostDevices()  # GPUs NVML reports lost: no new sessions, no grants
+        self._lost_devices = LostDevices()  # GPUs NVML reports lost: the gate writes it, the others read it
         devices = self._devices = DeviceFacts(backend, self._lost_devices)
         self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
         # Every journal write goes through it: failures are counted, published, never fatal.
@@ -139,13 +138,14 @@ class AgentServer:
         # Whole-device suspensions, journalled.
         self._suspensions = Suspensions(sessions=self._sessions, tokens=self._tokens, metrics=self.metrics,
                                         replies=replies, bus=bus, journal=self._journal_writer)
-        # Restore after a restart, the restore windows, and writing stale sessions again.
+        # Every request for a session's token passes here, whoever makes it: it owns what keeps one
+        # back (make-room blocks, restore windows, lost devices).
+        self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices)
+        # Restore after a restart (its windows opened in the gate), and writing stale sessions again.
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
             mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
-            add_session=self._add_session, bus=bus)
-        # Every request for a session's token passes here, whoever makes it.
-        self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices, restorer=self._restorer)
+            add_session=self._add_session, gate=self._gate)
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -184,7 +184,9 @@ class AgentServer:
         bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
         bus.subscribe(SuspensionAsked, self._tokens.on_suspension_asked)
-        bus.subscribe(BusDeviceLost, self._serving.on_device_lost)
+        bus.subscribe(BusDeviceLost, self._gate.on_device_lost)  # its waiters held first,
+        bus.subscribe(BusDeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
+        bus.subscribe(DeviceBack, self._gate.on_device_back)
         bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
         bus.subscribe(MayAsk, self._gate.on_may_ask)
@@ -197,7 +199,8 @@ class AgentServer:
         timers.add("timers", self._tokens)
         timers.add("timers", Timer(self._closing_deadline, self._drop_closed))
         timers.add("timers", Timer(lambda now: self._next_liveness_check, self._check_liveness))
-        for component in (self._suspensions, self._cluster, self._restorer, self._serving, self._attained):
+        for component in (self._suspensions, self._cluster, self._gate, self._restorer, self._serving,
+                          self._attained):
             timers.add("timers", component)
 
     def _restore(self) -> None:
@@ -494,7 +497,7 @@ class AgentServer:
         if resumed is not None:
             self._welcome(route, msg.id, resumed, resumed=True, minor=msg.protocol[1])
             self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
-            self._restorer.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
+            self._gate.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
         device, code, problem = self._admission.pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
@@ -825,7 +828,7 @@ class AgentServer:
         self._suspensions.forget(s, now)
         self._mps.leave(s.id, s.device)
         self._journal_writer.write(lambda j: j.delete_session(s.id), session=s.id)
-        self._restorer.forget(s, now)
+        self._gate.forget(s, now)
         if reason == "bye":
             log.info("[session] close session=%s name=%s", s.id, s.name)
         elif reason == ENDED:  # not lost: nothing was left undone
@@ -869,7 +872,7 @@ class AgentServer:
         for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
         ENDED, before the process has ended)."""
         return (s.pidfd is not None and s.managed_pidfd is None and not s.stopped
-                and s.suspend_state is None and s.grant is None and not s.acquire_pending
+                and s.suspend_state is None and s.grant is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
 

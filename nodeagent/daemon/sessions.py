@@ -51,14 +51,8 @@ class Session:
     managed_cgroup: object | None = None  # nodeagent.cgroup.Cgroup: the leader's own cgroup, verified and held open
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
-    over_memory: bool = False  # flagged by the watcher; cleared when back under
     # Its whole-device suspension (sharing.suspension): written by the suspension component only.
     suspension: Suspension = field(default_factory=Suspension)
-    suspend_waiters: list = field(default_factory=list)  # (route, request id) awaiting suspend_result
-    blocked_by: set = field(default_factory=set)  # sessions suspending to make room for this one
-    # Asked for the token while blocked_by was not empty (the gate kept it): asked for when it is
-    # empty; cancel clears it. (A wish made while suspended is the suspension's: keep_request.)
-    acquire_pending: bool = False
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
@@ -67,9 +61,6 @@ class Session:
     mps: bool = False  # its welcome put it on its device's MPS server (it shares that server's fault domain)
     host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
     host_pinned: bool = False
-    # A suspend notice was sent and no resumed report has come since: only then are its
-    # suspended and resumed reports (and the host bytes they carry) believed.
-    suspend_asked: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
 
     @property

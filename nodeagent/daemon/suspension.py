@@ -54,8 +54,20 @@ class Suspensions:
         self._bus = bus
         self._journal = journal
         self._pending: set[Session] = set()  # requested, deadline not yet acted on
+        self._waiters: dict[str, list[tuple]] = {}  # session -> (route, request id) awaiting suspend_result
+        # Sessions sent a suspend notice with no resumed report since: only their suspended and
+        # resumed reports (and the host bytes they carry) are believed.
+        self._asked: set[str] = set()
 
     # ------------------------------------------------------------- for the loop
+
+    def waiters(self, s: Session) -> tuple:
+        """Who awaits ``s``'s ``suspend_result``: (route, request id) pairs (a read-only view)."""
+        return tuple(self._waiters.get(s.id, ()))
+
+    def wait_for(self, s: Session, route, request_id: int) -> None:
+        """``route``'s request ``request_id`` is answered with ``s``'s next outcome."""
+        self._waiters.setdefault(s.id, []).append((route, request_id))
 
     def under_way(self, s: Session) -> bool:
         """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
@@ -75,20 +87,21 @@ class Suspensions:
         """``s`` ended: a suspension under way is reported ``gone`` to whoever waits on it."""
         self._pending.discard(s)
         self._carry_out(s, s.suspension.gone(now), now, journal=False)
-        s.suspend_waiters.clear()
+        self._waiters.pop(s.id, None)
+        self._asked.discard(s.id)
 
     def answer_pending(self) -> None:
         """Shutdown: every ``suspend_session`` still waiting for its outcome is answered
         ``E_SHUTTING_DOWN`` now, not left to its own timeout (reclaims: the cluster endpoint).
         The suspensions themselves stay journalled: the next daemon finishes them."""
         answered = 0
-        for s in self._sessions.values():
-            for route, request_id in s.suspend_waiters:
+        for sid, waiters in self._waiters.items():
+            for route, request_id in waiters:
                 self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN,
-                            f"daemon is shutting down; the suspension of session {s.id} did not finish "
+                            f"daemon is shutting down; the suspension of session {sid} did not finish "
                             "(retry when it is back)")
                 answered += 1
-            s.suspend_waiters.clear()
+        self._waiters.clear()
         self._pending.clear()
         if answered:
             log.info("[shutdown] step=suspend-requests answered=%d", answered)
@@ -108,7 +121,7 @@ class Suspensions:
             self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=state.value, elapsed_ms=0.0,
                                               bytes_parked=s.bytes_parked))
             return
-        s.suspend_waiters.append((route, msg.id))
+        self.wait_for(s, route, msg.id)
         if state is SuspendState.RUNNING:  # else already under way: this caller hears the same result
             self.begin(s, msg.deadline_ms, now, reason="requested")
 
@@ -127,7 +140,7 @@ class Suspensions:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return  # answered E_NO_SESSION
-        if not s.suspend_asked:  # a client reports suspended only after a suspend notice
+        if s.id not in self._asked:  # a client reports suspended only after a suspend notice
             self._refuse_claim(route, msg.id, s, "suspended",
                                f"session {s.id} was not asked to suspend; a suspended report is refused")
             return
@@ -161,7 +174,7 @@ class Suspensions:
         s = self._session_for(route, msg.id, now)
         if s is None:
             return
-        if not s.suspend_asked:
+        if s.id not in self._asked:
             # Not answered: a client whose suspension a daemon without its journal forgot resumes
             # and says so, and an error it would raise later must not end its program.
             self._metrics.refused_claims.labels("resumed").inc()
@@ -171,7 +184,7 @@ class Suspensions:
             self._refuse_claim(route, msg.id, s, "host_bytes",
                                f"host_bytes {msg.host_bytes} is more than this host's memory ({HOST_MEMORY_BYTES})")
             return
-        s.suspend_asked = False
+        self._asked.discard(s.id)
         self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
         if msg.host_bytes is not None:  # what it keeps for the next park (0: let go)
             s.host_bytes = msg.host_bytes
@@ -184,7 +197,8 @@ class Suspensions:
         deadline was pending is pending again (what is left of it), and one the old daemon had
         stopped is asked again (the restarted daemon continued every process it finds stopped)."""
         state = s.suspension.state
-        s.suspend_asked = state is not SuspendState.RUNNING  # its welcome says so; its reports are due
+        if state is not SuspendState.RUNNING:  # its welcome says so; its reports are due
+            self._asked.add(s.id)
         if state is SuspendState.STOPPED:
             s.suspension.state = SuspendState.RUNNING
             s.suspension.request(now, DEFAULT_SUSPEND_DEADLINE_MS, "restart", waiting=False)
@@ -197,7 +211,7 @@ class Suspensions:
         machine = s.suspension
         if machine.state is SuspendState.REQUESTED:
             left_ms = max(1.0, ((machine.deadline or now) - now) * 1000.0)
-            s.suspend_asked = True
+            self._asked.add(s.id)
             self._send(s.route, p.SuspendNotice(deadline_ms=left_ms, reason=machine.reason or "restart"))
 
     # ---------------------------------------------------------------- internals
@@ -223,7 +237,7 @@ class Suspensions:
             kind = type(action)
             if kind is Notify:
                 if action.what == "suspend":
-                    s.suspend_asked = True
+                    self._asked.add(s.id)
                     self._send(s.route, p.SuspendNotice(deadline_ms=action.deadline_ms, reason=action.reason))
                 else:
                     self._send(s.route, p.ResumeNotice())
@@ -258,10 +272,9 @@ class Suspensions:
             self._journal.write(lambda j: j.set_suspension(s.id, record), session=s.id)
 
     def _report(self, s: Session, outcome: str, elapsed_ms: float, now: float, suspend_ms: float) -> None:
-        for route, request_id in s.suspend_waiters:
+        for route, request_id in self._waiters.pop(s.id, ()):
             self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
                                               bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
-        s.suspend_waiters.clear()
         self._metrics.suspends.labels(outcome).inc()
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
