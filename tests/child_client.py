@@ -4,7 +4,8 @@ killable process. Prints one line per event: ``EVENT <monotonic_s> <detail>``
 
 Modes:
   loop      hold slices back to back, doing real work and calling yield_point()
-            after each unit; prints GRANT on each (re-)grant and a final DONE line;
+            after each unit, for --seconds or until --stop-file exists; prints GRANT on each
+            (re-)grant and a final DONE line;
             with --park-bytes it parks cooperatively when suspended (a reclaim)
   hold      acquire once, print GRANT, then hold the token (sleeping) until killed
   stubborn  acquire once, print GRANT, then compute forever without ever yielding,
@@ -46,6 +47,7 @@ def main() -> int:
     ap.add_argument("--workload", default="training")
     ap.add_argument("--weight", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--stop-file", default=None, help="loop: end (DONE) as soon as this file exists")
     ap.add_argument("--rounds", type=int, default=8, help="sha256 rounds of 64 KiB per work unit")
     args = ap.parse_args()
     if args.mode == "spoof":
@@ -74,7 +76,7 @@ def main() -> int:
     stop_at = time.monotonic() + args.seconds
     with client.slice():
         emit("GRANT")
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at and not (args.stop_file and os.path.exists(args.stop_file)):
             work_unit(blob, args.rounds)
             units += 1
             if client.yield_point():

@@ -271,6 +271,7 @@ ONE_WORKER_MODULES = {
     "test_k8s_device_plugin.py", "test_k8s_manifests.py", "test_one_holder.py", "test_peer_rights.py",
     "test_protocol_behaviour.py", "test_protocol_doc.py", "test_replay.py", "test_replay_log.py",
     "test_serving.py", "test_systemd.py",
+    "test_worker_pool.py",  # its tests that leave the pool as found share one (a worker is a torch import)
 }
 # The serial tests: each asserts how long something took (under a bound a busy core can break),
 # or leaves a killed process's segment in /dev/shm and asserts it is there until its own sweep

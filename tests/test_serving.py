@@ -45,12 +45,17 @@ def _made_by(d: Daemon, *others: int) -> tuple[int, ...]:
     return (os.getpid(), d.proc.pid, *_workers_of(d.proc.pid), *others)
 
 
+def _one_worker(workdir: str) -> None:
+    """Config for a daemon whose test needs no standby: each worker is a torch import (seconds of CPU)."""
+    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
+        f.write("[ctxpool]\nworkers_per_device = 1\n")
+
+
 @pytest.fixture(scope="module")
 def served():
-    """One daemon with warm workers for the tests that leave it as they found it."""
+    """One daemon with a warm worker for the tests that leave it as they found it."""
     workdir = tempfile.mkdtemp(prefix="na-")
-    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
-        f.write("[ctxpool]\nworkers_per_device = 2\n")
+    _one_worker(workdir)
     d = Daemon(workdir, ["--ctxpool", "on"]).start()
     try:
         yield d
@@ -125,9 +130,10 @@ def test_model_exception_is_typed_and_the_worker_survives(served):
         c.unregister_model("fails")
 
 
-def test_infer_waits_for_the_device_token(start_daemon, spawn):
+def test_infer_waits_for_the_device_token(start_daemon, spawn, workdir):
     """A training holder that ignores yields keeps the device until revoked:
     the inference request waits in the token queue, not beside it."""
+    _one_worker(workdir)
     d = start_daemon("--ctxpool", "on", "--enforce", "revoke", "--grace-ms", "400")
     x = torch.randn(2, 16)
     with Client("svc", workload="inference", endpoint=d.endpoint) as c:
@@ -143,6 +149,7 @@ def test_infer_waits_for_the_device_token(start_daemon, spawn):
 def test_worker_killed_mid_request_then_replacement_serves(start_daemon, workdir):
     marker = os.path.join(workdir, "busy.pid")
     os.environ["NA_TEST_BUSY_MARKER"] = marker  # inherited by the daemon and its workers
+    _one_worker(workdir)  # no standby: the next request must wait for the replacement
     try:
         d = start_daemon("--ctxpool", "on")
     finally:
@@ -167,7 +174,7 @@ def test_worker_killed_mid_request_then_replacement_serves(start_daemon, workdir
         assert isinstance(result.get("exc"), WorkerDeadError), result
         assert str(pid) in str(result["exc"])
         os.unlink(marker)
-        # The next request is served (by the standby, then a replacement) with the right output.
+        # The next request is served by the replacement, with the right output.
         out = c.infer("busy", -x, timeout=60)
         assert torch.equal(out, serving_models.busy()(-x))
     assert "[ctxpool] worker replaced" in d.log()
@@ -191,7 +198,8 @@ def test_eviction_and_reswap_under_a_residency_budget(start_daemon, workdir):
         assert swaps == ["pipelined", "ready", "pipelined", "pipelined"], swaps
 
 
-def test_restart_keeps_registrations(start_daemon):
+def test_restart_keeps_registrations(start_daemon, workdir):
+    _one_worker(workdir)  # both daemons
     d = start_daemon("--ctxpool", "on")
     x = torch.randn(2, 16)
     with Client("svc", workload="inference", endpoint=d.endpoint, reconnect=False) as c:
@@ -252,7 +260,7 @@ def test_client_killed_mid_infer_leaves_nothing_and_others_are_served(start_daem
         assert all("doomed" not in s.name for dev in status.devices for s in dev.sessions)
 
 
-def test_unverifiable_peer_may_not_register_a_model(start_daemon):
+def test_unverifiable_peer_may_not_register_a_model(start_daemon, workdir):
     """Over tcp the daemon cannot read the peer's credentials: registering would run
     its factory in the daemon's workers, so it is refused."""
     import socket
@@ -260,6 +268,7 @@ def test_unverifiable_peer_may_not_register_a_model(start_daemon):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    _one_worker(workdir)
     d = start_daemon("--ctxpool", "on", endpoint=f"tcp://127.0.0.1:{port}")
     with Client("remote", workload="inference", endpoint=d.endpoint) as c:
         with pytest.raises(DaemonError) as err:

@@ -18,9 +18,11 @@ def session_by_name(daemon, name):
     return next(s for d in daemon.status().devices for s in d.sessions if s.name == name)
 
 
-def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, spawn):
+def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, spawn, workdir):
     d = start_daemon("--quantum-ms", "training=1000")
-    trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "6", "--park-bytes", "123456")
+    stop = os.path.join(workdir, "stop")  # the trainer's work ends on this cue, not after fixed seconds of CPU
+    trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "60", "--park-bytes", "123456",
+                    "--stop-file", stop)
     sid = trainer.expect("SESSION")[2]
     trainer.expect("GRANT")
     result = suspend_session(sid, deadline_ms=2000, endpoint=d.endpoint)
@@ -43,6 +45,7 @@ def test_a_cooperative_trainer_parks_frees_the_device_and_resumes(start_daemon, 
     assert session_by_name(d, "trainer").suspended is None
     # Kept across the resume for the next park, so still counted.
     wait_for(lambda: session_by_name(d, "trainer").host_bytes == 126976)
+    open(stop, "w").close()
     assert int(trainer.expect("DONE", timeout=20)[2]) > 0
 
 
@@ -62,9 +65,10 @@ def test_a_trainer_that_never_yields_is_stopped_at_the_deadline_and_continued_on
     hog.expect("TICK", count=count + 3)
 
 
-def test_a_second_suspend_of_a_suspended_session_answers_at_once(start_daemon, spawn):
+def test_a_second_suspend_of_a_suspended_session_answers_at_once(start_daemon, spawn, workdir):
     d = start_daemon()
-    trainer = spawn(d.endpoint, "loop", "--name", "t", "--seconds", "5", "--park-bytes", "10")
+    stop = os.path.join(workdir, "stop")
+    trainer = spawn(d.endpoint, "loop", "--name", "t", "--seconds", "60", "--park-bytes", "10", "--stop-file", stop)
     sid = trainer.expect("SESSION")[2]
     trainer.expect("GRANT")
     assert suspend_session(sid, endpoint=d.endpoint).outcome == "suspended"
@@ -72,6 +76,7 @@ def test_a_second_suspend_of_a_suspended_session_answers_at_once(start_daemon, s
     assert (again.outcome, again.elapsed_ms, again.bytes_parked) == ("suspended", 0.0, 10)
     resume_session(sid, endpoint=d.endpoint)
     resume_session(sid, endpoint=d.endpoint)  # idempotent
+    open(stop, "w").close()
     trainer.expect("DONE", timeout=20)
 
 

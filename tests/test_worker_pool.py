@@ -120,11 +120,47 @@ def loop():
     yield driver
     for pool in driver.pools:
         pool.shutdown(5.0)
+    _check_left_nothing(driver)
+
+
+def _check_left_nothing(driver: Loop) -> None:
+    """After its pools' shutdown: no fd registered, no segment and no worker process left."""
     assert not driver.fds, "fds still registered after shutdown"
     leftovers = _our_segments(driver.pids)
     assert not leftovers, f"segments left in /dev/shm: {leftovers}"
     alive = [pid for pid in driver.pids if _alive(pid)]
     assert not alive, f"worker processes left running: {alive}"
+
+
+@pytest.fixture(scope="module")
+def _shared_pool():
+    """One single-worker pool for the module's tests that leave it as they found it: a worker
+    is a spawned interpreter importing torch (seconds of CPU), so they share one."""
+    driver = Loop()
+    pool = _pool(driver, workers_per_device=1)
+    try:
+        [ready] = driver.wait_ready(pool, 1)
+        yield driver, pool, ready.pid
+    finally:
+        pool.shutdown(5.0)
+    _check_left_nothing(driver)
+
+
+@pytest.fixture
+def shared(_shared_pool, examples):
+    """(loop, pool) of the module's shared pool, its worker ready; after the test, every model it
+    registered is unregistered and dropped, and the worker must be the one it was given."""
+    driver, pool, pid = _shared_pool
+    assert [w.pid for w in pool.snapshot()[0]] == [pid], "an earlier test replaced the shared worker"
+    driver.events.clear()
+    yield driver, pool
+    for info in pool.models():
+        pool.unregister_model(info.name)
+    wait_for(lambda: (driver.step(0.05), pool.snapshot()[0][0].models == [])[1], timeout=10)
+    assert [w.pid for w in pool.snapshot()[0]] == [pid], "the test replaced the shared worker"
+    assert not [e for e in driver.events if isinstance(e, WorkerReplaced)], driver.events
+    left = {n for n in _our_segments({pid}) if not n.startswith("na-in-")}  # examples go after this
+    assert not left, f"weight or output segments left in /dev/shm: {left}"
 
 
 def _pool(loop: Loop, **kwargs) -> WorkerPool:
@@ -162,9 +198,8 @@ def examples():
 # ------------------------------------------------------------ models and requests
 
 
-def test_registration_errors_leave_nothing_behind(loop, examples, tmp_path):
-    pool = _pool(loop, workers_per_device=1)
-    loop.wait_ready(pool, 1)
+def test_registration_errors_leave_nothing_behind(shared, examples, tmp_path):
+    loop, pool = shared
     x = examples(torch.randn(2, 8))
     path = str(tmp_path / "mlp.safetensors")
     safetensors.save(m.mlp().state_dict(), path)
@@ -228,9 +263,8 @@ def test_outputs_equal_the_module_run_plainly_and_weights_live_once(loop, exampl
     assert [n for n in _our_segments(set()) if n.startswith("na-w-")] == [segment]
 
 
-def test_two_outputs_and_tied_weights_from_the_factory_init(loop, examples):
-    pool = _pool(loop, workers_per_device=1)
-    loop.wait_ready(pool, 1)
+def test_two_outputs_and_tied_weights_from_the_factory_init(shared, examples):
+    loop, pool = shared
     ids = torch.tensor([[1, 2, 3, 4]])
     assert isinstance(loop.register(pool, ModelSpec(name="tied", factory="tests.models_for_tests:tied",
                                                     example_input=examples(ids))), ModelReady)
@@ -243,9 +277,8 @@ def test_two_outputs_and_tied_weights_from_the_factory_init(loop, examples):
     assert torch.allclose(logits[1, 5], hidden[1] @ hidden[0])
 
 
-def test_a_model_that_raises_fails_its_request_and_the_worker_serves_the_next(loop, examples):
-    pool = _pool(loop, workers_per_device=1)
-    loop.wait_ready(pool, 1)
+def test_a_model_that_raises_fails_its_request_and_the_worker_serves_the_next(shared, examples):
+    loop, pool = shared
     assert isinstance(loop.register(pool, ModelSpec(name="raising", factory="tests.models_for_tests:raising",
                                                     example_input=examples(torch.randn(1, 8)))), ModelReady)
     pid = pool.snapshot()[0][0].pid
@@ -404,9 +437,8 @@ def test_a_worker_gives_cached_device_memory_back_after_each_reply_not_before():
     assert order == ["Failed", "release", "Dropped", "release"]
 
 
-def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(loop, examples):
-    pool = _pool(loop, workers_per_device=1)
-    loop.wait_ready(pool, 1)
+def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(shared, examples):
+    loop, pool = shared
     assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
                                                     example_input=examples(torch.randn(1, 8)))), ModelReady)
     segment, refs = tensors.pack([torch.randn(1, 8)], "na-in")
