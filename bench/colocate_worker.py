@@ -7,7 +7,8 @@ only answers); progress and errors go to stderr. A worker that is given a
 ``client`` opens its :class:`client_lib.Client` before anything touches CUDA, so
 that the daemon's environment (MPS pipe directory, client priority) is in place
 when the driver initialises. Times are ``time.monotonic_ns()``, comparable with
-the driver's and the other worker's.
+the driver's and the other worker's. A ``stop`` (or stdin closed) that comes before the
+worker said ``ready`` ends it at once: its mode failed or was interrupted while it started.
 
 Trainer: ``run`` (hold a slice, step back to back, ``yield_point()`` after each
 step when a client is given) until ``pause``, which answers with the completion
@@ -45,7 +46,9 @@ class WorkerError(Exception):
 class Channel:
     """JSON lines: commands from stdin (read on a thread), answers to the real stdout."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "worker") -> None:
+        self.role = role
+        self.ready = False  # set as "ready" is sent: before it, a stop ends the process at once
         self._out = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)  # stray prints (libraries, warnings) must not corrupt the answers
         self.commands: queue.Queue = queue.Queue(maxsize=_COMMANDS_MAX)
@@ -55,10 +58,23 @@ class Channel:
         for line in sys.stdin:
             line = line.strip()
             if line:
-                self.commands.put(json.loads(line))
+                command = json.loads(line)
+                if command.get("op") == "stop":
+                    self._stop_if_not_ready("asked to stop")
+                self.commands.put(command)
+        self._stop_if_not_ready("stdin closed")
         self.commands.put({"op": "stop", "why": "stdin closed"})  # the driver went away
 
+    def _stop_if_not_ready(self, why: str) -> None:
+        """A stop before "ready" (the mode failed or was interrupted while this worker started):
+        exit now rather than finish importing torch, building and warming up for nothing."""
+        if not self.ready:
+            log(self.role, f"{why} before it was ready: exiting")
+            os._exit(0)
+
     def send(self, **message) -> None:
+        if message.get("ready"):
+            self.ready = True
         self._out.write(json.dumps(message) + "\n")
 
     def next_command(self, block: bool = True) -> dict | None:
@@ -422,7 +438,7 @@ def main(role: str, spec_text: str) -> int:
     try:
         spec = json.loads(spec_text)
         spec["role"] = role
-        chan = Channel()
+        chan = Channel(role)
         (trainer if role == "trainer" else inference)(spec, chan)
     except WorkerError as exc:
         log(role, f"error: {exc}")

@@ -54,6 +54,7 @@ Always starts its own daemon (it needs the cluster endpoint and its keys).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import queue as queue_mod
@@ -226,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     wall0 = time.monotonic()
-    import torch  # only to pick the device and name it; the servers do the work
+    if args.device is not None and not args.device.startswith("cuda"):
+        torch = None  # a cpu run named as such: only the servers need torch (its import is seconds of CPU)
+    else:
+        import torch  # only to pick the device and name it; the servers do the work
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_cuda = device.startswith("cuda")
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": "cuda" if on_cuda else "cpu",
         "device": torch.cuda.get_device_name(torch.device(device)) if on_cuda else "cpu",
         "endpoint_kind": common.OWN,
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch is not None else importlib.metadata.version("torch"),
         "config": stats["config"],
         "weight_bytes": stats["weight_bytes"],
         "kv_cache_bytes": stats["kv_cache_bytes"],

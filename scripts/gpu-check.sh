@@ -69,7 +69,9 @@ steps_wanted=${GPU_CHECK_STEPS:-}
 wheels=${GPU_CHECK_WHEELS:-.whl}
 site=${GPU_CHECK_SITE:-${TMPDIR:-/tmp}/nodeagent-gpu-site}
 python=${PYTHON:-python3}
-if [ "$plan_only" = 0 ] && ! "$python" -c "import torch" >/dev/null 2>&1 && [ -x .venv/bin/python ]; then
+# Whether torch is installed, found without importing it (an import is seconds of CPU; the probe imports it).
+has_torch='import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'
+if [ "$plan_only" = 0 ] && ! "$python" -c "$has_torch" >/dev/null 2>&1 && [ -x .venv/bin/python ]; then
     python=.venv/bin/python
 fi
 if [ "$plan_only" = 1 ]; then
@@ -189,7 +191,8 @@ install_ray() {  # .whl/ray-site.tar.xz (scripts/gpu-wheels.sh --ray): Ray, trim
     # pip --target wrote the console script for the interpreter that built it: point it at ours.
     sed -i "1s|.*|#!$(command -v "$python")|" "$site/bin/ray" && export PATH="$site/bin:$PATH"
     record ray-wheels ok 0 $((SECONDS - t0)) "$WHEELS_CAP_S" "tar -xJf $bundle -C $site"
-    say "ray: unpacked into $site ($("$python" -c 'import ray; print(ray.__version__)' 2>&1 | tail -n1))"
+    # Its version from its metadata, not an import (seconds of CPU; the ray-gpu step imports it).
+    say "ray: unpacked into $site ($("$python" -c 'import importlib.metadata as m; print(m.version("ray"))' 2>&1 | tail -n1))"
 }
 
 # ------------------------------------------------------------------ environment

@@ -287,7 +287,6 @@ SERIAL = {
     "test_cluster.py": {"test_a_second_reclaim_joins_the_one_under_way_and_a_session_that_dies_counts_as_gone",
                         "test_reclaim_stops_a_borrower_that_ignores_it_at_the_deadline",
                         "test_reclaim_suspends_a_cooperative_borrower_and_reports_when_the_device_was_free"},
-    "test_cluster_sim.py": {"test_cluster_sim_json_end_to_end_on_the_small_preset"},
     "test_connect_backlog.py": {"test_a_backlog_that_stays_full_is_one_line_after_the_timeout"},
     "test_corun.py": {"test_a_pause_point_holds_while_paused_and_lets_go_when_the_daemon_is_gone",
                       "test_a_service_with_the_measured_spread_runs_beside_the_trainer_when_that_costs_nothing",

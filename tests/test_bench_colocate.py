@@ -302,6 +302,20 @@ def test_a_child_interrupted_while_its_readers_start_is_still_stopped():
         colocate.LIVE.discard(child)
 
 
+def test_a_worker_told_to_stop_before_it_is_ready_exits_without_starting_up():
+    """A mode that fails (its other worker killed) or is interrupted closes a worker that may
+    still be importing torch: it exits then, and never builds, warms up and says ready."""
+    spec = {"device": "cpu", "seed": 0, "input_size": 32, "seq_len": 16, "threads": 1, "max_backlog": 8,
+            "warmup_requests": 1, "calibrate": 0, "calibrate_s": 1.0, "mode": "no-daemon",
+            "loads": [{"name": "light", "model": "tiny-cnn", "batch": 1}]}
+    worker = subprocess.run([sys.executable, "-m", "bench.colocate", "--worker", "inference", "--spec",
+                             json.dumps(spec)], input=json.dumps({"op": "stop"}) + "\n", cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert worker.stdout == ""  # no "ready": it did not start up
+    assert "[inference] asked to stop before it was ready: exiting" in worker.stderr
+
+
 def test_the_default_loads_are_the_issues_fixed_rates_with_600_requests_a_cell():
     light, heavy = colocate.parse_loads(colocate.DEFAULTS["cuda"]["loads"])
     assert (light.model, light.batch, light.rate_per_s, light.fraction) == ("resnet50", 8, 45.0, None)

@@ -132,8 +132,8 @@ def test_cli_renders_the_cpu_folder_with_progress_on_stderr(tmp_path):
     results = tmp_path / CPU.name
     shutil.copytree(CPU, results, ignore=shutil.ignore_patterns("report"))
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "bench.report", str(results), "--out", str(out)],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    run = subprocess.run([sys.executable, "-m", "bench.report", str(results), "--out", str(out), "--dpi", "50"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)  # dpi 50: what is drawn, cheaper
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
     assert "[report] drew handoff" in run.stderr and "[report] drew scale" in run.stderr
@@ -162,7 +162,7 @@ def test_malformed_and_unknown_json_are_named_and_the_rest_is_drawn(tmp_path, ca
     (results / "list.json").write_text("[1, 2]")
     (results / "future.json").write_text('{"benchmark": "teleport", "p50_ms": 1}')
     out = tmp_path / "out"
-    assert report.main([str(results), "--out", str(out)]) == 0
+    assert report.main([str(results), "--out", str(out), "--dpi", "50"]) == 0
     err = capsys.readouterr().err
     for name in ("broken.json", "empty.json", "binary.json", "deep.json"):
         lines = [line for line in err.splitlines() if name in line]
@@ -212,7 +212,8 @@ def test_results_of_every_kind_with_fields_of_the_wrong_type_never_crash_the_rep
          "pytest": {"gpu": "x"}, "device": {"a": 1}, "tag": 7}))
     (results / "mps.json").write_text(json.dumps({"throughput_ratio": 2, "matmuls": {"a": "x", "b": 3}, "shares": 4}))
     out = tmp_path / "out"
-    assert report.main([str(results), "--out", str(out)]) == 0
+    # dpi 50: every kind's figure is drawn as at 100 (the same code, fewer pixels to render)
+    assert report.main([str(results), "--out", str(out), "--dpi", "50"]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err
     page = (out / "report.html").read_text()
@@ -229,7 +230,7 @@ def test_a_kind_draws_its_first_results_and_lists_the_others(tmp_path):
     for i in range(report.MAX_PER_KIND + 2):
         shutil.copy(H100 / "mps_30_70.json", results / f"mps_{i:02d}.json")
     out = tmp_path / "out"
-    assert report.main([str(results), "--out", str(out)]) == 0
+    assert report.main([str(results), "--out", str(out), "--dpi", "50"]) == 0
     page = (out / "report.html").read_text()
     assert page.count(": left out: mps draws at most 8 results") == 2
     assert "<code>mps_09.json</code>: left out" in page and "<code>mps_07.json</code>: left" not in page
