@@ -112,6 +112,7 @@ def _start_daemon(socket_dir: str) -> tuple[subprocess.Popen, str]:
             except DaemonUnavailableError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("nodeagent demo: the daemon did not start; see the messages above") from None
+                time.sleep(0.01)  # a refused connect returns at once: without a pause this spun a core
     except BaseException:  # Ctrl-C while it starts too: no daemon left behind
         proc.kill()
         proc.wait()

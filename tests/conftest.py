@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import socket
 import signal
@@ -51,6 +52,7 @@ class Daemon:
         self.extra_args = extra_args
         self.log_path = os.path.join(workdir, "daemon.log")
         self.proc: subprocess.Popen | None = None
+        self._ready: socket.socket | None = None  # where start() hears READY=1
 
     def start(self, timeout: float = 60.0) -> "Daemon":  # a start is 1 s; a 2-core box under load took 15+
         log = open(self.log_path, "ab")
@@ -58,23 +60,43 @@ class Daemon:
         if not os.path.exists(config):
             open(config, "w").close()  # hermetic: never the host's /etc/nodeagent/nodeagent.toml
         limit = () if self.nofile is None else (sys.executable, "-c", _WITH_NOFILE, *map(str, self.nofile))
+        # The cue to wait on: READY=1 on a datagram socket named by $NOTIFY_SOCKET, as systemd
+        # hears it (sent once the endpoint is bound). Kept open while the daemon runs, so that
+        # its STOPPING=1 finds it; polling the endpoint instead spun a core for the whole start.
+        self._close_ready()
+        self._ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        name = f"nodeagent-test-ready-{uuid.uuid4().hex}"
+        self._ready.bind("\0" + name)
+        env = dict(os.environ, NOTIFY_SOCKET="@" + name)
         self.proc = subprocess.Popen(
             [*limit, sys.executable, "-m", "nodeagent", "serve", "--config", config, "--backend", "cpu",
              "--endpoint", self.endpoint,
              "--state-dir", os.path.join(self.workdir, "state"), "--log-level", "debug",
              # Warm workers cost seconds of CPU per start; only the tests that use them ask.
              *(() if "--ctxpool" in self.extra_args else ("--ctxpool", "off")), *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         log.close()
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                query_status(self.endpoint, timeout=0.2)
-                return self
-            except Exception:
+        try:
+            while not self._heard_ready(min(0.1, max(0.0, deadline - time.monotonic()))):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.kill()  # never leave a half-started daemon behind
-                    raise RuntimeError(f"daemon did not start:\n{self.log()}") from None
+                    raise RuntimeError("no READY=1")
+            query_status(self.endpoint, timeout=max(1.0, deadline - time.monotonic()))  # its loop answers too
+        except Exception:
+            self.kill()  # never leave a half-started daemon behind
+            raise RuntimeError(f"daemon did not start:\n{self.log()}") from None
+        return self
+
+    def _heard_ready(self, wait_s: float) -> bool:
+        """Whether READY=1 came within ``wait_s`` (the daemon's other messages are skipped)."""
+        if not select.select([self._ready], [], [], wait_s)[0]:
+            return False
+        return b"READY=1" in self._ready.recv(4096).split(b"\n")
+
+    def _close_ready(self) -> None:
+        if self._ready is not None:
+            self._ready.close()
+            self._ready = None
 
     def status(self):
         return query_status(self.endpoint, timeout=5)
@@ -87,6 +109,7 @@ class Daemon:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
+            self._close_ready()
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(sig)
         try:
@@ -95,11 +118,14 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
             raise
+        finally:
+            self._close_ready()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._close_ready()
 
 
 def free_port() -> int:

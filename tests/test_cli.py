@@ -127,14 +127,7 @@ def test_under_journald_log_lines_carry_syslog_priorities(workdir):
     proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "serve", "--backend", "cpu", "--config", "/dev/null",
                              "--endpoint", f"ipc://{workdir}/j.sock", "--state-dir", workdir],
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    from client_lib import query_status
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            query_status(f"ipc://{workdir}/j.sock", timeout=0.2)
-            break
-        except Exception:
-            assert time.monotonic() < deadline
+    wait_for(lambda: _answers(f"ipc://{workdir}/j.sock"), timeout=15)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0

@@ -15,10 +15,9 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from client_lib import codec
 from client_lib import protocol as p
@@ -39,6 +38,9 @@ from sharing import (
     SchedulerPolicy,
     Workload,
 )
+
+if TYPE_CHECKING:
+    from nodeagent.daemon.zap import Authenticator
 
 log = logging.getLogger("nodeagent.cluster")
 events_log = logging.getLogger("nodeagent.events")
@@ -137,16 +139,6 @@ class ClusterError(OSError):
     """The cluster endpoint cannot start (keys missing or bad, address taken); names the setting."""
 
 
-class _Authenticator(ThreadAuthenticator):
-    """pyzmq's ZAP thread, naming an allowed client by its key file (the frames' ``User-Id``)."""
-
-    names: dict[bytes, str]  # z85 public key -> client name; set before start(), replaced whole, never mutated
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        key = z85.encode(client_public_key)
-        return self.names.get(key, key.decode("ascii"))
-
-
 @dataclass(eq=False)
 class _Reclaim:
     """A reclaim under way: the borrower's sessions on the device and how each got off it."""
@@ -205,7 +197,7 @@ class ClusterEndpoint:
         self._router: zmq.Socket | None = None
         self._events_sock: zmq.Socket | None = None
         self.events: EventPublisher | None = None  # None unless the events socket is bound (tests may record here)
-        self._auth: _Authenticator | None = None
+        self._auth: Authenticator | None = None
         self._reclaims: dict[int, _Reclaim] = {}
         self._next_health = math.inf
         self._reload_requested = False
@@ -273,7 +265,8 @@ class ClusterEndpoint:
             raise ClusterError(f"cluster endpoint {cfg.cluster_endpoint} needs its keys "
                                f"(cluster.keys_dir = {cfg.cluster_keys_dir}): {exc}") from None
         try:
-            self._auth = _Authenticator(self._ctx, log=logging.getLogger("nodeagent.cluster.zap"))
+            from nodeagent.daemon.zap import Authenticator  # here: it pulls asyncio in
+            self._auth = Authenticator(self._ctx, log=logging.getLogger("nodeagent.cluster.zap"))
             self._auth.names = names
             self._auth.start()
             self._auth.configure_curve(domain="*", location=os.path.join(cfg.cluster_keys_dir, keys.ALLOWED_DIR))
