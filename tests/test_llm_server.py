@@ -27,7 +27,7 @@ from bench.llm_wake import SERVER, ServerProc, ask  # noqa: E402
 from client_lib import resume_session, suspend_session  # noqa: E402
 from client_lib.placement import ClientKeys, PlacementClient  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.test_cluster import write_cluster_config  # noqa: E402
+from tests.cluster_nodes import write_cluster_config  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TINY = ["--weights-mb", "1", "--max-seq", "64", "--threads", "1", "--device", "cpu"]

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from client_lib import vmm  # noqa: E402
 from client_lib.torch import KeepAddressesError, RestoreVerifyError, Yielder  # noqa: E402
 from client_lib.vmm import DriverError, Region, VmmBackend, block_sums  # noqa: E402
-from tests.test_torch_yield import Net  # noqa: E402  (every kind of state: weights, BatchNorm buffers)
+from tests.models_for_tests import Net  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
