@@ -184,3 +184,16 @@ def read_env_echo(output: torch.Tensor) -> dict:
     import json
 
     return json.loads(bytes(output.tolist()).decode())
+
+
+class Net(torch.nn.Module):
+    """Small, but with every kind of state: conv and linear weights, BatchNorm buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))

@@ -26,8 +26,8 @@ from nodeagent.procwatch import PeerCredentials, own_namespaces
 from sharing import Workload
 from tests.conftest import wait_for
 from tests.daemon_parts import make_tokens
-from tests.test_cluster import _inventory_or_none, cluster_node  # noqa: F401 (a fixture)
-from tests.test_cluster_endpoint import PLACEMENT, endpoint  # noqa: F401 (a fixture)
+from tests.cluster_nodes import inventory_or_none
+from tests.cluster_stepped import PLACEMENT
 
 USER = SimpleNamespace(creds=PeerCredentials(uid=1000, gid=1000, pid=4242))
 ROOT = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1, namespaces=own_namespaces()))
@@ -152,7 +152,7 @@ def test_the_ledger_forgets_the_smallest_idle_job_past_its_bound(ledger, tmp_pat
 # ------------------------------------------------------------------ the endpoint's ops
 
 
-def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):  # noqa: F811
+def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):
     cluster, rec, sessions, schedulers = endpoint
     cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a", max_s=10.0), None, 0.0)
     assert rec.to(PLACEMENT)[-1].lent_until is not None
@@ -188,14 +188,14 @@ def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):  # no
     assert rec.to(PLACEMENT)[-1].code == p.ErrorCode.STATE
 
 
-def test_a_renewal_after_the_lease_ran_out_but_before_the_reclaim_is_refused(endpoint):  # noqa: F811
+def test_a_renewal_after_the_lease_ran_out_but_before_the_reclaim_is_refused(endpoint):
     cluster, rec, sessions, schedulers = endpoint
     cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a", max_s=10.0), None, 0.0)
     cluster.on_renew(PLACEMENT, p.Renew(id=2, device=0, borrower="job-a", max_s=10.0), None, 10.0)
     assert rec.to(PLACEMENT)[-1].code == p.ErrorCode.STATE and "ran out" in rec.to(PLACEMENT)[-1].message
 
 
-def test_set_weight_changes_a_sessions_share_and_refuses_what_it_must(endpoint):  # noqa: F811
+def test_set_weight_changes_a_sessions_share_and_refuses_what_it_must(endpoint):
     cluster, rec, sessions, schedulers = endpoint
     s = _session("s-a", borrower=None)
     schedulers[0].add_session(s.id, s.workload, s.weight, 0.0)
@@ -235,7 +235,7 @@ def _journal_rows(node) -> dict[str, float]:
         return {}
 
 
-def test_a_sigkilled_daemon_keeps_every_jobs_attained_service(cluster_node, start_daemon, spawn):  # noqa: F811
+def test_a_sigkilled_daemon_keeps_every_jobs_attained_service(cluster_node, start_daemon, spawn):
     node = cluster_node("--cpu-devices", "2")
     peer = node.peer()
     assert peer.call(p.Lend(id=0, device=0, borrower="job-7")).changed
@@ -256,14 +256,14 @@ def test_a_sigkilled_daemon_keeps_every_jobs_attained_service(cluster_node, star
     node.daemon.proc.kill()
     node.daemon.proc.wait()
     start_daemon("--cpu-devices", "2")
-    after = wait_for(lambda: _inventory_or_none(peer)).attained_gpu_s
+    after = wait_for(lambda: inventory_or_none(peer)).attained_gpu_s
     assert after["job-7"] == pytest.approx(written["job-7"], abs=1e-4)
     assert after["job-8"] >= written["job-8"]
     holder.kill()
     peer.close()
 
 
-def test_renew_and_set_weight_over_the_wire(cluster_node):  # noqa: F811
+def test_renew_and_set_weight_over_the_wire(cluster_node):
     node = cluster_node("--cpu-devices", "1")
     peer = node.peer()
     lent = peer.call(p.Lend(id=0, device=0, borrower="job-7", max_s=100.0))

@@ -4,170 +4,21 @@ who may talk to it, every placement operation and its errors, events, restart.""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass
 
-import msgspec
 import pytest
 import zmq
 
-from client_lib import Client, DaemonError, codec
+from client_lib import Client, DaemonError
 from client_lib import protocol as p
 from nodeagent import keys
-from tests.conftest import wait_for
+from tests.conftest import wait_for, free_port
 from tests.rawpeer import RawPeer
-from tests.test_enforce import assert_stopped, proc_state
-from tests.conftest import free_port
+from tests.proc_tools import assert_stopped, proc_state
 from tests.nonroot import nobody_daemon  # noqa: F401  (a fixture)
-
-_event_decoder = msgspec.msgpack.Decoder(p.Event)
-
-
-
-@dataclass
-class ClusterNode:
-    """What a test needs to reach one daemon's cluster endpoint."""
-
-    daemon: object  # tests.conftest.Daemon
-    endpoint: str
-    events: str
-    keys_dir: str
-    client_secret: str  # the allowed "placement" client's key file
-
-    @property
-    def server_public(self) -> bytes:
-        return keys.server_public(self.keys_dir)
-
-    def peer(self, keypair: tuple[bytes, bytes] | None = None) -> CurvePeer:
-        return CurvePeer(self.endpoint, self.server_public, keypair or keys.load_client(self.client_secret))
-
-    def subscriber(self, keypair: tuple[bytes, bytes] | None = None, topics: tuple[bytes, ...] = (b"",)
-                   ) -> EventStream:
-        return EventStream(self.events, self.server_public, keypair or keys.load_client(self.client_secret), topics)
-
-
-def write_cluster_config(workdir: str, *, node: str = "n1", protect_s: float = 60.0,
-                         health_interval_s: float = 0.2, extra: str = "",
-                         allow: ClusterNode | None = None) -> ClusterNode:
-    """Keys under ``workdir/keys`` and a ``[cluster]`` section in ``workdir/nodeagent.toml``
-    (what ``start_daemon`` reads) on two free loopback ports. ``allow``: another node whose
-    "placement" client is to be allowed here too (else one is made for this node)."""
-    keys_dir = os.path.join(workdir, "keys")
-    if allow is None:
-        client_secret = keys.generate(keys_dir, clients=("placement",)).clients["placement"]
-    else:  # this node's own server key; the other node's client public key copied into allowed/
-        keys.generate(keys_dir, clients=())
-        os.makedirs(os.path.join(keys_dir, keys.ALLOWED_DIR), exist_ok=True)
-        shutil.copy(os.path.join(allow.keys_dir, keys.ALLOWED_DIR, "placement.key"),
-                    os.path.join(keys_dir, keys.ALLOWED_DIR, "placement.key"))
-        client_secret = allow.client_secret
-    endpoint, events = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
-        f.write(f'{extra}\n[cluster]\nendpoint = "{endpoint}"\nevents_endpoint = "{events}"\n'
-                f'keys_dir = "{keys_dir}"\nnode = "{node}"\nprotect_s = {protect_s}\n'
-                f'health_interval_s = {health_interval_s}\n')
-    return ClusterNode(None, endpoint, events, keys_dir, client_secret)
-
-
-class CurvePeer:
-    """A DEALER with CURVE client keys, speaking the wire protocol by hand."""
-
-    def __init__(self, endpoint: str, server_public: bytes | None, keypair: tuple[bytes, bytes] | None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if keypair is not None:
-            self.sock.curve_publickey, self.sock.curve_secretkey = keypair
-            self.sock.curve_serverkey = server_public
-        self.sock.connect(endpoint)
-        self._next_id = 0
-
-    def call(self, msg, timeout: float = 10.0):
-        """Send ``msg`` (its id replaced by a fresh one) and return the reply with that id."""
-        return self.reply(self.send(msg, timeout), timeout)
-
-    def send(self, msg, timeout: float = 10.0) -> int:
-        """Send ``msg`` with a fresh id (returned) without waiting for the reply."""
-        self._next_id += 1
-        msg.id = self._next_id
-        # A DEALER holds a message only for a peer it is connected to (handshake done): wait for one.
-        try:
-            if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
-                raise zmq.Again()
-            self.sock.send(codec.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:  # the connection went (a refused handshake) between the poll and the send
-            raise TimeoutError(f"no connection to send {type(msg).__name__} on within {timeout} s") from None
-        return msg.id
-
-    def reply(self, request_id: int, timeout: float = 10.0):
-        """The reply to request ``request_id``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self.sock.poll(left_ms):
-                raise TimeoutError(f"no reply to request {request_id} within {timeout} s")
-            reply = codec.decode_reply(self.sock.recv())
-            if reply.id == request_id:
-                return reply
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-class EventStream:
-    """A CURVE SUB socket on the events endpoint, keeping what arrives in order."""
-
-    def __init__(self, endpoint: str, server_public: bytes, keypair: tuple[bytes, bytes],
-                 topics: tuple[bytes, ...] = (b"",)) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.curve_publickey, self.sock.curve_secretkey = keypair
-        self.sock.curve_serverkey = server_public
-        for topic in topics:
-            self.sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sock.connect(endpoint)
-        self.events: list[p.Event] = []
-
-    def pump(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            topic, body = self.sock.recv_multipart()
-            event = _event_decoder.decode(body)
-            assert topic == event.kind.encode()
-            self.events.append(event)
-            if time.monotonic() >= deadline:
-                return
-
-    def wait_for(self, predicate, timeout: float = 10.0) -> p.Event:
-        """The first event (kept or new) for which ``predicate`` holds."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while True:
-            for event in self.events[seen:]:
-                if predicate(event):
-                    return event
-            seen = len(self.events)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no matching event within {timeout} s; got {[e.kind for e in self.events]}")
-            self.pump(min(left, 0.05))
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-@pytest.fixture
-def cluster_node(start_daemon, workdir):
-    """Factory: a daemon with its cluster endpoint on (config keywords as for write_cluster_config)."""
-
-    def start(*args: str, endpoint: str | None = None, **config) -> ClusterNode:
-        node = write_cluster_config(workdir, **config)
-        node.daemon = start_daemon(*args, endpoint=endpoint)
-        return node
-
-    return start
+from tests.cluster_nodes import ClusterNode, write_cluster_config, CurvePeer, inventory_or_none
 
 
 @pytest.fixture
@@ -578,7 +429,7 @@ def test_lending_drain_and_policies_survive_a_daemon_restart(cluster_node, start
     node.daemon.proc.send_signal(signal.SIGKILL)
     node.daemon.proc.wait()
     start_daemon("--cpu-devices", "3")  # same endpoints, config and state dir
-    after = wait_for(lambda: _inventory_or_none(peer))
+    after = wait_for(lambda: inventory_or_none(peer))
     assert after.boot == before.boot + 1
     assert [(d.state, d.borrower) for d in after.devices] == [("LENT", "job"), ("DRAINING", None), ("FREE", None)]
     assert abs(after.devices[0].lent_until - before.devices[0].lent_until) < 1.0
@@ -602,13 +453,6 @@ def test_a_journalled_state_that_breaks_the_lifecycle_is_ignored(inproc_cluster_
     log = node.daemon.log()
     assert "journalled state of device 0 ignored" in log and "journalled policy of device 0 ignored" in log
     peer.close()
-
-
-def _inventory_or_none(peer: CurvePeer):
-    try:
-        return peer.call(p.Inventory(id=0), timeout=0.5)
-    except TimeoutError:
-        return None
 
 
 _JOIN_AS_JOBX = r"""

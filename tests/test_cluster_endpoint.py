@@ -7,73 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import zmq
-from prometheus_client import CollectorRegistry
 
 from client_lib import protocol as p
-from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, SHARED_OPS, ClusterEndpoint, ClusterRoute
-from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, ServerView
-from nodeagent.daemon.journal_writer import JournalWriter
-from nodeagent.metrics import Metrics
+from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, ClusterRoute
 from nodeagent.procwatch import PeerCredentials, own_namespaces
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
-from tests.daemon_parts import FakeDevices, loop_handle, make_tokens, replies
-
-PLACEMENT = ClusterRoute(b"placement-1")
-
-
-class Recorder:
-    """Stands in for the events publisher (and for everything the endpoint calls out to)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int | None, dict]] = []
-        self.sent: list[tuple[object, object]] = []
-        self.suspends: list[tuple[str, float, str]] = []  # (session, deadline_ms, reason)
-
-    def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
-        self.events.append((kind, device, data))
-
-    def of(self, kind: str) -> list[dict]:
-        return [data for k, _, data in self.events if k == kind]
-
-    def to(self, route) -> list:
-        return [msg for r, msg in self.sent if r == route]
-
-
-@pytest.fixture
-def endpoint():
-    """(endpoint, recorder, sessions, schedulers) for two devices."""
-    config = ServeConfig(backend="cpu", cluster_node="n-test")
-    rec = Recorder()
-    sessions = SessionTable()
-    metrics = Metrics(CollectorRegistry())
-    context = zmq.Context()
-    devices = FakeDevices(2)
-    tokens = make_tokens(count=2, sessions=sessions, metrics=metrics, config=config)
-    schedulers = tokens.schedulers
-
-    class ScriptedSuspensions:
-        def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
-            rec.suspends.append((s.id, deadline_ms, reason))
-            s.suspension.request(now, deadline_ms, reason, waiting=False)  # what the real one's machine does first
-
-        def under_way(self, s: Session) -> bool:
-            return any(s.id == sid for sid, _, _ in rec.suspends)
-
-    server = ServerView(context=context, handlers={kind: (lambda *args: None) for kind in SHARED_OPS},
-                        dispatch=lambda *args, **kwargs: None, status=lambda now: None, boot=lambda: 7, started=0.0,
-                        metrics=metrics, replies=replies(rec.sent))
-    cluster = ClusterEndpoint(config=config, loop=loop_handle(clock=lambda: 0.0), server=server, tokens=tokens,
-                              sessions=sessions, journal=JournalWriter(None, metrics, Bus()),
-                              suspensions=ScriptedSuspensions(), devices=devices)
-    cluster.events = rec
-    cluster.test_lost_devices = devices.lost  # the table the test marks devices lost in
-    yield cluster, rec, sessions, schedulers
-    cluster.close()
-    sessions.close()
-    context.term()
+from tests.cluster_stepped import PLACEMENT
 
 
 def _borrower_session(sessions: SessionTable, schedulers, sid: str, borrower: str, device: int = 0) -> Session:

@@ -690,7 +690,7 @@ def test_exclusive_burst_of_20_requests_costs_the_trainer_one_yield(start_daemon
 def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, start_daemon):
     if os.geteuid() != 0:
         pytest.skip("the MPS stand-in's directories need root here (as tests/test_mps_daemon.py)")
-    from tests.test_mps import write_fake_control
+    from tests.mps_stand_in import write_fake_control
     binary = write_fake_control(workdir)
     with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
         f.write(f'[mps]\ndevices = [0]\ncontrol_binary = "{binary}"\n')
@@ -723,7 +723,7 @@ def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, s
 
 def test_a_second_user_on_an_mps_device_runs_outside_mps_and_still_reads_the_board(tmp_path):
     from tests.nonroot import reachable_daemon, run_as_nobody
-    from tests.test_mps import write_fake_control
+    from tests.mps_stand_in import write_fake_control
     os.chmod(tmp_path, 0o755)
     binary = write_fake_control(str(tmp_path))
     saved = dict(os.environ)

@@ -19,8 +19,8 @@ import pytest
 from client_lib import Client, ErrorCode
 from client_lib import protocol as p
 from tests.conftest import REPO, wait_for
+from tests.conftest import free_port as _free_port
 from tests.rawpeer import RawPeer
-from tests.test_cluster import free_port as _free_port
 
 
 

@@ -11,7 +11,7 @@ from ctxpool.device_errors import STICKY_CUDA_ERROR_CODES, DeviceLost, is_fatal
 from ctxpool.messages import ModelSpec
 from ctxpool.pool import RequestDone, RequestFailed, WorkerReady, WorkerReplaced
 from tests import models_for_tests as m
-from tests.test_worker_pool import _pool, examples, loop  # noqa: F401 - fixtures
+from tests.pool_driver import start_pool
 
 # Texts as torch, the driver and the libraries print them (first lines).
 FATAL = [
@@ -104,8 +104,8 @@ def sticky() -> nn.Module:
 
 
 @pytest.mark.slow
-def test_a_worker_whose_run_meets_a_sticky_error_is_replaced(loop, examples):  # noqa: F811 - fixtures
-    pool = _pool(loop, workers_per_device=1)
+def test_a_worker_whose_run_meets_a_sticky_error_is_replaced(loop, examples):
+    pool = start_pool(loop, workers_per_device=1)
     old = loop.wait_ready(pool, 1)[0].pid
     spec = ModelSpec(name="sticky", factory="tests.test_device_errors:sticky", example_input=examples(torch.ones(1, 8)))
     loop.register(pool, spec)

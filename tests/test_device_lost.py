@@ -3,7 +3,7 @@ answers again (issue 10 follow-up): the holder's revoke passes the token to nobo
 a waiter's request is held and granted once the device is back, a new session asking
 for it gets E_DEVICE naming it, automatic placement goes elsewhere, and an infer on it
 is refused at once. A real in-process daemon whose NVML answers are scripted
-(:class:`tests.test_memory_watch.ScriptedGpus`)."""
+(:class:`tests.scripted_gpus.ScriptedGpus`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.gate import LostDevices
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
-from tests.test_memory_watch import ScriptedGpus, scripted_daemon
+from tests.scripted_gpus import ScriptedGpus, scripted_daemon
 
 
 @pytest.fixture

@@ -21,19 +21,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 from tests.conftest import free_port as _free_port
-
-
-def proc_state(pid: int) -> str:
-    """The one-letter state of /proc/PID/stat: T means stopped."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
-
-
-def assert_stopped(pid: int) -> None:
-    """SIGSTOP takes effect when the target next runs: a runnable process shows R
-    until it is scheduled, then T. Wait for it (it cannot run user code meanwhile)."""
-    wait_for(lambda: proc_state(pid) == "T", timeout=2)
+from tests.proc_tools import proc_state, assert_stopped
 
 
 def ticks(child) -> int:
@@ -86,7 +74,6 @@ def test_a_claimed_pid_is_never_signalled(start_daemon, spawn):
     finally:
         victim.kill()
         victim.wait()
-
 
 
 def test_an_unverifiable_client_is_revoked_never_signalled(start_daemon, spawn):

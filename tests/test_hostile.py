@@ -27,8 +27,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.daemon.server import AgentServer
 from tests.conftest import wait_for
 from tests.rawpeer import RawPeer
-from tests.test_enforce import assert_stopped, proc_state
-from tests.test_cluster import cluster_node  # noqa: F401  (fixture)
+from tests.proc_tools import assert_stopped, proc_state, rss_kb
 
 DEPTHS = (1_000, 10_000, 100_000)
 
@@ -39,14 +38,6 @@ def nested_array(depth: int) -> bytes:
 
 def nested_map(depth: int) -> bytes:
     return b"\x81\xa1k" * depth + b"\xc0"  # {"k": {"k": ... nil}}, ``depth`` maps
-
-
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def state_of(status: p.StatusReply) -> list:

@@ -24,9 +24,8 @@ from client_lib import Client
 from nodeagent import procwatch
 from nodeagent.cli import EXIT_STATE_UNUSABLE
 from nodeagent.journal import SCHEMA_VERSION, Journal
-from tests.conftest import REPO, Daemon, wait_for
-from tests.test_cluster import cluster_node, free_port  # noqa: F401  (cluster_node is a fixture)
-from tests.test_enforce import proc_state
+from tests.conftest import REPO, Daemon, wait_for, free_port
+from tests.proc_tools import proc_state
 
 
 # ------------------------------------------------------------------ a real full or read-only disk

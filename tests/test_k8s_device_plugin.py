@@ -35,8 +35,9 @@ from nodeagent.k8s.watch import EventsSource  # noqa: E402
 from nodeagent.metrics import Metrics  # noqa: E402
 from tests.conftest import REPO, Daemon, wait_for  # noqa: E402
 from tests.fake_kubelet import FakeKubelet  # noqa: E402
-from tests.test_cluster import CurvePeer, free_port, write_cluster_config  # noqa: E402
-from tests.test_memory_watch import ScriptedGpus  # noqa: E402
+from tests.cluster_nodes import CurvePeer, write_cluster_config  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.scripted_gpus import ScriptedGpus  # noqa: E402
 
 POD_SOCKET_DIR = "/run/nodeagent-in-pod"
 

@@ -29,7 +29,7 @@ from nodeagent.cli import build_parser
 from nodeagent.config import ServeConfig, load_file
 from tests.conftest import REPO
 from tests.helm_subset import Chart
-from tests.test_systemd import UNIT, parse_unit
+from tests.systemd_unit import UNIT, parse_unit
 
 PLAIN = REPO / "deploy" / "kubernetes"
 CHART = REPO / "deploy" / "helm" / "nodeagent"

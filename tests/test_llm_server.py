@@ -4,7 +4,7 @@ and bench.llm_wake, which times that wake against a cold start.
 On cpu: the example end to end under a real daemon (cluster endpoint, CURVE, a PlacementClient
 lending the device with the server put to sleep and reclaiming it with the server woken, and a
 plain suspend_session/resume_session), and the engine in process over host memory mapped as CUDA's
-VMM maps device memory (tests.test_park_vmm.HostVmm), where the addresses are kept. On a GPU: the
+VMM maps device memory (tests.host_vmm.HostVmm), where the addresses are kept. On a GPU: the
 decode step captured in a CUDA graph replays bit-identically after a park while another process
 filled the freed memory with garbage.
 """
@@ -27,7 +27,7 @@ from bench.llm_wake import SERVER, ServerProc, ask  # noqa: E402
 from client_lib import resume_session, suspend_session  # noqa: E402
 from client_lib.placement import ClientKeys, PlacementClient  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.test_cluster import write_cluster_config  # noqa: E402
+from tests.cluster_nodes import write_cluster_config  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TINY = ["--weights-mb", "1", "--max-seq", "64", "--threads", "1", "--device", "cpu"]
@@ -114,7 +114,7 @@ def test_the_server_sleeps_through_a_lend_wakes_at_the_reclaim_and_answers_the_s
 
 
 def test_the_engine_keeps_its_addresses_across_a_park_and_generates_the_same():
-    from tests.test_park_vmm import HostVmm
+    from tests.host_vmm import HostVmm
 
     torch.set_num_threads(1)
     m = example()
@@ -201,7 +201,7 @@ def test_the_bench_reports_every_field_with_tiny_sizes():
 @pytest.mark.gpu
 @cuda
 def test_the_captured_decode_graph_replays_bit_identically_after_a_park_while_another_process_used_the_memory():
-    from tests.test_park_vmm import fill_freed_memory_from_another_process
+    from tests.host_vmm import fill_freed_memory_from_another_process
 
     m = example()
     device = torch.device("cuda", torch.cuda.current_device())

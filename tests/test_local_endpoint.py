@@ -17,7 +17,7 @@ from client_lib.errors import ServingUnavailableError
 from client_lib import protocol as p
 from tests.conftest import REPO, wait_for
 from tests.rawpeer import RawPeer
-from tests.test_hostile import rss_kb
+from tests.proc_tools import rss_kb
 from tests.nonroot import nobody_daemon  # noqa: F401 - a fixture
 
 

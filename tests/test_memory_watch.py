@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -21,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from client_lib import Client, DaemonError, ErrorCode
 from nodeagent import memory, procwatch
 from nodeagent.config import ConfigError, ServeConfig
-from nodeagent.devices import CpuBackend, DeviceError, DeviceLostError, DeviceProcess
+from nodeagent.devices import DeviceProcess
 from nodeagent.memory import MiB, ProcessUse
 from nodeagent.daemon.memory_watch import DeviceBack, DeviceLost, DeviceReading, MemoryWatcher, context_allowance_mb
 from nodeagent.metrics import Metrics
@@ -30,6 +29,7 @@ from nodeagent.daemon.server import AgentServer
 from nodeagent.daemon.sessions import Session
 from sharing import Workload
 from tests.conftest import wait_for
+from tests.scripted_gpus import ScriptedGpus, RecordingEvents
 
 OURS, OTHER = "pid:[4026532999]", "pid:[4026533111]"  # a container's pid namespace, and another one
 
@@ -155,26 +155,6 @@ def test_the_context_allowance_is_512_mib_on_cuda_by_default_and_can_be_set():
 # ------------------------------------------------------------ the watcher
 
 
-class ScriptedGpus(CpuBackend):
-    """The cpu backend with per-process device memory and failures scripted (what NVML reports on cuda)."""
-
-    measures_process_memory = True
-    name = "cpu"
-
-    def __init__(self, count: int = 1) -> None:
-        super().__init__(count)
-        self.used_bytes: dict[int, int | None] = {}
-        self.lost: set[int] = set()
-        self.broken: set[int] = set()
-
-    def processes(self, index: int) -> list[DeviceProcess]:
-        if index in self.lost:
-            raise DeviceLostError(index, f"GPU-{index}", "nvmlDeviceGetComputeRunningProcesses failed: GPU is lost")
-        if index in self.broken:
-            raise DeviceError("cuda backend: nvmlDeviceGetComputeRunningProcesses failed: unknown error")
-        return [DeviceProcess(pid, used, mps_client=True) for pid, used in self.used_bytes.items()]
-
-
 def test_the_watcher_reads_trees_in_our_namespace_and_reports_a_lost_device_once(tmp_path):
     host, local = tmp_path / "host", tmp_path / "local"
     write_proc(host, 90017, start=5, nspid=(90017, 17), ns=OURS)
@@ -195,48 +175,6 @@ def test_the_watcher_reads_trees_in_our_namespace_and_reports_a_lost_device_once
     backend.lost.clear()
     backend.broken.clear()
     assert watcher.read_once() == [expected, DeviceBack(1), DeviceReading(1, expected.processes)]
-
-
-@contextmanager
-def scripted_daemon(config: ServeConfig, backend):
-    """An in-process daemon on ``backend`` (scripted GPUs), its events recorded: (server, events,
-    connect), where ``connect()`` opens a raw peer to it (all closed at the end)."""
-    from tests.rawpeer import RawPeer
-
-    server = AgentServer(config, backend, metrics=Metrics(CollectorRegistry()))
-    server.bind()
-    events = server._cluster.events = RecordingEvents()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    peers: list = []
-
-    def connect():
-        peers.append(RawPeer(config.endpoint))
-        return peers[-1]
-
-    try:
-        yield server, events, connect
-    finally:
-        for peer in peers:
-            peer.close()
-        server.request_stop()
-        thread.join(timeout=10)
-
-
-class RecordingEvents:
-    """Stands in for the events publisher: keeps what the daemon publishes."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int | None, dict]] = []
-
-    def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
-        self.events.append((kind, device, data))
-
-    def wanted(self, kind: str) -> bool:
-        return True
-
-    def of(self, kind: str) -> list[dict]:
-        return [data for k, _, data in self.events if k == kind]
 
 
 @pytest.fixture

@@ -22,30 +22,12 @@ from client_lib import Client
 from client_lib import protocol as p
 from nodeagent.metrics import Metrics, markdown_table
 from tests.conftest import REPO, wait_for
-from tests.test_cluster import write_cluster_config
+from tests.cluster_nodes import write_cluster_config
+from tests.metrics_scrape import metrics_url, scrape, value
 
 DASHBOARD = REPO / "deploy" / "grafana" / "nodeagent.json"
 FORBIDDEN_LABELS = {"session", "pid", "id", "session_id", "name"}  # per-session values: a new series each time
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-
-
-def metrics_url(daemon) -> str:
-    """Where a daemon started with ``--metrics-port 0`` serves (it logs the port it got)."""
-    found = wait_for(lambda: re.search(r"\[metrics\] serving (http://\S+/metrics)", daemon.log()))
-    return found.group(1)
-
-
-def scrape(url: str) -> tuple[str, dict]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return text, {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def value(families: dict, family: str, **labels) -> float | None:
-    """The sample of ``family`` with exactly these labels (counters: its _total), or None if absent."""
-    for s in families[family].samples:
-        if s.labels == labels and not s.name.endswith(("_created", "_bucket", "_sum")):
-            return s.value
-    return None
 
 
 def exported_names(families: dict) -> set[str]:

@@ -16,8 +16,8 @@ import urllib.request
 from client_lib import Client
 from bench.scrapers import Sampler, SlowScrapers, threads_of
 from tests.conftest import wait_for
-from tests.test_hostile import rss_kb
-from tests.test_metrics import metrics_url, scrape, value
+from tests.proc_tools import rss_kb
+from tests.metrics_scrape import metrics_url, scrape, value
 
 
 def _port(daemon) -> int:

@@ -31,8 +31,8 @@ from nodeagent.mps import (
     QuitStep,
 )
 from tests.conftest import wait_for
+from tests.mps_stand_in import write_fake_control
 
-FAKE = Path(__file__).resolve().parent / "fake_mps_control.py"
 UUID = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 
 
@@ -50,17 +50,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def write_fake_control(directory: str) -> str:
-    """An executable named like the real program that runs the stand-in; its path."""
-    bindir = os.path.join(directory, "bin")
-    os.makedirs(bindir, exist_ok=True)
-    path = os.path.join(bindir, "nvidia-cuda-mps-control")
-    with open(path, "w") as f:
-        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
-    os.chmod(path, 0o755)
-    return path
 
 
 @pytest.fixture

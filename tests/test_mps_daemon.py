@@ -15,7 +15,7 @@ import pytest
 
 from client_lib import Client, DaemonError, ErrorCode, set_partition
 from tests.conftest import REPO, wait_for
-from tests.test_mps import write_fake_control
+from tests.mps_stand_in import write_fake_control
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="partitions are root-only; these tests set them")
 

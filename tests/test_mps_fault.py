@@ -19,8 +19,8 @@ from client_lib import protocol as p
 from nodeagent.config import ServeConfig
 from nodeagent.devices import DeviceFault
 from tests.conftest import wait_for
-from tests.test_memory_watch import ScriptedGpus, scripted_daemon
-from tests.test_mps import write_fake_control
+from tests.scripted_gpus import ScriptedGpus, scripted_daemon
+from tests.mps_stand_in import write_fake_control
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the MPS stand-in's directories need root here")
 

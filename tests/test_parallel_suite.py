@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -122,14 +123,21 @@ def test_a_follower_whose_run_never_comes_says_so(tmp_path):
     assert outcome.error == "the background stopped run (another xdist worker's) did not finish within 0.6 s"
 
 
+def _test_file(name: str) -> Path:
+    """The test file conftest names by its base name, in whichever folder of tests/ it is."""
+    found = sorted((REPO / "tests").rglob(name))
+    assert len(found) == 1, f"tests/conftest.py names {name}: {len(found)} files of that name under tests/"
+    return found[0]
+
+
 def test_every_test_named_serial_or_kept_on_one_worker_exists():
     """A renamed test must not silently lose its place: conftest names them as text."""
     for module, names in conftest.SERIAL.items():
-        source = (REPO / "tests" / module).read_text()
+        source = _test_file(module).read_text()
         for name in names:
             assert f"\ndef {name}(" in source, f"tests/conftest.py's SERIAL names {module}::{name}, not found"
     for module in conftest.ONE_WORKER_MODULES:
-        assert (REPO / "tests" / module).exists(), module
+        assert _test_file(module).is_file(), module
 
 
 def _test_sh(tmp_path, *args: str) -> list[str]:

@@ -17,7 +17,7 @@ from nodeagent import keys
 from nodeagent_ray import policy as pol
 from nodeagent_ray.core import ControllerCore, CoreConfig, LoanNodeError, LoanRecord, StopResult
 from tests.conftest import Daemon
-from tests.test_cluster import ClusterNode, write_cluster_config
+from tests.cluster_nodes import ClusterNode, write_cluster_config
 
 JOB = "job-7"
 NAMES = ("n1", "n2", "n3")

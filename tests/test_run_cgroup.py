@@ -20,7 +20,7 @@ from client_lib import Client
 from nodeagent import cgroup
 from nodeagent.launcher import Hold, choose_hold
 from tests.conftest import wait_for
-from tests.test_run import gone, launch  # noqa: F401  (launch is a fixture)
+from tests.proc_tools import gone
 
 NO_CGROUP = cgroup.probe()
 needs_cgroup = pytest.mark.skipif(NO_CGROUP is not None, reason=f"no cgroup v2 for a launched program here: "

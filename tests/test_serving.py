@@ -20,7 +20,7 @@ from client_lib import protocol as p
 from client_lib import serving
 from tests import serving_models
 from tests.conftest import REPO, Daemon, wait_for
-from tests.test_shm_full import run_with_private_dev_shm
+from tests.private_shm import run_with_private_dev_shm
 
 pytestmark = pytest.mark.slow
 

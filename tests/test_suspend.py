@@ -11,7 +11,7 @@ import pytest
 
 from client_lib import Client, DaemonError, ErrorCode, resume_session, suspend_session
 from tests.conftest import wait_for
-from tests.test_enforce import assert_stopped, proc_state
+from tests.proc_tools import assert_stopped, proc_state
 
 
 def session_by_name(daemon, name):

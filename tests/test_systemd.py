@@ -28,35 +28,13 @@ from nodeagent import runtime
 from nodeagent.cli import build_parser
 from nodeagent.mps import MpsControl, MpsStartError
 from tests.conftest import REPO, wait_for
+from tests.systemd_unit import UNIT, parse_unit
 
-UNIT = REPO / "systemd" / "nodeagent.service"
 SYSUSERS = REPO / "systemd" / "nodeagent.sysusers"
 DEFAULTS = REPO / "systemd" / "nodeagent.default"
 
 
 # ------------------------------------------------------------------ the unit file
-
-def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
-    """``{section: {key: [values in order]}}``; systemd allows a key more than once."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] | None = None
-    pending = ""
-    for raw in text.splitlines():
-        line = pending + raw.strip()
-        pending = ""
-        if not line or line[0] in "#;":
-            continue
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        key, sep, value = line.partition("=")
-        if not sep or current is None:
-            raise ValueError(f"not a unit file line: {raw!r}")
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 
 from client_lib import protocol as p
 from client_lib import tensors as T
+from tests.conftest import REPO
 
 
 def _exists(name: str) -> bool:
@@ -100,7 +101,7 @@ def test_segments_are_group_shared_and_untracked(tmp_path):
         # A process that maps the segment and exits must not unlink it (the
         # resource tracker of multiprocessing would).
         code = f"from client_lib import tensors as T; s = T.attach_segment({seg.name!r}); s.buf[0] = 7; s.close()"
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
         assert _exists(seg.name) and seg.buf[0] == 7
     finally:
         seg.close()

@@ -15,7 +15,7 @@ from client_lib import protocol as p
 from client_lib.placement import ClientKeys, NodeTimeoutError, PlacementClient
 from nodeagent import keys
 from tests.conftest import Daemon, wait_for
-from tests.test_cluster import ClusterNode, write_cluster_config
+from tests.cluster_nodes import ClusterNode, write_cluster_config
 
 JOB = "job-7"
 NAMES = ("n1", "n2", "n3")

@@ -21,6 +21,7 @@ from client_lib import Client, resume_session, suspend_session  # noqa: E402
 import client_lib.torch as tctx  # noqa: E402
 from client_lib.torch import AlreadyParkedError, HostBuffer, NotParkedError, ParkError, Yielder  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
+from tests.models_for_tests import Net
 
 STEPS = 12
 PARK_AT = 5  # park after this many steps
@@ -33,19 +34,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 # ------------------------------------------------------------------ helpers
-
-
-class Net(torch.nn.Module):
-    """Small, but with every kind of state: conv and linear weights, BatchNorm buffers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = torch.nn.BatchNorm2d(8)
-        self.fc = torch.nn.Linear(8 * 8 * 8, 10)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
 def make(opt_name: str, device: str = "cpu"):

@@ -12,7 +12,7 @@ import torch
 from client_lib import Client, DaemonError, ErrorCode
 from nodeagent import memory
 from tests import models_for_tests as m
-from tests.test_mps import write_fake_control
+from tests.mps_stand_in import write_fake_control
 
 pytestmark = pytest.mark.slow
 

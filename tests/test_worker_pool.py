@@ -8,7 +8,6 @@ test checks that it left no segment and no process behind.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -26,110 +25,10 @@ from ctxpool.pool import (ModelFailed, ModelReady, PoolError, RequestDone, Reque
 from ctxpool.worker import FAULT_ENV
 from tests import models_for_tests as m
 from tests.conftest import REPO, wait_for
+from tests.pool_driver import Loop, check_left_nothing, our_segments, pool_process_alive, start_pool
 
 E = p.ErrorCode
 MLP = "tests.models_for_tests:mlp"
-
-
-class Loop:
-    """The daemon's side: polls the pool's fds, collects its events."""
-
-    def __init__(self) -> None:
-        self.poller = select.poll()
-        self.fds: set[int] = set()
-        self.events: list = []
-        self.pools: list[WorkerPool] = []
-        self.pids: set[int] = set()
-
-    def fds_changed(self, added: list[int], removed: list[int]) -> None:
-        for fd in removed:
-            self.poller.unregister(fd)
-            self.fds.discard(fd)
-        for fd in added:
-            self.poller.register(fd, select.POLLIN)
-            self.fds.add(fd)
-
-    def step(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` (less if a pool's deadline comes first) and handle what came."""
-        deadlines = [d for d in (pool.next_deadline() for pool in self.pools) if d is not None]
-        if deadlines:
-            timeout_s = max(0.0, min(timeout_s, min(deadlines) - time.monotonic()))
-        for fd, _ in self.poller.poll(timeout_s * 1000):
-            for pool in self.pools:
-                if fd in pool.watch_targets():
-                    self.events.extend(pool.on_readable(fd))
-        for pool in self.pools:
-            due = pool.next_deadline()
-            if due is not None and due <= time.monotonic():
-                self.events.extend(pool.on_deadline())
-        assert self.fds == {fd for pool in self.pools for fd in pool.watch_targets()}
-        for pool in self.pools:
-            self.pids.update(w.pid for ws in pool.snapshot().values() for w in ws)
-
-    def wait(self, kind: type, timeout_s: float = 60.0, **fields):
-        """The first event of ``kind`` with ``fields`` (consumed), waiting for it if need be."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for event in self.events:
-                if isinstance(event, kind) and all(getattr(event, k) == v for k, v in fields.items()):
-                    self.events.remove(event)
-                    return event
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {kind.__name__} {fields} within {timeout_s} s; events: {self.events}")
-            self.step(min(left, 0.5))
-
-    def wait_ready(self, pool: WorkerPool, count: int) -> list[WorkerReady]:
-        return [self.wait(WorkerReady) for _ in range(count)]
-
-    def register(self, pool: WorkerPool, spec: ModelSpec):
-        pool.register_model(spec)
-        return self.wait((ModelReady, ModelFailed), name=spec.name)
-
-    def infer(self, pool: WorkerPool, request_id: int, model: str, inputs: list[torch.Tensor], device: int = 0):
-        segment, refs = tensors.pack(inputs, "na-in")
-        try:
-            pool.submit(request_id, device, model, refs)
-            event = self.wait((RequestDone, RequestFailed), request_id=request_id)
-        finally:
-            if segment is not None:
-                segment.close()
-                segment.unlink()
-        if isinstance(event, RequestDone):
-            return event, tensors.take(event.outputs)
-        return event, None
-
-
-def _our_segments(pids: set[int]) -> set[str]:
-    mine = (f"na-w-{os.getpid()}-", f"na-in-{os.getpid()}-", *(f"na-out-{pid}-" for pid in pids))
-    return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-@pytest.fixture
-def loop():
-    """A Loop whose pools are shut down after the test; then no segment or process may be left."""
-    driver = Loop()
-    yield driver
-    for pool in driver.pools:
-        pool.shutdown(5.0)
-    _check_left_nothing(driver)
-
-
-def _check_left_nothing(driver: Loop) -> None:
-    """After its pools' shutdown: no fd registered, no segment and no worker process left."""
-    assert not driver.fds, "fds still registered after shutdown"
-    leftovers = _our_segments(driver.pids)
-    assert not leftovers, f"segments left in /dev/shm: {leftovers}"
-    alive = [pid for pid in driver.pids if _alive(pid)]
-    assert not alive, f"worker processes left running: {alive}"
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +36,13 @@ def _shared_pool():
     """One single-worker pool for the module's tests that leave it as they found it: a worker
     is a spawned interpreter importing torch (seconds of CPU), so they share one."""
     driver = Loop()
-    pool = _pool(driver, workers_per_device=1)
+    pool = start_pool(driver, workers_per_device=1)
     try:
         [ready] = driver.wait_ready(pool, 1)
         yield driver, pool, ready.pid
     finally:
         pool.shutdown(5.0)
-    _check_left_nothing(driver)
+    check_left_nothing(driver)
 
 
 @pytest.fixture
@@ -159,40 +58,8 @@ def shared(_shared_pool, examples):
     wait_for(lambda: (driver.step(0.05), pool.snapshot()[0][0].models == [])[1], timeout=10)
     assert [w.pid for w in pool.snapshot()[0]] == [pid], "the test replaced the shared worker"
     assert not [e for e in driver.events if isinstance(e, WorkerReplaced)], driver.events
-    left = {n for n in _our_segments({pid}) if not n.startswith("na-in-")}  # examples go after this
+    left = {n for n in our_segments({pid}) if not n.startswith("na-in-")}  # examples go after this
     assert not left, f"weight or output segments left in /dev/shm: {left}"
-
-
-def _pool(loop: Loop, **kwargs) -> WorkerPool:
-    pool = WorkerPool("cpu", kwargs.pop("devices", [0]), on_fds_changed=loop.fds_changed, **kwargs)
-    loop.pools.append(pool)
-    pool.start()
-    return pool
-
-
-class Example:
-    """An example input kept in a segment for the model's lifetime, as the daemon keeps it."""
-
-    def __init__(self, *tensors_in: torch.Tensor) -> None:
-        self.segment, self.refs = tensors.pack(list(tensors_in), "na-in")
-
-    def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment.unlink()
-
-
-@pytest.fixture
-def examples():
-    made: list[Example] = []
-
-    def make(*tensors_in: torch.Tensor) -> list[p.TensorRef]:
-        made.append(Example(*tensors_in))
-        return made[-1].refs
-
-    yield make
-    for example in made:
-        example.close()
 
 
 # ------------------------------------------------------------ models and requests
@@ -222,7 +89,7 @@ def test_registration_errors_leave_nothing_behind(shared, examples, tmp_path):
         assert words in event.message, (case, event.message)
         assert pool.models() == []
         assert all(w.models == [] for ws in pool.snapshot().values() for w in ws), case
-        assert not [n for n in _our_segments(set()) if n.startswith("na-w-")], case
+        assert not [n for n in our_segments(set()) if n.startswith("na-w-")], case
         with pytest.raises(PoolError) as info:
             pool.submit(1, 0, spec.name, x)
         assert info.value.code == E.NO_MODEL
@@ -234,7 +101,7 @@ def test_registration_errors_leave_nothing_behind(shared, examples, tmp_path):
 
 
 def test_outputs_equal_the_module_run_plainly_and_weights_live_once(loop, examples, tmp_path):
-    pool = _pool(loop)  # two workers: active and standby
+    pool = start_pool(loop)  # two workers: active and standby
     ready = loop.wait_ready(pool, 2)
     reference = m.conv_bn()
     with torch.no_grad():
@@ -260,7 +127,7 @@ def test_outputs_equal_the_module_run_plainly_and_weights_live_once(loop, exampl
         with open(f"/proc/{w.pid}/maps") as f:
             lines = [line for line in f if f"/dev/shm/{segment}" in line]
         assert lines and all(line.split()[1].endswith("s") for line in lines), (w.pid, lines)
-    assert [n for n in _our_segments(set()) if n.startswith("na-w-")] == [segment]
+    assert [n for n in our_segments(set()) if n.startswith("na-w-")] == [segment]
 
 
 def test_two_outputs_and_tied_weights_from_the_factory_init(shared, examples):
@@ -306,7 +173,7 @@ def test_a_model_that_raises_fails_its_request_and_the_worker_serves_the_next(sh
 def test_a_worker_dying_while_preparing_or_attaching_fails_the_registration(loop, examples):
     """The registration's own code killed the worker: E_MODEL saying so, and the deaths spend
     nothing of the restart budget (0 here: one counted death would stop all replacement)."""
-    pool = _pool(loop, workers_per_device=1, restart_budget=(0, 60.0))
+    pool = start_pool(loop, workers_per_device=1, restart_budget=(0, 60.0))
     first = loop.wait_ready(pool, 1)[0].pid
     failed = loop.register(pool, ModelSpec(name="p", factory="tests.models_for_tests:dies_in_factory",
                                            example_input=examples(torch.zeros(1, 8))))
@@ -328,14 +195,14 @@ def test_a_worker_dying_while_preparing_or_attaching_fails_the_registration(loop
     assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
                                                     example_input=examples(torch.zeros(1, 8)))), ModelReady)
     assert [m_.name for m_ in pool.models()] == ["mlp"]
-    assert not [n for n in _our_segments(set()) if n.startswith("na-w-")
+    assert not [n for n in our_segments(set()) if n.startswith("na-w-")
                 and n != pool.weight_segment("mlp")]
 
 
 def test_a_model_that_kills_its_worker_on_attach_kills_only_the_probe(loop, examples):
     """A registration attaches on one worker first: an example input that crashes the model
     takes down that worker only, while the other keeps serving."""
-    pool = _pool(loop, workers_per_device=2)
+    pool = start_pool(loop, workers_per_device=2)
     pids = {e.pid for e in loop.wait_ready(pool, 2)}
     assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
                                                     example_input=examples(torch.zeros(1, 8)))), ModelReady)
@@ -346,7 +213,7 @@ def test_a_model_that_kills_its_worker_on_attach_kills_only_the_probe(loop, exam
     assert isinstance(failed, ModelFailed) and failed.code == E.MODEL
     dead = loop.wait(WorkerReplaced).old_pid
     survivor = (pids - {dead}).pop()
-    assert _alive(survivor) and not [e for e in loop.events if isinstance(e, WorkerReplaced)]
+    assert pool_process_alive(survivor) and not [e for e in loop.events if isinstance(e, WorkerReplaced)]
     done, _ = loop.infer(pool, 1, "mlp", [torch.randn(1, 8)])
     assert isinstance(done, RequestDone)
     assert survivor in [w.pid for w in pool.snapshot()[0]]
@@ -354,7 +221,7 @@ def test_a_model_that_kills_its_worker_on_attach_kills_only_the_probe(loop, exam
 
 
 def test_requests_go_to_the_active_worker_else_the_standby(loop, examples):
-    pool = _pool(loop)
+    pool = start_pool(loop)
     loop.wait_ready(pool, 2)
     x = examples(torch.randn(1, 8))
     for name in ("a", "b"):
@@ -384,7 +251,7 @@ def test_each_device_s_workers_start_with_its_environment_and_budget_replacement
         return WorkerSetup(env={"NODEAGENT_DEVICE_UUID": uuid, "CUDA_VISIBLE_DEVICES": uuid}, ordinal=0,
                            memory_budget_bytes=(1 << 30) if device == 0 else 0)
 
-    pool = _pool(loop, devices=[0, 1], workers_per_device=1, device_setup=setup)
+    pool = start_pool(loop, devices=[0, 1], workers_per_device=1, device_setup=setup)
     loop.wait_ready(pool, 2)
     assert sorted(asked) == [0, 1]
     x = examples(torch.ones(1, 1))
@@ -453,7 +320,7 @@ def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(shared, exampl
         assert {(e.request_id, e.code) for e in events} == {(2, E.NO_MODEL), (3, E.NO_MODEL)}
         done = loop.wait(RequestDone, request_id=1)  # the running one completes
         tensors.discard(done.outputs)
-        assert not [n for n in _our_segments(set()) if n.startswith("na-w-")]
+        assert not [n for n in our_segments(set()) if n.startswith("na-w-")]
         loop.step(0.2)
         deadline = time.monotonic() + 10
         while pool.snapshot()[0][0].models and time.monotonic() < deadline:
@@ -468,7 +335,7 @@ def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(shared, exampl
 
 def test_worker_killed_mid_request_is_replaced_and_the_replacement_serves(loop, examples, tmp_path, monkeypatch):
     monkeypatch.setenv(m.BLOCK_DIR_ENV, str(tmp_path))
-    pool = _pool(loop, workers_per_device=1)
+    pool = start_pool(loop, workers_per_device=1)
     old = loop.wait_ready(pool, 1)[0].pid
     assert isinstance(loop.register(pool, ModelSpec(name="blocking", factory="tests.models_for_tests:blocking",
                                                     example_input=examples(torch.zeros(1, 8)))), ModelReady)
@@ -516,7 +383,7 @@ def test_worker_killed_mid_request_is_replaced_and_the_replacement_serves(loop, 
 
 def test_restart_budget_exhausted_makes_the_device_unavailable(loop, examples, tmp_path, monkeypatch):
     monkeypatch.setenv(m.BLOCK_DIR_ENV, str(tmp_path))
-    pool = _pool(loop, workers_per_device=1, restart_budget=(1, 60.0))
+    pool = start_pool(loop, workers_per_device=1, restart_budget=(1, 60.0))
     first = loop.wait_ready(pool, 1)[0].pid
     assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
                                                     example_input=examples(torch.zeros(1, 8)))), ModelReady)
@@ -547,7 +414,7 @@ def test_a_request_past_its_deadline_is_answered_and_its_hung_worker_replaced(lo
     """E_TIMEOUT at the deadline; the worker still in forward after the grace is killed and replaced
     without spending the restart budget (0 here); the standby serves meanwhile."""
     monkeypatch.setenv(m.BLOCK_DIR_ENV, str(tmp_path))
-    pool = _pool(loop, workers_per_device=2, restart_budget=(0, 60.0), timeout_grace_s=0.3)
+    pool = start_pool(loop, workers_per_device=2, restart_budget=(0, 60.0), timeout_grace_s=0.3)
     loop.wait_ready(pool, 2)
     assert isinstance(loop.register(pool, ModelSpec(name="blocking", factory="tests.models_for_tests:blocking",
                                                     example_input=examples(torch.zeros(1, 8)))), ModelReady)
@@ -562,7 +429,7 @@ def test_a_request_past_its_deadline_is_answered_and_its_hung_worker_replaced(lo
         answered_s = time.monotonic() - started
         assert failed.code == E.TIMEOUT and "did not answer within the request's timeout" in failed.message
         assert 0.45 <= answered_s < 1.5, answered_s
-        assert _alive(hung)  # given its grace
+        assert pool_process_alive(hung)  # given its grace
         done, _ = loop.infer(pool, 2, "blocking", [torch.randn(1, 8)])  # the standby serves meanwhile
         assert isinstance(done, RequestDone)
         replaced = loop.wait(WorkerReplaced, old_pid=hung, timeout_s=10)
@@ -578,7 +445,7 @@ def test_a_request_past_its_deadline_is_answered_and_its_hung_worker_replaced(lo
 
 def test_a_request_that_finishes_within_the_grace_keeps_its_worker(loop, examples):
     """Late by less than the grace: answered E_TIMEOUT all the same, its outputs dropped, the worker kept."""
-    pool = _pool(loop, workers_per_device=1, timeout_grace_s=5.0)
+    pool = start_pool(loop, workers_per_device=1, timeout_grace_s=5.0)
     pid = loop.wait_ready(pool, 1)[0].pid
     assert isinstance(loop.register(pool, ModelSpec(name="sleeps", factory="tests.serving_models:sleeps_for_input",
                                                     example_input=examples(torch.zeros(1, 1)))), ModelReady)
@@ -595,7 +462,7 @@ def test_a_request_that_finishes_within_the_grace_keeps_its_worker(loop, example
 
 def test_a_worker_dying_at_start_says_why(loop, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "fail-start")
-    pool = _pool(loop, workers_per_device=1, restart_budget=(0, 60.0))
+    pool = start_pool(loop, workers_per_device=1, restart_budget=(0, 60.0))
     event = loop.wait(WorkerReplaced, timeout_s=30)
     assert event.new_pid is None and event.lost_request_ids == []
     assert "exit code 1" in event.reason and "fail-start" in event.reason
@@ -605,7 +472,7 @@ def test_a_worker_dying_at_start_says_why(loop, monkeypatch):
 
 
 def test_a_worker_not_ready_by_its_deadline_is_killed(loop):
-    pool = _pool(loop, workers_per_device=1, restart_budget=(0, 60.0), start_timeout_s=0.0)
+    pool = start_pool(loop, workers_per_device=1, restart_budget=(0, 60.0), start_timeout_s=0.0)
     assert pool.next_deadline() is not None
     pool.on_deadline()
     event = loop.wait(WorkerReplaced, timeout_s=30)
@@ -621,13 +488,13 @@ def test_a_worker_not_ready_by_its_deadline_is_killed(loop):
                                           ("ignore-shutdown,ignore-sigterm", ShutdownStep.SIGKILL)])
 def test_shutdown_escalates_and_records_the_step(loop, monkeypatch, faults, step):
     monkeypatch.setenv(FAULT_ENV, faults)
-    pool = _pool(loop, workers_per_device=1)
+    pool = start_pool(loop, workers_per_device=1)
     pid = loop.wait_ready(pool, 1)[0].pid
     started = time.monotonic()
     steps = pool.shutdown(2.0)
     assert steps == {pid: step}
     assert time.monotonic() - started < 4.0
-    assert not _alive(pid) and pool.watch_targets() == []
+    assert not pool_process_alive(pid) and pool.watch_targets() == []
     assert pool.snapshot()[0] == []
     with pytest.raises(PoolError) as info:
         pool.submit(1, 0, "x", [])
@@ -635,21 +502,21 @@ def test_shutdown_escalates_and_records_the_step(loop, monkeypatch, faults, step
 
 
 def test_a_worker_still_starting_gets_sigterm_at_once(loop):
-    pool = _pool(loop, workers_per_device=2)
+    pool = start_pool(loop, workers_per_device=2)
     pids = [w.pid for w in pool.snapshot()[0]]
     started = time.monotonic()
     assert pool.shutdown(10.0) == {pid: ShutdownStep.SIGTERM for pid in pids}
     assert time.monotonic() - started < 5.0  # not the 5 s a Shutdown message would wait
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(pool_process_alive(pid) for pid in pids)
 
 
 def test_a_pool_dropped_without_shutdown_is_cleaned_up_by_its_finaliser():
     pool = WorkerPool("cpu", [0], workers_per_device=1)
     pool.start()
     pid = next(w.pid for ws in pool.snapshot().values() for w in ws)
-    assert _alive(pid) and pool.snapshot()[0][0].state == WorkerState.STARTING.value
+    assert pool_process_alive(pid) and pool.snapshot()[0][0].state == WorkerState.STARTING.value
     del pool  # no shutdown: the finaliser kills and reaps the worker
-    assert not _alive(pid)
+    assert not pool_process_alive(pid)
 
 
 def test_workers_die_with_a_daemon_killed_by_sigkill_and_its_segment_is_swept(tmp_path):
@@ -661,11 +528,11 @@ def test_workers_die_with_a_daemon_killed_by_sigkill_and_its_segment_is_swept(tm
         assert words and words[0] == "READY", f"child said {words}"
         pids = [int(words[1]), int(words[2])]
         segment = words[3]
-        assert all(_alive(pid) for pid in pids)
+        assert all(pool_process_alive(pid) for pid in pids)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
         # the blocked worker is inside forward, not reading its pipe: only PR_SET_PDEATHSIG can end it
-        wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=10)
+        wait_for(lambda: not any(pool_process_alive(pid) for pid in pids), timeout=10)
         assert os.path.exists(f"/dev/shm/{segment}")  # nobody could unlink it
         assert segment in sweep_stale_segments()
         assert not os.path.exists(f"/dev/shm/{segment}")
@@ -673,7 +540,7 @@ def test_workers_die_with_a_daemon_killed_by_sigkill_and_its_segment_is_swept(tm
         child.kill()
         child.wait()
         for pid in pids:
-            if _alive(pid):
+            if pool_process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         for name in os.listdir("/dev/shm"):
             if name.startswith((f"na-in-{child.pid}-", f"na-w-{child.pid}-")):
