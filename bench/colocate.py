@@ -67,7 +67,7 @@ from typing import Iterator
 from bench.common import log, percentile, positive_float, positive_int, rounded, stop_process, wait_for_daemon
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# bench/models.py's names (tests/test_bench_colocate.py keeps them equal): the driver imports no torch.
+# bench/models.py's names (tests/bench/test_bench_colocate.py keeps them equal): the driver imports no torch.
 MODEL_NAMES = ("resnet50", "resnet152", "bert-base", "tiny-cnn", "gpt-small", "tiny-gpt", "tiny-bert")
 DEFAULT_MODE = "corun"  # what nodeagent does unless told otherwise: the headline's mode
 _READY_TIMEOUT_S = {"cuda": 180.0, "cpu": 90.0}  # import torch, build, warm up (cudnn.benchmark)

@@ -46,7 +46,7 @@ _STOP_TIMEOUT_S = 10.0
 # the library starts its liveness thread in the process of the first Client.
 # The parent opens no Client, only one-shot queries (query_status) that close
 # their socket before returning, so a child inherits no daemon connection and
-# no thread (tests/test_bench.py checks a forked child still gets its session).
+# no thread (tests/bench/test_bench.py checks a forked child still gets its session).
 mp_context = mp.get_context("fork")
 _RETRY_S = 0.005  # between attempts to reach a daemon that is not listening yet
 

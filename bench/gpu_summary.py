@@ -188,7 +188,7 @@ def figures(name: str, r: dict | None, j: dict | None) -> list[tuple]:
             (f"pytest ({name})", f"{j['passed']} passed, {j['failures'] + j['errors']} failed, {j['skipped']} "
              f"skipped" + (f": {', '.join(j['failed_tests'][:5])}" if j["failed_tests"] else ""),
              "all pass", "-", j["failures"] + j["errors"] == 0 and j["passed"] > 0)]
-        if name == "mps" and r:  # tests/test_mps.py's 30/70 split, written beside the JUnit report
+        if name == "mps" and r:  # tests/daemon/test_mps.py's 30/70 split, written beside the JUnit report
             out.append(("MPS 70% / 30% SM shares: throughput ratio", f"{r['throughput_ratio']:.2f}",
                         f"near the ideal {r['expected_ratio']:.2f}", "the same work at each share, same run", None))
         return out

@@ -19,7 +19,7 @@ from typing import Callable
 COLUMN_IN = 7.5  # the page is two columns of this width (inches)
 ROW_IN = 4.3
 GPU_CHECK = "gpu-check"  # scripts/gpu-check.sh's summary.json
-MPS = "mps"  # tests/test_mps.py's 30/70 split, written by gpu-check
+MPS = "mps"  # tests/daemon/test_mps.py's 30/70 split, written by gpu-check
 MAX_GROUPS = 8  # models, sizes, session counts... drawn from one result: the rest would not be readable
 
 

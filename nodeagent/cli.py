@@ -24,7 +24,7 @@ EXIT_STATE_UNUSABLE = 74  # sysexits EX_IOERR: the state dir or journal cannot b
 EXIT_ADDRESS_UNUSABLE = 78  # sysexits EX_CONFIG: a valid address this host cannot bind (in use, not its own)
 
 # What `nodeagent bench NAME` runs (python -m bench.NAME): every benchmark the README and
-# bench/README.md tell a user to run (tests/test_cli.py checks the docs against this list).
+# bench/README.md tell a user to run (tests/daemon/test_cli.py checks the docs against this list).
 BENCHMARKS = ("handoff", "scale", "fairness", "preempt", "enforce", "recovery", "suspend", "switch", "reclaim",
               "llm_wake", "scrapers", "colocate", "replay", "mps_fault", "cluster_sim", "report", "gpu_summary")
 

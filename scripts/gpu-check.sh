@@ -16,7 +16,7 @@
 # Every benchmark's daemon runs on the cuda backend. Each step has a cap and the profile a budget
 # (GPU_CHECK_BUDGET_S, default 540 s) that holds the fixed costs too (the wheels' install, the
 # environment probe, the summary): a step starts only when its whole cap fits what is left, else it
-# is recorded skipped-budget by name; nothing is cut mid-measurement (tests/test_gpu_check.py holds
+# is recorded skipped-budget by name; nothing is cut mid-measurement (tests/bench/test_gpu_check.py holds
 # each profile's caps to its budget). A failing step is recorded and the next one runs.
 #
 # Output: OUT_DIR/<gpu>-<date>/ (OUT_DIR defaults to $OUT, else bench/out/gpu-check), a folder to
@@ -355,7 +355,7 @@ PY
 #
 # Each step: NAME CAP_S STDOUT COMMAND. The caps are what a step may take on an H100/H200, from the
 # runs of 2026-11-23 and -27 with room; with the fixed costs they must fit BUDGET_S
-# (tests/test_gpu_check.py adds them up from `--plan`).
+# (tests/bench/test_gpu_check.py adds them up from `--plan`).
 
 plan_colocate() {
     # Issue 30's measurement: the baselines (alone, no daemon, MPS priority) and the default first,
@@ -370,14 +370,14 @@ plan_rest() {
         --cold-repeats 1 --json
     run_step mps-fault 45 "$stage/mps-fault.json" "$python" -m bench.mps_fault --json
     run_step mps 30 - env NODEAGENT_RESULTS_DIR="$stage" "$python" -m pytest -m gpu -p no:cacheprovider -q -rs \
-        -o timeout=20 --junitxml="$stage/mps.xml" tests/test_mps.py tests/test_mps_daemon.py
+        -o timeout=20 --junitxml="$stage/mps.xml" tests/daemon/test_mps.py tests/daemon/test_mps_daemon.py
     run_step pytest-gpu 65 - env NODEAGENT_RESULTS_DIR="$stage" "$python" -m pytest -m gpu -p no:cacheprovider -q \
-        -rs -o timeout=60 --junitxml="$stage/pytest-gpu.xml" --ignore=tests/test_mps.py \
-        --ignore=tests/test_mps_daemon.py --ignore=tests/test_nccl_park.py --ignore=tests/test_ray_gpu.py tests
+        -rs -o timeout=60 --junitxml="$stage/pytest-gpu.xml" --ignore=tests/daemon/test_mps.py \
+        --ignore=tests/daemon/test_mps_daemon.py --ignore=tests/client_lib/test_nccl_park.py --ignore=tests/ray/test_ray_gpu.py tests
     run_step park-keep-addresses 45 "$stage/park-keep-addresses.json" "$python" -m bench.suspend --device cuda \
         --state-mb 1024 --repeats 3 --keep-addresses --no-daemon --json  # a restart of 1 GiB is 10 s of it
     run_step nccl-park 20 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=20 \
-        --junitxml="$stage/nccl-park.xml" tests/test_nccl_park.py
+        --junitxml="$stage/nccl-park.xml" tests/client_lib/test_nccl_park.py
     local plot=(--plot "$stage/switch.png")
     [ "$plan_only" = 0 ] && ! "$python" -c "import matplotlib" >/dev/null 2>&1 && plot=()
     run_step switch 40 "$stage/switch.json" "$python" -m bench.switch --backend cuda --repeats 3 --cold-repeats 1 \
@@ -388,7 +388,7 @@ plan_rest() {
         --json
     if [ "$plan_only" = 1 ] || [ -f "$wheels/ray-site.tar.xz" ]; then  # a loan raylet given the GPU by UUID
         run_step ray-gpu 45 - "$python" -m pytest -m gpu -p no:cacheprovider -q -rs -s -o timeout=45 \
-            --junitxml="$stage/ray-gpu.xml" tests/test_ray_gpu.py
+            --junitxml="$stage/ray-gpu.xml" tests/ray/test_ray_gpu.py
     else
         record ray-gpu not-carried - 0 45 "no $wheels/ray-site.tar.xz (scripts/gpu-wheels.sh --ray)"
         say "ray-gpu: not run (no $wheels/ray-site.tar.xz)"

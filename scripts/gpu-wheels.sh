@@ -10,7 +10,7 @@
 #   bash scripts/gpu-wheels.sh            # then: device run with carry [".whl"], bash scripts/gpu-check.sh
 #   bash scripts/gpu-wheels.sh --ray      # also .whl/ray-site.tar.xz: Ray (the version in .venv) and what
 #                                         # the GPU image lacks of its needs, trimmed to fit (~32 MB), for
-#                                         # gpu-check's Ray GPU test (tests/test_ray_gpu.py)
+#                                         # gpu-check's Ray GPU test (tests/ray/test_ray_gpu.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_ray=0

@@ -7,7 +7,7 @@
 #   bash scripts/relock.sh                  # resolve newest -> .venv-newest, run the suite, show the changes
 #   bash scripts/relock.sh --write          # the same, then write requirements.lock if the suite passed
 #   bash scripts/relock.sh --write --no-test  # only re-resolve and write (e.g. after editing pyproject.toml)
-#   bash scripts/relock.sh -- -x tests/test_codec.py   # arguments after -- go to pytest
+#   bash scripts/relock.sh -- -x tests/client_lib/test_protocol.py   # arguments after -- go to pytest
 #
 # The lock is for CPython 3.11 on Linux x86_64 (manylinux 2.28), the machines CI runs on.
 set -euo pipefail

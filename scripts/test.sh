@@ -3,7 +3,7 @@
 # with one worker a core (tests/conftest.py says how the tests that time things still run alone).
 #
 #   bash scripts/test.sh                      # the whole suite, in parallel
-#   bash scripts/test.sh tests/test_cli.py    # arguments go to pytest
+#   bash scripts/test.sh tests/daemon/test_cli.py    # arguments go to pytest
 #   bash scripts/test.sh -p no:xdist          # serially, in one process (or -n 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."

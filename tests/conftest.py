@@ -255,7 +255,6 @@ def spawn():
         child.kill()
 
 
-
 @pytest.fixture
 def cluster_node(start_daemon, workdir):
     """Factory: a daemon with its cluster endpoint on (config keywords as for
@@ -269,35 +268,6 @@ def cluster_node(start_daemon, workdir):
 
     return start
 
-@pytest.fixture
-def loop():
-    """A :class:`tests.pool_driver.Loop` whose pools are shut down after the test; then no segment
-    or worker process may be left."""
-    from tests.pool_driver import checked_loop
-    yield from checked_loop()
-
-
-@pytest.fixture
-def examples():
-    """Factory: ``examples(*tensors)`` -> refs to an example input kept in a segment until the test ends."""
-    from tests.pool_driver import example_maker
-    yield from example_maker()
-
-
-@pytest.fixture
-def launch(workdir):
-    """Factory: ``launch(endpoint, *run_flags, cmd=[...])`` -> the ``nodeagent run`` Popen. Without
-    ``cmd`` it runs :data:`tests.run_counter.COUNTER`. Launchers and their CMDs are killed at the end."""
-    from tests.run_counter import launched_cmds
-    yield from launched_cmds(workdir)
-
-
-@pytest.fixture
-def endpoint():
-    """A ClusterEndpoint stepped by hand, no daemon and no sockets: (endpoint, recorder, sessions,
-    schedulers) for two devices."""
-    from tests.cluster_stepped import stepped_endpoint
-    yield from stepped_endpoint()
 
 # ------------------------------------------------------------------ the Ray scenario, beside the rest
 

@@ -1,4 +1,4 @@
-"""The Ray scenario's two runs (tests/test_ray_scenario.py), started when collection ends and
+"""The Ray scenario's two runs (tests/ray/test_ray_scenario.py), started when collection ends and
 run beside the rest of the suite.
 
 Each run is `examples/ray_colocate.py` in its own process: two to three minutes, most of them

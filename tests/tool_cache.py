@@ -1,4 +1,4 @@
-"""A cache of tools the tests fetch once (tests/k8s_tools.py, tests/prom_tools.py): a folder
+"""A cache of tools the tests fetch once (tests/k8s/k8s_tools.py, tests/prom_tools.py): a folder
 under ``.venv`` (git-ignored with it), a lock so that two test processes do not fetch at once,
 and :class:`ToolMissing` for a tool that cannot be had here, whose message the tests skip with."""
 

@@ -1,4 +1,4 @@
-{{/* Templates here use only what tests/helm_subset.py renders: value paths, include, toYaml,
+{{/* Templates here use only what tests/k8s/helm_subset.py renders: value paths, include, toYaml,
 nindent, quote, default, if/else/end, define and range $key, $value over a map. */}}
 
 {{- define "nodeagent.labels" -}}

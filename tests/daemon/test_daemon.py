@@ -261,7 +261,7 @@ def test_heartbeat_with_wrong_key_is_refused(inproc_daemon):
     owner = RawPeer(inproc_daemon.endpoint)
     welcome = owner.hello("owner")
     other = RawPeer(inproc_daemon.endpoint)
-    # The session lives: a wrong key is forbidden, not "no session" (tests/test_protocol_behaviour.py).
+    # The session lives: a wrong key is forbidden, not "no session" (tests/client_lib/test_protocol_behaviour.py).
     assert other.call(p.Heartbeat(id=1, session=welcome.session, key="guess")).code == ErrorCode.FORBIDDEN
     assert isinstance(other.call(p.Heartbeat(id=2, session=welcome.session, key=welcome.key)), p.HeartbeatAck)
     owner.close()

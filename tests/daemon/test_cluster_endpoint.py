@@ -1,5 +1,5 @@
 """ClusterEndpoint stepped by hand: no daemon and no sockets. It touches only what its
-constructor is given, so these fakes are all it needs (tests/test_cluster.py drives the
+constructor is given, so these fakes are all it needs (tests/daemon/test_cluster.py drives the
 same operations through a real daemon and real CURVE sockets)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, ClusterRoute
 from nodeagent.procwatch import PeerCredentials, own_namespaces
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
-from tests.cluster_stepped import PLACEMENT
+from tests.daemon.cluster_stepped import PLACEMENT
 
 
 def _borrower_session(sessions: SessionTable, schedulers, sid: str, borrower: str, device: int = 0) -> Session:

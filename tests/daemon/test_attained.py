@@ -27,7 +27,7 @@ from sharing import Workload
 from tests.conftest import wait_for
 from tests.daemon_parts import make_tokens
 from tests.cluster_nodes import inventory_or_none
-from tests.cluster_stepped import PLACEMENT
+from tests.daemon.cluster_stepped import PLACEMENT
 
 USER = SimpleNamespace(creds=PeerCredentials(uid=1000, gid=1000, pid=4242))
 ROOT = SimpleNamespace(creds=PeerCredentials(uid=0, gid=0, pid=1, namespaces=own_namespaces()))

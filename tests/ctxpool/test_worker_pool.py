@@ -25,7 +25,7 @@ from ctxpool.pool import (ModelFailed, ModelReady, PoolError, RequestDone, Reque
 from ctxpool.worker import FAULT_ENV
 from tests import models_for_tests as m
 from tests.conftest import REPO, wait_for
-from tests.pool_driver import Loop, check_left_nothing, our_segments, pool_process_alive, start_pool
+from tests.ctxpool.pool_driver import Loop, check_left_nothing, our_segments, pool_process_alive, start_pool
 
 E = p.ErrorCode
 MLP = "tests.models_for_tests:mlp"

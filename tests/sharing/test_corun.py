@@ -689,7 +689,7 @@ def test_exclusive_burst_of_20_requests_costs_the_trainer_one_yield(start_daemon
 
 def test_under_mps_a_corun_trainer_gets_client_priority_and_no_sm_cap(workdir, start_daemon):
     if os.geteuid() != 0:
-        pytest.skip("the MPS stand-in's directories need root here (as tests/test_mps_daemon.py)")
+        pytest.skip("the MPS stand-in's directories need root here (as tests/daemon/test_mps_daemon.py)")
     from tests.mps_stand_in import write_fake_control
     binary = write_fake_control(workdir)
     with open(os.path.join(workdir, "nodeagent.toml"), "w") as f:
@@ -758,7 +758,7 @@ def test_a_waiting_request_arms_the_trainers_bound_at_its_next_pause_point_and_n
     with Client("trainer", workload="training", endpoint=d.endpoint) as t, \
             Client("ranker", workload="inference", endpoint=d.endpoint, slo_ms=10_000.0) as inf:
         pacer = Pacer(t, torch.nn.Linear(4, 4), bound="pausable")
-        pacer._cuda = True  # the decision, without a GPU (the bound itself is tests/test_pacer.py's gpu test)
+        pacer._cuda = True  # the decision, without a GPU (the bound itself is tests/client_lib/test_pacer.py's gpu test)
         bounded: list[int] = []
         pacer._bound = lambda: bounded.append(1)
         board = t.pacing

@@ -11,7 +11,7 @@ from ctxpool.device_errors import STICKY_CUDA_ERROR_CODES, DeviceLost, is_fatal
 from ctxpool.messages import ModelSpec
 from ctxpool.pool import RequestDone, RequestFailed, WorkerReady, WorkerReplaced
 from tests import models_for_tests as m
-from tests.pool_driver import start_pool
+from tests.ctxpool.pool_driver import start_pool
 
 # Texts as torch, the driver and the libraries print them (first lines).
 FATAL = [
@@ -107,7 +107,7 @@ def sticky() -> nn.Module:
 def test_a_worker_whose_run_meets_a_sticky_error_is_replaced(loop, examples):
     pool = start_pool(loop, workers_per_device=1)
     old = loop.wait_ready(pool, 1)[0].pid
-    spec = ModelSpec(name="sticky", factory="tests.test_device_errors:sticky", example_input=examples(torch.ones(1, 8)))
+    spec = ModelSpec(name="sticky", factory="tests.ctxpool.test_device_errors:sticky", example_input=examples(torch.ones(1, 8)))
     loop.register(pool, spec)
     bad = torch.ones(1, 8)
     bad[0, 0] = m.FAIL_CUE

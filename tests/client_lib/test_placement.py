@@ -1,7 +1,7 @@
 """client_lib.placement against small scripted CURVE nodes (a ROUTER and an XPUB per node, in
 threads, real tcp loopback sockets, pyzmq's authenticator over a generated allowed/ directory).
 
-The daemon's own cluster endpoint is tested in tests/test_cluster.py; here the node side is a
+The daemon's own cluster endpoint is tested in tests/daemon/test_cluster.py; here the node side is a
 script, so that slow, dead, lying and late nodes can be had on cue.
 """
 

@@ -26,7 +26,7 @@ from tests.conftest import free_port
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 HEADING = "### From zero: a trainer and an inference service on one GPU"
 
 

@@ -4,7 +4,7 @@ subset of Go template syntax the nodeagent chart uses (value paths, ``include``,
 ``range $key, $value := .Values.MAP`` over a map, comments and whitespace trimming), with the
 values checked against ``values.schema.json`` as helm checks them. Anything else raises
 :class:`Unsupported`, naming the action, so a template that outgrows the subset fails here
-rather than rendering wrongly. Where helm can be had (tests/k8s_tools.py) the tests run
+rather than rendering wrongly. Where helm can be had (tests/k8s/k8s_tools.py) the tests run
 ``helm template`` too."""
 
 from __future__ import annotations

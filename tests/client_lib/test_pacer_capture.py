@@ -1,6 +1,6 @@
 """client_lib.torch.Pacer while a CUDA graph is captured (issue 33, defect 4): the run-ahead bound
 and the fence make no CUDA call, which would invalidate the capture. On cpu, with a fake capture
-state and fake events standing in for CUDA's (the gpu test in tests/test_pacer.py runs the bound)."""
+state and fake events standing in for CUDA's (the gpu test in tests/client_lib/test_pacer.py runs the bound)."""
 
 from __future__ import annotations
 

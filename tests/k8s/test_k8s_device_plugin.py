@@ -1,4 +1,4 @@
-"""The Kubernetes device plugin against a fake kubelet (tests/fake_kubelet.py: a real gRPC
+"""The Kubernetes device plugin against a fake kubelet (tests/k8s/fake_kubelet.py: a real gRPC
 Registration server on a unix socket, which dials the plugin back as the kubelet does) and
 a real daemon: registration, the shares and their health as the daemon's devices are lent,
 drained, lost or gone, Allocate's answer used by a real client, kubelet restarts, and the
@@ -34,7 +34,7 @@ from nodeagent.k8s.v1beta1 import api_pb2 as api  # noqa: E402
 from nodeagent.k8s.watch import EventsSource  # noqa: E402
 from nodeagent.metrics import Metrics  # noqa: E402
 from tests.conftest import REPO, Daemon, wait_for  # noqa: E402
-from tests.fake_kubelet import FakeKubelet  # noqa: E402
+from tests.k8s.fake_kubelet import FakeKubelet  # noqa: E402
 from tests.cluster_nodes import CurvePeer, write_cluster_config  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.scripted_gpus import ScriptedGpus  # noqa: E402

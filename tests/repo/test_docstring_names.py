@@ -24,7 +24,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 PACKAGES = ("nodeagent", "sharing", "client_lib", "ctxpool", "nodeagent_ray")
 GENERATED = ("nodeagent/k8s/v1beta1/",)
 DOCS = ("docs/architecture.md", "docs/internals.md")

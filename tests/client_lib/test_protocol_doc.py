@@ -31,7 +31,7 @@ import pytest
 from client_lib import protocol as p
 from sharing import DeviceState, SessionState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 DOC = ROOT / "docs" / "protocol.md"
 
 _MESSAGE_HEADING = re.compile(r"^#{2,4} `([a-z_]+)` \((request|reply|notice)\)\s*$")
@@ -70,7 +70,7 @@ def _wire_type(t: mi.Type) -> str:
         return " | ".join(_wire_type(i) for i in t.types)
     if isinstance(t, mi.StructType):
         return t.cls.__name__
-    raise AssertionError(f"tests/test_protocol_doc.py cannot name the wire type {t!r}: teach _wire_type")
+    raise AssertionError(f"tests/client_lib/test_protocol_doc.py cannot name the wire type {t!r}: teach _wire_type")
 
 
 def _wire_default(f: mi.Field) -> str:

@@ -30,7 +30,7 @@ from tests.daemon_parts import FakeDevices
 
 class ScriptedGpus(CpuBackend):
     """The cpu backend with per-process device memory and lost devices scripted (what NVML
-    reports on cuda); tests/test_memory_watch.py has the same for a whole daemon."""
+    reports on cuda); tests/daemon/test_memory_watch.py has the same for a whole daemon."""
 
     measures_process_memory = True
 

@@ -158,8 +158,8 @@ def _test_sh(tmp_path, *args: str) -> list[str]:
 
 def test_the_readmes_command_runs_the_suite_on_every_core_and_no_xdist_runs_it_serially(tmp_path):
     assert _test_sh(tmp_path) == ["nobytecode=unset", "-m", "pytest", "-n", "auto", "--dist", "loadgroup"]
-    assert _test_sh(tmp_path, "tests/test_cli.py") == ["nobytecode=unset", "-m", "pytest", "-n", "auto", "--dist",
-                                                       "loadgroup", "tests/test_cli.py"]
+    assert _test_sh(tmp_path, "tests/daemon/test_cli.py") == ["nobytecode=unset", "-m", "pytest", "-n", "auto", "--dist",
+                                                       "loadgroup", "tests/daemon/test_cli.py"]
     for serially in (["-p", "no:xdist"], ["-pno:xdist"], ["-n", "0"], ["-n0"], ["--dist=load"]):
         assert _test_sh(tmp_path, *serially) == ["nobytecode=unset", "-m", "pytest", *serially], serially
 
@@ -191,6 +191,6 @@ def test_a_background_run_is_told_to_stop_when_what_started_it_goes():
 def test_the_suite_still_runs_serially_without_xdist():
     """``bash scripts/test.sh -p no:xdist``: conftest's xdist hooks must not stop pytest there."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-                          "tests/test_parallel_suite.py", "-k", "every_test_named"], cwd=REPO, capture_output=True,
+                          "tests/repo/test_parallel_suite.py", "-k", "every_test_named"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 DAEMON = REPO / "nodeagent" / "daemon"
 SCHEDULER_OWNERS = {"tokens.py"}  # the tokens component, alone
 MUTATORS = {"add_session", "remove_session", "request", "cancel", "release", "revoke", "preempt", "set_weight",

@@ -2,7 +2,7 @@
 session's MPS settings: the client says so with CudaTooEarlyError instead of
 running outside its partition. The probe that tells, without initialising CUDA,
 is tested against scripted drivers and a compiled stand-in libcuda; the end to
-end refusal runs against a daemon with MPS in tests/test_mps_daemon.py."""
+end refusal runs against a daemon with MPS in tests/daemon/test_mps_daemon.py."""
 
 from __future__ import annotations
 

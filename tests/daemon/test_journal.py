@@ -18,7 +18,7 @@ import pytest
 from nodeagent import journal as journal_mod
 from nodeagent.journal import SCHEMA_VERSION, Journal, JournalError, SessionRecord
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def record(session_id: str = "s-1", **changes) -> SessionRecord:

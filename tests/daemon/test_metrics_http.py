@@ -1,7 +1,7 @@
 """The metrics endpoint in the daemon's loop, driven by hand: HTTP it speaks, what it
 refuses, and the bounds it keeps (connections, time, bytes, CPU) whatever peers do.
 The daemon-level tests (a storm of slow scrapers beside token grants) are in
-tests/test_metrics_storm.py."""
+tests/bench/test_metrics_storm.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``nodeagent run``: an unmodified program time-sliced over a real daemon (held in its own
-cgroup where one can be made, else its process group; tests/test_run_cgroup.py tests both)."""
+cgroup where one can be made, else its process group; tests/daemon/test_run_cgroup.py tests both)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from client_lib import Client
 from tests.conftest import REPO, wait_for
 from tests.proc_tools import gone
-from tests.run_counter import COUNTER
+from tests.daemon.run_counter import COUNTER
 
 
 def alive(pid: int) -> bool:

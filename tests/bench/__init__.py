@@ -1,0 +1,1 @@
+"""Tests of bench/ and scripts/gpu-check.sh: the benchmarks and their reports."""

@@ -1,0 +1,1 @@
+"""Tests of client_lib/: the client library, its protocol and framework integrations."""

@@ -1,0 +1,1 @@
+"""Tests of ctxpool/: warm worker contexts, the engine and the model store."""

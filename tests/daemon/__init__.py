@@ -1,0 +1,1 @@
+"""Tests of nodeagent/ and nodeagent/daemon/: the daemon, its components, CLI and settings."""

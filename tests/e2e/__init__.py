@@ -1,0 +1,1 @@
+"""Tests of end to end: the README, the examples, systemd, several nodes."""

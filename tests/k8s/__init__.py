@@ -1,0 +1,1 @@
+"""Tests of nodeagent/k8s/ and deploy/: the device plugin, manifests and chart."""

@@ -1,0 +1,1 @@
+"""Tests of nodeagent_ray/: placement and elastic training on Ray."""

@@ -1,0 +1,1 @@
+"""Tests of the tree itself: names, docstrings, the suite's own machinery."""

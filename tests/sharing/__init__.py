@@ -1,0 +1,1 @@
+"""Tests of sharing/: the pure schedulers and policies."""
