@@ -217,7 +217,7 @@ class ClusterEndpoint:
         journal = self._journal.journal
         if journal is None:
             return
-        wall = time.time()
+        wall = self._wall_at(now)
         count = self._tokens.device_count
         for device, doc in sorted(journal.policies().items()):
             if not 0 <= device < count:
@@ -493,7 +493,7 @@ class ClusterEndpoint:
 
     def _journal_lifecycle(self, device: int, now: float) -> None:
         """Write what an operator made of the device; times as unix seconds, to survive a restart."""
-        life, wall = self._lifecycles[device], time.time()
+        life, wall = self._lifecycles[device], self._wall_at(now)
         detail: dict = {}
         if life.borrower is not None:
             detail["borrower"] = life.borrower
@@ -537,9 +537,14 @@ class ClusterEndpoint:
         lifecycles = self.lifecycle_facts(now)
         return self.inventory_of(self._status(now), lifecycles, now, request_id)
 
+    def _wall_at(self, now: float) -> float:
+        """Unix seconds at the loop time ``now`` (a turn's start), not at this call: a time
+        converted twice in one turn, or in two turns, comes out the same."""
+        return time.time() - (self._clock() - now)
+
     def lifecycle_facts(self, now: float) -> list[tuple[str, str | None, float | None]]:
         """Each device's (lifecycle state, borrower, lent until on the wall clock) at ``now``."""
-        wall = time.time()
+        wall = self._wall_at(now)
         facts = []
         for device in range(len(self._lifecycles)):
             life = self._observe_now(device, now)
@@ -605,7 +610,7 @@ class ClusterEndpoint:
                      _peer(route, frame))
         self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
                                            borrower=life.borrower, changed=changed,
-                                           lent_until=_on_wall(life.lent_until, now)))
+                                           lent_until=_on_wall(life.lent_until, now, self._wall_at(now))))
 
     def on_renew(self, route: bytes, msg: p.Renew, frame, now: float) -> None:
         """A new term for a lend (a lease): it ends ``max_s`` from now; journalled, as the lend was."""
@@ -626,7 +631,7 @@ class ClusterEndpoint:
                  _peer(route, frame))
         self._send(route, p.LifecycleReply(id=msg.id, device=msg.device, state=life.state.value,
                                            borrower=life.borrower, changed=True,
-                                           lent_until=_on_wall(life.lent_until, now)))
+                                           lent_until=_on_wall(life.lent_until, now, self._wall_at(now))))
 
     def on_set_weight(self, route: bytes, msg: p.SetWeight, frame, now: float) -> None:
         """A session's share within its class, changed by the placement layer (or local root)."""
@@ -783,9 +788,9 @@ def _borrower_problem(borrower: str) -> str | None:
     return None
 
 
-def _on_wall(at: float | None, now: float) -> float | None:
-    """A time on the loop's monotonic clock as unix seconds (for the wire)."""
-    return None if at is None else time.time() + (at - now)
+def _on_wall(at: float | None, now: float, wall: float) -> float | None:
+    """A time on the loop's monotonic clock as unix seconds (for the wire; ``wall`` is ``now``'s)."""
+    return None if at is None else wall + (at - now)
 
 
 def _on_clock(unix: float | None, now: float, wall: float) -> float | None:

@@ -159,8 +159,8 @@ def test_renew_gives_a_lend_a_new_term_and_refuses_what_it_must(endpoint):
     cluster.on_renew(PLACEMENT, p.Renew(id=2, device=0, borrower="job-a", max_s=20.0), None, 5.0)
     reply = rec.to(PLACEMENT)[-1]
     assert isinstance(reply, p.LifecycleReply) and reply.id == 2 and reply.changed and reply.state == "LENT"
-    # 10 s left at the lend, 20 s left at the renewal (the wall clock does not move with the scripted one)
-    assert reply.lent_until == pytest.approx(rec.to(PLACEMENT)[0].lent_until + 10.0, abs=0.5)
+    # the lend ran to 10 s, the renewal at 5 s runs to 25 s: 15 s after the first term's end
+    assert reply.lent_until == pytest.approx(rec.to(PLACEMENT)[0].lent_until + 15.0, abs=0.5)
     assert cluster.next_deadline(5.0) == pytest.approx(25.0)
     assert rec.of("renew") == [{"borrower": "job-a", "max_s": 20.0}]
     cluster.on_timers(10.0)

@@ -4,6 +4,7 @@ same operations through a real daemon and real CURVE sockets)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -112,3 +113,19 @@ def test_a_borrower_with_control_characters_is_not_lent_to(endpoint):
     assert [(e.id, e.code, e.message) for e in errors] == [
         (rid, p.ErrorCode.INVALID, "borrower must be printable (no control characters)") for rid in (1, 2)]
     assert rec.of("lend") == [] and cluster.device_state(0) == "FREE"
+
+
+def test_a_lend_s_end_on_the_wall_clock_is_one_time_however_late_in_its_turn_it_is_read(endpoint):
+    # A turn's ``now`` is read when the turn starts; a reply, the inventory or the journal may
+    # convert a time with it much later in that turn on a loaded host. Converting with the wall
+    # clock of the call instead of the turn moved a lend's end by the turn's length (a renew reply
+    # and the inventory that followed disagreed by tens of ms under load).
+    cluster, rec, sessions, schedulers = endpoint
+    cluster._clock = time.monotonic  # the loop's real clock, as the daemon's
+    now = time.monotonic()
+    cluster.on_lend(PLACEMENT, p.Lend(id=1, device=0, borrower="job-a", max_s=100.0), None, now)
+    [(_, _, at_once)] = [f for f in cluster.lifecycle_facts(now)][:1]
+    time.sleep(0.2)  # the rest of a slow turn
+    [(_, _, later)] = [f for f in cluster.lifecycle_facts(now)][:1]
+    assert later == pytest.approx(at_once, abs=0.01)
+    assert at_once == pytest.approx(time.time() - 0.2 + 100.0, abs=0.05)
