@@ -21,7 +21,6 @@ import zmq
 from client_lib import codec, device_id
 from client_lib import protocol as p
 from client_lib.endpoint import ipc_path
-from client_lib.limits import MAX_DEADLINE_MS, MAX_WEIGHT
 from nodeagent import enforce, fdlimit, memory, procwatch, runtime
 from nodeagent.daemon.cluster import ClusterEndpoint, ClusterRoute
 from nodeagent.config import ServeConfig
@@ -58,8 +57,6 @@ STATUS_CHUNK = 128
 STATUS_JOBS_MAX = 64  # statuses and inventories under way at once; past it one is answered E_UNAVAILABLE
 STATUS_JOBS_PER_PEER = 4  # of those, from one uid (or one cluster peer): a flood cannot crowd out root
 
-MAX_NAME_CHARS = 128
-MAX_SLO_MS = MAX_DEADLINE_MS
 ENDED = "exited"  # a session's end reason when its process ended leaving nothing undone: not a lost one
 # How long a session whose connection closed with nothing undone waits for its process's pidfd
 # before it is called lost: a Python client's socket closes while its interpreter finalizes,
@@ -1055,23 +1052,12 @@ def welcome_ordinal(backend: str, uuid: str, env: dict[str, str]) -> int | None:
 
 
 def _check_hello(msg: p.Hello) -> str | None:
-    """Why a hello's values are unacceptable, or None."""
-    if not msg.name or len(msg.name) > MAX_NAME_CHARS:
-        return f"name must be 1..{MAX_NAME_CHARS} characters"
+    """Why a hello's values are unacceptable, or None. Lengths and ranges are the wire type's
+    (``client_lib/protocol.py``: a frame outside them is refused as it is decoded)."""
     # Names reach logs and terminals (status, top): a control character could forge a log line
     # or drive another user's terminal.
     if not msg.name.isprintable():
         return "name must be printable (no control characters)"
     if msg.borrower is not None and not msg.borrower.isprintable():
         return "borrower must be printable (no control characters)"
-    if not (math.isfinite(msg.weight) and 0 < msg.weight <= MAX_WEIGHT):
-        return f"weight must be in (0, {MAX_WEIGHT:g}], got {msg.weight}"
-    if msg.borrower is not None and not (msg.borrower.strip() and len(msg.borrower) <= MAX_NAME_CHARS):
-        return f"borrower must be 1..{MAX_NAME_CHARS} characters"
-    if msg.memory_mb < 0:
-        return f"memory_mb must be >= 0, got {msg.memory_mb}"
-    if msg.pid <= 0:
-        return f"pid must be > 0, got {msg.pid}"
-    if msg.slo_ms is not None and not (math.isfinite(msg.slo_ms) and 0 < msg.slo_ms <= MAX_SLO_MS):
-        return f"slo_ms must be in (0, {MAX_SLO_MS:g}] or absent, got {msg.slo_ms}"
     return None

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from client_lib import Client
+from client_lib import codec
 from client_lib import protocol as p
 from nodeagent.daemon.history import AttainedService
 from nodeagent.daemon.bus import Bus, SliceEnded
@@ -207,14 +208,16 @@ def test_set_weight_changes_a_sessions_share_and_refuses_what_it_must(endpoint):
     assert rec.of("weight") == [{"old": 1.0, "weight": 4.0}]
     refusals = [(p.SetWeight(id=2, session="s-a", weight=2.0), USER, p.ErrorCode.FORBIDDEN),
                 (p.SetWeight(id=3, session="s-gone", weight=2.0), None, p.ErrorCode.NO_SESSION)]
-    refusals += [(p.SetWeight(id=4 + i, session="s-a", weight=bad), None, p.ErrorCode.INVALID)
-                 for i, bad in enumerate((0.0, -1.0, math.inf, math.nan, 2e6))]
     for msg, peer, code in refusals:
         route = PLACEMENT if peer is None else "local-user"
         cluster.on_set_weight(route, msg, peer, 2.0)
         answer = rec.to(route)[-1]
         assert isinstance(answer, p.Error) and (answer.id, answer.code) == (msg.id, code), answer
     assert s.weight == 4.0 and len(rec.of("weight")) == 1
+    for i, bad in enumerate((0.0, -1.0, math.inf, math.nan, 2e6)):  # refused as the frame is decoded
+        with pytest.raises(codec.BadFrame) as refused:
+            codec.decode_request(codec.encode(p.SetWeight(id=4 + i, session="s-a", weight=bad)))
+        assert (refused.value.request_id, refused.value.code) == (4 + i, p.ErrorCode.INVALID), refused.value
     cluster.on_set_weight("root-conn", p.SetWeight(id=20, session="s-a", weight=0.5), ROOT, 3.0)
     assert rec.to("root-conn")[-1] == p.Ok(id=20) and s.weight == 0.5
 
