@@ -34,3 +34,35 @@ def gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat[stat.rfind(b")") + 2:].split()[0] in (b"Z", b"X")
+
+
+def cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Every process's (command line, user+system clock ticks) now: two of these, taken around a
+    timed stretch, say which processes took the machine's time while it ran (``busiest``)."""
+    import os
+
+    seen: dict[int, tuple[str, int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        cmd = cmd or stat[stat.find(b"(") + 1:stat.rfind(b")")].decode(errors="replace")
+        seen[int(name)] = (cmd[:90], int(fields[11]) + int(fields[12]))
+    return seen
+
+
+def busiest(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], top: int = 6) -> str:
+    """The processes that took the most CPU between two ``cpu_ticks``, in milliseconds."""
+    import os
+
+    hz = os.sysconf("SC_CLK_TCK")
+    used = sorted(((ticks - before.get(pid, (cmd, 0))[1], pid, cmd) for pid, (cmd, ticks) in after.items()),
+                  reverse=True)
+    return "; ".join(f"{pid} {1000 * t // hz} ms {cmd!r}" for t, pid, cmd in used[:top] if t > 0)
