@@ -135,7 +135,10 @@ def test_a_demo_whose_clients_never_connect_says_so_in_one_line(tmp_path, monkey
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("import select\nselect.select([], [], [])  # an import that never ends\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")  # the spawned clients' path
+    # The clients are spawned, and a spawned child takes the parent's sys.path, not PYTHONPATH's:
+    # without this they import the real torch, and the test passes only where that takes over 3 s.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")
     monkeypatch.delenv("NODEAGENT_ENDPOINT", raising=False)
     monkeypatch.setattr(demo, "CONNECT_S", 3.0)
     started = time.monotonic()
