@@ -271,16 +271,22 @@ import json, sys, time
 from client_lib import codec, framing
 from client_lib import protocol as p
 
-total, connections, window = int(sys.argv[2]), 4, int(sys.argv[3])
+# At least `least` statuses, and on until `seconds` have passed: root's p99 needs about a
+# thousand of its own samples under the flood, whatever this machine's speed.
+least, connections, window, seconds = int(sys.argv[2]), 4, int(sys.argv[3]), float(sys.argv[4])
 conns = [framing.Connection(sys.argv[1], 10.0) for _ in range(connections)]
 sent = [0] * connections
 got = [0] * connections
 codes = {}
-share = total // connections
-deadline = time.monotonic() + 60.0
-while sum(got) < total and time.monotonic() < deadline:
+share = least // connections
+until = time.monotonic() + seconds
+deadline = time.monotonic() + 60.0 + seconds
+while time.monotonic() < deadline:
+    more = time.monotonic() < until
+    if not more and sum(got) == sum(sent) and min(sent) >= share:
+        break
     for i, c in enumerate(conns):
-        while sent[i] < share and sent[i] - got[i] < window:
+        while (sent[i] < share or more) and sent[i] - got[i] < window:
             sent[i] += 1
             c.send(codec.encode(p.StatusRequest(id=sent[i])))
         for frame in c.recv(0.001):
@@ -311,7 +317,7 @@ while True:
 
 @pytest.mark.parametrize("window", [128, 2_500], ids=["128 in flight a connection", "all pipelined at once"])
 def test_status_under_another_users_flood_answers_root_and_never_fails(nobody_daemon, window):
-    """Issue 32 item 5, done-when: 10,000 statuses from another user, with 200 sessions and
+    """Issue 32 item 5, done-when: 10,000 statuses (and more, for 3 s) from another user, with 200 sessions and
     one of them churning the token (which moves the schedulers' time on): no E_INTERNAL
     anywhere, and root's status answered within 100 ms at p99 (or 2.5x the same requests' p99
     before the flood, where this machine's load alone costs more than 40 ms). Pipelined 2,500 deep on each of
@@ -343,7 +349,7 @@ def test_status_under_another_users_flood_answers_root_and_never_fails(nobody_da
         control_ms.append((time.perf_counter() - began) * 1000.0)
     control_p99 = statistics.quantiles(control_ms, n=100)[98]
     ticks_before = cpu_ticks()
-    flood = popen_as_nobody(_FLOOD, d.endpoint, "10000", str(window))
+    flood = popen_as_nobody(_FLOOD, d.endpoint, "10000", str(window), "3")
     latencies_ms, root_replies = [], []
     try:
         while flood.poll() is None and len(latencies_ms) < 5000:  # one at a time, back to back
@@ -360,7 +366,7 @@ def test_status_under_another_users_flood_answers_root_and_never_fails(nobody_da
     assert alive, churner.communicate()[1]
     assert flood.returncode == 0, err
     result = json.loads(out)
-    assert result["answered"] == 10_000, result
+    assert result["sent"] >= 10_000 and result["answered"] == result["sent"], result
     assert str(p.ErrorCode.INTERNAL) not in result["codes"], result
     assert result["codes"].get("StatusReply", 0) > 0, result  # it was served, not only refused
     assert all(isinstance(r, p.StatusReply) for r in root_replies), [r for r in root_replies
