@@ -63,13 +63,6 @@ class SuspendFinished:
 
 
 @dataclass(frozen=True, slots=True)
-class SuspensionAsked:
-    """A session on ``device`` was asked to give the whole device up (counted for status)."""
-
-    device: int
-
-
-@dataclass(frozen=True, slots=True)
 class DeviceLost:
     """``device`` failed (``reason``: what NVML said): everything on it is told ``notice``."""
 

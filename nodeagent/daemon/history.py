@@ -57,7 +57,6 @@ class DeviceStats:
         self.preemptions = 0  # yield asked because a higher class waited
         self.quantum_yields = 0  # yield asked at the end of a slice, a session of the class waiting
         self.enforcements = 0  # holders stopped or revoked past their yield deadline
-        self.suspensions = 0  # sessions on the device asked to give the whole device up
 
     # ------------------------------------------------------------ events
 
@@ -85,14 +84,12 @@ class DeviceStats:
     def enforced(self) -> None:
         self.enforcements += 1
 
-    def suspension_asked(self) -> None:
-        self.suspensions += 1
-
     # ------------------------------------------------------------ reading
 
     def report(self, now: float, holders: tuple[str, ...] | str | None) -> p.TokenActivity:
-        """The history as of ``now`` for a status reply. ``holders`` are the scheduler's (one
-        per lane): an open slice of another session (whose end this object was not told) ends now."""
+        """The history as of ``now`` for a status reply (its ``suspensions`` are counted by the
+        suspension component). ``holders`` are the scheduler's (one per lane): an open slice of
+        another session (whose end this object was not told) ends now."""
         if holders is None or isinstance(holders, str):
             holders = () if holders is None else (holders,)
         for lane, (session, _, _) in list(self._open.items()):
@@ -102,7 +99,7 @@ class DeviceStats:
         waits = sorted(self._waits)
         return p.TokenActivity(
             grants=self.grants, preemptions=self.preemptions, quantum_yields=self.quantum_yields,
-            enforcements=self.enforcements, suspensions=self.suspensions, waits=len(waits),
+            enforcements=self.enforcements, waits=len(waits),
             wait_p50_ms=percentile(waits, 50) * 1e3 if waits else None,
             wait_p99_ms=percentile(waits, 99) * 1e3 if waits else None,
             bucket_ms=self.bucket_s * 1e3, timeline=timeline, names=names, holders=holders)

@@ -31,7 +31,7 @@ from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.history import AttainedService, job_of
 from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
                                   DeviceBack, MpsFaulted, Published,
-                                  Replies, ServerView, SliceEnded, SuspendFinished, SuspensionAsked)
+                                  Replies, ServerView, SliceEnded, SuspendFinished)
 from nodeagent.daemon.gate import LostDevices, TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
@@ -180,7 +180,6 @@ class AgentServer:
         bus.subscribe(Published, self._cluster.on_published)
         bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
-        bus.subscribe(SuspensionAsked, self._tokens.on_suspension_asked)
         bus.subscribe(BusDeviceLost, self._gate.on_device_lost)  # its waiters held first,
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
         bus.subscribe(DeviceBack, self._gate.on_device_back)
@@ -950,6 +949,7 @@ class AgentServer:
         activity = self._tokens.activity(now)
         attained = self._attained.snapshot(now)
         for info, snap, recent in zip(infos, snaps, activity):
+            recent.suspensions = self._suspensions.asked_on(info.index)  # counted where they are asked
             sessions = []
             for view in snap.sessions:
                 built += 1

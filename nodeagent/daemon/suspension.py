@@ -13,7 +13,7 @@ import time
 from client_lib import protocol as p
 from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS
 from nodeagent.daemon.authz import Act, may_act_on_session
-from nodeagent.daemon.bus import Bus, MayAsk, Replies, SuspendFinished, SuspensionAsked
+from nodeagent.daemon.bus import Bus, MayAsk, Replies, SuspendFinished
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
@@ -42,7 +42,7 @@ class Suspensions:
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
                  journal: JournalWriter) -> None:
         """``tokens``: the token commands, and stopping and continuing verified processes;
-        ``bus``: suspension events (the cluster's, SuspendFinished, SuspensionAsked) and MayAsk
+        ``bus``: suspension events (the cluster's, SuspendFinished) and MayAsk
         (a session's request for the token, made again at its resume); ``journal``: each state
         is written there before what it stands for is done."""
         self._sessions = sessions
@@ -58,6 +58,7 @@ class Suspensions:
         # Sessions sent a suspend notice with no resumed report since: only their suspended and
         # resumed reports (and the host bytes they carry) are believed.
         self._asked: set[str] = set()
+        self._asked_per_device: dict[int, int] = {}  # device -> suspensions begun there (status)
 
     # ------------------------------------------------------------- for the loop
 
@@ -68,6 +69,11 @@ class Suspensions:
     def wait_for(self, s: Session, route, request_id: int) -> None:
         """``route``'s request ``request_id`` is answered with ``s``'s next outcome."""
         self._waiters.setdefault(s.id, []).append((route, request_id))
+
+    def asked_on(self, device: int) -> int:
+        """How many suspensions were asked of sessions on ``device`` since the daemon started
+        (``status``'s ``activity.suspensions``, ``nodeagent top``)."""
+        return self._asked_per_device.get(device, 0)
 
     def under_way(self, s: Session) -> bool:
         """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
@@ -130,7 +136,7 @@ class Suspensions:
         waiting = self._tokens.state(s.device, s.id) is SessionState.WAITING
         actions = s.suspension.request(now, deadline_ms, reason, waiting)
         self._pending.add(s)
-        self._bus.publish(SuspensionAsked(s.device))
+        self._asked_per_device[s.device] = self._asked_per_device.get(s.device, 0) + 1
         self._carry_out(s, actions, now)
         self._bus.event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",

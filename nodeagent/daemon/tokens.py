@@ -20,7 +20,7 @@ from client_lib.pace import Pace, PaceBoardError, PaceBoardWriter
 from nodeagent import enforce, runtime
 from nodeagent.metrics import Metrics
 from nodeagent.config import ServeConfig
-from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded, SuspensionAsked
+from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceFacts, Granted, SliceEnded
 from nodeagent.daemon.history import DeviceStats
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
@@ -210,10 +210,6 @@ class Tokens:
     def activity(self, now: float) -> list:
         """Each device's recent history (``status``'s ``activity``, ``nodeagent top``), in index order."""
         return [stats.report(now, self.holders(i)) for i, stats in enumerate(self.stats)]
-
-    def on_suspension_asked(self, event: SuspensionAsked) -> None:
-        """The bus's :class:`SuspensionAsked`: counted in the device's history."""
-        self.stats[event.device].suspension_asked()
 
     def pace_board(self, device: int) -> str:
         """The pace board a lower-class session on ``device`` reads ("" where the device does not co-run)."""

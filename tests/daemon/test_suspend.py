@@ -239,8 +239,10 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
                               replies=replies(sent), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
     try:
         suspensions.wait_for(s, "operator", 5)
+        assert suspensions.asked_on(0) == 0
         suspensions.begin(s, 500.0, 10.0, reason="requested")
         assert suspensions.under_way(s) and suspensions.next_deadline(10.0) == 10.5
+        assert (suspensions.asked_on(0), suspensions.asked_on(1)) == (1, 0)  # status's activity.suspensions
         assert sent == [("trainer", p.SuspendNotice(deadline_ms=500.0, reason="requested"))]
         suspensions.on_timers(10.49)
         assert stop_asked == [] and finished == []
