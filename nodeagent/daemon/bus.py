@@ -63,6 +63,17 @@ class SuspendFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class MakeRoomFinished:
+    """A suspension that made room for an admitted session ended, whatever its outcome: the
+    sessions ``session`` (id) blocked may ask for the token (the token gate hears it). Published
+    just before that suspension's :class:`SuspendFinished`, so they ask before a reclaim waiting
+    on the same suspension is answered."""
+
+    session: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceLost:
     """``device`` failed (``reason``: what NVML said): everything on it is told ``notice``."""
 

@@ -1,6 +1,7 @@
 """What may be granted (:class:`TokenGate`): every request for a session's token passes here,
 in :func:`sharing.suspension.token_gate`'s order. It owns what keeps a request back: the blocks
-make-room sets (a session admitted by suspending others waits for them), a restart's restore
+make-room sets (a session admitted by suspending others waits for them: the bus's
+``MakeRoomFinished``), a restart's restore
 windows (the slice that was running goes first, the rest are parked) and the lost devices
 (:class:`LostDevices`, fed by the bus's ``DeviceLost`` and ``DeviceBack``).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from nodeagent.daemon.bus import DeviceBack, DeviceFacts, DeviceLost, MayAsk, SuspendFinished
+from nodeagent.daemon.bus import DeviceBack, DeviceFacts, DeviceLost, MakeRoomFinished, MayAsk
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
 from sharing import SessionState
@@ -135,18 +136,18 @@ class TokenGate:
 
     def block(self, s: Session, victims) -> None:
         """``s`` (just admitted by make-room) may not ask for the token until each of ``victims``
-        is off the device: their suspensions end first (:meth:`on_suspend_finished`)."""
+        is off the device: their suspensions end first (:meth:`on_make_room_finished`)."""
         if victims:
             self._blocked_by.setdefault(s.id, set()).update(victim.id for victim in victims)
 
-    def on_suspend_finished(self, event: SuspendFinished) -> None:
-        """The bus's :class:`SuspendFinished`: the session is off the device (or gone), so
+    def on_make_room_finished(self, event: MakeRoomFinished) -> None:
+        """The bus's :class:`MakeRoomFinished`: the session is off the device (or gone), so
         sessions it blocked that no one else blocks ask for the token they asked for meanwhile."""
         victim = event.session
         for sid, blockers in list(self._blocked_by.items()):
-            if victim.id not in blockers:
+            if victim not in blockers:
                 continue
-            blockers.discard(victim.id)
+            blockers.discard(victim)
             if blockers:
                 continue
             del self._blocked_by[sid]

@@ -29,9 +29,9 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.history import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceFacts, DurabilityChanged, Granted, LoopHandle, MayAsk,
-                                  DeviceBack, MpsFaulted, Published,
-                                  Replies, ServerView, SliceEnded, SuspendFinished)
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DurabilityChanged, Granted,
+                                  LoopHandle, MakeRoomFinished, MayAsk, MpsFaulted, Published, Replies, ServerView,
+                                  SliceEnded, SuspendFinished)
 from nodeagent.daemon.gate import LostDevices, TokenGate
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
@@ -44,7 +44,7 @@ from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
 from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
-from nodeagent.daemon.suspension import Suspensions
+from nodeagent.daemon.suspension import MAKE_ROOM, Suspensions
 from sharing import NotHolderError, SessionState, Workload
 from sharing.partition import ACTIVE_THREAD_PERCENTAGE_ENV as ACTIVE_THREADS_ENV, PartitionError
 
@@ -178,8 +178,10 @@ class AgentServer:
                                     refusal=self._cluster.admission_refusal, workers_share=self._serving.workers_share)
         # Who hears what.
         bus.subscribe(Published, self._cluster.on_published)
-        bus.subscribe(SuspendFinished, self._gate.on_suspend_finished)  # sessions it blocked ask first,
-        bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)  # then a reclaim waiting on it
+        # A make-room suspension's end is published first (sessions it blocked ask), then its
+        # SuspendFinished (a reclaim waiting on it is answered): the order is the publisher's.
+        bus.subscribe(MakeRoomFinished, self._gate.on_make_room_finished)
+        bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)
         bus.subscribe(BusDeviceLost, self._gate.on_device_lost)  # its waiters held first,
         bus.subscribe(BusDeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
         bus.subscribe(DeviceBack, self._gate.on_device_back)
@@ -551,7 +553,7 @@ class AgentServer:
                     borrower=msg.borrower)
         self._gate.block(session, victims)  # it may run once their state has left the device
         for victim in victims:
-            self._suspensions.begin(victim, self.config.memory_make_room_deadline_ms, now, reason="memory")
+            self._suspensions.begin(victim, self.config.memory_make_room_deadline_ms, now, reason=MAKE_ROOM)
 
     def _add_session(self, session: Session, now: float) -> None:
         self._tokens.add(session.device, session.id, session.workload, session.weight, now)

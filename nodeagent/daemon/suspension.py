@@ -13,7 +13,7 @@ import time
 from client_lib import protocol as p
 from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS, MAX_DEADLINE_MS
 from nodeagent.daemon.authz import Act, may_act_on_session
-from nodeagent.daemon.bus import Bus, MayAsk, Replies, SuspendFinished
+from nodeagent.daemon.bus import Bus, MakeRoomFinished, MayAsk, Replies, SuspendFinished
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
@@ -34,6 +34,7 @@ def _host_memory_bytes() -> int:
 
 
 HOST_MEMORY_BYTES = _host_memory_bytes()
+MAKE_ROOM = "memory"  # the reason of a suspension that makes room for an admitted session (admission's plan)
 
 
 class Suspensions:
@@ -42,7 +43,7 @@ class Suspensions:
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
                  journal: JournalWriter) -> None:
         """``tokens``: the token commands, and stopping and continuing verified processes;
-        ``bus``: suspension events (the cluster's, SuspendFinished) and MayAsk
+        ``bus``: suspension events (the cluster's, SuspendFinished, MakeRoomFinished) and MayAsk
         (a session's request for the token, made again at its resume); ``journal``: each state
         is written there before what it stands for is done."""
         self._sessions = sessions
@@ -284,4 +285,6 @@ class Suspensions:
         self._metrics.suspends.labels(outcome).inc()
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
                  s.bytes_parked)
+        if s.suspension.reason == MAKE_ROOM:  # the sessions it blocked ask first (the gate), then
+            self._bus.publish(MakeRoomFinished(s.id, now))
         self._bus.publish(SuspendFinished(s, outcome, elapsed_ms, now))  # events, a reclaim waiting on it

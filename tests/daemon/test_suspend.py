@@ -259,6 +259,77 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         sessions.close()
 
 
+@pytest.mark.parametrize("reason", ["memory", "reclaim"])
+def test_sessions_a_make_room_suspension_blocked_ask_before_its_end_reaches_a_reclaim(reason):
+    """Only a make-room suspension reaches the token gate (``MakeRoomFinished``), and before its
+    ``SuspendFinished`` (a reclaim waiting on the same suspension is answered then): the session
+    it blocked has asked for the token by the time the reclaim hears it. Any other suspension
+    ends without the gate hearing it."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.daemon.bus import Bus, MakeRoomFinished, SuspendFinished
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.journal_writer import JournalWriter
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from nodeagent.daemon.suspension import MAKE_ROOM, Suspensions
+    from nodeagent.metrics import Metrics
+    from sharing import SessionState, Workload
+    from tests.daemon_parts import FakeDevices, replies
+
+    asked = []
+
+    class ScriptedTokens:
+        """The victim holds its token and may not be stopped (unverifiable): its deadline reports
+        ``timeout``; the gate's requests are recorded."""
+
+        def state(self, device, sid):
+            return SessionState.HOLDING
+
+        def leave_line(self, victim, now):
+            pass
+
+        def end_slice(self, victim, now):
+            pass
+
+        def stop(self, victim):
+            return False
+
+        def on_device(self, device, sid):
+            return True
+
+        def request(self, device, sid, now, waiting_since=None):
+            asked.append(sid)
+
+    sessions = SessionTable()
+
+    def add(sid, workload):
+        s = Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                    uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+        sessions.add(s)
+        return s
+
+    victim, admitted = add("s-train", Workload.TRAINING), add("s-infer", Workload.INFERENCE)
+    tokens, bus, heard = ScriptedTokens(), Bus(), []
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1))
+    bus.subscribe(MakeRoomFinished, gate.on_make_room_finished)
+    bus.subscribe(MakeRoomFinished, lambda e: heard.append(("make-room", e.session)))
+    bus.subscribe(SuspendFinished, lambda e: heard.append(("finished", e.session.id, list(asked))))
+    suspensions = Suspensions(sessions=sessions, tokens=tokens, metrics=Metrics(CollectorRegistry()),
+                              replies=replies([]), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
+    try:
+        assert MAKE_ROOM == "memory"  # the reason admission's plan suspends with (and the log shows)
+        gate.block(admitted, [victim])
+        gate.ask(admitted, 10.0)
+        suspensions.begin(victim, 500.0, 10.0, reason=reason)
+        suspensions.on_timers(10.5)
+        if reason == MAKE_ROOM:
+            assert heard == [("make-room", "s-train"), ("finished", "s-train", ["s-infer"])]
+        else:
+            assert heard == [("finished", "s-train", [])] and asked == [] and gate.kept(admitted)
+    finally:
+        sessions.close()
+
+
 @pytest.mark.parametrize("when", ["suspended", "requested"])
 def test_a_daemon_sigkilled_mid_suspension_finishes_it_after_a_restart(start_daemon, spawn, when):
     """Issue 22: a suspension is journalled before its notice; a restarted daemon keeps it.

@@ -1,0 +1,57 @@
+"""The token gate (nodeagent/daemon/gate.py) stepped by hand: make-room blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodeagent.daemon.bus import MakeRoomFinished
+from nodeagent.daemon.gate import TokenGate
+from nodeagent.daemon.sessions import Session, SessionTable
+from sharing import Workload
+from sharing.suspension import Gate
+from tests.daemon_parts import FakeDevices
+
+
+class AskedTokens:
+    """What the gate asks of the tokens component: every request it makes is recorded."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, float | None]] = []
+
+    def on_device(self, device, sid):
+        return True
+
+    def request(self, device, sid, now, waiting_since=None):
+        self.asked.append((sid, waiting_since))
+
+
+@pytest.fixture
+def sessions():
+    table = SessionTable()
+    yield table
+    table.close()
+
+
+def add(sessions: SessionTable, sid: str, workload: Workload = Workload.TRAINING) -> Session:
+    s = Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None, uid=None,
+                workload=workload, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+    sessions.add(s)
+    return s
+
+
+def test_a_session_admitted_by_make_room_asks_once_every_suspension_it_waits_for_has_finished(sessions):
+    tokens = AskedTokens()
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1))
+    first, second = add(sessions, "s-a"), add(sessions, "s-b")
+    admitted = add(sessions, "s-infer", Workload.INFERENCE)
+    gate.block(admitted, [first, second])
+    admitted.wait_started = 1.0
+    assert gate.ask(admitted, 1.0) is Gate.KEEP and gate.kept(admitted) and tokens.asked == []
+    gate.on_make_room_finished(MakeRoomFinished("s-other", 2.0))  # blocks no one
+    gate.on_make_room_finished(MakeRoomFinished(first.id, 2.0))
+    assert tokens.asked == [] and gate.kept(admitted)  # the second is still on the device
+    gate.on_make_room_finished(MakeRoomFinished(second.id, 3.0))
+    assert tokens.asked == [("s-infer", 1.0)] and not gate.kept(admitted)  # its wait kept
+    gate.on_make_room_finished(MakeRoomFinished(second.id, 4.0))  # reported again (timeout, then parked)
+    assert tokens.asked == [("s-infer", 1.0)]
+    assert gate.ask(admitted, 5.0) is Gate.QUEUE  # blocked no longer
