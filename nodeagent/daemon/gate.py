@@ -1,9 +1,9 @@
 """What may be granted (:class:`TokenGate`): every request for a session's token passes here,
 in :func:`sharing.suspension.token_gate`'s order. It owns what keeps a request back: the blocks
-make-room sets (a session admitted by suspending others waits for them: the bus's
-``MakeRoomFinished``), a restart's restore
-windows (the slice that was running goes first, the rest are parked) and the lost devices
-(:class:`LostDevices`, fed by the bus's ``DeviceLost`` and ``DeviceBack``).
+make-room sets (a session admitted by suspending others waits for them, until the bus's
+``MakeRoomFinished``), a restart's restore windows (the slice that was running goes first, the
+rest are parked) and the lost devices (:class:`LostDevices`, fed by the bus's ``DeviceLost``
+and ``DeviceBack``).
 """
 
 from __future__ import annotations

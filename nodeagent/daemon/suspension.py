@@ -1,6 +1,7 @@
 """Whole-device suspension (:class:`Suspensions`): it drives each session's
-:class:`sharing.suspension.Suspension` machine, journals each state before acting on it, and
-carries out its actions (notices, stops through ``tokens``, taking the token, answering callers).
+:class:`sharing.suspension.Suspension` machine, journals each state before acting on it,
+carries out its actions (notices, stops through ``tokens``, taking the token, answering callers)
+and counts the suspensions asked per device, for status.
 """
 
 from __future__ import annotations
