@@ -47,7 +47,6 @@ events_log = logging.getLogger("nodeagent.events")
 
 FORBIDDEN_ON_CLUSTER = "the cluster endpoint serves placement operations; sessions connect locally"
 EXPIRY_DEADLINE_MS = DEFAULT_SUSPEND_DEADLINE_MS  # a lend that ran out (max_s) is reclaimed with this deadline
-MAX_BORROWER_CHARS = 128
 _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests are far smaller
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
 _SHUTDOWN_LINGER_MS = 100
@@ -773,9 +772,8 @@ class ClusterEndpoint:
 
 
 def _borrower_problem(borrower: str) -> str | None:
-    """Why a borrower a placement request names is unacceptable, or None."""
-    if not borrower.strip() or len(borrower) > MAX_BORROWER_CHARS:
-        return f"borrower must be 1..{MAX_BORROWER_CHARS} characters"
+    """Why a borrower a placement request names is unacceptable, or None. Its length and that it is
+    not blank are the wire type's (``client_lib/protocol.py``'s ``Borrower``: refused as decoded)."""
     if not borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
         return "borrower must be printable (no control characters)"
     return None

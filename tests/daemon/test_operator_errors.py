@@ -280,11 +280,14 @@ _TENSOR = {"dtype": "float32", "shape": [1]}
     ({"op": "register_model", "name": "../m", "factory": "a:b"}, "name"),
     ({"op": "register_model", "name": "m" * 129, "factory": "a:b"}, "name"),
     ({"op": "register_model", "name": "m", "factory": "a:b", "example_input": [_TENSOR] * 65}, "example_input"),
+    ({"op": "lend", "device": 0, "borrower": " "}, "borrower"),
+    ({"op": "lend", "device": 0, "borrower": "j" * 129}, "borrower"),
+    ({"op": "renew", "device": 0, "borrower": "", "max_s": 10.0}, "borrower"),
 ])
 def test_a_value_outside_its_wire_bounds_is_refused_before_any_handler(inproc_daemon, fields, field):
     """These bounds live on the wire types only (client_lib/protocol.py): the frame is answered
     E_INVALID with its id and field as it is decoded, before a session, a right or a model is
-    looked at, and the session a bad suspend_session names is left running."""
+    looked at; the session a bad suspend_session names is left running, the device unlent."""
     target = RawPeer(inproc_daemon.endpoint)
     welcome = target.hello("target")
     peer = RawPeer(inproc_daemon.endpoint)  # no session of its own: a handler would say E_NO_SESSION
@@ -295,6 +298,7 @@ def test_a_value_outside_its_wire_bounds_is_refused_before_any_handler(inproc_da
     assert_protocol_words(reply.message)
     [row] = [s for d in inproc_daemon.status().devices for s in d.sessions if s.id == welcome.session]
     assert row.suspended is None and not target.notices
+    assert [d.state for d in peer.call(p.Inventory(id=42)).devices] == ["FREE"]  # nothing lent
     peer.close()
     target.close()
 
