@@ -271,7 +271,7 @@ class Lend(Request, tag="lend"):
     the same borrower is a no-op."""
 
     device: int
-    borrower: str
+    borrower: Borrower
     max_s: Optional[float] = None
     # issue 32: the uids whose sessions may join as ``borrower`` (SO_PEERCRED's, verified); None or
     # empty: only local root's. Again with the same borrower: replaces them.
@@ -318,7 +318,7 @@ class Renew(Request, tag="renew"):
     now (a lease). Answered ``lifecycle_reply`` with ``lent_until``."""
 
     device: int
-    borrower: str
+    borrower: Borrower
     max_s: float
 
 

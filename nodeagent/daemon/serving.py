@@ -20,7 +20,6 @@ from typing import Callable
 from client_lib import protocol as p
 from client_lib import tensors
 from client_lib.endpoint import ipc_path
-from client_lib.limits import MAX_DEADLINE_MS
 from ctxpool import peer_open
 from ctxpool.messages import (ModelFailed, ModelReady, ModelSpec, RequestDone, RequestFailed, WorkerReady,
                               WorkerReplaced)
@@ -43,9 +42,7 @@ from sharing import AskYield, Enforce, Grant, Revoked, Workload
 log = logging.getLogger("nodeagent.serving")
 
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
-MAX_TENSORS = 64
 MAX_QUEUED = 256  # infer requests one session may have waiting; more are refused E_UNAVAILABLE
 SERVE_SUFFIX = ":serve"
 EXAMPLE_PREFIX = "na-example"  # the daemon's copies of example inputs: na-example-<daemon pid>-...
@@ -332,17 +329,14 @@ class Serving:
                 "a group in ctxpool.register_group")
 
     def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
-        if not MODEL_NAME.match(msg.name):
-            return p.ErrorCode.INVALID, ("model name must be 1..128 characters of letters, digits, '.', '_' or '-', "
-                                         f"starting with a letter or digit; got {msg.name!r}")
+        """Why a registration cannot be carried out (code, message), or None. The name's pattern and
+        the example's length are the wire type's (``client_lib/protocol.py``: refused as decoded)."""
         if not FACTORY_PATH.match(msg.factory):
             return p.ErrorCode.MODEL, f"factory must look like 'package.module:callable', got {msg.factory!r}"
         if msg.weights is not None and not msg.weights.startswith("/"):
             return p.ErrorCode.MODEL, f"weights must be an absolute path (the daemon has another cwd), got {msg.weights!r}"
         if msg.device is not None and not 0 <= msg.device < self._tokens.device_count:
             return p.ErrorCode.DEVICE, f"no device {msg.device}; this node has devices 0..{self._tokens.device_count - 1}"
-        if len(msg.example_input) > MAX_TENSORS:
-            return p.ErrorCode.INVALID, f"at most {MAX_TENSORS} example tensors, got {len(msg.example_input)}"
         return None
 
     def _begin_registration(self, record: ModelRecord, *, journalled: bool, waiter=None,
@@ -427,10 +421,6 @@ class Serving:
             self._error(route, msg.id, p.ErrorCode.DEVICE,
                         f"model {msg.model!r} is registered on device {model.record.device}; "
                         f"this session is on device {s.device}")
-            return
-        if len(msg.inputs) > MAX_TENSORS or not (0 < msg.timeout_ms <= MAX_DEADLINE_MS):
-            self._error(route, msg.id, p.ErrorCode.INVALID,
-                        f"need 1..{MAX_TENSORS} inputs and timeout_ms in (0, {MAX_DEADLINE_MS:.0f}]")
             return
         problem = _inputs_problem(msg.inputs, s.uid, any_owner=is_root(s))
         if problem is not None:

@@ -194,6 +194,8 @@ _HELLO = {"op": "hello", "id": 7, "protocol": list(p.PROTOCOL_VERSION), "name": 
     ({"op": "suspend_session", "id": 7, "session": "s", "deadline_ms": 4e6}, "deadline_ms"),
     ({"op": "reclaim", "id": 7, "device": 0, "deadline_ms": -1.0}, "deadline_ms"),
     ({"op": "set_weight", "id": 7, "session": "s", "weight": -2.0}, "weight"),
+    ({"op": "lend", "id": 7, "device": 0, "borrower": " "}, "borrower"),
+    ({"op": "renew", "id": 7, "device": 0, "borrower": "j" * 129, "max_s": 1.0}, "borrower"),
     ({"op": "infer", "id": 7, "model": "m", "inputs": [{"dtype": "f", "shape": []}] * 65}, "inputs"),
     ({"op": "infer", "id": 7, "model": "m", "inputs": [{"dtype": "f", "shape": []}], "timeout_ms": 0}, "timeout_ms"),
     ({"op": "register_model", "id": 7, "name": "-bad", "factory": "a:b"}, "name"),

@@ -265,6 +265,44 @@ def test_bad_frames_are_answered_in_the_protocols_words(inproc_daemon, frame, fr
     peer.close()
 
 
+_TENSOR = {"dtype": "float32", "shape": [1]}
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"op": "suspend_session", "deadline_ms": float("nan")}, "deadline_ms"),
+    ({"op": "suspend_session", "deadline_ms": float("inf")}, "deadline_ms"),
+    ({"op": "suspend_session", "deadline_ms": 3_600_001.0}, "deadline_ms"),
+    ({"op": "reclaim", "device": 0, "deadline_ms": 0.0}, "deadline_ms"),
+    ({"op": "reclaim", "device": 0, "deadline_ms": float("nan")}, "deadline_ms"),
+    ({"op": "infer", "model": "m", "inputs": [_TENSOR] * 65}, "inputs"),
+    ({"op": "infer", "model": "m", "inputs": [_TENSOR], "timeout_ms": -1.0}, "timeout_ms"),
+    ({"op": "infer", "model": "m", "inputs": [_TENSOR], "timeout_ms": 4e6}, "timeout_ms"),
+    ({"op": "register_model", "name": "../m", "factory": "a:b"}, "name"),
+    ({"op": "register_model", "name": "m" * 129, "factory": "a:b"}, "name"),
+    ({"op": "register_model", "name": "m", "factory": "a:b", "example_input": [_TENSOR] * 65}, "example_input"),
+    ({"op": "lend", "device": 0, "borrower": " "}, "borrower"),
+    ({"op": "lend", "device": 0, "borrower": "j" * 129}, "borrower"),
+    ({"op": "renew", "device": 0, "borrower": "", "max_s": 10.0}, "borrower"),
+])
+def test_a_value_outside_its_wire_bounds_is_refused_before_any_handler(inproc_daemon, fields, field):
+    """These bounds live on the wire types only (client_lib/protocol.py): the frame is answered
+    E_INVALID with its id and field as it is decoded, before a session, a right or a model is
+    looked at; the session a bad suspend_session names is left running, the device unlent."""
+    target = RawPeer(inproc_daemon.endpoint)
+    welcome = target.hello("target")
+    peer = RawPeer(inproc_daemon.endpoint)  # no session of its own: a handler would say E_NO_SESSION
+    peer.send(msgspec.msgpack.encode({"id": 41, "session": welcome.session, **fields}))
+    reply = peer.recv()
+    assert isinstance(reply, p.Error) and (reply.id, reply.code) == (41, p.ErrorCode.INVALID), reply
+    assert f"field '{field}'" in reply.message, reply.message
+    assert_protocol_words(reply.message)
+    [row] = [s for d in inproc_daemon.status().devices for s in d.sessions if s.id == welcome.session]
+    assert row.suspended is None and not target.notices
+    assert [d.state for d in peer.call(p.Inventory(id=42)).devices] == ["FREE"]  # nothing lent
+    peer.close()
+    target.close()
+
+
 def test_release_without_the_token_says_no_session_holds_it(inproc_daemon):
     peer = RawPeer(inproc_daemon.endpoint)
     peer.hello("idle")
