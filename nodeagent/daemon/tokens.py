@@ -365,7 +365,10 @@ class Tokens:
         thaws only its own freezer, and leaves a process group to its launcher (:mod:`nodeagent.enforce`)."""
         if not (s.stopped or anyway):
             return False
-        sent = enforce.send(s, signal.SIGCONT)
+        try:
+            sent = enforce.send(s, signal.SIGCONT)
+        except PermissionError:  # no process it can reach (a restored row whose process went first,
+            sent = False  # or one that names none): nothing of the daemon's is left stopped there
         was_stopped, s.stopped = s.stopped, False
         if was_stopped and s.id in self._sessions:
             self._journal(lambda j: j.set_stopped(s.id, False), session=s.id)
