@@ -93,7 +93,12 @@ class MpsPartitions:
         try:
             self._controls[device].ensure_running()
         except MpsError as exc:
-            log.error("[mps] device=%d control daemon cannot be kept running: %s", device, exc)
+            # Off MPS from now on, as a device "auto" could not start MPS on: a client pointed at
+            # a daemon that is gone runs without MPS, and must not be counted as the server's.
+            del self._controls[device]
+            self._tables.pop(device, None)
+            log.error("[mps] device=%d control daemon cannot be kept running (%s); new sessions on it run "
+                      "without MPS", device, exc)
             return
         self._watch(device)
 
