@@ -86,3 +86,23 @@ class RecordingLocal:
 
     def of(self, route) -> list:
         return [msg for r, msg in self.sent if r == route]
+
+
+class FullDiskJournal:
+    """A real journal whose writes raise what SQLite says of a full disk while ``full``."""
+
+    def __init__(self, journal) -> None:
+        self.journal = journal
+        self.full = False
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.journal, name)
+        if not name.startswith(("put_", "set_", "delete_")):
+            return attr
+
+        def write(*args, **kwargs):
+            if self.full:
+                from nodeagent.journal import JournalError
+                raise JournalError("database or disk is full")
+            return attr(*args, **kwargs)
+        return write

@@ -22,6 +22,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.journal import Journal, JournalError
 from nodeagent.metrics import Metrics
 from sharing import Workload
+from tests.daemon_parts import FullDiskJournal
 
 
 # ------------------------------------------------------------------ DeviceStats
@@ -208,23 +209,6 @@ class Clock:
         return self.now
 
 
-class FailingJournal:
-    """A real journal whose writes raise what SQLite says of a full disk while ``full``."""
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-        self.full = False
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.journal, name)
-        if not name.startswith("put_"):
-            return attr
-
-        def write(*args, **kwargs):
-            if self.full:
-                raise JournalError("database or disk is full")
-            return attr(*args, **kwargs)
-        return write
 
 
 def job_session(sid: str, job: str | None, workload: Workload = Workload.TRAINING) -> Session:
@@ -242,7 +226,7 @@ def journalled(path) -> dict[str, float]:
 def ledger(tmp_path):
     """(ledger, sessions, clock, the failing journal, its path): a ledger over a real journal."""
     path = tmp_path / "state.db"
-    journal = FailingJournal(Journal(str(path)))
+    journal = FullDiskJournal(Journal(str(path)))
     sessions, clock = SessionTable(), Clock()
     writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
     attained = AttainedService(sessions=sessions, journal=writer, clock=clock, flush_s=1.0, max_jobs=3)

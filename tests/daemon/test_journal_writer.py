@@ -13,25 +13,9 @@ from nodeagent.daemon.sessions import Session
 from nodeagent.journal import Journal, JournalError
 from nodeagent.metrics import Metrics
 from sharing import Workload
+from tests.daemon_parts import FullDiskJournal
 
 
-class FullDisk:
-    """A real journal whose writes raise what SQLite says of a full disk while ``full``."""
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-        self.full = False
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.journal, name)
-        if not name.startswith(("put_", "set_", "delete_")):
-            return attr
-
-        def write(*args, **kwargs):
-            if self.full:
-                raise JournalError("database or disk is full")
-            return attr(*args, **kwargs)
-        return write
 
 
 class Writer:
@@ -61,7 +45,7 @@ class Writer:
 @pytest.fixture
 def disk(tmp_path):
     journal = Journal(str(tmp_path / "state.db"))
-    yield FullDisk(journal)
+    yield FullDiskJournal(journal)
     journal.close()
 
 

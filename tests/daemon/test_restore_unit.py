@@ -31,28 +31,11 @@ from nodeagent.metrics import Metrics
 from sharing import Workload
 from sharing.scheduler import SessionState
 from sharing.partition import PartitionError
-from tests.daemon_parts import FakeDevices, make_tokens
+from tests.daemon_parts import FakeDevices, FullDiskJournal, make_tokens
 
 CAPACITY_MB = 1000
 
 
-class FailingJournal:
-    """A real journal whose writes raise what SQLite says of a full disk while ``full``."""
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-        self.full = False
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.journal, name)
-        if not name.startswith(("put_", "set_", "delete_")):
-            return attr
-
-        def write(*args, **kwargs):
-            if self.full:
-                raise JournalError("database or disk is full")
-            return attr(*args, **kwargs)
-        return write
 
 
 class RecordingMps:
@@ -73,7 +56,7 @@ class Daemon:
     """One daemon's restore side over the journal at ``path``, built as the server builds it."""
 
     def __init__(self, path, devices: int = 2) -> None:
-        self.journal = FailingJournal(Journal(str(path)))
+        self.journal = FullDiskJournal(Journal(str(path)))
         self.sessions = SessionTable()
         self.tokens = make_tokens(count=devices, sessions=self.sessions)
         self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(devices))
