@@ -70,6 +70,10 @@ class CoRunScheduler:
         except KeyError:
             raise UnknownSessionError(f"no session {session!r} on device {self._device}") from None
 
+    def workload_of(self, session: str) -> Workload:
+        """The class whose lane ``session`` is on; UnknownSessionError if it is on none."""
+        return Workload(self._lanes.index(self.lane_of(session)))
+
     def __len__(self) -> int:
         return len(self._lane_of)
 

@@ -141,6 +141,35 @@ def nodeagent(*args: str, env: dict | None = None, timeout: float = 30) -> subpr
                           timeout=timeout, cwd=REPO, env=env)
 
 
+#: Run a daemon test once per sharing mode: ``@BOTH_MODES`` on a test that takes ``start_daemon``,
+#: ``daemon``, ``start_inproc_daemon`` or ``inproc_daemon`` (and ``sharing``, to state what each mode
+#: expects). Co-run is what a GPU gets by default (``scheduler.sharing = "auto"`` on cuda); the cpu
+#: backend the tests run on defaults to the exclusive token.
+SHARING_MODES = ("exclusive", "corun")
+BOTH_MODES = pytest.mark.parametrize("sharing", SHARING_MODES)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--sharing", choices=("auto", *SHARING_MODES), default=None,
+                     help="nodeagent: the --sharing every test daemon gets unless its test names one "
+                          "(default: the backend's, exclusive on cpu); a sweep for bugs, not the suite's mode")
+
+
+@pytest.fixture
+def sharing(request) -> str | None:
+    """The sharing mode the test's daemons run in: a test's own parametrization
+    (:data:`BOTH_MODES`), else ``pytest --sharing``, else None (the backend's default)."""
+    return request.config.getoption("--sharing")
+
+
+def with_sharing(sharing: str | None, extra_args) -> list[str]:
+    """``extra_args`` with ``--sharing`` first, unless the test names its own (it wins)."""
+    args = list(extra_args)
+    if sharing is None or "--sharing" in args:
+        return args
+    return ["--sharing", sharing, *args]
+
+
 @pytest.fixture
 def workdir():
     # ipc socket paths must stay under 107 bytes: pytest's tmp_path can be longer.
@@ -150,13 +179,13 @@ def workdir():
 
 
 @pytest.fixture
-def start_daemon(workdir):
-    """Factory: ``start_daemon("--quantum-ms", "training=20")`` -> running :class:`Daemon`.
-    Started again in the same test, it reuses the endpoint and state dir (a restart)."""
+def start_daemon(workdir, sharing):
+    """Factory: ``start_daemon("--quantum-ms", "training=20")`` -> running :class:`Daemon`, in the
+    test's ``sharing`` mode. Started again in the same test, it reuses the endpoint and state dir (a restart)."""
     started: list[Daemon] = []
 
     def start(*extra_args: str, endpoint: str | None = None, nofile: tuple[int, int] | None = None) -> Daemon:
-        d = Daemon(workdir, list(extra_args), endpoint, nofile).start()
+        d = Daemon(workdir, with_sharing(sharing, extra_args), endpoint, nofile).start()
         started.append(d)
         return d
 
@@ -173,14 +202,14 @@ def daemon(start_daemon) -> Daemon:
 
 
 @pytest.fixture
-def start_inproc_daemon(workdir):
+def start_inproc_daemon(workdir, sharing):
     """Factory like :func:`start_daemon`, for tests of policy: the real daemon in a thread of
     this process (:class:`tests.inproc.InprocDaemon`), no ``nodeagent serve`` process."""
     from tests.inproc import InprocDaemon
     started: list[InprocDaemon] = []
 
     def start(*extra_args: str, endpoint: str | None = None) -> InprocDaemon:
-        d = InprocDaemon(workdir, list(extra_args), endpoint).start()
+        d = InprocDaemon(workdir, with_sharing(sharing, extra_args), endpoint).start()
         started.append(d)
         return d
 

@@ -461,7 +461,7 @@ class Pacing:
         self._boards: dict[int, PaceBoardWriter] = {}
         self._dir: str | None = None
         # One controller per higher-class session (inference, and training for best-effort), fed by
-        # its own slices; a holder with none (a server-side queue's sub-session) uses its device's.
+        # its own slices; a holder with none (a best-effort one: nobody is below it) uses its device's.
         self._controllers: dict[str, PaceController] = {}
         self._on_device: dict[int, dict[str, tuple[Workload, PaceController]]] = {d: {} for d in self._devices}
         self._shared = {d: new_controller() for d in self._devices}
@@ -660,4 +660,4 @@ def _lane_workload(scheduler, sid: str) -> Workload | None:
     """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
     if not scheduler.corun or sid not in scheduler:
         return None
-    return Workload(scheduler.lanes().index(scheduler.lane_of(sid)))
+    return scheduler.workload_of(sid)

@@ -13,9 +13,10 @@ import pytest
 
 from client_lib import (Client, DaemonUnavailableError, GrantTimeoutError, HandshakeTimeoutError,
                         NodeAgentError)
-from tests.conftest import REPO, wait_for
+from tests.conftest import BOTH_MODES, REPO, wait_for
 
 
+@BOTH_MODES
 def test_yield_point_without_a_request_keeps_the_token(inproc_daemon):
     with Client("solo", endpoint=inproc_daemon.endpoint) as client:
         with client.slice() as grant:
@@ -27,6 +28,7 @@ def test_yield_point_without_a_request_keeps_the_token(inproc_daemon):
         assert grant >= 1
 
 
+@BOTH_MODES
 def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_inproc_daemon):
     d = start_inproc_daemon("--quantum-ms", "training=20")
     with Client("a", endpoint=d.endpoint) as a, Client("b", endpoint=d.endpoint) as b:
@@ -45,6 +47,42 @@ def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_inproc_dae
         assert a.holding
 
 
+@pytest.mark.xfail(strict=True, reason="client_lib/client.py: while the owner waits in acquire (holding the I/O "
+                   "lock in 50 ms pumps) Client._on_watch postpones a due heartbeat by 50 ms, again and again, "
+                   "and Client._wait_for_grant sends none itself")
+def test_a_tcp_client_waiting_past_the_heartbeat_timeout_keeps_its_session(start_inproc_daemon):
+    """A session the daemon cannot watch (tcp) sends heartbeats; one blocked in ``acquire``
+    behind a holder for longer than ``heartbeat.misses`` intervals must keep its session and
+    its place in line, not be dropped as silent and say hello again at the back."""
+    from tests.conftest import free_port
+    from tests.rawpeer import RawPeer
+    from client_lib import protocol as p
+    d = start_inproc_daemon("--heartbeat-ms", "100", "--quantum-ms", "training=20000", "--grace-ms", "20000",
+                            endpoint=f"tcp://127.0.0.1:{free_port()}")  # only its release frees the token
+    holder = RawPeer(d.endpoint)
+    welcome = holder.hello("holder")
+    holder.call(p.Acquire(id=holder.take_id()))
+    grant = holder.next_notice(p.Grant)
+
+    def hold_then_release() -> None:  # heartbeats of its own for 0.6 s, twice the timeout, then gives back
+        until = time.monotonic() + 0.6
+        while time.monotonic() < until:
+            holder.send(p.Heartbeat(id=holder.take_id(), session=welcome.session, key=welcome.key))
+            time.sleep(0.03)
+        holder.send(p.Release(id=holder.take_id(), grant=grant.grant, quiet=True))
+
+    beats = threading.Thread(target=hold_then_release)
+    with Client("waiter", endpoint=d.endpoint) as waiter:
+        first = waiter.session_id
+        beats.start()
+        waiter.acquire(timeout=5)
+        beats.join()
+        assert waiter.session_id == first
+    assert "reason=heartbeat" not in d.log()
+    holder.close()
+
+
+@BOTH_MODES
 def test_acquire_timeout_withdraws_the_request(inproc_daemon):
     with Client("holder", endpoint=inproc_daemon.endpoint) as holder, Client("late", endpoint=inproc_daemon.endpoint) as late:
         holder.acquire()
@@ -240,9 +278,12 @@ def test_a_process_that_dies_holding_the_token_is_still_a_lost_session(start_dae
     assert wait_for(lambda: _lost_total(url) == 1)
 
 
-def test_a_process_out_of_descriptors_gets_a_clear_error_and_its_clients_carry_on(daemon):
+@BOTH_MODES
+def test_a_process_out_of_descriptors_gets_a_clear_error_and_its_clients_carry_on(daemon, sharing):
     """One descriptor per Client (no heartbeat socket, no I/O thread): a process runs
-    out of descriptors only at its own limit, and then the next Client says so."""
+    out of descriptors only at its own limit, and then the next Client says so. Under co-run a
+    training Client also maps its device's pace board, and Python's mmap keeps a descriptor of
+    its own (``trackfd`` is 3.13's): two each."""
     code = f"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
@@ -264,7 +305,8 @@ for c in clients:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
-    assert int(refused.split()[1]) > 40  # about one descriptor per client
+    per_client = 1 if sharing == "exclusive" else 2
+    assert int(refused.split()[1]) > 40 // per_client  # of 64: about one descriptor per client (two)
     assert "out of file descriptors" in refused
     assert "SERVED" in out.stdout
 

@@ -18,7 +18,7 @@ import pytest
 
 from client_lib import Client, ErrorCode
 from client_lib import protocol as p
-from tests.conftest import REPO, wait_for
+from tests.conftest import BOTH_MODES, REPO, wait_for
 from tests.conftest import free_port as _free_port
 from tests.rawpeer import RawPeer
 
@@ -49,7 +49,11 @@ def test_two_training_clients_alternate_and_both_progress(start_inproc_daemon, s
     assert 0.4 <= both_running.count("a") / len(both_running) <= 0.6, both_running
 
 
-def test_inference_preempts_training(start_inproc_daemon, spawn):
+@BOTH_MODES
+def test_inference_preempts_training_or_runs_beside_it(start_inproc_daemon, spawn, sharing):
+    """Exclusive: an inference request makes the training holder yield, and it gets the token
+    back after each. Co-run (the GPU's default): inference is granted at once in its own lane,
+    and the trainer keeps its slice, never asked to yield."""
     d = start_inproc_daemon("--quantum-ms", "training=1000", "--grace-ms", "500")
     trainer = spawn(d.endpoint, "loop", "--name", "trainer", "--seconds", "5")
     trainer.expect("GRANT")
@@ -59,12 +63,20 @@ def test_inference_preempts_training(start_inproc_daemon, spawn):
             asked = time.monotonic()
             with client.slice(timeout=5):
                 waits.append(time.monotonic() - asked)
-                holder = d.status().devices[0].holder
-                assert holder == client.session_id
+                dev = d.status().devices[0]
+                assert dev.holder == client.session_id  # the highest class's holder, in both modes
+                states = {s.name: s.state for s in dev.sessions}
+                assert states["infer"] == "holding"
+                if sharing == "corun":
+                    assert states["trainer"] == "holding"  # beside it, in its own lane
             time.sleep(0.05)
-    # The training quantum is 1 s: only preemption explains waits far below it.
+    # The training quantum is 1 s: only preemption (or a lane of its own) explains waits far below it.
     assert max(waits) < 0.25, waits
-    assert len(trainer.events("GRANT")) >= 5  # the trainer got the token back after each request
+    if sharing == "exclusive":
+        assert len(trainer.events("GRANT")) >= 5  # the trainer got the token back after each request
+    else:
+        assert len(trainer.events("GRANT")) == 1  # one slice throughout: nobody asked it to yield
+        assert "ask-yield" not in d.log()
 
 
 def test_weighted_fair_share(start_inproc_daemon, spawn):
@@ -86,8 +98,9 @@ def test_weighted_fair_share(start_inproc_daemon, spawn):
     assert shares[1] == pytest.approx(0.25, abs=0.07), shares
 
 
+@BOTH_MODES
 def test_holder_killed_with_sigkill_hands_token_on_at_once(daemon, spawn):
-    holder = spawn(daemon.endpoint, "hold", "--name", "victim")
+    holder = spawn(daemon.endpoint, "hold", "--name", "victim")  # a trainer, as the waiter: one lane in co-run
     holder.expect("GRANT")
     with Client("waiter", endpoint=daemon.endpoint) as waiter:
         granted_at = []
@@ -105,6 +118,7 @@ def test_holder_killed_with_sigkill_hands_token_on_at_once(daemon, spawn):
     assert "victim" not in sessions_by_name(daemon.status())
 
 
+@BOTH_MODES
 def test_silent_unverified_session_is_dropped_after_missed_heartbeats(start_inproc_daemon):
     # Over TCP the daemon cannot watch the peer's process: it must send heartbeats.
     # Quantum and grace far longer than the heartbeat timeout: only heartbeats can free the token.
@@ -123,9 +137,13 @@ def test_silent_unverified_session_is_dropped_after_missed_heartbeats(start_inpr
     silent.close()
 
 
-def test_holder_that_ignores_yield_is_revoked_after_grace(start_inproc_daemon):
+@BOTH_MODES
+def test_holder_that_ignores_yield_is_revoked_after_grace(start_inproc_daemon, sharing):
+    """Exclusive: an inference request asks the training holder to yield (preempted). Co-run:
+    inference is granted at once beside it, and a trainer's request asks at the end of the
+    holder's quantum. Either way, a holder that ignores the ask loses the token at the grace."""
     # enforce=revoke: the stubborn peer lives in this test process, which must not be stopped.
-    d = start_inproc_daemon("--grace-ms", "150", "--enforce", "revoke")
+    d = start_inproc_daemon("--grace-ms", "150", "--enforce", "revoke", "--quantum-ms", "training=100")
     stubborn = RawPeer(d.endpoint)
     stubborn.hello("stubborn")
     stubborn.call(p.Acquire(id=stubborn.take_id()))
@@ -134,11 +152,20 @@ def test_holder_that_ignores_yield_is_revoked_after_grace(start_inproc_daemon):
         asked = time.monotonic()
         infer.acquire(timeout=5)
         waited = time.monotonic() - asked
+    if sharing == "corun":
+        assert waited < 0.1, waited  # its own lane: no ask, no grace
+        assert stubborn.notices == [] and not stubborn.readable(0.05)
+        waiter = Client("trainer", endpoint=d.endpoint)
+        asked = time.monotonic()
+        waiter.acquire(timeout=5)
+        waited = time.monotonic() - asked
+        waiter.close()
     ask = stubborn.next_notice(p.YieldRequest)
-    assert (ask.grant, ask.reason, ask.deadline_ms) == (grant.grant, "preempted", 150.0)
+    reason = "preempted" if sharing == "exclusive" else "quantum"
+    assert (ask.grant, ask.reason, ask.deadline_ms) == (grant.grant, reason, 150.0)
     revoke = stubborn.next_notice(p.Revoke)
     assert (revoke.grant, revoke.reason) == (grant.grant, "overrun")
-    assert 0.14 < waited < 1.0, waited
+    assert 0.14 < waited < 1.0, waited  # the grace (co-run: after the rest of the quantum too)
     # The revoked grant can no longer be released.
     reply = stubborn.call(p.Release(id=stubborn.take_id(), grant=grant.grant))
     assert reply.code == ErrorCode.NOT_HOLDER
@@ -296,6 +323,38 @@ def test_status_json_shape(inproc_daemon):
     assert isinstance(sess["gpu_time_s"], float) and sess["gpu_time_s"] >= 0
 
 
+@BOTH_MODES
+def test_status_shows_each_holder_and_who_waits(start_inproc_daemon, sharing):
+    """What ``status`` shows of one device where a trainer holds, a second trainer waits and
+    an inference service asks: exclusive, the trainer is asked to yield and both wait behind
+    it; co-run, the service holds beside the trainer (the device's holder is the highest
+    class's) and only the second trainer waits. Both holders are in the activity's bucket."""
+    d = start_inproc_daemon("--grace-ms", "60000", "--enforce", "revoke")
+    trainer, second, infer = RawPeer(d.endpoint), RawPeer(d.endpoint), RawPeer(d.endpoint)
+    ids = {"trainer": trainer.hello("trainer").session, "second": second.hello("second").session,
+           "infer": infer.hello("infer", workload="inference").session}
+    trainer.call(p.Acquire(id=trainer.take_id()))
+    grant = trainer.next_notice(p.Grant)
+    second.call(p.Acquire(id=second.take_id()))
+    infer.call(p.Acquire(id=infer.take_id()))
+    if sharing == "exclusive":
+        assert trainer.next_notice(p.YieldRequest).reason == "preempted"
+        dev = wait_for(lambda: (lambda dev: dev if dev.queue == [ids["infer"], ids["second"]] else None)(
+            d.status().devices[0]))
+        assert dev.holder == ids["trainer"]
+        assert {s.name: s.state for s in dev.sessions} == {"trainer": "yielding", "second": "waiting",
+                                                            "infer": "waiting"}
+        trainer.call(p.Release(id=trainer.take_id(), grant=grant.grant))
+    infer.next_notice(p.Grant)
+    dev = d.status().devices[0]
+    assert dev.holder == ids["infer"] and dev.queue == [ids["second"]]
+    holding = "holding" if sharing == "corun" else "idle"
+    assert {s.name: s.state for s in dev.sessions} == {"trainer": holding, "second": "waiting", "infer": "holding"}
+    assert set(dev.activity.holders[-1]) == {ids["trainer"], ids["infer"]}  # both held in this bucket
+    for peer in (trainer, second, infer):
+        peer.close()
+
+
 def test_status_human_output_and_unreachable_daemon(inproc_daemon, workdir):
     daemon = inproc_daemon
     out = subprocess.run([sys.executable, "-m", "nodeagent", "status", "--endpoint", daemon.endpoint],
@@ -355,9 +414,11 @@ def test_cpu_devices_and_device_choice(start_inproc_daemon):
             assert all(dev.holder is not None for dev in st.devices)
 
 
+@BOTH_MODES
 def test_an_unverified_holder_whose_connection_closes_is_dropped_at_once(start_inproc_daemon):
-    # Over tcp there is no pidfd, and with long heartbeats and grace nothing but
-    # the unreachable send can free the token quickly.
+    # Over tcp there is no pidfd, and with long heartbeats and grace nothing but the connection's
+    # end can free the token quickly. The waiter takes turns with the holder in both modes: an
+    # inference waiter would be granted at once beside it under co-run, whatever became of it.
     import socket as socket_mod
     with socket_mod.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -368,9 +429,9 @@ def test_an_unverified_holder_whose_connection_closes_is_dropped_at_once(start_i
     gone.call(p.Acquire(id=gone.take_id()))
     gone.next_notice(p.Grant)
     gone.close()  # the process lives on; only the connection ends
-    with Client("infer", workload="inference", endpoint=d.endpoint) as infer:
+    with Client("waiter", workload="training", endpoint=d.endpoint) as waiter:
         asked = time.monotonic()
-        infer.acquire(timeout=10)
+        waiter.acquire(timeout=10)
         assert time.monotonic() - asked < 1.0
     assert "reason=disconnected" in d.log()
 

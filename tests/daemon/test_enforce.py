@@ -19,7 +19,7 @@ from nodeagent.devices import CpuBackend, DeviceProcess
 from nodeagent.memory import MiB
 from nodeagent.metrics import Metrics
 from nodeagent.daemon.server import AgentServer
-from tests.conftest import wait_for
+from tests.conftest import BOTH_MODES, wait_for
 from tests.conftest import free_port as _free_port
 from tests.proc_tools import proc_state, assert_stopped
 
@@ -39,19 +39,28 @@ def session_named(daemon, name: str):
     return next(s for s in daemon.status().devices[0].sessions if s.name == name)
 
 
-def test_library_client_that_ignores_yields_is_stopped_then_continued(start_daemon, spawn):
-    d = start_daemon("--grace-ms", "100")
+@BOTH_MODES
+def test_library_client_that_ignores_yields_is_stopped_then_continued(start_daemon, spawn, sharing):
+    """Exclusive: an inference request asks the hog to yield. Co-run, where inference would be
+    granted beside it: a second trainer's, at the end of the hog's quantum. Either way it is
+    stopped past the grace, and continued when the token comes back to it."""
+    # Co-run: the waiter, this process, takes turns with the hog, so its own quantum must outlast
+    # what it checks while holding: at its end it would be asked to yield, and stopped in turn.
+    quantum_s = 1.0 if sharing == "corun" else 0.2
+    d = start_daemon("--grace-ms", "100", "--quantum-ms", f"training={quantum_s * 1000:.0f}")
     hog = spawn(d.endpoint, "stubborn", "--name", "hog")
     hog.expect("TICK", count=3)
-    with Client("infer", workload="inference", endpoint=d.endpoint) as infer:
+    workload = "inference" if sharing == "exclusive" else "training"
+    with Client("waiter", workload=workload, endpoint=d.endpoint) as waiter:
         asked = time.monotonic()
-        infer.acquire(timeout=5)
+        waiter.acquire(timeout=5)
         waited = time.monotonic() - asked
-        assert 0.09 < waited < 1.0, waited  # the grace period, then the stop
+        # The grace, then the stop; under co-run after the rest of the hog's quantum too.
+        assert 0.09 < waited < 1.0 + (quantum_s if sharing == "corun" else 0.0), waited
         assert_stopped(hog.proc.pid)
         assert session_named(d, "hog").stopped
         assert_frozen(hog)
-        infer.release()
+        waiter.release()
         wait_for(lambda: proc_state(hog.proc.pid) != "T")
         resumed_from = ticks(hog)
         hog.expect("TICK", count=resumed_from + 3)  # it runs again

@@ -5,8 +5,9 @@ asked, release and cancel, in any order hypothesis picks; a lying client ignores
 every yield request, releases whenever it likes, and also releases every grant id
 it ever heard of, its own old ones and the ones just above (another client's).
 After every step, once every honest client has read what the daemon sent it, no
-two honest clients believe they hold the device, and no grant id is believed held
-twice.
+two honest clients believe they hold the device (under co-run, where each class has
+its own token: no two of one class), and no grant id is believed held twice. Under
+co-run the lanes' grant ids interleave, so the liar's guesses are the other lanes' ids.
 
 Single-threaded: the clients are driven through their non-blocking calls, so the
 daemon's enforcement is set never to signal (this process holds them all) and its
@@ -25,21 +26,24 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from client_lib import Client
 from client_lib import protocol as p
+from tests.conftest import SHARING_MODES
 
 STEPS = int(os.environ.get("NODEAGENT_ONE_HOLDER_STEPS", "2000"))
 STEPS_PER_RUN = 50
 
-HONEST = (("t1", "training"), ("t2", "training"), ("t3", "training"), ("i1", "inference"))
+HONEST = (("t1", "training"), ("t2", "training"), ("t3", "training"), ("i1", "inference"), ("i2", "inference"))
+WORKLOAD = dict(HONEST)
 
 
-@pytest.fixture(scope="module")
-def one_holder_daemon(tmp_path_factory):
+@pytest.fixture(scope="module", params=SHARING_MODES)
+def one_holder_daemon(request):
     import tempfile
     from tests.conftest import Daemon
     workdir = tempfile.mkdtemp(prefix="na-")
-    d = Daemon(workdir, ["--sharing", "exclusive", "--enforce", "revoke", "--grace-ms", "60000",
+    d = Daemon(workdir, ["--sharing", request.param, "--enforce", "revoke", "--grace-ms", "60000",
                          "--quantum-ms", "training=5", "--quantum-ms", "inference=5",
                          "--quantum-ms", "best-effort=5"]).start()
+    d.sharing = request.param
     yield d
     assert d.stop() == 0, d.log()
 
@@ -48,6 +52,7 @@ class OneHolder(RuleBasedStateMachine):
     """The machine; ``endpoint`` is set by the test before it runs."""
 
     endpoint = ""
+    corun = False  # each class has its own token
 
     def __init__(self) -> None:
         super().__init__()
@@ -150,11 +155,18 @@ class OneHolder(RuleBasedStateMachine):
             return
         self._settle()
         holders = {name: c._grant for name, c in self.clients.items() if c._grant is not None}
-        assert len(holders) <= 1, f"two honest clients hold the device: {holders}"
+        assert len(set(holders.values())) == len(holders), f"one grant held twice: {holders}"
+        if not self.corun:
+            assert len(holders) <= 1, f"two honest clients hold the device: {holders}"
+            return
+        for workload in {w for _, w in HONEST}:
+            mine = {name: g for name, g in holders.items() if WORKLOAD[name] == workload}
+            assert len(mine) <= 1, f"two honest {workload} clients hold its token: {mine}"
 
 
 def test_no_two_honest_clients_ever_hold_the_device(one_holder_daemon):
     OneHolder.endpoint = one_holder_daemon.endpoint
+    OneHolder.corun = one_holder_daemon.sharing == "corun"
     runs = max(1, STEPS // STEPS_PER_RUN)
     machine = OneHolder.TestCase
     machine.settings = settings(max_examples=runs, stateful_step_count=STEPS_PER_RUN, deadline=None,

@@ -54,3 +54,37 @@ def test_grant_ids_are_unique_per_boot_across_devices(workdir, sharing):
     for s in sessions:
         mine = [g for route, g, _ in grants if route == s.route]
         assert mine == sorted(mine), (s.id, mine)  # a session's ids only grow
+
+
+def _session(sid: str, workload: Workload, now: float = 0.0) -> Session:
+    return Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
+                   uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, created=now, last_seen=now)
+
+
+def test_a_best_effort_holder_on_a_corun_device_leaves_the_pace_board_written(tmp_path):
+    """A best-effort holder has no pace controller of its own (nobody is below it): the board's
+    writer looked its lane up through ``CoRunScheduler.lanes()``, removed with one-hop handoffs,
+    so every turn it held raised AttributeError and no device's board was written after it."""
+    from client_lib.pace import PaceBoardReader
+    from nodeagent.daemon.sessions import SessionTable
+    from tests.daemon_parts import make_tokens
+
+    sessions = SessionTable()
+    tokens = make_tokens(sessions=sessions, clock=lambda: 1.0,
+                         config=ServeConfig(backend="cpu", sharing="corun", enforce="revoke", corun_duty="pause"))
+    for sid, workload in (("b", Workload.BEST_EFFORT), ("t", Workload.TRAINING), ("i", Workload.INFERENCE)):
+        sessions.add(_session(sid, workload))
+        tokens.add(0, sid, workload, 1.0, 0.0)
+    tokens.open_pace_boards(None, str(tmp_path))
+    try:
+        board = PaceBoardReader(tokens.pace_board(0))
+        for sid in "bti":  # each is granted at once, in its own lane
+            tokens.request(0, sid, 1.0)
+        assert tokens.holders(0) == ("i", "t", "b")
+        tokens.write_pace_boards()
+        training, best_effort = board.read(int(Workload.TRAINING)), board.read(int(Workload.BEST_EFFORT))
+        assert training.present == 1 and training.active and training.throttled  # paused for the inference holder
+        assert best_effort.present == 2 and best_effort.active and best_effort.throttled
+        board.close()
+    finally:
+        tokens.close_pace_boards()

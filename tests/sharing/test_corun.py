@@ -18,7 +18,7 @@ import pytest
 from client_lib import Client
 from client_lib import pace as pb
 from client_lib import protocol as p
-from sharing import AskYield, Grant, SchedulerPolicy, SessionState, TokenScheduler, Workload
+from sharing import AskYield, Enforce, Grant, Revoked, SchedulerPolicy, SessionState, TokenScheduler, Workload
 from sharing.corun import DUTY_STEPS_PERMILLE, CoRunScheduler, PaceController, PaceWant
 from sharing.scheduler import DuplicateSessionError, NotHolderError, UnknownSessionError
 from tests.conftest import REPO, wait_for
@@ -90,6 +90,56 @@ def test_a_lane_holder_leaving_passes_its_token_within_the_lane_only():
     s.request("t2", 0.0)
     (g,) = grants(s.remove_session("t1", 1.0))
     assert g.session == "t2" and s.holders() == ("i", "t2")
+
+
+def test_inside_a_lane_a_holder_past_its_grace_is_enforced_and_revoked_and_no_other_lane_moves():
+    """Yield on quantum, then enforcement at the grace, then a revoke: the exclusive token's path,
+    within the training lane; the inference holder beside it is never asked nor charged."""
+    s = CoRunScheduler(0, SchedulerPolicy(quantum_ms={"inference": 50, "training": 100, "best-effort": 100},
+                                          grace_ms=150.0))
+    for name, w in (("i", I), ("a", T), ("b", T)):
+        s.add_session(name, w, 1.0, 0.0)
+    (gi,) = grants(s.request("i", 0.0))
+    (ga,) = grants(s.request("a", 0.0))
+    assert s.request("b", 0.0) == []
+    (ask,) = s.tick(0.1)
+    assert (type(ask), ask.session, ask.reason, ask.deadline_ms) == (AskYield, "a", "quantum", 150.0)
+    assert s.next_deadline() == pytest.approx(0.25)
+    (enforce,) = s.tick(0.25)
+    assert (type(enforce), enforce.session, enforce.grant) == (Enforce, "a", ga.grant)
+    revoked, granted = s.revoke("a", 0.26, "overrun")
+    assert (type(revoked), revoked.grant) == (Revoked, ga.grant)
+    assert (type(granted), granted.session, granted.grant) == (Grant, "b", ga.grant + 3)  # the lane's next id
+    assert s.holders() == ("i", "b") and s.state("a") is SessionState.IDLE
+    assert s.state("i") is SessionState.HOLDING  # never asked: no preemption across lanes
+    with pytest.raises(NotHolderError):
+        s.revoke("a", 0.27, "overrun")
+
+
+def test_inside_a_lane_weights_1_1_2_share_the_class_time_25_25_50_beside_a_higher_holder():
+    """Fairness within a class holds under co-run: the training lane's weighted fair share is the
+    exclusive token's, while an inference session takes and gives back its own token throughout."""
+    s = CoRunScheduler(0)
+    for name, w, weight in (("i", I, 1.0), ("a", T, 1.0), ("b", T, 1.0), ("c", T, 2.0)):
+        s.add_session(name, w, weight, 0.0)
+    now = 0.0
+    (grant,) = grants(s.request("a", now))
+    s.request("b", now)
+    s.request("c", now)
+    infer = None
+    for n in range(3000):
+        now += 0.01  # a 10 ms slice, well under the quantum
+        if infer is None and n % 3 == 0:
+            (infer,) = grants(s.request("i", now))
+        elif infer is not None:
+            assert s.release("i", infer.grant, now) == []  # nobody in its lane waits
+            infer = None
+        (grant,) = grants(s.release(grant.session, grant.grant, now, requeue=True))
+        assert grant.session != "i"
+    gpu = {v.session: v.gpu_time_s for v in s.snapshot(now).sessions if v.session != "i"}
+    total = sum(gpu.values())
+    assert total == pytest.approx(now)  # the training lane was never idle nor paused by the scheduler
+    assert [gpu[k] / total for k in "abc"] == pytest.approx([0.25, 0.25, 0.50], abs=0.01)
 
 
 # ------------------------------------------------------------- the controller
