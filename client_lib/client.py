@@ -79,6 +79,7 @@ class Client:
         self._closed = False
         self._durable = True  # as last heard (welcome, then heartbeat acks)
         self._next_heartbeat: float | None = None  # unwatched sessions only (welcome.heartbeat_ms > 0)
+        self._watch_again = 0.0  # the liveness thread found the owner inside: it looks again no sooner
         self._next_background_retry: float | None = None
         self._generation = 0  # connections made so far; a new one forgets what the old one asked
         self._lost_at: float | None = None  # when the daemon was found gone (None: it is there)
@@ -727,6 +728,9 @@ class Client:
                 return False  # no connection: _check_daemon decides what follows
             for msg in messages:
                 self._handle(msg)
+            # The liveness thread leaves a due heartbeat to an owner inside the library (a wait in
+            # acquire pumps for as long as the holder holds): a tcp session must not go silent.
+            self._heartbeat_if_due(time.monotonic())
             if not messages:
                 return False
         if raise_async:
@@ -788,15 +792,17 @@ class Client:
         retry = None if self._owner_reattaching else self._next_background_retry
         if retry is not None and (due is None or retry < due):
             due = retry
-        return due
+        return None if due is None else max(due, self._watch_again)
 
     def _on_watch(self, now: float, hung_up: bool) -> None:
         """Called by the liveness thread: the daemon hung up, a heartbeat is due, or a
         background reattach is to be retried. Does nothing while the owner is inside
         the library (it handles all of it itself)."""
         if self._closed or not self._io.acquire(blocking=False):
-            if self._next_heartbeat is not None and self._next_heartbeat <= now:
-                self._next_heartbeat = now + 0.05  # try again shortly
+            # The owner sends a due heartbeat as it pumps (_pump); moving the heartbeat on here
+            # instead once kept it 50 ms ahead of every pump of a wait in acquire, and the daemon
+            # dropped the waiting tcp session as silent. Only this thread's next look moves.
+            self._watch_again = now + 0.05
             return
         try:
             conn = self._transport.conn
@@ -823,12 +829,15 @@ class Client:
                         self._resume_failed()
                         self._next_background_retry = self._next_resume_try
                 return
-            if self._next_heartbeat is not None and self._next_heartbeat <= now:
-                self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session,
-                                             key=self.welcome.key))
-                self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
+            self._heartbeat_if_due(now)
         finally:
             self._io.release()
+
+    def _heartbeat_if_due(self, now: float) -> None:
+        """Under the I/O lock: the heartbeat an unwatched session owes, if it is due."""
+        if self._next_heartbeat is not None and self._next_heartbeat <= now and self.welcome is not None:
+            self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session, key=self.welcome.key))
+            self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
 
 
 def _queue_fields(waiting: int | None, oldest_arrival: float | None) -> dict:

@@ -47,9 +47,6 @@ def test_yield_point_gives_way_to_a_waiting_peer_and_comes_back(start_inproc_dae
         assert a.holding
 
 
-@pytest.mark.xfail(strict=True, reason="client_lib/client.py: while the owner waits in acquire (holding the I/O "
-                   "lock in 50 ms pumps) Client._on_watch postpones a due heartbeat by 50 ms, again and again, "
-                   "and Client._wait_for_grant sends none itself")
 def test_a_tcp_client_waiting_past_the_heartbeat_timeout_keeps_its_session(start_inproc_daemon):
     """A session the daemon cannot watch (tcp) sends heartbeats; one blocked in ``acquire``
     behind a holder for longer than ``heartbeat.misses`` intervals must keep its session and
