@@ -204,6 +204,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     from nodeagent.daemon.sessions import Session, SessionTable
     from nodeagent.daemon.suspension import Suspensions
     from sharing import TokenScheduler, Workload
+    from sharing.suspension import SuspendState
 
     config = ServeConfig(backend="cpu")
     scheduler = TokenScheduler(0, config.policy())
@@ -251,7 +252,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         assert not suspensions.under_way(s) and suspensions.next_deadline(10.5) is None
         [(route, result)] = sent[1:]
         assert (route, result.id, result.outcome) == ("operator", 5, "timeout")
-        assert s.suspend_state == "requested" and suspensions.waiters(s) == ()
+        assert suspensions.state(s) is SuspendState.REQUESTED and suspensions.waiters(s) == ()
         suspensions.on_timers(20.0)
         suspensions.forget(s, 20.0)  # reported once: nothing more to tell when it ends
         assert len(finished) == 1
@@ -310,12 +311,12 @@ def test_sessions_a_make_room_suspension_blocked_ask_before_its_end_reaches_a_re
 
     victim, admitted = add("s-train", Workload.TRAINING), add("s-infer", Workload.INFERENCE)
     tokens, bus, heard = ScriptedTokens(), Bus(), []
-    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1))
+    suspensions = Suspensions(sessions=sessions, tokens=tokens, metrics=Metrics(CollectorRegistry()),
+                              replies=replies([]), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1), suspensions=suspensions)
     bus.subscribe(MakeRoomFinished, gate.on_make_room_finished)
     bus.subscribe(MakeRoomFinished, lambda e: heard.append(("make-room", e.session)))
     bus.subscribe(SuspendFinished, lambda e: heard.append(("finished", e.session.id, list(asked))))
-    suspensions = Suspensions(sessions=sessions, tokens=tokens, metrics=Metrics(CollectorRegistry()),
-                              replies=replies([]), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
     try:
         assert MAKE_ROOM == "memory"  # the reason admission's plan suspends with (and the log shows)
         gate.block(admitted, [victim])
