@@ -25,6 +25,7 @@ class Recorder:
         self.events: list[tuple[str, int | None, dict]] = []
         self.sent: list[tuple[object, object]] = []
         self.suspends: list[tuple[str, float, str]] = []  # (session, deadline_ms, reason)
+        self.parked: dict[str, int] = {}  # session -> the bytes its client says it parked (a test sets it)
 
     def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
         self.events.append((kind, device, data))
@@ -63,7 +64,7 @@ def stepped_endpoint():
             return self.machines.get(s.id, Suspension()).state
 
         def parked_bytes(self, s: Session) -> int:
-            return self.machines.get(s.id, Suspension()).bytes_parked
+            return rec.parked.get(s.id, 0)
 
     server = ServerView(context=context, handlers={kind: (lambda *args: None) for kind in SHARED_OPS},
                         dispatch=lambda *args, **kwargs: None, status=lambda now: None, boot=lambda: 7, started=0.0,

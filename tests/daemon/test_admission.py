@@ -156,6 +156,14 @@ def test_a_class_cap_refuses_its_class_where_memory_would_fit():
     assert node.admission.pick_device(None, 600, "inference") == (0, "", "")  # another class: not capped
 
 
+def test_a_suspended_sessions_declaration_does_not_count_against_its_class_cap():
+    node = Node(1000, memory_class_cap_percent={"training": 50.0})
+    node.join("parked", 0, memory_mb=400, suspending=True)
+    node.join("t", 0, memory_mb=100)
+    assert node.admission.pick_device(None, 400, "training") == (0, "", "")  # 100 of 500 counted
+    assert "100 MiB declared" in node.admission.pick_device(None, 401, "training")[2]
+
+
 # --------------------------------------------------------------- make_room_plan
 
 

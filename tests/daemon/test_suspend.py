@@ -413,4 +413,6 @@ def test_a_report_no_suspension_asked_for_is_refused_and_counted(inproc_daemon):
     t.join(timeout=10)
     assert results and (results[0].outcome, results[0].bytes_parked) == ("suspended", 7)
     assert (session_by_name(d, "liar").host_bytes, _refused(d, "suspended")) == (4096, 1)
+    kept = d.server.metrics.registry.get_sample_value("nodeagent_host_kept_bytes", {"device": "0", "pinned": "true"})
+    assert kept == 4096  # read at scrape time from the suspension component
     liar.close()
