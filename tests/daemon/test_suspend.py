@@ -416,3 +416,30 @@ def test_a_report_no_suspension_asked_for_is_refused_and_counted(inproc_daemon):
     kept = d.server.metrics.registry.get_sample_value("nodeagent_host_kept_bytes", {"device": "0", "pinned": "true"})
     assert kept == 4096  # read at scrape time from the suspension component
     liar.close()
+
+
+def test_a_suspended_session_whose_connection_closes_is_lost_at_once_not_given_the_ended_grace(inproc_daemon):
+    """A session that left nothing undone may be waiting for its process to end (ENDED_GRACE_S,
+    detached meanwhile); a suspended one left its state parked, so its closed connection loses it
+    at once: the daemon never shows it detached."""
+    from client_lib import protocol as p
+    from tests.rawpeer import RawPeer
+
+    d = inproc_daemon
+    peer = RawPeer(d.endpoint)
+    sid = peer.hello("parked").session
+    results = []
+    t = threading.Thread(target=lambda: results.append(suspend_session(sid, deadline_ms=60_000, endpoint=d.endpoint)))
+    t.start()
+    peer.next_notice(p.SuspendNotice)
+    peer.send(p.Suspended(id=peer.take_id(), bytes_parked=7, suspend_ms=1.0))
+    t.join(timeout=10)
+    assert results and results[0].outcome == "suspended"
+
+    def found():
+        return next((s for dev in d.status().devices for s in dev.sessions if s.id == sid), None)
+
+    assert found().attached
+    peer.close()
+    wait_for(lambda: found() is None or not found().attached)
+    assert found() is None  # dropped when its connection closed, never kept detached
