@@ -12,7 +12,7 @@ memory through NVML and flags sessions using more than they declared; on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Container, Iterable
 
 from nodeagent.devices import DeviceInfo
 from nodeagent.daemon.sessions import Session
@@ -24,17 +24,19 @@ def capacity_mb(info: DeviceInfo, reserve_mb: int) -> int:
     return max(0, info.memory_total_bytes // MiB - reserve_mb)
 
 
-def declared_mb(sessions: Iterable[Session], device: int) -> int:
-    """Declarations on ``device``, less those of sessions suspended or being
-    suspended (their state is, or is about to be, in host memory)."""
-    return sum(s.memory_mb for s in sessions if s.device == device and not s.suspension.active)
+def declared_mb(sessions: Iterable[Session], device: int, suspended: Container[str]) -> int:
+    """Declarations on ``device``, less those of the ``suspended`` sessions (ids of those
+    suspended or being suspended: their state is, or is about to be, in host memory;
+    ``Suspensions.suspended_ids``)."""
+    return sum(s.memory_mb for s in sessions if s.device == device and s.id not in suspended)
 
 
-def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int) -> list[Session] | None:
-    """Sessions of a lower class than ``workload`` on ``device`` whose suspension
-    frees ``need_mb``: lowest class first, then the largest declarations. None if
-    suspending all of them would not be enough."""
-    candidates = sorted((s for s in sessions if s.device == device and not s.suspension.active
+def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int,
+                suspended: Container[str]) -> list[Session] | None:
+    """Sessions of a lower class than ``workload`` on ``device``, not already ``suspended``,
+    whose suspension frees ``need_mb``: lowest class first, then the largest declarations.
+    None if suspending all of them would not be enough."""
+    candidates = sorted((s for s in sessions if s.device == device and s.id not in suspended
                          and s.workload > workload and s.memory_mb > 0),
                         key=lambda s: (-s.workload, -s.memory_mb, s.id))
     chosen, freed = [], 0
@@ -115,15 +117,16 @@ def admission_problem(info: DeviceInfo, reserve_mb: int, declared: int, want_mb:
 
 
 def class_cap_problem(info: DeviceInfo, reserve_mb: int, sessions: Iterable[Session], workload,
-                      want_mb: int, cap_percent: float | None) -> str | None:
+                      want_mb: int, cap_percent: float | None, suspended: Container[str]) -> str | None:
     """Why a ``workload`` session declaring ``want_mb`` would take its class past
-    ``cap_percent`` of the device's capacity, or None. Caps keep one class from
-    declaring a device away from the others; making room never lifts them."""
+    ``cap_percent`` of the device's capacity (the ``suspended`` sessions' declarations not
+    counted), or None. Caps keep one class from declaring a device away from the others;
+    making room never lifts them."""
     if cap_percent is None or cap_percent >= 100:
         return None
     cap_mb = int(capacity_mb(info, reserve_mb) * cap_percent / 100)
     ours = sum(s.memory_mb for s in sessions
-               if s.device == info.index and s.workload == workload and not s.suspension.active)
+               if s.device == info.index and s.workload == workload and s.id not in suspended)
     if ours + want_mb <= cap_mb:
         return None
     return (f"device {info.index}: {workload.wire} sessions may declare at most {cap_mb} MiB "

@@ -1,10 +1,11 @@
 """Daemon components built on their own, for tests that step one by hand (no loop, no sockets).
 
-    from tests.daemon_parts import FakeDevices, make_tokens
+    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
 
 ``make_tokens`` is a real :class:`nodeagent.daemon.tokens.Tokens` (real schedulers,
 real carrying-out of their actions) whose notices land in a list and whose
-events go to a bus the test may subscribe to.
+events go to a bus the test may subscribe to; ``make_suspensions`` a real
+:class:`nodeagent.daemon.suspension.Suspensions` over the tokens it is given, with no journal.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, LoopHandle, Replies
 from nodeagent.daemon.loop import EventLoopPoller
 from nodeagent.daemon.gate import LostDevices
+from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import SessionTable
+from nodeagent.daemon.suspension import Suspensions
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import CpuBackend
 from nodeagent.metrics import Metrics
@@ -58,6 +61,17 @@ def make_tokens(*, count: int = 1, sessions: SessionTable | None = None, metrics
                   metrics=metrics if metrics is not None else Metrics(CollectorRegistry()),
                   journal=lambda *a, **k: True, send=lambda route, msg: sent.append((route, msg)),
                   bus=bus if bus is not None else Bus(), clock=clock)
+
+
+def make_suspensions(*, sessions: SessionTable, tokens, sent: list | None = None, bus: Bus | None = None,
+                     metrics: Metrics | None = None) -> Suspensions:
+    """A :class:`Suspensions` over ``tokens`` (real or scripted), journalling nowhere; its
+    notices and replies go to ``sent`` as (route, message)."""
+    bus = bus if bus is not None else Bus()
+    metrics = metrics if metrics is not None else Metrics(CollectorRegistry())
+    return Suspensions(sessions=sessions, tokens=tokens, metrics=metrics,
+                       replies=replies(sent if sent is not None else []), bus=bus,
+                       journal=JournalWriter(None, metrics, bus))
 
 
 def loop_handle(clock=time.monotonic, wake=lambda: None) -> LoopHandle:

@@ -1,7 +1,8 @@
 """Admission: which device a new session joins, and whom to suspend to make room for it.
 
 A component with no state of its own: it reads the session table, the devices'
-facts (capacity, failed devices), the schedulers' load (through ``tokens``), the
+facts (capacity, failed devices), the schedulers' load (through ``tokens``), which
+sessions are suspended (their declarations do not count: ``suspensions``), the
 device lifecycles' refusals (lent to another job, draining: the cluster
 endpoint's) and what the warm workers hold (the serving component's). The hello
 handler asks it; the suspension component then carries out a plan to make room.
@@ -16,6 +17,7 @@ from nodeagent import memory
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import DeviceFacts
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.suspension import Suspensions
 from nodeagent.daemon.tokens import Tokens
 from sharing import Workload
 
@@ -27,11 +29,12 @@ class Admission:
     """Device choice and make-room plans (see the module docstring)."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, tokens: Tokens,
-                 refusal: Refusal, workers_share: WorkersShare) -> None:
+                 suspensions: Suspensions, refusal: Refusal, workers_share: WorkersShare) -> None:
         self._config = config
         self._devices = devices
         self._sessions = sessions
         self._tokens = tokens
+        self._suspended = suspensions.suspended_ids  # read-only: whose declarations are in host memory
         self._refusal = refusal
         self._workers_share = workers_share
 
@@ -53,12 +56,13 @@ class Admission:
             return None, p.ErrorCode.DEVICE, "; ".join(lost)
         problems, refusals = [], []
         info = self._devices.info()
+        suspended = self._suspended()
         for i in candidates:
             refusal = self._refusal(i, workload, borrower)  # lent, draining
             if refusal is not None:
                 refusals.append(refusal)
                 continue
-            declared = memory.declared_mb(self._sessions.values(), i)
+            declared = memory.declared_mb(self._sessions.values(), i, suspended)
             problem = (self.class_cap_problem(i, workload, memory_mb)
                        or memory.admission_problem(info[i], self._config.memory_reserve_mb,
                                                    declared, memory_mb, self._workers_share(i)))
@@ -72,22 +76,24 @@ class Admission:
     def class_cap_problem(self, device: int, workload: str, memory_mb: int) -> str | None:
         cap = self._config.memory_class_cap_percent.get(workload)
         return memory.class_cap_problem(self._devices.info()[device], self._config.memory_reserve_mb,
-                                        self._sessions.values(), Workload.parse(workload), memory_mb, cap)
+                                        self._sessions.values(), Workload.parse(workload), memory_mb, cap,
+                                        self._suspended())
 
     def make_room_plan(self, wanted: int | None, workload: Workload, memory_mb: int,
                        borrower: str | None = None) -> tuple[int | None, list[Session]]:
         """A device where suspending lower-class sessions lets ``memory_mb`` fit, and those sessions."""
         count = self._tokens.device_count
         info = self._devices.info()
+        suspended = self._suspended()
         for i in ([wanted] if wanted is not None else range(count)):
             if self._refusal(i, workload.wire, borrower) is not None or self._devices.lost.is_lost(i):
                 continue  # draining, lent to another borrower, or failed
             if self.class_cap_problem(i, workload.wire, memory_mb) is not None:
                 continue  # suspending lower classes never lifts this class's own cap
             capacity = memory.capacity_mb(info[i], self._config.memory_reserve_mb)
-            need = (memory.declared_mb(self._sessions.values(), i) + memory.held_mb(self._workers_share(i))
-                    + memory_mb - capacity)
-            victims = memory.room_makers(self._sessions.values(), i, workload, need)
+            need = (memory.declared_mb(self._sessions.values(), i, suspended)
+                    + memory.held_mb(self._workers_share(i)) + memory_mb - capacity)
+            victims = memory.room_makers(self._sessions.values(), i, workload, need, suspended)
             if victims:
                 return i, victims
         return None, []

@@ -164,7 +164,8 @@ class ClusterEndpoint:
         endpoint shares (:data:`SHARED_OPS`), dispatch, status, boot, metrics and replies;
         ``journal``: operators' changes are written through it, and restored from its
         ``journal``; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``)
-        and asks whether one is under way with its deadline pending (``under_way``);
+        and reads where each stands (``state``) and whether one is under way with its deadline
+        pending (``under_way``); a suspension's event says what it parked (``parked_bytes``);
         ``devices``: GPUs NVML reports lost are not lent."""
         self._config = config
         self._ctx = server.context
@@ -184,6 +185,8 @@ class ClusterEndpoint:
         self._attained = server.attained
         self._begin_suspend = suspensions.begin
         self._suspending = suspensions.under_way
+        self._suspend_state = suspensions.state
+        self._parked_bytes = suspensions.parked_bytes
         self._wake = loop.wake
         self._lost_devices = devices.lost
         handlers = server.handlers
@@ -474,7 +477,7 @@ class ClusterEndpoint:
     def suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
         """A suspension ended: publish it, and move a reclaim waiting on it on."""
         self.event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
-                   bytes_parked=s.bytes_parked)
+                   bytes_parked=self._parked_bytes(s))
         pending = self._reclaims.get(s.device)
         if pending is None or pending.outcomes.get(s.id, "") is not None:
             return
@@ -674,7 +677,7 @@ class ClusterEndpoint:
         self._reclaims[device] = pending
         for s in [s for s in self._sessions.values() if s.device == device and s.borrower == pending.borrower
                   and s.workload is not Workload.INFERENCE]:
-            state = s.suspension.state
+            state = self._suspend_state(s)
             if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
                 pending.outcomes[s.id] = state.wire
             elif state is SuspendState.REQUESTED and self._suspending(s):

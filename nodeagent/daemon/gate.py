@@ -12,6 +12,7 @@ import logging
 
 from nodeagent.daemon.bus import DeviceBack, DeviceFacts, DeviceLost, MakeRoomFinished, MayAsk
 from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.suspension import Suspensions
 from nodeagent.daemon.tokens import Tokens
 from sharing import SessionState
 from sharing.suspension import Gate, token_gate
@@ -66,14 +67,18 @@ class TokenGate:
     """See the module docstring and docs/internals.md. A timed component: restore windows
     close at their deadline."""
 
-    def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts) -> None:
-        """``devices``: the lost-devices table (``devices.lost``) this component writes."""
+    def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts,
+                 suspensions: Suspensions) -> None:
+        """``devices``: the lost-devices table (``devices.lost``) this component writes;
+        ``suspensions``: whether a session is suspended (``active``), and where a request made
+        while it is goes (``keep_request``, ``drop_request``: asked for at its resume)."""
         self._sessions = sessions
         self._tokens = tokens
+        self._suspensions = suspensions
         self._lost: LostDevices = devices.lost
         self._blocked_by: dict[str, set[str]] = {}  # session -> sessions suspending to make room for it
         # Asked for the token while blocked (kept): asked for once unblocked; cancel clears it.
-        # (A wish made while suspended is the suspension's: keep_request.)
+        # (A wish made while suspended is the suspension component's: keep_request.)
         self._pending: set[str] = set()
         # Restore windows: devices whose restored sessions have not all reattached yet. Only the
         # slice in progress may be granted there; other requests wait (parked), in order.
@@ -86,12 +91,13 @@ class TokenGate:
     def ask(self, s: Session, now: float, since: float | None = None, claimed: bool = False) -> Gate:
         """Where ``s``'s request for the token went (see docs/internals.md). ``claimed``: it is
         the slice a restart's restore window lets go first."""
-        decision = token_gate(suspended=s.suspension.active, blocked=s.id in self._blocked_by,
+        suspended = self._suspensions.active(s)
+        decision = token_gate(suspended=suspended, blocked=s.id in self._blocked_by,
                               restoring=not claimed and s.device in self._parked,
                               device_lost=self._lost.is_lost(s.device))
         if decision is Gate.KEEP:
-            if s.suspension.active:
-                s.suspension.keep_request = s.suspension.keep_request or s.grant is None
+            if suspended:
+                self._suspensions.keep_request(s)
             else:
                 self._pending.add(s.id)
         elif decision is Gate.PARK:
@@ -109,7 +115,7 @@ class TokenGate:
         """``s`` cancelled: a request the gate kept (suspended, blocked), parked (a restore window)
         or held (a failed device) is forgotten too."""
         self._pending.discard(s.id)
-        s.suspension.keep_request = False
+        self._suspensions.drop_request(s)
         self._unpark(s.id)
         self._lost.forget(s.id)
 

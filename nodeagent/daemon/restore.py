@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
 
 from nodeagent import cgroup, enforce, procwatch
 from nodeagent.config import ServeConfig
@@ -19,6 +18,7 @@ from nodeagent.journal import SessionRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.gate import TokenGate
+from nodeagent.daemon.suspension import Suspensions
 from nodeagent.daemon.tokens import Tokens
 from sharing import Workload
 from sharing.suspension import Suspension
@@ -37,16 +37,19 @@ class Restorer:
     above the old daemon's)."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
-                 tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int],
-                 add_session: Callable[[Session, float], None], gate: TokenGate) -> None:
-        """``gate``: where the restore windows of the devices with restored sessions are opened."""
+                 tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int], suspensions: Suspensions,
+                 gate: TokenGate) -> None:
+        """``sessions`` and ``tokens``: where a restored session is added, as at its hello;
+        ``suspensions``: the owner of a restored session's suspension (``restored``), and what
+        a stale session's row says of it (``record``); ``gate``: where the restore windows of
+        the devices with restored sessions are opened."""
         self._config = config
         self._journal = journal
         self._sessions = sessions
         self._tokens = tokens
         self._mps = mps
         self._capacities_mb = capacities_mb  # per device: the most a session may have declared
-        self._add_session = add_session
+        self._suspensions = suspensions
         self._gate = gate
         self._next_retry: float | None = None  # monotonic: when to probe and write stale sessions again
 
@@ -96,12 +99,15 @@ class Restorer:
             except PartitionError as exc:
                 log.warning("[restore] session=%s keeps no MPS share: %s", rec.id, exc)
             try:
-                session.suspension = Suspension.from_record(rec.suspension, now, time.time())
+                suspension = Suspension.from_record(rec.suspension, now, time.time())
             except ValueError as exc:
                 log.warning("[restore] session=%s: its suspension is not restored: %s", rec.id, exc)
-            self._add_session(session, now)
+                suspension = Suspension()
+            self._tokens.add(session.device, session.id, session.workload, session.weight, now)
+            self._sessions.add(session)
             if session.stopped:  # the old daemon died holding it stopped: let it run
                 self._tokens.cont(session)
+            self._suspensions.restored(session, suspension, now)  # one under way or in force is its again
             windows.setdefault(rec.device, set()).add(rec.id)
             restored += 1
         self._gate.open_windows(windows, now + self._config.heartbeat_timeout_s)
@@ -139,7 +145,7 @@ class Restorer:
             return  # still failing; next time
         for sid in sorted(writer.stale):
             s = self._sessions.get(sid)
-            done = writer.put_session(s) if s is not None else \
+            done = writer.put_session(s, suspension=self._suspensions.record(s)) if s is not None else \
                 writer.write(lambda j, sid=sid: j.delete_session(sid), session=sid)
             if not done:
                 return

@@ -137,12 +137,13 @@ class AgentServer:
                                         replies=replies, bus=bus, journal=self._journal_writer)
         # Every request for a session's token passes here, whoever makes it: it owns what keeps one
         # back (make-room blocks, restore windows, lost devices).
-        self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices)
+        self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices,
+                               suspensions=self._suspensions)
         # Restore after a restart (its windows opened in the gate), and writing stale sessions again.
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
             mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
-            add_session=self._add_session, gate=self._gate)
+            suspensions=self._suspensions, gate=self._gate)
         self._handlers = {
             p.Hello: self._on_hello,
             p.Heartbeat: self._on_heartbeat,
@@ -175,7 +176,8 @@ class AgentServer:
                                p.Renew: self._cluster.on_renew})
         # Which device a new session joins, and whom to suspend to make room for it.
         self._admission = Admission(config=config, devices=devices, sessions=self._sessions, tokens=self._tokens,
-                                    refusal=self._cluster.admission_refusal, workers_share=self._serving.workers_share)
+                                    suspensions=self._suspensions, refusal=self._cluster.admission_refusal,
+                                    workers_share=self._serving.workers_share)
         # Who hears what.
         bus.subscribe(Published, self._cluster.on_published)
         # A make-room suspension's end is published first (sessions it blocked ask), then its
@@ -209,10 +211,7 @@ class AgentServer:
         if self.journal is None:
             return
         now = self._clock()
-        self.boot = self._restorer.restore(now)
-        for s in self._restorer.restored():
-            if s.suspension.active:  # a suspension the old daemon had under way or in force
-                self._suspensions.restored(s, now)
+        self.boot = self._restorer.restore(now)  # suspensions under way or in force too
         self._cluster.restore(now)
         self._attained.restore()
 
@@ -257,7 +256,7 @@ class AgentServer:
                 self._mps.stop()
                 raise
             try:
-                self._serving.start()
+                self._serving.start(self._suspensions.suspended_ids())
             except BaseException:
                 self._serving.stop()
                 self._mps.stop()
@@ -595,7 +594,7 @@ class AgentServer:
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
             pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
-            suspended=resumed and s.suspension.active and minor >= 3))
+            suspended=resumed and self._suspensions.active(s) and minor >= 3))
         if resumed and s.grant is not None:
             self._send(route, p.Grant(grant=s.grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
@@ -632,7 +631,7 @@ class AgentServer:
         if not msg.quiet:
             self._send(route, p.Ok(id=msg.id))
         self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms)  # before its grant
-        if not s.suspension.active:
+        if not self._suspensions.active(s):
             self._tokens.time_wait(s, now)
         self._gate.ask(s, now)  # kept (suspended, blocked), parked (restoring), held (lost), or asked
 
@@ -641,7 +640,7 @@ class AgentServer:
         if s is None:
             return
         # Suspending or suspended: a requeue is kept for the resume, as an acquire would be.
-        requeue = msg.requeue and not s.suspension.active
+        requeue = msg.requeue and not self._suspensions.active(s)
         try:
             self._tokens.release_session(s, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
@@ -870,7 +869,7 @@ class AgentServer:
         for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
         ENDED, before the process has ended)."""
         return (s.pidfd is not None and s.managed_pidfd is None and not s.stopped
-                and s.suspend_state is None and s.grant is None and not self._gate.kept(s)
+                and not self._suspensions.active(s) and s.grant is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
 
@@ -963,20 +962,23 @@ class AgentServer:
                     if served is not None:
                         sessions.append(served)
                     continue
+                host_bytes, host_pinned = self._suspensions.host_kept(s)
                 sessions.append(p.SessionInfo(
                     id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
                     gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
                     managed_cgroup=s.managed_cgroup.name if s.managed_cgroup is not None else None,
-                    attached=s.route is not None, suspended=s.suspend_state, bytes_parked=s.bytes_parked,
-                    borrower=s.borrower, host_bytes=s.host_bytes, host_pinned=s.host_pinned))
+                    attached=s.route is not None, suspended=self._suspensions.state(s).wire,
+                    bytes_parked=self._suspensions.parked_bytes(s), borrower=s.borrower, host_bytes=host_bytes,
+                    host_pinned=host_pinned))
             devices.append(p.DeviceInfo(
                 index=info.index, backend=info.backend, uuid=info.uuid, name=info.name,
                 memory_total_bytes=info.memory_total_bytes, memory_used_bytes=info.memory_used_bytes,
                 utilization_percent=info.utilization_percent, holder=snap.holder,
                 queue=list(snap.queue), sessions=sessions,
-                memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index),
+                memory_declared_mb=memory.declared_mb(self._sessions.values(), info.index,
+                                                      self._suspensions.suspended_ids()),
                 memory_capacity_mb=memory.capacity_mb(info, self.config.memory_reserve_mb),
                 mps=self._mps.runs_on(info.index),
                 memory_workers_mb=memory.held_mb(self._serving.workers_share(info.index)),
@@ -994,7 +996,7 @@ class AgentServer:
                 continue  # not in its device's scheduler: left out rather than failing the scrape
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
             rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used,
-                                   s.host_bytes, s.host_pinned))
+                                   *self._suspensions.host_kept(s)))
         return rows
 
     def _device_rows(self) -> list[DeviceRow]:

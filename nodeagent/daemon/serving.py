@@ -15,7 +15,7 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Container
 
 from client_lib import protocol as p
 from client_lib import tensors
@@ -146,8 +146,10 @@ class Serving:
 
     # ---------------------------------------------------------------- life
 
-    def start(self) -> None:
-        """Start the workers (if ``ctxpool.enabled`` wants them) and register the journalled models again."""
+    def start(self, suspended: Container[str]) -> None:
+        """Start the workers (if ``ctxpool.enabled`` wants them) and register the journalled models again.
+        ``suspended``: the restored sessions whose declarations are in host memory (not counted
+        in what ``ctxpool.resident_mb = "auto"`` leaves the workers)."""
         wanted, why = ctxpool_wanted(self._config.ctxpool_enabled)
         self._why_off = why
         if not wanted:
@@ -163,7 +165,8 @@ class Serving:
             self._devices(), workers=cfg.ctxpool_workers_per_device, pool_mb=cfg.ctxpool_pool_mb,
             context_mb=context_allowance_mb(cfg.memory_context_allowance_mb, self._backend_name),
             resident_mb=cfg.ctxpool_resident_mb, reserve_mb=cfg.memory_reserve_mb,
-            declared_mb={i: memory.declared_mb(self._sessions.values(), i) for i in range(self._tokens.device_count)})
+            declared_mb={i: memory.declared_mb(self._sessions.values(), i, suspended)
+                         for i in range(self._tokens.device_count)})
         for device, share in self._worker_shares.items():
             log.info("[ctxpool] device=%d %s", device, share.describe())
         self._pool = WorkerPool(

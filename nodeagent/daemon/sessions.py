@@ -1,7 +1,8 @@
 """Sessions as the daemon sees them: who the client is and how to reach it.
 
 Token state (idle, waiting, holding, yielding) is owned by the device's
-:class:`sharing.TokenScheduler`; this record holds the rest. A session lives
+:class:`sharing.TokenScheduler`, a whole-device suspension and the host memory kept
+for it by :class:`nodeagent.daemon.suspension.Suspensions`; this record holds the rest. A session lives
 from a ``welcome`` until one of: ``bye``, its process exiting (pidfd), its
 connection closing, its heartbeats stopping (sessions the daemon cannot watch),
 or daemon shutdown. :class:`SessionTable` holds them.
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 
 from nodeagent import procwatch
 from sharing import Workload
-from sharing.suspension import Suspension
 
 
 def new_session_id() -> str:
@@ -51,26 +51,13 @@ class Session:
     managed_cgroup: object | None = None  # nodeagent.cgroup.Cgroup: the leader's own cgroup, verified and held open
     stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
-    # Its whole-device suspension (sharing.suspension): written by the suspension component only.
-    suspension: Suspension = field(default_factory=Suspension)
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
     grants: int = field(default=0)
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
     mps: bool = False  # its welcome put it on its device's MPS server (it shares that server's fault domain)
-    host_bytes: int = 0  # host memory its client keeps for parked state (suspended/resumed.host_bytes)
-    host_pinned: bool = False
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to
-
-    @property
-    def suspend_state(self) -> str | None:
-        """``SessionInfo.suspended``: requested | suspended | stopped, None when not suspended."""
-        return self.suspension.state.wire
-
-    @property
-    def bytes_parked(self) -> int:
-        return self.suspension.bytes_parked
 
     @property
     def pid(self) -> int:

@@ -1,7 +1,9 @@
-"""Whole-device suspension (:class:`Suspensions`): it drives each session's
-:class:`sharing.suspension.Suspension` machine, journals each state before acting on it,
-carries out its actions (notices, stops through ``tokens``, taking the token, answering callers)
-and counts the suspensions asked per device, for status.
+"""Whole-device suspension (:class:`Suspensions`): it owns each session's
+:class:`sharing.suspension.Suspension` machine and the host memory its client keeps for parked
+state, journals each state before acting on it, carries out its actions (notices, stops through
+``tokens``, taking the token, answering callers) and counts the suspensions asked per device,
+for status. Others read a session's suspension through its read-only views (``state``,
+``active``, ``parked_bytes``, ``host_kept``, ``suspended_ids``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.metrics import Metrics
 from sharing import SessionState
-from sharing.suspension import (AskToken, ContinueProcess, LeaveLine, Notify, Report, StopProcess, SuspendState,
-                                TakeToken)
+from sharing.suspension import (AskToken, ContinueProcess, LeaveLine, Notify, Report, StopProcess, Suspension,
+                                SuspendState, TakeToken)
 
 log = logging.getLogger("nodeagent.suspension")
 
@@ -34,6 +36,7 @@ def _host_memory_bytes() -> int:
 
 
 HOST_MEMORY_BYTES = _host_memory_bytes()
+_RUNNING = Suspension()  # what a session with no machine reads as (never changed: reads only)
 MAKE_ROOM = "memory"  # the reason of a suspension that makes room for an admitted session (admission's plan)
 
 
@@ -60,6 +63,11 @@ class Suspensions:
         # resumed reports (and the host bytes they carry) are believed.
         self._asked: set[str] = set()
         self._asked_per_device: dict[int, int] = {}  # device -> suspensions begun there (status)
+        # Session id -> its machine, from its first suspension until it ends (none: RUNNING).
+        self._machines: dict[str, Suspension] = {}
+        # Session id -> (bytes, pinned): host memory its client keeps for parked state
+        # (suspended/resumed.host_bytes), held whatever the suspension is now.
+        self._host_kept: dict[str, tuple[int, bool]] = {}
 
     # ------------------------------------------------------------- for the loop
 
@@ -78,22 +86,70 @@ class Suspensions:
 
     def under_way(self, s: Session) -> bool:
         """Whether ``s`` was asked to suspend and its deadline has not been acted on yet."""
-        return s.suspension.pending_deadline
+        return self._machine_of(s).pending_deadline
+
+    # ------------------------------------------------------- read-only views
+
+    def state(self, s: Session) -> SuspendState:
+        """Where ``s`` stands with a suspension (RUNNING when none)."""
+        return self._machine_of(s).state
+
+    def active(self, s: Session) -> bool:
+        """Suspended, stopped, or asked to be: ``s`` may not use the device. (Read at every
+        acquire and release: one dict lookup.)"""
+        machine = self._machines.get(s.id)
+        return machine is not None and machine.state is not SuspendState.RUNNING
+
+    def suspended_ids(self) -> frozenset[str]:
+        """The sessions whose suspension is :meth:`active`: their device memory is, or is about
+        to be, in host memory (admission does not count it)."""
+        return frozenset(sid for sid, machine in self._machines.items() if machine.active)
+
+    def parked_bytes(self, s: Session) -> int:
+        """The device memory ``s``'s client said its last park released (0 since a resume)."""
+        return self._machine_of(s).bytes_parked
+
+    def host_kept(self, s: Session) -> tuple[int, bool]:
+        """(bytes, pinned): host memory ``s``'s client keeps for its parked state."""
+        return self._host_kept.get(s.id, (0, False))
+
+    def record(self, s: Session) -> dict | None:
+        """``s``'s suspension as the journal keeps it (None: none)."""
+        return self._machine_of(s).to_record(time.monotonic(), time.time())
+
+    # ------------------------------------------------ the gate's token wishes
+
+    def keep_request(self, s: Session) -> None:
+        """``s`` asked for the token while suspended: unless it holds one, it is asked for at the
+        resume (the machine's ``keep_request``)."""
+        machine = self._machines.get(s.id)
+        if machine is not None and machine.active:
+            machine.keep_request = machine.keep_request or s.grant is None
+
+    def drop_request(self, s: Session) -> None:
+        """``s`` cancelled: no request is made for it at its resume."""
+        machine = self._machines.get(s.id)
+        if machine is not None:
+            machine.keep_request = False
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest suspend deadline pending, or None."""
-        return min((s.suspension.deadline for s in self._pending if s.suspension.deadline is not None), default=None)
+        deadlines = (self._machine_of(s).deadline for s in self._pending)
+        return min((d for d in deadlines if d is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         """Act on the suspend deadlines that have passed: stop verified sessions, report the rest."""
-        for s in [s for s in self._pending if s.suspension.due(now)]:
+        for s in [s for s in self._pending if self._machine_of(s).due(now)]:
             self._pending.discard(s)
-            self._carry_out(s, s.suspension.expire(now), now)
+            self._carry_out(s, self._machine(s).expire(now), now)
 
     def forget(self, s: Session, now: float) -> None:
         """``s`` ended: a suspension under way is reported ``gone`` to whoever waits on it."""
         self._pending.discard(s)
-        self._carry_out(s, s.suspension.gone(now), now, journal=False)
+        if s.id in self._machines:
+            self._carry_out(s, self._machines[s.id].gone(now), now, journal=False)
+        self._machines.pop(s.id, None)
+        self._host_kept.pop(s.id, None)
         self._waiters.pop(s.id, None)
         self._asked.discard(s.id)
 
@@ -119,10 +175,10 @@ class Suspensions:
         s = self._target(route, msg.id, frame, msg.session, Act.SUSPEND)
         if s is None:
             return
-        state = s.suspension.state
+        state = self.state(s)
         if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
             self._send(route, p.SuspendResult(id=msg.id, session=s.id, outcome=state.value, elapsed_ms=0.0,
-                                              bytes_parked=s.bytes_parked))
+                                              bytes_parked=self.parked_bytes(s)))
             return
         self.wait_for(s, route, msg.id)
         if state is SuspendState.RUNNING:  # else already under way: this caller hears the same result
@@ -131,7 +187,7 @@ class Suspensions:
     def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
         """Ask ``s`` to suspend within ``deadline_ms`` (requested, made room, reclaim)."""
         waiting = self._tokens.state(s.device, s.id) is SessionState.WAITING
-        actions = s.suspension.request(now, deadline_ms, reason, waiting)
+        actions = self._machine(s).request(now, deadline_ms, reason, waiting)
         self._pending.add(s)
         self._asked_per_device[s.device] = self._asked_per_device.get(s.device, 0) + 1
         self._carry_out(s, actions, now)
@@ -151,8 +207,8 @@ class Suspensions:
             self._refuse_claim(route, msg.id, s, "host_bytes",
                                f"host_bytes {msg.host_bytes} is more than this host's memory ({HOST_MEMORY_BYTES})")
             return
-        s.host_bytes, s.host_pinned = msg.host_bytes, msg.host_pinned  # held whatever the suspension is now
-        actions = s.suspension.suspended(now, msg.bytes_parked)
+        self._host_kept[s.id] = (msg.host_bytes, msg.host_pinned)  # held whatever the suspension is now
+        actions = self._machine(s).suspended(now, msg.bytes_parked)
         if not actions:
             return  # resumed (or stopped, or already suspended) meanwhile
         self._pending.discard(s)
@@ -164,11 +220,12 @@ class Suspensions:
         s = self._target(route, msg.id, frame, msg.session, Act.RESUME)
         if s is None:
             return
-        state = s.suspension.state
+        state = self.state(s)
         if state is not SuspendState.RUNNING:
+            machine = self._machine(s)
             self._pending.discard(s)
-            log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state.value, s.suspension.keep_request)
-            self._carry_out(s, s.suspension.resume(now), now)
+            log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state.value, machine.keep_request)
+            self._carry_out(s, machine.resume(now), now)
             self._metrics.resumes.inc()
             self._bus.event("resume", s.device, s.id, was=state.value)
         self._send(route, p.Ok(id=msg.id))
@@ -190,34 +247,47 @@ class Suspensions:
         self._asked.discard(s.id)
         self._metrics.resume_seconds.observe(max(0.0, msg.resume_ms) / 1000.0)
         if msg.host_bytes is not None:  # what it keeps for the next park (0: let go)
-            s.host_bytes = msg.host_bytes
-            s.host_pinned = s.host_pinned and msg.host_bytes > 0
+            _, pinned = self.host_kept(s)
+            self._host_kept[s.id] = (msg.host_bytes, pinned and msg.host_bytes > 0)
 
     # ------------------------------------------------------------------ restart
 
-    def restored(self, s: Session, now: float) -> None:
-        """``s`` came back from the journal with a suspension (its machine is set): a request whose
-        deadline was pending is pending again (what is left of it), and one the old daemon had
-        stopped is asked again (the restarted daemon continued every process it finds stopped)."""
-        state = s.suspension.state
-        if state is not SuspendState.RUNNING:  # its welcome says so; its reports are due
-            self._asked.add(s.id)
-        if state is SuspendState.STOPPED:
-            s.suspension.state = SuspendState.RUNNING
-            s.suspension.request(now, DEFAULT_SUSPEND_DEADLINE_MS, "restart", waiting=False)
-        if s.suspension.pending_deadline:
+    def restored(self, s: Session, machine: Suspension, now: float) -> None:
+        """``s`` came back from the journal with a suspension, ``machine`` (what the journal kept):
+        it is ``s``'s from now on. A request whose deadline was pending is pending again (what is
+        left of it), and one the old daemon had stopped is asked again (the restarted daemon
+        continued every process it finds stopped)."""
+        if not machine.active:
+            return
+        self._machines[s.id] = machine
+        self._asked.add(s.id)  # its welcome says so; its reports are due
+        if machine.state is SuspendState.STOPPED:
+            machine.state = SuspendState.RUNNING
+            machine.request(now, DEFAULT_SUSPEND_DEADLINE_MS, "restart", waiting=False)
+        if machine.pending_deadline:
             self._pending.add(s)
 
     def reattached(self, s: Session, now: float) -> None:
         """A restored session's client is back: a suspension not yet reported parked is asked of it
         again (it parks, or reports that it already has); the welcome told it it is suspended."""
-        machine = s.suspension
+        machine = self._machine_of(s)
         if machine.state is SuspendState.REQUESTED:
             left_ms = max(1.0, ((machine.deadline or now) - now) * 1000.0)
             self._asked.add(s.id)
             self._send(s.route, p.SuspendNotice(deadline_ms=left_ms, reason=machine.reason or "restart"))
 
     # ---------------------------------------------------------------- internals
+
+    def _machine_of(self, s: Session) -> Suspension:
+        """``s``'s machine, to read (a RUNNING one, not kept, when it has none)."""
+        return self._machines.get(s.id) or _RUNNING
+
+    def _machine(self, s: Session) -> Suspension:
+        """``s``'s machine, to change (made on its first suspension)."""
+        machine = self._machines.get(s.id)
+        if machine is None:
+            machine = self._machines[s.id] = Suspension()
+        return machine
 
     def _target(self, route, request_id: int, frame, target_id: str, act: Act) -> Session | None:
         """The target session if the peer may act on it (:mod:`nodeagent.daemon.authz`)."""
@@ -248,7 +318,7 @@ class Suspensions:
                 self._tokens.leave_line(s, now)
             elif kind is StopProcess:
                 if not self._tokens.stop(s):  # unverifiable (or gone): it was not stopped after all
-                    self._carry_out(s, s.suspension.not_stopped(now), now)
+                    self._carry_out(s, self._machine(s).not_stopped(now), now)
                     return
             elif kind is ContinueProcess:
                 self._tokens.cont(s)
@@ -270,17 +340,17 @@ class Suspensions:
         self._error(route, request_id, p.ErrorCode.INVALID, why)
 
     def _journal_state(self, s: Session, now: float) -> None:
-        record = s.suspension.to_record(now, time.time())
+        record = self._machine_of(s).to_record(now, time.time())
         if s.id in self._sessions:
             self._journal.write(lambda j: j.set_suspension(s.id, record), session=s.id)
 
     def _report(self, s: Session, outcome: str, elapsed_ms: float, now: float, suspend_ms: float) -> None:
         for route, request_id in self._waiters.pop(s.id, ()):
             self._send(route, p.SuspendResult(id=request_id, session=s.id, outcome=outcome, elapsed_ms=elapsed_ms,
-                                              bytes_parked=s.bytes_parked, suspend_ms=suspend_ms))
+                                              bytes_parked=self.parked_bytes(s), suspend_ms=suspend_ms))
         self._metrics.suspends.labels(outcome).inc()
         log.info("[suspend] %s session=%s elapsed_ms=%.1f bytes_parked=%d", outcome, s.id, elapsed_ms,
-                 s.bytes_parked)
-        if s.suspension.reason == MAKE_ROOM:  # the sessions it blocked ask first (the gate), then
+                 self.parked_bytes(s))
+        if self._machine_of(s).reason == MAKE_ROOM:  # the sessions it blocked ask first (the gate), then
             self._bus.publish(MakeRoomFinished(s.id, now))
         self._bus.publish(SuspendFinished(s, outcome, elapsed_ms, now))  # events, a reclaim waiting on it

@@ -315,3 +315,18 @@ def test_a_resumed_suspended_session_is_told_so_only_if_its_minor_knows_the_fiel
         for each in (peer, operator, again):
             if each is not None:
                 each.close()
+
+
+def test_a_resumed_session_that_is_not_suspended_is_told_it_is_not(inproc_daemon):
+    """welcome.suspended says what the suspension component holds for the session, not only
+    that it resumed: a running session that reconnects is not told to stay parked."""
+    peer, again = RawPeer(inproc_daemon.endpoint), None
+    try:
+        welcome = peer.hello("running")
+        again = RawPeer(inproc_daemon.endpoint)
+        resumed = again.hello("running", resume_session=welcome.session, resume_key=welcome.key)
+        assert resumed.resumed and resumed.session == welcome.session and resumed.suspended is False
+    finally:
+        for each in (peer, again):
+            if each is not None:
+                each.close()

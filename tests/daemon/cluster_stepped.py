@@ -11,6 +11,7 @@ from nodeagent.daemon.cluster import SHARED_OPS, ClusterEndpoint, ClusterRoute
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.metrics import Metrics
+from sharing.suspension import Suspension
 from tests.daemon_parts import FakeDevices, loop_handle, make_tokens, replies
 
 
@@ -24,6 +25,7 @@ class Recorder:
         self.events: list[tuple[str, int | None, dict]] = []
         self.sent: list[tuple[object, object]] = []
         self.suspends: list[tuple[str, float, str]] = []  # (session, deadline_ms, reason)
+        self.parked: dict[str, int] = {}  # session -> the bytes its client says it parked (a test sets it)
 
     def publish(self, kind: str, device: int | None = None, session: str | None = None, **data) -> None:
         self.events.append((kind, device, data))
@@ -47,12 +49,22 @@ def stepped_endpoint():
     schedulers = tokens.schedulers
 
     class ScriptedSuspensions:
+        def __init__(self) -> None:
+            self.machines: dict[str, Suspension] = {}
+
         def begin(self, s: Session, deadline_ms: float, now: float, reason: str) -> None:
             rec.suspends.append((s.id, deadline_ms, reason))
-            s.suspension.request(now, deadline_ms, reason, waiting=False)  # what the real one's machine does first
+            machine = self.machines.setdefault(s.id, Suspension())
+            machine.request(now, deadline_ms, reason, waiting=False)  # what the real one's machine does first
 
         def under_way(self, s: Session) -> bool:
             return any(s.id == sid for sid, _, _ in rec.suspends)
+
+        def state(self, s: Session):
+            return self.machines.get(s.id, Suspension()).state
+
+        def parked_bytes(self, s: Session) -> int:
+            return rec.parked.get(s.id, 0)
 
     server = ServerView(context=context, handlers={kind: (lambda *args: None) for kind in SHARED_OPS},
                         dispatch=lambda *args, **kwargs: None, status=lambda now: None, boot=lambda: 7, started=0.0,

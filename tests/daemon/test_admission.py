@@ -11,7 +11,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.devices import DeviceInfo
 from nodeagent.memory import MiB, WorkerShare
 from sharing import Workload
-from tests.daemon_parts import FakeDevices, make_tokens
+from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
 
 NOW = 100.0
 
@@ -37,9 +37,10 @@ class Node:
         self.refusals: dict[int, str] = {}  # device -> why the cluster endpoint refuses it
         self.asked: list[tuple[int, str, str | None]] = []
         self.shares: dict[int, WorkerShare] = {}
+        self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
         self.admission = Admission(config=ServeConfig(backend="cpu", **config), devices=self.devices,
-                                   sessions=self.sessions, tokens=self.tokens, refusal=self._refusal,
-                                   workers_share=self.shares.get)
+                                   sessions=self.sessions, tokens=self.tokens, suspensions=self.suspensions,
+                                   refusal=self._refusal, workers_share=self.shares.get)
 
     def _refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
         self.asked.append((device, workload, borrower))
@@ -53,7 +54,7 @@ class Node:
         self.sessions.add(s)
         self.tokens.add(device, sid, workload, 1.0, NOW)
         if suspending:  # asked to suspend: its state is about to be in host memory
-            s.suspension.request(NOW, 5000.0, "requested", waiting=False)
+            self.suspensions.begin(s, 5000.0, NOW, reason="requested")
         return s
 
 
@@ -153,6 +154,14 @@ def test_a_class_cap_refuses_its_class_where_memory_would_fit():
     assert (device, code) == (None, p.ErrorCode.NO_MEMORY)
     assert "memory.class_cap_percent.training = 50" in why and "at most 500 MiB" in why, why
     assert node.admission.pick_device(None, 600, "inference") == (0, "", "")  # another class: not capped
+
+
+def test_a_suspended_sessions_declaration_does_not_count_against_its_class_cap():
+    node = Node(1000, memory_class_cap_percent={"training": 50.0})
+    node.join("parked", 0, memory_mb=400, suspending=True)
+    node.join("t", 0, memory_mb=100)
+    assert node.admission.pick_device(None, 400, "training") == (0, "", "")  # 100 of 500 counted
+    assert "100 MiB declared" in node.admission.pick_device(None, 401, "training")[2]
 
 
 # --------------------------------------------------------------- make_room_plan

@@ -43,6 +43,7 @@ def test_a_lent_device_admits_only_its_borrower_and_a_reclaim_answers_once_it_is
     cluster.on_reclaim(second, p.Reclaim(id=3, device=0), None, 1.2)  # joins the reclaim under way
     assert len(rec.suspends) == 1 and len(rec.to(PLACEMENT)) == 1 and rec.to(second) == []
 
+    rec.parked["s-a"] = 4096  # what the suspension component says it parked
     cluster.suspend_finished(s, "suspended", 300.0, 1.5)
     for route, request_id in ((PLACEMENT, 2), (second, 3)):
         reply = rec.to(route)[-1]
@@ -51,7 +52,7 @@ def test_a_lent_device_admits_only_its_borrower_and_a_reclaim_answers_once_it_is
         assert reply.state == "PROTECT"
     assert rec.of("reclaim") == [{"borrower": "job-a", "free_ms": 500.0, "sessions": 1, "suspended": 1,
                                   "attained_gpu_s": 0.0}]
-    assert [d["outcome"] for d in rec.of("suspend")] == ["suspended"]
+    assert [(d["outcome"], d["bytes_parked"]) for d in rec.of("suspend")] == [("suspended", 4096)]
 
 
 def test_a_lend_that_runs_out_starts_a_reclaim_at_its_deadline(endpoint):

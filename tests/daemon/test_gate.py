@@ -9,7 +9,7 @@ from nodeagent.daemon.gate import TokenGate
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
 from sharing.suspension import Gate
-from tests.daemon_parts import FakeDevices
+from tests.daemon_parts import FakeDevices, make_suspensions
 
 
 class AskedTokens:
@@ -41,7 +41,8 @@ def add(sessions: SessionTable, sid: str, workload: Workload = Workload.TRAINING
 
 def test_a_session_admitted_by_make_room_asks_once_every_suspension_it_waits_for_has_finished(sessions):
     tokens = AskedTokens()
-    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1))
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
     first, second = add(sessions, "s-a"), add(sessions, "s-b")
     admitted = add(sessions, "s-infer", Workload.INFERENCE)
     gate.block(admitted, [first, second])

@@ -21,11 +21,10 @@ from nodeagent.metrics import Metrics
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Grant, Revoked, SessionState, TokenScheduler, Workload
 from nodeagent.daemon.bus import Bus, LoopHandle, MayAsk, Published
-from sharing.suspension import Suspension
 from nodeagent.daemon.bus import DeviceBack as BusDeviceBack
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from tests.conftest import wait_for
-from tests.daemon_parts import FakeDevices
+from tests.daemon_parts import FakeDevices, make_suspensions
 
 
 class ScriptedGpus(CpuBackend):
@@ -76,6 +75,9 @@ class RecordingTokens:
     def stop(self, s):
         return self.h._stop(s)
 
+    def leave_line(self, s, now):
+        self.cancel(s.device, s.id, now)
+
     def end_slice(self, s, now):
         self.h.slices_ended.append(s.id)
 
@@ -103,8 +105,11 @@ class Harness:
         devices.lost = self.lost
         self.tokens = RecordingTokens(self)
         self.schedulers = self.tokens.schedulers
-        # The real token gate, which keeps the lost-devices table: it hears a lost device first.
-        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices)
+        # The real token gate, which keeps the lost-devices table: it hears a lost device first;
+        # the real suspension component, whose suspended sessions it keeps the requests of.
+        self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
+        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=devices,
+                              suspensions=self.suspensions)
         bus = Bus()
         bus.subscribe(Published, lambda e: self.events.append((e.kind, e.device, e.data)))
         bus.subscribe(BusDeviceLost, self.gate.on_device_lost)
@@ -187,8 +192,7 @@ def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order
     assert h.grants() == [("s-hold", 0.0)]
     h.ask("s-other", 4.0)  # the other device is not affected
     assert h.grants()[-1] == ("s-other", 0.0)
-    first.suspension = Suspension()
-    first.suspension.request(4.5, 1000.0, "requested", waiting=False)  # suspended meanwhile: it asks again once resumed
+    h.suspensions.begin(first, 1000.0, 4.5, reason="requested")  # suspended meanwhile: it asks again once resumed
 
     h.now = 5.0
     h.policy.on_readings([DeviceBack(0)], 5.0)

@@ -173,7 +173,7 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
     from nodeagent.daemon.sessions import SessionTable
     from sharing import Grant, TokenScheduler
     from sharing.suspension import Gate
-    from tests.daemon_parts import FakeDevices
+    from tests.daemon_parts import FakeDevices, make_suspensions
 
     class NoMps:
         def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
@@ -200,6 +200,9 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         def renew(self, first_grant):
             schedulers[:] = [TokenScheduler(i, policy, first_grant=first_grant) for i in range(len(schedulers))]
 
+        def add(self, device, sid, workload, weight, now):
+            schedulers[device].add_session(sid, workload, weight, now)
+
         def cont(self, s):
             return False
 
@@ -212,15 +215,13 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
             grants.extend((a.session, a.grant) for a in schedulers[device].request(sid, now, waiting_since)
                           if type(a) is Grant)
 
-    def add_session(s, now):
-        schedulers[s.device].add_session(s.id, s.workload, s.weight, now)
-        sessions.add(s)
-
     tokens = RenewingTokens()
-    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(2))  # where the windows are kept
+    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(2),
+                     suspensions=suspensions)  # where the windows are kept
     restorer = Restorer(config=config, journal=JournalWriter(journal, Metrics(CollectorRegistry()), Bus()),
                         sessions=sessions, tokens=tokens, mps=NoMps(),
-                        capacities_mb=[1 << 20, 1 << 20], add_session=add_session, gate=gate)
+                        capacities_mb=[1 << 20, 1 << 20], suspensions=suspensions, gate=gate)
     try:
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]
@@ -389,7 +390,7 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
     from nodeagent.daemon.sessions import Session, SessionTable
     from sharing import Workload
     from sharing.suspension import Gate
-    from tests.daemon_parts import FakeDevices
+    from tests.daemon_parts import FakeDevices, make_suspensions
 
     asked: list[tuple[str, float | None]] = []
 
@@ -410,7 +411,9 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
         return s
 
     gone, waiting = session("s-gone"), session("s-new")
-    gate = TokenGate(sessions=sessions, tokens=AskedTokens(), devices=FakeDevices(1))
+    tokens = AskedTokens()
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
     try:
         gate.open_windows({0: {"s-gone"}}, deadline=100.0)
         waiting.wait_started = 1.5
@@ -420,3 +423,46 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
         assert asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
     finally:
         sessions.close()
+
+
+def test_a_stale_sessions_row_is_written_again_with_its_suspension(tmp_path):
+    """A session whose row could not be written while it was being suspended is written again,
+    once the journal works, with the suspension the suspension component holds for it (the
+    row's ``suspension``, from ``Suspensions.record``): a restart then finishes it."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.journal_writer import JournalWriter
+    from nodeagent.daemon.restore import JOURNAL_RETRY_S, Restorer
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from nodeagent.journal import Journal
+    from nodeagent.metrics import Metrics
+    from sharing import Workload
+    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
+
+    journal = Journal(str(tmp_path / "state.db"))
+    sessions = SessionTable()
+    tokens = make_tokens(sessions=sessions)
+    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
+    writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
+    restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=writer,
+                        sessions=sessions, tokens=tokens, mps=None, capacities_mb=[1 << 20], suspensions=suspensions,
+                        gate=TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                                       suspensions=suspensions))
+    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
+                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+    tokens.add(0, s.id, s.workload, s.weight, 0.0)
+    sessions.add(s)
+    try:
+        suspensions.begin(s, 60_000.0, time.monotonic(), reason="requested")  # its row never written: stale
+        writer.ok, writer.stale = False, {s.id}
+        restorer.retry_journal(0.0)
+        restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
+        assert writer.ok and not writer.stale
+        [rec], _ = journal.read_sessions()
+        assert rec.id == s.id and rec.suspension["state"] == "requested" and rec.suspension["reason"] == "requested"
+    finally:
+        sessions.close()
+        journal.close()

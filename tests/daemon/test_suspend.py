@@ -204,6 +204,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     from nodeagent.daemon.sessions import Session, SessionTable
     from nodeagent.daemon.suspension import Suspensions
     from sharing import TokenScheduler, Workload
+    from sharing.suspension import SuspendState
 
     config = ServeConfig(backend="cpu")
     scheduler = TokenScheduler(0, config.policy())
@@ -251,7 +252,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         assert not suspensions.under_way(s) and suspensions.next_deadline(10.5) is None
         [(route, result)] = sent[1:]
         assert (route, result.id, result.outcome) == ("operator", 5, "timeout")
-        assert s.suspend_state == "requested" and suspensions.waiters(s) == ()
+        assert suspensions.state(s) is SuspendState.REQUESTED and suspensions.waiters(s) == ()
         suspensions.on_timers(20.0)
         suspensions.forget(s, 20.0)  # reported once: nothing more to tell when it ends
         assert len(finished) == 1
@@ -310,12 +311,12 @@ def test_sessions_a_make_room_suspension_blocked_ask_before_its_end_reaches_a_re
 
     victim, admitted = add("s-train", Workload.TRAINING), add("s-infer", Workload.INFERENCE)
     tokens, bus, heard = ScriptedTokens(), Bus(), []
-    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1))
+    suspensions = Suspensions(sessions=sessions, tokens=tokens, metrics=Metrics(CollectorRegistry()),
+                              replies=replies([]), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1), suspensions=suspensions)
     bus.subscribe(MakeRoomFinished, gate.on_make_room_finished)
     bus.subscribe(MakeRoomFinished, lambda e: heard.append(("make-room", e.session)))
     bus.subscribe(SuspendFinished, lambda e: heard.append(("finished", e.session.id, list(asked))))
-    suspensions = Suspensions(sessions=sessions, tokens=tokens, metrics=Metrics(CollectorRegistry()),
-                              replies=replies([]), bus=bus, journal=JournalWriter(None, Metrics(CollectorRegistry()), bus))
     try:
         assert MAKE_ROOM == "memory"  # the reason admission's plan suspends with (and the log shows)
         gate.block(admitted, [victim])
@@ -412,4 +413,33 @@ def test_a_report_no_suspension_asked_for_is_refused_and_counted(inproc_daemon):
     t.join(timeout=10)
     assert results and (results[0].outcome, results[0].bytes_parked) == ("suspended", 7)
     assert (session_by_name(d, "liar").host_bytes, _refused(d, "suspended")) == (4096, 1)
+    kept = d.server.metrics.registry.get_sample_value("nodeagent_host_kept_bytes", {"device": "0", "pinned": "true"})
+    assert kept == 4096  # read at scrape time from the suspension component
     liar.close()
+
+
+def test_a_suspended_session_whose_connection_closes_is_lost_at_once_not_given_the_ended_grace(inproc_daemon):
+    """A session that left nothing undone may be waiting for its process to end (ENDED_GRACE_S,
+    detached meanwhile); a suspended one left its state parked, so its closed connection loses it
+    at once: the daemon never shows it detached."""
+    from client_lib import protocol as p
+    from tests.rawpeer import RawPeer
+
+    d = inproc_daemon
+    peer = RawPeer(d.endpoint)
+    sid = peer.hello("parked").session
+    results = []
+    t = threading.Thread(target=lambda: results.append(suspend_session(sid, deadline_ms=60_000, endpoint=d.endpoint)))
+    t.start()
+    peer.next_notice(p.SuspendNotice)
+    peer.send(p.Suspended(id=peer.take_id(), bytes_parked=7, suspend_ms=1.0))
+    t.join(timeout=10)
+    assert results and results[0].outcome == "suspended"
+
+    def found():
+        return next((s for dev in d.status().devices for s in dev.sessions if s.id == sid), None)
+
+    assert found().attached
+    peer.close()
+    wait_for(lambda: found() is None or not found().attached)
+    assert found() is None  # dropped when its connection closed, never kept detached
