@@ -30,8 +30,9 @@ from nodeagent.journal import Journal, JournalError, SessionRecord
 from nodeagent.metrics import Metrics
 from sharing import Workload
 from sharing.scheduler import SessionState
+from sharing.suspension import SuspendState
 from sharing.partition import PartitionError
-from tests.daemon_parts import FakeDevices, FullDiskJournal, make_tokens
+from tests.daemon_parts import FakeDevices, FullDiskJournal, make_suspensions, make_tokens
 
 CAPACITY_MB = 1000
 
@@ -59,14 +60,16 @@ class Daemon:
         self.journal = FullDiskJournal(Journal(str(path)))
         self.sessions = SessionTable()
         self.tokens = make_tokens(count=devices, sessions=self.sessions)
-        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(devices))
         self.registry = CollectorRegistry()
         self.writer = JournalWriter(self.journal, Metrics(self.registry), Bus())
+        self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
+        self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(devices),
+                              suspensions=self.suspensions)
         self.mps = RecordingMps()
         self.config = ServeConfig(backend="cpu", enforce="revoke", heartbeat_ms=500.0, heartbeat_misses=4)
         self.restorer = Restorer(config=self.config, journal=self.writer, sessions=self.sessions,
                                  tokens=self.tokens, mps=self.mps, capacities_mb=[CAPACITY_MB] * devices,
-                                 add_session=self.add_session, gate=self.gate)
+                                 suspensions=self.suspensions, gate=self.gate)
 
     def add_session(self, session: Session, now: float) -> None:
         self.tokens.add(session.device, session.id, session.workload, session.weight, now)
@@ -213,9 +216,9 @@ def test_a_session_without_an_mps_share_or_with_a_bad_suspension_is_still_restor
     new.mps.refuse.add("s-no-share")
     new.restorer.restore(0.0)
     assert sorted(new.sessions) == ["s-bad-suspension", "s-no-share", "s-suspended"]
-    assert new.sessions["s-suspended"].suspend_state == "suspended"
-    assert new.sessions["s-suspended"].bytes_parked == 4096
-    assert new.sessions["s-bad-suspension"].suspend_state is None  # not suspended: it runs
+    assert new.suspensions.state(new.sessions["s-suspended"]) is SuspendState.SUSPENDED
+    assert new.suspensions.parked_bytes(new.sessions["s-suspended"]) == 4096
+    assert new.suspensions.state(new.sessions["s-bad-suspension"]) is SuspendState.RUNNING  # not suspended: it runs
 
 
 def test_a_process_the_old_daemon_left_stopped_is_continued_whether_restored_or_dropped(daemons, child):
