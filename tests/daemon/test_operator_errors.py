@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -210,7 +211,15 @@ def test_run_started_before_the_daemon_says_found_not_back(workdir, start_daemon
     endpoint = f"ipc://{workdir}/agent.sock"  # where the Daemon fixture will listen
     proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "run", "--endpoint", endpoint, "--name", "early",
                              "--", "sleep", "30"], stderr=subprocess.PIPE, text=True, cwd=REPO)
+    said = b""
     try:
+        # The daemon starts once run has found none: a daemon that starts quicker than run
+        # imports and makes its cgroup is found at run's first try, and there is nothing to test.
+        deadline = time.monotonic() + 60
+        while b"no nodeagent daemon at" not in said:
+            assert time.monotonic() < deadline and proc.poll() is None, said
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                said += os.read(proc.stderr.fileno(), 65536)  # unbuffered: communicate() reads the rest
         d = start_daemon()
         deadline = time.monotonic() + 10
         while not any(s.name == "early" for s in d.status().devices[0].sessions):
@@ -218,7 +227,8 @@ def test_run_started_before_the_daemon_says_found_not_back(workdir, start_daemon
             time.sleep(0.05)
     finally:
         proc.terminate()  # forwarded to CMD, which exits of it
-        _, err = proc.communicate(timeout=10)
+        _, rest = proc.communicate(timeout=10)
+    err = said.decode() + rest
     assert "no nodeagent daemon at" in err and "daemon found (session " in err, err
     assert "lost" not in err and "is back" not in err, err
 
