@@ -483,3 +483,46 @@ def test_a_stale_sessions_row_is_written_again_with_its_suspension(tmp_path):
     finally:
         sessions.close()
         journal.close()
+
+
+def test_a_stale_sessions_row_is_written_again_saying_the_daemon_holds_it_stopped(tmp_path):
+    """A session whose row could not be written while the daemon held it stopped is written
+    again with ``stopped`` as the tokens component keeps it (``Tokens.stopped``): a daemon
+    killed after that continues the process."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.journal_writer import JournalWriter
+    from nodeagent.daemon.restore import JOURNAL_RETRY_S, Restorer
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from nodeagent.journal import Journal
+    from nodeagent.metrics import Metrics
+    from sharing import Workload
+    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
+
+    journal = Journal(str(tmp_path / "state.db"))
+    sessions = SessionTable()
+    tokens = make_tokens(sessions=sessions)
+    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
+    writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
+    restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=writer,
+                        sessions=sessions, tokens=tokens, mps=None, capacities_mb=[1 << 20], suspensions=suspensions,
+                        gate=TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                                       suspensions=suspensions))
+    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
+                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+    tokens.add(0, s.id, s.workload, s.weight, 0.0, stopped=True)  # held stopped, as a restore finds one
+    sessions.add(s)
+    try:
+        assert tokens.stopped(s)
+        writer.ok, writer.stale = False, {s.id}
+        restorer.retry_journal(0.0)
+        restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
+        assert writer.ok and not writer.stale
+        [rec], _ = journal.read_sessions()
+        assert rec.id == s.id and rec.stopped is True
+    finally:
+        sessions.close()
+        journal.close()

@@ -59,9 +59,9 @@ class Daemon:
     def __init__(self, path, devices: int = 2) -> None:
         self.journal = FullDiskJournal(Journal(str(path)))
         self.sessions = SessionTable()
-        self.tokens = make_tokens(count=devices, sessions=self.sessions)
         self.registry = CollectorRegistry()
         self.writer = JournalWriter(self.journal, Metrics(self.registry), Bus())
+        self.tokens = make_tokens(count=devices, sessions=self.sessions, journal=self.writer.write)
         self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
         self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(devices),
                               suspensions=self.suspensions)
@@ -238,6 +238,7 @@ def test_a_process_the_old_daemon_left_stopped_is_continued_whether_restored_or_
         assert wait_state(pid, "S") == "S"
         assert wait_state(other.pid, "S") == "S"
         assert new.tokens.stopped(new.sessions["s-restored"]) is False
+        assert [r.stopped for r in new.journal.journal.read_sessions()[0]] == [False]  # and journalled running
         assert new.journalled() == ["s-restored"]
     finally:
         other.kill()
