@@ -53,13 +53,14 @@ class FakeDevices:
 
 def make_tokens(*, count: int = 1, sessions: SessionTable | None = None, metrics: Metrics | None = None,
                 sent: list | None = None, bus: Bus | None = None, config: ServeConfig | None = None,
-                clock=time.monotonic) -> Tokens:
-    """A :class:`Tokens` over ``count`` devices; notices go to ``sent`` as (route, message)."""
+                clock=time.monotonic, journal=None) -> Tokens:
+    """A :class:`Tokens` over ``count`` devices; notices go to ``sent`` as (route, message);
+    ``journal``: what its journal writes go through (a ``JournalWriter.write``; default: taken, nowhere)."""
     sent = sent if sent is not None else []
     return Tokens(config=config or ServeConfig(backend="cpu", enforce="revoke"), devices=FakeDevices(count),
                   sessions=sessions if sessions is not None else SessionTable(),
                   metrics=metrics if metrics is not None else Metrics(CollectorRegistry()),
-                  journal=lambda *a, **k: True, send=lambda route, msg: sent.append((route, msg)),
+                  journal=journal if journal is not None else lambda *a, **k: True, send=lambda route, msg: sent.append((route, msg)),
                   bus=bus if bus is not None else Bus(), clock=clock)
 
 

@@ -691,7 +691,7 @@ class ClusterEndpoint:
         self._finish_reclaim_if_done(pending, now)
 
     def _take_token(self, s: Session, now: float) -> None:
-        if s.grant is not None:
+        if self._tokens.grant_of(s) is not None:
             self._tokens.end_slice(s, now)
             self._tokens.revoke(s.device, s.id, now, "suspended")
 

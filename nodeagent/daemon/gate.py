@@ -160,7 +160,7 @@ class TokenGate:
             s = self._sessions.get(sid)
             if sid in self._pending and s is not None:
                 self._pending.discard(sid)
-                self.on_may_ask(MayAsk(sid, event.now, s.wait_started))
+                self.on_may_ask(MayAsk(sid, event.now, self._tokens.waiting_since(s)))
 
     # ------------------------------------------------------------------ lost devices
 
@@ -172,7 +172,8 @@ class TokenGate:
         for s in list(self._sessions.values()):
             if s.device == event.device and tokens.state(s.device, s.id) is SessionState.WAITING:
                 tokens.cancel(s.device, s.id, event.now)
-                self._lost.hold(event.device, s.id, s.wait_started if s.wait_started is not None else event.now)
+                since = tokens.waiting_since(s)
+                self._lost.hold(event.device, s.id, since if since is not None else event.now)
 
     def on_device_back(self, event: DeviceBack) -> None:
         """The bus's :class:`DeviceBack`: the requests held on the device ask again in the order
@@ -195,7 +196,7 @@ class TokenGate:
     def honour_claim(self, s: Session, claim: int | None, now: float) -> None:
         """A resumed client that was using the device when it lost us gets the token back first,
         so its slice in progress completes."""
-        if claim is not None and s.grant is None:
+        if claim is not None and self._tokens.grant_of(s) is None:
             self.on_may_ask(MayAsk(s.id, now, claimed=True))
         self._reattached(s, now)
 
@@ -237,4 +238,4 @@ class TokenGate:
         for sid in parked:
             s = self._sessions.get(sid)
             if s is not None:  # waited through the window: keeps its wait, no sleeper clamp; held if lost
-                self.on_may_ask(MayAsk(sid, now, s.wait_started))
+                self.on_may_ask(MayAsk(sid, now, self._tokens.waiting_since(s)))

@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from client_lib import protocol as p
 from nodeagent.daemon.bus import Granted, SliceEnded
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
 from sharing import Workload
+
+if TYPE_CHECKING:  # tokens.py imports this module (DeviceStats)
+    from nodeagent.daemon.tokens import Tokens
 
 log = logging.getLogger("nodeagent.daemon.history")
 
@@ -219,12 +222,13 @@ def job_of(s: Session) -> str | None:
 class AttainedService:
     """The attained-service ledger: owns each job's GPU-seconds and their journal rows.
 
-    Given the sessions it reads (who holds a token now, for the running slices), the journal
-    writer it writes through, and the loop's clock."""
+    Given the sessions it reads and the tokens' views (who holds a token now, and since when:
+    the running slices), the journal writer it writes through, and the loop's clock."""
 
-    def __init__(self, *, sessions: SessionTable, journal: JournalWriter, clock: Callable[[], float],
-                 flush_s: float = FLUSH_S, max_jobs: int = MAX_JOBS) -> None:
+    def __init__(self, *, sessions: SessionTable, tokens: Tokens, journal: JournalWriter,
+                 clock: Callable[[], float], flush_s: float = FLUSH_S, max_jobs: int = MAX_JOBS) -> None:
         self._sessions = sessions
+        self._tokens = tokens
         self._journal = journal
         self._clock = clock
         self._flush_s = flush_s
@@ -316,8 +320,9 @@ class AttainedService:
         running: dict[str, float] = {}
         for s in self._sessions.values():
             job = job_of(s)
-            if job is not None and s.granted_at is not None:
-                running[job] = running.get(job, 0.0) + max(0.0, now - s.granted_at)
+            since = self._tokens.held_since(s) if job is not None else None
+            if since is not None:
+                running[job] = running.get(job, 0.0) + max(0.0, now - since)
         return running
 
     def _schedule(self) -> None:

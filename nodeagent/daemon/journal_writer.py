@@ -72,13 +72,14 @@ class JournalWriter:
                 self._bus.publish(DurabilityChanged(session))
         return True
 
-    def put_session(self, s: Session, *, suspension: dict | None = None) -> bool:
+    def put_session(self, s: Session, *, suspension: dict | None = None, stopped: bool = False) -> bool:
         """Write ``s``'s row as it is now (open, change, or again after a failure); ``suspension``:
-        its suspension's record (``Suspensions.record``; None: none, as at its hello)."""
+        its suspension's record (``Suspensions.record``; None: none, as at its hello); ``stopped``:
+        whether the daemon holds its process stopped (``Tokens.stopped``; not at its hello)."""
         return self.write(lambda j: j.put_session(SessionRecord(
             id=s.id, key=s.key, name=s.name, claimed_pid=s.claimed_pid, verified_pid=s.verified_pid,
             start_ticks=s.start_ticks, uid=s.uid, workload=s.workload.wire, weight=s.weight, device=s.device,
-            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=s.stopped,
+            memory_mb=s.memory_mb, created_unix=time.time(), managed_pgid=s.managed_pgid, stopped=stopped,
             borrower=s.borrower, suspension=suspension)), session=s.id)
 
     def probe(self) -> bool:

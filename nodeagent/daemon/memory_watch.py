@@ -148,7 +148,7 @@ class MemoryPolicy:
                     s.id, s.name, s.device, over.used_bytes // memory.MiB, s.memory_mb,
                     over.allowed_bytes // memory.MiB, policy)
         self._metrics.memory_violations.labels(str(s.device), policy).inc()
-        if s.grant is None or policy == "warn":
+        if self._tokens.grant_of(s) is None or policy == "warn":
             return
         if policy == "stop" and self._tokens.stop(s):
             self._tokens.end_slice(s, now)
@@ -172,7 +172,7 @@ class MemoryPolicy:
         # The token gate hears first (its waiters leave the line and are held), then serving's queues.
         self._bus.publish(BusDeviceLost(lost.device, notice, now, lost.message))
         for s in sessions:
-            if s.grant is not None:
+            if self._tokens.grant_of(s) is not None:
                 self._tokens.revoke(s.device, s.id, now, "device_lost")
         for s in sessions:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
@@ -217,7 +217,7 @@ class MemoryPolicy:
                   "(the server takes new clients once all of its clients have exited)")
         self._bus.publish(MpsFaulted(device, tuple(s.id for s in shared), now))
         for s in shared:
-            if s.grant is not None:
+            if self._tokens.grant_of(s) is not None:
                 self._tokens.revoke(s.device, s.id, now, "mps_fault")
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 

@@ -86,7 +86,7 @@ class Restorer:
                 id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
                 verified_pid=rec.verified_pid, start_ticks=rec.start_ticks, uid=rec.uid,
                 workload=Workload.parse(rec.workload), weight=rec.weight, device=rec.device,
-                memory_mb=rec.memory_mb, created=now, last_seen=now, stopped=rec.stopped, borrower=rec.borrower)
+                memory_mb=rec.memory_mb, created=now, last_seen=now, borrower=rec.borrower)
             if rec.managed_pgid is not None and rec.verified_pid is not None and \
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid
@@ -103,9 +103,10 @@ class Restorer:
             except ValueError as exc:
                 log.warning("[restore] session=%s: its suspension is not restored: %s", rec.id, exc)
                 suspension = Suspension()
-            self._tokens.add(session.device, session.id, session.workload, session.weight, now)
+            self._tokens.add(session.device, session.id, session.workload, session.weight, now,
+                             stopped=rec.stopped)
             self._sessions.add(session)
-            if session.stopped:  # the old daemon died holding it stopped: let it run
+            if rec.stopped:  # the old daemon died holding it stopped: let it run
                 self._tokens.cont(session)
             self._suspensions.restored(session, suspension, now)  # one under way or in force is its again
             windows.setdefault(rec.device, set()).add(rec.id)
@@ -145,7 +146,8 @@ class Restorer:
             return  # still failing; next time
         for sid in sorted(writer.stale):
             s = self._sessions.get(sid)
-            done = writer.put_session(s, suspension=self._suspensions.record(s)) if s is not None else \
+            done = writer.put_session(s, suspension=self._suspensions.record(s),
+                                      stopped=self._tokens.stopped(s)) if s is not None else \
                 writer.write(lambda j, sid=sid: j.delete_session(sid), session=sid)
             if not done:
                 return

@@ -122,7 +122,8 @@ class AgentServer:
         self._tokens = Tokens(config=config, devices=devices, sessions=self._sessions, metrics=self.metrics,
                               journal=self._journal_writer.write, send=self._send, bus=bus, clock=clock)
         # Each training job's attained GPU-seconds, over its sessions and restarts, journalled.
-        self._attained = AttainedService(sessions=self._sessions, journal=self._journal_writer, clock=clock)
+        self._attained = AttainedService(sessions=self._sessions, tokens=self._tokens, journal=self._journal_writer,
+                                         clock=clock)
         # MPS control daemons and SM shares.
         self._mps = MpsPartitions(config, devices.info(), self._poller, self._send, self._error,
                                   backend=backend.name)
@@ -379,12 +380,13 @@ class AgentServer:
         reason = self._stop_reason or "error"
         revoked = 0
         for s in list(self._sessions.values()):
-            if s.grant is not None:
-                self._send(s.route, p.Revoke(grant=s.grant, reason="shutdown"))
+            grant = self._tokens.grant_of(s)
+            if grant is not None:
+                self._send(s.route, p.Revoke(grant=grant, reason="shutdown"))
                 revoked += 1
         log.info("[shutdown] reason=%s step=revoke tokens=%d sessions=%d", reason, revoked, len(self._sessions))
         self._suspensions.answer_pending()  # before the sockets close; reclaims are answered in _cluster.close()
-        continued = sum(1 for s in self._sessions.values() if s.stopped and self._tokens.cont(s))
+        continued = sum(1 for s in self._sessions.values() if self._tokens.stopped(s) and self._tokens.cont(s))
         if continued:
             log.info("[shutdown] step=continue stopped=%d", continued)
         self._tokens.close_pace_boards()  # a board left behind says nobody is paced
@@ -595,8 +597,9 @@ class AgentServer:
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
             pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
             suspended=resumed and self._suspensions.active(s) and minor >= 3))
-        if resumed and s.grant is not None:
-            self._send(route, p.Grant(grant=s.grant, device=s.device,
+        grant = self._tokens.grant_of(s) if resumed else None
+        if grant is not None:
+            self._send(route, p.Grant(grant=grant, device=s.device,
                                       slice_ms=policy.quantum_s(s.workload) * 1000.0))
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
@@ -645,7 +648,7 @@ class AgentServer:
             self._tokens.release_session(s, msg.grant, now, requeue=requeue)
         except NotHolderError:  # the scheduler's text is Python's (holder: None); say it in the protocol's
             self._error(route, msg.id, p.ErrorCode.NOT_HOLDER,
-                        not_holder_text(s.id, s.device, s.grant, msg.grant,
+                        not_holder_text(s.id, s.device, self._tokens.grant_of(s), msg.grant,
                                         self._tokens.lane_holder(s.device, s.id)))
             return
         self._tokens.told_queue(s, now, msg.waiting, msg.oldest_wait_ms, released=True)
@@ -790,7 +793,7 @@ class AgentServer:
         # process cannot heartbeat: its pidfd says whether it lives. A restored
         # session that has not reattached (no connection) gets the timeout to do so.
         for s in [s for s in self._sessions.values()
-                  if now - s.last_seen > limit and not s.stopped and (s.pidfd is None or s.route is None)
+                  if now - s.last_seen > limit and (s.pidfd is None or s.route is None) and not self._tokens.stopped(s)
                   and s.id not in self._closing]:
             # Told, in case it still reads: a notice (id 0), as for a lost device.
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.NO_SESSION, message=(
@@ -817,7 +820,7 @@ class AgentServer:
             # The launcher lives (bye, a lost connection): undo any stop of ours whatever the
             # reason (harmless if none); its own stop is its to undo (nodeagent.enforce).
             self._tokens.cont(s, anyway=True)
-        elif s.stopped and not exited:
+        elif not exited and self._tokens.stopped(s):
             self._tokens.cont(s)
         self._sessions.close_pidfds(s)
         self._tokens.end_slice(s, now)
@@ -868,8 +871,8 @@ class AgentServer:
         """Whether ``s`` left nothing undone: watched by a pidfd, holding no token and not in line
         for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
         ENDED, before the process has ended)."""
-        return (s.pidfd is not None and s.managed_pidfd is None and not s.stopped
-                and not self._suspensions.active(s) and s.grant is None and not self._gate.kept(s)
+        return (s.pidfd is not None and s.managed_pidfd is None and not self._tokens.stopped(s)
+                and not self._suspensions.active(s) and self._tokens.grant_of(s) is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
 
@@ -966,7 +969,7 @@ class AgentServer:
                 sessions.append(p.SessionInfo(
                     id=s.id, name=s.name, pid=s.pid, pid_verified=s.verified_pid is not None,
                     workload=s.workload.wire, weight=s.weight, state=view.state.value,
-                    gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=s.stopped,
+                    gpu_time_s=view.gpu_time_s, grants=view.grants, memory_mb=s.memory_mb, stopped=self._tokens.stopped(s),
                     memory_used_bytes=s.memory_used_bytes, managed_pgid=s.managed_pgid,
                     managed_cgroup=s.managed_cgroup.name if s.managed_cgroup is not None else None,
                     attached=s.route is not None, suspended=self._suspensions.state(s).wire,
@@ -995,7 +998,7 @@ class AgentServer:
             except KeyError:
                 continue  # not in its device's scheduler: left out rather than failing the scrape
             used = s.memory_used_bytes if s.memory_used_bytes is not None else s.memory_mb * memory.MiB
-            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if s.stopped else state, used,
+            rows.append(SessionRow(str(s.device), s.workload.wire, "stopped" if self._tokens.stopped(s) else state, used,
                                    *self._suspensions.host_kept(s)))
         return rows
 

@@ -1,7 +1,8 @@
 """Sessions as the daemon sees them: who the client is and how to reach it.
 
 Token state (idle, waiting, holding, yielding) is owned by the device's
-:class:`sharing.TokenScheduler`, a whole-device suspension and the host memory kept
+:class:`sharing.TokenScheduler`, the grant held, the wait timed and a daemon's stop by
+:class:`nodeagent.daemon.tokens.Tokens`, a whole-device suspension and the host memory kept
 for it by :class:`nodeagent.daemon.suspension.Suspensions`; this record holds the rest. A session lives
 from a ``welcome`` until one of: ``bye``, its process exiting (pidfd), its
 connection closing, its heartbeats stopping (sessions the daemon cannot watch),
@@ -14,7 +15,7 @@ import os
 import secrets
 import select
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nodeagent import procwatch
 from sharing import Workload
@@ -49,12 +50,7 @@ class Session:
     managed_pgid: int | None = None  # verified process group of a program launched by nodeagent run
     managed_pidfd: int | None = None  # pidfd of that group's leader
     managed_cgroup: object | None = None  # nodeagent.cgroup.Cgroup: the leader's own cgroup, verified and held open
-    stopped: bool = False  # SIGSTOPped by the daemon; continued before its next grant
     memory_used_bytes: int | None = None  # measured by the memory watcher (cuda)
-    grant: int | None = None  # grant id while holding the token
-    granted_at: float | None = None
-    wait_started: float | None = None  # when it last asked for the token
-    grants: int = field(default=0)
     borrower: str | None = None  # hello.borrower: the training job it belongs to (cluster lending)
     mps: bool = False  # its welcome put it on its device's MPS server (it shares that server's fault domain)
     slo_ms: float | None = None  # hello.slo_ms: the slice time a higher class asks co-run pacing to keep it to

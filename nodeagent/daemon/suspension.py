@@ -124,7 +124,7 @@ class Suspensions:
         resume (the machine's ``keep_request``)."""
         machine = self._machines.get(s.id)
         if machine is not None and machine.active:
-            machine.keep_request = machine.keep_request or s.grant is None
+            machine.keep_request = machine.keep_request or self._tokens.grant_of(s) is None
 
     def drop_request(self, s: Session) -> None:
         """``s`` cancelled: no request is made for it at its resume."""
@@ -193,7 +193,7 @@ class Suspensions:
         self._carry_out(s, actions, now)
         self._bus.event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
         log.info("[suspend] request session=%s name=%s deadline_ms=%.0f holding=%s reason=%s",
-                 s.id, s.name, deadline_ms, s.grant is not None, reason)
+                 s.id, s.name, deadline_ms, self._tokens.grant_of(s) is not None, reason)
 
     def on_suspended(self, route, msg: p.Suspended, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -324,7 +324,7 @@ class Suspensions:
                 self._tokens.cont(s)
                 self._sessions.touch(s, now)  # it could not heartbeat while stopped
             elif kind is TakeToken:
-                if s.grant is not None:  # it should have released; make sure the device is free
+                if self._tokens.grant_of(s) is not None:  # it should have released; make sure the device is free
                     self._tokens.end_slice(s, now)
                     self._tokens.revoke(s.device, s.id, now, action.reason)
             elif kind is AskToken:

@@ -1,8 +1,9 @@
 """Each device's token (:class:`Tokens`): the only writer of the schedulers, and the carrying-out
 of what they decide: grants and yield requests to clients, enforcement (SIGSTOP of a verified
-process, journalled first, else a revoke), continuing a stopped process, the co-run pace boards
-and their controllers (:class:`Pacing`, a part of this component reading the schedulers), and
-the waits and slices measured. A sub-session added as ``delegated`` (a client's server-side
+process, journalled first, else a revoke), continuing a stopped process, each client session's
+token state (:class:`TokenHold`, read by others through views), the co-run pace boards and their
+controllers (:class:`Pacing`, a part of this component reading the schedulers), and the waits and
+slices measured. A sub-session added as ``delegated`` (a client's server-side
 inference queue) is not a client session: its actions are published as
 :class:`nodeagent.daemon.bus.DelegatedAction` for the serving component.
 """
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import stat
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from client_lib import protocol as p
@@ -32,6 +34,18 @@ pace_log = logging.getLogger("nodeagent.daemon.pace")  # the name operators and 
 
 Send = Callable[[object, object], None]  # (route, message)
 JournalWrite = Callable[..., bool]  # (write(journal), session=...) -> written
+
+
+@dataclass(slots=True, eq=False)
+class TokenHold:
+    """A client session's token state, kept by :class:`Tokens` alone (by session id, from
+    :meth:`Tokens.add` until :meth:`Tokens.remove`); others read it through ``Tokens``' views."""
+
+    grant: int | None = None  # grant id while holding the token
+    granted_at: float | None = None
+    wait_started: float | None = None  # when it last asked for the token
+    grants: int = 0
+    stopped: bool = False  # SIGSTOPped by the daemon (journalled first); continued before its next grant
 
 
 class Tokens:
@@ -58,6 +72,7 @@ class Tokens:
         # Sub-sessions another component holds the token for (serving's queues): their actions
         # are published (DelegatedAction) for it to carry out.
         self._delegated: set[str] = set()
+        self._holds: dict[str, TokenHold] = {}  # client sessions' token state, by session id
         self._clock = clock
         self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
         self._slice_total: dict[tuple[int, Workload], object] = {}
@@ -85,12 +100,15 @@ class Tokens:
     # serving component's sub-sessions are named the same way, by (device, id).
 
     def add(self, device: int, sid: str, workload: Workload, weight: float, now: float, *,
-            delegated: bool = False) -> None:
+            delegated: bool = False, stopped: bool = False) -> None:
         """``sid`` joins ``device``; ``delegated``: a sub-session whose actions another component carries
-        out (published as :class:`DelegatedAction`), not a client session."""
+        out (published as :class:`DelegatedAction`), not a client session; ``stopped``: the journal
+        says the daemon before this one left it stopped (a restored session: :meth:`cont` it)."""
         self.schedulers[device].add_session(sid, workload, weight, now)
         if delegated:
             self._delegated.add(sid)
+        else:
+            self._holds[sid] = TokenHold(stopped=stopped)
         self._pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
@@ -99,6 +117,7 @@ class Tokens:
         self._delegated.discard(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
         self._pacing.drop(sid)
+        self._holds.pop(sid, None)
 
     def request(self, device: int, sid: str, now: float, waiting_since: float | None = None) -> None:
         self.apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)
@@ -110,13 +129,14 @@ class Tokens:
         """Client session ``s`` stops waiting because the daemon says so (it is being suspended):
         its request goes and its wait is no longer timed; a resume asks again (:meth:`time_wait`)."""
         self.cancel(s.device, s.id, now)
-        s.wait_started = None
+        self._holds[s.id].wait_started = None
 
     def time_wait(self, s: Session, now: float, *, again: bool = False) -> None:
         """``s`` asked for the token: its wait (``nodeagent_token_wait_seconds``) is timed from
         ``now``, unless it holds or is timed already; ``again``: from ``now`` whatever came before."""
-        if again or (s.grant is None and s.wait_started is None):
-            s.wait_started = now
+        hold = self._holds[s.id]
+        if again or (hold.grant is None and hold.wait_started is None):
+            hold.wait_started = now
 
     def release(self, device: int, sid: str, grant: int, now: float, requeue: bool = False) -> None:
         """``sid`` gives ``grant`` back; NotHolderError (nothing changed) if it does not hold it."""
@@ -127,18 +147,20 @@ class Tokens:
         not hold it): its slice is over, and the next holder hears before anything is counted."""
         actions = self.schedulers[s.device].release(s.id, grant, now, requeue=requeue)
         self._late.yielded(s.id, now)
-        held_since = s.granted_at
-        s.grant = s.granted_at = None
+        hold = self._holds[s.id]
+        held_since = hold.granted_at
+        hold.grant = hold.granted_at = None
         if requeue:
-            s.wait_started = now
+            hold.wait_started = now
         self.apply(actions, now, handoff_from=now)
         self.count_slice(s, held_since, now)
 
     def cancel_session(self, s: Session, now: float) -> None:
         """Client session ``s`` stops waiting (a no-op for a holder: it must release)."""
         actions = self.schedulers[s.device].cancel(s.id, now)
-        if s.grant is None:
-            s.wait_started = None
+        hold = self._holds[s.id]
+        if hold.grant is None:
+            hold.wait_started = None
         self.apply(actions, now)
 
     def revoke(self, device: int, sid: str, now: float, reason: str) -> None:
@@ -175,6 +197,26 @@ class Tokens:
     @property
     def device_count(self) -> int:
         return len(self.schedulers)
+
+    def grant_of(self, s: Session) -> int | None:
+        """The grant client session ``s`` holds (None: none, or it is not a session here)."""
+        hold = self._holds.get(s.id)
+        return None if hold is None else hold.grant
+
+    def held_since(self, s: Session) -> float | None:
+        """When ``s``'s grant was made (None while it holds none)."""
+        hold = self._holds.get(s.id)
+        return None if hold is None else hold.granted_at
+
+    def waiting_since(self, s: Session) -> float | None:
+        """When ``s`` last asked for the token, while its wait is timed (None: not waiting, or holding)."""
+        hold = self._holds.get(s.id)
+        return None if hold is None else hold.wait_started
+
+    def stopped(self, s: Session) -> bool:
+        """Whether the daemon has ``s``'s process SIGSTOPped (journalled; continued before its next grant)."""
+        hold = self._holds.get(s.id)
+        return hold is not None and hold.stopped
 
     def state(self, device: int, sid: str) -> SessionState:
         return self.schedulers[device].state(sid)
@@ -263,13 +305,14 @@ class Tokens:
             kind = type(action)
             if kind is Grant:
                 s = self._sessions[action.session]
-                s.grant = action.grant
-                s.granted_at = now
-                s.grants += 1
-                was_stopped = s.stopped
+                hold = self._holds[s.id]
+                hold.grant = action.grant
+                hold.granted_at = now
+                hold.grants += 1
+                was_stopped = hold.stopped
                 if was_stopped:  # its turn again: it runs before it hears it may
                     enforce.send(s, signal.SIGCONT)
-                    s.stopped = False
+                    hold.stopped = False
                     self._sessions.touch(s, now)  # it could not heartbeat while stopped
                 self._send(s.route, p.Grant(grant=action.grant, device=s.device, slice_ms=action.slice_ms))
                 self._pacing.granted(s, now, self.schedulers[s.device])
@@ -277,7 +320,7 @@ class Tokens:
                 self._bus.publish(Granted(s, action.grant, action.waited_s * 1e3))
                 if was_stopped:
                     self._journal(lambda j, sid=s.id: j.set_stopped(sid, False), session=s.id)
-                self.observe_wait(s, now)
+                self._observe_wait(s, hold, now)
                 if handoff_from is not None:
                     self._handoff_hist[s.device].observe(self._clock() - handoff_from)
             elif kind is AskYield:
@@ -347,7 +390,8 @@ class Tokens:
         daemon killed at any moment after leaves a record that makes its
         successor continue the process (continuing a running one is harmless).
         If that write fails (disk full), the process is not stopped: False."""
-        if not enforce.can_signal(s):
+        hold = self._holds.get(s.id)
+        if hold is None or not enforce.can_signal(s):
             return False
         if not self._journal(lambda j: j.set_stopped(s.id, True), session=s.id):
             # Unjournalled, a stop would outlive a crash of this daemon: take the token instead.
@@ -355,7 +399,7 @@ class Tokens:
             return False
         if not enforce.send(s, signal.SIGSTOP):
             return False  # gone: its session ends, and with it the record
-        s.stopped = True
+        hold.stopped = True
         return True
 
     def cont(self, s: Session, *, anyway: bool = False) -> bool:
@@ -363,33 +407,39 @@ class Tokens:
         ``anyway``: undo the daemon's stop even if it does not know of one (a launched program's
         session ending). A launched program's own launcher's stop is never undone here: the daemon
         thaws only its own freezer, and leaves a process group to its launcher (:mod:`nodeagent.enforce`)."""
-        if not (s.stopped or anyway):
+        hold = self._holds.get(s.id)
+        was_stopped = hold is not None and hold.stopped
+        if not (was_stopped or anyway):
             return False
         try:
             sent = enforce.send(s, signal.SIGCONT)
         except PermissionError:  # no process it can reach (a restored row whose process went first,
             sent = False  # or one that names none): nothing of the daemon's is left stopped there
-        was_stopped, s.stopped = s.stopped, False
+        if was_stopped:
+            hold.stopped = False
         if was_stopped and s.id in self._sessions:
             self._journal(lambda j: j.set_stopped(s.id, False), session=s.id)
         return sent
 
     # ------------------------------------------------------------------ measuring
 
-    def observe_wait(self, s: Session, now: float) -> None:
-        if s.wait_started is None:
+    def _observe_wait(self, s: Session, hold: TokenHold, now: float) -> None:
+        if hold.wait_started is None:
             return
         key = (s.device, s.workload)
         hist = self._wait_hist.get(key)
         if hist is None:
             hist = self._metrics.token_wait.labels(str(s.device), s.workload.wire)
             self._wait_hist[key] = hist
-        hist.observe(now - s.wait_started)
-        s.wait_started = None
+        hist.observe(now - hold.wait_started)
+        hold.wait_started = None
 
     def end_slice(self, s: Session, now: float) -> None:
-        held_since = s.granted_at
-        s.grant = s.granted_at = None
+        hold = self._holds.get(s.id)
+        held_since = None
+        if hold is not None:
+            held_since = hold.granted_at
+            hold.grant = hold.granted_at = None
         self.count_slice(s, held_since, now)
 
     def count_slice(self, s: Session, held_since: float | None, now: float) -> None:

@@ -56,7 +56,7 @@ def ledger(tmp_path):
     path = str(tmp_path / "state.db")
     writer = JournalWriter(Journal(path), metrics, bus)
     tokens = make_tokens(count=1, sessions=sessions, metrics=metrics, bus=bus, clock=clock)
-    attained = AttainedService(sessions=sessions, journal=writer, clock=clock, flush_s=1.0)
+    attained = AttainedService(sessions=sessions, tokens=tokens, journal=writer, clock=clock, flush_s=1.0)
     bus.subscribe(SliceEnded, attained.on_slice_ended)
     from nodeagent.daemon.bus import Granted
     bus.subscribe(Granted, attained.on_granted)
@@ -74,9 +74,10 @@ def _join(tokens, sessions, s: Session, now: float = 0.0) -> Session:
 def _slice(tokens, clock, s: Session, start: float, held_s: float) -> None:
     clock.now = start
     tokens.request(s.device, s.id, start)
-    assert s.grant is not None
+    grant = tokens.grant_of(s)
+    assert grant is not None
     clock.now = start + held_s
-    tokens.release_session(s, s.grant, clock.now)
+    tokens.release_session(s, grant, clock.now)
 
 
 def _journalled(path: str) -> dict[str, float]:
@@ -128,12 +129,12 @@ def test_the_ledger_is_journalled_every_flush_s_and_restored_by_the_next_daemon(
     assert attained.next_deadline(11.0) == pytest.approx(12.0)
     attained.on_timers(12.5)
     # A daemon killed now keeps what was written: another ledger on the same journal reads it.
-    restarted = AttainedService(sessions=SessionTable(), journal=JournalWriter(Journal(path), Metrics(
-        CollectorRegistry()), Bus()), clock=clock)
+    restarted = AttainedService(sessions=SessionTable(), tokens=make_tokens(), journal=JournalWriter(
+        Journal(path), Metrics(CollectorRegistry()), Bus()), clock=clock)
     restarted.restore()
     assert restarted.snapshot(13.0) == {"job-7": pytest.approx(4.5)}
     # The live ledger does not count the running slice twice once it ends.
-    tokens.release_session(s, s.grant, 13.0)
+    tokens.release_session(s, tokens.grant_of(s), 13.0)
     assert attained.snapshot(13.0) == {"job-7": pytest.approx(5.0)}
 
 

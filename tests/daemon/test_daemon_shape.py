@@ -70,8 +70,6 @@ def test_no_component_constructor_takes_more_than_8_collaborators():
 # Who writes each field of a Session after it is built (sessions.Session): its owner alone.
 # A session restored from the journal is built by restore.py, which sets what the record kept.
 SESSION_FIELD_OWNERS = {
-    "grant": {"tokens.py"}, "granted_at": {"tokens.py"}, "grants": {"tokens.py"}, "wait_started": {"tokens.py"},
-    "stopped": {"tokens.py"},
     "last_seen": {"sessions.py"}, "pidfd": {"sessions.py"}, "route": {"sessions.py"},
     "managed_cgroup": {"sessions.py", "restore.py"}, "managed_pidfd": {"sessions.py", "restore.py"},
     "managed_pgid": {"restore.py"},
@@ -111,8 +109,8 @@ def test_each_session_field_is_written_by_its_owner_only():
 
 def test_the_field_check_sees_a_write_where_one_is():
     """Not vacuous: a write of each kind, in code, is found."""
-    tree = ast.parse("s.grant = 1\ns.last_seen.append(x)\na, s.stopped = 1, 2\ns.grants += 1\nself.grant = 2\n")
-    assert sorted(f for f, _ in _session_field_writes(tree)) == ["grant", "grants", "last_seen", "stopped"]
+    tree = ast.parse("s.mps = 1\ns.last_seen.append(x)\na, s.route = 1, 2\ns.weight += 1\nself.mps = 2\n")
+    assert sorted(f for f, _ in _session_field_writes(tree)) == ["last_seen", "mps", "route", "weight"]
 
 
 # A session's whole-device suspension (its sharing.suspension.Suspension machine) and the host
@@ -141,7 +139,7 @@ def test_a_sessions_suspension_is_kept_by_the_suspension_component_alone():
 
     kept = {f.name for f in dataclasses.fields(Session)} | set(vars(Session))
     assert not kept & MOVED_TO_SUSPENSIONS, f"Session holds suspension state again: {kept & MOVED_TO_SUSPENSIONS}"
-    assert len(dataclasses.fields(Session)) <= 28  # 31 before the suspension state moved out
+    assert len(dataclasses.fields(Session)) <= 23  # 31 before the suspension state moved out, 28 before the token's
     offenders = [f"{path.name}:{line}" for path in sorted(DAEMON.glob("*.py")) if path.name not in MACHINE_HOLDERS
                  for line in _machine_uses(ast.parse(path.read_text()))]
     assert not offenders, "a suspension machine held or changed outside suspension.py: " + ", ".join(offenders)
@@ -263,3 +261,38 @@ def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
 
     assert not hasattr(Tokens, "delegate")
     assert "tokens" not in inspect.signature(Pacing).parameters
+
+
+# A session's token state (the grant it holds and since when, its wait timed, its grants, a stop
+# of the daemon's) is the tokens component's (issue 31 item 2): kept by session id in tokens.py
+# (TokenHold), read by the others through its views (grant_of, held_since, waiting_since, stopped).
+MOVED_TO_TOKENS = {"grant", "granted_at", "wait_started", "grants", "stopped"}
+
+
+def _hold_uses(tree: ast.AST):
+    """Lines that name the token state's class or one of its fields outside a view."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "TokenHold":
+            yield node.lineno
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == "TokenHold" for alias in node.names):
+            yield node.lineno
+        elif isinstance(node, ast.Attribute) and node.attr in ("_holds", "wait_started", "granted_at"):
+            yield node.lineno
+
+
+def test_a_sessions_token_state_is_kept_by_the_tokens_component_alone():
+    import dataclasses
+
+    from nodeagent.daemon.sessions import Session
+
+    kept = {f.name for f in dataclasses.fields(Session)} | set(vars(Session))
+    assert not kept & MOVED_TO_TOKENS, f"Session holds token state again: {kept & MOVED_TO_TOKENS}"
+    offenders = [f"{path.name}:{line}" for path in sorted(DAEMON.glob("*.py")) if path.name != "tokens.py"
+                 for line in _hold_uses(ast.parse(path.read_text()))]
+    assert not offenders, "a session's token state held or read outside tokens.py: " + ", ".join(offenders)
+
+
+def test_the_token_state_check_sees_a_holder_where_one_is():
+    """Not vacuous: the owner's own records, and a read of a moved field, are found."""
+    assert list(_hold_uses(ast.parse((DAEMON / "tokens.py").read_text())))
+    assert list(_hold_uses(ast.parse("since = s.wait_started\n"))) == [1]

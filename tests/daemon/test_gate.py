@@ -17,9 +17,16 @@ class AskedTokens:
 
     def __init__(self) -> None:
         self.asked: list[tuple[str, float | None]] = []
+        self.waits: dict[str, float] = {}  # session id -> when its timed wait began (Tokens.waiting_since)
 
     def on_device(self, device, sid):
         return True
+
+    def grant_of(self, s):
+        return None
+
+    def waiting_since(self, s):
+        return self.waits.get(s.id)
 
     def request(self, device, sid, now, waiting_since=None):
         self.asked.append((sid, waiting_since))
@@ -46,7 +53,7 @@ def test_a_session_admitted_by_make_room_asks_once_every_suspension_it_waits_for
     first, second = add(sessions, "s-a"), add(sessions, "s-b")
     admitted = add(sessions, "s-infer", Workload.INFERENCE)
     gate.block(admitted, [first, second])
-    admitted.wait_started = 1.0
+    tokens.waits[admitted.id] = 1.0
     assert gate.ask(admitted, 1.0) is Gate.KEEP and gate.kept(admitted) and tokens.asked == []
     gate.on_make_room_finished(MakeRoomFinished("s-other", 2.0))  # blocks no one
     gate.on_make_room_finished(MakeRoomFinished(first.id, 2.0))

@@ -22,7 +22,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.journal import Journal, JournalError
 from nodeagent.metrics import Metrics
 from sharing import Workload
-from tests.daemon_parts import FullDiskJournal
+from tests.daemon_parts import FullDiskJournal, make_tokens
 
 
 # ------------------------------------------------------------------ DeviceStats
@@ -224,12 +224,15 @@ def journalled(path) -> dict[str, float]:
 
 @pytest.fixture
 def ledger(tmp_path):
-    """(ledger, sessions, clock, the failing journal, its path): a ledger over a real journal."""
+    """(ledger, sessions, clock, the failing journal, its path): a ledger over a real journal
+    (and real tokens, ``ledger.tokens``, whose grants are its running slices)."""
     path = tmp_path / "state.db"
     journal = FullDiskJournal(Journal(str(path)))
     sessions, clock = SessionTable(), Clock()
     writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
-    attained = AttainedService(sessions=sessions, journal=writer, clock=clock, flush_s=1.0, max_jobs=3)
+    tokens = make_tokens(sessions=sessions, clock=clock)
+    attained = AttainedService(sessions=sessions, tokens=tokens, journal=writer, clock=clock, flush_s=1.0, max_jobs=3)
+    attained.tokens = tokens
     yield attained, sessions, clock, journal, path
     journal.journal.close()
     sessions.close()
@@ -270,8 +273,9 @@ def test_a_clean_shutdown_writes_what_changed_and_the_running_slices(ledger):
     attained, sessions, clock, journal, path = ledger
     attained.on_slice_ended(SliceEnded(job_session("s-1", "job-a"), 1.5))
     running = job_session("s-2", "job-b")
+    attained.tokens.add(running.device, running.id, running.workload, running.weight, 4.0)
     sessions.add(running)
-    running.granted_at = 4.0
+    attained.tokens.request(running.device, running.id, 4.0)  # granted at 4.0: held 2.5 s at the close
     attained.close(6.5)
     assert journalled(path) == {"job-a": 1.5, "job-b": 2.5}
 
@@ -291,8 +295,8 @@ def test_a_restart_keeps_the_most_recently_written_jobs_and_deletes_the_rest_at_
 
 def test_restore_without_a_journal_keeps_nothing_and_writes_nothing():
     sessions = SessionTable()
-    attained = AttainedService(sessions=sessions, journal=JournalWriter(None, Metrics(CollectorRegistry()), Bus()),
-                               clock=lambda: 0.0)
+    attained = AttainedService(sessions=sessions, tokens=make_tokens(sessions=sessions),
+                               journal=JournalWriter(None, Metrics(CollectorRegistry()), Bus()), clock=lambda: 0.0)
     attained.restore()
     attained.on_slice_ended(SliceEnded(job_session("s-1", "job-a"), 1.0))
     assert attained.flush(5.0) is True  # no journal: nothing to fail

@@ -53,6 +53,14 @@ class RecordingTokens:
     def __init__(self, harness: "Harness") -> None:
         self.h = harness
         self.schedulers = [TokenScheduler(i) for i in range(2)]
+        self.held: dict[str, int] = {}  # session id -> the grant it holds (Tokens.grant_of)
+        self.waits: dict[str, float] = {}  # session id -> when its timed wait began (Tokens.waiting_since)
+
+    def grant_of(self, s):
+        return self.held.get(s.id)
+
+    def waiting_since(self, s):
+        return self.waits.get(s.id)
 
     def state(self, device, sid):
         return self.schedulers[device].state(sid)
@@ -133,11 +141,10 @@ class Harness:
         """What the token component does with actions, as far as this test needs: who holds."""
         for action in actions:
             self.applied.append(action)
-            s = self.sessions.get(action.session)
-            if type(action) is Grant and s is not None:
-                s.grant = action.grant
-            elif type(action) is Revoked and s is not None:
-                s.grant = None
+            if type(action) is Grant and action.session in self.sessions:
+                self.tokens.held[action.session] = action.grant
+            elif type(action) is Revoked:
+                self.tokens.held.pop(action.session, None)
 
     def add(self, sid: str, device: int = 0, *, memory_mb: int = 100, pid: int | None = None) -> Session:
         s = Session(id=sid, key="k", route=f"route-{sid}", name=sid, claimed_pid=pid or 1, verified_pid=pid,
@@ -172,10 +179,10 @@ def test_a_lost_device_revokes_to_nobody_holds_requests_and_grants_them_in_order
     h = harness()
     holder, first, second, elsewhere = h.add("s-hold"), h.add("s-first"), h.add("s-second"), h.add("s-other", 1)
     h.ask("s-hold", 0.0)
-    first.wait_started, second.wait_started = 1.0, 2.0
+    h.tokens.waits.update({first.id: 1.0, second.id: 2.0})
     h.ask("s-first", 1.0)
     h.ask("s-second", 2.0)
-    assert h.grants() == [("s-hold", 0.0)] and holder.grant is not None
+    assert h.grants() == [("s-hold", 0.0)] and h.tokens.grant_of(holder) is not None
 
     h.policy.on_readings([DeviceLost(0, "GPU is lost")], 3.0)
     assert h.events == [("health", 0, {"device_state": "lost", "reason": "GPU is lost"})]

@@ -195,13 +195,22 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
 
     class RenewingTokens:
         """What the restorer asks of the tokens component: new schedulers (ids above the old
-        daemon's) in the list every other part holds, and continuing a stopped process."""
+        daemon's) in the list every other part holds, and continuing a stopped process; what the
+        gate reads of it (a session's grant and its timed wait)."""
+
+        waits: dict[str, float] = {}
 
         def renew(self, first_grant):
             schedulers[:] = [TokenScheduler(i, policy, first_grant=first_grant) for i in range(len(schedulers))]
 
-        def add(self, device, sid, workload, weight, now):
+        def add(self, device, sid, workload, weight, now, stopped=False):
             schedulers[device].add_session(sid, workload, weight, now)
+
+        def grant_of(self, s):
+            return next((g for sid, g in grants if sid == s.id), None)
+
+        def waiting_since(self, s):
+            return self.waits.get(s.id)
 
         def cont(self, s):
             return False
@@ -226,7 +235,7 @@ def test_the_restorer_renumbers_the_shared_schedulers_in_place_and_parks_request
         assert restorer.restore(100.0) == 2
         assert seen_by_another_part is schedulers and "s-holder" in seen_by_another_part[0]
         holder, other = sessions["s-holder"], sessions["s-other"]
-        other.wait_started = 100.5
+        tokens.waits[other.id] = 100.5
         assert gate.ask(other, 100.6) is Gate.PARK and gate.ask(other, 100.7) is Gate.PARK  # asked twice
         assert requested == [] and {s.id for s in restorer.restored()} == {"s-holder", "s-other"}
         gate.honour_claim(holder, 7, 101.0)  # reattached, saying it held a grant: goes first
@@ -395,8 +404,16 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
     asked: list[tuple[str, float | None]] = []
 
     class AskedTokens:
+        waits: dict[str, float] = {}
+
         def on_device(self, device, sid):
             return True
+
+        def grant_of(self, s):
+            return None
+
+        def waiting_since(self, s):
+            return self.waits.get(s.id)
 
         def request(self, device, sid, now, waiting_since=None):
             asked.append((sid, waiting_since))
@@ -416,7 +433,7 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
                      suspensions=make_suspensions(sessions=sessions, tokens=tokens))
     try:
         gate.open_windows({0: {"s-gone"}}, deadline=100.0)
-        waiting.wait_started = 1.5
+        tokens.waits[waiting.id] = 1.5
         assert gate.ask(waiting, 2.0) is Gate.PARK and asked == []
         sessions.remove(gone)
         gate.forget(gone, 3.0)  # what the server does when a session ends
@@ -463,6 +480,49 @@ def test_a_stale_sessions_row_is_written_again_with_its_suspension(tmp_path):
         assert writer.ok and not writer.stale
         [rec], _ = journal.read_sessions()
         assert rec.id == s.id and rec.suspension["state"] == "requested" and rec.suspension["reason"] == "requested"
+    finally:
+        sessions.close()
+        journal.close()
+
+
+def test_a_stale_sessions_row_is_written_again_saying_the_daemon_holds_it_stopped(tmp_path):
+    """A session whose row could not be written while the daemon held it stopped is written
+    again with ``stopped`` as the tokens component keeps it (``Tokens.stopped``): a daemon
+    killed after that continues the process."""
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.bus import Bus
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.journal_writer import JournalWriter
+    from nodeagent.daemon.restore import JOURNAL_RETRY_S, Restorer
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from nodeagent.journal import Journal
+    from nodeagent.metrics import Metrics
+    from sharing import Workload
+    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
+
+    journal = Journal(str(tmp_path / "state.db"))
+    sessions = SessionTable()
+    tokens = make_tokens(sessions=sessions)
+    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
+    writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
+    restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=writer,
+                        sessions=sessions, tokens=tokens, mps=None, capacities_mb=[1 << 20], suspensions=suspensions,
+                        gate=TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                                       suspensions=suspensions))
+    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
+                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+    tokens.add(0, s.id, s.workload, s.weight, 0.0, stopped=True)  # held stopped, as a restore finds one
+    sessions.add(s)
+    try:
+        assert tokens.stopped(s)
+        writer.ok, writer.stale = False, {s.id}
+        restorer.retry_journal(0.0)
+        restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
+        assert writer.ok and not writer.stale
+        [rec], _ = journal.read_sessions()
+        assert rec.id == s.id and rec.stopped is True
     finally:
         sessions.close()
         journal.close()

@@ -59,9 +59,9 @@ class Daemon:
     def __init__(self, path, devices: int = 2) -> None:
         self.journal = FullDiskJournal(Journal(str(path)))
         self.sessions = SessionTable()
-        self.tokens = make_tokens(count=devices, sessions=self.sessions)
         self.registry = CollectorRegistry()
         self.writer = JournalWriter(self.journal, Metrics(self.registry), Bus())
+        self.tokens = make_tokens(count=devices, sessions=self.sessions, journal=self.writer.write)
         self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
         self.gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(devices),
                               suspensions=self.suspensions)
@@ -142,7 +142,7 @@ def test_each_boot_counts_up_and_grant_ids_continue_above_the_old_daemons(daemon
                               start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=1,
                               memory_mb=0, created=0.0, last_seen=0.0), 0.0)
         d.tokens.request(1, f"s-{boot}", 0.0)
-        assert boot << 32 < d.sessions[f"s-{boot}"].grant < (boot << 32) + 16  # above every older boot's
+        assert boot << 32 < d.tokens.grant_of(d.sessions[f"s-{boot}"]) < (boot << 32) + 16  # above every older boot's
 
 
 def test_a_journalled_session_comes_back_as_it_was_written_and_joins_mps(daemons, child):
@@ -157,7 +157,7 @@ def test_a_journalled_session_comes_back_as_it_was_written_and_joins_mps(daemons
     assert (s.route, s.name, s.key, s.verified_pid, s.start_ticks, s.uid) == (None, "name-s-live", "key-s-live",
                                                                              pid, ticks, os.getuid())
     assert (s.workload, s.weight, s.device, s.memory_mb, s.borrower) == (Workload.INFERENCE, 2.5, 1, 300, "job-7")
-    assert (s.created, s.last_seen, s.stopped) == (50.0, 50.0, False)
+    assert (s.created, s.last_seen, new.tokens.stopped(s)) == (50.0, 50.0, False)
     assert s.pidfd is not None  # watched again: its exit ends it
     assert "s-unverified" in new.sessions  # a claimed pid alone is restored too (nothing to check)
     assert new.tokens.state(1, "s-live") is SessionState.IDLE and new.tokens.on_device(0, "s-unverified")
@@ -237,7 +237,8 @@ def test_a_process_the_old_daemon_left_stopped_is_continued_whether_restored_or_
         new.restorer.restore(0.0)
         assert wait_state(pid, "S") == "S"
         assert wait_state(other.pid, "S") == "S"
-        assert new.sessions["s-restored"].stopped is False
+        assert new.tokens.stopped(new.sessions["s-restored"]) is False
+        assert [r.stopped for r in new.journal.journal.read_sessions()[0]] == [False]  # and journalled running
         assert new.journalled() == ["s-restored"]
     finally:
         other.kill()
@@ -369,4 +370,4 @@ def test_a_stopped_row_with_no_process_to_continue_does_not_stop_the_restore(dae
     new.restorer.restore(0.0)  # the daemon's start once failed here (PermissionError from Tokens.cont)
     assert "s-next" in new.sessions  # the rows after it are restored
     restored = new.sessions.get("s-stopped-unverified")
-    assert restored is None or not restored.stopped  # and nothing says it is still stopped
+    assert restored is None or not new.tokens.stopped(restored)  # and nothing says it is still stopped

@@ -41,11 +41,12 @@ def test_grant_ids_are_unique_per_boot_across_devices(workdir, sharing):
             sessions.append(s)
     for _ in range(20):  # every session asks, is granted in turn and releases, over and over
         for s in sessions:
-            if s.grant is None:  # asking again while waiting is a no-op
+            if server._tokens.grant_of(s) is None:  # asking again while waiting is a no-op
                 server._gate.ask(s, time.monotonic())
         for s in sessions:
-            if s.grant is not None:
-                server._on_release(s.route, p.Release(id=1, grant=s.grant, quiet=True), None, time.monotonic())
+            grant = server._tokens.grant_of(s)
+            if grant is not None:
+                server._on_release(s.route, p.Release(id=1, grant=grant, quiet=True), None, time.monotonic())
     grants = [(route, msg.grant, msg.device) for route, msg in local.sent if isinstance(msg, p.Grant)]
     ids = [g for _, g, _ in grants]
     assert {d for _, _, d in grants} == {0, 1, 2} and len(ids) > 60, grants[:5]
@@ -88,3 +89,86 @@ def test_a_best_effort_holder_on_a_corun_device_leaves_the_pace_board_written(tm
         board.close()
     finally:
         tokens.close_pace_boards()
+
+
+# ------------------------------------------------------------------ a session's token state (issue 31 item 2)
+
+
+def test_a_sessions_token_state_is_read_through_the_views_its_commands_keep():
+    """The grant held and since when, the wait timed and a stop are the tokens component's, kept
+    by session id from ``add`` until ``remove``; the views read what its commands wrote."""
+    from nodeagent.daemon.sessions import SessionTable
+    from tests.daemon_parts import make_tokens
+
+    sessions = SessionTable()
+    tokens = make_tokens(sessions=sessions)
+    a, b = _session("a", Workload.TRAINING), _session("b", Workload.TRAINING)
+    for s in (a, b):
+        sessions.add(s)
+        tokens.add(0, s.id, s.workload, 1.0, 0.0)
+    try:
+        tokens.time_wait(a, 1.0)
+        assert tokens.waiting_since(a) == 1.0 and tokens.grant_of(a) is None and tokens.held_since(a) is None
+        tokens.request(0, "a", 1.0)
+        grant = tokens.grant_of(a)
+        assert grant is not None and tokens.held_since(a) == 1.0 and tokens.waiting_since(a) is None
+        tokens.time_wait(a, 2.0)  # asking again while holding starts no wait
+        assert tokens.waiting_since(a) is None
+        tokens.time_wait(b, 2.5)
+        tokens.request(0, "b", 2.5)
+        tokens.release_session(a, grant, 3.0, requeue=True)  # a requeue's wait starts at the release
+        assert (tokens.grant_of(a), tokens.held_since(a), tokens.waiting_since(a)) == (None, None, 3.0)
+        assert tokens.grant_of(b) is not None and tokens.held_since(b) == 3.0 and tokens.waiting_since(b) is None
+        tokens.leave_line(a, 3.5)  # the daemon takes it out of the line: its wait is no longer timed
+        assert tokens.waiting_since(a) is None and tokens.stopped(a) is False
+        tokens.remove(0, "a", 4.0)
+        assert tokens.waiting_since(a) is None and tokens.grant_of(a) is None  # gone with its session
+    finally:
+        sessions.close()
+
+
+def test_a_session_restored_stopped_is_stopped_until_continued():
+    from nodeagent.daemon.sessions import SessionTable
+    from tests.daemon_parts import make_tokens
+
+    sessions = SessionTable()
+    writes = []
+    tokens = make_tokens(sessions=sessions, journal=lambda write, session=None: writes.append(session) or True)
+    s = _session("s", Workload.TRAINING)
+    tokens.add(0, s.id, s.workload, 1.0, 0.0, stopped=True)
+    sessions.add(s)
+    try:
+        assert tokens.stopped(s)
+        tokens.cont(s)  # it names no process it can reach: nothing is signalled, the stop is undone all the same
+        assert tokens.stopped(s) is False and writes == ["s"]  # journalled running
+    finally:
+        sessions.close()
+
+
+def test_a_wait_kept_through_a_make_room_block_is_the_one_the_tokens_component_timed():
+    """The gate asks again for a session its make-room block kept, with the wait the tokens
+    component timed (``Tokens.waiting_since``): the grant says it waited from its acquire."""
+    from nodeagent.daemon.bus import Bus, Granted, MakeRoomFinished
+    from nodeagent.daemon.gate import TokenGate
+    from nodeagent.daemon.sessions import SessionTable
+    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
+
+    sessions, bus = SessionTable(), Bus()
+    granted = []
+    bus.subscribe(Granted, lambda e: granted.append((e.session.id, e.waited_ms)))
+    tokens = make_tokens(sessions=sessions, bus=bus)
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
+    victim, admitted = _session("v", Workload.TRAINING), _session("i", Workload.INFERENCE)
+    for s in (victim, admitted):
+        sessions.add(s)
+        tokens.add(0, s.id, s.workload, 1.0, 0.0)
+    try:
+        gate.block(admitted, [victim])
+        tokens.time_wait(admitted, 1.0)
+        gate.ask(admitted, 1.0)
+        assert granted == []  # kept
+        gate.on_make_room_finished(MakeRoomFinished(victim.id, 3.0))
+        assert granted == [("i", pytest.approx(2000.0))]
+    finally:
+        sessions.close()

@@ -431,8 +431,9 @@ def _tokens_with(*specs, duty: str = "adaptive"):
 
 def _slice(tokens, s, start: float, held_s: float) -> None:
     tokens.request(0, s.id, start)
-    assert s.grant is not None
-    tokens.release_session(s, s.grant, start + held_s)
+    grant = tokens.grant_of(s)
+    assert grant is not None
+    tokens.release_session(s, grant, start + held_s)
 
 
 def test_each_higher_class_session_has_its_own_controller_fed_by_its_own_slices():
