@@ -154,7 +154,6 @@ class MpsControl:
         self._state = MpsState.STOPPED
         self._failure = ""
         self._proc: _DaemonProcess | None = None
-        self._defaults: dict[str, str] = {}  # setting -> command, re-sent after a restart
         base = dict(os.environ if env is None else env)
         for name in _CLIENT_ONLY_VARS:
             base.pop(name, None)
@@ -199,7 +198,6 @@ class MpsControl:
         if not self.adopted:
             self._launch(timeout_s)
         self._state, self._failure = MpsState.RUNNING, ""
-        self._replay_defaults()
         log.info("[mps] %s device=%d pid=%s pipe=%s", "adopt" if self.adopted else "start",
                  self.device_index, self.pid, self.pipe_dir)
 
@@ -281,38 +279,7 @@ class MpsControl:
         except ValueError:
             raise MpsError(f"unexpected get_server_list answer from device {self.device_index}: {out!r}") from None
 
-    def set_default_active_thread_percentage(self, percent: int) -> None:
-        """SM share (1..100) of clients of MPS servers started from now on."""
-        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
-            raise ValueError(f"active thread percentage must be an integer in 1..100, got {percent!r}")
-        self._set_default("active_thread_percentage", f"set_default_active_thread_percentage {percent}")
-
-    def default_active_thread_percentage(self) -> float:
-        out = self.command("get_default_active_thread_percentage").split()
-        try:
-            return float(out[-1])
-        except (IndexError, ValueError):
-            raise MpsError(f"unexpected get_default_active_thread_percentage answer: {out!r}") from None
-
-    def set_default_device_pinned_mem_limit(self, limit_mb: int, *, device_ordinal: int = 0) -> None:
-        """Device memory limit (MiB) per client of MPS servers started from now on.
-
-        ``device_ordinal`` is the GPU as the daemon sees it: 0 for our one-GPU daemons.
-        """
-        if isinstance(limit_mb, bool) or not isinstance(limit_mb, int) or limit_mb < 1:
-            raise ValueError(f"pinned memory limit must be an integer number of MiB >= 1, got {limit_mb!r}")
-        self._set_default(f"pinned_mem_limit {device_ordinal}",
-                          f"set_default_device_pinned_mem_limit {device_ordinal} {limit_mb}M")
-
     # -------------------------------------------------------------- internals
-
-    def _set_default(self, key: str, command: str) -> None:
-        self.command(command)
-        self._defaults[key] = command
-
-    def _replay_defaults(self) -> None:
-        for command in self._defaults.values():
-            self.command(command)
 
     def _make_dirs(self) -> None:
         for path in (os.path.dirname(self.base_dir), self.base_dir, self.pipe_dir, self.log_dir):
@@ -430,7 +397,6 @@ class MpsControl:
                 proc.wait(1.0)
             proc.close()
         self._launch(timeout_s)
-        self._replay_defaults()
 
     def _escalate(self, proc: _DaemonProcess, timeout_s: float) -> QuitStep:
         quit_s, term_s = timeout_s / 2, timeout_s / 3
