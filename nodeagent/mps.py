@@ -209,9 +209,8 @@ class MpsControl:
             return self._proc.alive()
         return self._answers()
 
-    def ensure_running(self, *, probe_timeout_s: float | None = None, start_timeout_s: float = 10.0) -> bool:
-        """The supervisor's step: restart a daemon that died (or, given ``probe_timeout_s``,
-        one that does not answer a command within it). Returns True if it restarted it.
+    def ensure_running(self, *, start_timeout_s: float = 10.0) -> bool:
+        """The supervisor's step: restart a daemon that died. Returns True if it restarted it.
 
         Raises :class:`MpsRestartBudgetError` once it died more than ``restart_budget``
         times in ``restart_window_s``, and :class:`MpsStartError` if a restart failed.
@@ -220,17 +219,9 @@ class MpsControl:
             return False
         if self._state is MpsState.FAILED:
             raise MpsRestartBudgetError(self._failure)
-        reason = None
-        if not self.alive():
-            reason = "exited"
-        elif probe_timeout_s is not None:
-            try:
-                self.command("get_server_list", timeout_s=probe_timeout_s)
-            except MpsError as exc:
-                reason = f"unresponsive ({exc})"
-        if reason is None:
+        if self.alive():
             return False
-        self._restart(reason, start_timeout_s)
+        self._restart("exited", start_timeout_s)
         return True
 
     def quit(self, timeout_s: float = 5.0) -> QuitStep:
@@ -391,11 +382,9 @@ class MpsControl:
         self._restart_times.append(now)
         self.restarts += 1
         log.warning("[mps] restart device=%d reason=%s restarts=%d", self.device_index, reason, self.restarts)
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            if proc.signal(signal.SIGKILL):  # alive but not answering
-                proc.wait(1.0)
-            proc.close()
+        if self._proc is not None:  # it exited: ensure_running restarts only a daemon that did
+            self._proc.close()
+            self._proc = None
         self._launch(timeout_s)
 
     def _escalate(self, proc: _DaemonProcess, timeout_s: float) -> QuitStep:

@@ -243,19 +243,6 @@ def test_watch_fd_becomes_readable_when_the_daemon_dies(make_mps):
     assert m.watch_fd() is not None and not select.select([m.watch_fd()], [], [], 0)[0]
 
 
-def test_probe_restarts_a_daemon_that_stopped_answering(make_mps, caplog):
-    m = make_mps()
-    m.start()
-    stuck = m.pid
-    os.kill(stuck, signal.SIGSTOP)
-    assert m.ensure_running() is False  # alive by its pid: only a probe can tell
-    with caplog.at_level(logging.WARNING, logger="nodeagent.mps"):
-        assert m.ensure_running(probe_timeout_s=0.5) is True
-    assert "reason=unresponsive" in caplog.text
-    wait_for(lambda: not pid_alive(stuck))
-    assert m.pid != stuck and m.server_list() == []
-
-
 def test_restart_budget_gives_up_and_stays_failed(make_mps):
     clock = FakeClock()
     m = make_mps(restart_budget=2, restart_window_s=60.0, clock=clock)
