@@ -52,7 +52,7 @@ class MpsState(enum.Enum):
         STOPPED ─────────► RUNNING ─────────────► STOPPED
                             │   ▲
           ensure_running(): │   │ restarted (counted)
-          died / no answer  └───┘
+          died              └───┘
                             │ more than `restart_budget` restarts in `restart_window_s`
                             ▼
                           FAILED ── quit() ──► STOPPED
