@@ -11,7 +11,6 @@ import sys
 from typing import Any, Callable
 
 DRIVER_SONAME = "libcuda.so.1"
-CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_INITIALIZED = 3
 
 

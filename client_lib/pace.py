@@ -233,8 +233,6 @@ class PacePoint:
         self._poll_s = poll_s
         self._clock = clock
         self._sleep = sleep
-        self.paused_s = 0.0  # total time held, for reports
-        self.pauses = 0
 
     def pace(self) -> Pace:
         return self.reader.read(self.workload)
@@ -256,10 +254,7 @@ class PacePoint:
             if not pace.throttled or in_on_phase(pace, now):
                 break
             self._sleep(self._poll_s)
-        held = self._clock() - start
-        self.paused_s += held
-        self.pauses += 1
-        return held
+        return self._clock() - start
 
 
 def in_on_phase(pace: Pace, now: float) -> bool:

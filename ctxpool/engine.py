@@ -48,7 +48,6 @@ class ModelPlan:
 class InferStats:
     swap: str  # "ready" | "pipelined" | "sequential"
     swap_bytes: int
-    total_s: float  # infer() call, start to outputs ready
     transfer_s: float  # time the copy stream/thread was busy (0 when ready)
     groups: int
     # Per group, seconds from the start of the swap-in: copy window, and when compute passed its wait
@@ -278,7 +277,7 @@ class Engine:
                 except Exception as exc:
                     self._settle_after_failure(exc)
                     raise
-                return out, InferStats("ready", 0, time.perf_counter() - t0, 0.0, 0)
+                return out, InferStats("ready", 0, 0.0, 0)
             self._make_room(model.plan.device_bytes)
             return self._swap_in_and_run(model, inputs, mode, t0)
 
@@ -339,7 +338,7 @@ class Engine:
                 self._settle_after_failure(failure)  # DeviceLost, chained to the failure, if the context died
         total_s = time.perf_counter() - t0
         timeline = self._timeline(job, base, compute_marks, forward_start, forward_end, mode)
-        stats = InferStats(mode, model.placement.copy_bytes, total_s, job.transfer_s(), groups, timeline)
+        stats = InferStats(mode, model.placement.copy_bytes, job.transfer_s(), groups, timeline)
         log.debug("[ctxpool] swap-in model=%s mode=%s groups=%d bytes=%d total_ms=%.2f transfer_ms=%.2f",
                   model.name, mode, groups, stats.swap_bytes, total_s * 1e3, stats.transfer_s * 1e3)
         return out, stats

@@ -75,24 +75,3 @@ def plan_groups(layers: Sequence[LayerCost], bytes_per_s: float, *, first_group_
         copy_end += group_bytes / bytes_per_s
         compute_end = max(compute_end, copy_end) + sum(layers[j].compute_s for j in group)
     return groups
-
-
-def simulate(layers: Sequence[LayerCost], groups: Sequence[Sequence[int]], bytes_per_s: float
-             ) -> list[GroupTiming]:
-    """The pipeline model behind :func:`plan_groups`: each group's copy and compute window."""
-    _check(layers, bytes_per_s)
-    out: list[GroupTiming] = []
-    copy_end = compute_end = 0.0
-    for group in groups:
-        copy_start = copy_end
-        copy_end = copy_start + sum(layers[j].bytes for j in group) / bytes_per_s
-        compute_start = max(compute_end, copy_end)
-        compute_end = compute_start + sum(layers[j].compute_s for j in group)
-        out.append(GroupTiming(copy_start, copy_end, compute_start, compute_end))
-    return out
-
-
-def makespan_s(layers: Sequence[LayerCost], groups: Sequence[Sequence[int]], bytes_per_s: float) -> float:
-    """Modelled time from the first copy to the last compute (0 for no layers)."""
-    timings = simulate(layers, groups, bytes_per_s)
-    return timings[-1].compute_end_s if timings else 0.0

@@ -113,14 +113,9 @@ class Layout:
                 self.slots[i].offset_in_atom = self.slots[i].start - atom.start
         return atoms
 
-    def host_ranges(self, only_unpinned: bool = True) -> list[tuple[int, int]]:
-        """[start, end) of every atom (whose host memory is not already page-locked)."""
-        out = []
-        for atom in self.atoms:
-            if only_unpinned and self.slots[atom.slots[0]].host.is_pinned():
-                continue
-            out.append((atom.start, atom.end))
-        return out
+    def host_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) of every atom whose host memory is not already page-locked."""
+        return [(atom.start, atom.end) for atom in self.atoms if not self.slots[atom.slots[0]].host.is_pinned()]
 
     def place(self, atom_group: list[int], groups: int) -> Placement:
         """Copy spans per group and device offsets, for atoms assigned to groups (0..groups-1)."""

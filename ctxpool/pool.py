@@ -65,7 +65,6 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     conn: Optional[multiprocessing.connection.Connection]
     started_at: float
-    setup: WorkerSetup = field(default_factory=WorkerSetup)  # what it was started with
     state: WorkerState = WorkerState.STARTING
     ready: bool = False  # Ready received
     warm_up_ms: float = 0.0
@@ -195,7 +194,7 @@ class WorkerPool:
             raise
         finally:
             child.close()  # our copy: the worker's end must close with the worker, so that we see EOF
-        worker = _Worker(device=device, process=proc, conn=parent, started_at=self._clock(), setup=setup)
+        worker = _Worker(device=device, process=proc, conn=parent, started_at=self._clock())
         self._resources.processes[proc.pid] = proc
         self._resources.conns[proc.pid] = parent
         self._workers[device].append(worker)

@@ -575,6 +575,3 @@ def _toml(value: Any) -> str:
     if isinstance(value, dict):
         return "a table"
     return repr(value) if isinstance(value, (int, float)) else str(value)  # dates and times print as TOML writes them
-
-
-EXAMPLE_TOML = example_toml()

@@ -52,7 +52,7 @@ class MpsState(enum.Enum):
         STOPPED ─────────► RUNNING ─────────────► STOPPED
                             │   ▲
           ensure_running(): │   │ restarted (counted)
-          died / no answer  └───┘
+          died              └───┘
                             │ more than `restart_budget` restarts in `restart_window_s`
                             ▼
                           FAILED ── quit() ──► STOPPED
@@ -154,7 +154,6 @@ class MpsControl:
         self._state = MpsState.STOPPED
         self._failure = ""
         self._proc: _DaemonProcess | None = None
-        self._defaults: dict[str, str] = {}  # setting -> command, re-sent after a restart
         base = dict(os.environ if env is None else env)
         for name in _CLIENT_ONLY_VARS:
             base.pop(name, None)
@@ -199,7 +198,6 @@ class MpsControl:
         if not self.adopted:
             self._launch(timeout_s)
         self._state, self._failure = MpsState.RUNNING, ""
-        self._replay_defaults()
         log.info("[mps] %s device=%d pid=%s pipe=%s", "adopt" if self.adopted else "start",
                  self.device_index, self.pid, self.pipe_dir)
 
@@ -211,9 +209,8 @@ class MpsControl:
             return self._proc.alive()
         return self._answers()
 
-    def ensure_running(self, *, probe_timeout_s: float | None = None, start_timeout_s: float = 10.0) -> bool:
-        """The supervisor's step: restart a daemon that died (or, given ``probe_timeout_s``,
-        one that does not answer a command within it). Returns True if it restarted it.
+    def ensure_running(self, *, start_timeout_s: float = 10.0) -> bool:
+        """The supervisor's step: restart a daemon that died. Returns True if it restarted it.
 
         Raises :class:`MpsRestartBudgetError` once it died more than ``restart_budget``
         times in ``restart_window_s``, and :class:`MpsStartError` if a restart failed.
@@ -222,17 +219,9 @@ class MpsControl:
             return False
         if self._state is MpsState.FAILED:
             raise MpsRestartBudgetError(self._failure)
-        reason = None
-        if not self.alive():
-            reason = "exited"
-        elif probe_timeout_s is not None:
-            try:
-                self.command("get_server_list", timeout_s=probe_timeout_s)
-            except MpsError as exc:
-                reason = f"unresponsive ({exc})"
-        if reason is None:
+        if self.alive():
             return False
-        self._restart(reason, start_timeout_s)
+        self._restart("exited", start_timeout_s)
         return True
 
     def quit(self, timeout_s: float = 5.0) -> QuitStep:
@@ -281,38 +270,7 @@ class MpsControl:
         except ValueError:
             raise MpsError(f"unexpected get_server_list answer from device {self.device_index}: {out!r}") from None
 
-    def set_default_active_thread_percentage(self, percent: int) -> None:
-        """SM share (1..100) of clients of MPS servers started from now on."""
-        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
-            raise ValueError(f"active thread percentage must be an integer in 1..100, got {percent!r}")
-        self._set_default("active_thread_percentage", f"set_default_active_thread_percentage {percent}")
-
-    def default_active_thread_percentage(self) -> float:
-        out = self.command("get_default_active_thread_percentage").split()
-        try:
-            return float(out[-1])
-        except (IndexError, ValueError):
-            raise MpsError(f"unexpected get_default_active_thread_percentage answer: {out!r}") from None
-
-    def set_default_device_pinned_mem_limit(self, limit_mb: int, *, device_ordinal: int = 0) -> None:
-        """Device memory limit (MiB) per client of MPS servers started from now on.
-
-        ``device_ordinal`` is the GPU as the daemon sees it: 0 for our one-GPU daemons.
-        """
-        if isinstance(limit_mb, bool) or not isinstance(limit_mb, int) or limit_mb < 1:
-            raise ValueError(f"pinned memory limit must be an integer number of MiB >= 1, got {limit_mb!r}")
-        self._set_default(f"pinned_mem_limit {device_ordinal}",
-                          f"set_default_device_pinned_mem_limit {device_ordinal} {limit_mb}M")
-
     # -------------------------------------------------------------- internals
-
-    def _set_default(self, key: str, command: str) -> None:
-        self.command(command)
-        self._defaults[key] = command
-
-    def _replay_defaults(self) -> None:
-        for command in self._defaults.values():
-            self.command(command)
 
     def _make_dirs(self) -> None:
         for path in (os.path.dirname(self.base_dir), self.base_dir, self.pipe_dir, self.log_dir):
@@ -424,13 +382,10 @@ class MpsControl:
         self._restart_times.append(now)
         self.restarts += 1
         log.warning("[mps] restart device=%d reason=%s restarts=%d", self.device_index, reason, self.restarts)
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            if proc.signal(signal.SIGKILL):  # alive but not answering
-                proc.wait(1.0)
-            proc.close()
+        if self._proc is not None:  # it exited: ensure_running restarts only a daemon that did
+            self._proc.close()
+            self._proc = None
         self._launch(timeout_s)
-        self._replay_defaults()
 
     def _escalate(self, proc: _DaemonProcess, timeout_s: float) -> QuitStep:
         quit_s, term_s = timeout_s / 2, timeout_s / 3

@@ -186,7 +186,3 @@ class Nvml:
                 return
             self._logged_not_available.add(key)
         log.debug("[nvml] not available func=%s error=%s", func_name, error)
-
-
-default_nvml: Final = Nvml()
-"""Shared instance for callers that need no injection; nothing is loaded until its first query."""

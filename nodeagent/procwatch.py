@@ -31,11 +31,6 @@ kernel constant (PROC_PID_INIT_INO), the same on every boot and host."""
 MAX_ANCESTRY: Final = 64  # parents walked per process: deeper trees are cut off there
 
 
-NAMESPACE_KINDS: Final = ("pid", "user", "mnt")
-"""The namespaces that say whether a peer is the daemon's neighbour or a container's process
-(:attr:`PeerCredentials.namespaces`, :mod:`nodeagent.daemon.authz`)."""
-
-
 @dataclass(frozen=True, slots=True)
 class PeerCredentials:
     uid: int
@@ -127,7 +122,7 @@ def read_nspid(pid: int, proc_root: str = "/proc") -> tuple[int, ...] | None:
 
 
 def namespaces_of(pid: int | str, pidfd: int | None = None, proc_root: str = "/proc") -> tuple | None:
-    """What the kernel says of ``pid``'s namespaces (:data:`NAMESPACE_KINDS`), in files any process
+    """What the kernel says of ``pid``'s pid, user and mount namespaces, in files any process
     may read (/proc/PID/ns/* would need CAP_SYS_PTRACE over a peer with capabilities the daemon
     dropped): how many pid namespaces it is below the one /proc belongs to (``NSpid:``, 0 in the
     same), its ``uid_map`` as this process sees it (the identity map in the same user namespace),

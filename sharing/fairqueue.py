@@ -90,11 +90,6 @@ class FairQueue(Generic[T]):
         self._compact_if_due()
         return entry[4]
 
-    def first(self) -> T | None:
-        """The member that goes next, or None if the line is empty."""
-        top = self._top()
-        return None if top is None else top[4]
-
     def min_vtime(self) -> float:
         """The least virtual time in line (the first's), ``math.inf`` if empty."""
         top = self._top()

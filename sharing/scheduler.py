@@ -483,16 +483,6 @@ class TokenScheduler:
             self._slice_end = self._granted_at + self._quantum_s[self._holder.workload]
         return self.tick(now)
 
-    def successor(self) -> str | None:
-        """Who gets the token next if it were free now: the first in line (highest
-        class, then fair order); None if nobody waits. A holder that releases with
-        ``requeue`` re-enters the line first and may come before it."""
-        for line in self._queues:
-            first = line.first()
-            if first is not None:
-                return first.id
-        return None
-
     def tick(self, now: float) -> list[Action]:
         """Emit what time alone makes due: a quantum or preemption ask, or one Enforce."""
         self._advance(now)

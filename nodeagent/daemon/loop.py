@@ -257,7 +257,6 @@ class LocalEndpoint:
         self._listener: socket.socket | None = None
         self._peers: dict[int, Peer] = {}
         self._reserve_fd: int | None = None
-        self._path: str | None = None
         self._rbuf = bytearray(_READ_CHUNK)  # one loop thread: one read buffer for every connection
         self._rview = memoryview(self._rbuf)
         self._backlogged: dict[int, Peer] = {}  # fd -> a connection with frames left for the next turn
@@ -273,7 +272,6 @@ class LocalEndpoint:
         sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             if family == socket.AF_UNIX:
-                self._path = address
                 old_umask = os.umask(0o117)  # no window with looser modes
                 try:
                     sock.bind(address)
@@ -292,10 +290,6 @@ class LocalEndpoint:
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._more_fd, POLLIN, on_ready=self.on_ready, where="serve")
-
-    @property
-    def listener_fd(self) -> int | None:
-        return self._listener.fileno() if self._listener is not None else None
 
     def __len__(self) -> int:
         return len(self._peers)

@@ -68,7 +68,6 @@ class _ServeQueue:
     """A client session's serving sub-session on its device."""
 
     sid: str  # scheduler session id
-    owner: str  # client session id
     device: int
     name: str
     weight: float
@@ -441,7 +440,7 @@ class Serving:
                         "queue; wait for their replies before sending more")
             return
         if q is None:
-            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, owner=s.id, device=s.device, name=s.name, weight=s.weight,
+            q = _ServeQueue(sid=s.id + SERVE_SUFFIX, device=s.device, name=s.name, weight=s.weight,
                             uid=s.uid, root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
             self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now, delegated=True)
             self._queues[q.sid] = q

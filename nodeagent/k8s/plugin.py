@@ -80,8 +80,6 @@ class DevicePluginService:
         self._lock = threading.Lock()
         self._open_streams: list[threading.Event] = []  # oldest first; set: that stream is to end
         self.streams = 0  # ListAndWatch streams open now
-        self.superseded = 0  # streams ended because newer ones came (MAX_STREAMS)
-        self.allocations = 0
 
     def GetDevicePluginOptions(self, request, context):
         return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -95,7 +93,6 @@ class DevicePluginService:
             self.streams += 1
             while len(self._open_streams) > MAX_STREAMS:
                 self._open_streams.pop(0).set()
-                self.superseded += 1
         self._board.wake()  # a superseded stream waiting for a newer view ends now
         try:
             view, version = self._board.current()
@@ -142,8 +139,6 @@ class DevicePluginService:
                 cdi_devices=[api.CDIDevice(name=name) for name in got.cdi_devices]))
             log.info("[k8s] allocate devices=%s device=%s memory_mb=%s", ",".join(ids),
                      got.envs["NODEAGENT_DEVICE"], got.envs["NODEAGENT_MEMORY_MB"])
-        with self._lock:
-            self.allocations += 1
         return api.AllocateResponse(container_responses=answers)
 
     def PreStartContainer(self, request, context):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpool.grouping import LayerCost, makespan_s, plan_groups, simulate
+from ctxpool.grouping import GroupTiming, LayerCost, plan_groups
 
 BPS = 1e9  # 1 GB/s: 1 MB copies in 1 ms
 
@@ -17,6 +17,25 @@ layer_costs = st.lists(
               bytes=st.one_of(st.just(0), st.integers(1, 50_000_000)),
               compute_s=st.floats(0.0, 0.05, allow_nan=False)),
     min_size=1, max_size=60)
+
+
+def simulate(layers, groups, bytes_per_s) -> list[GroupTiming]:
+    """The pipeline model plan_groups assumes (docs/internals.md): each group's copy and compute window."""
+    out: list[GroupTiming] = []
+    copy_end = compute_end = 0.0
+    for group in groups:
+        copy_start = copy_end
+        copy_end = copy_start + sum(layers[j].bytes for j in group) / bytes_per_s
+        compute_start = max(compute_end, copy_end)
+        compute_end = compute_start + sum(layers[j].compute_s for j in group)
+        out.append(GroupTiming(copy_start, copy_end, compute_start, compute_end))
+    return out
+
+
+def makespan_s(layers, groups, bytes_per_s) -> float:
+    """Modelled time from the first copy to the last compute (0 for no layers)."""
+    timings = simulate(layers, groups, bytes_per_s)
+    return timings[-1].compute_end_s if timings else 0.0
 
 
 def _bytes(layers, group) -> int:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from nodeagent.config import EXAMPLE_TOML, ConfigError, ServeConfig, load_file
+from nodeagent.config import ConfigError, ServeConfig, example_toml, load_file
 from tests.conftest import REPO
 
 
@@ -20,7 +20,7 @@ def write(tmp_path, text: str) -> str:
 
 def test_the_example_file_holds_exactly_the_defaults(tmp_path):
     config = ServeConfig()
-    assert load_file(config, write(tmp_path, EXAMPLE_TOML), required=True)
+    assert load_file(config, write(tmp_path, example_toml()), required=True)
     assert asdict(config) == asdict(ServeConfig())
 
 
@@ -113,7 +113,7 @@ def test_flags_override_the_file_and_bad_files_stop_the_daemon(tmp_path, start_d
 def test_config_example_command_prints_the_example():
     out = subprocess.run([sys.executable, "-m", "nodeagent", "config-example"], capture_output=True, text=True,
                          timeout=30, cwd=REPO)
-    assert out.returncode == 0 and out.stdout == EXAMPLE_TOML
+    assert out.returncode == 0 and out.stdout == example_toml()
 
 
 def test_a_bad_value_carries_its_key_so_the_command_line_can_name_the_flag():

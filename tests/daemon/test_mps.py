@@ -121,9 +121,9 @@ def test_one_daemon_per_device_each_in_its_own_dirs(make_mps):
     a.start()
     b.start()
     assert a.pid != b.pid and a.pipe_dir != b.pipe_dir
-    a.set_default_active_thread_percentage(30)
-    assert b.default_active_thread_percentage() == 100.0
-    assert a.default_active_thread_percentage() == 30.0
+    a.command("set_default_active_thread_percentage 30")
+    assert b.command("get_default_active_thread_percentage").strip() == "100.0"
+    assert a.command("get_default_active_thread_percentage").strip() == "30.0"
 
 
 def test_start_adopts_a_daemon_left_running_by_an_earlier_run(make_mps):
@@ -183,27 +183,15 @@ def test_runtime_dir_too_long_for_a_socket_is_refused_early(workdir):
 def test_command_round_trips(make_mps):
     m = make_mps()
     m.start()
-    m.set_default_active_thread_percentage(40)
-    assert m.default_active_thread_percentage() == 40.0
-    m.set_default_device_pinned_mem_limit(2048)
+    m.command("set_default_device_pinned_mem_limit 0 2048M")
     assert m.command("get_default_device_pinned_mem_limit 0").strip() == "2048M"
     m.command("start_server -uid 1000")
     servers = m.server_list()
     assert len(servers) == 1 and servers[0] > 0
 
 
-@pytest.mark.parametrize("bad", [0, 101, 50.5, True, "50"])
-def test_bad_percentages_are_refused_before_sending(make_mps, bad):
+def test_bad_commands_are_refused(make_mps):
     m = make_mps()
-    with pytest.raises(ValueError):
-        m.set_default_active_thread_percentage(bad)
-
-
-def test_bad_commands_and_limits_are_refused(make_mps):
-    m = make_mps()
-    for bad in (0, -5, 1.5, True):
-        with pytest.raises(ValueError):
-            m.set_default_device_pinned_mem_limit(bad)
     for text in ("", "get_server_list\nquit"):
         with pytest.raises(ValueError):
             m.command(text)
@@ -231,10 +219,9 @@ def test_command_to_a_stuck_daemon_times_out(make_mps):
 # ---------------------------------------------------------------- supervision
 
 
-def test_killed_daemon_is_restarted_with_its_settings(make_mps, caplog):
+def test_killed_daemon_is_restarted(make_mps, caplog):
     m = make_mps()
     m.start()
-    m.set_default_active_thread_percentage(40)
     assert m.ensure_running() is False and m.restarts == 0
     old = kill_and_wait(m)
     assert not m.alive()
@@ -242,7 +229,6 @@ def test_killed_daemon_is_restarted_with_its_settings(make_mps, caplog):
         assert m.ensure_running() is True
     assert m.restarts == 1 and m.pid != old and m.alive()
     assert "[mps] restart device=0 reason=exited restarts=1" in caplog.text
-    assert m.default_active_thread_percentage() == 40.0  # the default was sent again
     assert m.server_list() == []
 
 
@@ -255,19 +241,6 @@ def test_watch_fd_becomes_readable_when_the_daemon_dies(make_mps):
     assert select.select([fd], [], [], 5)[0]
     m.ensure_running()
     assert m.watch_fd() is not None and not select.select([m.watch_fd()], [], [], 0)[0]
-
-
-def test_probe_restarts_a_daemon_that_stopped_answering(make_mps, caplog):
-    m = make_mps()
-    m.start()
-    stuck = m.pid
-    os.kill(stuck, signal.SIGSTOP)
-    assert m.ensure_running() is False  # alive by its pid: only a probe can tell
-    with caplog.at_level(logging.WARNING, logger="nodeagent.mps"):
-        assert m.ensure_running(probe_timeout_s=0.5) is True
-    assert "reason=unresponsive" in caplog.text
-    wait_for(lambda: not pid_alive(stuck))
-    assert m.pid != stuck and m.server_list() == []
 
 
 def test_restart_budget_gives_up_and_stays_failed(make_mps):
@@ -349,7 +322,7 @@ def test_never_touches_gpu_settings(make_mps, workdir):
     os.chmod(os.path.join(spy_dir, "nvidia-smi"), 0o755)
     m = make_mps(env={"PATH": spy_dir + os.pathsep + os.environ.get("PATH", "")})
     m.start()
-    m.set_default_active_thread_percentage(50)
+    m.command("set_default_active_thread_percentage 50")
     kill_and_wait(m)
     m.ensure_running()
     assert m.quit() is QuitStep.QUIT
@@ -387,9 +360,8 @@ def test_real_control_daemon(workdir):
     try:
         assert m.pid is not None and Path(m.pipe_dir, "control").exists()
         assert m.server_list() == []
-        m.set_default_active_thread_percentage(50)
-        assert m.default_active_thread_percentage() == 50.0
-        m.set_default_device_pinned_mem_limit(1024)
+        m.command("set_default_active_thread_percentage 50")
+        assert float(m.command("get_default_active_thread_percentage").split()[-1]) == 50.0
     finally:
         step = m.quit(timeout_s=20)
     assert step is QuitStep.QUIT

@@ -5,7 +5,7 @@ looking for code that is not there. This test collects what the package's docstr
 code -- ``double`` or `single` backticks, ``:meth:``/``:class:`` roles, ``module.attr``,
 ``Class.method``, file paths -- and checks each against an index of the package built from its
 source (modules, classes, functions, methods, attributes, parameters, the string constants that
-are its ops, event kinds and metric names), the config declaration (``EXAMPLE_TOML``: a
+are its ops, event kinds and metric names), the config declaration (``example_toml()``: a
 ``table.key`` must be a setting), the wire types (``welcome.pace`` must be a field of the
 message tagged ``welcome`` in ``client_lib/protocol.py``) and the repository's files. Names from outside the package are allowed by the first segment: the standard
 library's modules, and the short explicit list ``EXTERNAL`` below.
@@ -182,7 +182,7 @@ def _config_keys() -> set[str]:
             if isinstance(value, dict):
                 flatten(value, prefix + key + ".")
 
-    example = config.EXAMPLE_TOML() if callable(config.EXAMPLE_TOML) else config.EXAMPLE_TOML
+    example = config.example_toml()
     flatten(tomllib.loads(example))
     return keys
 

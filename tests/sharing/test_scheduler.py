@@ -818,22 +818,3 @@ def test_a_request_held_back_by_the_caller_keeps_its_wait_and_gets_no_clamp():
     with pytest.raises(ValueError):
         s.request("late", 0.06, waiting_since=0.07)  # cannot have waited since the future
     assert s.state("late") is SessionState.IDLE
-
-
-# ---------------------------------------------------------------- who is next
-
-
-def _holding_with_waiters():
-    s = make(("a", TRAIN, 1.0), ("b", TRAIN, 1.0), ("c", TRAIN, 1.0), ("i", INFER, 1.0))
-    [grant_a] = s.request("a", 0.0)
-    assert s.request("b", 0.01) == [] and s.request("c", 0.02) == []
-    return s, grant_a
-
-
-def test_successor_names_who_a_release_would_grant():
-    s, grant_a = _holding_with_waiters()
-    assert s.successor() == "b"
-    [ask] = s.request("i", 0.03)
-    assert isinstance(ask, AskYield) and s.successor() == "i"  # a higher class first
-    [grant] = s.release("a", grant_a.grant, 0.05)
-    assert grant.session == "i" and s.successor() == "b"

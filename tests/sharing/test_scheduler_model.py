@@ -434,7 +434,7 @@ def test_same_actions_as_the_reference_with_hundreds_of_sessions(seed):
 @given(
     events=st.lists(
         st.tuples(
-            st.sampled_from(["push", "push", "discard", "pop", "first", "list", "list"]),
+            st.sampled_from(["push", "push", "discard", "pop", "list", "list"]),
             st.integers(0, 9),
             st.sampled_from([0.0, 0.5, 1.0, 2.0]),
             st.sampled_from([0.0, 1.0, 2.0]),
@@ -470,8 +470,6 @@ def test_fair_queue_keeps_the_order_of_a_sorted_list(slack, events):
             else:
                 with pytest.raises(IndexError):
                     line.pop_first()
-        elif op == "first":
-            assert line.first() == (min(model.values())[2] if model else None)
         else:
             assert line.ordered_ids() == tuple(key[2] for key in sorted(model.values()))
         assert len(line) == len(model) and bool(line) == bool(model)
