@@ -120,16 +120,21 @@ MOVED_TO_SUSPENSIONS = {"suspension", "host_bytes", "host_pinned", "suspend_stat
 MACHINE_HOLDERS = {"suspension.py", "restore.py"}  # restore builds one from the journal and hands it over
 
 
+def _uses(tree: ast.AST, cls: str, attrs: tuple[str, ...], *, writes_only: bool):
+    """Lines that name ``cls`` (or import it) or touch one of ``attrs`` (``writes_only``: change)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == cls:
+            yield node.lineno
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == cls for alias in node.names):
+            yield node.lineno
+        elif (isinstance(node, ast.Attribute) and node.attr in attrs
+              and (isinstance(node.ctx, ast.Store) or not writes_only)):
+            yield node.lineno
+
+
 def _machine_uses(tree: ast.AST):
     """Lines that name the machine's class or change one of its fields."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "Suspension":
-            yield node.lineno
-        elif isinstance(node, ast.ImportFrom) and any(alias.name == "Suspension" for alias in node.names):
-            yield node.lineno
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-              and node.attr in ("keep_request", "bytes_parked")):
-            yield node.lineno
+    return _uses(tree, "Suspension", ("keep_request", "bytes_parked"), writes_only=True)
 
 
 def test_a_sessions_suspension_is_kept_by_the_suspension_component_alone():
@@ -271,13 +276,7 @@ MOVED_TO_TOKENS = {"grant", "granted_at", "wait_started", "grants", "stopped"}
 
 def _hold_uses(tree: ast.AST):
     """Lines that name the token state's class or one of its fields outside a view."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "TokenHold":
-            yield node.lineno
-        elif isinstance(node, ast.ImportFrom) and any(alias.name == "TokenHold" for alias in node.names):
-            yield node.lineno
-        elif isinstance(node, ast.Attribute) and node.attr in ("_holds", "wait_started", "granted_at"):
-            yield node.lineno
+    return _uses(tree, "TokenHold", ("_holds", "wait_started", "granted_at"), writes_only=False)
 
 
 def test_a_sessions_token_state_is_kept_by_the_tokens_component_alone():

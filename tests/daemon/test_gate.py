@@ -1,4 +1,4 @@
-"""The token gate (nodeagent/daemon/gate.py) stepped by hand: make-room blocks."""
+"""The token gate (nodeagent/daemon/gate.py) stepped by hand: make-room blocks, restore windows."""
 
 from __future__ import annotations
 
@@ -63,3 +63,20 @@ def test_a_session_admitted_by_make_room_asks_once_every_suspension_it_waits_for
     gate.on_make_room_finished(MakeRoomFinished(second.id, 4.0))  # reported again (timeout, then parked)
     assert tokens.asked == [("s-infer", 1.0)]
     assert gate.ask(admitted, 5.0) is Gate.QUEUE  # blocked no longer
+
+
+def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_deadline(sessions):
+    """The window waits for the restored sessions to reattach; one that ends instead (its process
+    gone, bye) is waited for no longer: when it was the last, the parked requests are made at
+    once, keeping their wait, not at the window's deadline (the token gate owns the windows).
+    (Moved here from test_restart.py: it starts no daemon.)"""
+    gone, waiting = add(sessions, "s-gone"), add(sessions, "s-new")
+    tokens = AskedTokens()
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
+                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
+    gate.open_windows({0: {"s-gone"}}, deadline=100.0)
+    tokens.waits[waiting.id] = 1.5
+    assert gate.ask(waiting, 2.0) is Gate.PARK and tokens.asked == []
+    sessions.remove(gone)
+    gate.forget(gone, 3.0)  # what the server does when a session ends
+    assert tokens.asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None

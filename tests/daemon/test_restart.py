@@ -391,138 +391,77 @@ def test_100_waiting_clients_back_off_while_the_daemon_is_away_and_are_granted_w
     assert "restored=100" in d2.log()
 
 
-def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_deadline():
-    """The window waits for the restored sessions to reattach; one that ends instead (its process
-    gone, bye) is waited for no longer: when it was the last, the parked requests are made at
-    once, keeping their wait, not at the window's deadline (the token gate owns the windows)."""
-    from nodeagent.daemon.gate import TokenGate
-    from nodeagent.daemon.sessions import Session, SessionTable
-    from sharing import Workload
-    from sharing.suspension import Gate
-    from tests.daemon_parts import FakeDevices, make_suspensions
+class _StaleRow:
+    """The restorer's journal retry over a real journal, with one session ``s`` (training,
+    device 0) in real ``Tokens`` and ``Suspensions``; ``rewrite()`` marks its row stale and lets
+    the retry write it again, and returns the row as the journal then holds it."""
 
-    asked: list[tuple[str, float | None]] = []
+    def __init__(self, tmp_path, *, stopped: bool = False) -> None:
+        from prometheus_client import CollectorRegistry
 
-    class AskedTokens:
-        waits: dict[str, float] = {}
+        from nodeagent.config import ServeConfig
+        from nodeagent.daemon.bus import Bus
+        from nodeagent.daemon.gate import TokenGate
+        from nodeagent.daemon.journal_writer import JournalWriter
+        from nodeagent.daemon.restore import Restorer
+        from nodeagent.daemon.sessions import Session, SessionTable
+        from nodeagent.journal import Journal
+        from nodeagent.metrics import Metrics
+        from sharing import Workload
+        from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
 
-        def on_device(self, device, sid):
-            return True
+        self.journal = Journal(str(tmp_path / "state.db"))
+        self.sessions = SessionTable()
+        self.tokens = make_tokens(sessions=self.sessions)
+        self.suspensions = make_suspensions(sessions=self.sessions, tokens=self.tokens)
+        self.writer = JournalWriter(self.journal, Metrics(CollectorRegistry()), Bus())
+        gate = TokenGate(sessions=self.sessions, tokens=self.tokens, devices=FakeDevices(1),
+                         suspensions=self.suspensions)
+        self.restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=self.writer,
+                                 sessions=self.sessions, tokens=self.tokens, mps=None, capacities_mb=[1 << 20],
+                                 suspensions=self.suspensions, gate=gate)
+        self.s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None,
+                         start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0,
+                         created=0.0, last_seen=0.0)
+        self.tokens.add(0, self.s.id, self.s.workload, self.s.weight, 0.0, stopped=stopped)
+        self.sessions.add(self.s)
 
-        def grant_of(self, s):
-            return None
+    def rewrite(self):
+        from nodeagent.daemon.restore import JOURNAL_RETRY_S
 
-        def waiting_since(self, s):
-            return self.waits.get(s.id)
+        self.writer.ok, self.writer.stale = False, {self.s.id}
+        self.restorer.retry_journal(0.0)
+        self.restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
+        assert self.writer.ok and not self.writer.stale
+        [rec], _ = self.journal.read_sessions()
+        assert rec.id == self.s.id
+        return rec
 
-        def request(self, device, sid, now, waiting_since=None):
-            asked.append((sid, waiting_since))
-
-    sessions = SessionTable()
-
-    def session(sid: str) -> Session:
-        s = Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                    uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0,
-                    last_seen=0.0)
-        sessions.add(s)
-        return s
-
-    gone, waiting = session("s-gone"), session("s-new")
-    tokens = AskedTokens()
-    gate = TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
-                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
-    try:
-        gate.open_windows({0: {"s-gone"}}, deadline=100.0)
-        tokens.waits[waiting.id] = 1.5
-        assert gate.ask(waiting, 2.0) is Gate.PARK and asked == []
-        sessions.remove(gone)
-        gate.forget(gone, 3.0)  # what the server does when a session ends
-        assert asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
-    finally:
-        sessions.close()
+    def close(self) -> None:
+        self.sessions.close()
+        self.journal.close()
 
 
 def test_a_stale_sessions_row_is_written_again_with_its_suspension(tmp_path):
     """A session whose row could not be written while it was being suspended is written again,
     once the journal works, with the suspension the suspension component holds for it (the
     row's ``suspension``, from ``Suspensions.record``): a restart then finishes it."""
-    from prometheus_client import CollectorRegistry
-
-    from nodeagent.config import ServeConfig
-    from nodeagent.daemon.bus import Bus
-    from nodeagent.daemon.gate import TokenGate
-    from nodeagent.daemon.journal_writer import JournalWriter
-    from nodeagent.daemon.restore import JOURNAL_RETRY_S, Restorer
-    from nodeagent.daemon.sessions import Session, SessionTable
-    from nodeagent.journal import Journal
-    from nodeagent.metrics import Metrics
-    from sharing import Workload
-    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
-
-    journal = Journal(str(tmp_path / "state.db"))
-    sessions = SessionTable()
-    tokens = make_tokens(sessions=sessions)
-    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
-    writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
-    restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=writer,
-                        sessions=sessions, tokens=tokens, mps=None, capacities_mb=[1 << 20], suspensions=suspensions,
-                        gate=TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
-                                       suspensions=suspensions))
-    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
-    tokens.add(0, s.id, s.workload, s.weight, 0.0)
-    sessions.add(s)
+    world = _StaleRow(tmp_path)
     try:
-        suspensions.begin(s, 60_000.0, time.monotonic(), reason="requested")  # its row never written: stale
-        writer.ok, writer.stale = False, {s.id}
-        restorer.retry_journal(0.0)
-        restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
-        assert writer.ok and not writer.stale
-        [rec], _ = journal.read_sessions()
-        assert rec.id == s.id and rec.suspension["state"] == "requested" and rec.suspension["reason"] == "requested"
+        world.suspensions.begin(world.s, 60_000.0, time.monotonic(), reason="requested")  # its row never written
+        rec = world.rewrite()
+        assert rec.suspension["state"] == "requested" and rec.suspension["reason"] == "requested"
     finally:
-        sessions.close()
-        journal.close()
+        world.close()
 
 
 def test_a_stale_sessions_row_is_written_again_saying_the_daemon_holds_it_stopped(tmp_path):
     """A session whose row could not be written while the daemon held it stopped is written
     again with ``stopped`` as the tokens component keeps it (``Tokens.stopped``): a daemon
     killed after that continues the process."""
-    from prometheus_client import CollectorRegistry
-
-    from nodeagent.config import ServeConfig
-    from nodeagent.daemon.bus import Bus
-    from nodeagent.daemon.gate import TokenGate
-    from nodeagent.daemon.journal_writer import JournalWriter
-    from nodeagent.daemon.restore import JOURNAL_RETRY_S, Restorer
-    from nodeagent.daemon.sessions import Session, SessionTable
-    from nodeagent.journal import Journal
-    from nodeagent.metrics import Metrics
-    from sharing import Workload
-    from tests.daemon_parts import FakeDevices, make_suspensions, make_tokens
-
-    journal = Journal(str(tmp_path / "state.db"))
-    sessions = SessionTable()
-    tokens = make_tokens(sessions=sessions)
-    suspensions = make_suspensions(sessions=sessions, tokens=tokens)
-    writer = JournalWriter(journal, Metrics(CollectorRegistry()), Bus())
-    restorer = Restorer(config=ServeConfig(backend="cpu", state_dir=str(tmp_path)), journal=writer,
-                        sessions=sessions, tokens=tokens, mps=None, capacities_mb=[1 << 20], suspensions=suspensions,
-                        gate=TokenGate(sessions=sessions, tokens=tokens, devices=FakeDevices(1),
-                                       suspensions=suspensions))
-    s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
-    tokens.add(0, s.id, s.workload, s.weight, 0.0, stopped=True)  # held stopped, as a restore finds one
-    sessions.add(s)
+    world = _StaleRow(tmp_path, stopped=True)  # held stopped, as a restore finds one
     try:
-        assert tokens.stopped(s)
-        writer.ok, writer.stale = False, {s.id}
-        restorer.retry_journal(0.0)
-        restorer.retry_journal(JOURNAL_RETRY_S)  # the probe succeeds: the stale row is written
-        assert writer.ok and not writer.stale
-        [rec], _ = journal.read_sessions()
-        assert rec.id == s.id and rec.stopped is True
+        assert world.tokens.stopped(world.s)
+        assert world.rewrite().stopped is True
     finally:
-        sessions.close()
-        journal.close()
+        world.close()
