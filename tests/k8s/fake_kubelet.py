@@ -97,6 +97,8 @@ class FakeKubelet:
                     self._cond.notify_all()
         except grpc.RpcError:
             pass
+        except ValueError:  # "Cannot invoke RPC: Channel closed!": the kubelet restarted (stop()) meanwhile
+            pass
         finally:
             with self._cond:
                 reg.stream_ended = True
