@@ -44,7 +44,6 @@ class TokenHold:
     grant: int | None = None  # grant id while holding the token
     granted_at: float | None = None
     wait_started: float | None = None  # when it last asked for the token
-    grants: int = 0
     stopped: bool = False  # SIGSTOPped by the daemon (journalled first); continued before its next grant
 
 
@@ -308,7 +307,6 @@ class Tokens:
                 hold = self._holds[s.id]
                 hold.grant = action.grant
                 hold.granted_at = now
-                hold.grants += 1
                 was_stopped = hold.stopped
                 if was_stopped:  # its turn again: it runs before it hears it may
                     enforce.send(s, signal.SIGCONT)

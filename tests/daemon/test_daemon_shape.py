@@ -268,7 +268,7 @@ def test_no_part_of_the_tokens_component_is_bound_back_to_it_late():
     assert "tokens" not in inspect.signature(Pacing).parameters
 
 
-# A session's token state (the grant it holds and since when, its wait timed, its grants, a stop
+# A session's token state (the grant it holds and since when, its wait timed, a stop
 # of the daemon's) is the tokens component's (issue 31 item 2): kept by session id in tokens.py
 # (TokenHold), read by the others through its views (grant_of, held_since, waiting_since, stopped).
 MOVED_TO_TOKENS = {"grant", "granted_at", "wait_started", "grants", "stopped"}
