@@ -5,6 +5,7 @@ tests/bench/test_metrics_storm.py."""
 
 from __future__ import annotations
 
+import select
 import socket
 
 import pytest
@@ -89,16 +90,24 @@ class Harness:
         raise AssertionError(f"no whole response; got {got[:200]!r}")
 
     def closed_by_endpoint(self, s: socket.socket) -> bool:
-        """Whether the endpoint closed ``s`` (whatever it had written is read and dropped)."""
+        """Whether the endpoint closed ``s`` (whatever it had written is read and dropped). The
+        kernel delivers a closed socket's unsent bytes before its FIN: while bytes still come,
+        the end may be behind them, so a pause in them is waited out (a short while) first."""
         self.turn()
+        read = False
         while True:
             try:
-                if s.recv(1 << 20) == b"":
-                    return True
+                chunk = s.recv(1 << 20)
             except BlockingIOError:
+                if read and select.select([s], [], [], 0.5)[0]:
+                    read = False
+                    continue  # more came (or the end): read on
                 return False
             except ConnectionResetError:
                 return True
+            if chunk == b"":
+                return True
+            read = True
 
     def close(self) -> None:
         for s in self.peers:
