@@ -34,7 +34,7 @@ lists all N), as a live view would;
 handoffs up (the daemon builds one a chunk of rows per loop turn).
 
 Last, with the daemon stopped, the scheduler's step time in this process at
-10, 1,000 and 10,000 waiting sessions (``sharing.bench_support``).
+10, 1,000 and 10,000 waiting sessions (``bench.scheduler_support``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from bench import common
 from bench.handoff import Contenders, pair_handoffs
 from client_lib import Client, NodeAgentError, codec, framing
 from client_lib import protocol as p
-from sharing.bench_support import scheduler_step_us
+from bench.scheduler_support import scheduler_step_us
 
 _WORKER_TIMEOUT_S = 120.0  # attaching a thousand sessions on 2 shared cores
 _SETTLE_S = 0.5  # after attaching or detaching, before anything is measured

@@ -1,9 +1,8 @@
 """Pure scheduling logic for nodeagent: no I/O, no clock of its own.
 
 The token scheduler's and the device lifecycle's public names are re-exported
-here; the MPS partition planner lives in :mod:`sharing.partition`, the
-scheduler's per-class waiting line in :mod:`sharing.fairqueue`, and the timing
-of scheduler steps (the only clock in this package) in :mod:`sharing.bench_support`.
+here; the MPS partition planner lives in :mod:`sharing.partition` and the
+scheduler's per-class waiting line in :mod:`sharing.fairqueue`.
 """
 
 from sharing import lifecycle as _lifecycle

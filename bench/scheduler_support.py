@@ -1,8 +1,9 @@
 """Timing of one scheduler step at a given queue length, for ``bench.scale``.
 
-The only module of :mod:`sharing` that reads a clock, and only to measure: the
-scheduler itself is driven by a fake clock that advances 1 ms per step. It uses
-the public API alone, so the same function times any version of the scheduler.
+It reads a clock only to measure, which is why it lives here and not in the pure
+:mod:`sharing`: the scheduler itself is driven by a fake clock that advances 1 ms
+per step. It uses the public API alone, so the same function times any version of
+the scheduler.
 """
 
 from __future__ import annotations
