@@ -216,49 +216,15 @@ class PaceController:
 
     One controller per higher-class session (an inference service, or a trainer for the
     best-effort class below it), fed by that session's slices only, so that one service's
-    ``slo_ms`` and reference are never another's. :meth:`want` says what the lower classes are
-    told; :func:`board_slot` combines the wants of every higher-class session on a device.
+    ``slo_ms`` and reference are never another's; :func:`board_slot` combines the wants of every
+    higher-class session on a device. A session that says its queue is steered by it, one that
+    does not by its slice lengths (how each steers: docs/internals.md). ``fixed_duty_permille``
+    pins the duty (observations are then only counted); ``changes`` counts duty changes.
 
-    **Steered by the queue** (a session that says, with each slice request and release, how
-    many of its requests wait and how long the oldest has waited: :meth:`tell_queue`). While
-    none waits the lower classes run free, with no run-ahead bound; the moment one waits the
-    bound is armed; the lower classes are paused only while the oldest waiting request's
-    projected latency (its age plus its expected service time running beside them, learned from
-    its slices) would pass the target, and that pause is held until the queue is empty. The
-    target is the session's ``slo_ms`` (a p99), else ``1 + latency_margin`` times the
-    ``latency_quantile`` of its own request latencies measured with the lower classes paused or
-    absent; until eight of those are known, a waiting request pauses them (the safe side, and
-    it learns). A pause held between slices lasts at most ``max_gap_s`` past the release: a
-    client that says requests wait and never asks again costs no more than one holding its token.
-
-    **Steered by slice lengths** (a session that says nothing about its queue: the behaviour
-    before protocol 2.7). The feedback is each slice's length, tagged with the duty that held
-    while it ran; the reference is the declared ``slo_ms``, else the median of slices measured
-    with lower classes paused or absent. Every ``window`` slices the window's median is
-    compared with it, beyond the noise: a difference counts only past ``tolerance`` plus
-    ``noise_z`` standard errors of the difference of the two medians (the spread taken from the
-    samples themselves, robustly), so that a service whose p99/p50 is 1.5 (the H100 runs) does
-    not read its own spread as interference. Within it the controller relaxes one step (after
-    any hold), beyond it tightens one, far beyond it pauses outright. A step up is a try: a
-    quarter window far beyond ends it early. Every failure doubles the windows held before the
-    next try (1, 2, 4, ... up to 64); four windows in a row that hold halve it again. After a
-    failure the reference is measured afresh while paused; if pausing did not make the slices
-    faster than the failed window, the slowdown was the service's own (a heavier load), and the
-    failure is forgotten: the next window steps up again. Every ``probe_every`` slices spent
-    above duty 0 one window runs at duty 0 to measure the reference again. TGS (NSDI'23) adapts
-    an opportunistic job's rate to the productive job's throughput the same way.
-
-    ``fixed_duty_permille`` pins the duty (benchmarks, operators who want "pause" or "priority
-    only"); observations are then only counted, and the bound is armed only where the fixed
-    duty can pause. Pure: time is passed in.
-
-    Driving it (the daemon's :class:`nodeagent.daemon.tokens.Pacing`, a replay, a test), all
-    times in seconds on one clock: :meth:`tell_queue` at each slice request and release (or
-    never, for slice-length steering), :meth:`slice_started` at the grant, :meth:`slice_ended`
-    at the release, :meth:`want` for what the lower classes are told now, and
-    :meth:`next_deadline` for when to ask again with nothing said. :meth:`observe` is the
-    slice-length feedback alone (what :meth:`slice_ended` calls for a session that says no
-    queue); ``changes`` counts duty changes.
+    Driven, all times in seconds on one clock, by :meth:`tell_queue` at each slice request and
+    release (or never, for slice-length steering), :meth:`slice_started` at the grant and
+    :meth:`slice_ended` at the release; :meth:`want` says what the lower classes are told now,
+    :meth:`next_deadline` when to ask again with nothing said.
     """
 
     def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 1024,
