@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import median as _median
 
 from sharing.scheduler import (Action, SchedulerPolicy, SchedulerSnapshot, SessionState,
                                TokenScheduler, UnknownSessionError, Workload)
@@ -593,10 +594,3 @@ def _log_spread(values) -> float:
 def _quantile(values, q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _median(values) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
