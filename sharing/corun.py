@@ -278,13 +278,13 @@ class PaceController:
         # Queue steering (tell_queue); off until the session says its queue.
         self._queue_said = False
         self._waiting = 0
-        self._oldest_at: float | None = None  # when the oldest waiting request arrived
+        self._oldest_at: float | None = None  # when the oldest waiting request arrived (set while any waits)
         self._released_at: float | None = None  # the release that last said requests wait (the gap runs from it)
         self._paused = False  # a pause held until the queue is empty
         self._serving_since: float | None = None  # the slice in progress began (its duty below)
         self._serving_duty = 1000
         self._serving_lower = False
-        self._served_arrival: float | None = None  # the request the slice in progress serves arrived
+        self._served_arrival: float | None = None  # the slice in progress serves a request that arrived then
         self._service_free: deque[float] = deque(maxlen=reference_window)  # slices with lower classes running
         self._service_paused: deque[float] = deque(maxlen=reference_window)
         self._latency_paused: deque[float] = deque(maxlen=reference_window)  # arrival to release, paused
@@ -339,12 +339,7 @@ class PaceController:
         target, expected = self.target_s(), self.expected_service_s() or 0.0
         if target is None:
             return gap_end
-        if serving:
-            cross = (self._served_arrival if self._served_arrival is not None else self._serving_since) + target
-        elif self._oldest_at is not None:
-            cross = self._oldest_at + target - expected
-        else:
-            return gap_end
+        cross = self._served_arrival + target if serving else self._oldest_at + target - expected
         return cross if gap_end is None else min(cross, gap_end)
 
     def reference_s(self) -> float | None:
@@ -398,9 +393,8 @@ class PaceController:
         self._waiting = max(0, int(waiting))
         if not self._waiting:
             self._oldest_at = None
-            if self._serving_since is None and self._paused:
-                self._paused = False
-                self.changes += 1
+            if self._serving_since is None:
+                self._forget_queue()
             return
         age = oldest_wait_s if oldest_wait_s is not None and math.isfinite(oldest_wait_s) else 0.0
         self._oldest_at = now - min(max(age, 0.0), 3600.0)
@@ -424,7 +418,7 @@ class PaceController:
         if not self.queue_steered:
             return self.observe(held_s, self._serving_duty, lower)
         paused_throughout = self._serving_duty == 0 and self._paused or not lower
-        latency_s = max(held_s, now - (self._served_arrival if self._served_arrival is not None else started))
+        latency_s = max(held_s, now - self._served_arrival)
         if paused_throughout:
             self._service_paused.append(held_s)
             self._latency_paused.append(latency_s)
@@ -551,10 +545,10 @@ class PaceController:
             return True
         expected = expected or 0.0  # no slice seen yet: its age alone
         if self._serving_since is not None:
-            arrival = self._served_arrival if self._served_arrival is not None else self._serving_since
+            arrival = self._served_arrival
             finish = max(self._serving_since + expected, now)
         else:
-            arrival = self._oldest_at if self._oldest_at is not None else now
+            arrival = self._oldest_at
             finish = now + expected
         return finish - arrival > target
 
