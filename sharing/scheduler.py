@@ -493,10 +493,8 @@ class TokenScheduler:
                 return self._grant_next(now, [])
             return []
         if h.state is SessionState.HOLDING:
-            # A HOLDING holder with a higher class waiting cannot arise through the
-            # public calls (request() asks at once); checked so it can never stick.
-            if self._higher_class_waiting(h.workload):
-                return [self._ask_yield(h, now, "preempted")]
+            # No higher class waits behind a HOLDING holder: the line is served highest class
+            # first, and request() asks a lower holder to yield at once.
             if now >= self._slice_end and self._queues[h.workload]:
                 return [self._ask_yield(h, now, "quantum")]
             return []
@@ -541,8 +539,6 @@ class TokenScheduler:
         if h is None:
             return self._linger_until
         if h.state is SessionState.HOLDING:
-            if self._higher_class_waiting(h.workload):
-                return self._last_now
             return self._slice_end if self._queues[h.workload] else None
         return None if self._enforced else self._yield_deadline
 
@@ -631,10 +627,6 @@ class TokenScheduler:
         """True if somebody waits and nobody of ``workload`` or a higher class does."""
         queues = self._queues
         return not any(queues[w] for w in range(workload + 1)) and any(queues[w] for w in range(workload + 1, len(queues)))
-
-    def _higher_class_waiting(self, workload: Workload) -> bool:
-        queues = self._queues
-        return any(queues[w] for w in range(workload))
 
     def _clamp_sleeper(self, s: _Session, now: float) -> None:
         """Bound the credit of a session coming back from IDLE to one quantum (CFS min_vruntime)."""
