@@ -1,17 +1,9 @@
-"""Device lifecycle for cluster lending: may this GPU be lent to training now?
+"""Device lifecycle for cluster lending (:class:`DeviceLifecycle`): may this GPU be lent to training now?
 
-Pure logic, like :mod:`sharing.scheduler`: no I/O, no clock of its own. Every
-call takes ``now`` (float seconds on the caller's monotonic clock) and returns
-what changed, so tests step it by hand and the daemon turns the result into
-events, journal rows and reclaims. The daemon's loop is, in outline::
-
-    changes = lifecycle.observe(inference_active, now)     # or lend, reclaim, drain, ...
-    publish(changes)                                        # events, journal
-    poll(timeout=lifecycle.next_deadline() - now)           # then tick(now)
-
-The point of ``PROTECT`` (after DeepBoot) is that inference load comes in
-bursts: a device whose inference just went idle is likely to need it again
-soon, so it is not lent out until it stayed idle for ``protect_s``.
+Pure, like :mod:`sharing.scheduler`: every call takes ``now`` (seconds on the caller's monotonic
+clock) and returns what changed, which the daemon turns into events, journal rows and reclaims.
+``PROTECT`` keeps a device whose inference just went idle from being lent for ``protect_s``:
+inference comes in bursts (after DeepBoot). How the daemon drives it: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -43,10 +35,6 @@ class DeviceState(str, enum.Enum):
         FREE --lend(b)--> LENT(b) --reclaim--> PROTECT (inference gets the protect window) --> RUN/FREE
         LENT --max_s passed--> (tick returns ReclaimDue once; the server reclaims)
         any --drain--> DRAINING --undrain--> FREE/RUN (by observation)
-
-    Refusals (:class:`LifecycleError`, nothing changes): lend from RUN, PROTECT
-    (the message says when the window ends) or DRAINING; lend to another
-    borrower while LENT. Lend to the same borrower while LENT is a no-op.
 
     Entering PROTECT resolves at once when it can: with inference already
     active it goes on to RUN, with ``protect_s == 0`` to FREE (both
@@ -121,13 +109,6 @@ def _check_protect_s(protect_s: object) -> float:
     if not math.isfinite(protect_s) or protect_s < 0:
         raise ValueError(f"protect_s must be finite and >= 0, got {protect_s!r}")
     return float(protect_s)
-
-
-def _workload_name(workload: object) -> str:
-    if isinstance(workload, Workload):
-        return workload.wire
-    Workload.parse(workload)  # type: ignore[arg-type]  # raises ValueError naming the valid ones
-    return workload  # type: ignore[return-value]
 
 
 class DeviceLifecycle:
@@ -344,16 +325,14 @@ class DeviceLifecycle:
     def admits(self, workload: str | Workload, borrower: str | None) -> str | None:
         """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not.
 
-        DRAINING admits nothing. A LENT device admits inference and its borrower's sessions only
-        (docs/cluster.md): a local job without a borrower would take the lent job's time. A
-        non-inference session with a borrower (a cluster training job) is admitted only on a
-        device LENT to that borrower. Inference (its borrower is ignored) and sessions without
-        a borrower (local jobs) are admitted in every other state.
+        A LENT device admits inference and its borrower's sessions only (docs/cluster.md): a local
+        job would take the lent job's time; a session with a borrower joins only a device lent to it.
         """
-        workload = _workload_name(workload)
+        if not isinstance(workload, Workload):
+            workload = Workload.parse(workload)  # ValueError naming the valid ones
         if self._state is DeviceState.DRAINING:
             return f"device {self.device} is DRAINING and admits no new sessions"
-        if workload == "inference":
+        if workload is Workload.INFERENCE:
             return None
         if borrower is None:
             if self._state is DeviceState.LENT:
