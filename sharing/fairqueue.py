@@ -1,14 +1,8 @@
-"""The waiting line of one workload class, in fair order, at O(log n) a step.
+"""The waiting line of one workload class, in fair order, at O(log n) a step (:class:`FairQueue`).
 
-Order: least virtual time, then earliest ``waiting_since``, then id (ids are
-unique). A binary heap gives the first in line; leaving the line from the middle
-(cancel, session lost) only forgets the member, and its heap entry is dropped
-when it reaches the top or when stale entries outnumber live ones (a rebuild
-that costs O(live), paid for by the deletions that made it due). The full order,
-which only a status listing needs, is kept from the last listing and merged with
-what joined since, so listing costs O(n + k log k) for k newcomers.
-
-Pure: no clock, no I/O.
+Order: least virtual time, then earliest ``waiting_since``, then id (ids are unique). A heap
+whose members leaving from the middle are dropped lazily; how, and what a listing costs:
+docs/internals.md. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -31,13 +25,9 @@ _Entry = tuple[float, float, str, int, T]
 
 
 class FairQueue(Generic[T]):
-    """Members keyed by (virtual time, waiting since, id); see the module docstring.
-
-    A member's key is fixed while it waits (the scheduler charges only the holder),
-    which is what lets a heap hold it. ``slack`` (default :data:`DEFAULT_SLACK`)
-    bounds the stale entries kept beyond the live ones; tests lower it to
-    exercise the rebuilds.
-    """
+    """Members keyed by (virtual time, waiting since, id), a key fixed while they wait (the
+    scheduler charges only the holder): that is what lets a heap hold them. ``slack`` (default
+    :data:`DEFAULT_SLACK`) bounds the stale entries kept beyond the live ones."""
 
     __slots__ = ("_members", "_heap", "_stale", "_seq", "_slack", "_listed", "_added", "_listing")
 
