@@ -603,8 +603,7 @@ class TokenScheduler:
 
     def _only_lower_classes_wait(self, workload: Workload) -> bool:
         """True if somebody waits and nobody of ``workload`` or a higher class does."""
-        queues = self._queues
-        return not any(queues[w] for w in range(workload + 1)) and any(queues[w] for w in range(workload + 1, len(queues)))
+        return not self._owed_the_device(workload) and any(self._queues[workload + 1:])
 
     def _clamp_sleeper(self, s: _Session, now: float) -> None:
         """Bound the credit of a session coming back from IDLE to one quantum (CFS min_vruntime)."""
