@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median as _median
 
-from sharing.scheduler import (Action, SchedulerPolicy, SchedulerSnapshot, SessionState,
+from sharing.scheduler import (Action, DuplicateSessionError, SchedulerPolicy, SchedulerSnapshot, SessionState,
                                TokenScheduler, UnknownSessionError, Workload)
 
 __all__ = ["CoRunScheduler", "PaceController", "PaceSlot", "PaceWant", "board_slot", "DUTY_STEPS_PERMILLE"]
@@ -58,9 +58,7 @@ class CoRunScheduler:
     def policy(self) -> SchedulerPolicy:
         return self._policy
 
-    @property
-    def corun(self) -> bool:
-        return True
+    corun = True  # the shape TokenScheduler has too (False there)
 
     def lane_of(self, session: str) -> TokenScheduler:
         """The lane ``session`` is on; UnknownSessionError if it is on none."""
@@ -89,7 +87,6 @@ class CoRunScheduler:
             raise TypeError(f"workload must be a Workload, got {workload!r}; use Workload.parse()")
         if session in self._lane_of:
             # The lane would say the same; said here so that no lane is touched.
-            from sharing.scheduler import DuplicateSessionError
             raise DuplicateSessionError(f"session {session!r} is already on device {self._device}")
         lane = self._lanes[workload]
         lane.add_session(session, workload, weight, now)
@@ -146,11 +143,7 @@ class CoRunScheduler:
 
     def holder(self) -> str | None:
         """The highest class's holder (the one the others are paced for); None if no lane has one."""
-        for lane in self._lanes:
-            holder = lane.holder()
-            if holder is not None:
-                return holder
-        return None
+        return next(iter(self.holders()), None)
 
     def holders(self) -> tuple[str, ...]:
         """Every lane's holder, highest class first."""
