@@ -120,13 +120,14 @@ class CoRunScheduler:
         self.lane_of(session).set_weight(session, weight, now)
 
     def set_policy(self, policy: SchedulerPolicy, now: float) -> list[Action]:
-        # Check every lane's clock first, so that a refusal changes nothing.
+        # Check every lane's clock first, so that a refusal changes nothing (the first lane
+        # refuses a policy that is none before it changes).
         for lane in self._lanes:
             lane._check_now(now)
-        self._policy = policy
         actions: list[Action] = []
         for lane in self._lanes:
             actions += lane.set_policy(policy, now)
+        self._policy = policy
         return actions
 
     def tick(self, now: float) -> list[Action]:

@@ -79,6 +79,10 @@ def test_lanes_refuse_what_a_scheduler_refuses():
     assert "x" not in s and len(s) == 0
     with pytest.raises(TypeError):
         s.add_session("y", "training", 1.0, 2.0)
+    policy = s.policy
+    with pytest.raises(TypeError):
+        s.set_policy("fast", 3.0)
+    assert s.policy is policy  # a refused call changed nothing
 
 
 def test_a_lane_holder_leaving_passes_its_token_within_the_lane_only():
