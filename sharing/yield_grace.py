@@ -1,12 +1,8 @@
-"""More time for a late yield from a holder that yields: the step before a stop.
+"""More time for a late yield from a holder that yields: the step before a stop (:class:`YieldGrace`).
 
-A holder asked to yield has the policy's grace; on a loaded host a cooperative
-client's yield can arrive a little after it. The first time a verified holder
-overruns in an ask, the daemon warns and waits once more instead of stopping it:
-as long as its own yields have taken (twice the slowest of its last
-``WINDOW``), at least one grace and at most ``CAP_GRACES`` graces; one grace
-when it has no yield measured yet. Past that it is stopped, and a session once
-stopped gets no more of it. Pure: time is passed in.
+On a loaded host a cooperative client's yield can arrive a little after the policy's grace. The
+first time a verified holder overruns in an ask, the daemon warns and waits once more instead of
+stopping it; past that it is stopped, and a session once stopped gets no more. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -42,8 +38,9 @@ class YieldGrace:
         return took
 
     def extension_s(self, session: str, grace_s: float) -> float | None:
-        """More time for ``session``, past its deadline in this ask; None if it has had its
-        extension in this ask or was stopped before (then enforce)."""
+        """More time for ``session``, past its deadline in this ask: twice the slowest of its last
+        ``WINDOW`` yields, within one to ``CAP_GRACES`` graces (one grace with none measured yet);
+        None if it has had its extension in this ask or was stopped before (then enforce)."""
         if session in self._extended or session in self._stopped or not (grace_s > 0 and math.isfinite(grace_s)):
             return None
         self._extended.add(session)
