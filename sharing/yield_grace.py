@@ -55,8 +55,7 @@ class YieldGrace:
 
     def stopped(self, session: str) -> None:
         self._stopped.add(session)
-        self._asked.pop(session, None)
-        self._extended.discard(session)
+        self.ended(session)
 
     def ended(self, session: str) -> None:
         """The slice ended another way (revoked, preempted): no ask stays open."""
@@ -64,7 +63,6 @@ class YieldGrace:
         self._extended.discard(session)
 
     def forget(self, session: str) -> None:
-        for table in (self._asked, self._took):
-            table.pop(session, None)
-        self._extended.discard(session)
+        self.ended(session)
+        self._took.pop(session, None)
         self._stopped.discard(session)

@@ -36,10 +36,12 @@ def test_a_session_stopped_once_gets_no_extension_again():
     g.asked("h", 0.0)
     assert g.extension_s("h", 0.05) == 0.05
     g.stopped("h")
-    g.yielded("h", 5.0)
+    assert g.yielded("h", 5.0) is None  # the stop closed the ask: its time is no yield's
     assert g.extension_s("h", 0.05) is None
+    g.asked("h", 6.0)
+    g.yielded("h", 6.5)
     g.forget("h")  # a new session of that id (never: ids are random) would start afresh
-    assert g.extension_s("h", 0.05) == 0.05
+    assert g.extension_s("h", 0.05) == 0.05 and g.slowest_s("h") is None
 
 
 def test_the_scheduler_waits_the_extension_then_enforces_again():
