@@ -34,11 +34,8 @@ class PartitionError(ValueError):
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    """Integer SM shares and memory limits (MiB) per session, for one device.
-
-    ``memory_limits_mb`` holds only sessions that have a limit. Both mappings
-    are read-only.
-    """
+    """Integer SM shares and memory limits (MiB) per session, for one device; read-only
+    mappings, ``memory_limits_mb`` holding only the sessions that have a limit."""
 
     shares: Mapping[str, int]
     memory_limits_mb: Mapping[str, int] = field(default_factory=dict)
@@ -54,12 +51,9 @@ class PartitionPlan:
         return self.total - sum(self.shares.values())
 
     def env_for(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
-        """The variables ``session`` must have set before it initialises CUDA.
-
-        ``device_ordinal`` is the device as the client enumerates it. Under a
-        per-GPU control daemon started with ``CUDA_VISIBLE_DEVICES=<uuid>`` the
-        client sees that one GPU as ordinal 0, which is the default.
-        """
+        """The variables ``session`` must have set before it initialises CUDA. ``device_ordinal``
+        is the device as the client enumerates it: 0 under a per-GPU control daemon started with
+        ``CUDA_VISIBLE_DEVICES=<uuid>``, where the client sees that one GPU."""
         if session not in self.shares:
             raise KeyError(f"session {session!r} has no share in this plan")
         if isinstance(device_ordinal, bool) or not isinstance(device_ordinal, int) or device_ordinal < 0:
@@ -128,27 +122,20 @@ def replan(
     memory_requests_mb: Mapping[str, int] | None = None,
     **options,
 ) -> PartitionPlan:
-    """The plan for the sessions present now.
-
-    Requests of sessions that left drop out; a present session without a
-    request shares the remainder. ``options`` are those of :func:`plan_partition`.
-    """
+    """The plan for the sessions present now: requests of sessions that left drop out, a present
+    session without one shares the remainder. ``options`` are those of :func:`plan_partition`."""
     present = list(dict.fromkeys(sessions_present))
     memory = {s: mb for s, mb in (memory_requests_mb or {}).items() if s in present}
     return plan_partition({s: requests.get(s) for s in present}, memory_requests_mb=memory, **options)
 
 
 class PartitionTable:
-    """The partition of one MPS device as sessions come and go. Pure: no I/O.
+    """The partition of one MPS device as sessions come and go. Every change re-plans all present
+    sessions and is atomic: an infeasible one raises :class:`PartitionError` and changes nothing.
 
-    Every change re-plans all present sessions and is atomic: an infeasible
-    change raises :class:`PartitionError` and leaves the table as it was.
-
-    A client reads its share once, when it creates its CUDA context (the MPS
-    docs: the variables are read at context creation), so a share handed out
-    with :meth:`issue` stays with that process. :meth:`stale` lists sessions
-    whose issued share differs from the plan now that others came or went; they
-    get the new share only by creating their context again.
+    A client reads its share once, at context creation (the MPS docs), so a share handed out with
+    :meth:`issue` stays with that process; :meth:`stale` lists sessions whose issued share differs
+    from the plan now that others came or went (they get the new one only with a new context).
     """
 
     def __init__(self, device: int, *, min_percent: int = 5, total: int = 100,
