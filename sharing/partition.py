@@ -89,7 +89,9 @@ def plan_partition(
         if percent is None:
             open_sessions.append(session)
             continue
-        value = _number(f"percent of session {session!r}", percent)
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent < math.inf:
+            raise PartitionError(f"percent of session {session!r} must be a finite number > 0, got {percent!r}")
+        value = float(percent)
         if value < min_percent:
             raise PartitionError(f"session {session!r} asks for {_pct(value)} of the SMs; "
                                  f"the minimum share is {min_percent}%")
@@ -249,12 +251,6 @@ def _plan_memory(sessions: list[str], total_mb: int | None, requests_mb: Mapping
         raise PartitionError(f"memory requests sum to {asked} MiB ({listing}), over the {total_mb} MiB "
                              "the device has")
     return limits
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise PartitionError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def _int_in_range(name: str, value: object, low: int, high: int | None) -> int:
