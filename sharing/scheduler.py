@@ -166,11 +166,8 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class AskYield:
-    """Ask the holder to give ``grant`` back within ``deadline_ms``.
-
-    ``reason`` is "preempted" (a higher class waits) or "quantum" (slice over and
-    a session of the same class waits).
-    """
+    """Ask the holder to give ``grant`` back within ``deadline_ms``; ``reason`` is "preempted" (a
+    higher class waits) or "quantum" (slice over and a session of the same class waits)."""
 
     session: str
     grant: int
@@ -181,10 +178,7 @@ class AskYield:
 @dataclass(frozen=True, slots=True)
 class Enforce:
     """The holder is ``overrun_ms`` past its yield deadline; the daemon decides what to do.
-
-    Emitted once per grant. The scheduler keeps the holder until ``revoke()`` or
-    ``release()``.
-    """
+    Emitted once per grant; the scheduler keeps the holder until ``revoke()`` or ``release()``."""
 
     session: str
     grant: int
@@ -450,11 +444,8 @@ class TokenScheduler:
         s.view = None
 
     def set_policy(self, policy: SchedulerPolicy, now: float) -> list[Action]:
-        """Adopt new quanta and grace, then ``tick(now)``.
-
-        The running slice is re-measured against the new quantum; a yield deadline
-        already announced to a client keeps its value.
-        """
+        """Adopt new quanta and grace, then ``tick(now)``: the running slice is re-measured against
+        the new quantum; a yield deadline already announced to a client keeps its value."""
         self._check_now(now)
         self._set_policy_fields(policy)
         if self._holder is not None:
@@ -509,10 +500,8 @@ class TokenScheduler:
 
     def next_deadline(self) -> float | None:
         """The exact time at which ``tick()`` will next emit something; None if nothing is pending.
-
-        It may lie in the past when an event made something due (a same-class
-        waiter arriving after the quantum ended): tick at once then.
-        """
+        It may lie in the past when an event made something due (a same-class waiter arriving
+        after the quantum ended): tick at once then."""
         h = self._holder
         if h is None:
             return self._linger_until
