@@ -180,9 +180,7 @@ class CoRunScheduler:
 
 #: The duties the controller moves between by default, in permille of each period a lower class may
 #: issue work while a higher class holds: 0 is a pause, 1000 leaves the pacing to MPS client priority.
-#: Two: on an H100 the duties between (a trainer running part of each period) kept the worst of both,
-#: the higher class's slices slowed while the lower class ran and the lower class's time lost while it
-#: paused (bench/results/h100-80gb-hbm3-2026-11-27). Finer steps can be given to the controller.
+#: Why no steps between them (finer ones can be given to the controller): docs/internals.md.
 DUTY_STEPS_PERMILLE = (0, 1000)
 
 _OK, _OVER, _FAR = 0, 1, 2  # a window's verdict against the reference
