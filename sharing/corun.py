@@ -483,8 +483,7 @@ class PaceController:
                 self._step, self._trial = 1, True
             return
         if verdict == _OK:
-            if self._trial:
-                self._trial = False
+            self._trial = False
             self._passes += 1
             if self._passes >= 4:  # held a while: failures long ago count less
                 self._passes, self._backoff = 0, max(1, self._backoff // 2)
