@@ -37,6 +37,8 @@ class CoRunScheduler:
     """A device's lanes, one :class:`TokenScheduler` per class, behind the
     TokenScheduler interface the daemon speaks (see docs/internals.md)."""
 
+    __slots__ = ("_device", "_policy", "_lanes", "_lane_of")
+
     def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
                  grant_stride: int = 1) -> None:
         if isinstance(grant_stride, bool) or not isinstance(grant_stride, int) or grant_stride < 1:

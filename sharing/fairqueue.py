@@ -29,6 +29,8 @@ class FairQueue(Generic[T]):
     scheduler charges only the holder): that is what lets a heap hold them. ``slack`` (default
     :data:`DEFAULT_SLACK`) bounds the stale entries kept beyond the live ones."""
 
+    __slots__ = ("_members", "_heap", "_stale", "_seq", "_slack", "_listed", "_added", "_listing")
+
     def __init__(self, slack: int | None = None) -> None:
         if slack is None:
             slack = DEFAULT_SLACK

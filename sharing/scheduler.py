@@ -277,6 +277,28 @@ class _Session:
 class TokenScheduler:
     """Arbitrates one device's token between its sessions (see docs/internals.md)."""
 
+    __slots__ = (
+        "_device",
+        "_policy",
+        "_quantum_s",
+        "_grace_s",
+        "_linger_s",
+        "_sessions",
+        "_queues",
+        "_holder",
+        "_grant",
+        "_granted_at",
+        "_charged_at",
+        "_slice_end",
+        "_yield_deadline",
+        "_enforced",
+        "_next_grant",
+        "_grant_step",
+        "_last_now",
+        "_linger_until",
+        "_linger_class",
+    )
+
     def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
                  grant_step: int = 1) -> None:
         if isinstance(device, bool) or not isinstance(device, int):
