@@ -95,7 +95,7 @@ later, copy its public .key file into DIR/allowed/ (or use --clients-only).
 """
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -205,18 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
-    status.add_argument("--wait", type=_positive_float, default=None, metavar="S",
+    status.add_argument("--wait", type=positive_float, default=None, metavar="S",
                         help="if nothing listens yet, try again for up to S seconds (a script that has just "
                              "started `nodeagent serve`)")
 
     top = sub.add_parser("top", help="live view of holders, queues, recent token history, waits and memory",
                          description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
-    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+    top.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
                      help="seconds between refreshes (default: 1)")
     top.add_argument("--once", action="store_true",
                      help="print one frame to stdout, without escape codes, and exit (for scripts and tests)")
-    top.add_argument("--timeout", type=_positive_float, default=5.0,
+    top.add_argument("--timeout", type=positive_float, default=5.0,
                      help="seconds to wait for each status reply (default: 5)")
 
     run = sub.add_parser("run", help="run an unmodified program time-sliced by the daemon",
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("--workload", choices=["inference", "training", "best-effort"], default="training",
                      help="workload class of the session (default: training)")
-    run.add_argument("--weight", type=_positive_float, default=1.0, help="fair-share weight (default: 1)")
+    run.add_argument("--weight", type=positive_float, default=1.0, help="fair-share weight (default: 1)")
     run.add_argument("--device", type=int, metavar="D", help="device index (default: the daemon picks)")
     run.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     run.add_argument("--name", help="session name shown by `nodeagent status` (default: CMD's name)")

@@ -362,6 +362,7 @@ def test_a_refused_registration_is_one_line_and_tried_again(kubelet_dir, shared_
     (("--socket-name", "kubelet.sock"), "not kubelet.sock"),
     (("--memory-mb-per-share", "lots"), "expected auto or a number of MiB"),
     (("--poll-interval-s", "100"), "--poll-interval-s must be 0.05..60"),
+    (("--poll-interval-s", "nan"), "--poll-interval-s: must be a positive number, got 'nan'"),
     (("--shar", "2"), "unrecognized arguments: --shar"),  # no abbreviations
 ])
 def test_bad_settings_are_one_line_and_exit_2(workdir, args, message):
