@@ -467,6 +467,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1
     logging.getLogger("nodeagent.cli").info("[serve] backend=%s (%s)", backend.name, reason)
+
+    def give_up(code: int, message: str) -> int:
+        print(f"nodeagent: error: {message}", file=sys.stderr)
+        backend.close()
+        return code
+
     from nodeagent.journal import Journal, JournalError
     # A state dir or journal it cannot use ends the start with one line and EXIT_STATE_UNUSABLE,
     # which the systemd unit does not restart on: a restart loop cannot free a disk.
@@ -475,14 +481,10 @@ def _serve(args: argparse.Namespace) -> int:
         state_lock = InstanceLock(os.path.join(config.state_dir, "nodeagent.lock"), "state dir")
         state_lock.acquire()
     except AlreadyRunningError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
-        backend.close()
-        return 1
+        return give_up(1, str(exc))
     except OSError as exc:
-        print(f"nodeagent: error: state dir {config.state_dir} cannot be used: {exc.strerror}; free space or fix "
-              "permissions there, or point --state-dir elsewhere", file=sys.stderr)
-        backend.close()
-        return EXIT_STATE_UNUSABLE
+        return give_up(EXIT_STATE_UNUSABLE, f"state dir {config.state_dir} cannot be used: {exc.strerror}; free "
+                                            "space or fix permissions there, or point --state-dir elsewhere")
     from nodeagent.mps import MpsError
     try:
         # The journal is opened by bind(), once every address is bound: a start that ends
@@ -490,15 +492,7 @@ def _serve(args: argparse.Namespace) -> int:
         server = AgentServer(config, backend,
                              open_journal=lambda: Journal(os.path.join(config.state_dir, "state.db")))
     except ConfigError as exc:
-        print(f"nodeagent: error: {origins.explain(exc)}", file=sys.stderr)
-        backend.close()
-        return EXIT_BAD_SETTING
-
-    def give_up(code: int, message: str) -> int:
-        print(f"nodeagent: error: {message}", file=sys.stderr)
-        backend.close()
-        return code
-
+        return give_up(EXIT_BAD_SETTING, origins.explain(exc))
     # Metrics first: a port it cannot have then ends the start before the endpoint
     # exists, so no socket file is left behind and no client connects in between.
     problem = _start_metrics(server, config, origins)
@@ -562,13 +556,12 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from client_lib import NodeAgentError, query_status
+    from client_lib import DaemonUnavailableError, NodeAgentError, query_status
     from nodeagent.config import client_endpoint_problem
     problem = client_endpoint_problem(args.endpoint)
     if problem is not None:  # as `serve` refuses it: a typo, not a daemon that is away
         print(f"nodeagent: error: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTING
-    from client_lib import DaemonUnavailableError
     give_up = time.monotonic() + (args.wait or 0.0)
     while True:
         try:
@@ -582,10 +575,7 @@ def _status(args: argparse.Namespace) -> int:
         except NodeAgentError as exc:
             print(f"nodeagent: error: {exc}", file=sys.stderr)
             return 1
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(status), indent=2))
-        return 0
-    print(format_status(status))
+    print(json.dumps(msgspec.to_builtins(status), indent=2) if args.json else format_status(status))
     return 0
 
 
