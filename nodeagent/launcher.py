@@ -65,7 +65,8 @@ class Mode(enum.Enum):
 
 
 class Launcher:
-    """Runs ``argv`` time-sliced by the daemon at ``endpoint``; :meth:`run` returns its exit code.
+    """Runs ``argv`` (non-empty; :func:`main` checks it and ``cgroup_mode``) time-sliced by the daemon at
+    ``endpoint``; :meth:`run` returns its exit code.
 
     It forks and installs signal handlers, so it must run in the main thread of
     a process that has no other threads yet (the client's heartbeat thread is
@@ -75,8 +76,6 @@ class Launcher:
     def __init__(self, argv: Sequence[str], *, name: str | None = None, workload: str = "training",
                  weight: float = 1.0, device: int | None = None, endpoint: str | None = None,
                  fail_closed: bool = False, cgroup_mode: str = "auto") -> None:
-        if not argv:
-            raise ValueError("no command to run")
         self.argv = list(argv)
         self.name = name or os.path.basename(self.argv[0])
         self.workload = workload
@@ -84,8 +83,6 @@ class Launcher:
         self.device = device
         self.endpoint = endpoint
         self.fail_closed = fail_closed
-        if cgroup_mode not in CGROUP_MODES:
-            raise ValueError(f"cgroup mode {cgroup_mode!r} is not one of {', '.join(CGROUP_MODES)}")
         self.cgroup_mode = cgroup_mode
         self.hold: Hold | None = None  # how CMD is stopped, continued and ended (set once it is stopped)
         self.mode = Mode.MANAGED
@@ -312,7 +309,7 @@ class Launcher:
             if signum not in self._saved_handlers:
                 continue
             log.info("forwarding %s to CMD", signal.Signals(signum).name)
-            self._killpg(signum)
+            _killpg(self.pid, signum)  # to CMD's process group, as a shell forwards them
             self.hold.cont()  # so that a stopped CMD acts on it (SIGCONT to the group, or a thaw)
             self._cmd_running = True
             if self.mode is not Mode.UNMANAGED:
@@ -408,10 +405,6 @@ class Launcher:
             self.hold.cont()
             self._cmd_running = True
             (log.debug if quiet else log.info)("CMD continued (%s)", why)
-
-    def _killpg(self, signum: int) -> None:
-        """A signal to CMD's process group (forwarded signals go there, as a shell's do)."""
-        _killpg(self.pid, signum)
 
     # -------------------------------------------------------------- keeper
 
@@ -646,7 +639,7 @@ def choose_hold(pid: int, mode: str) -> Hold | None:
             if adopted:  # back where it came from, so that the directory can go
                 why = f"cannot freeze {cg.path}: {exc}"
                 try:
-                    _write_procs(os.path.dirname(outer.path), pid)
+                    outer.eject(pid)
                 except OSError:
                     pass
             if cg is not None:
@@ -685,12 +678,6 @@ def _read_env(fd: int) -> dict[str, str]:
         return {}
     env = json.loads(b"".join(chunks))
     return {str(k): str(v) for k, v in env.items()}
-
-
-def _write_procs(directory: str, pid: int) -> None:
-    """Move ``pid`` into the cgroup at ``directory``."""
-    with open(os.path.join(directory, "cgroup.procs"), "w") as f:
-        f.write(str(pid))
 
 
 def _killpg(pgid: int, signum: int) -> None:
