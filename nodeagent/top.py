@@ -63,17 +63,7 @@ def fetch(endpoint: str, timeout: float) -> p.StatusReply:
 
 def strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None) -> str:
     """One character a bucket, oldest first; the newest ``width`` buckets if given."""
-    chars = []
-    for sid in activity.timeline:
-        if sid == "":
-            chars.append(IDLE_CHAR)
-        elif sid == "*":
-            chars.append(MANY_CHAR)
-        else:
-            chars.append(letters.get(sid, UNKNOWN_CHAR))
-    if width is not None and width < len(chars):
-        chars = chars[len(chars) - max(0, width):]
-    return "".join(chars)
+    return _newest([IDLE_CHAR if sid == "" else _letter(sid, letters) for sid in activity.timeline], width)
 
 
 def also_strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None) -> str:
@@ -85,16 +75,17 @@ def also_strip(activity: p.TokenActivity, letters: dict[str, str], width: int | 
     chars = []
     for longest, held in zip(activity.timeline, holders):
         others = [sid for sid in held if sid != longest]  # an idle bucket ("") keeps whoever held it at all
-        if not others:
-            chars.append(" ")
-        elif len(others) > 1:
-            chars.append("+")
-        else:
-            sid = others[0]
-            chars.append(MANY_CHAR if sid == "*" else letters.get(sid, UNKNOWN_CHAR))
-    if width is not None and width < len(chars):
-        chars = chars[len(chars) - max(0, width):]
-    return "".join(chars)
+        chars.append(" " if not others else "+" if len(others) > 1 else _letter(others[0], letters))
+    return _newest(chars, width)
+
+
+def _letter(sid: str, letters: dict[str, str]) -> str:
+    return MANY_CHAR if sid == "*" else letters.get(sid, UNKNOWN_CHAR)
+
+
+def _newest(chars: list[str], width: int | None) -> str:
+    """The last ``width`` characters (all if ``width`` is None), joined."""
+    return "".join(chars if width is None else chars[max(0, len(chars) - max(0, width)):])
 
 
 def name_width(names) -> int:
@@ -295,14 +286,14 @@ class _Live:
         lines = self._lines(width)
         screen.erase()
         for y, line in enumerate(lines[:height]):
-            try:
-                screen.addnstr(y, 0, line, max(0, width - 1), curses.A_REVERSE if y == 0 else curses.A_NORMAL)
-            except curses.error:
-                pass  # the terminal shrank between getmaxyx and here
+            _put(screen, y, line, width, curses.A_REVERSE if y == 0 else curses.A_NORMAL)
         if len(lines) > height > 0:
-            try:
-                screen.addnstr(height - 1, 0, f"... {len(lines) - height + 1} more lines (enlarge the window)",
-                               max(0, width - 1))
-            except curses.error:
-                pass
+            _put(screen, height - 1, f"... {len(lines) - height + 1} more lines (enlarge the window)", width)
         screen.refresh()
+
+
+def _put(screen, y: int, line: str, width: int, attribute: int = curses.A_NORMAL) -> None:
+    try:
+        screen.addnstr(y, 0, line, max(0, width - 1), attribute)
+    except curses.error:
+        pass  # the terminal shrank between getmaxyx and here
