@@ -108,8 +108,10 @@ def generate(keys_dir: str, *, clients: Sequence[str] = ("placement",), overwrit
             moves += [(pub, server_public_path), (sec, server_secret_path)]
         allowed: dict[str, str] = {}
         client_secrets: dict[str, str] = {}
+        client_staging = os.path.join(staging, CLIENTS_DIR)  # apart from the server's: a client may be "server"
+        os.mkdir(client_staging)
         for name in names:
-            pub, sec = zmq.auth.create_certificates(staging, name)
+            pub, sec = zmq.auth.create_certificates(client_staging, name)
             allowed[name] = os.path.join(allowed_dir, f"{name}.key")
             client_secrets[name] = os.path.join(clients_dir, f"{name}.key_secret")
             moves += [(pub, allowed[name]), (sec, client_secrets[name])]

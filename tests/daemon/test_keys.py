@@ -51,6 +51,14 @@ def test_generate_writes_the_layout_with_private_modes(tmp_path):
     assert allowed["placement"] != allowed["ray"] != public
 
 
+def test_a_client_named_server_gets_a_key_pair_of_its_own(tmp_path):
+    kd = str(tmp_path / "keys")
+    paths = keys.generate(kd, clients=["server"])
+    public, _ = keys.load_server(kd)
+    client_public, _ = keys.load_client(paths.clients["server"])
+    assert keys.load_allowed(kd) == {"server": client_public} and client_public != public
+
+
 def test_generate_refuses_to_overwrite_and_writes_nothing(tmp_path):
     kd = str(tmp_path / "keys")
     keys.generate(kd)
