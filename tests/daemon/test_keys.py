@@ -38,6 +38,8 @@ def test_generate_writes_the_layout_with_private_modes(tmp_path):
     assert mode(os.path.join(kd, "clients")) == 0o700
     assert mode(paths.server_secret) == 0o600 and mode(paths.server_public) == 0o644
     for name in ("placement", "ray"):
+        assert paths.allowed[name] == os.path.join(kd, "allowed", f"{name}.key")
+        assert paths.clients[name] == os.path.join(kd, "clients", f"{name}.key_secret")
         assert mode(paths.clients[name]) == 0o600 and mode(paths.allowed[name]) == 0o644
     # Nothing else left behind (the staging directory is gone).
     assert sorted(os.listdir(kd)) == ["allowed", "clients", "server.key", "server.key_secret"]
