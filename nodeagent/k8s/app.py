@@ -8,7 +8,7 @@ import os
 import threading
 
 from nodeagent.k8s import shares
-from nodeagent.k8s.plugin import AllocationSettings, DevicePluginService, PluginRunner, RunnerSettings
+from nodeagent.k8s.plugin import DevicePluginService, PluginRunner, RunnerSettings
 from nodeagent.k8s.watch import DaemonWatcher, EventsSource, ViewBoard
 
 
@@ -16,7 +16,7 @@ class DevicePlugin:
     """``start()`` (a first look at the daemon; ValueError for an events key that will not load),
     then ``run()`` until :meth:`request_stop` (safe from a signal handler), then ``close()``."""
 
-    def __init__(self, *, endpoint: str, policy: shares.SharePolicy, allocation: AllocationSettings,
+    def __init__(self, *, endpoint: str, policy: shares.SharePolicy, allocation: shares.AllocationSettings,
                  runner: RunnerSettings, poll_interval_s: float = 2.0, events: EventsSource | None = None) -> None:
         self.stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     socket_dir = os.path.dirname(socket_path)
     container_dir = args.container_socket_dir or socket_dir
-    allocation = plugin.AllocationSettings(
+    allocation = shares.AllocationSettings(
         endpoint="ipc://" + os.path.join(container_dir, os.path.basename(socket_path)),
         host_socket_dir=args.host_socket_dir or socket_dir, container_socket_dir=container_dir,
         gpu_access=args.gpu_access)

@@ -58,20 +58,10 @@ class RegistrationError(Exception):
     """The kubelet refused the registration or did not answer."""
 
 
-@dataclass(frozen=True)
-class AllocationSettings:
-    """What Allocate gives a container besides the devices: the daemon's socket as pods see it."""
-
-    endpoint: str  # NODEAGENT_ENDPOINT in the container: ipc://<container_socket_dir>/<socket file>
-    host_socket_dir: str  # the daemon's socket directory on the host (a hostPath)
-    container_socket_dir: str  # where the container sees it
-    gpu_access: str = "env"  # env | cdi | none
-
-
 class DevicePluginService:
     """The gRPC methods the kubelet calls. Reads the board; changes nothing outside itself."""
 
-    def __init__(self, board: ViewBoard, policy: shares.SharePolicy, allocation: AllocationSettings,
+    def __init__(self, board: ViewBoard, policy: shares.SharePolicy, allocation: shares.AllocationSettings,
                  stopping: threading.Event) -> None:
         self._board = board
         self._policy = policy
@@ -126,10 +116,7 @@ class DevicePluginService:
         for req in request.container_requests:
             ids = list(req.devices_ids)
             try:
-                got = shares.allocate(ids, view, self._policy, endpoint=self._allocation.endpoint,
-                                      host_socket_dir=self._allocation.host_socket_dir,
-                                      container_socket_dir=self._allocation.container_socket_dir,
-                                      gpu_access=self._allocation.gpu_access)
+                got = shares.allocate(ids, view, self._policy, self._allocation)
             except shares.AllocationError as exc:
                 log.warning("[k8s] allocate refused devices=%s: %s", ",".join(ids), exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -29,7 +29,8 @@ from nodeagent.config import ServeConfig  # noqa: E402
 from nodeagent.daemon.server import AgentServer  # noqa: E402
 from nodeagent.k8s import shares  # noqa: E402
 from nodeagent.k8s.app import DevicePlugin  # noqa: E402
-from nodeagent.k8s.plugin import AllocationSettings, RunnerSettings  # noqa: E402
+from nodeagent.k8s.plugin import RunnerSettings  # noqa: E402
+from nodeagent.k8s.shares import AllocationSettings  # noqa: E402
 from nodeagent.k8s.v1beta1 import api_pb2 as api  # noqa: E402
 from nodeagent.k8s.watch import EventsSource  # noqa: E402
 from nodeagent.metrics import Metrics  # noqa: E402
