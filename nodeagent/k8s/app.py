@@ -51,7 +51,7 @@ class DevicePlugin:
             return
         self.stopping.set()
         self.board.close()
-        self.runner.close()
+        self.runner.server.stop()  # our socket goes; after the board's close, so that streams end at once
         self.watcher.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)

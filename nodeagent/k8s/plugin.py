@@ -48,6 +48,7 @@ MAX_STREAMS = 2
 MAX_CONCURRENT_RPCS = 16  # past this the server answers RESOURCE_EXHAUSTED
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before registering again after a refusal
+OPTIONS = api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
 class PluginError(Exception):
@@ -72,7 +73,7 @@ class DevicePluginService:
         self.streams = 0  # ListAndWatch streams open now
 
     def GetDevicePluginOptions(self, request, context):
-        return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+        return OPTIONS
 
     def ListAndWatch(self, request, context):
         """The device list now, then again each time it changes, until the kubelet goes, we
@@ -212,9 +213,8 @@ class PluginServer:
 
 def register(kubelet_socket: str, endpoint_name: str, resource_name: str, timeout_s: float) -> None:
     """Register with the kubelet at ``kubelet_socket``; RegistrationError saying why not."""
-    request = api.RegisterRequest(
-        version=API_VERSION, endpoint=endpoint_name, resource_name=resource_name,
-        options=api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
+    request = api.RegisterRequest(version=API_VERSION, endpoint=endpoint_name, resource_name=resource_name,
+                                  options=OPTIONS)
     with grpc.insecure_channel(f"unix:{kubelet_socket}") as channel:
         try:
             api_grpc.Stub(channel, "Registration").Register(request, timeout=timeout_s)
@@ -260,10 +260,6 @@ class PluginRunner:
                 self._wait(watch, wake_fd, stop)
         finally:
             watch.close()
-
-    def close(self, grace_s: float = 1.0) -> None:
-        """Stop serving and remove our socket (after the board is closed, so streams end at once)."""
-        self.server.stop(grace_s)
 
     def _step(self, now: float) -> None:
         kubelet = _identity(self.kubelet_socket)
