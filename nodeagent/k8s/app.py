@@ -22,8 +22,7 @@ class DevicePlugin:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.board = ViewBoard()
         self.policy = policy
-        self.watcher = DaemonWatcher(endpoint, self.board, poll_interval_s=poll_interval_s, events=events,
-                                     describe=lambda view: shares.describe(view, policy))
+        self.watcher = DaemonWatcher(endpoint, self.board, policy, poll_interval_s=poll_interval_s, events=events)
         self.service = DevicePluginService(self.board, policy, allocation, self.stopping)
         self.runner = PluginRunner(runner, self.service)
 

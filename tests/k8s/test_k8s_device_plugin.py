@@ -7,6 +7,7 @@ docs/kubernetes.md."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -118,7 +119,8 @@ def events_of(node) -> EventsSource:
 # ------------------------------------------------------------------ registration and the list
 
 
-def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin, shared_daemon):
+def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin, shared_daemon, caplog):
+    caplog.set_level(logging.INFO, logger="nodeagent.k8s")
     daemon = shared_daemon
     plugin = run_plugin(daemon.endpoint, shares_per_device=3)
     reg = kubelet.wait_registrations(1)
@@ -129,6 +131,8 @@ def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin,
     assert devices == {f"{u}::{n}": "Healthy" for u in uuids for n in range(3)}
     assert reg.plugin_options == reg.options  # what GetDevicePluginOptions says agrees with the registration
     assert plugin.service.streams == 1
+    for index, uuid in enumerate(uuids):  # each device's health is logged as the policy words it
+        assert f"[k8s] device={index} uuid={uuid} shares Healthy" in caplog.text
     assert kubelet.plugin().PreStartContainer(api.PreStartContainerRequest(devices_ids=[f"{uuids[0]}::0"]),
                                               timeout=5) == api.PreStartContainerResponse()
 
