@@ -8,6 +8,7 @@ holds: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import errno
@@ -197,10 +198,8 @@ class Launcher:
         if self._env_w is None:
             return
         env = self.client.welcome.env if self.client is not None and self.client.welcome else {}
-        try:
+        with contextlib.suppress(OSError):  # CMD is gone already
             os.write(self._env_w, json.dumps(env).encode())
-        except OSError:
-            pass  # CMD is gone already
         os.close(self._env_w)
         self._env_w = None
 
@@ -439,16 +438,12 @@ class Launcher:
         """Tell the keeper we are done with CMD (it exits without acting) and reap it."""
         if self._keeper_w is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # it is gone already
             os.write(self._keeper_w, _KEEPER_DONE)
-        except OSError:  # it is gone already
-            pass
         os.close(self._keeper_w)
         self._keeper_w = None
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(self._keeper_pid, 0)
-        except ChildProcessError:
-            pass
 
     # ---------------------------------------------------- signals, clean-up
 
@@ -638,10 +633,8 @@ def choose_hold(pid: int, mode: str) -> Hold | None:
                 f"write access to cgroup.procs of its own cgroup and of the new one)"
             if adopted:  # back where it came from, so that the directory can go
                 why = f"cannot freeze {cg.path}: {exc}"
-                try:
+                with contextlib.suppress(OSError):
                     outer.eject(pid)
-                except OSError:
-                    pass
             if cg is not None:
                 cg.close()
             if outer is not None:
@@ -681,10 +674,8 @@ def _read_env(fd: int) -> dict[str, str]:
 
 
 def _killpg(pgid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
         os.killpg(pgid, signum)
-    except ProcessLookupError:  # the whole group has exited
-        pass
 
 
 def _close_all_but(keep: set[int]) -> None:
@@ -692,10 +683,8 @@ def _close_all_but(keep: set[int]) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd not in keep:
-            try:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed already
                 os.close(fd)
-            except OSError:  # the listing's own descriptor, closed already
-                pass
 
 
 def _wake_only(signum: int, frame: types.FrameType | None) -> None:

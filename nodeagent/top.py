@@ -14,6 +14,7 @@ redraws on resize, quits on ``q``, and keeps retrying while the daemon is away.
 
 from __future__ import annotations
 
+import contextlib
 import curses
 import math
 import os
@@ -247,10 +248,8 @@ class _Live:
         self.fetched_at = ""
 
     def run(self, screen) -> None:
-        try:
+        with contextlib.suppress(curses.error):  # a terminal without an invisible cursor
             curses.curs_set(0)
-        except curses.error:
-            pass  # a terminal without an invisible cursor
         next_fetch = 0.0
         while True:
             if time.monotonic() >= next_fetch:
@@ -293,7 +292,5 @@ class _Live:
 
 
 def _put(screen, y: int, line: str, width: int, attribute: int = curses.A_NORMAL) -> None:
-    try:
+    with contextlib.suppress(curses.error):  # the terminal shrank between getmaxyx and here
         screen.addnstr(y, 0, line, max(0, width - 1), attribute)
-    except curses.error:
-        pass  # the terminal shrank between getmaxyx and here

@@ -4,6 +4,7 @@ in-process against a fake kubelet."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -39,10 +40,8 @@ class DevicePlugin:
     def request_stop(self) -> None:
         """Make :meth:`run` return at once. Only sets a flag and writes a byte: fit for a signal handler."""
         self.stopping.set()
-        try:
+        with contextlib.suppress(OSError):  # full (a stop is pending) or closed
             os.write(self._wake_w, b"x")
-        except OSError:  # full (a stop is pending) or closed
-            pass
 
     def close(self) -> None:
         """Streams end, the socket goes, the watcher stops; in that order, each at once. Again: a no-op."""

@@ -16,6 +16,7 @@ the decisions are :mod:`nodeagent.k8s.shares`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -204,10 +205,8 @@ class PluginServer:
             return
         server.stop(grace_s).wait(grace_s + 1.0)
         if self.identity is not None and _identity(self.path) == self.identity:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         self.identity = None
 
 

@@ -5,6 +5,7 @@ docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 HEALTHY = "Healthy"
@@ -144,10 +145,8 @@ def preferred(available: list[str], must_include: list[str], size: int) -> list[
         free.setdefault(uuid, []).append(device_id)
     used = []
     for device_id in chosen:
-        try:
+        with contextlib.suppress(ValueError):
             used.append(parse_share_id(device_id)[0])
-        except ValueError:
-            pass
     need = size - len(chosen)
     # Devices already holding a chosen share first; then the one with the most free shares
     # that holds all that is needed; then the most free shares. Ties: the order given.

@@ -16,6 +16,7 @@ docs/kubernetes.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -149,10 +150,8 @@ class DaemonWatcher:
 
     def poke(self) -> None:
         """Poll now rather than at the next interval."""
-        try:
+        with contextlib.suppress(OSError):  # a poke is pending already (the pipe is full), or closed
             os.write(self._wake_w, b"x")
-        except OSError:  # a poke is pending already (the pipe is full), or closed
-            pass
 
     def close(self) -> None:
         """Stop the thread and close everything; again is a no-op."""
@@ -170,10 +169,8 @@ class DaemonWatcher:
             self._sub = None
         self._ctx.destroy(linger=0)
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------ the thread
