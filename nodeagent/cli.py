@@ -567,14 +567,11 @@ def _status(args: argparse.Namespace) -> int:
         try:
             status = query_status(args.endpoint, timeout=args.timeout)
             break
-        except DaemonUnavailableError as exc:
-            if time.monotonic() >= give_up:
+        except NodeAgentError as exc:  # nothing listens yet: try again while --wait lasts
+            if not isinstance(exc, DaemonUnavailableError) or time.monotonic() >= give_up:
                 print(f"nodeagent: error: {exc}", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        except NodeAgentError as exc:
-            print(f"nodeagent: error: {exc}", file=sys.stderr)
-            return 1
     print(json.dumps(msgspec.to_builtins(status), indent=2) if args.json else format_status(status))
     return 0
 
