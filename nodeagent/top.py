@@ -1,11 +1,6 @@
-"""``nodeagent top``: a live terminal view of the daemon, as nvitop and htop show a machine.
-
-Per device: the token's holder and queue, a strip of the last minute showing who
-held the token (one character a bucket, each session a letter, ``.`` idle; the
-longest holder, and in a row under it who else held it: protocol 2.7),
-token waits p50/p99, counts of preemptions, enforcements and suspensions, and
-each session's state, GPU time and memory. Everything comes from one ``status``
-request per refresh (``status_reply.devices[].activity``, protocol 2.1).
+"""``nodeagent top``: a live terminal view of the daemon, as nvitop and htop show a machine; what
+it shows is its ``--help`` (``nodeagent.cli``). Everything comes from one ``status`` request per
+refresh (``status_reply.devices[].activity``, protocol 2.1; who else held the token: 2.7).
 
 :func:`render` turns a status into plain lines (no escape codes); ``--once``
 prints them, the live view (curses, stdlib only) draws them every interval,
