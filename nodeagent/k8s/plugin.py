@@ -302,10 +302,8 @@ class PluginRunner:
         fds = [fd for fd in (watch.fileno(), wake_fd) if fd is not None]
         if stop.is_set():
             return
-        try:
+        try:  # a signal does not end it (PEP 475 retries it): request_stop writes to wake_fd
             ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
-        except InterruptedError:  # a signal: the handler set stop, or not
-            return
         except OSError as exc:
             if exc.errno != errno.EBADF:
                 raise
