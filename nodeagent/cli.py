@@ -129,12 +129,7 @@ class Parser(argparse.ArgumentParser):
 
     def add_subparsers(self, **kwargs):
         action = super().add_subparsers(**kwargs)
-        add_parser = action.add_parser
-
-        def add_and_keep(name, **sub_kwargs):
-            self.commands[name] = add_parser(name, **sub_kwargs)
-            return self.commands[name]
-        action.add_parser = add_and_keep
+        self.commands = action.choices  # name -> its parser, filled in as each is added
         return action
 
     def parse_args(self, args=None, namespace=None):
