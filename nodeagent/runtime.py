@@ -130,11 +130,9 @@ def remove_empty_dir(directory: str) -> None:
 
 
 def remove_stale_socket(socket_path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
         log.info("[runtime] removed stale socket %s", socket_path)
-    except FileNotFoundError:
-        pass
 
 
 def secure_socket(socket_path: str) -> int:

@@ -206,11 +206,9 @@ class DaemonWatcher:
                 next_poll = time.monotonic() + self.poll_interval_s
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # empty now (BlockingIOError), or closed
             while os.read(self._wake_r, 64):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     def _read_events(self) -> bool:
         """Take what the SUB socket holds; True when one of them may change the device list."""
