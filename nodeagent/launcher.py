@@ -663,13 +663,11 @@ def check_program(program: str) -> tuple[int, str] | None:
 
 def _read_env(fd: int) -> dict[str, str]:
     """In the child: the JSON object the launcher writes (empty if it wrote none)."""
-    chunks = []
-    while chunk := os.read(fd, 65536):
-        chunks.append(chunk)
-    os.close(fd)
-    if not chunks:
+    with os.fdopen(fd, "rb") as pipe:
+        data = pipe.read()
+    if not data:
         return {}
-    env = json.loads(b"".join(chunks))
+    env = json.loads(data)
     return {str(k): str(v) for k, v in env.items()}
 
 
