@@ -95,7 +95,7 @@ later, copy its public .key file into DIR/allowed/ (or use --clients-only).
 """
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -129,12 +129,7 @@ class Parser(argparse.ArgumentParser):
 
     def add_subparsers(self, **kwargs):
         action = super().add_subparsers(**kwargs)
-        add_parser = action.add_parser
-
-        def add_and_keep(name, **sub_kwargs):
-            self.commands[name] = add_parser(name, **sub_kwargs)
-            return self.commands[name]
-        action.add_parser = add_and_keep
+        self.commands = action.choices  # name -> its parser, filled in as each is added
         return action
 
     def parse_args(self, args=None, namespace=None):
@@ -205,18 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default: 5)")
-    status.add_argument("--wait", type=_positive_float, default=None, metavar="S",
+    status.add_argument("--wait", type=positive_float, default=None, metavar="S",
                         help="if nothing listens yet, try again for up to S seconds (a script that has just "
                              "started `nodeagent serve`)")
 
     top = sub.add_parser("top", help="live view of holders, queues, recent token history, waits and memory",
                          description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
-    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+    top.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
                      help="seconds between refreshes (default: 1)")
     top.add_argument("--once", action="store_true",
                      help="print one frame to stdout, without escape codes, and exit (for scripts and tests)")
-    top.add_argument("--timeout", type=_positive_float, default=5.0,
+    top.add_argument("--timeout", type=positive_float, default=5.0,
                      help="seconds to wait for each status reply (default: 5)")
 
     run = sub.add_parser("run", help="run an unmodified program time-sliced by the daemon",
@@ -224,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("--workload", choices=["inference", "training", "best-effort"], default="training",
                      help="workload class of the session (default: training)")
-    run.add_argument("--weight", type=_positive_float, default=1.0, help="fair-share weight (default: 1)")
+    run.add_argument("--weight", type=positive_float, default=1.0, help="fair-share weight (default: 1)")
     run.add_argument("--device", type=int, metavar="D", help="device index (default: the daemon picks)")
     run.add_argument("--endpoint", help="daemon endpoint (default: as for clients)")
     run.add_argument("--name", help="session name shown by `nodeagent status` (default: CMD's name)")
@@ -467,6 +462,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1
     logging.getLogger("nodeagent.cli").info("[serve] backend=%s (%s)", backend.name, reason)
+
+    def give_up(code: int, message: str) -> int:
+        print(f"nodeagent: error: {message}", file=sys.stderr)
+        backend.close()
+        return code
+
     from nodeagent.journal import Journal, JournalError
     # A state dir or journal it cannot use ends the start with one line and EXIT_STATE_UNUSABLE,
     # which the systemd unit does not restart on: a restart loop cannot free a disk.
@@ -475,14 +476,10 @@ def _serve(args: argparse.Namespace) -> int:
         state_lock = InstanceLock(os.path.join(config.state_dir, "nodeagent.lock"), "state dir")
         state_lock.acquire()
     except AlreadyRunningError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
-        backend.close()
-        return 1
+        return give_up(1, str(exc))
     except OSError as exc:
-        print(f"nodeagent: error: state dir {config.state_dir} cannot be used: {exc.strerror}; free space or fix "
-              "permissions there, or point --state-dir elsewhere", file=sys.stderr)
-        backend.close()
-        return EXIT_STATE_UNUSABLE
+        return give_up(EXIT_STATE_UNUSABLE, f"state dir {config.state_dir} cannot be used: {exc.strerror}; free "
+                                            "space or fix permissions there, or point --state-dir elsewhere")
     from nodeagent.mps import MpsError
     try:
         # The journal is opened by bind(), once every address is bound: a start that ends
@@ -490,15 +487,7 @@ def _serve(args: argparse.Namespace) -> int:
         server = AgentServer(config, backend,
                              open_journal=lambda: Journal(os.path.join(config.state_dir, "state.db")))
     except ConfigError as exc:
-        print(f"nodeagent: error: {origins.explain(exc)}", file=sys.stderr)
-        backend.close()
-        return EXIT_BAD_SETTING
-
-    def give_up(code: int, message: str) -> int:
-        print(f"nodeagent: error: {message}", file=sys.stderr)
-        backend.close()
-        return code
-
+        return give_up(EXIT_BAD_SETTING, origins.explain(exc))
     # Metrics first: a port it cannot have then ends the start before the endpoint
     # exists, so no socket file is left behind and no client connects in between.
     problem = _start_metrics(server, config, origins)
@@ -562,30 +551,23 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from client_lib import NodeAgentError, query_status
+    from client_lib import DaemonUnavailableError, NodeAgentError, query_status
     from nodeagent.config import client_endpoint_problem
     problem = client_endpoint_problem(args.endpoint)
     if problem is not None:  # as `serve` refuses it: a typo, not a daemon that is away
         print(f"nodeagent: error: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTING
-    from client_lib import DaemonUnavailableError
     give_up = time.monotonic() + (args.wait or 0.0)
     while True:
         try:
             status = query_status(args.endpoint, timeout=args.timeout)
             break
-        except DaemonUnavailableError as exc:
-            if time.monotonic() >= give_up:
+        except NodeAgentError as exc:  # nothing listens yet: try again while --wait lasts
+            if not isinstance(exc, DaemonUnavailableError) or time.monotonic() >= give_up:
                 print(f"nodeagent: error: {exc}", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        except NodeAgentError as exc:
-            print(f"nodeagent: error: {exc}", file=sys.stderr)
-            return 1
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(status), indent=2))
-        return 0
-    print(format_status(status))
+    print(json.dumps(msgspec.to_builtins(status), indent=2) if args.json else format_status(status))
     return 0
 
 

@@ -43,6 +43,7 @@ def default_state_dir() -> str:
 
 
 WORKLOADS = tuple(w.wire for w in Workload)
+_NAMED_DUTIES = {"adaptive": None, "pause": 0, "free": 1000}  # corun.duty's words, as permille (None: adaptive)
 
 
 class ConfigError(ValueError):
@@ -375,6 +376,7 @@ class ServeConfig:
         self.corun_fixed_duty()
         self.ctxpool_register_gid()
         self.policy()
+
     def policy(self) -> SchedulerPolicy:
         """The scheduling policy these settings give (validate first: it names an unknown class's key)."""
         quanta = {Workload.parse(name): ms for name, ms in self.quantum_ms.items()}
@@ -411,12 +413,8 @@ class ServeConfig:
         duty = self.corun_duty
         if isinstance(duty, str) and duty.strip().isdigit():
             duty = int(duty.strip())
-        if duty == "adaptive":
-            return None
-        if duty == "pause":
-            return 0
-        if duty == "free":
-            return 1000
+        if isinstance(duty, str) and duty in _NAMED_DUTIES:
+            return _NAMED_DUTIES[duty]
         if isinstance(duty, bool) or not isinstance(duty, int) or not 0 <= duty <= 1000:
             raise _bad("corun.duty", f"must be adaptive, pause, free or a permille in 0..1000, got {duty!r}")
         return duty
@@ -439,7 +437,6 @@ class ServeConfig:
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.heartbeat_ms * self.heartbeat_misses / 1000.0
-
 
 
 # ------------------------------------------------------------ what the declarations give
@@ -556,6 +553,8 @@ def _flatten(doc: dict[str, Any], path: str, sections: set[str], prefix: str = "
             yield from _flatten(value, path, sections, key + ".")
         else:
             yield key, value
+
+
 def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass in Python; a TOML true is never a number here.
     if isinstance(value, bool) or not isinstance(value, types):

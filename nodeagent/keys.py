@@ -83,13 +83,13 @@ def generate(keys_dir: str, *, clients: Sequence[str] = ("placement",), overwrit
     keys_dir = os.path.abspath(keys_dir)
     allowed_dir = os.path.join(keys_dir, ALLOWED_DIR)
     clients_dir = os.path.join(keys_dir, CLIENTS_DIR)
-    targets: list[str] = []
-    if server:
-        targets += [os.path.join(keys_dir, f"{SERVER_NAME}.key"), os.path.join(keys_dir, f"{SERVER_NAME}.key_secret")]
-    else:
+    # certificate name -> where its public and its secret file go
+    pairs = {name: (os.path.join(allowed_dir, f"{name}.key"), os.path.join(clients_dir, f"{name}.key_secret"))
+             for name in names}
+    server_pair = (os.path.join(keys_dir, f"{SERVER_NAME}.key"), os.path.join(keys_dir, f"{SERVER_NAME}.key_secret"))
+    if not server:
         server_public(keys_dir)  # raises KeysError naming the file when there is no server key yet
-    for name in names:
-        targets += [os.path.join(allowed_dir, f"{name}.key"), os.path.join(clients_dir, f"{name}.key_secret")]
+    targets = [*(server_pair if server else ()), *(path for pair in pairs.values() for path in pair)]
     existing = [t for t in targets if os.path.lexists(t)]
     if existing and not overwrite:
         raise KeysExistError(existing)
@@ -101,31 +101,27 @@ def generate(keys_dir: str, *, clients: Sequence[str] = ("placement",), overwrit
     staging = tempfile.mkdtemp(prefix=".keys-", dir=keys_dir)  # 0700, same filesystem: renames are atomic
     try:
         moves: list[tuple[str, str]] = []
-        server_public_path = server_secret_path = None
         if server:
-            pub, sec = zmq.auth.create_certificates(staging, SERVER_NAME)
-            server_public_path, server_secret_path = targets[0], targets[1]
-            moves += [(pub, server_public_path), (sec, server_secret_path)]
-        allowed: dict[str, str] = {}
-        client_secrets: dict[str, str] = {}
-        for name in names:
-            pub, sec = zmq.auth.create_certificates(staging, name)
-            allowed[name] = os.path.join(allowed_dir, f"{name}.key")
-            client_secrets[name] = os.path.join(clients_dir, f"{name}.key_secret")
-            moves += [(pub, allowed[name]), (sec, client_secrets[name])]
+            moves += zip(zmq.auth.create_certificates(staging, SERVER_NAME), server_pair)
+        client_staging = os.path.join(staging, CLIENTS_DIR)  # apart from the server's: a client may be "server"
+        os.mkdir(client_staging)
+        for name, pair in pairs.items():
+            moves += zip(zmq.auth.create_certificates(client_staging, name), pair)
         for src, dst in moves:
             os.chmod(src, _SECRET_MODE if src.endswith(".key_secret") else _PUBLIC_MODE)
             os.replace(src, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("[keys] generated dir=%s server=%s clients=%s", keys_dir, server, ",".join(names) or "-")
-    return KeyPaths(keys_dir, server_public_path, server_secret_path, allowed, client_secrets)
+    return KeyPaths(keys_dir, *(server_pair if server else (None, None)),
+                    allowed={name: pair[0] for name, pair in pairs.items()},
+                    clients={name: pair[1] for name, pair in pairs.items()})
 
 
 # ------------------------------------------------------------------ loading
 
 
-def _check_key(key: bytes, what: str, path: str) -> bytes:
+def _check_key(key: bytes, what: str, path: str) -> None:
     try:
         raw = z85.decode(key)
     except Exception:  # z85 raises ValueError, KeyError or struct.error on junk, depending on the junk
@@ -133,7 +129,6 @@ def _check_key(key: bytes, what: str, path: str) -> bytes:
     if len(raw) != 32:
         raise KeysError(f"{path}: the {what} is not a 40-character Z85 CURVE key; regenerate it with "
                         "`nodeagent keys generate`")
-    return key
 
 
 def _load(path: str, *, secret: bool, check_mode: bool) -> tuple[bytes, bytes | None]:
@@ -165,8 +160,8 @@ def _load(path: str, *, secret: bool, check_mode: bool) -> tuple[bytes, bytes | 
 
 def load_server(keys_dir: str, *, check_mode: bool = True) -> tuple[bytes, bytes]:
     """The daemon's (public, secret) CURVE keys, from ``keys_dir/server.key_secret``."""
-    public, secret = _load(os.path.join(keys_dir, f"{SERVER_NAME}.key_secret"), secret=True, check_mode=check_mode)
-    return public, secret  # type: ignore[return-value]
+    return _load(os.path.join(keys_dir, f"{SERVER_NAME}.key_secret"), secret=True,  # type: ignore[return-value]
+                 check_mode=check_mode)
 
 
 def server_public(keys_dir: str) -> bytes:
@@ -198,5 +193,4 @@ def load_allowed(keys_dir: str) -> dict[str, bytes]:
 
 def load_client(path: str, *, check_mode: bool = True) -> tuple[bytes, bytes]:
     """A client's (public, secret) CURVE keys from its ``.key_secret`` file."""
-    public, secret = _load(path, secret=True, check_mode=check_mode)
-    return public, secret  # type: ignore[return-value]
+    return _load(path, secret=True, check_mode=check_mode)  # type: ignore[return-value]

@@ -8,6 +8,7 @@ holds: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import errno
@@ -65,7 +66,8 @@ class Mode(enum.Enum):
 
 
 class Launcher:
-    """Runs ``argv`` time-sliced by the daemon at ``endpoint``; :meth:`run` returns its exit code.
+    """Runs ``argv`` (non-empty; :func:`main` checks it and ``cgroup_mode``) time-sliced by the daemon at
+    ``endpoint``; :meth:`run` returns its exit code.
 
     It forks and installs signal handlers, so it must run in the main thread of
     a process that has no other threads yet (the client's heartbeat thread is
@@ -75,8 +77,6 @@ class Launcher:
     def __init__(self, argv: Sequence[str], *, name: str | None = None, workload: str = "training",
                  weight: float = 1.0, device: int | None = None, endpoint: str | None = None,
                  fail_closed: bool = False, cgroup_mode: str = "auto") -> None:
-        if not argv:
-            raise ValueError("no command to run")
         self.argv = list(argv)
         self.name = name or os.path.basename(self.argv[0])
         self.workload = workload
@@ -84,8 +84,6 @@ class Launcher:
         self.device = device
         self.endpoint = endpoint
         self.fail_closed = fail_closed
-        if cgroup_mode not in CGROUP_MODES:
-            raise ValueError(f"cgroup mode {cgroup_mode!r} is not one of {', '.join(CGROUP_MODES)}")
         self.cgroup_mode = cgroup_mode
         self.hold: Hold | None = None  # how CMD is stopped, continued and ended (set once it is stopped)
         self.mode = Mode.MANAGED
@@ -200,10 +198,8 @@ class Launcher:
         if self._env_w is None:
             return
         env = self.client.welcome.env if self.client is not None and self.client.welcome else {}
-        try:
+        with contextlib.suppress(OSError):  # CMD is gone already
             os.write(self._env_w, json.dumps(env).encode())
-        except OSError:
-            pass  # CMD is gone already
         os.close(self._env_w)
         self._env_w = None
 
@@ -312,7 +308,7 @@ class Launcher:
             if signum not in self._saved_handlers:
                 continue
             log.info("forwarding %s to CMD", signal.Signals(signum).name)
-            self._killpg(signum)
+            _killpg(self.pid, signum)  # to CMD's process group, as a shell forwards them
             self.hold.cont()  # so that a stopped CMD acts on it (SIGCONT to the group, or a thaw)
             self._cmd_running = True
             if self.mode is not Mode.UNMANAGED:
@@ -409,10 +405,6 @@ class Launcher:
             self._cmd_running = True
             (log.debug if quiet else log.info)("CMD continued (%s)", why)
 
-    def _killpg(self, signum: int) -> None:
-        """A signal to CMD's process group (forwarded signals go there, as a shell's do)."""
-        _killpg(self.pid, signum)
-
     # -------------------------------------------------------------- keeper
 
     def _start_keeper(self) -> None:
@@ -446,16 +438,12 @@ class Launcher:
         """Tell the keeper we are done with CMD (it exits without acting) and reap it."""
         if self._keeper_w is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # it is gone already
             os.write(self._keeper_w, _KEEPER_DONE)
-        except OSError:  # it is gone already
-            pass
         os.close(self._keeper_w)
         self._keeper_w = None
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(self._keeper_pid, 0)
-        except ChildProcessError:
-            pass
 
     # ---------------------------------------------------- signals, clean-up
 
@@ -645,10 +633,8 @@ def choose_hold(pid: int, mode: str) -> Hold | None:
                 f"write access to cgroup.procs of its own cgroup and of the new one)"
             if adopted:  # back where it came from, so that the directory can go
                 why = f"cannot freeze {cg.path}: {exc}"
-                try:
-                    _write_procs(os.path.dirname(outer.path), pid)
-                except OSError:
-                    pass
+                with contextlib.suppress(OSError):
+                    outer.eject(pid)
             if cg is not None:
                 cg.close()
             if outer is not None:
@@ -677,27 +663,17 @@ def check_program(program: str) -> tuple[int, str] | None:
 
 def _read_env(fd: int) -> dict[str, str]:
     """In the child: the JSON object the launcher writes (empty if it wrote none)."""
-    chunks = []
-    while chunk := os.read(fd, 65536):
-        chunks.append(chunk)
-    os.close(fd)
-    if not chunks:
+    with os.fdopen(fd, "rb") as pipe:
+        data = pipe.read()
+    if not data:
         return {}
-    env = json.loads(b"".join(chunks))
+    env = json.loads(data)
     return {str(k): str(v) for k, v in env.items()}
 
 
-def _write_procs(directory: str, pid: int) -> None:
-    """Move ``pid`` into the cgroup at ``directory``."""
-    with open(os.path.join(directory, "cgroup.procs"), "w") as f:
-        f.write(str(pid))
-
-
 def _killpg(pgid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
         os.killpg(pgid, signum)
-    except ProcessLookupError:  # the whole group has exited
-        pass
 
 
 def _close_all_but(keep: set[int]) -> None:
@@ -705,10 +681,8 @@ def _close_all_but(keep: set[int]) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd not in keep:
-            try:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed already
                 os.close(fd)
-            except OSError:  # the listing's own descriptor, closed already
-                pass
 
 
 def _wake_only(signum: int, frame: types.FrameType | None) -> None:

@@ -3,6 +3,7 @@ socket permissions, and systemd readiness."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import grp
@@ -66,10 +67,8 @@ class InstanceLock:
         """Let the lock go; ``unlink``: remove its file first (a clean stop leaves nothing)."""
         if self._fd is not None:
             if unlink:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
             os.close(self._fd)
             self._fd = None
 
@@ -131,11 +130,9 @@ def remove_empty_dir(directory: str) -> None:
 
 
 def remove_stale_socket(socket_path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
         log.info("[runtime] removed stale socket %s", socket_path)
-    except FileNotFoundError:
-        pass
 
 
 def secure_socket(socket_path: str) -> int:

@@ -1,11 +1,6 @@
-"""``nodeagent top``: a live terminal view of the daemon, as nvitop and htop show a machine.
-
-Per device: the token's holder and queue, a strip of the last minute showing who
-held the token (one character a bucket, each session a letter, ``.`` idle; the
-longest holder, and in a row under it who else held it: protocol 2.7),
-token waits p50/p99, counts of preemptions, enforcements and suspensions, and
-each session's state, GPU time and memory. Everything comes from one ``status``
-request per refresh (``status_reply.devices[].activity``, protocol 2.1).
+"""``nodeagent top``: a live terminal view of the daemon, as nvitop and htop show a machine; what
+it shows is its ``--help`` (``nodeagent.cli``). Everything comes from one ``status`` request per
+refresh (``status_reply.devices[].activity``, protocol 2.1; who else held the token: 2.7).
 
 :func:`render` turns a status into plain lines (no escape codes); ``--once``
 prints them, the live view (curses, stdlib only) draws them every interval,
@@ -14,6 +9,7 @@ redraws on resize, quits on ``q``, and keeps retrying while the daemon is away.
 
 from __future__ import annotations
 
+import contextlib
 import curses
 import math
 import os
@@ -63,17 +59,7 @@ def fetch(endpoint: str, timeout: float) -> p.StatusReply:
 
 def strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None) -> str:
     """One character a bucket, oldest first; the newest ``width`` buckets if given."""
-    chars = []
-    for sid in activity.timeline:
-        if sid == "":
-            chars.append(IDLE_CHAR)
-        elif sid == "*":
-            chars.append(MANY_CHAR)
-        else:
-            chars.append(letters.get(sid, UNKNOWN_CHAR))
-    if width is not None and width < len(chars):
-        chars = chars[len(chars) - max(0, width):]
-    return "".join(chars)
+    return _newest([IDLE_CHAR if sid == "" else _letter(sid, letters) for sid in activity.timeline], width)
 
 
 def also_strip(activity: p.TokenActivity, letters: dict[str, str], width: int | None) -> str:
@@ -85,16 +71,17 @@ def also_strip(activity: p.TokenActivity, letters: dict[str, str], width: int | 
     chars = []
     for longest, held in zip(activity.timeline, holders):
         others = [sid for sid in held if sid != longest]  # an idle bucket ("") keeps whoever held it at all
-        if not others:
-            chars.append(" ")
-        elif len(others) > 1:
-            chars.append("+")
-        else:
-            sid = others[0]
-            chars.append(MANY_CHAR if sid == "*" else letters.get(sid, UNKNOWN_CHAR))
-    if width is not None and width < len(chars):
-        chars = chars[len(chars) - max(0, width):]
-    return "".join(chars)
+        chars.append(" " if not others else "+" if len(others) > 1 else _letter(others[0], letters))
+    return _newest(chars, width)
+
+
+def _letter(sid: str, letters: dict[str, str]) -> str:
+    return MANY_CHAR if sid == "*" else letters.get(sid, UNKNOWN_CHAR)
+
+
+def _newest(chars: list[str], width: int | None) -> str:
+    """The last ``width`` characters (all if ``width`` is None), joined."""
+    return "".join(chars if width is None else chars[max(0, len(chars) - max(0, width)):])
 
 
 def name_width(names) -> int:
@@ -256,10 +243,8 @@ class _Live:
         self.fetched_at = ""
 
     def run(self, screen) -> None:
-        try:
+        with contextlib.suppress(curses.error):  # a terminal without an invisible cursor
             curses.curs_set(0)
-        except curses.error:
-            pass  # a terminal without an invisible cursor
         next_fetch = 0.0
         while True:
             if time.monotonic() >= next_fetch:
@@ -295,14 +280,12 @@ class _Live:
         lines = self._lines(width)
         screen.erase()
         for y, line in enumerate(lines[:height]):
-            try:
-                screen.addnstr(y, 0, line, max(0, width - 1), curses.A_REVERSE if y == 0 else curses.A_NORMAL)
-            except curses.error:
-                pass  # the terminal shrank between getmaxyx and here
+            _put(screen, y, line, width, curses.A_REVERSE if y == 0 else curses.A_NORMAL)
         if len(lines) > height > 0:
-            try:
-                screen.addnstr(height - 1, 0, f"... {len(lines) - height + 1} more lines (enlarge the window)",
-                               max(0, width - 1))
-            except curses.error:
-                pass
+            _put(screen, height - 1, f"... {len(lines) - height + 1} more lines (enlarge the window)", width)
         screen.refresh()
+
+
+def _put(screen, y: int, line: str, width: int, attribute: int = curses.A_NORMAL) -> None:
+    with contextlib.suppress(curses.error):  # the terminal shrank between getmaxyx and here
+        screen.addnstr(y, 0, line, max(0, width - 1), attribute)

@@ -11,9 +11,10 @@ import re
 import signal
 import sys
 
+from nodeagent.cli import EXIT_BAD_SETTING, _setup_logging, positive_float
+
 DEFAULT_RESOURCE = "nodeagent.io/gpu"
 DEFAULT_SHARES = 4
-EXIT_BAD_SETTING = 2  # as `nodeagent serve`
 _RESOURCE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
                           r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
@@ -37,16 +38,6 @@ signals: SIGTERM and SIGINT stop it: its socket is removed and it exits 0.
 exit status: 0 once stopped, 2 for a bad setting, 1 when it cannot start (grpcio
   missing, its socket served by another process).
 """
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def _shares(text: str) -> int:
@@ -121,7 +112,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="how a pod is given its GPUs: env sets NVIDIA_VISIBLE_DEVICES=<uuid> for the NVIDIA "
                           "container runtime, cdi names nvidia.com/gpu=<uuid> CDI devices, none gives nothing "
                           "(another mechanism does); nothing either way for a cpu daemon (default: env)")
-    cmd.add_argument("--poll-interval-s", type=_positive, default=2.0, metavar="S",
+    cmd.add_argument("--poll-interval-s", type=positive_float, default=2.0, metavar="S",
                      help="how often the daemon is asked for its devices, 0.05..60 (default: 2)")
     cmd.add_argument("--events", metavar="tcp://HOST:PORT",
                      help="the daemon's events endpoint ([cluster] events_endpoint): needed to see a GPU that "
@@ -176,13 +167,12 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # the generated stubs want a newer grpcio
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 1
-    from nodeagent.cli import _setup_logging
     _setup_logging(args.log_level)
     log = logging.getLogger("nodeagent.k8s")
 
     socket_dir = os.path.dirname(socket_path)
     container_dir = args.container_socket_dir or socket_dir
-    allocation = plugin.AllocationSettings(
+    allocation = shares.AllocationSettings(
         endpoint="ipc://" + os.path.join(container_dir, os.path.basename(socket_path)),
         host_socket_dir=args.host_socket_dir or socket_dir, container_socket_dir=container_dir,
         gpu_access=args.gpu_access)

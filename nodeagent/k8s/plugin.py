@@ -16,6 +16,7 @@ the decisions are :mod:`nodeagent.k8s.shares`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -48,6 +49,7 @@ MAX_STREAMS = 2
 MAX_CONCURRENT_RPCS = 16  # past this the server answers RESOURCE_EXHAUSTED
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before registering again after a refusal
+OPTIONS = api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
 class PluginError(Exception):
@@ -58,20 +60,10 @@ class RegistrationError(Exception):
     """The kubelet refused the registration or did not answer."""
 
 
-@dataclass(frozen=True)
-class AllocationSettings:
-    """What Allocate gives a container besides the devices: the daemon's socket as pods see it."""
-
-    endpoint: str  # NODEAGENT_ENDPOINT in the container: ipc://<container_socket_dir>/<socket file>
-    host_socket_dir: str  # the daemon's socket directory on the host (a hostPath)
-    container_socket_dir: str  # where the container sees it
-    gpu_access: str = "env"  # env | cdi | none
-
-
 class DevicePluginService:
     """The gRPC methods the kubelet calls. Reads the board; changes nothing outside itself."""
 
-    def __init__(self, board: ViewBoard, policy: shares.SharePolicy, allocation: AllocationSettings,
+    def __init__(self, board: ViewBoard, policy: shares.SharePolicy, allocation: shares.AllocationSettings,
                  stopping: threading.Event) -> None:
         self._board = board
         self._policy = policy
@@ -82,7 +74,7 @@ class DevicePluginService:
         self.streams = 0  # ListAndWatch streams open now
 
     def GetDevicePluginOptions(self, request, context):
-        return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+        return OPTIONS
 
     def ListAndWatch(self, request, context):
         """The device list now, then again each time it changes, until the kubelet goes, we
@@ -126,10 +118,7 @@ class DevicePluginService:
         for req in request.container_requests:
             ids = list(req.devices_ids)
             try:
-                got = shares.allocate(ids, view, self._policy, endpoint=self._allocation.endpoint,
-                                      host_socket_dir=self._allocation.host_socket_dir,
-                                      container_socket_dir=self._allocation.container_socket_dir,
-                                      gpu_access=self._allocation.gpu_access)
+                got = shares.allocate(ids, view, self._policy, self._allocation)
             except shares.AllocationError as exc:
                 log.warning("[k8s] allocate refused devices=%s: %s", ",".join(ids), exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -216,18 +205,15 @@ class PluginServer:
             return
         server.stop(grace_s).wait(grace_s + 1.0)
         if self.identity is not None and _identity(self.path) == self.identity:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         self.identity = None
 
 
 def register(kubelet_socket: str, endpoint_name: str, resource_name: str, timeout_s: float) -> None:
     """Register with the kubelet at ``kubelet_socket``; RegistrationError saying why not."""
-    request = api.RegisterRequest(
-        version=API_VERSION, endpoint=endpoint_name, resource_name=resource_name,
-        options=api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
+    request = api.RegisterRequest(version=API_VERSION, endpoint=endpoint_name, resource_name=resource_name,
+                                  options=OPTIONS)
     with grpc.insecure_channel(f"unix:{kubelet_socket}") as channel:
         try:
             api_grpc.Stub(channel, "Registration").Register(request, timeout=timeout_s)
@@ -274,10 +260,6 @@ class PluginRunner:
         finally:
             watch.close()
 
-    def close(self, grace_s: float = 1.0) -> None:
-        """Stop serving and remove our socket (after the board is closed, so streams end at once)."""
-        self.server.stop(grace_s)
-
     def _step(self, now: float) -> None:
         kubelet = _identity(self.kubelet_socket)
         if kubelet is None:
@@ -320,10 +302,8 @@ class PluginRunner:
         fds = [fd for fd in (watch.fileno(), wake_fd) if fd is not None]
         if stop.is_set():
             return
-        try:
+        try:  # a signal does not end it (PEP 475 retries it): request_stop writes to wake_fd
             ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
-        except InterruptedError:  # a signal: the handler set stop, or not
-            return
         except OSError as exc:
             if exc.errno != errno.EBADF:
                 raise

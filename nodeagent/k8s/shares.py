@@ -5,6 +5,7 @@ docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 HEALTHY = "Healthy"
@@ -46,6 +47,16 @@ class NodeView:
 class ShareDevice:
     id: str
     health: str
+
+
+@dataclass(frozen=True)
+class AllocationSettings:
+    """What Allocate gives a container besides the devices: the daemon's socket as pods see it."""
+
+    endpoint: str  # NODEAGENT_ENDPOINT in the container: ipc://<container_socket_dir>/<socket file>
+    host_socket_dir: str  # the daemon's socket directory on the host (a hostPath)
+    container_socket_dir: str  # where the container sees it
+    gpu_access: str = "env"  # env | cdi | none
 
 
 @dataclass
@@ -134,10 +145,8 @@ def preferred(available: list[str], must_include: list[str], size: int) -> list[
         free.setdefault(uuid, []).append(device_id)
     used = []
     for device_id in chosen:
-        try:
+        with contextlib.suppress(ValueError):
             used.append(parse_share_id(device_id)[0])
-        except ValueError:
-            pass
     need = size - len(chosen)
     # Devices already holding a chosen share first; then the one with the most free shares
     # that holds all that is needed; then the most free shares. Ties: the order given.
@@ -151,19 +160,12 @@ def preferred(available: list[str], must_include: list[str], size: int) -> list[
     return chosen
 
 
-def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy, *, endpoint: str,
-             host_socket_dir: str, container_socket_dir: str, gpu_access: str) -> ContainerAllocation:
-    """What a container given ``device_ids`` needs to join the right device's token.
-
-    ``CUDA_VISIBLE_DEVICES`` lists the devices' UUIDs (the device holding most of the shares
-    first); ``NODEAGENT_DEVICE``, ``NODEAGENT_DEVICE_UUID``, ``NODEAGENT_SHARES`` and
-    ``NODEAGENT_MEMORY_MB`` describe that first device (a session is on one device), the
-    memory being its shares' declaration; ``NODEAGENT_ENDPOINT`` is the daemon's socket as the
-    container sees it through the read-only mount of its directory. ``gpu_access`` ``env``
-    also sets ``NVIDIA_VISIBLE_DEVICES`` (the NVIDIA container runtime's way) and ``cdi``
-    names each GPU as ``nvidia.com/gpu=<uuid>``; neither is given for a cpu daemon's devices.
-    AllocationError for an id that is not one of ours, a device the daemon does not report,
-    or one it reports lost."""
+def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy,
+             settings: AllocationSettings) -> ContainerAllocation:
+    """What a container given ``device_ids`` needs to join the right device's token: the table of
+    docs/kubernetes.md (What a container gets), its ``NODEAGENT_*`` variables describing the device
+    holding most of the shares (a session is on one device). AllocationError for an id that is not
+    one of ours, a device the daemon does not report, or one it reports lost."""
     if not device_ids:
         raise AllocationError("no devices to allocate")
     by_uuid = {gpu.uuid: gpu for gpu in view.gpus}
@@ -185,7 +187,7 @@ def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy, *, endp
     first = by_uuid[order[0]]
     out = ContainerAllocation()
     out.envs = {
-        "NODEAGENT_ENDPOINT": endpoint,
+        "NODEAGENT_ENDPOINT": settings.endpoint,
         "CUDA_VISIBLE_DEVICES": ",".join(order),
         "NODEAGENT_DEVICE": str(first.index),
         "NODEAGENT_DEVICE_UUID": first.uuid,
@@ -193,11 +195,11 @@ def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy, *, endp
         "NODEAGENT_MEMORY_MB": str(policy.memory_mb(first) * counts[first.uuid]),
     }
     gpus = [u for u in order if by_uuid[u].backend == "cuda"]
-    if gpus and gpu_access == "env":
+    if gpus and settings.gpu_access == "env":
         out.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(gpus)
-    elif gpus and gpu_access == "cdi":
+    elif gpus and settings.gpu_access == "cdi":
         out.cdi_devices = [f"nvidia.com/gpu={u}" for u in gpus]
-    out.mounts = [(container_socket_dir, host_socket_dir, True)]
+    out.mounts = [(settings.container_socket_dir, settings.host_socket_dir, True)]
     return out
 
 

@@ -16,6 +16,7 @@ docs/kubernetes.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -29,13 +30,12 @@ import zmq
 from client_lib import DaemonError, NodeAgentError, query_status
 from client_lib import protocol as p
 from client_lib.placement import ClientKeys, PlacementClient, load_server_public
-from nodeagent.k8s.shares import Gpu, NodeView
+from nodeagent.k8s.shares import Gpu, NodeView, SharePolicy, describe
 
 log = logging.getLogger("nodeagent.k8s")
 
 EVENT_TOPICS = (b"health", b"device_state", b"lend", b"reclaim")
-MIN_POLL_INTERVAL_S = 0.05
-MAX_POLL_INTERVAL_S = 60.0
+REQUEST_TIMEOUT_S = 2.0  # for each status and inventory request
 
 
 class ViewBoard:
@@ -109,23 +109,16 @@ class EventsSource:
 
 
 class DaemonWatcher:
-    """Polls the daemon (and listens to its events) on a thread of its own; publishes on ``board``.
+    """Polls the daemon (and listens to its events) on a thread of its own; publishes on ``board``,
+    and logs each device's health (in ``policy``'s words) once per change."""
 
-    ``describe(view)`` gives each device's health in words, for the one log line per change.
-    """
-
-    def __init__(self, endpoint: str, board: ViewBoard, *, poll_interval_s: float = 2.0,
-                 request_timeout_s: float = 2.0, events: EventsSource | None = None,
-                 describe: Callable[[NodeView], dict[int, str]] | None = None) -> None:
-        if not MIN_POLL_INTERVAL_S <= poll_interval_s <= MAX_POLL_INTERVAL_S:
-            raise ValueError(f"poll interval must be {MIN_POLL_INTERVAL_S:g}..{MAX_POLL_INTERVAL_S:g} s, "
-                             f"got {poll_interval_s:g}")
+    def __init__(self, endpoint: str, board: ViewBoard, policy: SharePolicy, *, poll_interval_s: float = 2.0,
+                 events: EventsSource | None = None) -> None:
         self.endpoint = endpoint
         self.board = board
+        self.policy = policy
         self.poll_interval_s = poll_interval_s
-        self.request_timeout_s = request_timeout_s
         self.events = events
-        self._describe = describe
         self._lost: dict[int, tuple[int, str]] = {}  # device -> (boot it was lost in, why)
         self._boot: int | None = None
         self._last: NodeView | None = None
@@ -147,7 +140,7 @@ class DaemonWatcher:
             if self.events is not None:
                 self._sub = self.events.open(self._ctx)
             self._placement = PlacementClient({"local": self.endpoint}, keys=None,
-                                              timeout_ms=self.request_timeout_s * 1000.0)
+                                              timeout_ms=REQUEST_TIMEOUT_S * 1000.0)
         except BaseException:
             self.close()
             raise
@@ -157,12 +150,8 @@ class DaemonWatcher:
 
     def poke(self) -> None:
         """Poll now rather than at the next interval."""
-        try:
+        with contextlib.suppress(OSError):  # a poke is pending already (the pipe is full), or closed
             os.write(self._wake_w, b"x")
-        except BlockingIOError:  # a poke is pending already
-            pass
-        except OSError:  # closed
-            pass
 
     def close(self) -> None:
         """Stop the thread and close everything; again is a no-op."""
@@ -171,7 +160,7 @@ class DaemonWatcher:
         self._stop.set()
         self.poke()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.request_timeout_s * 2 + 1)
+            self._thread.join(timeout=REQUEST_TIMEOUT_S * 2 + 1)
         if self._placement is not None:
             self._placement.close()
             self._placement = None
@@ -180,10 +169,8 @@ class DaemonWatcher:
             self._sub = None
         self._ctx.destroy(linger=0)
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------ the thread
@@ -219,11 +206,9 @@ class DaemonWatcher:
                 next_poll = time.monotonic() + self.poll_interval_s
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # empty now (BlockingIOError), or closed
             while os.read(self._wake_r, 64):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     def _read_events(self) -> bool:
         """Take what the SUB socket holds; True when one of them may change the device list."""
@@ -264,7 +249,7 @@ class DaemonWatcher:
         daemon that is away: the last devices are kept, marked not reachable."""
         self.polls += 1
         try:
-            status = query_status(self.endpoint, timeout=self.request_timeout_s)
+            status = query_status(self.endpoint, timeout=REQUEST_TIMEOUT_S)
         except DaemonError as exc:  # it answered, with an error (busy, a bug): it is there, keep what it said
             log.debug("[k8s] status refused: %s", exc)
             if self._last is not None and self._last.reachable:
@@ -317,13 +302,12 @@ class DaemonWatcher:
             else:
                 log.warning("[k8s] daemon at %s does not answer (%s); its devices' shares are unhealthy until "
                             "it does", self.endpoint, view.problem)
-        if self._describe is not None:
-            said = self._describe(view)
-            for index, words in said.items():
-                if self._said.get(index) != words:
-                    gpu = next(g for g in view.gpus if g.index == index)
-                    log.info("[k8s] device=%d uuid=%s shares %s", index, gpu.uuid, words)
-            for index in set(self._said) - set(said):
-                log.info("[k8s] device=%d is no longer reported: its shares are withdrawn", index)
-            self._said = said
+        said = describe(view, self.policy)
+        for index, words in said.items():
+            if self._said.get(index) != words:
+                gpu = next(g for g in view.gpus if g.index == index)
+                log.info("[k8s] device=%d uuid=%s shares %s", index, gpu.uuid, words)
+        for index in set(self._said) - set(said):
+            log.info("[k8s] device=%d is no longer reported: its shares are withdrawn", index)
+        self._said = said
         self.board.publish(view)

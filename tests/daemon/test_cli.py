@@ -314,3 +314,41 @@ def test_a_fresh_start_says_what_matters_in_a_few_lines(workdir):
     assert not any("migrated" in l for l in before), before
     assert len(before) <= 6, "".join(before)
     assert any("[journal] created" in l for l in before) and any("[serve] listening" in l for l in before)
+
+
+def test_a_state_dir_it_cannot_use_ends_the_start_with_one_line_and_status_74(workdir):
+    blocked = os.path.join(workdir, "a-file")
+    open(blocked, "w").close()
+    out = nodeagent("serve", "--backend", "cpu", "--config", "/dev/null", "--endpoint", f"ipc://{workdir}/a.sock",
+                    "--state-dir", os.path.join(blocked, "state"))
+    assert out.returncode == 74, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"nodeagent: error: state dir {blocked}/state cannot be used: Not a directory; free space or fix "
+        "permissions there, or point --state-dir elsewhere")
+
+
+def test_a_state_dir_another_daemon_holds_ends_the_start_with_status_1(workdir):
+    from nodeagent.runtime import InstanceLock
+    lock = InstanceLock(os.path.join(workdir, "nodeagent.lock"), "state dir")
+    lock.acquire()
+    try:
+        out = nodeagent("serve", "--backend", "cpu", "--config", "/dev/null", "--endpoint", f"ipc://{workdir}/a.sock",
+                        "--state-dir", workdir)
+    finally:
+        lock.release()
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"nodeagent: error: another nodeagent (pid {os.getpid()}) holds the state dir lock {workdir}/nodeagent.lock; "
+        "stop it first, or give this one its own --endpoint and --state-dir")
+
+
+def test_a_setting_the_daemon_refuses_as_it_starts_names_the_file(workdir):
+    config = os.path.join(workdir, "nodeagent.toml")
+    with open(config, "w") as f:
+        f.write("[mps]\ndevices = [5]\n")
+    out = nodeagent("serve", "--backend", "cpu", "--config", config, "--endpoint", f"ipc://{workdir}/a.sock",
+                    "--state-dir", workdir)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"nodeagent: error: {config}: mps.devices names [5], but this node has devices 0..0")
+    assert not os.path.exists(os.path.join(workdir, "a.sock"))

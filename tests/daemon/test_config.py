@@ -128,3 +128,15 @@ def test_a_bad_value_carries_its_key_so_the_command_line_can_name_the_flag():
     assert info.value.key == "scheduler.quantum_ms.trainng"
     assert str(info.value) == ("scheduler.quantum_ms has unknown workload class 'trainng'; did you mean 'training'? "
                                "(classes: inference, training, best-effort)")
+
+
+@pytest.mark.parametrize("duty, permille", [("adaptive", None), ("pause", 0), ("free", 1000), ("250", 250),
+                                            (" 7 ", 7), (30, 30)])
+def test_corun_duty_gives_its_permille(duty, permille):
+    assert ServeConfig(corun_duty=duty).corun_fixed_duty() == permille
+
+
+@pytest.mark.parametrize("duty", ["Pause", "", 1001, True, ["free"]])
+def test_a_corun_duty_that_is_neither_a_word_nor_a_permille_is_refused(duty):
+    with pytest.raises(ConfigError, match=r"^corun\.duty must be adaptive, pause, free or a permille in 0\.\.1000"):
+        ServeConfig(corun_duty=duty).corun_fixed_duty()

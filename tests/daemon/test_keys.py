@@ -38,6 +38,8 @@ def test_generate_writes_the_layout_with_private_modes(tmp_path):
     assert mode(os.path.join(kd, "clients")) == 0o700
     assert mode(paths.server_secret) == 0o600 and mode(paths.server_public) == 0o644
     for name in ("placement", "ray"):
+        assert paths.allowed[name] == os.path.join(kd, "allowed", f"{name}.key")
+        assert paths.clients[name] == os.path.join(kd, "clients", f"{name}.key_secret")
         assert mode(paths.clients[name]) == 0o600 and mode(paths.allowed[name]) == 0o644
     # Nothing else left behind (the staging directory is gone).
     assert sorted(os.listdir(kd)) == ["allowed", "clients", "server.key", "server.key_secret"]
@@ -49,6 +51,14 @@ def test_generate_writes_the_layout_with_private_modes(tmp_path):
         client_public, _ = keys.load_client(paths.clients[name])
         assert allowed[name] == client_public
     assert allowed["placement"] != allowed["ray"] != public
+
+
+def test_a_client_named_server_gets_a_key_pair_of_its_own(tmp_path):
+    kd = str(tmp_path / "keys")
+    paths = keys.generate(kd, clients=["server"])
+    public, _ = keys.load_server(kd)
+    client_public, _ = keys.load_client(paths.clients["server"])
+    assert keys.load_allowed(kd) == {"server": client_public} and client_public != public
 
 
 def test_generate_refuses_to_overwrite_and_writes_nothing(tmp_path):

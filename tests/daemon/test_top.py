@@ -208,6 +208,17 @@ def test_the_strip_shows_the_token_moving_not_only_who_held_longest():
     assert "also |" not in "\n".join(top.render(status, "ipc:///x"))
 
 
+def test_a_narrow_frame_keeps_the_newest_buckets_of_both_rows():
+    activity = p.TokenActivity(timeline=["a", "", "*", "b", "z"],
+                               holders=[["a"], [], ["*"], ["b", "*"], ["z", "b", "c"]])
+    letters = {"a": "A", "b": "B"}
+    assert top.strip(activity, letters, None) == top.strip(activity, letters, 9) == "A.*B?"
+    assert top.strip(activity, letters, 3) == "*B?"
+    assert top.strip(activity, letters, 0) == top.strip(activity, letters, -1) == ""
+    assert top.also_strip(activity, letters, None) == "   *+"
+    assert top.also_strip(activity, letters, 2) == "*+"
+
+
 # --------------------------------------------------------------------- --once, real daemon
 
 

@@ -7,6 +7,7 @@ docs/kubernetes.md."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -29,7 +30,8 @@ from nodeagent.config import ServeConfig  # noqa: E402
 from nodeagent.daemon.server import AgentServer  # noqa: E402
 from nodeagent.k8s import shares  # noqa: E402
 from nodeagent.k8s.app import DevicePlugin  # noqa: E402
-from nodeagent.k8s.plugin import AllocationSettings, RunnerSettings  # noqa: E402
+from nodeagent.k8s.plugin import RunnerSettings  # noqa: E402
+from nodeagent.k8s.shares import AllocationSettings  # noqa: E402
 from nodeagent.k8s.v1beta1 import api_pb2 as api  # noqa: E402
 from nodeagent.k8s.watch import EventsSource  # noqa: E402
 from nodeagent.metrics import Metrics  # noqa: E402
@@ -117,7 +119,8 @@ def events_of(node) -> EventsSource:
 # ------------------------------------------------------------------ registration and the list
 
 
-def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin, shared_daemon):
+def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin, shared_daemon, caplog):
+    caplog.set_level(logging.INFO, logger="nodeagent.k8s")
     daemon = shared_daemon
     plugin = run_plugin(daemon.endpoint, shares_per_device=3)
     reg = kubelet.wait_registrations(1)
@@ -128,6 +131,8 @@ def test_registers_and_lists_every_device_as_healthy_shares(kubelet, run_plugin,
     assert devices == {f"{u}::{n}": "Healthy" for u in uuids for n in range(3)}
     assert reg.plugin_options == reg.options  # what GetDevicePluginOptions says agrees with the registration
     assert plugin.service.streams == 1
+    for index, uuid in enumerate(uuids):  # each device's health is logged as the policy words it
+        assert f"[k8s] device={index} uuid={uuid} shares Healthy" in caplog.text
     assert kubelet.plugin().PreStartContainer(api.PreStartContainerRequest(devices_ids=[f"{uuids[0]}::0"]),
                                               timeout=5) == api.PreStartContainerResponse()
 
@@ -362,6 +367,7 @@ def test_a_refused_registration_is_one_line_and_tried_again(kubelet_dir, shared_
     (("--socket-name", "kubelet.sock"), "not kubelet.sock"),
     (("--memory-mb-per-share", "lots"), "expected auto or a number of MiB"),
     (("--poll-interval-s", "100"), "--poll-interval-s must be 0.05..60"),
+    (("--poll-interval-s", "nan"), "--poll-interval-s: must be a positive number, got 'nan'"),
     (("--shar", "2"), "unrecognized arguments: --shar"),  # no abbreviations
 ])
 def test_bad_settings_are_one_line_and_exit_2(workdir, args, message):

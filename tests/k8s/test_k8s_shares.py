@@ -3,15 +3,17 @@ pure: no daemon, no kubelet, no gRPC)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nodeagent.k8s import shares
-from nodeagent.k8s.shares import Gpu, NodeView, SharePolicy
+from nodeagent.k8s.shares import AllocationSettings, Gpu, NodeView, SharePolicy
 
 A = Gpu(index=0, uuid="GPU-aaaa", backend="cuda", capacity_mb=80_000, state="FREE")
 B = Gpu(index=1, uuid="GPU-bbbb", backend="cuda", capacity_mb=40_000, state="RUN")
-ALLOC = dict(endpoint="ipc:///run/nodeagent/agent.sock", host_socket_dir="/run/nodeagent",
-             container_socket_dir="/run/nodeagent", gpu_access="env")
+ALLOC = AllocationSettings(endpoint="ipc:///run/nodeagent/agent.sock", host_socket_dir="/run/nodeagent",
+                           container_socket_dir="/run/nodeagent", gpu_access="env")
 
 
 def health_of(policy: SharePolicy, view: NodeView) -> dict[str, set[str]]:
@@ -52,7 +54,7 @@ def test_a_daemon_that_does_not_answer_leaves_every_share_listed_but_unhealthy()
 def test_allocate_names_the_device_holding_most_of_the_containers_shares():
     policy = SharePolicy(shares=4)
     view = NodeView(reachable=True, gpus=(A, B))
-    got = shares.allocate(["GPU-aaaa::0", "GPU-bbbb::1", "GPU-bbbb::2"], view, policy, **ALLOC)
+    got = shares.allocate(["GPU-aaaa::0", "GPU-bbbb::1", "GPU-bbbb::2"], view, policy, ALLOC)
     assert got.envs == {
         "NODEAGENT_ENDPOINT": "ipc:///run/nodeagent/agent.sock",
         "CUDA_VISIBLE_DEVICES": "GPU-bbbb,GPU-aaaa",
@@ -61,9 +63,9 @@ def test_allocate_names_the_device_holding_most_of_the_containers_shares():
         "NVIDIA_VISIBLE_DEVICES": "GPU-bbbb,GPU-aaaa",
     }
     assert got.mounts == [("/run/nodeagent", "/run/nodeagent", True)] and got.cdi_devices == []
-    cdi = shares.allocate(["GPU-aaaa::3"], view, policy, **dict(ALLOC, gpu_access="cdi"))
+    cdi = shares.allocate(["GPU-aaaa::3"], view, policy, dataclasses.replace(ALLOC, gpu_access="cdi"))
     assert cdi.cdi_devices == ["nvidia.com/gpu=GPU-aaaa"] and "NVIDIA_VISIBLE_DEVICES" not in cdi.envs
-    none = shares.allocate(["GPU-aaaa::3"], view, policy, **dict(ALLOC, gpu_access="none"))
+    none = shares.allocate(["GPU-aaaa::3"], view, policy, dataclasses.replace(ALLOC, gpu_access="none"))
     assert none.cdi_devices == [] and "NVIDIA_VISIBLE_DEVICES" not in none.envs
 
 
@@ -83,7 +85,7 @@ def test_memory_per_share_is_the_capacity_split_or_what_was_set():
 def test_allocate_refuses_what_it_cannot_give(ids, fragment):
     lost = Gpu(2, "GPU-lost", "cuda", 1, lost=True, lost_reason="GPU is lost")
     with pytest.raises(shares.AllocationError, match=fragment):
-        shares.allocate(ids, NodeView(reachable=True, gpus=(A, B, lost)), SharePolicy(shares=4), **ALLOC)
+        shares.allocate(ids, NodeView(reachable=True, gpus=(A, B, lost)), SharePolicy(shares=4), ALLOC)
 
 
 def test_preferred_keeps_one_container_on_one_device_and_spreads_containers():

@@ -1,7 +1,7 @@
-"""Generate the device plugin API's Python modules from ``v1beta1/api.proto``.
+"""Generate the device plugin API's Python modules from ``nodeagent/k8s/v1beta1/api.proto``.
 
-    python -m nodeagent.k8s.gen            # rewrite nodeagent/k8s/v1beta1/api_pb2.py
-    python -m nodeagent.k8s.gen --out DIR  # write them under DIR instead (the test compares)
+    python scripts/gen_k8s_api.py            # rewrite nodeagent/k8s/v1beta1/api_pb2.py
+    python scripts/gen_k8s_api.py --out DIR  # write them under DIR instead (the test compares)
 
 Needs grpcio-tools (in the ``dev`` extra), which brings its own protoc; running the
 plugin needs only grpcio and protobuf. The services are served and called through
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTO = os.path.join("nodeagent", "k8s", "v1beta1", "api.proto")
 
 
@@ -23,19 +23,19 @@ def generate(out_dir: str = REPO) -> str:
     try:
         from grpc_tools import protoc
     except ImportError:
-        raise SystemExit("nodeagent.k8s.gen: error: grpcio-tools is not installed "
+        raise SystemExit("gen_k8s_api: error: grpcio-tools is not installed "
                          "(pip install grpcio-tools, or the dev extra)") from None
     os.makedirs(os.path.join(out_dir, os.path.dirname(PROTO)), exist_ok=True)
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")  # well-known types, unused today
     code = protoc.main(["grpc_tools.protoc", f"--proto_path={REPO}", f"--proto_path={include}",
                         f"--python_out={out_dir}", os.path.join(REPO, PROTO)])
     if code != 0:
-        raise SystemExit(f"nodeagent.k8s.gen: error: protoc failed on {PROTO} (exit {code})")
+        raise SystemExit(f"gen_k8s_api: error: protoc failed on {PROTO} (exit {code})")
     return os.path.join(out_dir, os.path.dirname(PROTO), "api_pb2.py")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nodeagent.k8s.gen", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="python scripts/gen_k8s_api.py", allow_abbrev=False,
                                      description="Generate the kubelet device plugin API's Python modules.")
     parser.add_argument("--out", default=REPO, metavar="DIR",
                         help="root to write nodeagent/k8s/v1beta1/api_pb2.py under (default: this repository)")
