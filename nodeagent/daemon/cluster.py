@@ -76,14 +76,9 @@ class EventPublisher:
         self.node = node
         self.boot = boot
         self.seq = 0  # of the last event published
-        self.dropped = 0  # events libzmq would not take (socket closed or full)
         self._wall = wall_clock
         self._prefixes: set[bytes] = set()  # topics subscribed to by someone (SUB filters are prefixes)
         self._wanted = dict.fromkeys(KINDS, False)
-
-    def wanted(self, kind: str) -> bool:
-        """Whether a subscriber would receive an event of ``kind``."""
-        return self._wanted.get(kind, False)
 
     def on_subscriptions(self) -> None:
         """Read (un)subscriptions off the socket; the loop calls this when it is readable.
@@ -121,10 +116,7 @@ class EventPublisher:
         try:
             self._sock.send_multipart([_TOPICS[kind], codec.encode(event)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            self.dropped += 1
             events_log.warning("[events] dropped seq=%d kind=%s: %s", self.seq, kind, exc)
-
-
 
 
 class ClusterRoute(bytes):
@@ -181,7 +173,6 @@ class ClusterEndpoint:
         self._error = server.replies.error
         self._bad = server.replies.bad
         self._dispatch = server.dispatch
-        self._status = server.status
         self._attained = server.attained
         self._begin_suspend = suspensions.begin
         self._suspending = suspensions.under_way
@@ -532,12 +523,6 @@ class ClusterEndpoint:
 
     def on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
         self._server_handlers[p.Inventory](route, msg, frame, now)  # the server's: chunked, under status's caps
-
-    def inventory(self, now: float | None = None, request_id: int = 0) -> p.InventoryReply:
-        """Every device with its lifecycle state, borrower, sessions, policy, partition, utilisation."""
-        now = self._clock() if now is None else now
-        lifecycles = self.lifecycle_facts(now)
-        return self.inventory_of(self._status(now), lifecycles, now, request_id)
 
     def _wall_at(self, now: float) -> float:
         """Unix seconds at the loop time ``now`` (a turn's start), not at this call: a time
