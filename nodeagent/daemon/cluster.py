@@ -395,10 +395,6 @@ class ClusterEndpoint:
             s = event.session
             self.events.publish("grant", s.device, s.id, grant=event.grant, waited_ms=event.waited_ms)
 
-    def on_suspend_finished(self, event: SuspendFinished) -> None:
-        """The bus's :class:`SuspendFinished`: see :meth:`suspend_finished`."""
-        self.suspend_finished(event.session, event.outcome, event.elapsed_ms, event.now)
-
     # ------------------------------------------------------------------ loop hooks
 
     def on_timers(self, now: float) -> None:
@@ -465,16 +461,17 @@ class ClusterEndpoint:
         """The device's lifecycle state (FREE, RUN, ...); read by metrics at scrape time."""
         return self._lifecycles[device].state.value
 
-    def suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
-        """A suspension ended: publish it, and move a reclaim waiting on it on."""
-        self.event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
+    def on_suspend_finished(self, event: SuspendFinished) -> None:
+        """The bus's :class:`SuspendFinished`: publish it, and move a reclaim waiting on it on."""
+        s, now = event.session, event.now
+        self.event("suspend", s.device, s.id, outcome=event.outcome, elapsed_ms=round(event.elapsed_ms, 3),
                    bytes_parked=self._parked_bytes(s))
         pending = self._reclaims.get(s.device)
         if pending is None or pending.outcomes.get(s.id, "") is not None:
             return
-        if outcome == "timeout":  # unverifiable, so not stopped: the token is what can be taken
+        if event.outcome == "timeout":  # unverifiable, so not stopped: the token is what can be taken
             self._take_token(s, now)
-        pending.outcomes[s.id] = outcome
+        pending.outcomes[s.id] = event.outcome
         self._finish_reclaim_if_done(pending, now)
 
     def _moved(self, transitions: list, *, op: bool) -> None:
@@ -666,7 +663,7 @@ class ClusterEndpoint:
             if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
                 pending.outcomes[s.id] = state.wire
             elif state is SuspendState.REQUESTED and self._suspending(s):
-                pending.outcomes[s.id] = None  # under way already: suspend_finished reports it
+                pending.outcomes[s.id] = None  # under way already: on_suspend_finished reports it
             elif state is SuspendState.REQUESTED:  # missed an earlier deadline unstopped
                 self._take_token(s, now)
                 pending.outcomes[s.id] = "timeout"
