@@ -551,9 +551,9 @@ class ClusterEndpoint:
         return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices,
                                 attained_gpu_s=status.attained_gpu_s)
 
-    def _lend_target(self, route: bytes, msg, frame, now: float, act: Act) -> DeviceLifecycle | None:
-        """The lifecycle a lend or renew acts on, once the peer may, the device exists and the
-        borrower is a valid name; None after answering why not."""
+    def _lend_or_renew(self, route: bytes, msg: p.Lend | p.Renew, frame, now: float, act: Act):
+        """(lifecycle, what its ``lend`` or ``renew`` returned) once the peer may, the device exists
+        (and, to lend, works) and the borrower is a valid name; None after answering why not."""
         if not self._operator(route, msg.id, frame, act):
             return None
         life = self._lifecycle_for(route, msg.id, msg.device, now)
@@ -563,24 +563,23 @@ class ClusterEndpoint:
         if problem is not None:
             self._error(route, msg.id, p.ErrorCode.INVALID, problem)
             return None
-        return life
-
-    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
-        life = self._lend_target(route, msg, frame, now, Act.LEND)
-        if life is None:
-            return
-        lost = self._lost_devices.refusal(msg.device)
+        lost = self._lost_devices.refusal(msg.device) if act is Act.LEND else None
         if lost is not None:  # a borrower's workers could not run there
             self._error(route, msg.id, p.ErrorCode.DEVICE, lost)
-            return
+            return None
         try:
-            moved = life.lend(msg.borrower, now, msg.max_s)
+            return life, (life.lend if act is Act.LEND else life.renew)(msg.borrower, now, msg.max_s)
         except LifecycleError as exc:
             self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
-            return
         except ValueError as exc:
             self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
+        return None
+
+    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
+        done = self._lend_or_renew(route, msg, frame, now, Act.LEND)
+        if done is None:
             return
+        life, moved = done
         changed = any(t.new is DeviceState.LENT for t in moved)
         self._moved(moved, op=True)
         uids = frozenset(msg.borrower_uids or ())
@@ -598,17 +597,10 @@ class ClusterEndpoint:
 
     def on_renew(self, route: bytes, msg: p.Renew, frame, now: float) -> None:
         """A new term for a lend (a lease): it ends ``max_s`` from now; journalled, as the lend was."""
-        life = self._lend_target(route, msg, frame, now, Act.RENEW)
-        if life is None:
+        done = self._lend_or_renew(route, msg, frame, now, Act.RENEW)
+        if done is None:
             return
-        try:
-            life.renew(msg.borrower, now, msg.max_s)
-        except LifecycleError as exc:
-            self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
-            return
-        except ValueError as exc:
-            self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
-            return
+        life = done[0]
         self._journal_lifecycle(msg.device, now)
         self.event("renew", msg.device, borrower=msg.borrower, max_s=msg.max_s)
         log.info("[cluster] renew device=%d borrower=%s max_s=%g by=%s", msg.device, msg.borrower, msg.max_s,
