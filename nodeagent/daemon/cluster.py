@@ -142,23 +142,15 @@ class _Reclaim:
 
 
 class ClusterEndpoint:
-    """Cluster endpoint, device lifecycles and placement operations (see docs/internals.md).
-
-    Owns the ROUTER and events sockets, the ZAP thread, the events publisher, one
-    :class:`sharing.DeviceLifecycle` per device and the reclaims under way. Everything
-    else it touches is a constructor parameter: the config, the loop, the server's view
-    (:class:`nodeagent.daemon.bus.ServerView`), the tokens and suspension components, the
-    sessions, the journal writer and the device facts."""
+    """Cluster endpoint, device lifecycles and placement operations (what it owns: the module docstring)."""
 
     def __init__(self, *, config: ServeConfig, loop: LoopHandle, server: ServerView, tokens: Tokens,
                  sessions: SessionTable, journal: JournalWriter, suspensions, devices: DeviceFacts) -> None:
-        """``loop``: where the sockets are polled once bound; ``server``: the request table this
-        endpoint shares (:data:`SHARED_OPS`), dispatch, status, boot, metrics and replies;
-        ``journal``: operators' changes are written through it, and restored from its
-        ``journal``; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``)
-        and reads where each stands (``state``) and whether one is under way with its deadline
-        pending (``under_way``); a suspension's event says what it parked (``parked_bytes``);
-        ``devices``: GPUs NVML reports lost are not lent."""
+        """``server``: the request table this endpoint shares (:data:`SHARED_OPS`), dispatch, boot,
+        metrics and replies; ``journal``: operators' changes are written through it and restored from
+        it; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``), reads where each
+        stands (``state``, ``under_way``) and what one parked (``parked_bytes``); ``devices``: GPUs
+        NVML reports lost are not lent."""
         self._config = config
         self._ctx = server.context
         self._poller = loop.poller
@@ -174,14 +166,10 @@ class ClusterEndpoint:
         self._bad = server.replies.bad
         self._dispatch = server.dispatch
         self._attained = server.attained
-        self._begin_suspend = suspensions.begin
-        self._suspending = suspensions.under_way
-        self._suspend_state = suspensions.state
-        self._parked_bytes = suspensions.parked_bytes
+        self._suspensions = suspensions
         self._wake = loop.wake
         self._lost_devices = devices.lost
-        handlers = server.handlers
-        self._server_handlers = handlers  # the server fills in inventory's after this is built
+        self._server_handlers = server.handlers  # the server fills in inventory's after this is built
         count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
@@ -197,7 +185,7 @@ class ClusterEndpoint:
         self._cluster_handlers = {p.Inventory: self.on_inventory, p.Lend: self.on_lend, p.Reclaim: self.on_reclaim,
                                   p.Drain: self.on_drain, p.SetPolicy: self.on_set_policy,
                                   p.SetWeight: self.on_set_weight, p.Renew: self.on_renew,
-                                  **{kind: handlers[kind] for kind in SHARED_OPS}}
+                                  **{kind: server.handlers[kind] for kind in SHARED_OPS}}
 
     # ------------------------------------------------------------------ life
 
@@ -465,7 +453,7 @@ class ClusterEndpoint:
         """The bus's :class:`SuspendFinished`: publish it, and move a reclaim waiting on it on."""
         s, now = event.session, event.now
         self.event("suspend", s.device, s.id, outcome=event.outcome, elapsed_ms=round(event.elapsed_ms, 3),
-                   bytes_parked=self._parked_bytes(s))
+                   bytes_parked=self._suspensions.parked_bytes(s))
         pending = self._reclaims.get(s.device)
         if pending is None or pending.outcomes.get(s.id, "") is not None:
             return
@@ -651,17 +639,17 @@ class ClusterEndpoint:
         self._reclaims[device] = pending
         for s in [s for s in self._sessions.values() if s.device == device and s.borrower == pending.borrower
                   and s.workload is not Workload.INFERENCE]:
-            state = self._suspend_state(s)
+            state = self._suspensions.state(s)
             if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
                 pending.outcomes[s.id] = state.wire
-            elif state is SuspendState.REQUESTED and self._suspending(s):
+            elif state is SuspendState.REQUESTED and self._suspensions.under_way(s):
                 pending.outcomes[s.id] = None  # under way already: on_suspend_finished reports it
             elif state is SuspendState.REQUESTED:  # missed an earlier deadline unstopped
                 self._take_token(s, now)
                 pending.outcomes[s.id] = "timeout"
             else:
                 pending.outcomes[s.id] = None
-                self._begin_suspend(s, deadline_ms, now, reason="reclaim")
+                self._suspensions.begin(s, deadline_ms, now, reason="reclaim")
         self._finish_reclaim_if_done(pending, now)
 
     def _take_token(self, s: Session, now: float) -> None:
