@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -379,9 +380,7 @@ class ClusterEndpoint:
 
     def on_granted(self, event: Granted) -> None:
         """The bus's :class:`Granted`: a ``grant`` event, where there is an events socket."""
-        if self.events is not None:
-            s = event.session
-            self.events.publish("grant", s.device, s.id, grant=event.grant, waited_ms=event.waited_ms)
+        self.event("grant", event.session.device, event.session.id, grant=event.grant, waited_ms=event.waited_ms)
 
     # ------------------------------------------------------------------ loop hooks
 
@@ -478,7 +477,7 @@ class ClusterEndpoint:
             detail["borrower_uids"] = sorted(self._borrower_uids.get(device, ()))
         for key, at in (("lent_until_unix", life.lent_until), ("protect_until_unix", life.protect_until)):
             if at is not None:
-                detail[key] = wall + (at - now)
+                detail[key] = _on_wall(at, now, wall)
         self._journal.write(lambda j: j.put_device_state(device, life.state.value, detail))
 
     def _publish_health(self, now: float) -> None:
@@ -520,8 +519,7 @@ class ClusterEndpoint:
         facts = []
         for device in range(len(self._lifecycles)):
             life = self._observe_now(device, now)
-            facts.append((life.state.value, life.borrower,
-                          None if life.lent_until is None else wall + (life.lent_until - now)))
+            facts.append((life.state.value, life.borrower, _on_wall(life.lent_until, now, wall)))
         return facts
 
     def inventory_of(self, status: p.StatusReply, lifecycles: list, now: float,
@@ -668,9 +666,7 @@ class ClusterEndpoint:
         for route, request_id in pending.waiters:
             self._send(route, p.ReclaimReply(id=request_id, device=pending.device, state=state, free_ms=free_ms,
                                              outcomes=dict(pending.outcomes), changed=True))
-        tally: dict[str, int] = {}
-        for outcome in pending.outcomes.values():
-            tally[outcome] = tally.get(outcome, 0) + 1
+        tally = dict(Counter(pending.outcomes.values()))
         self.event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
                    sessions=len(pending.outcomes), attained_gpu_s=self._attained(now).get(pending.borrower, 0.0),
                    **tally)
