@@ -267,14 +267,13 @@ class Serving:
             self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
                         f"server-side inference is off on this daemon ({self._why_off})")
             return
-        if procwatch.peer_credentials(frame) is None:
+        creds = procwatch.peer_credentials(frame)
+        if creds is None:  # fail closed: the example and the weights are opened as this peer
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
                         "registering a model runs its factory in the daemon's workers: only local peers whose "
                         "identity the daemon can verify may do it")
             return
-        refusal = self._operator_refusal(route, frame, Act.REGISTER)
-        if refusal is not None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
+        if not self._operator(route, msg.id, frame, Act.REGISTER):
             return
         problem = self._check_registration(msg)
         if problem is not None:
@@ -296,10 +295,6 @@ class Serving:
                             "unregister it first or pass replace=True")
                 return
             self._unregister(msg.name)
-        creds = procwatch.peer_credentials(frame)
-        if creds is None:  # fail closed: the example and the weights are opened as this peer
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "the daemon cannot verify this peer's user")
-            return
         try:
             # The weights file is opened with the registering peer's rights, never root's; the
             # journal keeps them, so that a restarted daemon reads the file with the same rights.
@@ -316,19 +311,19 @@ class Serving:
         except PoolError as exc:  # refused at once (no live worker, shutting down): nothing registered
             self._error(route, msg.id, exc.code, exc.message)
 
-    def _operator_refusal(self, route, frame, act: Act) -> str | None:
-        """Why this peer may not register or unregister models (an operator's act: the factory
-        runs as the daemon's user in its workers), or None (:mod:`nodeagent.daemon.authz`)."""
+    def _operator(self, route, request_id: int, frame, act: Act) -> bool:
+        """Whether this peer may register or unregister models (an operator's act: the factory runs
+        as the daemon's user in its workers; :mod:`nodeagent.daemon.authz`); else answers E_FORBIDDEN."""
         try:
             group = self._config.ctxpool_register_gid()
         except ValueError as exc:  # the group went away since the start: root only
             log.error("[ctxpool] %s", exc)
             group = None
         why = authz_refusal(act, peer_of(route, frame, register_gid=group))
-        if why is None:
-            return None
-        return (f"{why} (a model's code runs as the daemon's user in its workers); an administrator may name "
-                "a group in ctxpool.register_group")
+        if why is not None:
+            self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"{why} (a model's code runs as the daemon's "
+                        "user in its workers); an administrator may name a group in ctxpool.register_group")
+        return why is None
 
     def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
         """Why a registration cannot be carried out (code, message), or None. The name's pattern and
@@ -359,9 +354,7 @@ class Serving:
                  record.name, record.factory, record.weights, devices, journalled)
 
     def on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
-        refusal = self._operator_refusal(route, frame, Act.UNREGISTER)
-        if refusal is not None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
+        if not self._operator(route, msg.id, frame, Act.UNREGISTER):
             return
         if msg.name not in self._models:
             known = self._journal_read(lambda j: [r.name for r in j.models()], [])
