@@ -104,13 +104,7 @@ def ctxpool_wanted(setting: str) -> tuple[bool, str]:
 
 
 class Serving:
-    """Model registration and server-side inference (see docs/internals.md).
-
-    Owns the worker pool, the registered models, each client session's serving
-    sub-session (its queue of requests), the requests in flight and what admission
-    holds for the workers. The server hands it the four serving requests, the scheduler
-    actions of its sub-sessions (:meth:`on_delegated`), the end of a client session
-    (:meth:`forget`), a lost device (:meth:`device_lost`) and its timers."""
+    """Model registration and server-side inference (what it owns: the module docstring; docs/internals.md)."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, journal: JournalWriter, replies: Replies) -> None:
@@ -138,10 +132,6 @@ class Serving:
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
-
-    def on_device_lost(self, event: DeviceLost) -> None:
-        """The bus's :class:`DeviceLost`: see :meth:`device_lost`."""
-        self.device_lost(event.device, event.notice, event.now)
 
     # ---------------------------------------------------------------- life
 
@@ -448,11 +438,9 @@ class Serving:
     # ------------------------------------------------------- the token
 
     def on_delegated(self, event: DelegatedAction) -> None:
-        """The bus's :class:`DelegatedAction`: a scheduler action for one of this component's queues."""
-        self.on_action(event.action, event.now)
-
-    def on_action(self, action, now: float) -> None:
-        """A scheduler action for a serving sub-session (added ``delegated``: one of :attr:`_queues`)."""
+        """The bus's :class:`DelegatedAction`: a scheduler action for a serving sub-session (added
+        ``delegated``: one of :attr:`_queues`)."""
+        action, now = event.action, event.now
         q = self._queues[action.session]
         kind = type(action)
         if kind is Grant:
@@ -524,18 +512,18 @@ class Serving:
             else:
                 self._remove_queue(q, now)
 
-    def device_lost(self, device: int, notice: str, now: float) -> None:
-        """``device`` failed: requests waiting for its token are answered E_DEVICE and their
-        queues leave the line (a running request ends with its worker)."""
+    def on_device_lost(self, event: DeviceLost) -> None:
+        """The bus's :class:`DeviceLost`: requests waiting for the device's token are answered
+        E_DEVICE and their queues leave the line (a running request ends with its worker)."""
         for q in self._queues.values():
-            if q.device != device:
+            if q.device != event.device:
                 continue
             for job in q.pending:  # their input segments stay the clients' (they unlink them)
-                self._error(job.route, job.request_id, p.ErrorCode.DEVICE, notice)
+                self._error(job.route, job.request_id, p.ErrorCode.DEVICE, event.notice)
             q.pending.clear()
             if q.waiting:
                 q.waiting = False
-                self._tokens.cancel(device, q.sid, now)
+                self._tokens.cancel(q.device, q.sid, event.now)
 
     def _remove_queue(self, q: _ServeQueue, now: float) -> None:
         if self._queues.pop(q.sid, None) is None:
