@@ -593,27 +593,21 @@ class Serving:
 
     def _on_pool_event(self, event, now: float) -> None:
         kind = type(event)
-        if kind is RequestDone:
+        if kind is RequestDone or kind is RequestFailed:
             q, job = self._inflight.pop(event.request_id, (None, None))
+            done = kind is RequestDone
+            if done and (job is None or q.owner_gone):
+                tensors.discard(event.outputs)  # made by our worker for a request nobody waits for
             if job is None:
-                tensors.discard(event.outputs)
                 return
             if q.owner_gone:
-                tensors.discard(event.outputs)  # made by our worker for a client now gone
                 _discard_inputs(job.inputs, q.uid, q.root)
-            else:
+            elif done:
                 q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(
                     id=job.request_id, model=job.model, outputs=list(event.outputs), swap=event.swap,
                     queue_ms=1000.0 * (job.started - job.arrived), run_ms=event.run_ms, device=q.device,
-                    single=bool(getattr(event, "single", False))))
-            self._job_finished(q, now)
-        elif kind is RequestFailed:
-            q, job = self._inflight.pop(event.request_id, (None, None))
-            if job is None:
-                return
-            if q.owner_gone:
-                _discard_inputs(job.inputs, q.uid, q.root)
+                    single=event.single))
             else:
                 self._error(job.route, job.request_id, event.code, event.message)
             self._job_finished(q, now)
