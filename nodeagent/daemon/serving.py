@@ -10,12 +10,13 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
-import os
 import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Container
+from typing import Container
+
+import msgspec
 
 from client_lib import protocol as p
 from client_lib import tensors
@@ -32,7 +33,7 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import ModelRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import context_allowance_mb
-from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import SessionTable
 from nodeagent.daemon.authz import Act, is_root, peer_of
 from nodeagent.daemon.authz import refusal as authz_refusal
 from nodeagent.daemon.bus import DelegatedAction, DeviceFacts, DeviceLost, LoopHandle, Replies
@@ -378,11 +379,8 @@ class Serving:
                 for w in workers:
                     for name in w.resident:
                         resident.setdefault(name, set()).add(device)
-        out = []
-        for name, m in sorted(self._models.items()):
-            if m.info is not None:
-                out.append(_replace_resident(m.info, sorted(resident.get(name, ()))))
-        return out
+        return [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
+                for name, m in sorted(self._models.items()) if m.info is not None]
 
     def on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -760,9 +758,3 @@ def _example_segment(record: ModelRecord):
     refs = [p.TensorRef(dtype=r["dtype"], shape=r["shape"], shm=seg.name if r["nbytes"] else "",
                         offset=r["offset"], nbytes=r["nbytes"]) for r in record.example_refs]
     return seg, refs
-
-
-def _replace_resident(info: p.ModelInfo, resident: list[int]) -> p.ModelInfo:
-    import msgspec
-
-    return msgspec.structs.replace(info, resident=resident)
