@@ -197,28 +197,21 @@ class Serving:
         self._models.clear()
 
     def _answer_pending_at_shutdown(self) -> None:
-        """Answer every serving request still open with E_SHUTTING_DOWN, before the workers
-        stop, so that no requester waits for its own timeout: requests the pool runs or
-        queues, requests still waiting for their device's token, and registrations waiting
-        for workers to attach. Their input segments stay the clients' (they unlink them)."""
-        running = len(self._inflight)
-        for q, job in list(self._inflight.values()):
-            self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+        """Answer E_SHUTTING_DOWN, before the workers stop, every request the pool runs or queues, every
+        one waiting for its device's token and every registration waiting for workers, so that no
+        requester waits for its own timeout. Their input segments stay the clients' (they unlink them)."""
+        running = [job for _, job in self._inflight.values()]
+        queued = [job for q in self._queues.values() for job in q.pending]
+        registering = [waiter for model in self._models.values() for waiter in model.waiters]
+        for route, request_id in [(job.route, job.request_id) for job in running + queued] + registering:
+            self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
         self._inflight.clear()
-        queued = 0
         for q in self._queues.values():
-            while q.pending:
-                job = q.pending.popleft()
-                self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
-                queued += 1
-        registering = 0
+            q.pending.clear()
         for model in self._models.values():
-            for route, rid in model.waiters:
-                self._error(route, rid, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
-                registering += 1
             model.waiters.clear()
-        log.info("[shutdown] step=serving answered running=%d queued=%d registering=%d", running, queued,
-                 registering)
+        log.info("[shutdown] step=serving answered running=%d queued=%d registering=%d", len(running),
+                 len(queued), len(registering))
 
     def _worker_setup(self, device: int):
         """What a worker of ``device`` starts with (asked at every spawn): its GPU by UUID, the
