@@ -55,8 +55,6 @@ _SHUTDOWN_LINGER_MS = 100
 SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
 """Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
 
-Handler = Callable[[bytes, object, object, float], None]  # (route, request, frame, now)
-
 # ------------------------------------------------------------------ the events socket
 # What happened on this node, numbered, one client_lib.protocol.Event per message under its kind
 # as topic (detail: docs/internals.md).
@@ -205,13 +203,9 @@ class ClusterEndpoint:
             if not 0 <= device < count:
                 continue
             try:
-                policy, protect_s = self._policy_from(device, doc.get("quanta_ms"), doc.get("grace_ms"),
-                                                      doc.get("protect_s"))
+                self._set_policy(device, doc.get("quanta_ms"), doc.get("grace_ms"), doc.get("protect_s"), now)
             except (ValueError, TypeError, AttributeError) as exc:
                 log.warning("[cluster] journalled policy of device %d ignored: %s", device, exc)
-                continue
-            self._lifecycles[device].set_protect_s(protect_s)
-            self._tokens.set_policy(device, policy, now)
         for device, (state, detail) in sorted(journal.device_states().items()):
             if not 0 <= device < count:
                 log.warning("[cluster] journalled state of device %d dropped: the device is gone", device)
@@ -698,12 +692,10 @@ class ClusterEndpoint:
         if self._lifecycle_for(route, msg.id, msg.device, now) is None:
             return
         try:
-            policy, protect_s = self._policy_from(msg.device, msg.quanta_ms, msg.grace_ms, msg.protect_s)
+            self._set_policy(msg.device, msg.quanta_ms, msg.grace_ms, msg.protect_s, now)
         except ValueError as exc:
             self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
             return
-        self._lifecycles[msg.device].set_protect_s(protect_s)
-        self._tokens.set_policy(msg.device, policy, now)
         info = self._policy_info(msg.device)
         doc = {"quanta_ms": dict(info.quanta_ms), "grace_ms": info.grace_ms, "protect_s": info.protect_s}
         self._journal.write(lambda j: j.put_policy(msg.device, doc))
@@ -713,8 +705,8 @@ class ClusterEndpoint:
                  info.quanta_ms, info.grace_ms, info.protect_s, _peer(route, frame))
         self._send(route, p.PolicyReply(id=msg.id, device=msg.device, policy=info))
 
-    def _policy_from(self, device: int, quanta_ms, grace_ms, protect_s) -> tuple[SchedulerPolicy, float]:
-        """The device's policy with the given fields changed (None: keep); ValueError names a bad one."""
+    def _set_policy(self, device: int, quanta_ms, grace_ms, protect_s, now: float) -> None:
+        """Change the device's policy fields given (None: keep); ValueError names a bad one, changing nothing."""
         current = self._tokens.policy(device)
         quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
         quanta.update(quanta_ms or {})
@@ -724,7 +716,8 @@ class ClusterEndpoint:
         if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)) \
                 or not math.isfinite(protect_s) or protect_s < 0:
             raise ValueError(f"protect_s must be a number of seconds >= 0, got {protect_s!r}")
-        return policy, float(protect_s)
+        self._lifecycles[device].set_protect_s(float(protect_s))
+        self._tokens.set_policy(device, policy, now)
 
     def _policy_info(self, device: int) -> p.PolicyInfo:
         policy = self._tokens.policy(device)
