@@ -78,7 +78,6 @@ class _ServeQueue:
     waiting: bool = False
     yield_asked: bool = False
     owner_gone: bool = False
-    served: int = 0
     uid: int | None = None  # the client's verified uid: whose segments its requests may name
     root: bool = False  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
     outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
@@ -109,8 +108,8 @@ class Serving:
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, journal: JournalWriter, replies: Replies) -> None:
-        """``tokens``: the serving sub-sessions take turns at each device's token there, and
-        their actions come back here (this constructor registers them with ``tokens``)."""
+        """``tokens``: the serving sub-sessions take turns at each device's token there (added
+        ``delegated``: their actions come back as :class:`DelegatedAction` events)."""
         self._config = config
         self._backend_name = devices.name
         self._sessions = sessions  # read: what sessions declared, when the workers' share is sized
@@ -641,7 +640,6 @@ class Serving:
 
     def _job_finished(self, q: _ServeQueue, now: float) -> None:
         q.running = None
-        q.served += 1
         if q.owner_gone or q.yield_asked or q.grant is None:
             if q.grant is not None:
                 self._serve_release(q, now)
@@ -726,13 +724,9 @@ def _with_example(record: ModelRecord, refs: list[p.TensorRef], owner_uid: int |
 
 
 def unrestorable_model(rec: ModelRecord) -> str | None:
-    """Why a journalled model is not registered again at start, or None.
-
-    A row journalled before the registrant was recorded (schema < 4) names a weights file
-    that could only be read with the daemon's (root's) rights; whoever registered it may
-    have repointed the path since (a symlink to a root-only file passes any check of the
-    file's owner and mode). So it is refused and the operator asked to register it again;
-    a row with no weights file reads nothing and is restored."""
+    """Why a journalled model is not registered again at start, or None: a row journalled before the
+    registrant was (schema < 4) names a weights file only root's rights could read, and its path may
+    have been repointed since (a symlink to a root-only file passes any owner or mode check)."""
     if rec.registrant is None and rec.weights is not None:
         return (f"it was journalled before the daemon recorded who registered models, so its weights file "
                 f"{rec.weights} could only be read with the daemon's own rights; register it again (or "
