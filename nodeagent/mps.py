@@ -262,14 +262,6 @@ class MpsControl:
                            f"(exit {done.returncode}): {detail}")
         return done.stdout
 
-    def server_list(self) -> list[int]:
-        """Pids of the MPS servers this daemon runs (one per line; none when idle)."""
-        out = self.command("get_server_list")
-        try:
-            return [int(word) for word in out.split()]
-        except ValueError:
-            raise MpsError(f"unexpected get_server_list answer from device {self.device_index}: {out!r}") from None
-
     # -------------------------------------------------------------- internals
 
     def _make_dirs(self) -> None:
