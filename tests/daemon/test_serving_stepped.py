@@ -89,3 +89,25 @@ def test_requests_waiting_for_a_lost_devices_token_are_answered_and_leave_the_li
     assert [msg for route, msg in sent if route == s.route] == [p.Error(id=1, code=p.ErrorCode.DEVICE,
                                                                         message="GPU 0 is lost")]
     assert tokens.schedulers[0].waiting_count() == 0
+
+
+def test_a_gone_clients_queue_leaves_the_device_once_its_running_request_ends():
+    serving, pool, tokens, sessions, sent, _ = _serving()
+    s = _client(sessions, tokens, "s-a", "inference")
+    _infer(serving, s, 1, 0.0)
+    _infer(serving, s, 2, 0.0)
+    serving.forget(s.id, 0.1)  # request 1 runs on; request 2 goes
+    assert tokens.on_device(0, "s-a:serve") and tokens.schedulers[0].holder() == "s-a:serve"
+    serving._on_pool_event(RequestDone(request_id=1, device=0, outputs=[], swap="warm", run_ms=2.0), 0.5)
+    assert pool.submitted == [1] and [msg for route, msg in sent if route == s.route] == []
+    assert tokens.schedulers[0].holder() is None and not tokens.on_device(0, "s-a:serve")
+
+
+def test_a_gone_clients_waiting_queue_leaves_the_device_at_once():
+    serving, pool, tokens, sessions, sent, _ = _serving()
+    trainer = _client(sessions, tokens, "s-t", "training")
+    tokens.request(0, trainer.id, 0.0)
+    s = _client(sessions, tokens, "s-a", "inference")
+    _infer(serving, s, 1, 0.1)
+    serving.forget(s.id, 0.2)
+    assert not tokens.on_device(0, "s-a:serve") and tokens.schedulers[0].waiting_count() == 0
