@@ -476,13 +476,13 @@ class Serving:
             self._serve_release(q, now)
 
     def _serve_release(self, q: _ServeQueue, now: float) -> None:
-        if q.grant is None:
-            return
-        grant, q.grant = q.grant, None
-        q.yield_asked = False
-        requeue = bool(q.pending) and not q.owner_gone
-        q.waiting = requeue
-        self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
+        """Give back the queue's token, if it holds one; a gone client's queue leaves once nothing runs."""
+        if q.grant is not None:
+            grant, q.grant = q.grant, None
+            q.yield_asked = False
+            requeue = bool(q.pending) and not q.owner_gone
+            q.waiting = requeue
+            self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
         if q.owner_gone and q.running is None:
             self._remove_queue(q, now)
 
@@ -497,10 +497,7 @@ class Serving:
         q.pending.clear()
         q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
-            if q.grant is not None:
-                self._serve_release(q, now)
-            else:
-                self._remove_queue(q, now)
+            self._serve_release(q, now)
 
     def on_device_lost(self, event: DeviceLost) -> None:
         """The bus's :class:`DeviceLost`: requests waiting for the device's token are answered
@@ -641,10 +638,8 @@ class Serving:
     def _job_finished(self, q: _ServeQueue, now: float) -> None:
         q.running = None
         if q.owner_gone or q.yield_asked or q.grant is None:
-            if q.grant is not None:
+            if q.grant is not None or q.owner_gone:
                 self._serve_release(q, now)
-            elif q.owner_gone:
-                self._remove_queue(q, now)
             elif q.pending and not q.waiting:
                 q.waiting = True
                 self._tokens.request(q.device, q.sid, now)
