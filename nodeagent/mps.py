@@ -86,7 +86,7 @@ class _DaemonProcess:
 
     def alive(self) -> bool:
         if self.pidfd is not None:
-            return not select.select([self.pidfd], [], [], 0)[0]  # readable once it has exited
+            return not procwatch.pidfd_exited(self.pidfd)
         stat = procwatch.read_stat(self.pid)
         return stat is not None and stat.state != "Z" and stat.start_ticks == self._start_ticks
 
@@ -104,8 +104,10 @@ class _DaemonProcess:
 
     def wait(self, timeout_s: float) -> bool:
         """True once the process has exited, False if it still runs after ``timeout_s``."""
-        if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], max(timeout_s, 0.0))[0])
+        if self.pidfd is not None:  # poll, not select: the pidfd may lie past FD_SETSIZE
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(max(timeout_s, 0.0) * 1000.0))
         deadline = time.monotonic() + timeout_s
         while self.alive():
             if time.monotonic() >= deadline:

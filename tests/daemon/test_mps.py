@@ -434,3 +434,32 @@ def test_real_mps_shares_of_30_and_70_percent_split_throughput(workdir):
         with open(os.path.join(out_dir, "mps_30_70.json"), "w") as f:
             json.dump(result, f, indent=2)
     assert 1.5 < ratio < 3.5, result  # 7/3 with room for how MPS rounds SMs and for clocks
+
+
+def test_a_control_daemon_watched_through_a_descriptor_above_1024_is_still_seen(tmp_path):
+    """Before: alive() and wait() asked select(), which raises ValueError for a descriptor past
+    FD_SETSIZE; a daemon holding its 4096 connections opens the pidfd of a restarted control daemon there."""
+    import resource
+
+    from nodeagent.mps import _DaemonProcess
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 2000:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit {hard} leaves no descriptor past 2000")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2001), hard))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = _DaemonProcess(child.pid)
+    try:
+        if proc.pidfd is None:
+            pytest.skip("no pidfds on this kernel")
+        high = os.dup2(proc.pidfd, 2000)
+        os.close(proc.pidfd)
+        proc.pidfd = high
+        assert proc.alive() and proc.wait(0.05) is False
+        child.kill()
+        assert proc.wait(5.0) is True and not proc.alive()
+    finally:
+        proc.close()
+        child.kill()
+        child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
