@@ -80,10 +80,8 @@ class EventPublisher:
         self._wanted = dict.fromkeys(KINDS, False)
 
     def on_subscriptions(self) -> None:
-        """Read (un)subscriptions off the socket; the loop calls this when it is readable.
-
-        A non-verbose XPUB passes a topic's first subscription and its last
-        unsubscription (a subscriber leaving counts), so a set is enough."""
+        """Read the (un)subscriptions waiting on the socket. A non-verbose XPUB passes a topic's first
+        subscription and its last unsubscription (a subscriber leaving counts), so a set is enough."""
         changed = False
         while True:
             try:
@@ -408,12 +406,8 @@ class ClusterEndpoint:
 
     def next_deadline(self, now: float) -> float:
         """The earliest lifecycle deadline or health event (monotonic; inf if none)."""
-        wake_at = self._next_health
-        for life in self._lifecycles:
-            deadline = life.next_deadline()
-            if deadline is not None and deadline < wake_at:
-                wake_at = deadline
-        return wake_at
+        deadlines = (life.next_deadline() for life in self._lifecycles)
+        return min([self._next_health, *(deadline for deadline in deadlines if deadline is not None)])
 
     def admission_refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
         """Why the device's lifecycle refuses a new session there, or None."""
@@ -510,11 +504,8 @@ class ClusterEndpoint:
     def lifecycle_facts(self, now: float) -> list[tuple[str, str | None, float | None]]:
         """Each device's (lifecycle state, borrower, lent until on the wall clock) at ``now``."""
         wall = self._wall_at(now)
-        facts = []
-        for device in range(len(self._lifecycles)):
-            life = self._observe_now(device, now)
-            facts.append((life.state.value, life.borrower, _on_wall(life.lent_until, now, wall)))
-        return facts
+        lives = [self._observe_now(device, now) for device in range(len(self._lifecycles))]
+        return [(life.state.value, life.borrower, _on_wall(life.lent_until, now, wall)) for life in lives]
 
     def inventory_of(self, status: p.StatusReply, lifecycles: list, now: float,
                      request_id: int) -> p.InventoryReply:
@@ -539,9 +530,9 @@ class ClusterEndpoint:
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
             return None
-        problem = _borrower_problem(msg.borrower)
-        if problem is not None:
-            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
+        # Its length and that it is not blank are the wire type's (client_lib/protocol.py's Borrower).
+        if not msg.borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
+            self._error(route, msg.id, p.ErrorCode.INVALID, "borrower must be printable (no control characters)")
             return None
         lost = self._lost_devices.refusal(msg.device) if act is Act.LEND else None
         if lost is not None:  # a borrower's workers could not run there
@@ -723,14 +714,6 @@ class ClusterEndpoint:
         policy = self._tokens.policy(device)
         return p.PolicyInfo(quanta_ms={w.wire: ms for w, ms in policy.quantum_ms.items()},
                             grace_ms=policy.grace_ms, protect_s=self._lifecycles[device].protect_s)
-
-
-def _borrower_problem(borrower: str) -> str | None:
-    """Why a borrower a placement request names is unacceptable, or None. Its length and that it is
-    not blank are the wire type's (``client_lib/protocol.py``'s ``Borrower``: refused as decoded)."""
-    if not borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
-        return "borrower must be printable (no control characters)"
-    return None
 
 
 def _on_wall(at: float | None, now: float, wall: float) -> float | None:
