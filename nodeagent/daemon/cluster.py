@@ -52,7 +52,7 @@ _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
 _SHUTDOWN_LINGER_MS = 100
 
-SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
+SHARED_OPS = (p.StatusRequest, p.Inventory, p.Partition, p.SuspendSession, p.ResumeSession)
 """Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
 
 # ------------------------------------------------------------------ the events socket
@@ -166,7 +166,7 @@ class ClusterEndpoint:
         self._suspensions = suspensions
         self._wake = loop.wake
         self._lost_devices = devices.lost
-        self._server_handlers = server.handlers  # the server fills in inventory's after this is built
+        self._server_handlers = server.handlers  # complete once bind() is called (the server adds inventory's)
         count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
@@ -179,10 +179,7 @@ class ClusterEndpoint:
         self._reclaims: dict[int, _Reclaim] = {}
         self._next_health = math.inf
         self._reload_requested = False
-        self._cluster_handlers = {p.Inventory: self.on_inventory, p.Lend: self.on_lend, p.Reclaim: self.on_reclaim,
-                                  p.Drain: self.on_drain, p.SetPolicy: self.on_set_policy,
-                                  p.SetWeight: self.on_set_weight, p.Renew: self.on_renew,
-                                  **{kind: server.handlers[kind] for kind in SHARED_OPS}}
+        self._cluster_handlers: dict = {}  # the requests a cluster peer may make: built at bind()
 
     # ------------------------------------------------------------------ life
 
@@ -253,6 +250,9 @@ class ClusterEndpoint:
         except BaseException:
             self.close()
             raise
+        self._cluster_handlers = {p.Lend: self.on_lend, p.Reclaim: self.on_reclaim, p.Drain: self.on_drain,
+                                  p.SetPolicy: self.on_set_policy, p.SetWeight: self.on_set_weight,
+                                  p.Renew: self.on_renew, **{kind: self._server_handlers[kind] for kind in SHARED_OPS}}
         self._poller.register(self._router, zmq.POLLIN, on_ready=self._drain, where="poll")
         events_at = None
         if self._events_sock is not None:
@@ -492,9 +492,6 @@ class ClusterEndpoint:
                         f"no device {device}; this node has devices 0..{count - 1}")
             return None
         return self._observe_now(device, now)
-
-    def on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
-        self._server_handlers[p.Inventory](route, msg, frame, now)  # the server's: chunked, under status's caps
 
     def _wall_at(self, now: float) -> float:
         """Unix seconds at the loop time ``now`` (a turn's start), not at this call: a time
