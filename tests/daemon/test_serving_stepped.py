@@ -30,6 +30,9 @@ class ScriptedPool:
     def next_deadline(self):
         return None
 
+    def shutdown(self, timeout_s: float) -> dict:
+        return {}  # worker pid -> the step that stopped it: none here
+
 
 def _serving():
     """(serving, pool, tokens, sessions, sent) over one cpu device, model ``m`` ready."""
@@ -111,3 +114,18 @@ def test_a_gone_clients_waiting_queue_leaves_the_device_at_once():
     _infer(serving, s, 1, 0.1)
     serving.forget(s.id, 0.2)
     assert not tokens.on_device(0, "s-a:serve") and tokens.schedulers[0].waiting_count() == 0
+
+
+def test_shutdown_answers_the_running_the_queued_and_the_registering_at_once(caplog):
+    serving, pool, tokens, sessions, sent, _ = _serving()
+    s = _client(sessions, tokens, "s-a", "inference")
+    _infer(serving, s, 1, 0.0)  # runs
+    _infer(serving, s, 2, 0.0)  # queued behind it
+    registering = _Model(record=serving._models["m"].record, segment=None, example=[], waiters=[("conn-r", 9)])
+    serving._models["m2"] = registering
+    with caplog.at_level("INFO", logger="nodeagent.serving"):
+        serving.stop()
+    answered = [(route, msg.id, msg.code) for route, msg in sent if isinstance(msg, p.Error)]
+    assert answered == [(s.route, 1, p.ErrorCode.SHUTTING_DOWN), (s.route, 2, p.ErrorCode.SHUTTING_DOWN),
+                        ("conn-r", 9, p.ErrorCode.SHUTTING_DOWN)]
+    assert "[shutdown] step=serving answered running=1 queued=1 registering=1" in caplog.text
