@@ -14,7 +14,6 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,13 +68,11 @@ _TOPICS = {kind: kind.encode() for kind in KINDS}
 class EventPublisher:
     """Numbers, stamps and sends events on a bound XPUB socket it does not own."""
 
-    def __init__(self, sock: zmq.Socket, node: str, boot: int,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, sock: zmq.Socket, node: str, boot: int) -> None:
         self._sock = sock
         self.node = node
         self.boot = boot
         self.seq = 0  # of the last event published
-        self._wall = wall_clock
         self._prefixes: set[bytes] = set()  # topics subscribed to by someone (SUB filters are prefixes)
         self._wanted = dict.fromkeys(KINDS, False)
 
@@ -108,7 +105,7 @@ class EventPublisher:
                 raise ValueError(f"unknown event kind {kind!r}; add it to nodeagent.daemon.cluster.KINDS")
             return
         self.seq += 1
-        event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=self._wall(), kind=kind,
+        event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=time.time(), kind=kind,
                         device=device, session=session, data=data)
         try:
             self._sock.send_multipart([_TOPICS[kind], codec.encode(event)], zmq.NOBLOCK)
