@@ -26,6 +26,7 @@ NO_DAEMON = "Cannot find MPS control daemon process"
 # Client settings that must not leak from our environment into the control daemon's.
 _CLIENT_ONLY_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 _POLL_S = 0.02
+_START_TIMEOUT_S = 10.0  # to start, or restart, the control daemon until it answers
 _MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -86,7 +87,7 @@ class _DaemonProcess:
 
     def alive(self) -> bool:
         if self.pidfd is not None:
-            return not select.select([self.pidfd], [], [], 0)[0]  # readable once it has exited
+            return not procwatch.pidfd_exited(self.pidfd)
         stat = procwatch.read_stat(self.pid)
         return stat is not None and stat.state != "Z" and stat.start_ticks == self._start_ticks
 
@@ -104,8 +105,10 @@ class _DaemonProcess:
 
     def wait(self, timeout_s: float) -> bool:
         """True once the process has exited, False if it still runs after ``timeout_s``."""
-        if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], max(timeout_s, 0.0))[0])
+        if self.pidfd is not None:  # poll, not select: the pidfd may lie past FD_SETSIZE
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(max(timeout_s, 0.0) * 1000.0))
         deadline = time.monotonic() + timeout_s
         while self.alive():
             if time.monotonic() >= deadline:
@@ -120,13 +123,10 @@ class _DaemonProcess:
 
 
 class MpsControl:
-    """The MPS control daemon of one GPU: start, commands, supervision, quit.
-
-    Its pipe and log directories are ``<runtime_dir>/mps/<device_index>/{pipe,log}``,
-    created with ``dir_mode`` (0700: only this daemon's user; a system daemon
-    whose clients run as other users must give them a mode that lets them in).
-    ``env`` is the base environment of the control program (default: ours).
-    """
+    """The MPS control daemon of one GPU: start, commands, supervision, quit. Its pipe and log
+    directories are ``<runtime_dir>/mps/<device_index>/{pipe,log}``, made with ``dir_mode`` (0700:
+    only this daemon's user; a system daemon whose clients run as other users must let them in);
+    ``env`` is the control program's base environment (default: ours)."""
 
     def __init__(self, device_index: int, device_uuid: str, runtime_dir: str,
                  control_binary: str = "nvidia-cuda-mps-control", env: Mapping[str, str] | None = None, *,
@@ -177,17 +177,15 @@ class MpsControl:
 
     def client_env(self) -> dict[str, str]:
         """What a client needs in its environment to reach this daemon (set before CUDA starts).
-
-        ``CUDA_VISIBLE_DEVICES`` names the GPU by UUID, which the docs allow on both
-        sides; an inherited index would be remapped by the MPS server and fail.
-        """
+        ``CUDA_VISIBLE_DEVICES`` names the GPU by UUID, which the docs allow on both sides; an
+        inherited index would be remapped by the MPS server and fail."""
         return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir,
                 "CUDA_VISIBLE_DEVICES": self.device_uuid}
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Start the control daemon (or adopt one of an earlier run still answering in our
         pipe dir) and return once it answers a command; :class:`MpsStartError` otherwise."""
-        if self._state is MpsState.RUNNING and self.alive():
+        if self.alive():  # RUNNING, and so it is
             return
         if self._proc is not None:
             self._proc.close()
@@ -209,19 +207,33 @@ class MpsControl:
             return self._proc.alive()
         return self._answers()
 
-    def ensure_running(self, *, start_timeout_s: float = 10.0) -> bool:
-        """The supervisor's step: restart a daemon that died. Returns True if it restarted it.
-
-        Raises :class:`MpsRestartBudgetError` once it died more than ``restart_budget``
-        times in ``restart_window_s``, and :class:`MpsStartError` if a restart failed.
-        """
+    def ensure_running(self) -> bool:
+        """The supervisor's step: restart a daemon that died. Returns True if it restarted it; raises
+        :class:`MpsRestartBudgetError` once it died more than ``restart_budget`` times in
+        ``restart_window_s``, and :class:`MpsStartError` if a restart failed."""
         if self._state is MpsState.STOPPED:
             return False
         if self._state is MpsState.FAILED:
             raise MpsRestartBudgetError(self._failure)
         if self.alive():
             return False
-        self._restart("exited", start_timeout_s)
+        now = self._clock()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.restart_budget:
+            self._state = MpsState.FAILED
+            self._failure = (f"MPS control daemon of device {self.device_index} needed more than "
+                             f"{self.restart_budget} restarts in {self.restart_window_s:g} s (last: exited); "
+                             f"gave up; see the logs in {self.log_dir}")
+            log.error("[mps] give-up device=%d restarts=%d reason=exited", self.device_index, self.restarts)
+            raise MpsRestartBudgetError(self._failure)
+        self._restart_times.append(now)
+        self.restarts += 1
+        log.warning("[mps] restart device=%d reason=exited restarts=%d", self.device_index, self.restarts)
+        if self._proc is not None:  # it exited: ensure_running restarts only a daemon that did
+            self._proc.close()
+            self._proc = None
+        self._launch(_START_TIMEOUT_S)
         return True
 
     def quit(self, timeout_s: float = 5.0) -> QuitStep:
@@ -261,14 +273,6 @@ class MpsControl:
             raise MpsError(f"MPS command {text!r} for device {self.device_index} failed "
                            f"(exit {done.returncode}): {detail}")
         return done.stdout
-
-    def server_list(self) -> list[int]:
-        """Pids of the MPS servers this daemon runs (one per line; none when idle)."""
-        out = self.command("get_server_list")
-        try:
-            return [int(word) for word in out.split()]
-        except ValueError:
-            raise MpsError(f"unexpected get_server_list answer from device {self.device_index}: {out!r}") from None
 
     # -------------------------------------------------------------- internals
 
@@ -367,25 +371,6 @@ class MpsControl:
                 pass
         detail = ("; last log lines: " + " | ".join(tail)) if tail else ""
         return f"MPS for device {self.device_index}: {what}; see the logs in {self.log_dir}{detail}"
-
-    def _restart(self, reason: str, timeout_s: float) -> None:
-        now = self._clock()
-        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
-            self._restart_times.popleft()
-        if len(self._restart_times) >= self.restart_budget:
-            self._state = MpsState.FAILED
-            self._failure = (f"MPS control daemon of device {self.device_index} needed more than "
-                             f"{self.restart_budget} restarts in {self.restart_window_s:g} s (last: {reason}); "
-                             f"gave up; see the logs in {self.log_dir}")
-            log.error("[mps] give-up device=%d restarts=%d reason=%s", self.device_index, self.restarts, reason)
-            raise MpsRestartBudgetError(self._failure)
-        self._restart_times.append(now)
-        self.restarts += 1
-        log.warning("[mps] restart device=%d reason=%s restarts=%d", self.device_index, reason, self.restarts)
-        if self._proc is not None:  # it exited: ensure_running restarts only a daemon that did
-            self._proc.close()
-            self._proc = None
-        self._launch(timeout_s)
 
     def _escalate(self, proc: _DaemonProcess, timeout_s: float) -> QuitStep:
         quit_s, term_s = timeout_s / 2, timeout_s / 3

@@ -13,7 +13,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,10 +51,8 @@ _MAX_FRAME_BYTES = 1 << 20  # libzmq drops a cluster peer sending more; requests
 _MAX_BATCH = 256  # cluster frames handled before the loop's other work gets a turn
 _SHUTDOWN_LINGER_MS = 100
 
-SHARED_OPS = (p.StatusRequest, p.Partition, p.SuspendSession, p.ResumeSession)
+SHARED_OPS = (p.StatusRequest, p.Inventory, p.Partition, p.SuspendSession, p.ResumeSession)
 """Requests of the local endpoint that the cluster endpoint serves too, with the same handlers."""
-
-Handler = Callable[[bytes, object, object, float], None]  # (route, request, frame, now)
 
 # ------------------------------------------------------------------ the events socket
 # What happened on this node, numbered, one client_lib.protocol.Event per message under its kind
@@ -70,26 +68,17 @@ _TOPICS = {kind: kind.encode() for kind in KINDS}
 class EventPublisher:
     """Numbers, stamps and sends events on a bound XPUB socket it does not own."""
 
-    def __init__(self, sock: zmq.Socket, node: str, boot: int,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, sock: zmq.Socket, node: str, boot: int) -> None:
         self._sock = sock
         self.node = node
         self.boot = boot
         self.seq = 0  # of the last event published
-        self.dropped = 0  # events libzmq would not take (socket closed or full)
-        self._wall = wall_clock
         self._prefixes: set[bytes] = set()  # topics subscribed to by someone (SUB filters are prefixes)
         self._wanted = dict.fromkeys(KINDS, False)
 
-    def wanted(self, kind: str) -> bool:
-        """Whether a subscriber would receive an event of ``kind``."""
-        return self._wanted.get(kind, False)
-
     def on_subscriptions(self) -> None:
-        """Read (un)subscriptions off the socket; the loop calls this when it is readable.
-
-        A non-verbose XPUB passes a topic's first subscription and its last
-        unsubscription (a subscriber leaving counts), so a set is enough."""
+        """Read the (un)subscriptions waiting on the socket. A non-verbose XPUB passes a topic's first
+        subscription and its last unsubscription (a subscriber leaving counts), so a set is enough."""
         changed = False
         while True:
             try:
@@ -116,15 +105,12 @@ class EventPublisher:
                 raise ValueError(f"unknown event kind {kind!r}; add it to nodeagent.daemon.cluster.KINDS")
             return
         self.seq += 1
-        event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=self._wall(), kind=kind,
+        event = p.Event(node=self.node, seq=self.seq, boot=self.boot, time=time.time(), kind=kind,
                         device=device, session=session, data=data)
         try:
             self._sock.send_multipart([_TOPICS[kind], codec.encode(event)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            self.dropped += 1
             events_log.warning("[events] dropped seq=%d kind=%s: %s", self.seq, kind, exc)
-
-
 
 
 class ClusterRoute(bytes):
@@ -150,23 +136,15 @@ class _Reclaim:
 
 
 class ClusterEndpoint:
-    """Cluster endpoint, device lifecycles and placement operations (see docs/internals.md).
-
-    Owns the ROUTER and events sockets, the ZAP thread, the events publisher, one
-    :class:`sharing.DeviceLifecycle` per device and the reclaims under way. Everything
-    else it touches is a constructor parameter: the config, the loop, the server's view
-    (:class:`nodeagent.daemon.bus.ServerView`), the tokens and suspension components, the
-    sessions, the journal writer and the device facts."""
+    """Cluster endpoint, device lifecycles and placement operations (what it owns: the module docstring)."""
 
     def __init__(self, *, config: ServeConfig, loop: LoopHandle, server: ServerView, tokens: Tokens,
                  sessions: SessionTable, journal: JournalWriter, suspensions, devices: DeviceFacts) -> None:
-        """``loop``: where the sockets are polled once bound; ``server``: the request table this
-        endpoint shares (:data:`SHARED_OPS`), dispatch, status, boot, metrics and replies;
-        ``journal``: operators' changes are written through it, and restored from its
-        ``journal``; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``)
-        and reads where each stands (``state``) and whether one is under way with its deadline
-        pending (``under_way``); a suspension's event says what it parked (``parked_bytes``);
-        ``devices``: GPUs NVML reports lost are not lent."""
+        """``server``: the request table this endpoint shares (:data:`SHARED_OPS`), dispatch, boot,
+        metrics and replies; ``journal``: operators' changes are written through it and restored from
+        it; ``suspensions``: a reclaim suspends the borrower's sessions (``begin``), reads where each
+        stands (``state``, ``under_way``) and what one parked (``parked_bytes``); ``devices``: GPUs
+        NVML reports lost are not lent."""
         self._config = config
         self._ctx = server.context
         self._poller = loop.poller
@@ -181,16 +159,11 @@ class ClusterEndpoint:
         self._error = server.replies.error
         self._bad = server.replies.bad
         self._dispatch = server.dispatch
-        self._status = server.status
         self._attained = server.attained
-        self._begin_suspend = suspensions.begin
-        self._suspending = suspensions.under_way
-        self._suspend_state = suspensions.state
-        self._parked_bytes = suspensions.parked_bytes
+        self._suspensions = suspensions
         self._wake = loop.wake
         self._lost_devices = devices.lost
-        handlers = server.handlers
-        self._server_handlers = handlers  # the server fills in inventory's after this is built
+        self._server_handlers = server.handlers  # complete once bind() is called (the server adds inventory's)
         count = tokens.device_count
         self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
         self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
@@ -203,10 +176,7 @@ class ClusterEndpoint:
         self._reclaims: dict[int, _Reclaim] = {}
         self._next_health = math.inf
         self._reload_requested = False
-        self._cluster_handlers = {p.Inventory: self.on_inventory, p.Lend: self.on_lend, p.Reclaim: self.on_reclaim,
-                                  p.Drain: self.on_drain, p.SetPolicy: self.on_set_policy,
-                                  p.SetWeight: self.on_set_weight, p.Renew: self.on_renew,
-                                  **{kind: handlers[kind] for kind in SHARED_OPS}}
+        self._cluster_handlers: dict = {}  # the requests a cluster peer may make: built at bind()
 
     # ------------------------------------------------------------------ life
 
@@ -225,13 +195,9 @@ class ClusterEndpoint:
             if not 0 <= device < count:
                 continue
             try:
-                policy, protect_s = self._policy_from(device, doc.get("quanta_ms"), doc.get("grace_ms"),
-                                                      doc.get("protect_s"))
+                self._set_policy(device, doc.get("quanta_ms"), doc.get("grace_ms"), doc.get("protect_s"), now)
             except (ValueError, TypeError, AttributeError) as exc:
                 log.warning("[cluster] journalled policy of device %d ignored: %s", device, exc)
-                continue
-            self._lifecycles[device].set_protect_s(protect_s)
-            self._tokens.set_policy(device, policy, now)
         for device, (state, detail) in sorted(journal.device_states().items()):
             if not 0 <= device < count:
                 log.warning("[cluster] journalled state of device %d dropped: the device is gone", device)
@@ -281,6 +247,9 @@ class ClusterEndpoint:
         except BaseException:
             self.close()
             raise
+        self._cluster_handlers = {p.Lend: self.on_lend, p.Reclaim: self.on_reclaim, p.Drain: self.on_drain,
+                                  p.SetPolicy: self.on_set_policy, p.SetWeight: self.on_set_weight,
+                                  p.Renew: self.on_renew, **{kind: self._server_handlers[kind] for kind in SHARED_OPS}}
         self._poller.register(self._router, zmq.POLLIN, on_ready=self._drain, where="poll")
         events_at = None
         if self._events_sock is not None:
@@ -400,13 +369,7 @@ class ClusterEndpoint:
 
     def on_granted(self, event: Granted) -> None:
         """The bus's :class:`Granted`: a ``grant`` event, where there is an events socket."""
-        if self.events is not None:
-            s = event.session
-            self.events.publish("grant", s.device, s.id, grant=event.grant, waited_ms=event.waited_ms)
-
-    def on_suspend_finished(self, event: SuspendFinished) -> None:
-        """The bus's :class:`SuspendFinished`: see :meth:`suspend_finished`."""
-        self.suspend_finished(event.session, event.outcome, event.elapsed_ms, event.now)
+        self.event("grant", event.session.device, event.session.id, grant=event.grant, waited_ms=event.waited_ms)
 
     # ------------------------------------------------------------------ loop hooks
 
@@ -440,12 +403,8 @@ class ClusterEndpoint:
 
     def next_deadline(self, now: float) -> float:
         """The earliest lifecycle deadline or health event (monotonic; inf if none)."""
-        wake_at = self._next_health
-        for life in self._lifecycles:
-            deadline = life.next_deadline()
-            if deadline is not None and deadline < wake_at:
-                wake_at = deadline
-        return wake_at
+        deadlines = (life.next_deadline() for life in self._lifecycles)
+        return min([self._next_health, *(deadline for deadline in deadlines if deadline is not None)])
 
     def admission_refusal(self, device: int, workload: str, borrower: str | None) -> str | None:
         """Why the device's lifecycle refuses a new session there, or None."""
@@ -474,16 +433,17 @@ class ClusterEndpoint:
         """The device's lifecycle state (FREE, RUN, ...); read by metrics at scrape time."""
         return self._lifecycles[device].state.value
 
-    def suspend_finished(self, s: Session, outcome: str, elapsed_ms: float, now: float) -> None:
-        """A suspension ended: publish it, and move a reclaim waiting on it on."""
-        self.event("suspend", s.device, s.id, outcome=outcome, elapsed_ms=round(elapsed_ms, 3),
-                   bytes_parked=self._parked_bytes(s))
+    def on_suspend_finished(self, event: SuspendFinished) -> None:
+        """The bus's :class:`SuspendFinished`: publish it, and move a reclaim waiting on it on."""
+        s, now = event.session, event.now
+        self.event("suspend", s.device, s.id, outcome=event.outcome, elapsed_ms=round(event.elapsed_ms, 3),
+                   bytes_parked=self._suspensions.parked_bytes(s))
         pending = self._reclaims.get(s.device)
         if pending is None or pending.outcomes.get(s.id, "") is not None:
             return
-        if outcome == "timeout":  # unverifiable, so not stopped: the token is what can be taken
+        if event.outcome == "timeout":  # unverifiable, so not stopped: the token is what can be taken
             self._take_token(s, now)
-        pending.outcomes[s.id] = outcome
+        pending.outcomes[s.id] = event.outcome
         self._finish_reclaim_if_done(pending, now)
 
     def _moved(self, transitions: list, *, op: bool) -> None:
@@ -502,7 +462,7 @@ class ClusterEndpoint:
             detail["borrower_uids"] = sorted(self._borrower_uids.get(device, ()))
         for key, at in (("lent_until_unix", life.lent_until), ("protect_until_unix", life.protect_until)):
             if at is not None:
-                detail[key] = wall + (at - now)
+                detail[key] = _on_wall(at, now, wall)
         self._journal.write(lambda j: j.put_device_state(device, life.state.value, detail))
 
     def _publish_health(self, now: float) -> None:
@@ -530,15 +490,6 @@ class ClusterEndpoint:
             return None
         return self._observe_now(device, now)
 
-    def on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
-        self._server_handlers[p.Inventory](route, msg, frame, now)  # the server's: chunked, under status's caps
-
-    def inventory(self, now: float | None = None, request_id: int = 0) -> p.InventoryReply:
-        """Every device with its lifecycle state, borrower, sessions, policy, partition, utilisation."""
-        now = self._clock() if now is None else now
-        lifecycles = self.lifecycle_facts(now)
-        return self.inventory_of(self._status(now), lifecycles, now, request_id)
-
     def _wall_at(self, now: float) -> float:
         """Unix seconds at the loop time ``now`` (a turn's start), not at this call: a time
         converted twice in one turn, or in two turns, comes out the same."""
@@ -547,12 +498,8 @@ class ClusterEndpoint:
     def lifecycle_facts(self, now: float) -> list[tuple[str, str | None, float | None]]:
         """Each device's (lifecycle state, borrower, lent until on the wall clock) at ``now``."""
         wall = self._wall_at(now)
-        facts = []
-        for device in range(len(self._lifecycles)):
-            life = self._observe_now(device, now)
-            facts.append((life.state.value, life.borrower,
-                          None if life.lent_until is None else wall + (life.lent_until - now)))
-        return facts
+        lives = [self._observe_now(device, now) for device in range(len(self._lifecycles))]
+        return [(life.state.value, life.borrower, _on_wall(life.lent_until, now, wall)) for life in lives]
 
     def inventory_of(self, status: p.StatusReply, lifecycles: list, now: float,
                      request_id: int) -> p.InventoryReply:
@@ -569,36 +516,35 @@ class ClusterEndpoint:
         return p.InventoryReply(id=request_id, node=self._node, boot=self._boot(), devices=devices,
                                 attained_gpu_s=status.attained_gpu_s)
 
-    def _lend_target(self, route: bytes, msg, frame, now: float, act: Act) -> DeviceLifecycle | None:
-        """The lifecycle a lend or renew acts on, once the peer may, the device exists and the
-        borrower is a valid name; None after answering why not."""
+    def _lend_or_renew(self, route: bytes, msg: p.Lend | p.Renew, frame, now: float, act: Act):
+        """(lifecycle, what its ``lend`` or ``renew`` returned) once the peer may, the device exists
+        (and, to lend, works) and the borrower is a valid name; None after answering why not."""
         if not self._operator(route, msg.id, frame, act):
             return None
         life = self._lifecycle_for(route, msg.id, msg.device, now)
         if life is None:
             return None
-        problem = _borrower_problem(msg.borrower)
-        if problem is not None:
-            self._error(route, msg.id, p.ErrorCode.INVALID, problem)
+        # Its length and that it is not blank are the wire type's (client_lib/protocol.py's Borrower).
+        if not msg.borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
+            self._error(route, msg.id, p.ErrorCode.INVALID, "borrower must be printable (no control characters)")
             return None
-        return life
-
-    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
-        life = self._lend_target(route, msg, frame, now, Act.LEND)
-        if life is None:
-            return
-        lost = self._lost_devices.refusal(msg.device)
+        lost = self._lost_devices.refusal(msg.device) if act is Act.LEND else None
         if lost is not None:  # a borrower's workers could not run there
             self._error(route, msg.id, p.ErrorCode.DEVICE, lost)
-            return
+            return None
         try:
-            moved = life.lend(msg.borrower, now, msg.max_s)
+            return life, (life.lend if act is Act.LEND else life.renew)(msg.borrower, now, msg.max_s)
         except LifecycleError as exc:
             self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
-            return
         except ValueError as exc:
             self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
+        return None
+
+    def on_lend(self, route: bytes, msg: p.Lend, frame, now: float) -> None:
+        done = self._lend_or_renew(route, msg, frame, now, Act.LEND)
+        if done is None:
             return
+        life, moved = done
         changed = any(t.new is DeviceState.LENT for t in moved)
         self._moved(moved, op=True)
         uids = frozenset(msg.borrower_uids or ())
@@ -616,17 +562,10 @@ class ClusterEndpoint:
 
     def on_renew(self, route: bytes, msg: p.Renew, frame, now: float) -> None:
         """A new term for a lend (a lease): it ends ``max_s`` from now; journalled, as the lend was."""
-        life = self._lend_target(route, msg, frame, now, Act.RENEW)
-        if life is None:
+        done = self._lend_or_renew(route, msg, frame, now, Act.RENEW)
+        if done is None:
             return
-        try:
-            life.renew(msg.borrower, now, msg.max_s)
-        except LifecycleError as exc:
-            self._error(route, msg.id, p.ErrorCode.STATE, str(exc))
-            return
-        except ValueError as exc:
-            self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
-            return
+        life = done[0]
         self._journal_lifecycle(msg.device, now)
         self.event("renew", msg.device, borrower=msg.borrower, max_s=msg.max_s)
         log.info("[cluster] renew device=%d borrower=%s max_s=%g by=%s", msg.device, msg.borrower, msg.max_s,
@@ -677,17 +616,17 @@ class ClusterEndpoint:
         self._reclaims[device] = pending
         for s in [s for s in self._sessions.values() if s.device == device and s.borrower == pending.borrower
                   and s.workload is not Workload.INFERENCE]:
-            state = self._suspend_state(s)
+            state = self._suspensions.state(s)
             if state in (SuspendState.SUSPENDED, SuspendState.STOPPED):
                 pending.outcomes[s.id] = state.wire
-            elif state is SuspendState.REQUESTED and self._suspending(s):
-                pending.outcomes[s.id] = None  # under way already: suspend_finished reports it
+            elif state is SuspendState.REQUESTED and self._suspensions.under_way(s):
+                pending.outcomes[s.id] = None  # under way already: on_suspend_finished reports it
             elif state is SuspendState.REQUESTED:  # missed an earlier deadline unstopped
                 self._take_token(s, now)
                 pending.outcomes[s.id] = "timeout"
             else:
                 pending.outcomes[s.id] = None
-                self._begin_suspend(s, deadline_ms, now, reason="reclaim")
+                self._suspensions.begin(s, deadline_ms, now, reason="reclaim")
         self._finish_reclaim_if_done(pending, now)
 
     def _take_token(self, s: Session, now: float) -> None:
@@ -706,9 +645,7 @@ class ClusterEndpoint:
         for route, request_id in pending.waiters:
             self._send(route, p.ReclaimReply(id=request_id, device=pending.device, state=state, free_ms=free_ms,
                                              outcomes=dict(pending.outcomes), changed=True))
-        tally: dict[str, int] = {}
-        for outcome in pending.outcomes.values():
-            tally[outcome] = tally.get(outcome, 0) + 1
+        tally = dict(Counter(pending.outcomes.values()))
         self.event("reclaim", pending.device, borrower=pending.borrower, free_ms=round(free_ms, 3),
                    sessions=len(pending.outcomes), attained_gpu_s=self._attained(now).get(pending.borrower, 0.0),
                    **tally)
@@ -740,12 +677,10 @@ class ClusterEndpoint:
         if self._lifecycle_for(route, msg.id, msg.device, now) is None:
             return
         try:
-            policy, protect_s = self._policy_from(msg.device, msg.quanta_ms, msg.grace_ms, msg.protect_s)
+            self._set_policy(msg.device, msg.quanta_ms, msg.grace_ms, msg.protect_s, now)
         except ValueError as exc:
             self._error(route, msg.id, p.ErrorCode.INVALID, str(exc))
             return
-        self._lifecycles[msg.device].set_protect_s(protect_s)
-        self._tokens.set_policy(msg.device, policy, now)
         info = self._policy_info(msg.device)
         doc = {"quanta_ms": dict(info.quanta_ms), "grace_ms": info.grace_ms, "protect_s": info.protect_s}
         self._journal.write(lambda j: j.put_policy(msg.device, doc))
@@ -755,8 +690,8 @@ class ClusterEndpoint:
                  info.quanta_ms, info.grace_ms, info.protect_s, _peer(route, frame))
         self._send(route, p.PolicyReply(id=msg.id, device=msg.device, policy=info))
 
-    def _policy_from(self, device: int, quanta_ms, grace_ms, protect_s) -> tuple[SchedulerPolicy, float]:
-        """The device's policy with the given fields changed (None: keep); ValueError names a bad one."""
+    def _set_policy(self, device: int, quanta_ms, grace_ms, protect_s, now: float) -> None:
+        """Change the device's policy fields given (None: keep); ValueError names a bad one, changing nothing."""
         current = self._tokens.policy(device)
         quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
         quanta.update(quanta_ms or {})
@@ -766,20 +701,13 @@ class ClusterEndpoint:
         if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)) \
                 or not math.isfinite(protect_s) or protect_s < 0:
             raise ValueError(f"protect_s must be a number of seconds >= 0, got {protect_s!r}")
-        return policy, float(protect_s)
+        self._lifecycles[device].set_protect_s(float(protect_s))
+        self._tokens.set_policy(device, policy, now)
 
     def _policy_info(self, device: int) -> p.PolicyInfo:
         policy = self._tokens.policy(device)
         return p.PolicyInfo(quanta_ms={w.wire: ms for w, ms in policy.quantum_ms.items()},
                             grace_ms=policy.grace_ms, protect_s=self._lifecycles[device].protect_s)
-
-
-def _borrower_problem(borrower: str) -> str | None:
-    """Why a borrower a placement request names is unacceptable, or None. Its length and that it is
-    not blank are the wire type's (``client_lib/protocol.py``'s ``Borrower``: refused as decoded)."""
-    if not borrower.isprintable():  # as hello refuses them: it reaches logs, events and status
-        return "borrower must be printable (no control characters)"
-    return None
 
 
 def _on_wall(at: float | None, now: float, wall: float) -> float | None:

@@ -1,11 +1,7 @@
-"""MPS for sessions: a supervised control daemon per listed device, each
-session's share handed out in its welcome, and the root-only ``partition``
-request.
-
-A component: it owns the control daemons (:class:`nodeagent.mps.MpsControl`)
-and the partition tables (:class:`sharing.partition.PartitionTable`), and is
-given what it may touch in its constructor: the devices it plans for, the
-poller it registers the daemons' pidfds with, and how to answer a peer.
+"""MPS for sessions (:class:`MpsPartitions`): a supervised control daemon per listed device, each
+session's share handed out in its welcome, and the root-only ``partition`` request. It owns the
+control daemons (:class:`nodeagent.mps.MpsControl`) and the partition tables
+(:class:`sharing.partition.PartitionTable`).
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ Error = Callable[[object, int, str, str], None]  # (route, request id, code, mes
 
 
 class MpsPartitions:
-    """The MPS side of the daemon (see the module docstring). ``config.mps_devices``
-    names the devices; each gets a control daemon at :meth:`start` and a table
-    that plans integer SM shares for the sessions that :meth:`join` it."""
+    """``config.mps_devices`` names the devices; each gets a control daemon at :meth:`start` and a
+    table that plans integer SM shares for the sessions that :meth:`join` it."""
 
     def __init__(self, config: ServeConfig, devices: list[DeviceInfo], poller: EventLoopPoller,
                  send: Send, error: Error, backend: str = "cpu") -> None:
@@ -125,14 +120,11 @@ class MpsPartitions:
         return self._controls.get(device)
 
     def join(self, session: str, device: int, memory_mb: int, uid: int | None = None) -> bool:
-        """Give ``session`` a share of ``device``; False (it runs outside MPS) off MPS, or when
-        another user's session is on the device's MPS already. Raises PartitionError.
-
-        MPS runs one server per Linux user and makes a second user's clients wait until the
-        first user's server has no clients left (NVIDIA's MPS docs, "Multi-user support"), and
-        the clients of one server share a fault domain: so one user at a time is on a device's
-        MPS, and other users' sessions get a plain context (time-sliced beside it, and paced
-        under co-run). An unverified uid (None) counts as a user of its own."""
+        """Give ``session`` a share of ``device``; False (it runs outside MPS, in a plain context) off
+        MPS, or when another user's session is on the device's MPS already: MPS makes a second
+        user's clients wait for the first user's server to empty, and one server's clients share a
+        fault domain (docs/architecture.md). An unverified uid (None) counts as a user of its own.
+        Raises PartitionError."""
         table = self._tables.get(device)
         if table is None:
             return False

@@ -1,15 +1,10 @@
 """Output segments the daemon's workers made for one client session, until they are gone.
 
-A worker creates each ``infer`` output segment owned by the requesting
-client's verified uid (mode 0600), so that the client, whoever it is, reads
-it and unlinks it. What a client never unlinks (it was killed between the
-reply and reading it, or it does not care) the daemon unlinks when the
-session ends; and since unread outputs hold host memory charged to the
-daemon, a session may keep only :data:`MAX_UNREAD` of them at a time.
-
-The daemon unlinks only names it handed out, and only while they still
-belong to the uid it made them for (a name the client unlinked and someone
-else reused is left alone).
+A worker makes each ``infer`` output owned by the client's verified uid (mode 0600), for the
+client to read and unlink; what it never unlinks the daemon unlinks when the session ends, and
+since unread outputs hold host memory, a session may keep only :data:`MAX_UNREAD` at a time. The
+daemon unlinks only names it handed out, and only while they still belong to the uid it made them
+for (a name the client unlinked and someone else reused is left alone).
 """
 
 from __future__ import annotations

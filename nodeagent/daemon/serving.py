@@ -10,12 +10,13 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
-import os
 import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Container
+from typing import Container
+
+import msgspec
 
 from client_lib import protocol as p
 from client_lib import tensors
@@ -32,7 +33,7 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.journal import ModelRecord
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.memory_watch import context_allowance_mb
-from nodeagent.daemon.sessions import Session, SessionTable
+from nodeagent.daemon.sessions import SessionTable
 from nodeagent.daemon.authz import Act, is_root, peer_of
 from nodeagent.daemon.authz import refusal as authz_refusal
 from nodeagent.daemon.bus import DelegatedAction, DeviceFacts, DeviceLost, LoopHandle, Replies
@@ -77,7 +78,6 @@ class _ServeQueue:
     waiting: bool = False
     yield_asked: bool = False
     owner_gone: bool = False
-    served: int = 0
     uid: int | None = None  # the client's verified uid: whose segments its requests may name
     root: bool = False  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
     outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
@@ -104,18 +104,12 @@ def ctxpool_wanted(setting: str) -> tuple[bool, str]:
 
 
 class Serving:
-    """Model registration and server-side inference (see docs/internals.md).
-
-    Owns the worker pool, the registered models, each client session's serving
-    sub-session (its queue of requests), the requests in flight and what admission
-    holds for the workers. The server hands it the four serving requests, the scheduler
-    actions of its sub-sessions (:meth:`on_delegated`), the end of a client session
-    (:meth:`forget`), a lost device (:meth:`device_lost`) and its timers."""
+    """Model registration and server-side inference (what it owns: the module docstring; docs/internals.md)."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, journal: JournalWriter, replies: Replies) -> None:
-        """``tokens``: the serving sub-sessions take turns at each device's token there, and
-        their actions come back here (this constructor registers them with ``tokens``)."""
+        """``tokens``: the serving sub-sessions take turns at each device's token there (added
+        ``delegated``: their actions come back as :class:`DelegatedAction` events)."""
         self._config = config
         self._backend_name = devices.name
         self._sessions = sessions  # read: what sessions declared, when the workers' share is sized
@@ -138,10 +132,6 @@ class Serving:
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
         self._unjournalled: set[str] = set()  # ready models whose journal write failed
-
-    def on_device_lost(self, event: DeviceLost) -> None:
-        """The bus's :class:`DeviceLost`: see :meth:`device_lost`."""
-        self.device_lost(event.device, event.notice, event.now)
 
     # ---------------------------------------------------------------- life
 
@@ -206,28 +196,21 @@ class Serving:
         self._models.clear()
 
     def _answer_pending_at_shutdown(self) -> None:
-        """Answer every serving request still open with E_SHUTTING_DOWN, before the workers
-        stop, so that no requester waits for its own timeout: requests the pool runs or
-        queues, requests still waiting for their device's token, and registrations waiting
-        for workers to attach. Their input segments stay the clients' (they unlink them)."""
-        running = len(self._inflight)
-        for q, job in list(self._inflight.values()):
-            self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+        """Answer E_SHUTTING_DOWN, before the workers stop, every request the pool runs or queues, every
+        one waiting for its device's token and every registration waiting for workers, so that no
+        requester waits for its own timeout. Their input segments stay the clients' (they unlink them)."""
+        running = [job for _, job in self._inflight.values()]
+        queued = [job for q in self._queues.values() for job in q.pending]
+        registering = [waiter for model in self._models.values() for waiter in model.waiters]
+        for route, request_id in [(job.route, job.request_id) for job in running + queued] + registering:
+            self._error(route, request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
         self._inflight.clear()
-        queued = 0
         for q in self._queues.values():
-            while q.pending:
-                job = q.pending.popleft()
-                self._error(job.route, job.request_id, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
-                queued += 1
-        registering = 0
+            q.pending.clear()
         for model in self._models.values():
-            for route, rid in model.waiters:
-                self._error(route, rid, p.ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
-                registering += 1
             model.waiters.clear()
-        log.info("[shutdown] step=serving answered running=%d queued=%d registering=%d", running, queued,
-                 registering)
+        log.info("[shutdown] step=serving answered running=%d queued=%d registering=%d", len(running),
+                 len(queued), len(registering))
 
     def _worker_setup(self, device: int):
         """What a worker of ``device`` starts with (asked at every spawn): its GPU by UUID, the
@@ -267,14 +250,13 @@ class Serving:
             self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
                         f"server-side inference is off on this daemon ({self._why_off})")
             return
-        if procwatch.peer_credentials(frame) is None:
+        creds = procwatch.peer_credentials(frame)
+        if creds is None:  # fail closed: the example and the weights are opened as this peer
             self._error(route, msg.id, p.ErrorCode.FORBIDDEN,
                         "registering a model runs its factory in the daemon's workers: only local peers whose "
                         "identity the daemon can verify may do it")
             return
-        refusal = self._operator_refusal(route, frame, Act.REGISTER)
-        if refusal is not None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
+        if not self._operator(route, msg.id, frame, Act.REGISTER):
             return
         problem = self._check_registration(msg)
         if problem is not None:
@@ -296,10 +278,6 @@ class Serving:
                             "unregister it first or pass replace=True")
                 return
             self._unregister(msg.name)
-        creds = procwatch.peer_credentials(frame)
-        if creds is None:  # fail closed: the example and the weights are opened as this peer
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, "the daemon cannot verify this peer's user")
-            return
         try:
             # The weights file is opened with the registering peer's rights, never root's; the
             # journal keeps them, so that a restarted daemon reads the file with the same rights.
@@ -316,19 +294,19 @@ class Serving:
         except PoolError as exc:  # refused at once (no live worker, shutting down): nothing registered
             self._error(route, msg.id, exc.code, exc.message)
 
-    def _operator_refusal(self, route, frame, act: Act) -> str | None:
-        """Why this peer may not register or unregister models (an operator's act: the factory
-        runs as the daemon's user in its workers), or None (:mod:`nodeagent.daemon.authz`)."""
+    def _operator(self, route, request_id: int, frame, act: Act) -> bool:
+        """Whether this peer may register or unregister models (an operator's act: the factory runs
+        as the daemon's user in its workers; :mod:`nodeagent.daemon.authz`); else answers E_FORBIDDEN."""
         try:
             group = self._config.ctxpool_register_gid()
         except ValueError as exc:  # the group went away since the start: root only
             log.error("[ctxpool] %s", exc)
             group = None
         why = authz_refusal(act, peer_of(route, frame, register_gid=group))
-        if why is None:
-            return None
-        return (f"{why} (a model's code runs as the daemon's user in its workers); an administrator may name "
-                "a group in ctxpool.register_group")
+        if why is not None:
+            self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"{why} (a model's code runs as the daemon's "
+                        "user in its workers); an administrator may name a group in ctxpool.register_group")
+        return why is None
 
     def _check_registration(self, msg: p.RegisterModel) -> tuple[str, str] | None:
         """Why a registration cannot be carried out (code, message), or None. The name's pattern and
@@ -359,9 +337,7 @@ class Serving:
                  record.name, record.factory, record.weights, devices, journalled)
 
     def on_unregister_model(self, route: bytes, msg: p.UnregisterModel, frame, now: float) -> None:
-        refusal = self._operator_refusal(route, frame, Act.UNREGISTER)
-        if refusal is not None:
-            self._error(route, msg.id, p.ErrorCode.FORBIDDEN, refusal)
+        if not self._operator(route, msg.id, frame, Act.UNREGISTER):
             return
         if msg.name not in self._models:
             known = self._journal_read(lambda j: [r.name for r in j.models()], [])
@@ -395,11 +371,8 @@ class Serving:
                 for w in workers:
                     for name in w.resident:
                         resident.setdefault(name, set()).add(device)
-        out = []
-        for name, m in sorted(self._models.items()):
-            if m.info is not None:
-                out.append(_replace_resident(m.info, sorted(resident.get(name, ()))))
-        return out
+        return [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
+                for name, m in sorted(self._models.items()) if m.info is not None]
 
     def on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -455,11 +428,9 @@ class Serving:
     # ------------------------------------------------------- the token
 
     def on_delegated(self, event: DelegatedAction) -> None:
-        """The bus's :class:`DelegatedAction`: a scheduler action for one of this component's queues."""
-        self.on_action(event.action, event.now)
-
-    def on_action(self, action, now: float) -> None:
-        """A scheduler action for a serving sub-session (added ``delegated``: one of :attr:`_queues`)."""
+        """The bus's :class:`DelegatedAction`: a scheduler action for a serving sub-session (added
+        ``delegated``: one of :attr:`_queues`)."""
+        action, now = event.action, event.now
         q = self._queues[action.session]
         kind = type(action)
         if kind is Grant:
@@ -505,13 +476,13 @@ class Serving:
             self._serve_release(q, now)
 
     def _serve_release(self, q: _ServeQueue, now: float) -> None:
-        if q.grant is None:
-            return
-        grant, q.grant = q.grant, None
-        q.yield_asked = False
-        requeue = bool(q.pending) and not q.owner_gone
-        q.waiting = requeue
-        self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
+        """Give back the queue's token, if it holds one; a gone client's queue leaves once nothing runs."""
+        if q.grant is not None:
+            grant, q.grant = q.grant, None
+            q.yield_asked = False
+            requeue = bool(q.pending) and not q.owner_gone
+            q.waiting = requeue
+            self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
         if q.owner_gone and q.running is None:
             self._remove_queue(q, now)
 
@@ -526,23 +497,20 @@ class Serving:
         q.pending.clear()
         q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
-            if q.grant is not None:
-                self._serve_release(q, now)
-            else:
-                self._remove_queue(q, now)
+            self._serve_release(q, now)
 
-    def device_lost(self, device: int, notice: str, now: float) -> None:
-        """``device`` failed: requests waiting for its token are answered E_DEVICE and their
-        queues leave the line (a running request ends with its worker)."""
+    def on_device_lost(self, event: DeviceLost) -> None:
+        """The bus's :class:`DeviceLost`: requests waiting for the device's token are answered
+        E_DEVICE and their queues leave the line (a running request ends with its worker)."""
         for q in self._queues.values():
-            if q.device != device:
+            if q.device != event.device:
                 continue
             for job in q.pending:  # their input segments stay the clients' (they unlink them)
-                self._error(job.route, job.request_id, p.ErrorCode.DEVICE, notice)
+                self._error(job.route, job.request_id, p.ErrorCode.DEVICE, event.notice)
             q.pending.clear()
             if q.waiting:
                 q.waiting = False
-                self._tokens.cancel(device, q.sid, now)
+                self._tokens.cancel(q.device, q.sid, event.now)
 
     def _remove_queue(self, q: _ServeQueue, now: float) -> None:
         if self._queues.pop(q.sid, None) is None:
@@ -612,27 +580,21 @@ class Serving:
 
     def _on_pool_event(self, event, now: float) -> None:
         kind = type(event)
-        if kind is RequestDone:
+        if kind is RequestDone or kind is RequestFailed:
             q, job = self._inflight.pop(event.request_id, (None, None))
+            done = kind is RequestDone
+            if done and (job is None or q.owner_gone):
+                tensors.discard(event.outputs)  # made by our worker for a request nobody waits for
             if job is None:
-                tensors.discard(event.outputs)
                 return
             if q.owner_gone:
-                tensors.discard(event.outputs)  # made by our worker for a client now gone
                 _discard_inputs(job.inputs, q.uid, q.root)
-            else:
+            elif done:
                 q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(
                     id=job.request_id, model=job.model, outputs=list(event.outputs), swap=event.swap,
                     queue_ms=1000.0 * (job.started - job.arrived), run_ms=event.run_ms, device=q.device,
-                    single=bool(getattr(event, "single", False))))
-            self._job_finished(q, now)
-        elif kind is RequestFailed:
-            q, job = self._inflight.pop(event.request_id, (None, None))
-            if job is None:
-                return
-            if q.owner_gone:
-                _discard_inputs(job.inputs, q.uid, q.root)
+                    single=event.single))
             else:
                 self._error(job.route, job.request_id, event.code, event.message)
             self._job_finished(q, now)
@@ -675,12 +637,9 @@ class Serving:
 
     def _job_finished(self, q: _ServeQueue, now: float) -> None:
         q.running = None
-        q.served += 1
         if q.owner_gone or q.yield_asked or q.grant is None:
-            if q.grant is not None:
+            if q.grant is not None or q.owner_gone:
                 self._serve_release(q, now)
-            elif q.owner_gone:
-                self._remove_queue(q, now)
             elif q.pending and not q.waiting:
                 q.waiting = True
                 self._tokens.request(q.device, q.sid, now)
@@ -760,13 +719,9 @@ def _with_example(record: ModelRecord, refs: list[p.TensorRef], owner_uid: int |
 
 
 def unrestorable_model(rec: ModelRecord) -> str | None:
-    """Why a journalled model is not registered again at start, or None.
-
-    A row journalled before the registrant was recorded (schema < 4) names a weights file
-    that could only be read with the daemon's (root's) rights; whoever registered it may
-    have repointed the path since (a symlink to a root-only file passes any check of the
-    file's owner and mode). So it is refused and the operator asked to register it again;
-    a row with no weights file reads nothing and is restored."""
+    """Why a journalled model is not registered again at start, or None: a row journalled before the
+    registrant was (schema < 4) names a weights file only root's rights could read, and its path may
+    have been repointed since (a symlink to a root-only file passes any owner or mode check)."""
     if rec.registrant is None and rec.weights is not None:
         return (f"it was journalled before the daemon recorded who registered models, so its weights file "
                 f"{rec.weights} could only be read with the daemon's own rights; register it again (or "
@@ -785,9 +740,3 @@ def _example_segment(record: ModelRecord):
     refs = [p.TensorRef(dtype=r["dtype"], shape=r["shape"], shm=seg.name if r["nbytes"] else "",
                         offset=r["offset"], nbytes=r["nbytes"]) for r in record.example_refs]
     return seg, refs
-
-
-def _replace_resident(info: p.ModelInfo, resident: list[int]) -> p.ModelInfo:
-    import msgspec
-
-    return msgspec.structs.replace(info, resident=resident)

@@ -1,17 +1,5 @@
-"""What each device's ctxpool workers start with, and what admission holds for them.
-
-Pure functions of explicit inputs, so the daemon's wiring (:mod:`nodeagent.daemon.serving`)
-stays a few lines and the arithmetic is tested on its own:
-
-- :func:`worker_env`: the GPU a worker uses, named by UUID in
-  ``CUDA_VISIBLE_DEVICES`` (NVML's index, which the daemon's devices carry, ignores
-  that variable and may differ from CUDA's order, so an index would land a worker on
-  another GPU under systemd or Slurm), plus the device's MPS client settings on an
-  MPS device; the worker then uses CUDA device 0.
-- :func:`worker_shares`: each device's :class:`nodeagent.memory.WorkerShare`, with
-  ``ctxpool.resident_mb = "auto"`` resolved by
-  :func:`nodeagent.memory.auto_resident_mb` from the device's capacity and what
-  sessions had declared when the workers start.
+"""What each device's ctxpool workers start with (:func:`setup_for`) and what admission holds for
+them (:func:`worker_shares`): pure functions of explicit inputs, so the arithmetic is tested on its own.
 """
 
 from __future__ import annotations
@@ -28,11 +16,12 @@ DEVICE_UUID_ENV = "NODEAGENT_DEVICE_UUID"  # every worker: the UUID of its devic
 def worker_env(backend: str, info: DeviceInfo, mps_env: Mapping[str, str] | None = None) -> tuple[dict[str, str], int]:
     """(environment, CUDA ordinal) for a worker of ``info``'s device on ``backend``.
 
-    ``mps_env`` (the device's ``MpsControl.client_env()``) makes the worker an MPS client
-    of the device's control daemon, with the daemon's default SM share and no memory limit
-    of MPS's own (its budget bounds it). On cuda the GPU is the only one the worker sees,
-    by UUID, so its ordinal is 0; a GPU whose UUID NVML did not give is named by its NVML
-    index under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (the order NVML enumerates in)."""
+    ``mps_env`` (the device's ``MpsControl.client_env()``) makes the worker an MPS client of the
+    device's control daemon, with its default SM share and no memory limit of MPS's own (its budget
+    bounds it). On cuda the GPU is the only one the worker sees, by UUID (NVML's index, which the
+    devices carry, may differ from CUDA's order: under systemd or Slurm it would name another GPU),
+    so its ordinal is 0; a GPU whose UUID NVML did not give is named by its NVML index under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (the order NVML enumerates in)."""
     env = {DEVICE_UUID_ENV: info.uuid, **(mps_env or {})}
     if backend != "cuda":
         return env, info.index  # the cpu engine has no ordinal to choose
@@ -48,8 +37,8 @@ def worker_env(backend: str, info: DeviceInfo, mps_env: Mapping[str, str] | None
 def worker_shares(infos: Sequence[DeviceInfo], *, workers: int, context_mb: int, pool_mb: int,
                   resident_mb: int | str, reserve_mb: int,
                   declared_mb: Mapping[int, int]) -> dict[int, memory.WorkerShare]:
-    """Each device's worker share: ``resident_mb`` "auto" (see :func:`nodeagent.memory.auto_resident_mb`),
-    0 (no bound: not counted) or a number of MiB per worker."""
+    """Each device's worker share: ``resident_mb`` "auto" (:func:`nodeagent.memory.auto_resident_mb`, from
+    the device's capacity and what sessions declared), 0 (no bound: not counted) or MiB per worker."""
     shares = {}
     for info in infos:
         if resident_mb == "auto":

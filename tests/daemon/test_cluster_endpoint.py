@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from client_lib import protocol as p
+from nodeagent.daemon.bus import SuspendFinished
 from nodeagent.daemon.cluster import EXPIRY_DEADLINE_MS, ClusterRoute
 from nodeagent.procwatch import PeerCredentials, own_namespaces
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -44,7 +45,7 @@ def test_a_lent_device_admits_only_its_borrower_and_a_reclaim_answers_once_it_is
     assert len(rec.suspends) == 1 and len(rec.to(PLACEMENT)) == 1 and rec.to(second) == []
 
     rec.parked["s-a"] = 4096  # what the suspension component says it parked
-    cluster.suspend_finished(s, "suspended", 300.0, 1.5)
+    cluster.on_suspend_finished(SuspendFinished(s, "suspended", 300.0, 1.5))
     for route, request_id in ((PLACEMENT, 2), (second, 3)):
         reply = rec.to(route)[-1]
         assert isinstance(reply, p.ReclaimReply) and reply.id == request_id

@@ -52,6 +52,11 @@ class FakeClock:
         return self.now
 
 
+def _server_list(m: MpsControl) -> list[int]:
+    """Pids of the MPS servers ``m``'s control daemon runs (one per line; none when idle)."""
+    return [int(word) for word in m.command("get_server_list").split()]
+
+
 @pytest.fixture
 def control_binary(workdir) -> str:
     return write_fake_control(workdir)
@@ -99,7 +104,7 @@ def test_start_creates_private_dirs_and_daemon_answers(make_mps, workdir):
         assert path.startswith(os.path.join(workdir, "mps", "0"))
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     assert int(Path(m.pipe_dir, PID_FILE).read_text()) == m.pid
-    assert m.server_list() == []
+    assert _server_list(m) == []
     assert f"using socket {m.pipe_dir}/control" in Path(m.log_dir, "control.log").read_text()
 
 
@@ -186,7 +191,7 @@ def test_command_round_trips(make_mps):
     m.command("set_default_device_pinned_mem_limit 0 2048M")
     assert m.command("get_default_device_pinned_mem_limit 0").strip() == "2048M"
     m.command("start_server -uid 1000")
-    servers = m.server_list()
+    servers = _server_list(m)
     assert len(servers) == 1 and servers[0] > 0
 
 
@@ -200,7 +205,7 @@ def test_bad_commands_are_refused(make_mps):
 def test_command_without_a_daemon_is_an_error(make_mps):
     m = make_mps()
     with pytest.raises(MpsError, match="Cannot find MPS control daemon process"):
-        m.server_list()
+        _server_list(m)
 
 
 def test_command_to_a_stuck_daemon_times_out(make_mps):
@@ -229,7 +234,7 @@ def test_killed_daemon_is_restarted(make_mps, caplog):
         assert m.ensure_running() is True
     assert m.restarts == 1 and m.pid != old and m.alive()
     assert "[mps] restart device=0 reason=exited restarts=1" in caplog.text
-    assert m.server_list() == []
+    assert _server_list(m) == []
 
 
 def test_watch_fd_becomes_readable_when_the_daemon_dies(make_mps):
@@ -359,7 +364,7 @@ def test_real_control_daemon(workdir):
     m.start(timeout_s=30)
     try:
         assert m.pid is not None and Path(m.pipe_dir, "control").exists()
-        assert m.server_list() == []
+        assert _server_list(m) == []
         m.command("set_default_active_thread_percentage 50")
         assert float(m.command("get_default_active_thread_percentage").split()[-1]) == 50.0
     finally:
@@ -429,3 +434,32 @@ def test_real_mps_shares_of_30_and_70_percent_split_throughput(workdir):
         with open(os.path.join(out_dir, "mps_30_70.json"), "w") as f:
             json.dump(result, f, indent=2)
     assert 1.5 < ratio < 3.5, result  # 7/3 with room for how MPS rounds SMs and for clocks
+
+
+def test_a_control_daemon_watched_through_a_descriptor_above_1024_is_still_seen(tmp_path):
+    """Before: alive() and wait() asked select(), which raises ValueError for a descriptor past
+    FD_SETSIZE; a daemon holding its 4096 connections opens the pidfd of a restarted control daemon there."""
+    import resource
+
+    from nodeagent.mps import _DaemonProcess
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 2000:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit {hard} leaves no descriptor past 2000")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2001), hard))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = _DaemonProcess(child.pid)
+    try:
+        if proc.pidfd is None:
+            pytest.skip("no pidfds on this kernel")
+        high = os.dup2(proc.pidfd, 2000)
+        os.close(proc.pidfd)
+        proc.pidfd = high
+        assert proc.alive() and proc.wait(0.05) is False
+        child.kill()
+        assert proc.wait(5.0) is True and not proc.alive()
+    finally:
+        proc.close()
+        child.kill()
+        child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
