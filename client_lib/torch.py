@@ -22,7 +22,7 @@ import torch
 
 from client_lib.nccl import Communicators
 from client_lib.pacer import Pacer  # noqa: F401  (co-run pacing: client_lib.torch is where users look)
-from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend
+from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend, round_up
 
 log = logging.getLogger("client_lib.torch")
 
@@ -118,7 +118,7 @@ class HostBuffer:
         if self._view is not None and self._view.numel() >= nbytes and (self._pinned or self._pin_failed or not pin):
             return self._view
         self.release()  # the old one goes first: never both at once
-        size = _round_up(nbytes, _PAGE_BYTES)
+        size = round_up(nbytes, _PAGE_BYTES)
         # A mapping of its own: whole pages that hold nothing else (a registered page shared with
         # another tensor would make that tensor's copies fail), and a storage that starts where the
         # registration does (torch's is_pinned() asks about a tensor's storage, not its data).
@@ -765,11 +765,7 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
 
 
 def _aligned(nbytes: int) -> int:
-    return _round_up(nbytes, _ALIGN_BYTES)
-
-
-def _round_up(nbytes: int, unit: int) -> int:
-    return (nbytes + unit - 1) // unit * unit
+    return round_up(nbytes, _ALIGN_BYTES)
 
 
 def _needed(storages: list[_ParkedStorage]) -> int:

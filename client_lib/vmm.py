@@ -10,6 +10,7 @@ import logging
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -192,10 +193,7 @@ class VmmBackend:
                 dead = [m for m in dead if m.device != device]
         for m in dead:
             try:
-                if m.handle is not None:
-                    self.unmap(m.va, m.nbytes, m.device)
-                    self.release(m.handle, m.device)
-                    m.handle = None
+                if m.unmap(self):
                     freed += m.nbytes
                 self.free(m.va, m.nbytes, m.device)
             except Exception as exc:
@@ -324,28 +322,36 @@ class _CudaArray:
         self.owner = owner
 
 
+@dataclass
 class _Mapping:
     """A region's addresses and physical memory, apart from the region so that its finaliser can free them."""
 
-    def __init__(self, device: torch.device, nbytes: int) -> None:
-        self.device = device
-        self.nbytes = nbytes
-        self.va = 0
-        self.handle: int | None = None  # None while nothing is mapped
+    device: torch.device
+    nbytes: int
+    va: int = 0
+    handle: int | None = None  # None while nothing is mapped
+
+    def unmap(self, vmm: VmmBackend) -> bool:
+        """Give the physical memory back (the addresses stay reserved); False if none was mapped."""
+        if self.handle is None:
+            return False
+        vmm.unmap(self.va, self.nbytes, self.device)
+        handle, self.handle = self.handle, None
+        vmm.release(handle, self.device)
+        return True
 
 
 class Region:
     """``used_bytes`` (rounded up to the device's granularity) of device memory at addresses that stay
     reserved for the region's life, mapped at once. Made with :meth:`create`, which also returns the
-    one tensor over it: the tensor (and its views) keep the region alive, the region does not keep
-    them. Use :meth:`tensor` only once per region (each call makes another storage over the memory)."""
+    one tensor over it: the tensor (and its views) keep the region alive, the region does not keep them."""
 
     def __init__(self, vmm: VmmBackend, device: torch.device, used_bytes: int) -> None:
         self.vmm = vmm
         self.device = device
         self.used_bytes = used_bytes
-        self.span_bytes = _round_up(used_bytes, VERIFY_BLOCK_BYTES)  # what a park copies and checks
-        nbytes = _round_up(max(used_bytes, 1), max(vmm.granularity(device), VERIFY_BLOCK_BYTES))
+        self.span_bytes = round_up(used_bytes, VERIFY_BLOCK_BYTES)  # what a park copies and checks
+        nbytes = round_up(max(used_bytes, 1), max(vmm.granularity(device), VERIFY_BLOCK_BYTES))
         self._m = _Mapping(device, nbytes)
         self._m.va = vmm.reserve(nbytes, device)
         try:
@@ -360,7 +366,7 @@ class Region:
     @classmethod
     def create(cls, vmm: VmmBackend, device: torch.device, used_bytes: int) -> tuple[Region, torch.Tensor]:
         region = cls(vmm, device, used_bytes)
-        return region, region.tensor()
+        return region, vmm.as_tensor(region.va, region.nbytes, device, owner=region)
 
     @property
     def va(self) -> int:
@@ -375,16 +381,9 @@ class Region:
     def mapped(self) -> bool:
         return self._m.handle is not None
 
-    def tensor(self) -> torch.Tensor:
-        return self.vmm.as_tensor(self._m.va, self._m.nbytes, self.device, owner=self)
-
     def unmap(self) -> None:
         """Give the physical memory back; the addresses stay reserved (and must not be touched)."""
-        if self._m.handle is None:
-            return
-        self.vmm.unmap(self._m.va, self._m.nbytes, self.device)
-        handle, self._m.handle = self._m.handle, None
-        self.vmm.release(handle, self.device)
+        self._m.unmap(self.vmm)
 
     def remap(self) -> None:
         """Map new physical memory (contents undefined) at the same addresses."""
@@ -423,7 +422,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _round_up(n: int, unit: int) -> int:
+def round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
