@@ -28,6 +28,7 @@ _SLOT = 4  # words per class
 _READ_TRIES = 64
 RECHECK_S = 0.05  # how often at most a reader asks whether its path names another board (one stat)
 RECHECK_READS = 64  # ... on every this many reads (a clock read costs more than a board read on some VMs)
+_POLL_S = 0.0001  # how often a held PacePoint reads the board
 
 
 class PaceBoardError(OSError):
@@ -120,17 +121,16 @@ class PaceBoardWriter:
         for k in range(CLASSES):
             self.set(k, Pace(0, False, 1000, FREE.period_us))
 
-    def close(self, unlink: bool = True) -> None:
+    def close(self) -> None:
         try:
             self.clear()
             self._map.close()
         except (ValueError, OSError):
             pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
 
 
 class PaceBoardReader:
@@ -224,13 +224,12 @@ class PacePoint:
     """
 
     def __init__(self, reader: PaceBoardReader, workload: int, *, alive: Callable[[], bool] = lambda: True,
-                 check_s: float = 0.05, poll_s: float = 0.0001,
+                 check_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.reader = reader
         self.workload = workload
         self._alive = alive
         self._check_s = check_s
-        self._poll_s = poll_s
         self._clock = clock
         self._sleep = sleep
 
@@ -253,7 +252,7 @@ class PacePoint:
             pace = self.reader.read(self.workload)
             if not pace.throttled or in_on_phase(pace, now):
                 break
-            self._sleep(self._poll_s)
+            self._sleep(_POLL_S)
         return self._clock() - start
 
 

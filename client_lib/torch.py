@@ -818,14 +818,14 @@ def _error_string(cudart: Any, rc: Any) -> str:
         return f"CUDA error {int(rc)}"
 
 
-def _clear_cuda_error(maps_path: str = "/proc/self/maps") -> bool:
+def _clear_cuda_error() -> bool:
     """Reset the CUDA runtime's last error after a failed call we handled; True if done.
 
     torch checks ``cudaGetLastError`` after every kernel launch, so an error left
     there would be blamed on the next kernel. ``torch.cuda.cudart()`` has no
     ``cudaGetLastError``: it is called in the libcudart torch loaded, found by its
     path in the process's mappings (``RTLD_NOLOAD``: the same library, never a second one)."""
-    path = _mapped_library("libcudart.so", maps_path)
+    path = _mapped_library("libcudart.so")
     if path is None:
         return False
     try:

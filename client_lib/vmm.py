@@ -81,8 +81,8 @@ class CudaDriver:
     """``libcuda.so.1`` through ctypes, each call checked (:class:`DriverError`). ``lib``: an
     object with the driver's functions as attributes, instead (tests)."""
 
-    def __init__(self, soname: str = "libcuda.so.1", lib: Any = None) -> None:
-        self._lib = lib if lib is not None else ctypes.CDLL(soname)
+    def __init__(self, lib: Any = None) -> None:
+        self._lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
         self._fns: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)  # AttributeError: a driver without VMM (older than CUDA 10.2)
@@ -212,9 +212,8 @@ class CudaVmm(VmmBackend):
 
     device_type = "cuda"
 
-    def __init__(self, soname: str = "libcuda.so.1", driver: CudaDriver | None = None) -> None:
+    def __init__(self, driver: CudaDriver | None = None) -> None:
         super().__init__()
-        self._soname = soname
         self._driver = driver
         self._granularity: dict[int, int] = {}
 
@@ -236,7 +235,7 @@ class CudaVmm(VmmBackend):
 
     def driver(self) -> CudaDriver:
         if self._driver is None:
-            self._driver = CudaDriver(self._soname)
+            self._driver = CudaDriver()
         return self._driver
 
     def _call(self, device: torch.device, name: str, *args: Any, what: str = "") -> None:

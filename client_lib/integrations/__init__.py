@@ -18,11 +18,10 @@ class TrainingTurns:
     turns. ``park_state``: on a suspend, park the model and optimizers in host
     memory (otherwise only the token is given up and the memory stays)."""
 
-    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True, pace: bool = True) -> None:
+    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
         self.client = client
         self.hold_token = hold_token
         self.park_state = park_state
-        self.pace = pace
         self.yielder = None
         self.pacer = None
         self._slice = None
@@ -37,7 +36,7 @@ class TrainingTurns:
         if self.park_state and self.yielder is None:
             from client_lib.torch import Yielder  # torch only once a framework runs
             self.yielder = Yielder(self.client, modules=modules, optimizers=self._optimizers)
-        if self.pace and self.pacer is None:
+        if self.pacer is None:
             from client_lib.torch import Pacer
             self.pacer = Pacer(self.client, modules, self._optimizers)
         if self.hold_token:
