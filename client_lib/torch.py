@@ -76,17 +76,10 @@ class _ParkedTensor:
 
 
 class HostBuffer:
-    """The host memory parked state lives in: one buffer of exactly the size asked
-    (page-aligned, whole pages), page-locked with ``cudaHostRegister`` when pinned.
-
-    Pinning registers pageable memory instead of taking it from torch's pinned
-    cache, which would round the size up to a power of two and keep the old block
-    when the buffer grows; here growing unregisters and frees the old buffer
-    first, and the memory goes back to the system when the buffer is released (or
-    garbage-collected). ``cudart`` (default ``torch.cuda.cudart()``) and
-    ``clear_error`` (default: reset the CUDA runtime's last error through the
-    loaded libcudart) are injectable for tests.
-    """
+    """The host memory parked state lives in: one buffer of exactly the size asked (whole pages),
+    page-locked with ``cudaHostRegister`` when pinned, not taken from torch's pinned cache (see
+    docs/internals.md). ``cudart`` and ``clear_error`` (``torch.cuda.cudart()``, :func:`_clear_cuda_error`)
+    are injectable for tests."""
 
     def __init__(self, cudart: Any = None, clear_error: Callable[[], bool] | None = None) -> None:
         self._cudart = cudart
@@ -110,11 +103,9 @@ class HostBuffer:
         return 0 if self._view is None else self._view.numel()
 
     def ensure(self, nbytes: int, pin: bool, prefault: bool = False) -> torch.Tensor:
-        """The buffer, reallocated (exact size) if it is smaller than ``nbytes`` or not pinned as asked.
-
-        A pinning that fails (host memory locked out, ``ulimit -l``) leaves a pageable
-        buffer, with a warning: parking still works, its copies are synchronous.
-        ``prefault``: touch every page of a pageable buffer now (pinning does that anyway)."""
+        """The buffer, reallocated (exact size) if smaller than ``nbytes`` or not pinned as asked. A pinning
+        that fails (``ulimit -l``) leaves a pageable buffer, with a warning: parking works, its copies are
+        synchronous. ``prefault``: touch every page of a pageable buffer now (pinning does that anyway)."""
         if self._view is not None and self._view.numel() >= nbytes and (self._pinned or self._pin_failed or not pin):
             return self._view
         self.release()  # the old one goes first: never both at once
@@ -155,28 +146,18 @@ class HostBuffer:
 
 
 class Yielder:
-    """Parks ``modules``' parameters, gradients and buffers, ``optimizers``'
-    state, and whatever :meth:`register_state` adds, in host memory.
+    """Parks ``modules``' parameters, gradients and buffers, ``optimizers``' state, and whatever
+    :meth:`register_state` adds, in host memory; with a ``client``, as its suspend handlers, which
+    ``client.yield_point()`` runs when the daemon asks (see docs/internals.md).
 
-    With a ``client`` it registers :meth:`park`/:meth:`unpark` as the client's
-    suspend handlers, so ``client.yield_point()`` runs them when the daemon
-    asks. ``pin_memory``: pin the host buffer (default: when a parked tensor is
-    on CUDA); a pinned buffer is reserved at once, and again after each
-    optimizer's first step. ``host_buffer``: the :class:`HostBuffer` to use.
-
-    ``keep_addresses``: park with the device addresses kept (see "Keeping
-    addresses" above): ``"auto"`` (default) where the state is on CUDA and the
-    driver's virtual memory calls work, ``True`` (a :class:`ParkError` where it
-    cannot be done, e.g. on cpu), ``False`` (storages freed and grown back).
-    :attr:`keeps_addresses` says which it is and :attr:`address_note` why not.
-    ``verify``: check the restored state against checksums taken at the park
-    (default: when keeping addresses); a mismatch raises
-    :class:`RestoreVerifyError`. ``vmm``: the :class:`client_lib.vmm.VmmBackend`
-    regions are made with (default: CUDA's, through libcuda). ``process_groups``: suspend
-    the NCCL communicators of this process's process groups with the state, and resume them
-    at the unpark (default True; where torch or NCCL cannot, :attr:`nccl_note` says why and
-    they keep their buffers), False to leave them, or a callable giving the groups.
-    """
+    ``pin_memory``: pin the host buffer (default: when a parked tensor is on CUDA), reserved at once
+    and again after each optimizer's first step. ``keep_addresses``: ``"auto"`` (where the state is
+    on CUDA and the driver's virtual memory calls work), ``True`` (a :class:`ParkError` where they
+    do not) or ``False``; :attr:`keeps_addresses` says which, :attr:`address_note` why not. ``verify``
+    (default: when keeping addresses): check the restored state against checksums taken at the park.
+    ``vmm``: the backend regions are made with (default CUDA's). ``process_groups``: suspend the NCCL
+    communicators of this process's groups with the state (default True; :attr:`nccl_note` says why
+    where they cannot), False to leave them, or a callable giving the groups."""
 
     def __init__(self, client=None, modules: Iterable[torch.nn.Module] = (),
                  optimizers: Iterable[torch.optim.Optimizer] = (), *,
@@ -232,13 +213,10 @@ class Yielder:
     # ------------------------------------------------------------------ api
 
     def register_state(self, state: StateSource) -> None:
-        """Park more state: a tensor, a module, an optimizer, or a callable with
-        no arguments returning tensors (alone or in nested dicts, lists and
-        tuples; other values are ignored). A callable is called at every park,
-        so state created later is found. The tensors must be the live ones, not
-        copies: parking works in place (``state_dict()`` of most objects other
-        than modules and optimizers returns copies). When keeping addresses,
-        call :meth:`reserve` afterwards (before capturing graphs over it)."""
+        """Park more state: a tensor, a module, an optimizer, or a callable with no arguments returning
+        tensors (alone or in nested dicts, lists and tuples), called at every park so that state made
+        later is found. The tensors must be the live ones, not copies (``state_dict()`` of most objects
+        returns copies); when keeping addresses, call :meth:`reserve` afterwards (before capturing graphs)."""
         if not isinstance(state, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not callable(state):
             raise TypeError("register_state takes a tensor, a module, an optimizer or a callable returning "
                             f"tensors, got {type(state).__name__}")
@@ -259,13 +237,10 @@ class Yielder:
         return self._host.tensor
 
     def park(self) -> int:
-        """Copy the state into host memory and free it on the device; returns the
-        device bytes released (:attr:`bytes_parked`; see docs/internals.md).
-
-        Nothing is changed when it raises (:class:`AlreadyParkedError`, a
-        :class:`ParkError` for a tensor that cannot be parked, or out of host memory),
-        except for a :class:`client_lib.vmm.DriverError` from unmapping a region: the
-        state is then parked, that region's memory still mapped."""
+        """Copy the state into host memory and free it on the device; returns the device bytes released
+        (:attr:`bytes_parked`). Nothing is changed when it raises (:class:`AlreadyParkedError`, a
+        :class:`ParkError` for a tensor that cannot be parked, out of host memory), except for a
+        :class:`client_lib.vmm.DriverError` from unmapping a region: parked, that region still mapped."""
         if self._parked:
             raise AlreadyParkedError("the state is already parked; call unpark() first")
         storages, tensors = self._plan_now()
@@ -292,11 +267,9 @@ class Yielder:
         return self._comms.note if self._comms is not None else None
 
     def unpark(self) -> None:
-        """Copy the parked state back: into the same storages, or at the same addresses.
-
-        If the device is out of memory, what was remapped or regrown is freed
-        again and the state stays parked (call it again later). A
-        :class:`RestoreVerifyError` comes after the state is back in place."""
+        """Copy the parked state back, into the same storages or at the same addresses. Out of device
+        memory, it stays parked (call it again later); a :class:`RestoreVerifyError` comes after the
+        state is back in place."""
         if not self._parked:
             raise NotParkedError("nothing is parked: unpark() needs a park() first")
         storages, tensors = self._storages, self._tensors
@@ -360,10 +333,9 @@ class Yielder:
             raise resume_error
 
     def reserve(self) -> int:
-        """Allocate (and pin, on CUDA) the host buffer now, sized exactly for the
-        current state, so that the next suspend does not pay for it; when keeping
-        addresses, first move state created since into a region (its addresses
-        change now, not at the next park). Returns the host buffer's bytes."""
+        """Allocate (and pin, on CUDA) the host buffer for the current state now, not in the next suspend;
+        when keeping addresses, first move state made since into a region (its addresses change now,
+        not at the next park). Returns the host buffer's bytes."""
         if self._parked:
             return self._host.nbytes  # the parked state's buffer is in use and already fits
         storages, _ = self._plan_now()
@@ -790,10 +762,8 @@ def _reserved_bytes(device: torch.device) -> int | None:
 
 
 def _release_cached(device_type: str, workspaces: bool = True) -> None:
-    """Hand what is now free back to the driver, so the memory is free for others:
-    cuBLAS's workspaces (one per handle and stream, kept by torch) first, unless
-    ``workspaces`` is false (a captured CUDA graph may use them), then every
-    cached block left empty."""
+    """Hand what is now free back to the driver: cuBLAS's workspaces (kept by torch) first, unless
+    ``workspaces`` is false (a captured CUDA graph may use them), then every cached block left empty."""
     if device_type == "cuda":
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if workspaces and clear_workspaces is not None:
@@ -819,12 +789,9 @@ def _error_string(cudart: Any, rc: Any) -> str:
 
 
 def _clear_cuda_error() -> bool:
-    """Reset the CUDA runtime's last error after a failed call we handled; True if done.
-
-    torch checks ``cudaGetLastError`` after every kernel launch, so an error left
-    there would be blamed on the next kernel. ``torch.cuda.cudart()`` has no
-    ``cudaGetLastError``: it is called in the libcudart torch loaded, found by its
-    path in the process's mappings (``RTLD_NOLOAD``: the same library, never a second one)."""
+    """Reset the CUDA runtime's last error after a failed call we handled (torch checks it after every
+    kernel launch: the next kernel would be blamed); True if done. ``torch.cuda.cudart()`` has no
+    ``cudaGetLastError``: it is called in the libcudart torch loaded (``RTLD_NOLOAD``: never a second one)."""
     path = _mapped_library("libcudart.so")
     if path is None:
         return False
