@@ -486,10 +486,9 @@ class Yielder:
         log.warning("[park] making an address-keeping region of %d bytes on %s failed (%s); that state is "
                     "restored in place, its addresses changed%s", nbytes, device, exc,
                     "" if self._keep_addresses is True else "; parking without keeping addresses from now on")
+        self.address_note = f"making a region failed: {exc}"
         if self._keep_addresses is not True:
-            self._keep, self.address_note = False, f"making a region failed: {exc}"
-        else:
-            self.address_note = f"making a region failed: {exc}"
+            self._keep = False
 
     def _after_first_step(self, optimizer, args, kwargs) -> None:
         """Optimizers create their state (Adam's moments) in their first step: adopt it, grow the buffer."""
@@ -756,9 +755,7 @@ def _synchronize(device: torch.device) -> None:
 
 def _reserved_bytes(device: torch.device) -> int | None:
     """Device memory torch's caching allocator holds on ``device``; None where it cannot say."""
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device)
-    return None
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else None
 
 
 def _release_cached(device_type: str, workspaces: bool = True) -> None:
@@ -812,5 +809,5 @@ def _mapped_library(prefix: str, maps_path: str = "/proc/self/maps") -> str | No
                 if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
                     return fields[5].strip()
     except OSError:
-        return None
+        pass
     return None
