@@ -119,7 +119,7 @@ class PaceBoardWriter:
     def clear(self) -> None:
         """Nobody is paced: what the board says once the daemon stops."""
         for k in range(CLASSES):
-            self.set(k, Pace(0, False, 1000, FREE.period_us))
+            self.set(k, FREE)
 
     def close(self) -> None:
         try:
@@ -214,18 +214,13 @@ class PaceBoardReader:
 
 
 class PacePoint:
-    """Where a lower-class process may be held while a higher class uses the device.
-
-    :meth:`wait` returns at once unless the board says this class is throttled;
-    then it holds the caller through the off part of each period (all of it at
-    duty 0) until the higher class releases. ``alive`` is asked every
-    ``check_s`` while held: when it says the daemon is gone the wait ends (a
-    board left behind by a dead daemon must not stop anyone for good).
-    """
+    """Where a lower-class process may be held while a higher class uses the device. ``alive`` is
+    asked every ``check_s`` while held: once the daemon is gone the wait ends (a board left behind
+    by a dead daemon must not stop anyone for good)."""
 
     def __init__(self, reader: PaceBoardReader, workload: int, *, alive: Callable[[], bool] = lambda: True,
-                 check_s: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 check_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.reader = reader
         self.workload = workload
         self._alive = alive
@@ -237,7 +232,8 @@ class PacePoint:
         return self.reader.read(self.workload)
 
     def wait(self) -> float:
-        """Hold while throttled (see the class docstring); seconds held."""
+        """Seconds held: none unless the board says this class is throttled, then through the off part
+        of each period (all of it at duty 0) until the higher class releases."""
         pace = self.reader.read(self.workload)
         if not pace.throttled or in_on_phase(pace, self._clock()):
             return 0.0
