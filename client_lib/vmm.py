@@ -6,6 +6,7 @@ at the same addresses, so tensors over it keep their ``data_ptr()``. Detail: doc
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -425,12 +426,7 @@ def round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
-_default: CudaVmm | None = None
-
-
+@functools.cache
 def default_backend() -> CudaVmm:
     """The process's one :class:`CudaVmm` (every Yielder sees every region)."""
-    global _default
-    if _default is None:
-        _default = CudaVmm()
-    return _default
+    return CudaVmm()
