@@ -164,20 +164,15 @@ def pause_modules(root: torch.nn.Module, points: int) -> list[torch.nn.Module]:
     a module holding more than 1/points of them is split into its children, in order.
     Modules without parameters get no point (a pause there would sit between the same
     two kernels as one beside it)."""
-    total = sum(q.numel() for q in root.parameters())
-    if total == 0:
-        return []
-    share = total / points
+    share = sum(q.numel() for q in root.parameters()) / points
     chosen: list[torch.nn.Module] = []
 
     def visit(module: torch.nn.Module) -> None:
         size = sum(q.numel() for q in module.parameters())
         if size == 0:
             return
-        children = [c for c in module.children() if any(True for _ in c.parameters())]
-        direct = sum(q.numel() for q in module.parameters(recurse=False))
-        if size > share and children and direct == 0:
-            for child in children:
+        if size > share and sum(q.numel() for q in module.parameters(recurse=False)) == 0:
+            for child in module.children():  # (those without parameters return at once)
                 visit(child)
         else:
             chosen.append(module)
