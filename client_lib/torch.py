@@ -307,14 +307,12 @@ class Yielder:
             self.verify_ms = (time.perf_counter() - t0) * 1000.0
         for t in tensors:
             s = storages[t.storage_index]
+            storage, offset = s.storage, t.storage_offset
             if t.storage_index in fresh:
                 region_tensor, start = fresh[t.storage_index]
-                storage, offset = region_tensor.untyped_storage(), start // t.tensor.element_size() + t.storage_offset
-            else:
-                storage, offset = s.storage, t.storage_offset
+                storage, offset = region_tensor.untyped_storage(), start // t.tensor.element_size() + offset
             view = torch.empty(0, dtype=t.tensor.dtype, device=s.device)
-            view.set_(storage, offset, t.size, t.stride)
-            t.tensor.data = view
+            t.tensor.data = view.set_(storage, offset, t.size, t.stride)
         for device in sorted({s.device for s in storages}, key=str):
             _synchronize(device)  # the host buffer may be reused (next park) only once read
         log.debug("[unpark] storages=%d bytes=%d regions_remapped=%d regions_new=%d verify_ms=%.2f", len(storages),
