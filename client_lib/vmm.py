@@ -249,12 +249,8 @@ class CudaVmm(VmmBackend):
 
     @staticmethod
     def _prop(device: torch.device) -> CUmemAllocationProp:
-        prop = CUmemAllocationProp()
-        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = _index(device)
-        return prop
+        return CUmemAllocationProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, requestedHandleTypes=CU_MEM_HANDLE_TYPE_NONE,
+                                   location=CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, _index(device)))
 
     def granularity(self, device: torch.device) -> int:
         index = _index(device)
@@ -287,10 +283,8 @@ class CudaVmm(VmmBackend):
         self._call(device, "cuMemMap", va, nbytes, 0, handle, 0, what=f"{va:#x}, {nbytes} bytes on {device}")
 
     def set_access(self, va: int, nbytes: int, device: torch.device) -> None:
-        desc = CUmemAccessDesc()
-        desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = _index(device)
-        desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, _index(device)),
+                               CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._call(device, "cuMemSetAccess", va, nbytes, ctypes.byref(desc), 1,
                    what=f"{va:#x}, {nbytes} bytes, read-write for {device}")
 
