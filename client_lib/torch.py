@@ -490,10 +490,9 @@ class Yielder:
 
     def _after_first_step(self, optimizer, args, kwargs) -> None:
         """Optimizers create their state (Adam's moments) in their first step: adopt it, grow the buffer."""
-        for i, opt in enumerate(self._optimizers):
-            if opt is optimizer and self._first_step_hooks[i] is not None:
-                self._first_step_hooks[i].remove()
-                self._first_step_hooks[i] = None
+        for opt, hook in zip(self._optimizers, self._first_step_hooks):
+            if opt is optimizer:
+                hook.remove()  # (removing a removed hook does nothing)
         if not self._parked:
             try:
                 self.reserve()
