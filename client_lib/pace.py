@@ -193,9 +193,7 @@ class PaceBoardReader:
             for _ in range(_READ_TRIES):
                 words = layout.unpack_from(m, 0)
                 seq = words[2]
-                if seq & 1:
-                    continue
-                if _SEQ.unpack_from(m, 8)[0] != seq:
+                if seq & 1 or _SEQ.unpack_from(m, 8)[0] != seq:  # being written, or written meanwhile
                     continue
                 self._cache = tuple(_slot(words, k) for k in range(CLASSES))
                 self._pid = words[3]
