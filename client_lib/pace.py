@@ -6,6 +6,7 @@ docs/protocol.md; how a board is replaced without SIGBUS, in docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -72,10 +73,8 @@ class PaceBoardWriter:
             self._publish()
             return
         spare = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".new")
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(spare)  # left by a daemon killed while replacing (the directory is ours)
-        except FileNotFoundError:
-            pass
         fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             if gid is not None:
@@ -86,10 +85,8 @@ class PaceBoardWriter:
             self._publish()  # complete before any reader can open it
             os.rename(spare, path)  # readers of the old file keep it whole, and find this one
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(spare)
-            except OSError:
-                pass
             raise
         finally:
             os.close(fd)
@@ -122,15 +119,11 @@ class PaceBoardWriter:
             self.set(k, FREE)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             self.clear()
             self._map.close()
-        except (ValueError, OSError):
-            pass
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
 
 
 class PaceBoardReader:
@@ -205,10 +198,8 @@ class PaceBoardReader:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(ValueError, OSError, BufferError):
             self._map.close()
-        except (ValueError, OSError, BufferError):
-            pass
 
 
 class PacePoint:

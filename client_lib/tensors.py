@@ -5,6 +5,7 @@ owner unlinks the segment. Detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import mmap
@@ -61,10 +62,8 @@ class Segment:
         except BufferError:
             return  # a tensor still views it; the mapping goes with the last view
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass
 
     def unlink(self) -> None:
         """Remove the name (the memory goes when the last mapping does). Idempotent."""
@@ -410,10 +409,8 @@ def take(refs: Sequence[p.TensorRef], *, like: str = "torch", unlink: bool = Tru
         for seg in segments.values():
             seg.close()
             if unlink:
-                try:
+                with contextlib.suppress(PermissionError):
                     seg.unlink()
-                except PermissionError:
-                    pass
 
 
 def discard(refs: Sequence[p.TensorRef], *, owner_uid: int | None = None) -> None:

@@ -8,6 +8,7 @@ storages, so every reference stays valid. On CUDA the state can keep its device 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -799,12 +800,9 @@ def _clear_cuda_error() -> bool:
 
 def _mapped_library(prefix: str, maps_path: str = "/proc/self/maps") -> str | None:
     """Path of the first file mapped into this process whose name starts with ``prefix``."""
-    try:
-        with open(maps_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
-                    return fields[5].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(maps_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
+                return fields[5].strip()
     return None
