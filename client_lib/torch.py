@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -683,17 +684,13 @@ def _mark_adoptable(storages: list[_ParkedStorage], tensors: list[_ParkedTensor]
 class _PrivatePools:
     """Address ranges of torch's private memory pools (CUDA graphs', MemPools'), read when first asked."""
 
-    def __init__(self) -> None:
-        self._ranges: list[tuple[int, int, int]] | None = None
+    @functools.cached_property
+    def _ranges(self) -> list[tuple[int, int, int]]:
+        return [(seg["device"], seg["address"], seg["address"] + seg["total_size"])
+                for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
 
     def holds(self, device: torch.device, ptr: int) -> bool:
-        if device.type != "cuda":
-            return False
-        if self._ranges is None:
-            self._ranges = [(seg["device"], seg["address"], seg["address"] + seg["total_size"])
-                            for seg in torch.cuda.memory_snapshot()
-                            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
-        return any(d == device.index and lo <= ptr < hi for d, lo, hi in self._ranges)
+        return device.type == "cuda" and any(d == device.index and lo <= ptr < hi for d, lo, hi in self._ranges)
 
 
 def _capturing(storages: list[_ParkedStorage]) -> bool:
