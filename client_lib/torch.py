@@ -118,24 +118,22 @@ class HostBuffer:
         raw = (torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
                if size else torch.empty(0, dtype=torch.uint8))
         ptr = raw.data_ptr()
-        pinned = False
-        if pin and size > 0:
+        if pin and size > 0:  # (release() left _pinned False)
             cudart = self._cudart if self._cudart is not None else torch.cuda.cudart()
             rc = cudart.cudaHostRegister(ptr, size, 0)
             if int(rc) == 0:
-                pinned = True
+                self._pinned = True
                 self._finalizer = weakref.finalize(self, _unregister, cudart, ptr, raw)
             else:
                 self._clear_error()  # or torch's next kernel launch check would report it
                 log.warning("[park] page-locking a host buffer of %d bytes failed (%s); parking with pageable "
                             "memory instead (slower copies): raise the locked-memory limit (ulimit -l)",
                             size, _error_string(cudart, rc))
-        if not pinned and prefault:
+        if not self._pinned and prefault:
             raw.zero_()  # fault the pages in now, not inside a suspend deadline
         self._view = raw[:nbytes]
-        self._pinned = pinned
-        self._pin_failed = pin and not pinned
-        log.debug("[park] host buffer bytes=%d pinned=%s", nbytes, pinned)
+        self._pin_failed = pin and not self._pinned
+        log.debug("[park] host buffer bytes=%d pinned=%s", nbytes, self._pinned)
         return self._view
 
     def release(self) -> None:
@@ -412,7 +410,6 @@ class Yielder:
         if any(s.kind != "resize" for s in storages):
             self._backend().drain()
         host = self._reserve(storages)
-        non_blocking = self._host.pinned
         reserved_before = {d: _reserved_bytes(d) for d in devices}
         sources = [_bytes_of(s.storage, s.device)[:s.nbytes] for s in storages]
         sums = None
@@ -421,7 +418,7 @@ class Yielder:
             sums = _checksums(sources)
             self.checksum_ms = (time.perf_counter() - t0) * 1000.0
         for s, source in zip(storages, sources):
-            host[s.offset:s.offset + s.nbytes].copy_(source, non_blocking=non_blocking)
+            host[s.offset:s.offset + s.nbytes].copy_(source, non_blocking=self._host.pinned)
         del sources
         for device in devices:
             _synchronize(device)  # the copies are done before the memory goes

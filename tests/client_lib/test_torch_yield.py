@@ -577,8 +577,10 @@ def test_releasing_the_host_buffer_unregisters_it():
     cudart = FakeCudart()
     buffer = HostBuffer(cudart=cudart, clear_error=lambda: True)
     ptr = buffer.ensure(10_000, pin=True).data_ptr()
+    assert buffer.pinned
     buffer.release()
     assert cudart.calls[-1] == ("unregister", ptr) and not cudart.registered and buffer.tensor is None
+    assert not buffer.pinned
     buffer.ensure(10_000, pin=True)
     del buffer
     gc.collect()
