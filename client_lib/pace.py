@@ -168,11 +168,9 @@ class PaceBoardReader:
         return True
 
     def read(self, workload: int) -> Pace:
-        """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon
-        killed while writing leaves it so: pacing fails open). While the board's sequence
-        is unchanged this is one 4-byte load (the slots read last time are kept); every
-        :data:`RECHECK_READS` reads a clock read, and at most every ``recheck_s`` a
-        :meth:`refresh` (one stat)."""
+        """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon killed while
+        writing leaves it so: pacing fails open). One 4-byte load while the board's sequence is unchanged
+        (the slots read last time are kept); a :meth:`refresh` as :data:`RECHECK_READS` says."""
         self._reads += 1
         if not self._reads % RECHECK_READS and self._clock() >= self._next_check:
             self.refresh()
