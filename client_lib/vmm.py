@@ -206,10 +206,8 @@ class VmmBackend:
 
 
 class CudaVmm(VmmBackend):
-    """Regions on CUDA devices through the driver's VMM calls (``libcuda.so.1``, loaded at first use).
-
-    Each call runs with the device's primary context (torch's) pushed, so it does
-    not depend on what the calling thread has current."""
+    """Regions on CUDA devices through the driver's VMM calls (``libcuda.so.1``, loaded at first use),
+    each made with the device's primary context (torch's) pushed, whatever the thread has current."""
 
     device_type = "cuda"
 
