@@ -74,8 +74,10 @@ class Communicators:
                 log.debug("[nccl] group %r has no backend on %s: %s", group, device, exc)
                 continue
             if not all(hasattr(backend, name) for name in ("suspend", "resume")):
-                self._say("this torch's NCCL backend cannot suspend its communicators (PyTorch 2.12 with NCCL "
-                          "2.29.7 or newer can): NCCL's buffers stay on the device while parked")
+                if self.note is None:
+                    self.note = ("this torch's NCCL backend cannot suspend its communicators (PyTorch 2.12 with NCCL "
+                                 "2.29.7 or newer can): NCCL's buffers stay on the device while parked")
+                    log.info("[nccl] %s", self.note)
                 continue
             before = _memory(backend)
             try:
@@ -106,11 +108,6 @@ class Communicators:
         if failure is not None:
             raise failure
         return len(suspended)
-
-    def _say(self, note: str) -> None:
-        if self.note is None:
-            self.note = note
-            log.info("[nccl] %s", note)
 
 
 def _memory(backend: Any) -> int | None:

@@ -6,6 +6,7 @@ docs/protocol.md; how a board is replaced without SIGBUS, in docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -28,6 +29,7 @@ _SLOT = 4  # words per class
 _READ_TRIES = 64
 RECHECK_S = 0.05  # how often at most a reader asks whether its path names another board (one stat)
 RECHECK_READS = 64  # ... on every this many reads (a clock read costs more than a board read on some VMs)
+_POLL_S = 0.0001  # how often a held PacePoint reads the board
 
 
 class PaceBoardError(OSError):
@@ -71,10 +73,8 @@ class PaceBoardWriter:
             self._publish()
             return
         spare = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".new")
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(spare)  # left by a daemon killed while replacing (the directory is ours)
-        except FileNotFoundError:
-            pass
         fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             if gid is not None:
@@ -85,10 +85,8 @@ class PaceBoardWriter:
             self._publish()  # complete before any reader can open it
             os.rename(spare, path)  # readers of the old file keep it whole, and find this one
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(spare)
-            except OSError:
-                pass
             raise
         finally:
             os.close(fd)
@@ -118,19 +116,14 @@ class PaceBoardWriter:
     def clear(self) -> None:
         """Nobody is paced: what the board says once the daemon stops."""
         for k in range(CLASSES):
-            self.set(k, Pace(0, False, 1000, FREE.period_us))
+            self.set(k, FREE)
 
-    def close(self, unlink: bool = True) -> None:
-        try:
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
             self.clear()
             self._map.close()
-        except (ValueError, OSError):
-            pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
 
 class PaceBoardReader:
@@ -175,11 +168,9 @@ class PaceBoardReader:
         return True
 
     def read(self, workload: int) -> Pace:
-        """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon
-        killed while writing leaves it so: pacing fails open). While the board's sequence
-        is unchanged this is one 4-byte load (the slots read last time are kept); every
-        :data:`RECHECK_READS` reads a clock read, and at most every ``recheck_s`` a
-        :meth:`refresh` (one stat)."""
+        """Class ``workload``'s slot; :data:`FREE` if the board stays mid-write (a daemon killed while
+        writing leaves it so: pacing fails open). One 4-byte load while the board's sequence is unchanged
+        (the slots read last time are kept); a :meth:`refresh` as :data:`RECHECK_READS` says."""
         self._reads += 1
         if not self._reads % RECHECK_READS and self._clock() >= self._next_check:
             self.refresh()
@@ -193,9 +184,7 @@ class PaceBoardReader:
             for _ in range(_READ_TRIES):
                 words = layout.unpack_from(m, 0)
                 seq = words[2]
-                if seq & 1:
-                    continue
-                if _SEQ.unpack_from(m, 8)[0] != seq:
+                if seq & 1 or _SEQ.unpack_from(m, 8)[0] != seq:  # being written, or written meanwhile
                     continue
                 self._cache = tuple(_slot(words, k) for k in range(CLASSES))
                 self._pid = words[3]
@@ -207,30 +196,22 @@ class PaceBoardReader:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(ValueError, OSError, BufferError):
             self._map.close()
-        except (ValueError, OSError, BufferError):
-            pass
 
 
 class PacePoint:
-    """Where a lower-class process may be held while a higher class uses the device.
-
-    :meth:`wait` returns at once unless the board says this class is throttled;
-    then it holds the caller through the off part of each period (all of it at
-    duty 0) until the higher class releases. ``alive`` is asked every
-    ``check_s`` while held: when it says the daemon is gone the wait ends (a
-    board left behind by a dead daemon must not stop anyone for good).
-    """
+    """Where a lower-class process may be held while a higher class uses the device. ``alive`` is
+    asked every ``check_s`` while held: once the daemon is gone the wait ends (a board left behind
+    by a dead daemon must not stop anyone for good)."""
 
     def __init__(self, reader: PaceBoardReader, workload: int, *, alive: Callable[[], bool] = lambda: True,
-                 check_s: float = 0.05, poll_s: float = 0.0001,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 check_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.reader = reader
         self.workload = workload
         self._alive = alive
         self._check_s = check_s
-        self._poll_s = poll_s
         self._clock = clock
         self._sleep = sleep
 
@@ -238,7 +219,8 @@ class PacePoint:
         return self.reader.read(self.workload)
 
     def wait(self) -> float:
-        """Hold while throttled (see the class docstring); seconds held."""
+        """Seconds held: none unless the board says this class is throttled, then through the off part
+        of each period (all of it at duty 0) until the higher class releases."""
         pace = self.reader.read(self.workload)
         if not pace.throttled or in_on_phase(pace, self._clock()):
             return 0.0
@@ -253,7 +235,7 @@ class PacePoint:
             pace = self.reader.read(self.workload)
             if not pace.throttled or in_on_phase(pace, now):
                 break
-            self._sleep(self._poll_s)
+            self._sleep(_POLL_S)
         return self._clock() - start
 
 

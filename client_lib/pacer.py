@@ -51,7 +51,8 @@ class Pacer:
         self._last_done = None  # the last event seen complete, for the next segment's time
         modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        self._device = torch.device(device) if device is not None else _device_of(modules)
+        first = next((q.device for module in modules for q in module.parameters()), None)
+        self._device = torch.device(device) if device is not None else first
         self._cuda = self._device is not None and self._device.type == "cuda"
         self._events: collections.deque = collections.deque()
         self._free: list = []
@@ -61,13 +62,13 @@ class Pacer:
         self.bounded_s = 0.0  # of which waiting for the run-ahead bound
         for root in modules:
             for module in pause_modules(root, points):
-                self._handles.append(module.register_forward_pre_hook(self._forward_point))
+                self._handles.append(module.register_forward_pre_hook(self._hook))
                 param = next((q for q in module.parameters() if q.requires_grad), None)
                 if param is not None and hasattr(param, "register_post_accumulate_grad_hook"):
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._backward_point))
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._hook))
                 self.points += 1
         for optimizer in optimizers:
-            self._handles.append(optimizer.register_step_pre_hook(self._step_point))
+            self._handles.append(optimizer.register_step_pre_hook(self._hook))
         client.set_fence(self.fence)
 
     # ------------------------------------------------------------------ api
@@ -115,13 +116,8 @@ class Pacer:
 
     # ------------------------------------------------------------ internals
 
-    def _forward_point(self, module, args) -> None:
-        self.point()
-
-    def _backward_point(self, param) -> None:
-        self.point()
-
-    def _step_point(self, optimizer, args, kwargs) -> None:
+    def _hook(self, *hook_args) -> None:
+        """The forward pre-hook, the gradient hook and the step pre-hook: a point, whatever they pass."""
         self.point()
 
     def _bound(self) -> None:
@@ -168,20 +164,15 @@ def pause_modules(root: torch.nn.Module, points: int) -> list[torch.nn.Module]:
     a module holding more than 1/points of them is split into its children, in order.
     Modules without parameters get no point (a pause there would sit between the same
     two kernels as one beside it)."""
-    total = sum(q.numel() for q in root.parameters())
-    if total == 0:
-        return []
-    share = total / points
+    share = sum(q.numel() for q in root.parameters()) / points
     chosen: list[torch.nn.Module] = []
 
     def visit(module: torch.nn.Module) -> None:
         size = sum(q.numel() for q in module.parameters())
         if size == 0:
             return
-        children = [c for c in module.children() if any(True for _ in c.parameters())]
-        direct = sum(q.numel() for q in module.parameters(recurse=False))
-        if size > share and children and direct == 0:
-            for child in children:
+        if size > share and sum(q.numel() for q in module.parameters(recurse=False)) == 0:
+            for child in module.children():  # (those without parameters return at once)
                 visit(child)
         else:
             chosen.append(module)
@@ -203,10 +194,3 @@ def _mps_low_priority(client) -> bool:
     welcome = getattr(client, "welcome", None)
     env = getattr(welcome, "env", None) or {}
     return env.get("CUDA_MPS_CLIENT_PRIORITY", "0") not in ("", "0")
-
-
-def _device_of(modules: list[torch.nn.Module]) -> torch.device | None:
-    for module in modules:
-        for q in module.parameters():
-            return q.device
-    return None

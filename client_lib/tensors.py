@@ -5,6 +5,7 @@ owner unlinks the segment. Detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import mmap
@@ -61,10 +62,8 @@ class Segment:
         except BufferError:
             return  # a tensor still views it; the mapping goes with the last view
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass
 
     def unlink(self) -> None:
         """Remove the name (the memory goes when the last mapping does). Idempotent."""
@@ -335,15 +334,20 @@ def _write(seg: Segment, t: Any, offset: int, nbytes: int) -> None:
         dst[:] = t.reshape(-1).view("uint8").data
 
 
-def _check(ref: p.TensorRef, seg: Segment) -> None:
-    expected = _nbytes(ref.dtype, ref.shape) if ref.dtype in DTYPE_BYTES else -1
-    if expected < 0:
+def _segment_of(ref: p.TensorRef, segments: dict[str, Segment]) -> Segment:
+    """The mapped segment ``ref`` lies in, once its dtype, size and bounds are checked."""
+    seg = segments.get(ref.shm)
+    if seg is None:
+        raise TensorTransportError(f"segment {ref.shm!r} is not attached")
+    if ref.dtype not in DTYPE_BYTES:
         raise TensorTransportError(f"unknown dtype {ref.dtype!r}")
+    expected = _nbytes(ref.dtype, ref.shape)
     if ref.nbytes != expected:
         raise TensorTransportError(f"tensor ref says {ref.nbytes} bytes but {ref.dtype}{ref.shape} needs {expected}")
     if ref.offset < 0 or ref.offset + ref.nbytes > seg.size:
         raise TensorTransportError(f"tensor ref [{ref.offset}, +{ref.nbytes}) lies outside segment "
                                    f"{seg.name!r} of {seg.size} bytes")
+    return seg
 
 
 def attach_all(refs: Sequence[p.TensorRef], *, owner_uid: int | None = None) -> dict[str, Segment]:
@@ -370,11 +374,7 @@ def views(refs: Sequence[p.TensorRef], segments: dict[str, Segment]) -> list:
         if not ref.nbytes:
             out.append(torch.empty(ref.shape, dtype=dtype))
             continue
-        seg = segments.get(ref.shm)
-        if seg is None:
-            raise TensorTransportError(f"segment {ref.shm!r} is not attached")
-        _check(ref, seg)
-        raw = torch.frombuffer(seg.buf, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
+        raw = torch.frombuffer(_segment_of(ref, segments).buf, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
         out.append(raw.view(dtype).reshape(ref.shape))
     return out
 
@@ -390,11 +390,7 @@ def arrays(refs: Sequence[p.TensorRef], segments: dict[str, Segment]) -> list:
         if not ref.nbytes:
             out.append(np.empty(ref.shape, dtype=ref.dtype))
             continue
-        seg = segments.get(ref.shm)
-        if seg is None:
-            raise TensorTransportError(f"segment {ref.shm!r} is not attached")
-        _check(ref, seg)
-        out.append(np.ndarray(ref.shape, dtype=ref.dtype, buffer=seg.buf, offset=ref.offset))
+        out.append(np.ndarray(ref.shape, dtype=ref.dtype, buffer=_segment_of(ref, segments).buf, offset=ref.offset))
     return out
 
 
@@ -413,10 +409,8 @@ def take(refs: Sequence[p.TensorRef], *, like: str = "torch", unlink: bool = Tru
         for seg in segments.values():
             seg.close()
             if unlink:
-                try:
+                with contextlib.suppress(PermissionError):
                     seg.unlink()
-                except PermissionError:
-                    pass
 
 
 def discard(refs: Sequence[p.TensorRef], *, owner_uid: int | None = None) -> None:

@@ -8,8 +8,10 @@ storages, so every reference stays valid. On CUDA the state can keep its device 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -22,7 +24,7 @@ import torch
 
 from client_lib.nccl import Communicators
 from client_lib.pacer import Pacer  # noqa: F401  (co-run pacing: client_lib.torch is where users look)
-from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend
+from client_lib.vmm import VERIFY_BLOCK_BYTES, DriverError, Region, VmmBackend, block_sums, default_backend, round_up
 
 log = logging.getLogger("client_lib.torch")
 
@@ -76,17 +78,10 @@ class _ParkedTensor:
 
 
 class HostBuffer:
-    """The host memory parked state lives in: one buffer of exactly the size asked
-    (page-aligned, whole pages), page-locked with ``cudaHostRegister`` when pinned.
-
-    Pinning registers pageable memory instead of taking it from torch's pinned
-    cache, which would round the size up to a power of two and keep the old block
-    when the buffer grows; here growing unregisters and frees the old buffer
-    first, and the memory goes back to the system when the buffer is released (or
-    garbage-collected). ``cudart`` (default ``torch.cuda.cudart()``) and
-    ``clear_error`` (default: reset the CUDA runtime's last error through the
-    loaded libcudart) are injectable for tests.
-    """
+    """The host memory parked state lives in: one buffer of exactly the size asked (whole pages),
+    page-locked with ``cudaHostRegister`` when pinned, not taken from torch's pinned cache (see
+    docs/internals.md). ``cudart`` and ``clear_error`` (``torch.cuda.cudart()``, :func:`_clear_cuda_error`)
+    are injectable for tests."""
 
     def __init__(self, cudart: Any = None, clear_error: Callable[[], bool] | None = None) -> None:
         self._cudart = cudart
@@ -110,39 +105,35 @@ class HostBuffer:
         return 0 if self._view is None else self._view.numel()
 
     def ensure(self, nbytes: int, pin: bool, prefault: bool = False) -> torch.Tensor:
-        """The buffer, reallocated (exact size) if it is smaller than ``nbytes`` or not pinned as asked.
-
-        A pinning that fails (host memory locked out, ``ulimit -l``) leaves a pageable
-        buffer, with a warning: parking still works, its copies are synchronous.
-        ``prefault``: touch every page of a pageable buffer now (pinning does that anyway)."""
+        """The buffer, reallocated (exact size) if smaller than ``nbytes`` or not pinned as asked. A pinning
+        that fails (``ulimit -l``) leaves a pageable buffer, with a warning: parking works, its copies are
+        synchronous. ``prefault``: touch every page of a pageable buffer now (pinning does that anyway)."""
         if self._view is not None and self._view.numel() >= nbytes and (self._pinned or self._pin_failed or not pin):
             return self._view
         self.release()  # the old one goes first: never both at once
-        size = _round_up(nbytes, _PAGE_BYTES)
+        size = round_up(nbytes, _PAGE_BYTES)
         # A mapping of its own: whole pages that hold nothing else (a registered page shared with
         # another tensor would make that tensor's copies fail), and a storage that starts where the
         # registration does (torch's is_pinned() asks about a tensor's storage, not its data).
         raw = (torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
                if size else torch.empty(0, dtype=torch.uint8))
         ptr = raw.data_ptr()
-        pinned = False
-        if pin and size > 0:
+        if pin and size > 0:  # (release() left _pinned False)
             cudart = self._cudart if self._cudart is not None else torch.cuda.cudart()
             rc = cudart.cudaHostRegister(ptr, size, 0)
             if int(rc) == 0:
-                pinned = True
+                self._pinned = True
                 self._finalizer = weakref.finalize(self, _unregister, cudart, ptr, raw)
             else:
                 self._clear_error()  # or torch's next kernel launch check would report it
                 log.warning("[park] page-locking a host buffer of %d bytes failed (%s); parking with pageable "
                             "memory instead (slower copies): raise the locked-memory limit (ulimit -l)",
                             size, _error_string(cudart, rc))
-        if not pinned and prefault:
+        if not self._pinned and prefault:
             raw.zero_()  # fault the pages in now, not inside a suspend deadline
         self._view = raw[:nbytes]
-        self._pinned = pinned
-        self._pin_failed = pin and not pinned
-        log.debug("[park] host buffer bytes=%d pinned=%s", nbytes, pinned)
+        self._pin_failed = pin and not self._pinned
+        log.debug("[park] host buffer bytes=%d pinned=%s", nbytes, self._pinned)
         return self._view
 
     def release(self) -> None:
@@ -155,28 +146,18 @@ class HostBuffer:
 
 
 class Yielder:
-    """Parks ``modules``' parameters, gradients and buffers, ``optimizers``'
-    state, and whatever :meth:`register_state` adds, in host memory.
+    """Parks ``modules``' parameters, gradients and buffers, ``optimizers``' state, and whatever
+    :meth:`register_state` adds, in host memory; with a ``client``, as its suspend handlers, which
+    ``client.yield_point()`` runs when the daemon asks (see docs/internals.md).
 
-    With a ``client`` it registers :meth:`park`/:meth:`unpark` as the client's
-    suspend handlers, so ``client.yield_point()`` runs them when the daemon
-    asks. ``pin_memory``: pin the host buffer (default: when a parked tensor is
-    on CUDA); a pinned buffer is reserved at once, and again after each
-    optimizer's first step. ``host_buffer``: the :class:`HostBuffer` to use.
-
-    ``keep_addresses``: park with the device addresses kept (see "Keeping
-    addresses" above): ``"auto"`` (default) where the state is on CUDA and the
-    driver's virtual memory calls work, ``True`` (a :class:`ParkError` where it
-    cannot be done, e.g. on cpu), ``False`` (storages freed and grown back).
-    :attr:`keeps_addresses` says which it is and :attr:`address_note` why not.
-    ``verify``: check the restored state against checksums taken at the park
-    (default: when keeping addresses); a mismatch raises
-    :class:`RestoreVerifyError`. ``vmm``: the :class:`client_lib.vmm.VmmBackend`
-    regions are made with (default: CUDA's, through libcuda). ``process_groups``: suspend
-    the NCCL communicators of this process's process groups with the state, and resume them
-    at the unpark (default True; where torch or NCCL cannot, :attr:`nccl_note` says why and
-    they keep their buffers), False to leave them, or a callable giving the groups.
-    """
+    ``pin_memory``: pin the host buffer (default: when a parked tensor is on CUDA), reserved at once
+    and again after each optimizer's first step. ``keep_addresses``: ``"auto"`` (where the state is
+    on CUDA and the driver's virtual memory calls work), ``True`` (a :class:`ParkError` where they
+    do not) or ``False``; :attr:`keeps_addresses` says which, :attr:`address_note` why not. ``verify``
+    (default: when keeping addresses): check the restored state against checksums taken at the park.
+    ``vmm``: the backend regions are made with (default CUDA's). ``process_groups``: suspend the NCCL
+    communicators of this process's groups with the state (default True; :attr:`nccl_note` says why
+    where they cannot), False to leave them, or a callable giving the groups."""
 
     def __init__(self, client=None, modules: Iterable[torch.nn.Module] = (),
                  optimizers: Iterable[torch.optim.Optimizer] = (), *,
@@ -232,13 +213,10 @@ class Yielder:
     # ------------------------------------------------------------------ api
 
     def register_state(self, state: StateSource) -> None:
-        """Park more state: a tensor, a module, an optimizer, or a callable with
-        no arguments returning tensors (alone or in nested dicts, lists and
-        tuples; other values are ignored). A callable is called at every park,
-        so state created later is found. The tensors must be the live ones, not
-        copies: parking works in place (``state_dict()`` of most objects other
-        than modules and optimizers returns copies). When keeping addresses,
-        call :meth:`reserve` afterwards (before capturing graphs over it)."""
+        """Park more state: a tensor, a module, an optimizer, or a callable with no arguments returning
+        tensors (alone or in nested dicts, lists and tuples), called at every park so that state made
+        later is found. The tensors must be the live ones, not copies (``state_dict()`` of most objects
+        returns copies); when keeping addresses, call :meth:`reserve` afterwards (before capturing graphs)."""
         if not isinstance(state, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not callable(state):
             raise TypeError("register_state takes a tensor, a module, an optimizer or a callable returning "
                             f"tensors, got {type(state).__name__}")
@@ -259,13 +237,10 @@ class Yielder:
         return self._host.tensor
 
     def park(self) -> int:
-        """Copy the state into host memory and free it on the device; returns the
-        device bytes released (:attr:`bytes_parked`; see docs/internals.md).
-
-        Nothing is changed when it raises (:class:`AlreadyParkedError`, a
-        :class:`ParkError` for a tensor that cannot be parked, or out of host memory),
-        except for a :class:`client_lib.vmm.DriverError` from unmapping a region: the
-        state is then parked, that region's memory still mapped."""
+        """Copy the state into host memory and free it on the device; returns the device bytes released
+        (:attr:`bytes_parked`). Nothing is changed when it raises (:class:`AlreadyParkedError`, a
+        :class:`ParkError` for a tensor that cannot be parked, out of host memory), except for a
+        :class:`client_lib.vmm.DriverError` from unmapping a region: parked, that region still mapped."""
         if self._parked:
             raise AlreadyParkedError("the state is already parked; call unpark() first")
         storages, tensors = self._plan_now()
@@ -292,11 +267,9 @@ class Yielder:
         return self._comms.note if self._comms is not None else None
 
     def unpark(self) -> None:
-        """Copy the parked state back: into the same storages, or at the same addresses.
-
-        If the device is out of memory, what was remapped or regrown is freed
-        again and the state stays parked (call it again later). A
-        :class:`RestoreVerifyError` comes after the state is back in place."""
+        """Copy the parked state back, into the same storages or at the same addresses. Out of device
+        memory, it stays parked (call it again later); a :class:`RestoreVerifyError` comes after the
+        state is back in place."""
         if not self._parked:
             raise NotParkedError("nothing is parked: unpark() needs a park() first")
         storages, tensors = self._storages, self._tensors
@@ -334,14 +307,12 @@ class Yielder:
             self.verify_ms = (time.perf_counter() - t0) * 1000.0
         for t in tensors:
             s = storages[t.storage_index]
+            storage, offset = s.storage, t.storage_offset
             if t.storage_index in fresh:
                 region_tensor, start = fresh[t.storage_index]
-                storage, offset = region_tensor.untyped_storage(), start // t.tensor.element_size() + t.storage_offset
-            else:
-                storage, offset = s.storage, t.storage_offset
+                storage, offset = region_tensor.untyped_storage(), start // t.tensor.element_size() + offset
             view = torch.empty(0, dtype=t.tensor.dtype, device=s.device)
-            view.set_(storage, offset, t.size, t.stride)
-            t.tensor.data = view
+            t.tensor.data = view.set_(storage, offset, t.size, t.stride)
         for device in sorted({s.device for s in storages}, key=str):
             _synchronize(device)  # the host buffer may be reused (next park) only once read
         log.debug("[unpark] storages=%d bytes=%d regions_remapped=%d regions_new=%d verify_ms=%.2f", len(storages),
@@ -360,10 +331,9 @@ class Yielder:
             raise resume_error
 
     def reserve(self) -> int:
-        """Allocate (and pin, on CUDA) the host buffer now, sized exactly for the
-        current state, so that the next suspend does not pay for it; when keeping
-        addresses, first move state created since into a region (its addresses
-        change now, not at the next park). Returns the host buffer's bytes."""
+        """Allocate (and pin, on CUDA) the host buffer for the current state now, not in the next suspend;
+        when keeping addresses, first move state made since into a region (its addresses change now,
+        not at the next park). Returns the host buffer's bytes."""
         if self._parked:
             return self._host.nbytes  # the parked state's buffer is in use and already fits
         storages, _ = self._plan_now()
@@ -440,7 +410,6 @@ class Yielder:
         if any(s.kind != "resize" for s in storages):
             self._backend().drain()
         host = self._reserve(storages)
-        non_blocking = self._host.pinned
         reserved_before = {d: _reserved_bytes(d) for d in devices}
         sources = [_bytes_of(s.storage, s.device)[:s.nbytes] for s in storages]
         sums = None
@@ -449,7 +418,7 @@ class Yielder:
             sums = _checksums(sources)
             self.checksum_ms = (time.perf_counter() - t0) * 1000.0
         for s, source in zip(storages, sources):
-            host[s.offset:s.offset + s.nbytes].copy_(source, non_blocking=non_blocking)
+            host[s.offset:s.offset + s.nbytes].copy_(source, non_blocking=self._host.pinned)
         del sources
         for device in devices:
             _synchronize(device)  # the copies are done before the memory goes
@@ -514,17 +483,15 @@ class Yielder:
         log.warning("[park] making an address-keeping region of %d bytes on %s failed (%s); that state is "
                     "restored in place, its addresses changed%s", nbytes, device, exc,
                     "" if self._keep_addresses is True else "; parking without keeping addresses from now on")
+        self.address_note = f"making a region failed: {exc}"
         if self._keep_addresses is not True:
-            self._keep, self.address_note = False, f"making a region failed: {exc}"
-        else:
-            self.address_note = f"making a region failed: {exc}"
+            self._keep = False
 
     def _after_first_step(self, optimizer, args, kwargs) -> None:
         """Optimizers create their state (Adam's moments) in their first step: adopt it, grow the buffer."""
-        for i, opt in enumerate(self._optimizers):
-            if opt is optimizer and self._first_step_hooks[i] is not None:
-                self._first_step_hooks[i].remove()
-                self._first_step_hooks[i] = None
+        for opt, hook in zip(self._optimizers, self._first_step_hooks):
+            if opt is optimizer:
+                hook.remove()  # (removing a removed hook does nothing)
         if not self._parked:
             try:
                 self.reserve()
@@ -714,17 +681,13 @@ def _mark_adoptable(storages: list[_ParkedStorage], tensors: list[_ParkedTensor]
 class _PrivatePools:
     """Address ranges of torch's private memory pools (CUDA graphs', MemPools'), read when first asked."""
 
-    def __init__(self) -> None:
-        self._ranges: list[tuple[int, int, int]] | None = None
+    @functools.cached_property
+    def _ranges(self) -> list[tuple[int, int, int]]:
+        return [(seg["device"], seg["address"], seg["address"] + seg["total_size"])
+                for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
 
     def holds(self, device: torch.device, ptr: int) -> bool:
-        if device.type != "cuda":
-            return False
-        if self._ranges is None:
-            self._ranges = [(seg["device"], seg["address"], seg["address"] + seg["total_size"])
-                            for seg in torch.cuda.memory_snapshot()
-                            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
-        return any(d == device.index and lo <= ptr < hi for d, lo, hi in self._ranges)
+        return device.type == "cuda" and any(d == device.index and lo <= ptr < hi for d, lo, hi in self._ranges)
 
 
 def _capturing(storages: list[_ParkedStorage]) -> bool:
@@ -765,11 +728,7 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
 
 
 def _aligned(nbytes: int) -> int:
-    return _round_up(nbytes, _ALIGN_BYTES)
-
-
-def _round_up(nbytes: int, unit: int) -> int:
-    return (nbytes + unit - 1) // unit * unit
+    return round_up(nbytes, _ALIGN_BYTES)
 
 
 def _needed(storages: list[_ParkedStorage]) -> int:
@@ -788,16 +747,12 @@ def _synchronize(device: torch.device) -> None:
 
 def _reserved_bytes(device: torch.device) -> int | None:
     """Device memory torch's caching allocator holds on ``device``; None where it cannot say."""
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device)
-    return None
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else None
 
 
 def _release_cached(device_type: str, workspaces: bool = True) -> None:
-    """Hand what is now free back to the driver, so the memory is free for others:
-    cuBLAS's workspaces (one per handle and stream, kept by torch) first, unless
-    ``workspaces`` is false (a captured CUDA graph may use them), then every
-    cached block left empty."""
+    """Hand what is now free back to the driver: cuBLAS's workspaces (kept by torch) first, unless
+    ``workspaces`` is false (a captured CUDA graph may use them), then every cached block left empty."""
     if device_type == "cuda":
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if workspaces and clear_workspaces is not None:
@@ -822,14 +777,11 @@ def _error_string(cudart: Any, rc: Any) -> str:
         return f"CUDA error {int(rc)}"
 
 
-def _clear_cuda_error(maps_path: str = "/proc/self/maps") -> bool:
-    """Reset the CUDA runtime's last error after a failed call we handled; True if done.
-
-    torch checks ``cudaGetLastError`` after every kernel launch, so an error left
-    there would be blamed on the next kernel. ``torch.cuda.cudart()`` has no
-    ``cudaGetLastError``: it is called in the libcudart torch loaded, found by its
-    path in the process's mappings (``RTLD_NOLOAD``: the same library, never a second one)."""
-    path = _mapped_library("libcudart.so", maps_path)
+def _clear_cuda_error() -> bool:
+    """Reset the CUDA runtime's last error after a failed call we handled (torch checks it after every
+    kernel launch: the next kernel would be blamed); True if done. ``torch.cuda.cudart()`` has no
+    ``cudaGetLastError``: it is called in the libcudart torch loaded (``RTLD_NOLOAD``: never a second one)."""
+    path = _mapped_library("libcudart.so")
     if path is None:
         return False
     try:
@@ -842,12 +794,9 @@ def _clear_cuda_error(maps_path: str = "/proc/self/maps") -> bool:
 
 def _mapped_library(prefix: str, maps_path: str = "/proc/self/maps") -> str | None:
     """Path of the first file mapped into this process whose name starts with ``prefix``."""
-    try:
-        with open(maps_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
-                    return fields[5].strip()
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(maps_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
+                return fields[5].strip()
     return None

@@ -6,10 +6,12 @@ at the same addresses, so tensors over it keep their ``data_ptr()``. Detail: doc
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,8 +82,8 @@ class CudaDriver:
     """``libcuda.so.1`` through ctypes, each call checked (:class:`DriverError`). ``lib``: an
     object with the driver's functions as attributes, instead (tests)."""
 
-    def __init__(self, soname: str = "libcuda.so.1", lib: Any = None) -> None:
-        self._lib = lib if lib is not None else ctypes.CDLL(soname)
+    def __init__(self, lib: Any = None) -> None:
+        self._lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
         self._fns: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)  # AttributeError: a driver without VMM (older than CUDA 10.2)
@@ -192,10 +194,7 @@ class VmmBackend:
                 dead = [m for m in dead if m.device != device]
         for m in dead:
             try:
-                if m.handle is not None:
-                    self.unmap(m.va, m.nbytes, m.device)
-                    self.release(m.handle, m.device)
-                    m.handle = None
+                if m.unmap(self):
                     freed += m.nbytes
                 self.free(m.va, m.nbytes, m.device)
             except Exception as exc:
@@ -207,16 +206,13 @@ class VmmBackend:
 
 
 class CudaVmm(VmmBackend):
-    """Regions on CUDA devices through the driver's VMM calls (``libcuda.so.1``, loaded at first use).
-
-    Each call runs with the device's primary context (torch's) pushed, so it does
-    not depend on what the calling thread has current."""
+    """Regions on CUDA devices through the driver's VMM calls (``libcuda.so.1``, loaded at first use),
+    each made with the device's primary context (torch's) pushed, whatever the thread has current."""
 
     device_type = "cuda"
 
-    def __init__(self, soname: str = "libcuda.so.1", driver: CudaDriver | None = None) -> None:
+    def __init__(self, driver: CudaDriver | None = None) -> None:
         super().__init__()
-        self._soname = soname
         self._driver = driver
         self._granularity: dict[int, int] = {}
 
@@ -238,7 +234,7 @@ class CudaVmm(VmmBackend):
 
     def driver(self) -> CudaDriver:
         if self._driver is None:
-            self._driver = CudaDriver(self._soname)
+            self._driver = CudaDriver()
         return self._driver
 
     def _call(self, device: torch.device, name: str, *args: Any, what: str = "") -> None:
@@ -251,12 +247,8 @@ class CudaVmm(VmmBackend):
 
     @staticmethod
     def _prop(device: torch.device) -> CUmemAllocationProp:
-        prop = CUmemAllocationProp()
-        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = _index(device)
-        return prop
+        return CUmemAllocationProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, requestedHandleTypes=CU_MEM_HANDLE_TYPE_NONE,
+                                   location=CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, _index(device)))
 
     def granularity(self, device: torch.device) -> int:
         index = _index(device)
@@ -289,10 +281,8 @@ class CudaVmm(VmmBackend):
         self._call(device, "cuMemMap", va, nbytes, 0, handle, 0, what=f"{va:#x}, {nbytes} bytes on {device}")
 
     def set_access(self, va: int, nbytes: int, device: torch.device) -> None:
-        desc = CUmemAccessDesc()
-        desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = _index(device)
-        desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, _index(device)),
+                               CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._call(device, "cuMemSetAccess", va, nbytes, ctypes.byref(desc), 1,
                    what=f"{va:#x}, {nbytes} bytes, read-write for {device}")
 
@@ -324,28 +314,36 @@ class _CudaArray:
         self.owner = owner
 
 
+@dataclass
 class _Mapping:
     """A region's addresses and physical memory, apart from the region so that its finaliser can free them."""
 
-    def __init__(self, device: torch.device, nbytes: int) -> None:
-        self.device = device
-        self.nbytes = nbytes
-        self.va = 0
-        self.handle: int | None = None  # None while nothing is mapped
+    device: torch.device
+    nbytes: int
+    va: int = 0
+    handle: int | None = None  # None while nothing is mapped
+
+    def unmap(self, vmm: VmmBackend) -> bool:
+        """Give the physical memory back (the addresses stay reserved); False if none was mapped."""
+        if self.handle is None:
+            return False
+        vmm.unmap(self.va, self.nbytes, self.device)
+        handle, self.handle = self.handle, None
+        vmm.release(handle, self.device)
+        return True
 
 
 class Region:
     """``used_bytes`` (rounded up to the device's granularity) of device memory at addresses that stay
     reserved for the region's life, mapped at once. Made with :meth:`create`, which also returns the
-    one tensor over it: the tensor (and its views) keep the region alive, the region does not keep
-    them. Use :meth:`tensor` only once per region (each call makes another storage over the memory)."""
+    one tensor over it: the tensor (and its views) keep the region alive, the region does not keep them."""
 
     def __init__(self, vmm: VmmBackend, device: torch.device, used_bytes: int) -> None:
         self.vmm = vmm
         self.device = device
         self.used_bytes = used_bytes
-        self.span_bytes = _round_up(used_bytes, VERIFY_BLOCK_BYTES)  # what a park copies and checks
-        nbytes = _round_up(max(used_bytes, 1), max(vmm.granularity(device), VERIFY_BLOCK_BYTES))
+        self.span_bytes = round_up(used_bytes, VERIFY_BLOCK_BYTES)  # what a park copies and checks
+        nbytes = round_up(max(used_bytes, 1), max(vmm.granularity(device), VERIFY_BLOCK_BYTES))
         self._m = _Mapping(device, nbytes)
         self._m.va = vmm.reserve(nbytes, device)
         try:
@@ -360,7 +358,7 @@ class Region:
     @classmethod
     def create(cls, vmm: VmmBackend, device: torch.device, used_bytes: int) -> tuple[Region, torch.Tensor]:
         region = cls(vmm, device, used_bytes)
-        return region, region.tensor()
+        return region, vmm.as_tensor(region.va, region.nbytes, device, owner=region)
 
     @property
     def va(self) -> int:
@@ -375,16 +373,9 @@ class Region:
     def mapped(self) -> bool:
         return self._m.handle is not None
 
-    def tensor(self) -> torch.Tensor:
-        return self.vmm.as_tensor(self._m.va, self._m.nbytes, self.device, owner=self)
-
     def unmap(self) -> None:
         """Give the physical memory back; the addresses stay reserved (and must not be touched)."""
-        if self._m.handle is None:
-            return
-        self.vmm.unmap(self._m.va, self._m.nbytes, self.device)
-        handle, self._m.handle = self._m.handle, None
-        self.vmm.release(handle, self.device)
+        self._m.unmap(self.vmm)
 
     def remap(self) -> None:
         """Map new physical memory (contents undefined) at the same addresses."""
@@ -423,16 +414,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _round_up(n: int, unit: int) -> int:
+def round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
-_default: CudaVmm | None = None
-
-
+@functools.cache
 def default_backend() -> CudaVmm:
     """The process's one :class:`CudaVmm` (every Yielder sees every region)."""
-    global _default
-    if _default is None:
-        _default = CudaVmm()
-    return _default
+    return CudaVmm()

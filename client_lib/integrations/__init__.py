@@ -9,20 +9,15 @@ from typing import Iterable
 
 
 class TrainingTurns:
-    """What every callback does, apart from its framework's hook names:
-    :meth:`start` once the model and optimizers exist, :meth:`step_end` after
-    each optimizer step, :meth:`end` when training stops.
+    """What every callback does, apart from its framework's hook names (:meth:`start`, :meth:`step_end`,
+    :meth:`end`). ``hold_token``: hold the token for the whole fit (as ``with client.slice():`` does),
+    so ``yield_point()`` also hands it over in turns. ``park_state``: on a suspend, park the model and
+    optimizers in host memory (otherwise only the token is given up and the memory stays)."""
 
-    ``hold_token``: hold the device's token for the whole fit (as
-    ``with client.slice():`` does), so ``yield_point()`` also hands it over in
-    turns. ``park_state``: on a suspend, park the model and optimizers in host
-    memory (otherwise only the token is given up and the memory stays)."""
-
-    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True, pace: bool = True) -> None:
+    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
         self.client = client
         self.hold_token = hold_token
         self.park_state = park_state
-        self.pace = pace
         self.yielder = None
         self.pacer = None
         self._slice = None
@@ -37,7 +32,7 @@ class TrainingTurns:
         if self.park_state and self.yielder is None:
             from client_lib.torch import Yielder  # torch only once a framework runs
             self.yielder = Yielder(self.client, modules=modules, optimizers=self._optimizers)
-        if self.pace and self.pacer is None:
+        if self.pacer is None:
             from client_lib.torch import Pacer
             self.pacer = Pacer(self.client, modules, self._optimizers)
         if self.hold_token:
@@ -48,8 +43,7 @@ class TrainingTurns:
             self.client.yield_point()
 
     def add_optimizers(self, optimizers: Iterable) -> None:
-        """Park optimizers that did not exist at :meth:`start` too (a framework that
-        builds them later)."""
+        """Park optimizers that did not exist at :meth:`start` too (a framework that builds them later)."""
         for optimizer in optimizers:
             if not any(optimizer is known for known in self._optimizers):
                 self._optimizers.append(optimizer)

@@ -21,13 +21,10 @@ from client_lib.integrations import TrainingTurns
 
 
 class NodeAgentTrainerCallback(TrainerCallback):
-    """Holds the token during ``train()``, calls ``client.yield_point()`` after
-    every optimizer step (not between gradient-accumulation micro-steps), and
-    parks the model and optimizer when the daemon suspends the session (see
-    :class:`client_lib.integrations.TrainingTurns` for the options).
-
-    The Trainer has no exception hook: if ``train()`` raises, the token is
-    given back when the client closes."""
+    """Holds the token during ``train()``, calls ``client.yield_point()`` after every optimizer step
+    (not between gradient-accumulation micro-steps), and parks the model and optimizer when the daemon
+    suspends the session (options: :class:`client_lib.integrations.TrainingTurns`). The Trainer has
+    no exception hook: if ``train()`` raises, the token is given back when the client closes."""
 
     def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
         self.turns = TrainingTurns(client, hold_token=hold_token, park_state=park_state)

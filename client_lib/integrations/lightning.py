@@ -4,8 +4,8 @@
     trainer = L.Trainer(callbacks=[NodeAgentCallback(client)])
     trainer.fit(model, loader)
 
-A runnable example: ``examples/lightning_yield.py``. Built on ``lightning.pytorch`` when that package is installed, else on
-``pytorch_lightning``: use the same package for the Trainer.
+A runnable example: ``examples/lightning_yield.py``. Built on ``lightning.pytorch`` when that package is
+installed, else on ``pytorch_lightning``: use the same package for the Trainer.
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from client_lib.integrations import TrainingTurns
 
 
 class NodeAgentCallback(pl.Callback):
-    """Holds the token from ``on_fit_start`` (sanity-check validation included)
-    to the end of training, calls ``client.yield_point()`` at the end of every
-    training batch, and parks the LightningModule and the trainer's optimizers
-    when the daemon suspends the session (see
-    :class:`client_lib.integrations.TrainingTurns` for the options)."""
+    """Holds the token from ``on_fit_start`` (sanity-check validation included) to the end of training,
+    calls ``client.yield_point()`` at the end of every training batch, and parks the LightningModule and
+    the trainer's optimizers when the daemon suspends the session (options: :class:`TrainingTurns`)."""
 
     def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
         super().__init__()

@@ -533,7 +533,10 @@ def test_adam_state_from_the_first_step_grows_the_buffer_then_and_the_old_one_go
     assert [c[0] for c in cudart.calls] == ["register", "unregister", "register"]
     assert cudart.calls[1] == ("unregister", first_ptr) and len(cudart.registered) == 1
     calls = len(cudart.calls)
+    reserves = []
+    yielder.reserve = lambda: reserves.append(1)  # what the hook would do again, were it still there
     step(model, opt, batches()[1])  # the hook was for the first step only
+    assert reserves == []
     yielder.park()
     yielder.unpark()
     assert len(cudart.calls) == calls
@@ -574,8 +577,10 @@ def test_releasing_the_host_buffer_unregisters_it():
     cudart = FakeCudart()
     buffer = HostBuffer(cudart=cudart, clear_error=lambda: True)
     ptr = buffer.ensure(10_000, pin=True).data_ptr()
+    assert buffer.pinned
     buffer.release()
     assert cudart.calls[-1] == ("unregister", ptr) and not cudart.registered and buffer.tensor is None
+    assert not buffer.pinned
     buffer.ensure(10_000, pin=True)
     del buffer
     gc.collect()
