@@ -112,33 +112,23 @@ class WorkerPool:
     """Warm worker processes per device, the models registered on them, and request routing."""
 
     def __init__(self, backend: str, devices: Sequence[int], *, workers_per_device: int = 2, pool_bytes: int = 0,
-                 memory_budget_bytes: Optional[int] = None, restart_budget: tuple[int, float] = (5, 60.0),
-                 extra_sys_path: Sequence[str] = (), output_group: Optional[int] = None,
-                 start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
+                 restart_budget: tuple[int, float] = (5, 60.0), extra_sys_path: Sequence[str] = (),
+                 output_group: Optional[int] = None, start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
                  hang_budget: tuple[int, float] = (3, 600.0),
                  on_fds_changed: Optional[Callable[[list[int], list[int]], None]] = None,
                  device_setup: Optional[Callable[[int], WorkerSetup]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``device_setup(device)``: what a worker of ``device`` starts with, asked at every spawn
         (replacements included); by default no environment of its own, the device's index as its
-        CUDA ordinal and ``memory_budget_bytes`` (None: no bound)."""
-        if workers_per_device < 1:
-            raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
-        if restart_budget[0] < 0 or restart_budget[1] <= 0:
-            raise ValueError(f"restart_budget must be (deaths >= 0, window_s > 0), got {restart_budget}")
+        CUDA ordinal and no memory budget. The daemon's settings bound the counts and times given."""
         if not devices:
             raise ValueError("a worker pool needs at least one device")
-        if not timeout_grace_s >= 0:
-            raise ValueError(f"timeout_grace_s must be >= 0, got {timeout_grace_s}")
-        if hang_budget[0] < 1 or not hang_budget[1] > 0:
-            raise ValueError(f"hang_budget must be (hangs >= 1, window_s > 0), got {hang_budget}")
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.cleanup)
         self.backend = backend
         self.devices = list(dict.fromkeys(devices))
         self.workers_per_device = workers_per_device
         self.pool_bytes = pool_bytes
-        self.memory_budget_bytes = memory_budget_bytes
         self.restart_budget = restart_budget
         self.extra_sys_path = tuple(extra_sys_path)
         self.output_group = output_group
@@ -175,14 +165,8 @@ class WorkerPool:
         log.info("[ctxpool] start backend=%s devices=%s workers_per_device=%d", self.backend, self.devices,
                  self.workers_per_device)
 
-    def setup_of(self, device: int) -> WorkerSetup:
-        """What a worker of ``device`` starts with now (the ``device_setup`` hook's answer)."""
-        if self._device_setup is None:
-            return WorkerSetup(env={}, ordinal=device, memory_budget_bytes=self.memory_budget_bytes)
-        return self._device_setup(device)
-
     def _spawn(self, device: int) -> _Worker:
-        setup = self.setup_of(device)
+        setup = WorkerSetup(ordinal=device) if self._device_setup is None else self._device_setup(device)
         parent, child = self._ctx.Pipe(duplex=True)
         try:
             proc = self._ctx.Process(target=worker_main, name=f"ctxpool-worker-{device}",
