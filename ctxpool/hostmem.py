@@ -105,15 +105,12 @@ def _cuda_error_string(cudart, rc: int) -> str:
         return "no description"
 
 
-def loaded_library(prefix: str, sonames: tuple[str, ...] = (), maps_path: str = "/proc/self/maps"):
-    """A ctypes handle on a shared library this process has ALREADY loaded, or None.
-
-    Tries ``sonames`` with ``RTLD_NOLOAD`` (dlopen then only returns a library that is
-    loaded), then every mapped file whose name starts with ``prefix`` in ``maps_path``
-    (gVisor and others may lack it: then only the sonames count). Never loads a library."""
+def loaded_library(prefix: str, sonames: tuple[str, ...] = ()):
+    """A ctypes handle on a shared library this process has ALREADY loaded, or None: ``sonames``, then
+    the mapped files named ``prefix``..., each tried with ``RTLD_NOLOAD``, so that none is ever loaded."""
     candidates = list(sonames)
     try:
-        with open(maps_path) as maps:
+        with open("/proc/self/maps") as maps:  # gVisor and others may lack it: then only the sonames count
             for line in maps:
                 path = line.rstrip("\n").partition("/")[2]
                 if path and os.path.basename("/" + path).startswith(prefix):
@@ -176,8 +173,7 @@ class PinRegistry:
 
         On failure nothing stays locked for ``owner`` and RuntimeError names the CUDA error."""
         cudart = self._rt()
-        page = mmap.PAGESIZE
-        wanted = merge_ranges([(s // page * page, align_up(e, page)) for s, e in ranges if e > s])
+        wanted = merge_ranges([page_span(s, e) for s, e in ranges if e > s])
         newly = 0
         try:
             for start, end in wanted:
@@ -253,12 +249,8 @@ class PrivatePages:
 
 
 def file_backed_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
-    """[start, end) of every mapping of a file in this process, sorted and merged.
-
-    A page of a file mapping holds bytes of that file and nothing a memory allocator
-    put there, so a model whose weights are views of one (a shared-memory segment, a
-    mapped safetensors file) can be page-locked in place. Empty when the map cannot
-    be read (then everything is moved: slower to add, never wrong)."""
+    """[start, end) of every mapping of a file in this process (pages no allocator writes into), sorted
+    and merged; empty when the map cannot be read (then everything is moved: slower, never wrong)."""
     out: list[tuple[int, int]] = []
     try:
         with open(maps_path) as maps:
@@ -285,12 +277,9 @@ def page_span(start: int, end: int) -> tuple[int, int]:
 
 
 def move_to_private_pages(module: torch.nn.Module, keep: list[tuple[int, int]]) -> PrivatePages | None:
-    """Move every parameter and buffer storage of ``module`` whose pages do not lie wholly
-    inside ``keep`` (sorted, merged ranges) into one new anonymous mapping, in place:
-    each tensor keeps its identity (a Parameter stays the same object, optimizers and
-    hooks keep working), its offset, shape and strides; tensors that shared a storage
-    (tied weights, views) share the new one. The old memory goes back to the allocator
-    once nothing else holds it. None when nothing had to move."""
+    """Move every parameter and buffer storage of ``module`` whose pages do not lie wholly inside ``keep``
+    (sorted, merged) into one new anonymous mapping, each tensor keeping its identity, offset, shape and
+    strides, and tensors that shared a storage sharing the new one. None when nothing had to move."""
     by_storage: dict[int, list[torch.Tensor]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
     for sub in module.modules():
