@@ -108,9 +108,7 @@ class Layout:
                 atoms.append(Atom(slot.start, end))
             atoms[-1].slots.append(i)
             slot.atom = len(atoms) - 1
-        for atom in atoms:
-            for i in atom.slots:
-                self.slots[i].offset_in_atom = self.slots[i].start - atom.start
+            slot.offset_in_atom = slot.start - atoms[-1].start  # an atom's start never moves: sorted by start
         return atoms
 
     def host_ranges(self) -> list[tuple[int, int]]:
