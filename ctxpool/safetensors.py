@@ -35,12 +35,6 @@ class SafetensorsError(ValueError):
     parsed (it may not be a safetensors file at all, nor the caller's to read)."""
 
 
-def load(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, zero-copy over a copy-on-write mapping of it."""
-    with open(path, "rb") as f:
-        return load_file(f, path)
-
-
 def load_file(f: BinaryIO, name: str) -> dict[str, torch.Tensor]:
     """Tensors of the safetensors file open as ``f`` (``name`` for messages), zero-copy
     over a copy-on-write mapping of it. ``f`` may be closed once this returns."""
