@@ -6,7 +6,6 @@ worker's death, replies and replacements as :class:`PoolEvent` lists. Its rules:
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -148,7 +147,6 @@ class WorkerPool:
         self._restarts = {d: 0 for d in self.devices}
         self._given_up: dict[int, str] = {}
         self._closed = False
-        self._seq = itertools.count(1)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -198,9 +196,8 @@ class WorkerPool:
         return list(self._by_fd)
 
     def next_deadline(self) -> Optional[float]:
-        """When (on the pool's clock) :meth:`on_deadline` has something to do: a starting worker
-        misses its deadline for Ready, a request its timeout, or a worker still running a timed-out
-        request its grace; None if nothing waits for a deadline."""
+        """When (on the pool's clock) :meth:`on_deadline` has something to do (a start, a request's timeout,
+        a timed-out request's grace ends); None if nothing waits for a deadline."""
         times = [w.started_at + self.start_timeout_s for ws in self._workers.values() for w in ws
                  if w.state is WorkerState.STARTING and not w.ready and not w.killed_for]
         times += [r.deadline for r in self._requests.values() if r.deadline is not None]
@@ -209,10 +206,9 @@ class WorkerPool:
         return min(times) if times else None
 
     def on_deadline(self) -> list[PoolEvent]:
-        """Act on every deadline passed: a request past its timeout is answered ``E_TIMEOUT``
-        (dropped if queued; if running, its worker may finish within ``timeout_grace_s``, else it
-        is killed and replaced, not counted against the restart budget); a worker not ready
-        within ``start_timeout_s`` is killed. Deaths follow as events of their own."""
+        """Act on every deadline passed: a request past its timeout is answered ``E_TIMEOUT``; a worker
+        still running it past ``timeout_grace_s`` is killed (its death not counted against the restart
+        budget), and so is one not ready within ``start_timeout_s``. Deaths follow as events of their own."""
         now = self._clock()
         events: list[PoolEvent] = []
         for request in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
@@ -334,11 +330,9 @@ class WorkerPool:
     def submit(self, request_id: int, device: int, model: str, input_refs: list[p.TensorRef],
                owner_uid: Optional[int] = None, deadline: Optional[float] = None, any_inputs: bool = False) -> None:
         """Run ``model`` on ``input_refs`` (segments the caller keeps until the answer) on ``device``;
-        with ``owner_uid``, inputs must be that uid's (uid 0's too, unless ``any_inputs``: the
-        requester is the daemon's ROOT) and outputs are made owned by it; with
-        ``deadline`` (on the pool's clock), it is answered E_TIMEOUT then at the latest (see
-        :meth:`on_deadline`). The answer comes as RequestDone or RequestFailed; PoolError when
-        refused at once."""
+        with ``owner_uid``, inputs must be that uid's or uid 0's (anyone's with ``any_inputs``: the
+        daemon's ROOT asks) and outputs are made its; past ``deadline`` (the pool's clock) it is answered
+        E_TIMEOUT. The answer comes as RequestDone or RequestFailed; PoolError when refused at once."""
         self._check_open()
         if device not in self._workers:
             raise PoolError(E.DEVICE, f"device {device} has no workers (the pool has {self.devices})")
@@ -724,10 +718,8 @@ class WorkerPool:
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self, timeout_s: float = 5.0) -> dict[int, ShutdownStep]:
-        """Stop every worker: the Shutdown message, then SIGTERM, then SIGKILL, with half, a third
-        and the rest of ``timeout_s`` (a worker still starting cannot read messages: it gets
-        SIGTERM at once). Unlinks every segment the pool made. Blocks. Returns the step that
-        stopped each worker, by pid."""
+        """Stop every worker in steps (:func:`ctxpool.procs.escalate`; one still starting cannot read the
+        Shutdown message); unlink every segment the pool made. Blocks. The step that stopped each, by pid."""
         self._closed = True
         started = time.monotonic()
         workers = [w for ws in self._workers.values() for w in ws]
