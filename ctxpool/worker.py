@@ -33,13 +33,12 @@ class WorkerFatal(Exception):
 
 
 def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: int,
-                memory_budget_bytes: int | None, extra_sys_path: Sequence[str],
-                output_group: int | None = None, env: Mapping[str, str] | None = None,
-                ordinal: int | None = None) -> None:
+                memory_budget_bytes: int | None, extra_sys_path: Sequence[str], output_group: int | None,
+                env: Mapping[str, str], ordinal: int) -> None:
     """Process entry point. ``device_index`` is the daemon's name for the device; ``env`` is set
-    before anything can start CUDA, and the engine then uses CUDA device ``ordinal`` (default:
-    ``device_index``). Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
-    os.environ.update(env or {})  # first: nothing below may have started CUDA yet
+    before anything can start CUDA, and the engine then uses CUDA device ``ordinal``.
+    Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
+    os.environ.update(env)  # first: nothing below may have started CUDA yet
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
     _die_with_parent()
@@ -50,8 +49,7 @@ def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: i
     sys.path[:0] = [path for path in extra_sys_path if path not in sys.path]
     code = 1
     try:
-        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults,
-                         device_index if ordinal is None else ordinal)
+        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults, ordinal)
         code = worker.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("[worker] daemon end of the pipe closed: exit")
