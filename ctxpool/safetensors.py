@@ -1,11 +1,7 @@
-"""A reader (and a small writer) for the safetensors format, without the package.
-
-The format: 8 bytes little-endian header length N, N bytes of JSON
-``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}}``,
-then the raw little-endian tensor bytes; offsets count from the end of the
-header. The file is mapped copy-on-write, so reading costs no copy until the
-caller copies the tensors somewhere (the model store copies them into shared
-memory once).
+"""A reader (and a small writer) for the safetensors format, without the package. The format: 8 bytes
+little-endian header length N, N bytes of JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets":
+[begin, end]}, "__metadata__": {..}}``, then the raw little-endian tensor bytes, offsets counted from the
+header's end. The file is mapped copy-on-write: reading copies nothing until the caller copies the tensors.
 """
 
 from __future__ import annotations
