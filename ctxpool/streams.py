@@ -158,9 +158,8 @@ class CudaBackend:
         torch.cuda.set_device(self.device)  # the current device is per thread
 
     def reserve(self, pool_bytes: int) -> None:
-        if pool_bytes > 0:  # allocate and free: the caching allocator keeps the segment for swap-ins
-            block = torch.empty(pool_bytes, dtype=torch.uint8, device=self.device)
-            del block
+        if pool_bytes > 0:  # allocated and freed at once: the caching allocator keeps the segment for swap-ins
+            torch.empty(pool_bytes, dtype=torch.uint8, device=self.device)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.device)
