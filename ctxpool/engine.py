@@ -277,9 +277,8 @@ class Engine:
     def _swap_in_and_run(self, model: _Model, inputs: tuple, mode: str, t0: float) -> tuple[Any, InferStats]:
         groups = len(model.placement.group_spans)
         base = self._backend.mark()
-        # The inputs first: a copy queued after the weights' would reach the device only after
-        # all of them (one copy engine serves host-to-device in order), and no group could
-        # compute before it. Seen on an H100: pipelined no faster than sequential.
+        # The inputs first: queued after the weights', they would arrive after all of them (one copy
+        # engine, in order) and no group could compute before (measured: docs/internals.md, streams).
         try:
             device_inputs = self._to_device(inputs)
         except Exception as exc:
