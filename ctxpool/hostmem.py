@@ -108,16 +108,8 @@ def _cuda_error_string(cudart, rc: int) -> str:
 def loaded_library(prefix: str, sonames: tuple[str, ...] = ()):
     """A ctypes handle on a shared library this process has ALREADY loaded, or None: ``sonames``, then
     the mapped files named ``prefix``..., each tried with ``RTLD_NOLOAD``, so that none is ever loaded."""
-    candidates = list(sonames)
-    try:
-        with open("/proc/self/maps") as maps:  # gVisor and others may lack it: then only the sonames count
-            for line in maps:
-                path = line.rstrip("\n").partition("/")[2]
-                if path and os.path.basename("/" + path).startswith(prefix):
-                    candidates.append("/" + path)
-    except OSError:
-        pass
-    for name in dict.fromkeys(candidates):
+    mapped = [path for _, _, path in _mapped_files() if os.path.basename(path).startswith(prefix)]
+    for name in dict.fromkeys([*sonames, *mapped]):
         try:
             return ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
         except OSError:
@@ -251,18 +243,23 @@ class PrivatePages:
 def file_backed_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
     """[start, end) of every mapping of a file in this process (pages no allocator writes into), sorted
     and merged; empty when the map cannot be read (then everything is moved: slower, never wrong)."""
-    out: list[tuple[int, int]] = []
+    return merge_ranges([(start, end) for start, end, _ in _mapped_files(maps_path)])
+
+
+def _mapped_files(maps_path: str = "/proc/self/maps") -> list[tuple[int, int, str]]:
+    """(start, end, path) of every mapping of a file in this process; empty when the map cannot be read
+    (gVisor and others may lack it)."""
+    out = []
     try:
         with open(maps_path) as maps:
             for line in maps:
-                fields = line.split(None, 5)
-                if len(fields) < 6 or not fields[5].startswith("/"):
-                    continue  # anonymous, [heap], [stack], [vdso], ...
-                lo, _, hi = fields[0].partition("-")
-                out.append((int(lo, 16), int(hi, 16)))
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):  # not anonymous, [heap], [stack], [vdso], ...
+                    lo, _, hi = fields[0].partition("-")
+                    out.append((int(lo, 16), int(hi, 16), fields[5]))
     except (OSError, ValueError):
         return []
-    return merge_ranges(out)
+    return out
 
 
 def inside(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
