@@ -56,7 +56,7 @@ def load_file(f: BinaryIO, name: str) -> dict[str, torch.Tensor]:
         if key == "__metadata__":
             continue
         dtype, shape, begin, end = _entry(name, key, info)
-        nbytes = _element_bytes(dtype)
+        nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim
         if end - begin != nbytes or not 0 <= begin <= end <= data_bytes:
@@ -73,7 +73,7 @@ def _tensor(mapped: mmap.mmap | None, dtype: torch.dtype, shape: list[int], nbyt
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
-    if offset % _element_bytes(dtype):
+    if offset % dtype.itemsize:
         raw = raw.clone()  # an unaligned tensor: copy to an aligned one rather than read it misaligned
     return raw.view(dtype).reshape(shape)
 
@@ -89,10 +89,6 @@ def _shown(key: object) -> str:
     """A tensor name for a message: bounded (a header may hold a megabyte-long name)."""
     text = repr(key)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _entry(name: str, key: str, info: object) -> tuple[torch.dtype, list[int], int, int]:
