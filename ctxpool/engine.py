@@ -6,10 +6,12 @@ already there). A failure that kills the context turns every later call into
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,12 +118,6 @@ class Engine:
             self.remove_model(name)
         self._worker.close()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # --------------------------------------------------------------------- models
 
     def add_model(self, name: str, module: torch.nn.Module, example_inputs: tuple, *,
@@ -194,13 +190,11 @@ class Engine:
             inputs = self._to_device(example_inputs)
             with torch.no_grad():
                 return profile(module, lambda: module(*inputs), layout.slots, self._backend.synchronize)
-        except CopyError as exc:
-            job.join()
-            self._settle_after_failure(exc)  # DeviceLost if the context died
-            raise
         except Exception as exc:
             job.join()
-            self._settle_after_failure(exc)
+            self._settle_after_failure(exc)  # DeviceLost if the context died
+            if isinstance(exc, CopyError):
+                raise
             raise ValueError(f"model {name!r} cannot run its example inputs on {self.device}: "
                              f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -237,11 +231,10 @@ class Engine:
         self.release_cached()
 
     def release_cached(self) -> int:
-        """If a model left the device since the last call, give the memory the caching allocator
-        kept for it back to the device, keeping the pool reserved at warm-up; bytes released.
-        Blocks until the device is idle on cuda (``torch.cuda.empty_cache`` frees only then), so
-        call it between requests. DeviceLost if that finds the context dead; nothing to do on an
-        engine whose context is lost already (the process is going)."""
+        """If a model left the device since the last call, give back what the caching allocator kept
+        for it beyond the warm-up pool; bytes released. Blocks until the device is idle on cuda
+        (``torch.cuda.empty_cache`` frees only then): call it between requests. DeviceLost if that finds
+        the context dead."""
         if not self._left or self.lost is not None:
             return 0
         with self._exclusive():
@@ -284,9 +277,8 @@ class Engine:
     def _swap_in_and_run(self, model: _Model, inputs: tuple, mode: str, t0: float) -> tuple[Any, InferStats]:
         groups = len(model.placement.group_spans)
         base = self._backend.mark()
-        # The inputs first: a copy queued after the weights' would reach the device only after
-        # all of them (one copy engine serves host-to-device in order), and no group could
-        # compute before it. Seen on an H100: pipelined no faster than sequential.
+        # The inputs first: queued after the weights', they would arrive after all of them (one copy
+        # engine, in order) and no group could compute before (measured: docs/internals.md, streams).
         try:
             device_inputs = self._to_device(inputs)
         except Exception as exc:
@@ -447,18 +439,11 @@ class Engine:
         except KeyError:
             raise KeyError(f"no model named {name!r} is registered (registered: {sorted(self._models)})") from None
 
-    def _exclusive(self):
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("the engine is single-threaded: another call is still running on it")
-        return _Release(self._busy)
-
-
-class _Release:
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
+        try:
+            yield
+        finally:
+            self._busy.release()

@@ -30,18 +30,14 @@ class GroupTiming:
     compute_end_s: float
 
 
-def _check(layers: Sequence[LayerCost], bytes_per_s: float) -> None:
+def plan_groups(layers: Sequence[LayerCost], bytes_per_s: float, *, first_group_bytes: int | None = None,
+                min_group_bytes: int = 0) -> list[list[int]]:
+    """Contiguous groups of layer indices covering every layer once, in order (see docs/internals.md)."""
     if not (isinstance(bytes_per_s, (int, float)) and math.isfinite(bytes_per_s) and bytes_per_s > 0):
         raise ValueError(f"bytes_per_s must be a positive finite number, got {bytes_per_s!r}")
     for i, layer in enumerate(layers):
         if layer.bytes < 0 or not (math.isfinite(layer.compute_s) and layer.compute_s >= 0):
             raise ValueError(f"layer {i} ({layer.name!r}) has negative or non-finite cost: {layer}")
-
-
-def plan_groups(layers: Sequence[LayerCost], bytes_per_s: float, *, first_group_bytes: int | None = None,
-                min_group_bytes: int = 0) -> list[list[int]]:
-    """Contiguous groups of layer indices covering every layer once, in order (see docs/internals.md)."""
-    _check(layers, bytes_per_s)
     n = len(layers)
     if n == 0:
         return []

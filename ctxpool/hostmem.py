@@ -105,22 +105,11 @@ def _cuda_error_string(cudart, rc: int) -> str:
         return "no description"
 
 
-def loaded_library(prefix: str, sonames: tuple[str, ...] = (), maps_path: str = "/proc/self/maps"):
-    """A ctypes handle on a shared library this process has ALREADY loaded, or None.
-
-    Tries ``sonames`` with ``RTLD_NOLOAD`` (dlopen then only returns a library that is
-    loaded), then every mapped file whose name starts with ``prefix`` in ``maps_path``
-    (gVisor and others may lack it: then only the sonames count). Never loads a library."""
-    candidates = list(sonames)
-    try:
-        with open(maps_path) as maps:
-            for line in maps:
-                path = line.rstrip("\n").partition("/")[2]
-                if path and os.path.basename("/" + path).startswith(prefix):
-                    candidates.append("/" + path)
-    except OSError:
-        pass
-    for name in dict.fromkeys(candidates):
+def loaded_library(prefix: str, sonames: tuple[str, ...] = ()):
+    """A ctypes handle on a shared library this process has ALREADY loaded, or None: ``sonames``, then
+    the mapped files named ``prefix``..., each tried with ``RTLD_NOLOAD``, so that none is ever loaded."""
+    mapped = [path for _, _, path in _mapped_files() if os.path.basename(path).startswith(prefix)]
+    for name in dict.fromkeys([*sonames, *mapped]):
         try:
             return ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
         except OSError:
@@ -176,8 +165,7 @@ class PinRegistry:
 
         On failure nothing stays locked for ``owner`` and RuntimeError names the CUDA error."""
         cudart = self._rt()
-        page = mmap.PAGESIZE
-        wanted = merge_ranges([(s // page * page, align_up(e, page)) for s, e in ranges if e > s])
+        wanted = merge_ranges([page_span(s, e) for s, e in ranges if e > s])
         newly = 0
         try:
             for start, end in wanted:
@@ -253,24 +241,25 @@ class PrivatePages:
 
 
 def file_backed_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
-    """[start, end) of every mapping of a file in this process, sorted and merged.
+    """[start, end) of every mapping of a file in this process (pages no allocator writes into), sorted
+    and merged; empty when the map cannot be read (then everything is moved: slower, never wrong)."""
+    return merge_ranges([(start, end) for start, end, _ in _mapped_files(maps_path)])
 
-    A page of a file mapping holds bytes of that file and nothing a memory allocator
-    put there, so a model whose weights are views of one (a shared-memory segment, a
-    mapped safetensors file) can be page-locked in place. Empty when the map cannot
-    be read (then everything is moved: slower to add, never wrong)."""
-    out: list[tuple[int, int]] = []
+
+def _mapped_files(maps_path: str = "/proc/self/maps") -> list[tuple[int, int, str]]:
+    """(start, end, path) of every mapping of a file in this process; empty when the map cannot be read
+    (gVisor and others may lack it)."""
+    out = []
     try:
         with open(maps_path) as maps:
             for line in maps:
-                fields = line.split(None, 5)
-                if len(fields) < 6 or not fields[5].startswith("/"):
-                    continue  # anonymous, [heap], [stack], [vdso], ...
-                lo, _, hi = fields[0].partition("-")
-                out.append((int(lo, 16), int(hi, 16)))
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):  # not anonymous, [heap], [stack], [vdso], ...
+                    lo, _, hi = fields[0].partition("-")
+                    out.append((int(lo, 16), int(hi, 16), fields[5]))
     except (OSError, ValueError):
         return []
-    return merge_ranges(out)
+    return out
 
 
 def inside(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
@@ -285,12 +274,9 @@ def page_span(start: int, end: int) -> tuple[int, int]:
 
 
 def move_to_private_pages(module: torch.nn.Module, keep: list[tuple[int, int]]) -> PrivatePages | None:
-    """Move every parameter and buffer storage of ``module`` whose pages do not lie wholly
-    inside ``keep`` (sorted, merged ranges) into one new anonymous mapping, in place:
-    each tensor keeps its identity (a Parameter stays the same object, optimizers and
-    hooks keep working), its offset, shape and strides; tensors that shared a storage
-    (tied weights, views) share the new one. The old memory goes back to the allocator
-    once nothing else holds it. None when nothing had to move."""
+    """Move every parameter and buffer storage of ``module`` whose pages do not lie wholly inside ``keep``
+    (sorted, merged) into one new anonymous mapping, each tensor keeping its identity, offset, shape and
+    strides, and tensors that shared a storage sharing the new one. None when nothing had to move."""
     by_storage: dict[int, list[torch.Tensor]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
     for sub in module.modules():

@@ -23,7 +23,6 @@ MERGE_GAP_BYTES = 4096
 class Slot:
     tensor: torch.Tensor  # the Parameter/buffer object itself
     host: torch.Tensor  # its host data at registration (``tensor.data``), kept for switching back
-    names: list[str]  # qualified names ("encoder.0.weight"), first one used in messages
     registrants: list[str]  # names of the modules that register it directly
     start: int = 0  # host address of its first byte (0 for an empty tensor)
     nbytes: int = 0  # extent in bytes (0 for an empty tensor)
@@ -79,13 +78,11 @@ class Layout:
                 for attr, t in table.items():
                     if t is None:
                         continue
-                    qualified = f"{module_name}.{attr}" if module_name else attr
                     index = by_id.get(id(t))
                     if index is None:
-                        _check_host_tensor(qualified, kind, t)
+                        _check_host_tensor(f"{module_name}.{attr}" if module_name else attr, kind, t)
                         by_id[id(t)] = index = len(self.slots)
-                        self.slots.append(Slot(t, t.data, [], []))
-                    self.slots[index].names.append(qualified)
+                        self.slots.append(Slot(t, t.data, []))
                     self.slots[index].registrants.append(module_name)
         self.atoms: list[Atom] = self._atoms()
         self.model_bytes = sum(a.nbytes for a in self.atoms)
@@ -108,9 +105,7 @@ class Layout:
                 atoms.append(Atom(slot.start, end))
             atoms[-1].slots.append(i)
             slot.atom = len(atoms) - 1
-        for atom in atoms:
-            for i in atom.slots:
-                self.slots[i].offset_in_atom = self.slots[i].start - atom.start
+            slot.offset_in_atom = slot.start - atoms[-1].start  # an atom's start never moves: sorted by start
         return atoms
 
     def host_ranges(self) -> list[tuple[int, int]]:

@@ -89,8 +89,10 @@ def _open_in_child(path: str, reader: PeerIdentity, timeout_s: float) -> int:
             message, fds, _, _ = socket.recv_fds(ours, 16, 1)
         except OSError:  # socket.timeout included
             pass
-        finally:
-            _reap(pid, answered=bool(message))
+        finally:  # one that answered is exiting; one that did not (stuck in open(2) on a hung mount) is killed
+            if not message:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     finally:
         ours.close()
         theirs.close()
@@ -120,11 +122,3 @@ def _child(sock: socket.socket, path: str, reader: PeerIdentity) -> None:
         code = 1
     finally:
         os._exit(code)
-
-
-def _reap(pid: int, answered: bool) -> None:
-    """Wait for the child: one that answered is exiting; one that did not (stuck in
-    open(2) on a hung mount) is killed first."""
-    if not answered:
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)

@@ -6,7 +6,6 @@ worker's death, replies and replacements as :class:`PoolEvent` lists. Its rules:
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -112,33 +111,23 @@ class WorkerPool:
     """Warm worker processes per device, the models registered on them, and request routing."""
 
     def __init__(self, backend: str, devices: Sequence[int], *, workers_per_device: int = 2, pool_bytes: int = 0,
-                 memory_budget_bytes: Optional[int] = None, restart_budget: tuple[int, float] = (5, 60.0),
-                 extra_sys_path: Sequence[str] = (), output_group: Optional[int] = None,
-                 start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
+                 restart_budget: tuple[int, float] = (5, 60.0), extra_sys_path: Sequence[str] = (),
+                 output_group: Optional[int] = None, start_timeout_s: float = 120.0, timeout_grace_s: float = 2.0,
                  hang_budget: tuple[int, float] = (3, 600.0),
                  on_fds_changed: Optional[Callable[[list[int], list[int]], None]] = None,
                  device_setup: Optional[Callable[[int], WorkerSetup]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``device_setup(device)``: what a worker of ``device`` starts with, asked at every spawn
         (replacements included); by default no environment of its own, the device's index as its
-        CUDA ordinal and ``memory_budget_bytes`` (None: no bound)."""
-        if workers_per_device < 1:
-            raise ValueError(f"workers_per_device must be >= 1, got {workers_per_device}")
-        if restart_budget[0] < 0 or restart_budget[1] <= 0:
-            raise ValueError(f"restart_budget must be (deaths >= 0, window_s > 0), got {restart_budget}")
+        CUDA ordinal and no memory budget. The daemon's settings bound the counts and times given."""
         if not devices:
             raise ValueError("a worker pool needs at least one device")
-        if not timeout_grace_s >= 0:
-            raise ValueError(f"timeout_grace_s must be >= 0, got {timeout_grace_s}")
-        if hang_budget[0] < 1 or not hang_budget[1] > 0:
-            raise ValueError(f"hang_budget must be (hangs >= 1, window_s > 0), got {hang_budget}")
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.cleanup)
         self.backend = backend
         self.devices = list(dict.fromkeys(devices))
         self.workers_per_device = workers_per_device
         self.pool_bytes = pool_bytes
-        self.memory_budget_bytes = memory_budget_bytes
         self.restart_budget = restart_budget
         self.extra_sys_path = tuple(extra_sys_path)
         self.output_group = output_group
@@ -158,7 +147,6 @@ class WorkerPool:
         self._restarts = {d: 0 for d in self.devices}
         self._given_up: dict[int, str] = {}
         self._closed = False
-        self._seq = itertools.count(1)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -175,14 +163,8 @@ class WorkerPool:
         log.info("[ctxpool] start backend=%s devices=%s workers_per_device=%d", self.backend, self.devices,
                  self.workers_per_device)
 
-    def setup_of(self, device: int) -> WorkerSetup:
-        """What a worker of ``device`` starts with now (the ``device_setup`` hook's answer)."""
-        if self._device_setup is None:
-            return WorkerSetup(env={}, ordinal=device, memory_budget_bytes=self.memory_budget_bytes)
-        return self._device_setup(device)
-
     def _spawn(self, device: int) -> _Worker:
-        setup = self.setup_of(device)
+        setup = WorkerSetup(ordinal=device) if self._device_setup is None else self._device_setup(device)
         parent, child = self._ctx.Pipe(duplex=True)
         try:
             proc = self._ctx.Process(target=worker_main, name=f"ctxpool-worker-{device}",
@@ -214,9 +196,8 @@ class WorkerPool:
         return list(self._by_fd)
 
     def next_deadline(self) -> Optional[float]:
-        """When (on the pool's clock) :meth:`on_deadline` has something to do: a starting worker
-        misses its deadline for Ready, a request its timeout, or a worker still running a timed-out
-        request its grace; None if nothing waits for a deadline."""
+        """When (on the pool's clock) :meth:`on_deadline` has something to do (a start, a request's timeout,
+        a timed-out request's grace ends); None if nothing waits for a deadline."""
         times = [w.started_at + self.start_timeout_s for ws in self._workers.values() for w in ws
                  if w.state is WorkerState.STARTING and not w.ready and not w.killed_for]
         times += [r.deadline for r in self._requests.values() if r.deadline is not None]
@@ -225,10 +206,9 @@ class WorkerPool:
         return min(times) if times else None
 
     def on_deadline(self) -> list[PoolEvent]:
-        """Act on every deadline passed: a request past its timeout is answered ``E_TIMEOUT``
-        (dropped if queued; if running, its worker may finish within ``timeout_grace_s``, else it
-        is killed and replaced, not counted against the restart budget); a worker not ready
-        within ``start_timeout_s`` is killed. Deaths follow as events of their own."""
+        """Act on every deadline passed: a request past its timeout is answered ``E_TIMEOUT``; a worker
+        still running it past ``timeout_grace_s`` is killed (its death not counted against the restart
+        budget), and so is one not ready within ``start_timeout_s``. Deaths follow as events of their own."""
         now = self._clock()
         events: list[PoolEvent] = []
         for request in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
@@ -350,11 +330,9 @@ class WorkerPool:
     def submit(self, request_id: int, device: int, model: str, input_refs: list[p.TensorRef],
                owner_uid: Optional[int] = None, deadline: Optional[float] = None, any_inputs: bool = False) -> None:
         """Run ``model`` on ``input_refs`` (segments the caller keeps until the answer) on ``device``;
-        with ``owner_uid``, inputs must be that uid's (uid 0's too, unless ``any_inputs``: the
-        requester is the daemon's ROOT) and outputs are made owned by it; with
-        ``deadline`` (on the pool's clock), it is answered E_TIMEOUT then at the latest (see
-        :meth:`on_deadline`). The answer comes as RequestDone or RequestFailed; PoolError when
-        refused at once."""
+        with ``owner_uid``, inputs must be that uid's or uid 0's (anyone's with ``any_inputs``: the
+        daemon's ROOT asks) and outputs are made its; past ``deadline`` (the pool's clock) it is answered
+        E_TIMEOUT. The answer comes as RequestDone or RequestFailed; PoolError when refused at once."""
         self._check_open()
         if device not in self._workers:
             raise PoolError(E.DEVICE, f"device {device} has no workers (the pool has {self.devices})")
@@ -740,10 +718,8 @@ class WorkerPool:
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self, timeout_s: float = 5.0) -> dict[int, ShutdownStep]:
-        """Stop every worker: the Shutdown message, then SIGTERM, then SIGKILL, with half, a third
-        and the rest of ``timeout_s`` (a worker still starting cannot read messages: it gets
-        SIGTERM at once). Unlinks every segment the pool made. Blocks. Returns the step that
-        stopped each worker, by pid."""
+        """Stop every worker in steps (:func:`ctxpool.procs.escalate`; one still starting cannot read the
+        Shutdown message); unlink every segment the pool made. Blocks. The step that stopped each, by pid."""
         self._closed = True
         started = time.monotonic()
         workers = [w for ws in self._workers.values() for w in ws]

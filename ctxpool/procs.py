@@ -1,13 +1,6 @@
-"""Worker processes as the pool sees them: lifecycle states, stopping in steps, and cleanup.
-
-The pool (:mod:`ctxpool.pool`) decides what workers do; this module holds what
-is about processes only: the :class:`WorkerState` machine, :class:`WorkerSetup`
-(what a device's workers start with: environment, CUDA ordinal, memory budget), :func:`escalate`
-(the Shutdown message, then SIGTERM, then SIGKILL, recording the step that
-worked), :class:`Resources` (what a finaliser must reap and unlink however the
-pool ends) and :func:`sweep_stale_segments` (weights left by a daemon that was
-killed outright).
-
+"""Worker processes as the pool sees them, apart from what the pool (:mod:`ctxpool.pool`) has them do:
+lifecycle states, what they start with, stopping in steps, cleanup however the pool ends, and the
+weight segments left by a daemon killed outright.
 Signals go only to our own unreaped children, whose pids cannot be reused.
 """
 
@@ -55,13 +48,9 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class WorkerSetup:
-    """What a worker of one device starts with; the pool asks for it at every spawn.
-
-    ``env`` is put in the worker's environment before anything in it can start CUDA,
-    which reads ``CUDA_VISIBLE_DEVICES`` and the MPS variables once, in ``cuInit``;
-    ``ordinal`` is the CUDA device the worker then uses (0 when ``env`` makes its GPU
-    the only one visible); ``memory_budget_bytes`` bounds the models its engine keeps
-    resident (None: no bound)."""
+    """What a worker of one device starts with (asked at every spawn): ``env`` before anything can start
+    CUDA (``cuInit`` reads ``CUDA_VISIBLE_DEVICES`` and the MPS variables once), the CUDA ``ordinal`` it
+    then uses (0 when ``env`` leaves only its GPU visible), and the bound on what its engine keeps resident."""
 
     env: Mapping[str, str] = field(default_factory=dict)
     ordinal: int = 0
@@ -90,11 +79,9 @@ def describe_exit(code: Optional[int]) -> str:
 
 
 def escalate(processes: dict[int, tuple[BaseProcess, Callable[[], bool]]], timeout_s: float) -> dict[int, ShutdownStep]:
-    """Stop ``processes`` (pid -> (process, ask)): ``ask()`` sends the Shutdown message and
-    says whether it could (a worker still starting cannot read it: it gets SIGTERM at once);
-    then SIGTERM, then SIGKILL, after half, a third and the rest of ``timeout_s``.
-    Returns the step that stopped each one. Blocks for at most ``timeout_s`` (1 s more if
-    SIGKILL is needed)."""
+    """Stop ``processes`` (pid -> (process, ask)): ``ask()`` sends the Shutdown message and says whether it
+    could (if not: SIGTERM at once); then SIGTERM, then SIGKILL, after half, a third and the rest of
+    ``timeout_s`` (the rest 1 s at least), blocking no longer. Returns the step that stopped each one."""
     steps: dict[int, ShutdownStep] = {}
     asked: dict[int, ShutdownStep] = {}  # the step each process was last given
     running: dict[int, BaseProcess] = {}

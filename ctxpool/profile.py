@@ -42,10 +42,6 @@ class _FirstUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _parent(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
 def profile(module: torch.nn.Module, run: Callable[[], Any], slots: list[Slot],
             synchronize: Callable[[], None], timed_runs: int = 2) -> Profile:
     """Run ``run()`` (which calls ``module``) 1 + ``timed_runs`` times; see docs/internals.md.
@@ -121,5 +117,5 @@ def _nearest_called(name: str, layer_of: dict[str, int]) -> int:
     while name not in layer_of:
         if name == "":
             return 0
-        name = _parent(name)
+        name = name.rpartition(".")[0]
     return layer_of[name]

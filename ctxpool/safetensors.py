@@ -1,11 +1,7 @@
-"""A reader (and a small writer) for the safetensors format, without the package.
-
-The format: 8 bytes little-endian header length N, N bytes of JSON
-``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}}``,
-then the raw little-endian tensor bytes; offsets count from the end of the
-header. The file is mapped copy-on-write, so reading costs no copy until the
-caller copies the tensors somewhere (the model store copies them into shared
-memory once).
+"""A reader (and a small writer) for the safetensors format, without the package. The format: 8 bytes
+little-endian header length N, N bytes of JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets":
+[begin, end]}, "__metadata__": {..}}``, then the raw little-endian tensor bytes, offsets counted from the
+header's end. The file is mapped copy-on-write: reading copies nothing until the caller copies the tensors.
 """
 
 from __future__ import annotations
@@ -35,12 +31,6 @@ class SafetensorsError(ValueError):
     parsed (it may not be a safetensors file at all, nor the caller's to read)."""
 
 
-def load(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, zero-copy over a copy-on-write mapping of it."""
-    with open(path, "rb") as f:
-        return load_file(f, path)
-
-
 def load_file(f: BinaryIO, name: str) -> dict[str, torch.Tensor]:
     """Tensors of the safetensors file open as ``f`` (``name`` for messages), zero-copy
     over a copy-on-write mapping of it. ``f`` may be closed once this returns."""
@@ -66,7 +56,7 @@ def load_file(f: BinaryIO, name: str) -> dict[str, torch.Tensor]:
         if key == "__metadata__":
             continue
         dtype, shape, begin, end = _entry(name, key, info)
-        nbytes = _element_bytes(dtype)
+        nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim
         if end - begin != nbytes or not 0 <= begin <= end <= data_bytes:
@@ -83,7 +73,7 @@ def _tensor(mapped: mmap.mmap | None, dtype: torch.dtype, shape: list[int], nbyt
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
-    if offset % _element_bytes(dtype):
+    if offset % dtype.itemsize:
         raw = raw.clone()  # an unaligned tensor: copy to an aligned one rather than read it misaligned
     return raw.view(dtype).reshape(shape)
 
@@ -99,10 +89,6 @@ def _shown(key: object) -> str:
     """A tensor name for a message: bounded (a header may hold a megabyte-long name)."""
     text = repr(key)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _entry(name: str, key: str, info: object) -> tuple[torch.dtype, list[int], int, int]:

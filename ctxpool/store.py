@@ -1,16 +1,6 @@
-"""Model store: factories, weight files, and weights kept ONCE in shared host memory.
-
-A registered model is built by a factory (``"package.module:callable"``),
-its weights come from a safetensors or torch state-dict file (or the
-factory's own init), and every parameter and buffer is copied into one
-POSIX shared-memory segment described by a :class:`WeightManifest`. Each
-worker then rebinds its own copy of the module to zero-copy views of that
-segment (:func:`attach_module`): the weights exist once per node however
-many workers serve the model, and on ``cuda`` the engine pins that memory
-in place for its copy stream.
-
-Every failure is a :class:`ModelError` carrying a protocol error code and a
-sentence that names what to fix.
+"""Model store: factories, weight files, and weights kept ONCE in shared host memory (one segment per
+model, described by a :class:`WeightManifest`, that every worker's module views). Every failure is a
+:class:`ModelError` with a protocol error code and a sentence naming what to fix. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ import torch
 from client_lib import protocol as p
 from client_lib import tensors
 from ctxpool import peer_open, safetensors
+from ctxpool.hostmem import align_up
 from ctxpool.messages import PeerIdentity, WeightEntry, WeightManifest
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
@@ -163,25 +154,13 @@ def check_weights(module: torch.nn.Module, state: Mapping[str, torch.Tensor], so
     unexpected = [k for k in state if k not in expected]
     mismatched = [f"{k}: file {list(state[k].shape)} vs module {list(v.shape)}"
                   for k, v in expected.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing keys ({_listed(missing)})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys ({_listed(unexpected)})")
-    if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatches ({_listed(mismatched)})")
+    problems = [f"{len(names)} {kind} ({_listed(names)})" for kind, names in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)) if names]
     if problems:
         raise _model_error(f"{source} do not fit the module: " + "; ".join(problems))
 
 
 # ----------------------------------------------------------- shared memory
-
-
-_WEIGHT_ALIGN_BYTES = 512  # each tensor's offset: the engine copies 512-aligned neighbours as one span
-
-
-def _align(n: int) -> int:
-    return (n + _WEIGHT_ALIGN_BYTES - 1) // _WEIGHT_ALIGN_BYTES * _WEIGHT_ALIGN_BYTES
 
 
 def place_in_shared_memory(module: torch.nn.Module, state: Mapping[str, torch.Tensor] | None,
@@ -205,7 +184,8 @@ def place_in_shared_memory(module: torch.nn.Module, state: Mapping[str, torch.Te
             if source.device.type == "meta":
                 raise _model_error(f"{name} is on the meta device and no weights file gives its values")
             layout[key] = (total, source)
-            total = _align(total + tensor.numel() * tensor.element_size())
+            # Each tensor's offset aligned as the engine's atoms are: neighbours then copy as one span.
+            total = align_up(total + tensor.numel() * tensor.element_size())
         try:
             dtype = tensors.dtype_name(tensor.dtype)
         except tensors.TensorTransportError as exc:

@@ -129,12 +129,9 @@ class CpuBackend:
     def measure_bytes_per_s(self) -> float:
         src = torch.ones(_PROBE_BYTES, dtype=torch.uint8)  # touched, like a model's host weights
         rates = []
-        for _ in range(_PROBE_REPEATS):
-            dst = self.alloc(_PROBE_BYTES)
-            t0 = time.perf_counter()
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), _PROBE_BYTES)
-            rates.append(_PROBE_BYTES / max(time.perf_counter() - t0, 1e-9))
-            del dst
+        for _ in range(_PROBE_REPEATS):  # a block of the pool each time, given back at once
+            start, end = self.copy_group([Span(src.data_ptr(), _PROBE_BYTES, 0, src)], self.alloc(_PROBE_BYTES))
+            rates.append(_PROBE_BYTES / max(end - start, 1e-9))
         return sorted(rates)[len(rates) // 2]
 
 
@@ -142,10 +139,7 @@ class CudaBackend:
     """A copy stream, an event per group, page-locked host memory (run on an H100: bench/results)."""
 
     kind = "cuda"
-    # Copies are queued on the copy stream, not made by the CPU: the calling thread issues them
-    # all at once (microseconds), and a copy thread would only add a wake-up and GIL contention
-    # (seen on an H100: compute started 8 ms after its group had arrived).
-    issues_async = True
+    issues_async = True  # the calling thread queues every copy at once: a copy thread would add a wake-up
 
     def __init__(self, device_index: int) -> None:
         if not torch.cuda.is_available():
@@ -164,9 +158,8 @@ class CudaBackend:
         torch.cuda.set_device(self.device)  # the current device is per thread
 
     def reserve(self, pool_bytes: int) -> None:
-        if pool_bytes > 0:  # allocate and free: the caching allocator keeps the segment for swap-ins
-            block = torch.empty(pool_bytes, dtype=torch.uint8, device=self.device)
-            del block
+        if pool_bytes > 0:  # allocated and freed at once: the caching allocator keeps the segment for swap-ins
+            torch.empty(pool_bytes, dtype=torch.uint8, device=self.device)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.device)
@@ -217,13 +210,8 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An input on the device, copied on the copy stream, which compute then waits for.
-
-        Measured on an H100: a host-to-device copy on the compute stream, even one that had
-        finished, held every later kernel of that stream until the copy stream's queue had
-        drained, so a swap-in's first group computed only after its last group arrived
-        (pipelined no faster than sequential). On the copy stream the input goes first in
-        the same queue as the weights, and compute waits on the GPU for it alone."""
+        """An input on the device, copied on the copy stream ahead of the weights, which compute then
+        waits for (not on the compute stream: why, in docs/internals.md)."""
         if tensor.device == self.device:
             return tensor
         compute = self._compute_stream()
@@ -234,11 +222,8 @@ class CudaBackend:
         return out
 
     def adopt_host(self, owner: str, module: torch.nn.Module) -> int:
-        """Make ``module``'s host memory safe to page-lock in place; bytes moved.
-
-        Storages on pages that may also hold other allocations (the heap) move into one
-        mapping of their own (:func:`ctxpool.hostmem.move_to_private_pages`); views of a
-        file mapping (the model store's shared-memory segment) stay where they are."""
+        """Make ``module``'s host memory safe to page-lock in place; bytes moved: storages not in a file
+        mapping move to pages of their own (:func:`ctxpool.hostmem.move_to_private_pages`)."""
         region = hostmem.move_to_private_pages(module, hostmem.file_backed_mappings())
         if region is None:
             return 0
@@ -248,10 +233,8 @@ class CudaBackend:
         return region.moved_bytes
 
     def pin(self, owner: str, layout: Any) -> int:
-        """Page-lock ``layout``'s host memory (a :class:`ctxpool.layout.Layout`) in place; bytes newly locked.
-
-        Only pages that hold nothing but model bytes (:meth:`adopt_host`): a copy whose
-        source straddles a registered range's end fails with cudaErrorInvalidValue."""
+        """Page-lock ``layout``'s host memory (a :class:`ctxpool.layout.Layout`) in place, only on pages that
+        hold nothing but model bytes (:meth:`adopt_host`; why: docs/internals.md); bytes newly locked."""
         exclusive = hostmem.file_backed_mappings()
         exclusive = hostmem.merge_ranges(exclusive + [(r.start, r.end) for r in self._private.values()])
         ranges, shared = [], 0
@@ -275,9 +258,8 @@ class CudaBackend:
         return self.pins.unpin(owner)
 
     def release_cached(self, keep_bytes: int) -> int:
-        """Give the blocks the caching allocator holds but no tensor uses back to the device, so
-        that the other worker and the sessions can have them, when they exceed ``keep_bytes`` (the
-        pool reserved at warm-up, topped up again after); bytes released."""
+        """Give the blocks the caching allocator holds unused back to the device (for the other worker and
+        the sessions) when they exceed ``keep_bytes``, the warm-up pool, topped up after; bytes released."""
         reserved = self._reserved_bytes()
         if reserved - self._allocated_bytes() <= keep_bytes:
             return 0  # what is cached unused is no more than the pool: keep it for the next swap-in
@@ -308,13 +290,9 @@ class CudaBackend:
         dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=self.device)
         rates = []
         for _ in range(_PROBE_REPEATS):
-            with torch.cuda.stream(self.copy_stream):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.copy_stream)
-                dst.copy_(src, non_blocking=True)
-                end.record(self.copy_stream)
+            start, end = self.copy_group([Span(src.data_ptr(), _PROBE_BYTES, 0, src)], dst)
             end.synchronize()
-            rates.append(_PROBE_BYTES / max(start.elapsed_time(end) / 1000.0, 1e-9))
+            rates.append(_PROBE_BYTES / max(self.elapsed_s(start, end), 1e-9))
         return max(rates)
 
 

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Mapping, Sequence
 
 from client_lib import protocol as p
+from client_lib import tensors
 from ctxpool import messages as msg
 from ctxpool.device_errors import is_fatal
 
@@ -32,13 +33,12 @@ class WorkerFatal(Exception):
 
 
 def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: int,
-                memory_budget_bytes: int | None, extra_sys_path: Sequence[str],
-                output_group: int | None = None, env: Mapping[str, str] | None = None,
-                ordinal: int | None = None) -> None:
+                memory_budget_bytes: int | None, extra_sys_path: Sequence[str], output_group: int | None,
+                env: Mapping[str, str], ordinal: int) -> None:
     """Process entry point. ``device_index`` is the daemon's name for the device; ``env`` is set
-    before anything can start CUDA, and the engine then uses CUDA device ``ordinal`` (default:
-    ``device_index``). Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
-    os.environ.update(env or {})  # first: nothing below may have started CUDA yet
+    before anything can start CUDA, and the engine then uses CUDA device ``ordinal``.
+    Exit status: 0 after Shutdown or when the daemon is gone, 1 on an error."""
+    os.environ.update(env)  # first: nothing below may have started CUDA yet
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
     _die_with_parent()
@@ -49,8 +49,7 @@ def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: i
     sys.path[:0] = [path for path in extra_sys_path if path not in sys.path]
     code = 1
     try:
-        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults,
-                         device_index if ordinal is None else ordinal)
+        worker = _Worker(conn, backend, device_index, pool_bytes, memory_budget_bytes, output_group, faults, ordinal)
         code = worker.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("[worker] daemon end of the pipe closed: exit")
@@ -80,14 +79,6 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-class _Loaded:
-    """A model this worker attached: its module and the mapping of its weight segment."""
-
-    def __init__(self, module: Any, segment: Any) -> None:
-        self.module = module
-        self.segment = segment
-
-
 class _Worker:
     def __init__(self, conn: Connection, backend: str, device_index: int, pool_bytes: int,
                  memory_budget_bytes: int | None, output_group: int | None, faults: set[str],
@@ -100,7 +91,7 @@ class _Worker:
         self.device_index = device_index
         self.output_group = output_group
         self.faults = faults
-        self.models: dict[str, _Loaded] = {}
+        self.segments: dict[str, tensors.Segment] = {}  # attached model -> the mapping of its weights
         self.engine = Engine(backend, device_index=ordinal, memory_budget_bytes=memory_budget_bytes)
         warm_up_s = self.engine.warm_up(pool_bytes)
         self._send(msg.Ready(pid=os.getpid(), warm_up_ms=warm_up_s * 1000.0))
@@ -164,14 +155,13 @@ class _Worker:
                             layers=store.leaf_layers(module))
 
     def _attach(self, request: msg.Attach) -> msg.FromWorkerMessage:
-        from client_lib import tensors
         from ctxpool import store
         from ctxpool.engine import BudgetError
 
         def rejected(code: str, message: str) -> msg.Rejected:
             return msg.Rejected(model=request.model, step="attach", code=code, message=message)
 
-        if request.model in self.models:
+        if request.model in self.segments:
             return rejected(p.ErrorCode.INTERNAL, f"model {request.model!r} is already attached to this worker")
         segment = None
         try:
@@ -179,53 +169,48 @@ class _Worker:
             segment = store.attach_module(module, request.manifest)
             example = _read_inputs(request.example_input)
             plan = self.engine.add_model(request.model, module, example)
-        except store.ModelError as exc:
-            _close(segment)
-            return rejected(exc.code, exc.message)
-        except BudgetError as exc:
-            _close(segment)
-            return rejected(p.ErrorCode.NO_MEMORY, f"{exc} (each worker's ctxpool.resident_mb); nothing was "
-                                                   "registered")
-        except tensors.TensorTransportError as exc:
-            _close(segment)
-            return rejected(p.ErrorCode.MODEL, f"example input of {request.model!r}: {exc}")
-        except Exception as exc:  # the engine could not run the example (ValueError), or the model raised
-            _close(segment)
+        except Exception as exc:
+            if segment is not None:
+                segment.close()
+            if isinstance(exc, store.ModelError):
+                return rejected(exc.code, exc.message)
+            if isinstance(exc, BudgetError):
+                return rejected(p.ErrorCode.NO_MEMORY, f"{exc} (each worker's ctxpool.resident_mb); nothing was "
+                                                       "registered")
+            if isinstance(exc, tensors.TensorTransportError):
+                return rejected(p.ErrorCode.MODEL, f"example input of {request.model!r}: {exc}")
+            # The engine could not run the example (ValueError), or the model raised.
             reply = rejected(p.ErrorCode.MODEL, f"model {request.model!r} does not run its example input: "
                                                 f"{type(exc).__name__}: {exc}")
             if is_fatal(exc):  # the engine synchronised after the failure: DeviceLost if the context died
                 self._send(reply)
                 raise WorkerFatal(f"device context lost: {exc}") from exc
             return reply
-        self.models[request.model] = _Loaded(module, segment)
+        self.segments[request.model] = segment
         log.info("[worker] attached model=%s layers=%d groups=%d", request.model, len(plan.layers), len(plan.groups))
         return msg.Attached(model=request.model, model_bytes=plan.model_bytes, layers=len(plan.layers),
                             groups=len(plan.groups), resident=list(self.engine.resident()))
 
     def _drop(self, name: str) -> None:
-        loaded = self.models.pop(name, None)
+        segment = self.segments.pop(name, None)
         try:
             self.engine.remove_model(name)
         except KeyError:
             pass
-        if loaded is not None:
-            segment = loaded.segment
-            del loaded
+        if segment is not None:
             gc.collect()  # the module's views must go before the mapping can
-            _close(segment)
+            segment.close()
         log.info("[worker] dropped model=%s", name)
 
     # ------------------------------------------------------------ requests
 
     def _run(self, request: msg.Run) -> msg.FromWorkerMessage:
-        from client_lib import tensors
-
         started = time.perf_counter()
 
         def failed(code: str, message: str) -> msg.Failed:
             return msg.Failed(request_id=request.request_id, code=code, message=message)
 
-        if request.model not in self.models:
+        if request.model not in self.segments:
             return failed(p.ErrorCode.NO_MODEL, f"model {request.model!r} is not attached to worker {os.getpid()}")
         try:  # only the requester's own segments, checked on the opened fd
             segments = tensors.attach_all(request.inputs,
@@ -272,8 +257,6 @@ class _Worker:
 
 def _read_inputs(refs: Sequence[p.TensorRef]) -> tuple:
     """Private copies of tensors the daemon keeps in shared memory (the engine may hold on to them)."""
-    from client_lib import tensors
-
     segments = tensors.attach_all(refs)
     try:
         return tuple(t.clone() for t in tensors.views(refs, segments))
@@ -290,8 +273,3 @@ def _flatten(outputs: Any) -> list | None:
     if isinstance(outputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in outputs):
         return list(outputs)
     return None
-
-
-def _close(segment: Any) -> None:
-    if segment is not None:
-        segment.close()

@@ -14,7 +14,7 @@ import torch
 
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import peer_open, safetensors, store
+from ctxpool import hostmem, peer_open, safetensors, store
 from ctxpool.messages import PeerIdentity
 from ctxpool.store import ModelError
 from tests import models_for_tests as m
@@ -238,7 +238,7 @@ def test_factory_init_is_used_without_weights_and_tied_weights_stay_tied(shm_nam
     manifest = store.place_in_shared_memory(built, None, shm_names())
     entries = manifest.entries
     assert entries["embed.weight"].offset == entries["head.weight"].offset
-    assert manifest.total_bytes == store._WEIGHT_ALIGN_BYTES * -(-10 * 6 * 4 // store._WEIGHT_ALIGN_BYTES)
+    assert manifest.total_bytes == hostmem.ALIGN_BYTES * -(-10 * 6 * 4 // hostmem.ALIGN_BYTES)
     other = m.tied()
     seg = store.attach_module(other, manifest)
     try:
