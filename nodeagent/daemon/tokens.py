@@ -47,6 +47,8 @@ class TokenHold:
     stopped: bool = False  # SIGSTOPped by the daemon (journalled first); continued before its next grant
 
 
+_NO_HOLD = TokenHold()  # what a session with no token state reads as (never changed: reads only)
+
 class Tokens:
     """The schedulers of every device and the carrying-out of their actions."""
 
@@ -199,23 +201,19 @@ class Tokens:
 
     def grant_of(self, s: Session) -> int | None:
         """The grant client session ``s`` holds (None: none, or it is not a session here)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.grant
+        return self._holds.get(s.id, _NO_HOLD).grant
 
     def held_since(self, s: Session) -> float | None:
         """When ``s``'s grant was made (None while it holds none)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.granted_at
+        return self._holds.get(s.id, _NO_HOLD).granted_at
 
     def waiting_since(self, s: Session) -> float | None:
         """When ``s`` last asked for the token, while its wait is timed (None: not waiting, or holding)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.wait_started
+        return self._holds.get(s.id, _NO_HOLD).wait_started
 
     def stopped(self, s: Session) -> bool:
         """Whether the daemon has ``s``'s process SIGSTOPped (journalled; continued before its next grant)."""
-        hold = self._holds.get(s.id)
-        return hold is not None and hold.stopped
+        return self._holds.get(s.id, _NO_HOLD).stopped
 
     def state(self, device: int, sid: str) -> SessionState:
         return self.schedulers[device].state(sid)
