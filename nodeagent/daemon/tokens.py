@@ -277,12 +277,8 @@ class Tokens:
     def next_deadline(self, now: float) -> float | None:
         """The earliest scheduler deadline of any device (a yield or slice timer), or the pacing's
         (a queue-steered pause's projection); None if nothing is pending."""
-        soonest = self._pacing.next_deadline()
-        for scheduler in self.schedulers:
-            deadline = scheduler.next_deadline()
-            if deadline is not None and (soonest is None or deadline < soonest):
-                soonest = deadline
-        return soonest
+        deadlines = (self._pacing.next_deadline(), *(scheduler.next_deadline() for scheduler in self.schedulers))
+        return min((deadline for deadline in deadlines if deadline is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         for scheduler in self.schedulers:
