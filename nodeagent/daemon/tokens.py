@@ -75,8 +75,7 @@ class Tokens:
         self._delegated: set[str] = set()
         self._holds: dict[str, TokenHold] = {}  # client sessions' token state, by session id
         self._clock = clock
-        self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
-        self._slice_total: dict[tuple[int, Workload], object] = {}
+        self._children: dict[tuple, object] = {}  # (family, device, class) -> its child, kept: no lookup per grant
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component, reading the schedulers).
@@ -415,16 +414,18 @@ class Tokens:
 
     # ------------------------------------------------------------------ measuring
 
+    def _child(self, family, s: Session):
+        """``family``'s series for ``s``'s device and class."""
+        key = (family, s.device, s.workload)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(str(s.device), s.workload.wire)
+        return child
+
     def _observe_wait(self, s: Session, hold: TokenHold, now: float) -> None:
-        if hold.wait_started is None:
-            return
-        key = (s.device, s.workload)
-        hist = self._wait_hist.get(key)
-        if hist is None:
-            hist = self._metrics.token_wait.labels(str(s.device), s.workload.wire)
-            self._wait_hist[key] = hist
-        hist.observe(now - hold.wait_started)
-        hold.wait_started = None
+        if hold.wait_started is not None:
+            self._child(self._metrics.token_wait, s).observe(now - hold.wait_started)
+            hold.wait_started = None
 
     def end_slice(self, s: Session, now: float) -> None:
         hold = self._holds.get(s.id)
@@ -439,11 +440,7 @@ class Tokens:
         if held_since is not None:  # a session that left while holding counts its last slice too
             self._bus.publish(SliceEnded(s, max(0.0, now - held_since)))
         if held_since is not None and s.id in self._sessions:
-            key = (s.device, s.workload)
-            total = self._slice_total.get(key)
-            if total is None:
-                total = self._slice_total[key] = self._metrics.slice_seconds.labels(str(s.device), s.workload.wire)
-            total.inc(max(0.0, now - held_since))
+            self._child(self._metrics.slice_seconds, s).inc(max(0.0, now - held_since))
             self._pacing.slice_ended(s, now, self.schedulers[s.device])
         else:
             self._pacing.forget(s)
