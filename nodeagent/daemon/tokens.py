@@ -626,7 +626,7 @@ class Pacing:
                    released: bool = False) -> None:
         """``s`` said with a slice request (or, ``released``, a release) how many of its requests
         wait (None: nothing; see :meth:`sharing.corun.PaceController.tell_queue`)."""
-        controller = self._controller_for(s)
+        controller = self.joined(s.device, s.id, s.workload)
         if controller is None:
             return
         self._counted(s.device, controller.tell_queue, now, waiting,
@@ -636,7 +636,7 @@ class Pacing:
     def granted(self, s: Session, now: float, scheduler) -> None:
         """``s`` was granted (``scheduler``: its device's, read only): its controller notes the duty
         and whether a lower class holds."""
-        controller = self._controller_for(s)
+        controller = self.joined(s.device, s.id, s.workload)
         if controller is not None:
             controller.set_slo(s.slo_ms / 1000.0 if s.slo_ms else None)
             self._counted(s.device, controller.slice_started, now, self._lower_active(s, scheduler.holders()))
@@ -666,9 +666,6 @@ class Pacing:
                     self._dirty.add(device)
 
     # ---------------------------------------------------------------- internals
-
-    def _controller_for(self, s: Session) -> PaceController | None:
-        return self.joined(s.device, s.id, s.workload)
 
     def joined(self, device: int, sid: str, workload: Workload) -> PaceController | None:
         """``sid`` of class ``workload`` is on ``device``: a higher-class session gets its controller."""
