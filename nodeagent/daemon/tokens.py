@@ -500,10 +500,10 @@ class Pacing:
         self._boards: dict[int, PaceBoardWriter] = {}
         self._dir: str | None = None
         # One controller per higher-class session (inference, and training for best-effort), fed by
-        # its own slices; a holder with none (a best-effort one: nobody is below it) uses its device's.
+        # its own slices; a best-effort one has none: nobody is below it.
         self._controllers: dict[str, PaceController] = {}
         self._on_device: dict[int, dict[str, tuple[Workload, PaceController]]] = {d: {} for d in self._devices}
-        self._shared = {d: new_controller() for d in self._devices}
+        self._period_us = new_controller().period_us if self._devices else 0  # the boards' (all made alike)
         self._duty_shown: dict[int, int] = {}  # device -> the duty the gauge shows
         # A board is written again only when something it depends on may have changed: a
         # controller was told something (dirty), the lanes or holders differ, or a deadline passed.
@@ -598,12 +598,7 @@ class Pacing:
                 self._due.pop(device, None)
             else:
                 self._due[device] = due
-            for holder in holders:  # a holder with no controller of its own
-                if holder not in self._controllers:
-                    workload = _lane_workload(scheduler, holder)
-                    if workload is not None:
-                        wants.append((workload, self._shared[device].want(now), True))
-            period_us = self._shared[device].period_us
+            period_us = self._period_us
             for workload, (present, active) in enumerate(lanes):
                 if workload == Workload.BEST_EFFORT and len(scheduler) <= lanes[-1][0]:
                     board.set(workload, Pace(present, active, 1000, period_us))  # nobody of it is there
@@ -690,10 +685,3 @@ class Pacing:
     def _lower_active(self, s: Session, holders: tuple[str, ...]) -> bool:
         """Whether a session of a lower class than ``s`` is among ``holders``."""
         return any(self._sessions[h].workload > s.workload for h in holders if h in self._sessions)
-
-
-def _lane_workload(scheduler, sid: str) -> Workload | None:
-    """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
-    if not scheduler.corun or sid not in scheduler:
-        return None
-    return scheduler.workload_of(sid)
