@@ -541,9 +541,7 @@ class Pacing:
         except (OSError, PaceBoardError) as exc:
             pace_log.warning("[pace] cannot prepare the pace boards in %s (%s); lower classes are paced by MPS "
                         "priority alone", directory, getattr(exc, "strerror", None) or exc)
-            for board in self._boards.values():
-                board.close()
-            self._boards.clear()
+            self.close()  # the boards made so far (no directory is kept yet)
             return
         self._dir = directory
         pace_log.info("[pace] co-run devices=%s boards=%s", sorted(self._boards), directory)
