@@ -1,11 +1,6 @@
-"""Each device's token (:class:`Tokens`): the only writer of the schedulers, and the carrying-out
-of what they decide: grants and yield requests to clients, enforcement (SIGSTOP of a verified
-process, journalled first, else a revoke), continuing a stopped process, each client session's
-token state (:class:`TokenHold`, read by others through views), the co-run pace boards and their
-controllers (:class:`Pacing`, a part of this component reading the schedulers), and the waits and
-slices measured. A sub-session added as ``delegated`` (a client's server-side
-inference queue) is not a client session: its actions are published as
-:class:`nodeagent.daemon.bus.DelegatedAction` for the serving component.
+"""Each device's token (:class:`Tokens`): the only writer of the schedulers and the carrying-out of
+their actions (grants, yields, enforcement), each client session's token state (:class:`TokenHold`),
+and the co-run pace boards (:class:`Pacing`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -54,9 +49,6 @@ class Tokens:
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, metrics: Metrics,
                  journal: JournalWrite, send: Send, bus: Bus, clock: Callable[[], float]) -> None:
-        """``config``: the policy, enforcement and sharing settings; ``devices``: how many
-        and on which backend (co-run is the default on cuda); ``bus``: where grants and
-        preemptions are published for the cluster's events."""
         device_count = devices.count
         policy = config.policy()
         self.sharing = config.sharing_for(devices.name)
@@ -332,10 +324,8 @@ class Tokens:
                 self._send(s.route, p.Revoke(grant=action.grant, reason=action.reason))
 
     def _enforce(self, action: Enforce, now: float) -> None:
-        """A holder overran its yield deadline: stop it if its identity is
-        verified, policy allows and the stop could be journalled, else take the
-        token away. The waiter is granted before the log line; the journal write
-        stays ahead of SIGSTOP."""
+        """A holder overran its yield deadline: stop it if it is verified, policy allows and the stop
+        could be journalled (ahead of SIGSTOP), else revoke; the waiter is granted before the log line."""
         s = self._sessions[action.session]
         if self._wait_for_late_yield(s, action, now):
             return
@@ -375,12 +365,9 @@ class Tokens:
     # ------------------------------------------------------------------ stopping
 
     def stop(self, s: Session) -> bool:
-        """SIGSTOP a verified session's process; False if it cannot be (or is gone).
-
-        Write-ahead: the journal says "stopped" before the signal is sent, so a
-        daemon killed at any moment after leaves a record that makes its
-        successor continue the process (continuing a running one is harmless).
-        If that write fails (disk full), the process is not stopped: False."""
+        """SIGSTOP a verified session's process; False if it cannot be (or is gone). Write-ahead: the
+        journal says "stopped" first, so a daemon killed after leaves its successor a record to continue
+        the process by (continuing a running one is harmless); if that write fails, no stop: False."""
         hold = self._holds.get(s.id)
         if hold is None or not enforce.can_signal(s):
             return False
@@ -469,26 +456,13 @@ class Tokens:
 
 
 # ------------------------------------------------------------------ pacing: a part of Tokens
-# Pacing lower classes on co-run devices: the pace boards and their controllers.
-#
-# On a co-run device (:mod:`sharing.corun`) every class has its own token, so an
-# inference request is granted at once beside a training holder. This
-# component tells the lower classes how hard to hold back while a higher class
-# holds: one pace board per device (:mod:`client_lib.pace`, a 64-byte file
-# clients map read-only, named in their welcome), written after every loop turn
-# from the scheduler's lanes and one :class:`sharing.corun.PaceController` per
-# higher-class session, fed by that session's slices and the queue it says it
-# has (:func:`sharing.corun.board_slot` combines them).
-#
-# A part of :class:`nodeagent.daemon.tokens.Tokens`, which owns the schedulers,
-# offers its commands and hands it, call by call, the schedulers it reads; given
-# the session table to read, a controller factory, the clock and the metrics.
 
 PACE_DIR = "pace"
 
 
 class Pacing:
-    """Boards and controllers of the co-run devices (see the module docstring)."""
+    """The pace boards of the co-run devices and their controllers: a part of :class:`Tokens`, which
+    hands it, call by call, the schedulers it reads (docs/internals.md)."""
 
     def __init__(self, *, sessions: SessionTable, devices: Iterable[int],
                  new_controller: Callable[[], PaceController], clock: Callable[[], float], metrics=None) -> None:
