@@ -1,9 +1,6 @@
-"""Whole-device suspension (:class:`Suspensions`): it owns each session's
-:class:`sharing.suspension.Suspension` machine and the host memory its client keeps for parked
-state, journals each state before acting on it, carries out its actions (notices, stops through
-``tokens``, taking the token, answering callers) and counts the suspensions asked per device,
-for status. Others read a session's suspension through its read-only views (``state``,
-``active``, ``parked_bytes``, ``host_kept``, ``suspended_ids``).
+"""Whole-device suspension (:class:`Suspensions`): each session's
+:class:`sharing.suspension.Suspension` machine, journalled before it is acted on, and the host memory
+its client keeps for parked state; others read them through its views. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class Suspensions:
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
                  journal: JournalWriter) -> None:
-        """``tokens``: the token commands, and stopping and continuing verified processes;
-        ``bus``: suspension events (the cluster's, SuspendFinished, MakeRoomFinished) and MayAsk
-        (a session's request for the token, made again at its resume); ``journal``: each state
-        is written there before what it stands for is done."""
+        """``bus``: suspension events (the cluster's, SuspendFinished, MakeRoomFinished) and MayAsk
+        (a session's request for the token, made again at its resume)."""
         self._sessions = sessions
         self._tokens = tokens
         self._metrics = metrics
