@@ -279,10 +279,7 @@ class Suspensions:
 
     def _machine(self, s: Session) -> Suspension:
         """``s``'s machine, to change (made on its first suspension)."""
-        machine = self._machines.get(s.id)
-        if machine is None:
-            machine = self._machines[s.id] = Suspension()
-        return machine
+        return self._machines.setdefault(s.id, Suspension())
 
     def _target(self, route, request_id: int, frame, target_id: str, act: Act) -> Session | None:
         """The target session if the peer may act on it (:mod:`nodeagent.daemon.authz`)."""
