@@ -1,9 +1,6 @@
-"""What may be granted (:class:`TokenGate`): every request for a session's token passes here,
-in :func:`sharing.suspension.token_gate`'s order. It owns what keeps a request back: the blocks
-make-room sets (a session admitted by suspending others waits for them, until the bus's
-``MakeRoomFinished``), a restart's restore windows (the slice that was running goes first, the
-rest are parked) and the lost devices (:class:`LostDevices`, fed by the bus's ``DeviceLost``
-and ``DeviceBack``).
+"""What may be granted (:class:`TokenGate`): every request for a session's token passes here, in
+:func:`sharing.suspension.token_gate`'s order, and it owns what keeps one back: make-room blocks,
+restore windows and the lost devices (:class:`LostDevices`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -64,14 +61,11 @@ class LostDevices:
 
 
 class TokenGate:
-    """See the module docstring and docs/internals.md. A timed component: restore windows
-    close at their deadline."""
+    """The token gate; a timed component: restore windows close at their deadline."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts,
                  suspensions: Suspensions) -> None:
-        """``devices``: the lost-devices table (``devices.lost``) this component writes;
-        ``suspensions``: whether a session is suspended (``active``), and where a request made
-        while it is goes (``keep_request``, ``drop_request``: asked for at its resume)."""
+        """``devices``: the lost-devices table (``devices.lost``), which this component writes."""
         self._sessions = sessions
         self._tokens = tokens
         self._suspensions = suspensions
