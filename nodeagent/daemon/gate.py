@@ -116,10 +116,8 @@ class TokenGate:
     def forget(self, s: Session, now: float) -> None:
         """``s`` ended: nothing of it is kept, parked or held, and its restore window waits for
         it no longer."""
-        self._pending.discard(s.id)
+        self.withdraw(s)  # its suspension's wish too, where the suspension component has not ended it yet
         self._blocked_by.pop(s.id, None)
-        self._unpark(s.id)
-        self._lost.forget(s.id)
         self._reattached(s, now)
 
     def kept(self, s: Session) -> bool:
