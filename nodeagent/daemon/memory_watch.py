@@ -1,8 +1,6 @@
-"""Measured device memory against declarations, and lost devices (:class:`MemoryPolicy`): a
-watcher thread reads per-process memory off the loop, and the loop applies ``memory.policy``
-to sessions over their declaration, tells the sessions of a lost device (the token gate keeps
-the lost-devices table, fed by ``DeviceLost`` and ``DeviceBack``), and acts on Xid errors. It
-owns the watcher and its readings. Detail: docs/internals.md.
+"""Measured device memory against declarations, lost devices and Xid faults (:class:`MemoryPolicy`):
+it owns the watcher thread that reads per-process memory off the loop, and its readings, which the
+loop acts on (``memory.policy``). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -68,14 +66,10 @@ Send = Callable[[object, object], None]  # (route, message)
 
 
 class MemoryPolicy:
-    """The memory policy applied to measured use, and lost devices (see the module
-    docstring). It owns the memory watcher thread and the queue it reads into."""
+    """The memory policy applied to measured use, and lost and faulted devices."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, metrics: Metrics, send: Send, bus: Bus) -> None:
-        """``devices``: the backend (which measures per-process memory on cuda); ``bus``: health
-        events, :class:`DeviceLost` and :class:`DeviceBack` (the token gate and serving's queues
-        hear them there) are published on it."""
         self._config = config
         self._backend = devices.backend
         self._clock = loop.clock
@@ -159,11 +153,8 @@ class MemoryPolicy:
             self._tokens.revoke(s.device, s.id, now, "memory")
 
     def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
-        """A failed GPU is a device failure: a health event, the holder's token
-        revoked (``device_lost``) and every session on it told with an ``E_DEVICE``
-        error notice (their CUDA contexts died with the device). Until it answers
-        again it takes no new session and grants nothing: waiters leave the line
-        first (so that the revoke grants nobody) and their requests are held."""
+        """A failed GPU: a health event, the holder's token revoked (``device_lost``) and every session
+        on it told with an ``E_DEVICE`` notice (their CUDA contexts died with the device)."""
         sessions = [s for s in self._sessions.values() if s.device == lost.device]
         log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
         self._bus.event("health", lost.device, None, device_state="lost", reason=lost.message)
@@ -178,15 +169,9 @@ class MemoryPolicy:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
     def _on_device_fault(self, fault: DeviceFault, now: float) -> None:
-        """NVML reported an Xid on a device. One that ends the context it happened in, on a
-        device whose sessions share an MPS server, ended every client of that server (NVIDIA's
-        MPS: a fatal fault in one client reaches all of them, and the server takes no new client
-        until they have all exited): their tokens are revoked (``mps_fault``) and each is told
-        with an ``E_DEVICE`` notice to end its process and start again; the MPS component gives
-        sessions that join meanwhile a plain context (:class:`MpsFaulted`). NVML does not say
-        which process faulted, so outside MPS nothing is taken from anyone: the fault is counted,
-        logged and published. Nor when a process outside MPS had a context on the device around the
-        fault (the watcher's :attr:`DeviceFault.outside_mps`): it may have been that one."""
+        """An Xid on a device: a context-ending one under MPS ended every client of the server, whose
+        tokens are revoked (``mps_fault``) and who are told; any other is counted, logged and published
+        (NVML does not say which process faulted). See docs/internals.md."""
         device = fault.device
         if not 0 <= device < self._tokens.device_count:
             return
@@ -222,19 +207,15 @@ class MemoryPolicy:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
     def _on_device_back(self, device: int, now: float) -> None:
-        """A lost device answers again: it admits sessions, and the requests held on it go to its
-        scheduler in the order they were made, keeping their wait (the token gate's part)."""
+        """A lost device answers again: it admits sessions, and the gate makes the requests held on it."""
         log.warning("[device] device=%d answers NVML again: open for sessions and grants", device)
         self._bus.event("health", device, None, device_state="ok")
         self._bus.publish(BusDeviceBack(device, now))
 
 
 class MemoryWatcher(threading.Thread):
-    """Reads per-process device memory every ``interval_s`` off the loop thread
-    and hands the readings to the loop (see docs/internals.md).
-
-    ``host_proc``: the host's /proc as mounted for a daemon in a container
-    (``memory.host_proc``); ``proc_root`` and ``translator`` are for tests."""
+    """Reads per-process device memory every ``interval_s`` off the loop thread for the loop. ``host_proc``:
+    the host's /proc as a daemon in a container mounts it; ``proc_root`` and ``translator`` are for tests."""
 
     def __init__(self, backend: DeviceBackend, interval_s: float, out: queue.SimpleQueue,
                  wake: Callable[[], None], *, host_proc: str | None = None, proc_root: str = "/proc",
