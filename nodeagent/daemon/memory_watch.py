@@ -262,7 +262,8 @@ class MemoryWatcher(threading.Thread):
             if device in self._lost:
                 self._lost.discard(device)
                 readings.append(DeviceBack(device))
-            readings.append(DeviceReading(device, self._uses(processes)))
+            # in the daemon's pid namespace, with their parents; not visible here (exited, elsewhere): left out
+            readings.append(DeviceReading(device, [use for use in map(self._use, processes) if use is not None]))
             outside[device] = {proc.pid: self._use(proc) for proc in processes
                                if not proc.mps_client and not self._mps_server(proc.pid)}
         self._outside = outside
@@ -287,11 +288,6 @@ class MemoryWatcher(threading.Thread):
                 return f.read().startswith(b"nvidia-cuda-mps")
         except OSError:
             return False
-
-    def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:
-        """NVML's processes in the daemon's pid namespace, with their parents; those
-        not visible here (other containers, exited meanwhile) are left out."""
-        return [use for use in map(self._use, processes) if use is not None]
 
     def _use(self, proc: DeviceProcess) -> memory.ProcessUse | None:
         pid = self._translator.to_local(proc.pid)
