@@ -116,15 +116,10 @@ class MemoryPolicy:
         """Act on one pass of the watcher: over-memory sessions, devices lost or back."""
         allowance_bytes = context_allowance_mb(self._config.memory_context_allowance_mb,
                                                self._backend.name) * memory.MiB
+        health = {DeviceLost: self._on_device_lost, DeviceBack: self._on_device_back, DeviceFault: self._on_device_fault}
         for reading in readings:
-            if isinstance(reading, DeviceLost):
-                self._on_device_lost(reading, now)
-                continue
-            if isinstance(reading, DeviceBack):
-                self._on_device_back(reading.device, now)
-                continue
-            if isinstance(reading, DeviceFault):
-                self._on_device_fault(reading, now)
+            if type(reading) in health:
+                health[type(reading)](reading, now)
                 continue
             sessions = [s for s in self._sessions.values() if s.device == reading.device]
             over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
@@ -206,11 +201,11 @@ class MemoryPolicy:
                 self._tokens.revoke(s.device, s.id, now, "mps_fault")
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
-    def _on_device_back(self, device: int, now: float) -> None:
+    def _on_device_back(self, back: DeviceBack, now: float) -> None:
         """A lost device answers again: it admits sessions, and the gate makes the requests held on it."""
-        log.warning("[device] device=%d answers NVML again: open for sessions and grants", device)
-        self._bus.event("health", device, None, device_state="ok")
-        self._bus.publish(BusDeviceBack(device, now))
+        log.warning("[device] device=%d answers NVML again: open for sessions and grants", back.device)
+        self._bus.event("health", back.device, None, device_state="ok")
+        self._bus.publish(BusDeviceBack(back.device, now))
 
 
 class MemoryWatcher(threading.Thread):
