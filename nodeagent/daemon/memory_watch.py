@@ -21,7 +21,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MpsFaulted
 from nodeagent.daemon.bus import DeviceBack as BusDeviceBack
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
-from nodeagent.daemon.tokens import Tokens
+from nodeagent.daemon.tokens import Send, Tokens
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -60,9 +60,6 @@ class DeviceBack:
 
 
 Reading = Union[DeviceReading, DeviceLost, DeviceBack, DeviceFault]
-
-
-Send = Callable[[object, object], None]  # (route, message)
 
 
 class MemoryPolicy:
