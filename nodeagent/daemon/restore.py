@@ -1,7 +1,6 @@
-"""Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives,
-stops the old daemon left, suspensions and policies; it opens a restore window per device in
-the token gate (the client that was using the device reclaims its slice before parked requests
-run), and writes stale sessions again while the journal fails. Detail: docs/internals.md.
+"""Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives, the
+stops the old daemon left and suspensions; and stale sessions written again while the journal
+fails. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -29,20 +28,12 @@ log = logging.getLogger("nodeagent.restore")
 JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the journal fails
 
 
-
 class Restorer:
-    """Restore after a restart (see docs/internals.md).
-
-    :meth:`restore` renews the schedulers through ``tokens`` (grant ids continue
-    above the old daemon's)."""
+    """Restore after a restart, and the journal's retry timer (see docs/internals.md)."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int], suspensions: Suspensions,
                  gate: TokenGate) -> None:
-        """``sessions`` and ``tokens``: where a restored session is added, as at its hello;
-        ``suspensions``: the owner of a restored session's suspension (``restored``), and what
-        a stale session's row says of it (``record``); ``gate``: where the restore windows of
-        the devices with restored sessions are opened."""
         self._config = config
         self._journal = journal
         self._sessions = sessions
@@ -56,13 +47,10 @@ class Restorer:
     # ---------------------------------------------------------------- restore
 
     def restore(self, now: float) -> int:
-        """Take back the sessions a previous daemon journalled whose processes still live;
-        returns this daemon's boot number (call only with a journal).
-
-        Grant ids continue above the old ones (boot << 32). Devices with restored
-        sessions enter a restore window: the client that was using the device may
-        claim its slice back; other requests wait until every restored session
-        has reattached or ``heartbeat_timeout_s`` has passed."""
+        """Take back the sessions a previous daemon journalled whose processes still live; returns this
+        daemon's boot number (call only with a journal). Grant ids continue above the old ones (boot << 32);
+        other requests wait in the restore windows until every restored session has reattached or
+        ``heartbeat_timeout_s`` has passed."""
         journal = self._journal.journal
         boot = journal.next_boot()
         self._tokens.renew((boot << 32) + 1)
