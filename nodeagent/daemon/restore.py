@@ -5,6 +5,7 @@ fails. Detail: docs/internals.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -64,9 +65,7 @@ class Restorer:
             why = unrestorable(rec, self._capacities_mb)
             if why:
                 log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
-                continue_orphan({"stopped": rec.stopped, "verified_pid": rec.verified_pid,
-                                 "start_ticks": rec.start_ticks, "managed_pgid": rec.managed_pgid,
-                                 "uid": rec.uid})
+                continue_orphan(dataclasses.asdict(rec))
                 self._journal.write(lambda j, sid=rec.id: j.delete_session(sid))
                 dropped += 1
                 continue
