@@ -40,10 +40,8 @@ class Admission:
         if wanted is not None and not 0 <= wanted < count:
             return None, p.ErrorCode.DEVICE, (f"no device {wanted}; this node has devices 0..{count - 1} "
                                               f"(backend {self._devices.name})")
-        if wanted is not None:
-            candidates = [wanted]
-        else:  # least loaded first
-            candidates = sorted(range(count), key=lambda i: (self._tokens.sessions_on(i), i))
+        candidates = [wanted] if wanted is not None else \
+            sorted(range(count), key=lambda i: (self._tokens.sessions_on(i), i))  # least loaded first
         lost = [lost_devices.refusal(i) for i in candidates if lost_devices.is_lost(i)]
         candidates = [i for i in candidates if not lost_devices.is_lost(i)]
         if not candidates:  # a failed GPU takes no session until it answers again
