@@ -1,15 +1,6 @@
-"""The daemon's record of grants and slices: each device's recent token history, for ``status``
-and ``nodeagent top`` (:class:`DeviceStats`, fed by the tokens component, O(1) an event and
-bounded whatever the traffic), and each training job's attained GPU-seconds, kept across
-restarts (:class:`AttainedService`, the signal Tiresias-style placement reads).
-
-A job is a session's ``borrower`` (``hello.borrower``): the name a cluster engine gives a
-training job, whose sessions the daemon admits only on a device lent to that job, so one
-job cannot charge its time to another by naming it. Inference sessions and sessions with no
-borrower are no job's: their time shows per session only (``SessionInfo.gpu_time_s``). A
-slice counts when it ends (:class:`~nodeagent.daemon.bus.SliceEnded`); the ledger is journalled
-every ``flush_s`` while it changes or a job's session holds a token, and at a clean shutdown,
-never per grant: a daemon SIGKILLed loses at most the last ``flush_s`` of each job's service.
+"""The daemon's record of grants and slices: each device's recent token history, for ``status`` and
+``nodeagent top`` (:class:`DeviceStats`), and each training job's attained GPU-seconds, kept across
+restarts (:class:`AttainedService`, the signal Tiresias-style placement reads). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -220,10 +211,8 @@ def job_of(s: Session) -> str | None:
 
 
 class AttainedService:
-    """The attained-service ledger: owns each job's GPU-seconds and their journal rows.
-
-    Given the sessions it reads and the tokens' views (who holds a token now, and since when:
-    the running slices), the journal writer it writes through, and the loop's clock."""
+    """The attained-service ledger: owns each job's GPU-seconds and their journal rows, journalled
+    at most ``flush_s`` behind (a daemon SIGKILLed loses at most that much of each job's service)."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, journal: JournalWriter,
                  clock: Callable[[], float], flush_s: float = FLUSH_S, max_jobs: int = MAX_JOBS) -> None:
