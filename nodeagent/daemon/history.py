@@ -170,17 +170,10 @@ class DeviceStats:
             self._held[i] = {}
         self._best[i] = None
         slot = self._held[i]
-        entry = slot.get(session)
-        if entry is not None:
-            entry[0] += seconds
-        elif len(slot) < MAX_HOLDERS_PER_BUCKET:
-            slot[session] = [seconds, name]
-        else:
-            many = slot.get(MANY)
-            if many is None:
-                slot[MANY] = [seconds, MANY]
-            else:
-                many[0] += seconds
+        if session in slot or len(slot) < MAX_HOLDERS_PER_BUCKET:
+            slot.setdefault(session, [0.0, name])[0] += seconds
+        else:  # the rest pooled
+            slot.setdefault(MANY, [0.0, MANY])[0] += seconds
 
 def _winner(slot: dict[str, list] | None, length_s: float, running: dict[str, float]) -> str:
     """Who held a token longest in a bucket ``length_s`` long: a session of ``slot`` (plus what
