@@ -80,12 +80,10 @@ class DeviceStats:
 
     # ------------------------------------------------------------ reading
 
-    def report(self, now: float, holders: tuple[str, ...] | str | None) -> p.TokenActivity:
+    def report(self, now: float, holders: tuple[str, ...]) -> p.TokenActivity:
         """The history as of ``now`` for a status reply (its ``suspensions`` are counted by the
         suspension component). ``holders`` are the scheduler's (one per lane): an open slice of
         another session (whose end this object was not told) ends now."""
-        if holders is None or isinstance(holders, str):
-            holders = () if holders is None else (holders,)
         for lane, (session, _, _) in list(self._open.items()):
             if session not in holders:
                 self._close(lane, now)
