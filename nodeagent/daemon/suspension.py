@@ -307,7 +307,7 @@ class Suspensions:
                 else:
                     self._send(s.route, p.ResumeNotice())
             elif kind is LeaveLine:
-                self._tokens.leave_line(s, now)
+                self._tokens.cancel_session(s, now)  # it was waiting, not holding
             elif kind is StopProcess:
                 if not self._tokens.stop(s):  # unverifiable (or gone): it was not stopped after all
                     self._carry_out(s, self._machine(s).not_stopped(now), now)

@@ -44,6 +44,7 @@ class TokenHold:
 
 _NO_HOLD = TokenHold()  # what a session with no token state reads as (never changed: reads only)
 
+
 class Tokens:
     """The schedulers of every device and the carrying-out of their actions."""
 
@@ -117,12 +118,6 @@ class Tokens:
     def cancel(self, device: int, sid: str, now: float) -> None:
         self.apply(self.schedulers[device].cancel(sid, now), now)
 
-    def leave_line(self, s: Session, now: float) -> None:
-        """Client session ``s`` stops waiting because the daemon says so (it is being suspended):
-        its request goes and its wait is no longer timed; a resume asks again (:meth:`time_wait`)."""
-        self.cancel(s.device, s.id, now)
-        self._holds[s.id].wait_started = None
-
     def time_wait(self, s: Session, now: float, *, again: bool = False) -> None:
         """``s`` asked for the token: its wait (``nodeagent_token_wait_seconds``) is timed from
         ``now``, unless it holds or is timed already; ``again``: from ``now`` whatever came before."""
@@ -148,7 +143,8 @@ class Tokens:
         self.count_slice(s, held_since, now)
 
     def cancel_session(self, s: Session, now: float) -> None:
-        """Client session ``s`` stops waiting (a no-op for a holder: it must release)."""
+        """Client session ``s`` stops waiting (a no-op for a holder: it must release); its wait is no
+        longer timed (one being suspended: its resume asks again, :meth:`time_wait`)."""
         actions = self.schedulers[s.device].cancel(s.id, now)
         hold = self._holds[s.id]
         if hold.grant is None:
