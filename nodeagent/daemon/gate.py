@@ -143,10 +143,8 @@ class TokenGate:
         sessions it blocked that no one else blocks ask for the token they asked for meanwhile."""
         victim = event.session
         for sid, blockers in list(self._blocked_by.items()):
-            if victim not in blockers:
-                continue
             blockers.discard(victim)
-            if blockers:
+            if blockers:  # blocked by others still (a set kept here is never empty)
                 continue
             del self._blocked_by[sid]
             s = self._sessions.get(sid)
