@@ -241,10 +241,6 @@ class Tokens:
         """The pace board a lower-class session on ``device`` reads ("" where the device does not co-run)."""
         return self._pacing.board_path(device)
 
-    def pace_controller(self, sid: str):
-        """``sid``'s pace controller (None: it has none, or is of the lowest class); read it, never step it."""
-        return self._pacing.controller(sid)
-
     # ------------------------------------------------------------------ pace boards
 
     def open_pace_boards(self, socket_path: str | None, state_dir: str) -> None:
