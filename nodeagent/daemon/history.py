@@ -233,10 +233,6 @@ class AttainedService:
         if rows:
             log.info("[attained] restored jobs=%d gpu_s=%.1f", len(self._banked), sum(self._banked.values()))
 
-    def close(self, now: float) -> None:
-        """A clean shutdown: write what changed."""
-        self.flush(now)
-
     # ------------------------------------------------------------------ bus
 
     def on_slice_ended(self, event: SliceEnded) -> None:

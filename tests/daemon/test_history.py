@@ -276,7 +276,7 @@ def test_a_clean_shutdown_writes_what_changed_and_the_running_slices(ledger):
     attained.tokens.add(running.device, running.id, running.workload, running.weight, 4.0)
     sessions.add(running)
     attained.tokens.request(running.device, running.id, 4.0)  # granted at 4.0: held 2.5 s at the close
-    attained.close(6.5)
+    attained.flush(6.5)  # what a clean shutdown does
     assert journalled(path) == {"job-a": 1.5, "job-b": 2.5}
 
 
