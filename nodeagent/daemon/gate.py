@@ -190,10 +190,6 @@ class TokenGate:
             self.on_may_ask(MayAsk(s.id, now, claimed=True))
         self._reattached(s, now)
 
-    def restoring(self, device: int) -> bool:
-        """Whether ``device`` is in its restore window (only the slice that was running goes first)."""
-        return device in self._parked
-
     def awaited(self) -> set[str]:
         """The restored sessions that have not reattached yet (read-only view)."""
         return {sid for pending in self._restoring.values() for sid in pending}

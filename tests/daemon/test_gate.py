@@ -79,7 +79,8 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
     assert gate.ask(waiting, 2.0) is Gate.PARK and tokens.asked == []
     sessions.remove(gone)
     gate.forget(gone, 3.0)  # what the server does when a session ends
-    assert tokens.asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
+    assert tokens.asked == [("s-new", 1.5)] and gate.next_deadline(3.0) is None
+    assert gate.ask(add(sessions, "s-late"), 4.0) is Gate.QUEUE  # the window is closed: nothing is parked
 
 
 def test_a_session_that_ends_leaves_nothing_kept_parked_or_held_to_be_asked_for_later(sessions):
