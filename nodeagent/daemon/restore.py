@@ -124,13 +124,11 @@ class Restorer:
         if writer.journal is None or (writer.ok and not writer.stale):
             self._next_retry = None
             return
-        if self._next_retry is None or now < self._next_retry:
-            if self._next_retry is None:
-                self._next_retry = now + JOURNAL_RETRY_S
-            return
-        self._next_retry = now + JOURNAL_RETRY_S
-        if not writer.probe():
-            return  # still failing; next time
+        due = self._next_retry
+        if due is None or now >= due:
+            self._next_retry = now + JOURNAL_RETRY_S
+        if due is None or now < due or not writer.probe():
+            return  # the first failure seen, not due yet, or still failing; next time
         for sid in sorted(writer.stale):
             s = self._sessions.get(sid)
             done = writer.put_session(s, suspension=self._suspensions.record(s),
