@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Callable
 
 from client_lib import protocol as p
@@ -111,24 +111,22 @@ class DeviceStats:
         for b in range(current - self.buckets + 1, current + 1):
             i = b % self.buckets
             slot = self._held[i] if self._tags[i] == b else None
+            extra: dict[str, float] = {}  # session -> seconds of its running slice in this bucket
             if b < open_from and b < current:  # complete, and no running slice in it
                 cached = self._best[i]
                 if cached is None or cached[0] != b:
                     cached = self._best[i] = (b, _winner(slot, bs, {}))
                 best = cached[1]
-                extra = {}
             else:
                 start = b * bs
-                extra = {}
                 for session, _, since in running:
                     seconds = min(now, start + bs) - max(start, since)
                     if seconds > 0:
                         extra[session] = extra.get(session, 0.0) + seconds
                 best = _winner(slot, min(now, start + bs) - start, extra)
             timeline.append(best)
-            seconds = {sid: entry[0] for sid, entry in (slot or {}).items()}
-            for sid, more in extra.items():
-                seconds[sid] = seconds.get(sid, 0.0) + more
+            seconds = Counter({sid: entry[0] for sid, entry in (slot or {}).items()})
+            seconds.update(extra)
             held = sorted((sid for sid, s in seconds.items() if s > 0), key=lambda sid: -seconds[sid])
             holders.append(held)
             for sid in held:
