@@ -104,11 +104,6 @@ class Restorer:
                 "[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
         return boot
 
-    def restored(self) -> list[Session]:
-        """The sessions :meth:`restore` brought back that are still in a restore window."""
-        ids = self._gate.awaited()
-        return [s for s in self._sessions.values() if s.id in ids]
-
     def next_deadline(self, now: float) -> float | None:
         """When the journal is probed again (None: it is not pending)."""
         return self._next_retry
