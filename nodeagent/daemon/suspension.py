@@ -92,8 +92,7 @@ class Suspensions:
     def active(self, s: Session) -> bool:
         """Suspended, stopped, or asked to be: ``s`` may not use the device. (Read at every
         acquire and release: one dict lookup.)"""
-        machine = self._machines.get(s.id)
-        return machine is not None and machine.state is not SuspendState.RUNNING
+        return self._machine_of(s).active
 
     def suspended_ids(self) -> frozenset[str]:
         """The sessions whose suspension is :meth:`active`: their device memory is, or is about
