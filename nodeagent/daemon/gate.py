@@ -77,7 +77,7 @@ class TokenGate:
         # Restore windows: devices whose restored sessions have not all reattached yet. Only the
         # slice in progress may be granted there; other requests wait (parked), in order.
         self._restoring: dict[int, set[str]] = {}
-        self._parked: dict[int, list[str]] = {}
+        self._parked: dict[int, dict[str, None]] = {}  # device -> the parked requests' sessions, in order
         self._restore_deadline = 0.0
 
     # ------------------------------------------------------------------ asking
@@ -95,9 +95,7 @@ class TokenGate:
             else:
                 self._pending.add(s.id)
         elif decision is Gate.PARK:
-            parked = self._parked[s.device]
-            if s.id not in parked:
-                parked.append(s.id)
+            self._parked[s.device].setdefault(s.id)  # once, in the order first asked
         elif decision is Gate.HOLD:
             self._lost.hold(s.device, s.id, now if since is None else since)
             log.debug("[device] held a token request session=%s on lost device=%d", s.id, s.device)
@@ -180,7 +178,7 @@ class TokenGate:
         reattach, until ``deadline`` at the latest, before parked requests are made."""
         for device, sids in restored.items():
             self._restoring.setdefault(device, set()).update(sids)
-            self._parked.setdefault(device, [])
+            self._parked.setdefault(device, {})
         self._restore_deadline = deadline
 
     def honour_claim(self, s: Session, claim: int | None, now: float) -> None:
@@ -213,13 +211,12 @@ class TokenGate:
 
     def _unpark(self, sid: str) -> None:
         for parked in self._parked.values():
-            if sid in parked:
-                parked.remove(sid)
+            parked.pop(sid, None)
 
     def _end_restore(self, device: int, now: float) -> None:
         """Close a device's restore window and make its parked requests."""
         self._restoring.pop(device, None)
-        parked = self._parked.pop(device, [])
+        parked = self._parked.pop(device, {})
         log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
         for sid in parked:
             s = self._sessions.get(sid)
