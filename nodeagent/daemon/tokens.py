@@ -475,7 +475,7 @@ class Pacing:
         # controller was told something (dirty), the lanes or holders differ, or a deadline passed.
         self._dirty: set[int] = set(self._devices)
         self._seen: dict[int, tuple] = {}  # device -> (lanes, holders) its board was last written from
-        self._due: dict[int, float] = {}  # device -> its controllers' soonest deadline at that write
+        self._due: dict[int, float | None] = {}  # device -> its controllers' soonest deadline at that write
 
     # ---------------------------------------------------------------- life
 
@@ -549,19 +549,13 @@ class Pacing:
             self._dirty.discard(device)
             self._seen[device] = seen
             wants = []  # (class, want, holding) of each higher-class session with a controller
-            due = None
             for sid, (workload, controller) in self._on_device[device].items():
                 holding = sid in holders
                 in_line = holding or not controller.queue_steered or \
                     scheduler.state(sid) is SessionState.WAITING
                 wants.append((workload, self._counted(device, controller.want, now, in_line), holding))
-                deadline = controller.next_deadline()
-                if deadline is not None and (due is None or deadline < due):
-                    due = deadline
-            if due is None:
-                self._due.pop(device, None)
-            else:
-                self._due[device] = due
+            deadlines = (controller.next_deadline() for _, controller in self._on_device[device].values())
+            self._due[device] = min((deadline for deadline in deadlines if deadline is not None), default=None)
             period_us = self._period_us
             for workload, (present, active) in enumerate(lanes):
                 if workload == Workload.BEST_EFFORT and len(scheduler) <= lanes[-1][0]:
@@ -577,7 +571,7 @@ class Pacing:
     def next_deadline(self) -> float | None:
         """When a controller's want may change with nothing said (a waiting request's projected
         latency reaching its target, a held pause's gap ending)."""
-        return min(self._due.values()) if self._due else None  # as of the last write (after every turn)
+        return min((due for due in self._due.values() if due is not None), default=None)  # as of the last write
 
     # ---------------------------------------------------------------- slices
 
