@@ -1,11 +1,5 @@
-"""Admission: which device a new session joins, and whom to suspend to make room for it.
-
-A component with no state of its own: it reads the session table, the devices'
-facts (capacity, failed devices), the schedulers' load (through ``tokens``), which
-sessions are suspended (their declarations do not count: ``suspensions``), the
-device lifecycles' refusals (lent to another job, draining: the cluster
-endpoint's) and what the warm workers hold (the serving component's). The hello
-handler asks it; the suspension component then carries out a plan to make room.
+"""Admission (:class:`Admission`): which device a new session joins, and whom to suspend to make
+room for it. A component with no state of its own (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ WorkersShare = Callable[[int], memory.WorkerShare | None]  # (device) -> what ad
 
 
 class Admission:
-    """Device choice and make-room plans (see the module docstring)."""
+    """Device choice and make-room plans."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, tokens: Tokens,
                  suspensions: Suspensions, refusal: Refusal, workers_share: WorkersShare) -> None:
@@ -46,10 +40,8 @@ class Admission:
         if wanted is not None and not 0 <= wanted < count:
             return None, p.ErrorCode.DEVICE, (f"no device {wanted}; this node has devices 0..{count - 1} "
                                               f"(backend {self._devices.name})")
-        if wanted is not None:
-            candidates = [wanted]
-        else:  # least loaded first
-            candidates = sorted(range(count), key=lambda i: (self._tokens.sessions_on(i), i))
+        candidates = [wanted] if wanted is not None else \
+            sorted(range(count), key=lambda i: (self._tokens.sessions_on(i), i))  # least loaded first
         lost = [lost_devices.refusal(i) for i in candidates if lost_devices.is_lost(i)]
         candidates = [i for i in candidates if not lost_devices.is_lost(i)]
         if not candidates:  # a failed GPU takes no session until it answers again

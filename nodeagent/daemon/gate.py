@@ -1,9 +1,6 @@
-"""What may be granted (:class:`TokenGate`): every request for a session's token passes here,
-in :func:`sharing.suspension.token_gate`'s order. It owns what keeps a request back: the blocks
-make-room sets (a session admitted by suspending others waits for them, until the bus's
-``MakeRoomFinished``), a restart's restore windows (the slice that was running goes first, the
-rest are parked) and the lost devices (:class:`LostDevices`, fed by the bus's ``DeviceLost``
-and ``DeviceBack``).
+"""What may be granted (:class:`TokenGate`): every request for a session's token passes here, in
+:func:`sharing.suspension.token_gate`'s order, and it owns what keeps one back: make-room blocks,
+restore windows and the lost devices (:class:`LostDevices`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -64,14 +61,11 @@ class LostDevices:
 
 
 class TokenGate:
-    """See the module docstring and docs/internals.md. A timed component: restore windows
-    close at their deadline."""
+    """The token gate; a timed component: restore windows close at their deadline."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, devices: DeviceFacts,
                  suspensions: Suspensions) -> None:
-        """``devices``: the lost-devices table (``devices.lost``) this component writes;
-        ``suspensions``: whether a session is suspended (``active``), and where a request made
-        while it is goes (``keep_request``, ``drop_request``: asked for at its resume)."""
+        """``devices``: the lost-devices table (``devices.lost``), which this component writes."""
         self._sessions = sessions
         self._tokens = tokens
         self._suspensions = suspensions
@@ -83,7 +77,7 @@ class TokenGate:
         # Restore windows: devices whose restored sessions have not all reattached yet. Only the
         # slice in progress may be granted there; other requests wait (parked), in order.
         self._restoring: dict[int, set[str]] = {}
-        self._parked: dict[int, list[str]] = {}
+        self._parked: dict[int, dict[str, None]] = {}  # device -> the parked requests' sessions, in order
         self._restore_deadline = 0.0
 
     # ------------------------------------------------------------------ asking
@@ -101,9 +95,7 @@ class TokenGate:
             else:
                 self._pending.add(s.id)
         elif decision is Gate.PARK:
-            parked = self._parked[s.device]
-            if s.id not in parked:
-                parked.append(s.id)
+            self._parked[s.device].setdefault(s.id)  # once, in the order first asked
         elif decision is Gate.HOLD:
             self._lost.hold(s.device, s.id, now if since is None else since)
             log.debug("[device] held a token request session=%s on lost device=%d", s.id, s.device)
@@ -122,10 +114,8 @@ class TokenGate:
     def forget(self, s: Session, now: float) -> None:
         """``s`` ended: nothing of it is kept, parked or held, and its restore window waits for
         it no longer."""
-        self._pending.discard(s.id)
+        self.withdraw(s)  # its suspension's wish too, where the suspension component has not ended it yet
         self._blocked_by.pop(s.id, None)
-        self._unpark(s.id)
-        self._lost.forget(s.id)
         self._reattached(s, now)
 
     def kept(self, s: Session) -> bool:
@@ -151,10 +141,8 @@ class TokenGate:
         sessions it blocked that no one else blocks ask for the token they asked for meanwhile."""
         victim = event.session
         for sid, blockers in list(self._blocked_by.items()):
-            if victim not in blockers:
-                continue
             blockers.discard(victim)
-            if blockers:
+            if blockers:  # blocked by others still (a set kept here is never empty)
                 continue
             del self._blocked_by[sid]
             s = self._sessions.get(sid)
@@ -190,7 +178,7 @@ class TokenGate:
         reattach, until ``deadline`` at the latest, before parked requests are made."""
         for device, sids in restored.items():
             self._restoring.setdefault(device, set()).update(sids)
-            self._parked.setdefault(device, [])
+            self._parked.setdefault(device, {})
         self._restore_deadline = deadline
 
     def honour_claim(self, s: Session, claim: int | None, now: float) -> None:
@@ -199,10 +187,6 @@ class TokenGate:
         if claim is not None and self._tokens.grant_of(s) is None:
             self.on_may_ask(MayAsk(s.id, now, claimed=True))
         self._reattached(s, now)
-
-    def restoring(self, device: int) -> bool:
-        """Whether ``device`` is in its restore window (only the slice that was running goes first)."""
-        return device in self._parked
 
     def awaited(self) -> set[str]:
         """The restored sessions that have not reattached yet (read-only view)."""
@@ -227,13 +211,12 @@ class TokenGate:
 
     def _unpark(self, sid: str) -> None:
         for parked in self._parked.values():
-            if sid in parked:
-                parked.remove(sid)
+            parked.pop(sid, None)
 
     def _end_restore(self, device: int, now: float) -> None:
         """Close a device's restore window and make its parked requests."""
         self._restoring.pop(device, None)
-        parked = self._parked.pop(device, [])
+        parked = self._parked.pop(device, {})
         log.info("[restore] device=%d open for grants, parked requests=%d", device, len(parked))
         for sid in parked:
             s = self._sessions.get(sid)

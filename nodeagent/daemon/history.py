@@ -1,22 +1,13 @@
-"""The daemon's record of grants and slices: each device's recent token history, for ``status``
-and ``nodeagent top`` (:class:`DeviceStats`, fed by the tokens component, O(1) an event and
-bounded whatever the traffic), and each training job's attained GPU-seconds, kept across
-restarts (:class:`AttainedService`, the signal Tiresias-style placement reads).
-
-A job is a session's ``borrower`` (``hello.borrower``): the name a cluster engine gives a
-training job, whose sessions the daemon admits only on a device lent to that job, so one
-job cannot charge its time to another by naming it. Inference sessions and sessions with no
-borrower are no job's: their time shows per session only (``SessionInfo.gpu_time_s``). A
-slice counts when it ends (:class:`~nodeagent.daemon.bus.SliceEnded`); the ledger is journalled
-every ``flush_s`` while it changes or a job's session holds a token, and at a clean shutdown,
-never per grant: a daemon SIGKILLed loses at most the last ``flush_s`` of each job's service.
+"""The daemon's record of grants and slices: each device's recent token history, for ``status`` and
+``nodeagent top`` (:class:`DeviceStats`), and each training job's attained GPU-seconds, kept across
+restarts (:class:`AttainedService`, the signal Tiresias-style placement reads). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Callable
 
 from client_lib import protocol as p
@@ -89,12 +80,10 @@ class DeviceStats:
 
     # ------------------------------------------------------------ reading
 
-    def report(self, now: float, holders: tuple[str, ...] | str | None) -> p.TokenActivity:
+    def report(self, now: float, holders: tuple[str, ...]) -> p.TokenActivity:
         """The history as of ``now`` for a status reply (its ``suspensions`` are counted by the
         suspension component). ``holders`` are the scheduler's (one per lane): an open slice of
         another session (whose end this object was not told) ends now."""
-        if holders is None or isinstance(holders, str):
-            holders = () if holders is None else (holders,)
         for lane, (session, _, _) in list(self._open.items()):
             if session not in holders:
                 self._close(lane, now)
@@ -122,24 +111,22 @@ class DeviceStats:
         for b in range(current - self.buckets + 1, current + 1):
             i = b % self.buckets
             slot = self._held[i] if self._tags[i] == b else None
+            extra: dict[str, float] = {}  # session -> seconds of its running slice in this bucket
             if b < open_from and b < current:  # complete, and no running slice in it
                 cached = self._best[i]
                 if cached is None or cached[0] != b:
                     cached = self._best[i] = (b, _winner(slot, bs, {}))
                 best = cached[1]
-                extra = {}
             else:
                 start = b * bs
-                extra = {}
                 for session, _, since in running:
                     seconds = min(now, start + bs) - max(start, since)
                     if seconds > 0:
                         extra[session] = extra.get(session, 0.0) + seconds
                 best = _winner(slot, min(now, start + bs) - start, extra)
             timeline.append(best)
-            seconds = {sid: entry[0] for sid, entry in (slot or {}).items()}
-            for sid, more in extra.items():
-                seconds[sid] = seconds.get(sid, 0.0) + more
+            seconds = Counter({sid: entry[0] for sid, entry in (slot or {}).items()})
+            seconds.update(extra)
             held = sorted((sid for sid, s in seconds.items() if s > 0), key=lambda sid: -seconds[sid])
             holders.append(held)
             for sid in held:
@@ -179,17 +166,10 @@ class DeviceStats:
             self._held[i] = {}
         self._best[i] = None
         slot = self._held[i]
-        entry = slot.get(session)
-        if entry is not None:
-            entry[0] += seconds
-        elif len(slot) < MAX_HOLDERS_PER_BUCKET:
-            slot[session] = [seconds, name]
-        else:
-            many = slot.get(MANY)
-            if many is None:
-                slot[MANY] = [seconds, MANY]
-            else:
-                many[0] += seconds
+        if session in slot or len(slot) < MAX_HOLDERS_PER_BUCKET:
+            slot.setdefault(session, [0.0, name])[0] += seconds
+        else:  # the rest pooled
+            slot.setdefault(MANY, [0.0, MANY])[0] += seconds
 
 def _winner(slot: dict[str, list] | None, length_s: float, running: dict[str, float]) -> str:
     """Who held a token longest in a bucket ``length_s`` long: a session of ``slot`` (plus what
@@ -220,10 +200,8 @@ def job_of(s: Session) -> str | None:
 
 
 class AttainedService:
-    """The attained-service ledger: owns each job's GPU-seconds and their journal rows.
-
-    Given the sessions it reads and the tokens' views (who holds a token now, and since when:
-    the running slices), the journal writer it writes through, and the loop's clock."""
+    """The attained-service ledger: owns each job's GPU-seconds and their journal rows, journalled
+    at most ``flush_s`` behind (a daemon SIGKILLed loses at most that much of each job's service)."""
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, journal: JournalWriter,
                  clock: Callable[[], float], flush_s: float = FLUSH_S, max_jobs: int = MAX_JOBS) -> None:
@@ -252,10 +230,6 @@ class AttainedService:
             self._next_flush = self._clock()
         if rows:
             log.info("[attained] restored jobs=%d gpu_s=%.1f", len(self._banked), sum(self._banked.values()))
-
-    def close(self, now: float) -> None:
-        """A clean shutdown: write what changed."""
-        self.flush(now)
 
     # ------------------------------------------------------------------ bus
 

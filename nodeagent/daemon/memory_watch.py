@@ -1,8 +1,6 @@
-"""Measured device memory against declarations, and lost devices (:class:`MemoryPolicy`): a
-watcher thread reads per-process memory off the loop, and the loop applies ``memory.policy``
-to sessions over their declaration, tells the sessions of a lost device (the token gate keeps
-the lost-devices table, fed by ``DeviceLost`` and ``DeviceBack``), and acts on Xid errors. It
-owns the watcher and its readings. Detail: docs/internals.md.
+"""Measured device memory against declarations, lost devices and Xid faults (:class:`MemoryPolicy`):
+it owns the watcher thread that reads per-process memory off the loop, and its readings, which the
+loop acts on (``memory.policy``). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.bus import Bus, DeviceFacts, LoopHandle, MpsFaulted
 from nodeagent.daemon.bus import DeviceBack as BusDeviceBack
 from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
-from nodeagent.daemon.tokens import Tokens
+from nodeagent.daemon.tokens import Send, Tokens
 
 log = logging.getLogger("nodeagent.memory_watch")
 
@@ -64,18 +62,11 @@ class DeviceBack:
 Reading = Union[DeviceReading, DeviceLost, DeviceBack, DeviceFault]
 
 
-Send = Callable[[object, object], None]  # (route, message)
-
-
 class MemoryPolicy:
-    """The memory policy applied to measured use, and lost devices (see the module
-    docstring). It owns the memory watcher thread and the queue it reads into."""
+    """The memory policy applied to measured use, and lost and faulted devices."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, loop: LoopHandle, sessions: SessionTable,
                  tokens: Tokens, metrics: Metrics, send: Send, bus: Bus) -> None:
-        """``devices``: the backend (which measures per-process memory on cuda); ``bus``: health
-        events, :class:`DeviceLost` and :class:`DeviceBack` (the token gate and serving's queues
-        hear them there) are published on it."""
         self._config = config
         self._backend = devices.backend
         self._clock = loop.clock
@@ -122,15 +113,10 @@ class MemoryPolicy:
         """Act on one pass of the watcher: over-memory sessions, devices lost or back."""
         allowance_bytes = context_allowance_mb(self._config.memory_context_allowance_mb,
                                                self._backend.name) * memory.MiB
+        health = {DeviceLost: self._on_device_lost, DeviceBack: self._on_device_back, DeviceFault: self._on_device_fault}
         for reading in readings:
-            if isinstance(reading, DeviceLost):
-                self._on_device_lost(reading, now)
-                continue
-            if isinstance(reading, DeviceBack):
-                self._on_device_back(reading.device, now)
-                continue
-            if isinstance(reading, DeviceFault):
-                self._on_device_fault(reading, now)
+            if type(reading) in health:
+                health[type(reading)](reading, now)
                 continue
             sessions = [s for s in self._sessions.values() if s.device == reading.device]
             over = {o.session.id: o for o in memory.measure(sessions, reading.processes, allowance_bytes)}
@@ -159,11 +145,8 @@ class MemoryPolicy:
             self._tokens.revoke(s.device, s.id, now, "memory")
 
     def _on_device_lost(self, lost: DeviceLost, now: float) -> None:
-        """A failed GPU is a device failure: a health event, the holder's token
-        revoked (``device_lost``) and every session on it told with an ``E_DEVICE``
-        error notice (their CUDA contexts died with the device). Until it answers
-        again it takes no new session and grants nothing: waiters leave the line
-        first (so that the revoke grants nobody) and their requests are held."""
+        """A failed GPU: a health event, the holder's token revoked (``device_lost``) and every session
+        on it told with an ``E_DEVICE`` notice (their CUDA contexts died with the device)."""
         sessions = [s for s in self._sessions.values() if s.device == lost.device]
         log.error("[device] lost device=%d sessions=%d: %s", lost.device, len(sessions), lost.message)
         self._bus.event("health", lost.device, None, device_state="lost", reason=lost.message)
@@ -178,15 +161,9 @@ class MemoryPolicy:
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
     def _on_device_fault(self, fault: DeviceFault, now: float) -> None:
-        """NVML reported an Xid on a device. One that ends the context it happened in, on a
-        device whose sessions share an MPS server, ended every client of that server (NVIDIA's
-        MPS: a fatal fault in one client reaches all of them, and the server takes no new client
-        until they have all exited): their tokens are revoked (``mps_fault``) and each is told
-        with an ``E_DEVICE`` notice to end its process and start again; the MPS component gives
-        sessions that join meanwhile a plain context (:class:`MpsFaulted`). NVML does not say
-        which process faulted, so outside MPS nothing is taken from anyone: the fault is counted,
-        logged and published. Nor when a process outside MPS had a context on the device around the
-        fault (the watcher's :attr:`DeviceFault.outside_mps`): it may have been that one."""
+        """An Xid on a device: a context-ending one under MPS ended every client of the server, whose
+        tokens are revoked (``mps_fault``) and who are told; any other is counted, logged and published
+        (NVML does not say which process faulted). See docs/internals.md."""
         device = fault.device
         if not 0 <= device < self._tokens.device_count:
             return
@@ -221,20 +198,16 @@ class MemoryPolicy:
                 self._tokens.revoke(s.device, s.id, now, "mps_fault")
             self._send(s.route, p.Error(id=0, code=p.ErrorCode.DEVICE, message=notice))
 
-    def _on_device_back(self, device: int, now: float) -> None:
-        """A lost device answers again: it admits sessions, and the requests held on it go to its
-        scheduler in the order they were made, keeping their wait (the token gate's part)."""
-        log.warning("[device] device=%d answers NVML again: open for sessions and grants", device)
-        self._bus.event("health", device, None, device_state="ok")
-        self._bus.publish(BusDeviceBack(device, now))
+    def _on_device_back(self, back: DeviceBack, now: float) -> None:
+        """A lost device answers again: it admits sessions, and the gate makes the requests held on it."""
+        log.warning("[device] device=%d answers NVML again: open for sessions and grants", back.device)
+        self._bus.event("health", back.device, None, device_state="ok")
+        self._bus.publish(BusDeviceBack(back.device, now))
 
 
 class MemoryWatcher(threading.Thread):
-    """Reads per-process device memory every ``interval_s`` off the loop thread
-    and hands the readings to the loop (see docs/internals.md).
-
-    ``host_proc``: the host's /proc as mounted for a daemon in a container
-    (``memory.host_proc``); ``proc_root`` and ``translator`` are for tests."""
+    """Reads per-process device memory every ``interval_s`` off the loop thread for the loop. ``host_proc``:
+    the host's /proc as a daemon in a container mounts it; ``proc_root`` and ``translator`` are for tests."""
 
     def __init__(self, backend: DeviceBackend, interval_s: float, out: queue.SimpleQueue,
                  wake: Callable[[], None], *, host_proc: str | None = None, proc_root: str = "/proc",
@@ -281,7 +254,8 @@ class MemoryWatcher(threading.Thread):
             if device in self._lost:
                 self._lost.discard(device)
                 readings.append(DeviceBack(device))
-            readings.append(DeviceReading(device, self._uses(processes)))
+            # in the daemon's pid namespace, with their parents; not visible here (exited, elsewhere): left out
+            readings.append(DeviceReading(device, [use for use in map(self._use, processes) if use is not None]))
             outside[device] = {proc.pid: self._use(proc) for proc in processes
                                if not proc.mps_client and not self._mps_server(proc.pid)}
         self._outside = outside
@@ -306,11 +280,6 @@ class MemoryWatcher(threading.Thread):
                 return f.read().startswith(b"nvidia-cuda-mps")
         except OSError:
             return False
-
-    def _uses(self, processes: list[DeviceProcess]) -> list[memory.ProcessUse]:
-        """NVML's processes in the daemon's pid namespace, with their parents; those
-        not visible here (other containers, exited meanwhile) are left out."""
-        return [use for use in map(self._use, processes) if use is not None]
 
     def _use(self, proc: DeviceProcess) -> memory.ProcessUse | None:
         pid = self._translator.to_local(proc.pid)

@@ -1,11 +1,11 @@
-"""Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives,
-stops the old daemon left, suspensions and policies; it opens a restore window per device in
-the token gate (the client that was using the device reclaims its slice before parked requests
-run), and writes stale sessions again while the journal fails. Detail: docs/internals.md.
+"""Restore after a restart (:class:`Restorer`): journalled sessions whose process still lives, the
+stops the old daemon left and suspensions; and stale sessions written again while the journal
+fails. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -29,20 +29,12 @@ log = logging.getLogger("nodeagent.restore")
 JOURNAL_RETRY_S = 2.0  # how often stale sessions are written again while the journal fails
 
 
-
 class Restorer:
-    """Restore after a restart (see docs/internals.md).
-
-    :meth:`restore` renews the schedulers through ``tokens`` (grant ids continue
-    above the old daemon's)."""
+    """Restore after a restart, and the journal's retry timer (see docs/internals.md)."""
 
     def __init__(self, *, config: ServeConfig, journal: JournalWriter, sessions: SessionTable,
                  tokens: Tokens, mps: MpsPartitions, capacities_mb: list[int], suspensions: Suspensions,
                  gate: TokenGate) -> None:
-        """``sessions`` and ``tokens``: where a restored session is added, as at its hello;
-        ``suspensions``: the owner of a restored session's suspension (``restored``), and what
-        a stale session's row says of it (``record``); ``gate``: where the restore windows of
-        the devices with restored sessions are opened."""
         self._config = config
         self._journal = journal
         self._sessions = sessions
@@ -56,13 +48,10 @@ class Restorer:
     # ---------------------------------------------------------------- restore
 
     def restore(self, now: float) -> int:
-        """Take back the sessions a previous daemon journalled whose processes still live;
-        returns this daemon's boot number (call only with a journal).
-
-        Grant ids continue above the old ones (boot << 32). Devices with restored
-        sessions enter a restore window: the client that was using the device may
-        claim its slice back; other requests wait until every restored session
-        has reattached or ``heartbeat_timeout_s`` has passed."""
+        """Take back the sessions a previous daemon journalled whose processes still live; returns this
+        daemon's boot number (call only with a journal). Grant ids continue above the old ones (boot << 32);
+        other requests wait in the restore windows until every restored session has reattached or
+        ``heartbeat_timeout_s`` has passed."""
         journal = self._journal.journal
         boot = journal.next_boot()
         self._tokens.renew((boot << 32) + 1)
@@ -76,9 +65,7 @@ class Restorer:
             why = unrestorable(rec, self._capacities_mb)
             if why:
                 log.info("[restore] drop session=%s name=%s: %s", rec.id, rec.name, why)
-                continue_orphan({"stopped": rec.stopped, "verified_pid": rec.verified_pid,
-                                 "start_ticks": rec.start_ticks, "managed_pgid": rec.managed_pgid,
-                                 "uid": rec.uid})
+                continue_orphan(dataclasses.asdict(rec))
                 self._journal.write(lambda j, sid=rec.id: j.delete_session(sid))
                 dropped += 1
                 continue
@@ -117,11 +104,6 @@ class Restorer:
                 "[restore] boot=%d restored=%d dropped=%d bad=%d", boot, restored, dropped, len(bad))
         return boot
 
-    def restored(self) -> list[Session]:
-        """The sessions :meth:`restore` brought back that are still in a restore window."""
-        ids = self._gate.awaited()
-        return [s for s in self._sessions.values() if s.id in ids]
-
     def next_deadline(self, now: float) -> float | None:
         """When the journal is probed again (None: it is not pending)."""
         return self._next_retry
@@ -137,13 +119,11 @@ class Restorer:
         if writer.journal is None or (writer.ok and not writer.stale):
             self._next_retry = None
             return
-        if self._next_retry is None or now < self._next_retry:
-            if self._next_retry is None:
-                self._next_retry = now + JOURNAL_RETRY_S
-            return
-        self._next_retry = now + JOURNAL_RETRY_S
-        if not writer.probe():
-            return  # still failing; next time
+        due = self._next_retry
+        if due is None or now >= due:
+            self._next_retry = now + JOURNAL_RETRY_S
+        if due is None or now < due or not writer.probe():
+            return  # the first failure seen, not due yet, or still failing; next time
         for sid in sorted(writer.stale):
             s = self._sessions.get(sid)
             done = writer.put_session(s, suspension=self._suspensions.record(s),

@@ -407,7 +407,7 @@ class AgentServer:
                 signal.set_wakeup_fd(old)
         self._wake_r.close()
         self._wake_w.close()
-        self._attained.close(self._clock())  # before the journal closes: a clean stop loses no service
+        self._attained.flush(self._clock())  # before the journal closes: a clean stop loses no service
         self._sessions.close()
         if self.journal is not None:
             self.journal.close()

@@ -1,9 +1,6 @@
-"""Whole-device suspension (:class:`Suspensions`): it owns each session's
-:class:`sharing.suspension.Suspension` machine and the host memory its client keeps for parked
-state, journals each state before acting on it, carries out its actions (notices, stops through
-``tokens``, taking the token, answering callers) and counts the suspensions asked per device,
-for status. Others read a session's suspension through its read-only views (``state``,
-``active``, ``parked_bytes``, ``host_kept``, ``suspended_ids``).
+"""Whole-device suspension (:class:`Suspensions`): each session's
+:class:`sharing.suspension.Suspension` machine, journalled before it is acted on, and the host memory
+its client keeps for parked state; others read them through its views. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class Suspensions:
 
     def __init__(self, *, sessions: SessionTable, tokens: Tokens, metrics: Metrics, replies: Replies, bus: Bus,
                  journal: JournalWriter) -> None:
-        """``tokens``: the token commands, and stopping and continuing verified processes;
-        ``bus``: suspension events (the cluster's, SuspendFinished, MakeRoomFinished) and MayAsk
-        (a session's request for the token, made again at its resume); ``journal``: each state
-        is written there before what it stands for is done."""
+        """``bus``: suspension events (the cluster's, SuspendFinished, MakeRoomFinished) and MayAsk
+        (a session's request for the token, made again at its resume)."""
         self._sessions = sessions
         self._tokens = tokens
         self._metrics = metrics
@@ -97,8 +92,7 @@ class Suspensions:
     def active(self, s: Session) -> bool:
         """Suspended, stopped, or asked to be: ``s`` may not use the device. (Read at every
         acquire and release: one dict lookup.)"""
-        machine = self._machines.get(s.id)
-        return machine is not None and machine.state is not SuspendState.RUNNING
+        return self._machine_of(s).active
 
     def suspended_ids(self) -> frozenset[str]:
         """The sessions whose suspension is :meth:`active`: their device memory is, or is about
@@ -284,10 +278,7 @@ class Suspensions:
 
     def _machine(self, s: Session) -> Suspension:
         """``s``'s machine, to change (made on its first suspension)."""
-        machine = self._machines.get(s.id)
-        if machine is None:
-            machine = self._machines[s.id] = Suspension()
-        return machine
+        return self._machines.setdefault(s.id, Suspension())
 
     def _target(self, route, request_id: int, frame, target_id: str, act: Act) -> Session | None:
         """The target session if the peer may act on it (:mod:`nodeagent.daemon.authz`)."""
@@ -315,7 +306,7 @@ class Suspensions:
                 else:
                     self._send(s.route, p.ResumeNotice())
             elif kind is LeaveLine:
-                self._tokens.leave_line(s, now)
+                self._tokens.cancel_session(s, now)  # it was waiting, not holding
             elif kind is StopProcess:
                 if not self._tokens.stop(s):  # unverifiable (or gone): it was not stopped after all
                     self._carry_out(s, self._machine(s).not_stopped(now), now)

@@ -1,11 +1,6 @@
-"""Each device's token (:class:`Tokens`): the only writer of the schedulers, and the carrying-out
-of what they decide: grants and yield requests to clients, enforcement (SIGSTOP of a verified
-process, journalled first, else a revoke), continuing a stopped process, each client session's
-token state (:class:`TokenHold`, read by others through views), the co-run pace boards and their
-controllers (:class:`Pacing`, a part of this component reading the schedulers), and the waits and
-slices measured. A sub-session added as ``delegated`` (a client's server-side
-inference queue) is not a client session: its actions are published as
-:class:`nodeagent.daemon.bus.DelegatedAction` for the serving component.
+"""Each device's token (:class:`Tokens`): the only writer of the schedulers and the carrying-out of
+their actions (grants, yields, enforcement), each client session's token state (:class:`TokenHold`),
+and the co-run pace boards (:class:`Pacing`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -47,14 +42,14 @@ class TokenHold:
     stopped: bool = False  # SIGSTOPped by the daemon (journalled first); continued before its next grant
 
 
+_NO_HOLD = TokenHold()  # what a session with no token state reads as (never changed: reads only)
+
+
 class Tokens:
     """The schedulers of every device and the carrying-out of their actions."""
 
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, metrics: Metrics,
                  journal: JournalWrite, send: Send, bus: Bus, clock: Callable[[], float]) -> None:
-        """``config``: the policy, enforcement and sharing settings; ``devices``: how many
-        and on which backend (co-run is the default on cuda); ``bus``: where grants and
-        preemptions are published for the cluster's events."""
         device_count = devices.count
         policy = config.policy()
         self.sharing = config.sharing_for(devices.name)
@@ -73,8 +68,7 @@ class Tokens:
         self._delegated: set[str] = set()
         self._holds: dict[str, TokenHold] = {}  # client sessions' token state, by session id
         self._clock = clock
-        self._wait_hist: dict[tuple[int, Workload], object] = {}  # the metrics' children, kept: no lookup per grant
-        self._slice_total: dict[tuple[int, Workload], object] = {}
+        self._children: dict[tuple, object] = {}  # (family, device, class) -> its child, kept: no lookup per grant
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
         self.stats = [DeviceStats() for _ in range(device_count)]  # recent history for status (`nodeagent top`)
         # Co-run devices: their pace boards and controllers (a part of this component, reading the schedulers).
@@ -124,12 +118,6 @@ class Tokens:
     def cancel(self, device: int, sid: str, now: float) -> None:
         self.apply(self.schedulers[device].cancel(sid, now), now)
 
-    def leave_line(self, s: Session, now: float) -> None:
-        """Client session ``s`` stops waiting because the daemon says so (it is being suspended):
-        its request goes and its wait is no longer timed; a resume asks again (:meth:`time_wait`)."""
-        self.cancel(s.device, s.id, now)
-        self._holds[s.id].wait_started = None
-
     def time_wait(self, s: Session, now: float, *, again: bool = False) -> None:
         """``s`` asked for the token: its wait (``nodeagent_token_wait_seconds``) is timed from
         ``now``, unless it holds or is timed already; ``again``: from ``now`` whatever came before."""
@@ -155,7 +143,8 @@ class Tokens:
         self.count_slice(s, held_since, now)
 
     def cancel_session(self, s: Session, now: float) -> None:
-        """Client session ``s`` stops waiting (a no-op for a holder: it must release)."""
+        """Client session ``s`` stops waiting (a no-op for a holder: it must release); its wait is no
+        longer timed (one being suspended: its resume asks again, :meth:`time_wait`)."""
         actions = self.schedulers[s.device].cancel(s.id, now)
         hold = self._holds[s.id]
         if hold.grant is None:
@@ -199,23 +188,19 @@ class Tokens:
 
     def grant_of(self, s: Session) -> int | None:
         """The grant client session ``s`` holds (None: none, or it is not a session here)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.grant
+        return self._holds.get(s.id, _NO_HOLD).grant
 
     def held_since(self, s: Session) -> float | None:
         """When ``s``'s grant was made (None while it holds none)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.granted_at
+        return self._holds.get(s.id, _NO_HOLD).granted_at
 
     def waiting_since(self, s: Session) -> float | None:
         """When ``s`` last asked for the token, while its wait is timed (None: not waiting, or holding)."""
-        hold = self._holds.get(s.id)
-        return None if hold is None else hold.wait_started
+        return self._holds.get(s.id, _NO_HOLD).wait_started
 
     def stopped(self, s: Session) -> bool:
         """Whether the daemon has ``s``'s process SIGSTOPped (journalled; continued before its next grant)."""
-        hold = self._holds.get(s.id)
-        return hold is not None and hold.stopped
+        return self._holds.get(s.id, _NO_HOLD).stopped
 
     def state(self, device: int, sid: str) -> SessionState:
         return self.schedulers[device].state(sid)
@@ -256,10 +241,6 @@ class Tokens:
         """The pace board a lower-class session on ``device`` reads ("" where the device does not co-run)."""
         return self._pacing.board_path(device)
 
-    def pace_controller(self, sid: str):
-        """``sid``'s pace controller (None: it has none, or is of the lowest class); read it, never step it."""
-        return self._pacing.controller(sid)
-
     # ------------------------------------------------------------------ pace boards
 
     def open_pace_boards(self, socket_path: str | None, state_dir: str) -> None:
@@ -279,12 +260,8 @@ class Tokens:
     def next_deadline(self, now: float) -> float | None:
         """The earliest scheduler deadline of any device (a yield or slice timer), or the pacing's
         (a queue-steered pause's projection); None if nothing is pending."""
-        soonest = self._pacing.next_deadline()
-        for scheduler in self.schedulers:
-            deadline = scheduler.next_deadline()
-            if deadline is not None and (soonest is None or deadline < soonest):
-                soonest = deadline
-        return soonest
+        deadlines = (self._pacing.next_deadline(), *(scheduler.next_deadline() for scheduler in self.schedulers))
+        return min((deadline for deadline in deadlines if deadline is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         for scheduler in self.schedulers:
@@ -339,10 +316,8 @@ class Tokens:
                 self._send(s.route, p.Revoke(grant=action.grant, reason=action.reason))
 
     def _enforce(self, action: Enforce, now: float) -> None:
-        """A holder overran its yield deadline: stop it if its identity is
-        verified, policy allows and the stop could be journalled, else take the
-        token away. The waiter is granted before the log line; the journal write
-        stays ahead of SIGSTOP."""
+        """A holder overran its yield deadline: stop it if it is verified, policy allows and the stop
+        could be journalled (ahead of SIGSTOP), else revoke; the waiter is granted before the log line."""
         s = self._sessions[action.session]
         if self._wait_for_late_yield(s, action, now):
             return
@@ -382,12 +357,9 @@ class Tokens:
     # ------------------------------------------------------------------ stopping
 
     def stop(self, s: Session) -> bool:
-        """SIGSTOP a verified session's process; False if it cannot be (or is gone).
-
-        Write-ahead: the journal says "stopped" before the signal is sent, so a
-        daemon killed at any moment after leaves a record that makes its
-        successor continue the process (continuing a running one is harmless).
-        If that write fails (disk full), the process is not stopped: False."""
+        """SIGSTOP a verified session's process; False if it cannot be (or is gone). Write-ahead: the
+        journal says "stopped" first, so a daemon killed after leaves its successor a record to continue
+        the process by (continuing a running one is harmless); if that write fails, no stop: False."""
         hold = self._holds.get(s.id)
         if hold is None or not enforce.can_signal(s):
             return False
@@ -421,16 +393,18 @@ class Tokens:
 
     # ------------------------------------------------------------------ measuring
 
+    def _child(self, family, s: Session):
+        """``family``'s series for ``s``'s device and class."""
+        key = (family, s.device, s.workload)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(str(s.device), s.workload.wire)
+        return child
+
     def _observe_wait(self, s: Session, hold: TokenHold, now: float) -> None:
-        if hold.wait_started is None:
-            return
-        key = (s.device, s.workload)
-        hist = self._wait_hist.get(key)
-        if hist is None:
-            hist = self._metrics.token_wait.labels(str(s.device), s.workload.wire)
-            self._wait_hist[key] = hist
-        hist.observe(now - hold.wait_started)
-        hold.wait_started = None
+        if hold.wait_started is not None:
+            self._child(self._metrics.token_wait, s).observe(now - hold.wait_started)
+            hold.wait_started = None
 
     def end_slice(self, s: Session, now: float) -> None:
         hold = self._holds.get(s.id)
@@ -445,11 +419,7 @@ class Tokens:
         if held_since is not None:  # a session that left while holding counts its last slice too
             self._bus.publish(SliceEnded(s, max(0.0, now - held_since)))
         if held_since is not None and s.id in self._sessions:
-            key = (s.device, s.workload)
-            total = self._slice_total.get(key)
-            if total is None:
-                total = self._slice_total[key] = self._metrics.slice_seconds.labels(str(s.device), s.workload.wire)
-            total.inc(max(0.0, now - held_since))
+            self._child(self._metrics.slice_seconds, s).inc(max(0.0, now - held_since))
             self._pacing.slice_ended(s, now, self.schedulers[s.device])
         else:
             self._pacing.forget(s)
@@ -478,26 +448,13 @@ class Tokens:
 
 
 # ------------------------------------------------------------------ pacing: a part of Tokens
-# Pacing lower classes on co-run devices: the pace boards and their controllers.
-#
-# On a co-run device (:mod:`sharing.corun`) every class has its own token, so an
-# inference request is granted at once beside a training holder. This
-# component tells the lower classes how hard to hold back while a higher class
-# holds: one pace board per device (:mod:`client_lib.pace`, a 64-byte file
-# clients map read-only, named in their welcome), written after every loop turn
-# from the scheduler's lanes and one :class:`sharing.corun.PaceController` per
-# higher-class session, fed by that session's slices and the queue it says it
-# has (:func:`sharing.corun.board_slot` combines them).
-#
-# A part of :class:`nodeagent.daemon.tokens.Tokens`, which owns the schedulers,
-# offers its commands and hands it, call by call, the schedulers it reads; given
-# the session table to read, a controller factory, the clock and the metrics.
 
 PACE_DIR = "pace"
 
 
 class Pacing:
-    """Boards and controllers of the co-run devices (see the module docstring)."""
+    """The pace boards of the co-run devices and their controllers: a part of :class:`Tokens`, which
+    hands it, call by call, the schedulers it reads (docs/internals.md)."""
 
     def __init__(self, *, sessions: SessionTable, devices: Iterable[int],
                  new_controller: Callable[[], PaceController], clock: Callable[[], float], metrics=None) -> None:
@@ -509,16 +466,16 @@ class Pacing:
         self._boards: dict[int, PaceBoardWriter] = {}
         self._dir: str | None = None
         # One controller per higher-class session (inference, and training for best-effort), fed by
-        # its own slices; a holder with none (a best-effort one: nobody is below it) uses its device's.
+        # its own slices; a best-effort one has none: nobody is below it.
         self._controllers: dict[str, PaceController] = {}
         self._on_device: dict[int, dict[str, tuple[Workload, PaceController]]] = {d: {} for d in self._devices}
-        self._shared = {d: new_controller() for d in self._devices}
+        self._period_us = new_controller().period_us if self._devices else 0  # the boards' (all made alike)
         self._duty_shown: dict[int, int] = {}  # device -> the duty the gauge shows
         # A board is written again only when something it depends on may have changed: a
         # controller was told something (dirty), the lanes or holders differ, or a deadline passed.
         self._dirty: set[int] = set(self._devices)
         self._seen: dict[int, tuple] = {}  # device -> (lanes, holders) its board was last written from
-        self._due: dict[int, float] = {}  # device -> its controllers' soonest deadline at that write
+        self._due: dict[int, float | None] = {}  # device -> its controllers' soonest deadline at that write
 
     # ---------------------------------------------------------------- life
 
@@ -550,9 +507,7 @@ class Pacing:
         except (OSError, PaceBoardError) as exc:
             pace_log.warning("[pace] cannot prepare the pace boards in %s (%s); lower classes are paced by MPS "
                         "priority alone", directory, getattr(exc, "strerror", None) or exc)
-            for board in self._boards.values():
-                board.close()
-            self._boards.clear()
+            self.close()  # the boards made so far (no directory is kept yet)
             return
         self._dir = directory
         pace_log.info("[pace] co-run devices=%s boards=%s", sorted(self._boards), directory)
@@ -594,25 +549,14 @@ class Pacing:
             self._dirty.discard(device)
             self._seen[device] = seen
             wants = []  # (class, want, holding) of each higher-class session with a controller
-            due = None
             for sid, (workload, controller) in self._on_device[device].items():
                 holding = sid in holders
                 in_line = holding or not controller.queue_steered or \
                     scheduler.state(sid) is SessionState.WAITING
                 wants.append((workload, self._counted(device, controller.want, now, in_line), holding))
-                deadline = controller.next_deadline()
-                if deadline is not None and (due is None or deadline < due):
-                    due = deadline
-            if due is None:
-                self._due.pop(device, None)
-            else:
-                self._due[device] = due
-            for holder in holders:  # a holder with no controller of its own
-                if holder not in self._controllers:
-                    workload = _lane_workload(scheduler, holder)
-                    if workload is not None:
-                        wants.append((workload, self._shared[device].want(now), True))
-            period_us = self._shared[device].period_us
+            deadlines = (controller.next_deadline() for _, controller in self._on_device[device].values())
+            self._due[device] = min((deadline for deadline in deadlines if deadline is not None), default=None)
+            period_us = self._period_us
             for workload, (present, active) in enumerate(lanes):
                 if workload == Workload.BEST_EFFORT and len(scheduler) <= lanes[-1][0]:
                     board.set(workload, Pace(present, active, 1000, period_us))  # nobody of it is there
@@ -627,7 +571,7 @@ class Pacing:
     def next_deadline(self) -> float | None:
         """When a controller's want may change with nothing said (a waiting request's projected
         latency reaching its target, a held pause's gap ending)."""
-        return min(self._due.values()) if self._due else None  # as of the last write (after every turn)
+        return min((due for due in self._due.values() if due is not None), default=None)  # as of the last write
 
     # ---------------------------------------------------------------- slices
 
@@ -635,7 +579,7 @@ class Pacing:
                    released: bool = False) -> None:
         """``s`` said with a slice request (or, ``released``, a release) how many of its requests
         wait (None: nothing; see :meth:`sharing.corun.PaceController.tell_queue`)."""
-        controller = self._controller_for(s)
+        controller = self.joined(s.device, s.id, s.workload)
         if controller is None:
             return
         self._counted(s.device, controller.tell_queue, now, waiting,
@@ -645,7 +589,7 @@ class Pacing:
     def granted(self, s: Session, now: float, scheduler) -> None:
         """``s`` was granted (``scheduler``: its device's, read only): its controller notes the duty
         and whether a lower class holds."""
-        controller = self._controller_for(s)
+        controller = self.joined(s.device, s.id, s.workload)
         if controller is not None:
             controller.set_slo(s.slo_ms / 1000.0 if s.slo_ms else None)
             self._counted(s.device, controller.slice_started, now, self._lower_active(s, scheduler.holders()))
@@ -676,9 +620,6 @@ class Pacing:
 
     # ---------------------------------------------------------------- internals
 
-    def _controller_for(self, s: Session) -> PaceController | None:
-        return self.joined(s.device, s.id, s.workload)
-
     def joined(self, device: int, sid: str, workload: Workload) -> PaceController | None:
         """``sid`` of class ``workload`` is on ``device``: a higher-class session gets its controller."""
         if device not in self._on_device or workload is Workload.BEST_EFFORT:
@@ -702,10 +643,3 @@ class Pacing:
     def _lower_active(self, s: Session, holders: tuple[str, ...]) -> bool:
         """Whether a session of a lower class than ``s`` is among ``holders``."""
         return any(self._sessions[h].workload > s.workload for h in holders if h in self._sessions)
-
-
-def _lane_workload(scheduler, sid: str) -> Workload | None:
-    """The class of the lane ``sid`` takes turns in on a co-run device (None: not co-run, or not there)."""
-    if not scheduler.corun or sid not in scheduler:
-        return None
-    return scheduler.workload_of(sid)

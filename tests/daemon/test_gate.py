@@ -79,4 +79,28 @@ def test_a_restore_window_closes_when_its_last_awaited_session_ends_not_at_its_d
     assert gate.ask(waiting, 2.0) is Gate.PARK and tokens.asked == []
     sessions.remove(gone)
     gate.forget(gone, 3.0)  # what the server does when a session ends
-    assert tokens.asked == [("s-new", 1.5)] and not gate.restoring(0) and gate.next_deadline(3.0) is None
+    assert tokens.asked == [("s-new", 1.5)] and gate.next_deadline(3.0) is None
+    assert gate.ask(add(sessions, "s-late"), 4.0) is Gate.QUEUE  # the window is closed: nothing is parked
+
+
+def test_a_session_that_ends_leaves_nothing_kept_parked_or_held_to_be_asked_for_later(sessions):
+    """What the gate kept back for a session that then ended is never asked for: not at the end
+    of the blocks it waited for, nor when its restore window closes, nor when its lost device is back."""
+    from nodeagent.daemon.bus import DeviceBack
+
+    tokens = AskedTokens()
+    devices = FakeDevices(2)
+    gate = TokenGate(sessions=sessions, tokens=tokens, devices=devices,
+                     suspensions=make_suspensions(sessions=sessions, tokens=tokens))
+    blocked, parked, held, victim = (add(sessions, sid) for sid in ("s-kept", "s-parked", "s-held", "s-victim"))
+    held.device = 1
+    gate.block(blocked, [victim])
+    gate.open_windows({0: {"s-other"}}, deadline=10.0)
+    devices.lost.lose(1, "Xid 79")  # as the gate does on DeviceLost
+    assert [gate.ask(s, 1.0) for s in (blocked, parked, held)] == [Gate.KEEP, Gate.PARK, Gate.HOLD]
+    for s in (blocked, parked, held):
+        gate.forget(s, 2.0)
+    gate.on_make_room_finished(MakeRoomFinished(victim.id, 3.0))
+    gate.on_timers(10.0)
+    gate.on_device_back(DeviceBack(1, 11.0))
+    assert tokens.asked == [] and not gate.kept(blocked)

@@ -64,18 +64,18 @@ def test_counters_count_each_kind_of_event_apart():
     s.yield_asked("quantum")
     s.yield_asked("quantum")
     s.enforced()
-    r = s.report(0.5, None)
+    r = s.report(0.5, ())
     assert (r.grants, r.preemptions, r.quantum_yields, r.enforcements) == (2, 1, 2, 1)
 
 
 def test_waits_are_a_ring_of_the_last_wait_window_and_bad_ones_are_not_kept():
     s = stats(wait_window=4)
-    assert s.report(0.0, None).wait_p50_ms is None and s.report(0.0, None).wait_p99_ms is None
+    assert s.report(0.0, ()).wait_p50_ms is None and s.report(0.0, ()).wait_p99_ms is None
     for waited in (9.0, 9.0, 0.001, 0.002, 0.003, 0.004):  # the two slow ones fall out of the ring
         s.granted("s-a", "a", 1.0, waited)
     s.granted("s-a", "a", 1.0, -1.0)  # never the scheduler's; counted as a grant, not as a wait
     s.granted("s-a", "a", 1.0, math.nan)
-    r = s.report(1.0, "s-a")
+    r = s.report(1.0, ("s-a",))
     assert r.grants == 8 and r.waits == 4
     assert r.wait_p50_ms == pytest.approx(2.0)
     assert r.wait_p99_ms == pytest.approx(4.0)
@@ -85,13 +85,13 @@ def test_the_timeline_ends_with_the_bucket_now_is_in_oldest_first():
     s = stats(buckets=4)
     held(s, "s-a", 0.0, 0.9)
     held(s, "s-b", 2.0, 2.9)
-    r = s.report(3.5, None)
+    r = s.report(3.5, ())
     assert r.bucket_ms == 1000.0
     assert r.timeline == ["s-a", IDLE, "s-b", IDLE]
     assert r.holders == [["s-a"], [], ["s-b"], []]
     assert r.names == {"s-a": "name-s-a", "s-b": "name-s-b"}
     # One bucket later the oldest one has gone.
-    assert s.report(4.5, None).timeline == [IDLE, "s-b", IDLE, IDLE]
+    assert s.report(4.5, ()).timeline == [IDLE, "s-b", IDLE, IDLE]
 
 
 def test_a_bucket_is_idle_unless_its_longest_holder_held_longer_than_it_was_free():
@@ -101,7 +101,7 @@ def test_a_bucket_is_idle_unless_its_longest_holder_held_longer_than_it_was_free
     held(s, "s-x", 2.0, 2.3)  # three short slices: free 0.05, the longest (0.45, under half) wins
     held(s, "s-y", 2.3, 2.5)
     held(s, "s-z", 2.5, 2.95)
-    r = s.report(3.01, None)
+    r = s.report(3.01, ())
     assert r.timeline[:3] == [IDLE, "s-most", "s-z"]
     assert r.holders[2] == ["s-z", "s-x", "s-y"]  # longest first
 
@@ -110,11 +110,11 @@ def test_a_slice_across_buckets_is_spread_over_them_and_one_longer_than_the_time
     s = stats(buckets=4)
     held(s, "s-a", 0.5, 2.25)  # 0.5 in bucket 0 (a tie: idle), all of 1, 0.25 of 2
     held(s, "s-b", 2.6, 3.3)  # across one edge: 0.4 of bucket 2, 0.3 of the 0.5 of 3 so far
-    r = s.report(3.5, None)
+    r = s.report(3.5, ())
     assert r.timeline == [IDLE, "s-a", "s-b", "s-b"]
     assert r.holders == [["s-a"], ["s-a"], ["s-b", "s-a"], ["s-b"]]
     held(s, "s-long", 4.0, 100.5)  # 96 buckets: only the last four are kept
-    r = s.report(100.7, None)
+    r = s.report(100.7, ())
     assert r.timeline == ["s-long", "s-long", "s-long", "s-long"]
     assert r.holders == [["s-long"]] * 4
 
@@ -128,7 +128,7 @@ def test_an_open_slice_counts_up_to_now_and_the_next_report_does_not_end_it():
     r = s.report(3.2, ("s-a",))  # still held: the open slice keeps counting
     assert r.timeline == [IDLE, "s-a", "s-a", "s-a"]
     s.slice_ended("s-a", 3.4)
-    assert s.report(3.9, None).timeline == [IDLE, "s-a", "s-a", IDLE]  # 0.4 of bucket 3: now idle
+    assert s.report(3.9, ()).timeline == [IDLE, "s-a", "s-a", IDLE]  # 0.4 of bucket 3: now idle
 
 
 def test_a_report_that_finds_another_holder_ends_the_slice_it_was_not_told_of():
@@ -141,7 +141,7 @@ def test_a_report_that_finds_another_holder_ends_the_slice_it_was_not_told_of():
     assert r.holders[0] == ["s-serve"]
     # A holder named alone (a string) keeps its slice.
     s.granted("s-b", "b", 4.0, 0.0)
-    assert s.report(4.8, "s-b").timeline[-1] == "s-b"
+    assert s.report(4.8, ("s-b",)).timeline[-1] == "s-b"
 
 
 def test_a_grant_ends_the_open_slice_of_its_own_lane_only():
@@ -160,9 +160,9 @@ def test_ending_a_slice_no_one_holds_changes_nothing():
     s.slice_ended("s-nobody", 0.5)
     s.slice_ended("s-a", 0.8)
     s.slice_ended("s-a", 0.95)  # reported twice (revoked, then gone)
-    r = s.report(1.5, None)
+    r = s.report(1.5, ())
     assert r.timeline[-2] == "s-a" and r.holders[-2] == ["s-a"]
-    assert s.report(1.5, None).timeline == r.timeline  # a report read twice says the same
+    assert s.report(1.5, ()).timeline == r.timeline  # a report read twice says the same
 
 
 def test_a_bucket_keeps_at_most_max_holders_and_pools_the_rest_under_many():
@@ -171,7 +171,7 @@ def test_a_bucket_keeps_at_most_max_holders_and_pools_the_rest_under_many():
     for i in range(n):  # the pooled ones together hold longest
         held(s, f"s-{i:02d}", i * 0.08, (i + 1) * 0.08)
     held(s, "s-00", 0.88, 0.99)  # a session already in the full bucket still adds to its own entry
-    r = s.report(1.5, None)
+    r = s.report(1.5, ())
     assert len(r.holders[0]) == MAX_HOLDERS_PER_BUCKET + 1
     assert r.holders[0][:2] == [MANY, "s-00"]  # 0.24 pooled, then 0.19
     assert r.timeline[0] == MANY
@@ -182,7 +182,7 @@ def test_a_slot_from_an_earlier_round_of_the_ring_is_started_afresh():
     s = stats(buckets=2)
     held(s, "s-old", 0.0, 0.9)  # bucket 0, slot 0
     held(s, "s-new", 2.0, 2.2)  # bucket 2, slot 0 again: s-old must not show in it
-    r = s.report(2.5, None)
+    r = s.report(2.5, ())
     assert r.holders == [[], ["s-new"]]
     assert r.timeline == [IDLE, IDLE]
     assert r.names == {"s-new": "name-s-new"}
@@ -193,7 +193,7 @@ def test_on_a_co_run_device_the_lanes_overlap_and_a_bucket_is_busy_while_any_hol
     held(s, "s-infer", 0.0, 0.4, lane=0)
     held(s, "s-train", 0.0, 0.4, lane=1)
     held(s, "s-infer", 0.4, 0.5, lane=0)
-    r = s.report(1.5, None)
+    r = s.report(1.5, ())
     assert r.holders[-2] == ["s-infer", "s-train"]  # 0.5 and 0.4: 0.9 of the bucket's 1.0 held
     assert r.timeline[-2] == "s-infer"  # free 0.1 (the lanes' time is not counted twice as free)
 
@@ -276,7 +276,7 @@ def test_a_clean_shutdown_writes_what_changed_and_the_running_slices(ledger):
     attained.tokens.add(running.device, running.id, running.workload, running.weight, 4.0)
     sessions.add(running)
     attained.tokens.request(running.device, running.id, 4.0)  # granted at 4.0: held 2.5 s at the close
-    attained.close(6.5)
+    attained.flush(6.5)  # what a clean shutdown does
     assert journalled(path) == {"job-a": 1.5, "job-b": 2.5}
 
 

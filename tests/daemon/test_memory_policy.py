@@ -83,7 +83,7 @@ class RecordingTokens:
     def stop(self, s):
         return self.h._stop(s)
 
-    def leave_line(self, s, now):
+    def cancel_session(self, s, now):
         self.cancel(s.device, s.id, now)
 
     def end_slice(self, s, now):

@@ -364,3 +364,18 @@ def test_after_a_clean_restart_a_resumed_trainer_reads_the_new_board_not_the_unl
         finally:
             holder.kill()
             holder.wait()
+
+
+def test_boards_that_cannot_all_be_made_are_all_removed_and_none_is_named(tmp_path):
+    """A board that cannot be made (here a directory stands at dev1's path) leaves no co-run
+    device paced by a board: the one made before it is closed and unlinked, and none is named."""
+    from sharing.corun import PaceController
+
+    from nodeagent.daemon.tokens import Pacing
+
+    (tmp_path / "pace" / "dev1").mkdir(parents=True)
+    pacing = Pacing(sessions={}, devices=(0, 1), new_controller=PaceController, clock=lambda: 0.0)
+    pacing.start(None, str(tmp_path))
+    assert pacing.board_path(0) == "" and pacing.board_path(1) == ""
+    assert sorted(os.listdir(tmp_path / "pace")) == ["dev1"]
+    pacing.refresh_all([])  # nothing to write

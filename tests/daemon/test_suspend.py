@@ -224,7 +224,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
         def state(self, device, sid):
             return scheduler.state(sid)
 
-        def leave_line(self, victim, now):
+        def cancel_session(self, victim, now):
             scheduler.cancel(victim.id, now)
 
         def end_slice(self, victim, now):
@@ -289,7 +289,7 @@ def test_sessions_a_make_room_suspension_blocked_ask_before_its_end_reaches_a_re
         def state(self, device, sid):
             return SessionState.HOLDING
 
-        def leave_line(self, victim, now):
+        def cancel_session(self, victim, now):
             pass
 
         def end_slice(self, victim, now):
@@ -452,3 +452,32 @@ def test_a_suspended_session_whose_connection_closes_is_lost_at_once_not_given_t
     peer.close()
     wait_for(lambda: found() is None or not found().attached)
     assert found() is None  # dropped when its connection closed, never kept detached
+
+
+def test_a_waiting_session_asked_to_suspend_leaves_the_line_and_its_wait_is_no_longer_timed():
+    """Stepped by hand over real tokens: the holder's release then grants nobody, and the wait
+    of the suspended session is not observed when it is granted after its resume."""
+    from nodeagent.daemon.sessions import Session, SessionTable
+    from sharing import SessionState, Workload
+    from tests.daemon_parts import make_suspensions, make_tokens
+
+    sessions = SessionTable()
+    try:
+        tokens = make_tokens(sessions=sessions)
+        suspensions = make_suspensions(sessions=sessions, tokens=tokens)
+        holder, waiter = (Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None,
+                                  start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=0,
+                                  memory_mb=0, created=0.0, last_seen=0.0) for sid in ("s-hold", "s-wait"))
+        for s in (holder, waiter):
+            sessions.add(s)
+            tokens.add(0, s.id, s.workload, s.weight, 0.5)
+        for s in (holder, waiter):
+            tokens.time_wait(s, 1.0)
+            tokens.request(0, s.id, 1.0)
+        assert tokens.state(0, waiter.id) is SessionState.WAITING and tokens.waiting_since(waiter) == 1.0
+        suspensions.begin(waiter, 1000.0, 2.0, reason="requested")
+        assert tokens.state(0, waiter.id) is SessionState.IDLE and tokens.waiting_since(waiter) is None
+        tokens.release_session(holder, tokens.grant_of(holder), 3.0)
+        assert tokens.grant_of(waiter) is None
+    finally:
+        sessions.close()

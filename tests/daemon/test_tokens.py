@@ -119,7 +119,7 @@ def test_a_sessions_token_state_is_read_through_the_views_its_commands_keep():
         tokens.release_session(a, grant, 3.0, requeue=True)  # a requeue's wait starts at the release
         assert (tokens.grant_of(a), tokens.held_since(a), tokens.waiting_since(a)) == (None, None, 3.0)
         assert tokens.grant_of(b) is not None and tokens.held_since(b) == 3.0 and tokens.waiting_since(b) is None
-        tokens.leave_line(a, 3.5)  # the daemon takes it out of the line: its wait is no longer timed
+        tokens.cancel_session(a, 3.5)  # it leaves the line (a suspension): its wait is no longer timed
         assert tokens.waiting_since(a) is None and tokens.stopped(a) is False
         tokens.remove(0, "a", 4.0)
         assert tokens.waiting_since(a) is None and tokens.grant_of(a) is None  # gone with its session

@@ -27,7 +27,7 @@ def test_waits_are_a_bounded_ring_of_the_latest_grants():
     stats = DeviceStats(wait_window=8)
     for i in range(100):
         stats.granted("s-a", "a", float(i), waited_s=i / 1000.0)
-    report = stats.report(100.0, holders="s-a")
+    report = stats.report(100.0, holders=("s-a",))
     assert report.grants == 100 and report.waits == 8  # the ring holds the last 8 only
     assert len(stats._waits) == 8
     # The last 8 waits are 92..99 ms: nearest-rank p50 is the 4th, p99 the 8th.
@@ -39,7 +39,7 @@ def test_percentiles_are_nearest_rank():
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0
     assert percentile([7.0], 50) == 7.0 and percentile([7.0], 99) == 7.0
     assert percentile([1.0, 2.0], 50) == 1.0 and percentile([1.0, 2.0], 99) == 2.0
-    empty = DeviceStats().report(5.0, holders=None)
+    empty = DeviceStats().report(5.0, holders=())
     assert empty.waits == 0 and empty.wait_p50_ms is None and empty.wait_p99_ms is None
 
 
@@ -50,7 +50,7 @@ def test_the_timeline_names_who_held_each_bucket_longest():
     stats.granted("s-b", "trainer-b", 102.7, 0.0)
     stats.slice_ended("s-b", 103.2)  # b: 102.7..103.2 (half of bucket 102 is a's, 0.3 b's)
     stats.granted("s-a", "trainer-a", 104.6, 0.0)  # still holding at the report: counts up to now
-    report = stats.report(106.5, holders="s-a")
+    report = stats.report(106.5, holders=("s-a",))
     # buckets 99..106, oldest first: 99 before anything, 100-101 a, 102 a (0.5 > 0.3 b, 0.2 idle),
     # 103 idle (0.2 b), 104 idle (0.4 a < 0.6 free), 105 a, 106 a (0.5 of the 0.5 so far)
     assert report.timeline == ["", "s-a", "s-a", "s-a", "", "", "s-a", "s-a"]
@@ -61,7 +61,7 @@ def test_the_timeline_names_who_held_each_bucket_longest():
     # A wider view of the same: b wins its bucket when it held it longest.
     stats.slice_ended("s-a", 107.0)
     stats.granted("s-b", "trainer-b", 107.0, 0.0)
-    report = stats.report(108.0, holders="s-b")
+    report = stats.report(108.0, holders=("s-b",))
     assert report.timeline[-2:] == ["s-b", ""]  # 107 was b's; 108 has only just begun
     assert report.names == {"s-a": "trainer-a", "s-b": "trainer-b"}
 
@@ -71,8 +71,8 @@ def test_the_timeline_is_bounded_in_time_and_in_sessions():
     stats.granted("s-long", "long", 0.0, 0.0)
     stats.slice_ended("s-long", 1e6)  # a slice far longer than the timeline touches its buckets only
     assert sorted(tag for tag in stats._tags if tag >= 0) == list(range(999_991, 1_000_000))
-    assert stats.report(1e6 + 0.5, holders=None).timeline == ["s-long"] * 9 + [""]
-    assert stats.report(1e6 + 20.0, holders=None).timeline == [""] * 10  # wrapped: the old buckets are gone
+    assert stats.report(1e6 + 0.5, holders=()).timeline == ["s-long"] * 9 + [""]
+    assert stats.report(1e6 + 20.0, holders=()).timeline == [""] * 10  # wrapped: the old buckets are gone
 
     t = 2e6
     for i in range(50):  # 50 sessions in one bucket, each 10 ms
@@ -81,7 +81,7 @@ def test_the_timeline_is_bounded_in_time_and_in_sessions():
         stats.slice_ended(f"s-{i:03d}", t)
     slot = stats._held[int(2e6) % 10]
     assert len(slot) == MAX_HOLDERS_PER_BUCKET + 1 and MANY in slot  # the rest pooled
-    report = stats.report(2e6 + 0.6, holders=None)
+    report = stats.report(2e6 + 0.6, holders=())
     assert report.timeline[-1] == MANY  # 0.42 s pooled beats 0.1 s idle and any single session
 
 
@@ -90,10 +90,10 @@ def test_a_status_closes_a_slice_whose_end_was_not_reported():
     read with every status, ends a slice the stats were not told about."""
     stats = DeviceStats(bucket_s=1.0, buckets=4)
     stats.granted("s-x:serve", "x (server-side)", 10.0, 0.0)
-    assert stats.report(11.5, holders="s-x:serve").timeline[-2:] == ["s-x:serve", "s-x:serve"]
-    report = stats.report(13.9, holders=None)  # it released at some point, not after this status
+    assert stats.report(11.5, holders=("s-x:serve",)).timeline[-2:] == ["s-x:serve", "s-x:serve"]
+    report = stats.report(13.9, holders=())  # it released at some point, not after this status
     assert report.timeline == ["s-x:serve"] * 4 and not stats._open
-    assert stats.report(15.5, holders=None).timeline == ["s-x:serve", "s-x:serve", "", ""]  # closed for good
+    assert stats.report(15.5, holders=()).timeline == ["s-x:serve", "s-x:serve", "", ""]  # closed for good
 
 
 def test_counters():
@@ -102,7 +102,7 @@ def test_counters():
     stats.yield_asked("quantum")
     stats.yield_asked("quantum")
     stats.enforced()
-    report = stats.report(1.0, holders=None)
+    report = stats.report(1.0, holders=())
     assert (report.preemptions, report.quantum_yields, report.enforcements) == (1, 2, 1)
 
 
@@ -131,7 +131,7 @@ def test_a_serving_queue_counts_in_its_devices_history():
         assert [type(a).__name__ for a in delegated] == ["Grant"]  # still the serving component's to carry out
         grant = delegated[0].grant
         tokens.apply(scheduler.release("s-owner:serve", grant, 12.5), 12.5)  # as serving releases: no hook
-        report = tokens.stats[0].report(13.0, holders=scheduler.holder())
+        report = tokens.stats[0].report(13.0, holders=scheduler.holders())
         assert report.grants == 1 and report.names == {"s-owner:serve": "ranker (server-side)"}
         assert report.timeline[-4:] == ["s-owner:serve", "s-owner:serve", "s-owner:serve", ""]
     finally:

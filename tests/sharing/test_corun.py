@@ -449,13 +449,13 @@ def test_each_higher_class_session_has_its_own_controller_fed_by_its_own_slices(
     for n in range(6):
         _slice(tokens, s["a"], now + 0.1 * n, 0.004)
         _slice(tokens, s["b"], now + 0.1 * n + 0.05, 0.040)
-    a, b, t = (tokens.pace_controller(sid) for sid in "abt")
+    a, b, t = (tokens._pacing.controller(sid) for sid in "abt")  # the tokens component's part, read
     assert a is not b and a is not None and b is not None
     assert a.slo_s == 0.020 and b.slo_s == 0.050  # not overwritten by each other's slices
     assert max(a._reference) < 0.01 and min(b._reference) > 0.01  # each its own slices only
     assert t is not None and 3.0 not in a._reference and 3.0 not in b._reference
     tokens.remove(0, "a", now + 1.0)
-    assert tokens.pace_controller("a") is None  # gone with its session
+    assert tokens._pacing.controller("a") is None  # gone with its session
 
 
 @pytest.mark.parametrize("duty, armed", [("adaptive", True), ("pause", True), ("free", False)])
