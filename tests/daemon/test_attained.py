@@ -267,6 +267,30 @@ def test_a_sigkilled_daemon_keeps_every_jobs_attained_service(cluster_node, star
     peer.close()
 
 
+def test_a_clean_stop_journals_the_service_no_flush_had_written_yet(cluster_node, spawn):
+    """SIGTERM: the server flushes the ledger before the journal closes. job-7's slice ended less
+    than a flush interval (1 s) before the stop, and job-8's session holds the token when it comes:
+    without that last flush, job-7 has no row and job-8's row lags by up to a second."""
+    node = cluster_node("--cpu-devices", "2")
+    peer = node.peer()
+    assert peer.call(p.Lend(id=0, device=0, borrower="job-7")).changed
+    assert peer.call(p.Lend(id=0, device=1, borrower="job-8")).changed
+    holder = spawn(node.daemon.endpoint, "hold", "--name", "b", "--borrower", "job-8")
+    holder.expect("GRANT")
+    wait_for(lambda: _journal_rows(node).get("job-8", 0) > 0)  # a periodic flush has run: the next is < 1 s away
+    with Client("a", workload="training", endpoint=node.daemon.endpoint, borrower="job-7") as c:
+        c.acquire()
+        c.release()
+        before = _attained(peer)
+        node.daemon.proc.terminate()
+        assert node.daemon.proc.wait(timeout=30) == 0
+    rows = _journal_rows(node)
+    assert rows.get("job-7") == pytest.approx(before["job-7"], abs=1e-4)
+    assert rows["job-8"] >= before["job-8"]
+    holder.kill()
+    peer.close()
+
+
 def test_renew_and_set_weight_over_the_wire(cluster_node):
     node = cluster_node("--cpu-devices", "1")
     peer = node.peer()
