@@ -390,9 +390,6 @@ def _malformed_text(frame: bytes) -> str:
     return f"the frame is not a MessagePack map: {_malformed_reason(frame)}"
 
 
-_STR_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: the width of their length
-
-
 def _malformed_reason(frame: bytes) -> str:
     """Why ``frame`` is not one whole MessagePack value, from a walk of its bytes."""
     pos, end, remaining = 0, len(frame), 1
@@ -404,8 +401,8 @@ def _malformed_reason(frame: bytes) -> str:
         if header is None:
             return f"byte 0x{b:02x} at offset {pos} is not MessagePack"
         after, count = header
-        if 0xA0 <= b <= 0xBF or b in _STR_HEADERS:
-            start = pos + 1 + _STR_HEADERS.get(b, 0)
+        if 0xA0 <= b <= 0xBF or 0xD9 <= b <= 0xDB:  # a fixstr, or str8/16/32 after its length
+            start = pos + 1 + _LENGTH_PREFIXED.get(b, (0, 0))[0]
             if after <= end:
                 try:
                     frame[start:after].decode("utf-8")
