@@ -73,6 +73,7 @@ class Client:
         # session: what the daemon's notices mean.
         self._transport = Transport(self.endpoint)
         self._io = self._transport.io  # held while this client reads or writes; the liveness thread only tries it
+        self._async_error: NodeAgentError | None = None  # error reply to a request sent without waiting
         self._grant: int | None = None
         self._yield_requested = False
         self._in_slice = False
@@ -565,10 +566,9 @@ class Client:
 
     def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
         log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        self._transport.close()
-        claim, self._grant = self._grant, None
+        claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
         self._yield_requested = False
-        self._transport.forget_requests()
+        self._async_error = None
         try:
             self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
         except DaemonUnavailableError:
@@ -734,7 +734,7 @@ class Client:
             if not messages:
                 return False
         if raise_async:
-            err = self._transport.take_async_error()
+            err, self._async_error = self._async_error, None
             if err is None:
                 pass
             elif isinstance(err, NoSessionError) and self.reconnect:
@@ -774,7 +774,7 @@ class Client:
         elif kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
             # Error to a request sent without waiting. A release that raced a
             # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
-            self._transport.fail_later(from_reply(msg.code, msg.message))
+            self._async_error = from_reply(msg.code, msg.message)  # raised by the next pump
 
 
     # -------------------------------------------------- liveness thread hooks

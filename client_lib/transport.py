@@ -18,8 +18,7 @@ from typing import Callable
 from client_lib import codec, framing
 from client_lib import protocol as p
 from client_lib.endpoint import ENV_ENDPOINT, SOCKET_GROUP, client_endpoint, socket_group
-from client_lib.errors import (DaemonError, DaemonUnavailableError, HandshakeTimeoutError, NodeAgentError,
-                               from_reply)
+from client_lib.errors import DaemonUnavailableError, HandshakeTimeoutError, NodeAgentError, from_reply
 
 log = logging.getLogger("client_lib.client")
 
@@ -37,13 +36,14 @@ class Transport:
         self._next_id = 1
         self._replies: dict[int, p.DaemonMessage] = {}
         self._awaiting: set[int] = set()  # ids of requests a call() is waiting on
-        self._async_error: DaemonError | None = None  # error reply to a fire-and-forget request
 
     # ------------------------------------------------------------ connection
 
     def open(self, timeout: float) -> None:
-        """A new connection (the old one, if any, is closed first)."""
+        """A new connection (the old one, if any, is closed first); it answers nothing the old one asked."""
         self.close()
+        self._replies.clear()
+        self._awaiting.clear()
         self.conn = open_connection(self.endpoint, timeout)
 
     def close(self) -> None:
@@ -56,12 +56,6 @@ class Transport:
         """False once the daemon closed the connection (it went away or restarted), or none is open."""
         conn = self.conn
         return conn is not None and not conn.closed_by_peer
-
-    def forget_requests(self) -> None:
-        """A new connection answers nothing the old one asked."""
-        self._replies.clear()
-        self._awaiting.clear()
-        self._async_error = None
 
     # -------------------------------------------------------------- requests
 
@@ -144,14 +138,6 @@ class Transport:
             self._replies[msg.id] = msg
             return True
         return False
-
-    def fail_later(self, err: DaemonError) -> None:
-        """An error reply to a request sent without waiting: raised by the client's next pump."""
-        self._async_error = err
-
-    def take_async_error(self) -> DaemonError | None:
-        err, self._async_error = self._async_error, None
-        return err
 
 
 def open_connection(endpoint: str, timeout: float) -> framing.Connection:
