@@ -81,33 +81,30 @@ class Transport:
         """Send ``req`` and wait for its reply; ``pump(ms)`` handles what arrives meanwhile
         (it hands replies back through :meth:`deliver`). An error reply is raised."""
         with self.io:
+            conn = self.conn
+            try:
+                conn.send(codec.encode(req))
+            except ConnectionError as exc:
+                raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
+            deadline = time.monotonic() + timeout
             self._awaiting.add(req.id)
             try:
-                return self._wait_reply(req, timeout, pump, handshake)
+                while req.id not in self._replies:
+                    if conn.closed_by_peer:
+                        raise DaemonUnavailableError(self.endpoint, "the daemon closed the connection before "
+                                                     f"answering {type(req).__name__}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and handshake:
+                        raise HandshakeTimeoutError(
+                            self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
+                            f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
+                    if remaining <= 0:
+                        raise DaemonUnavailableError(self.endpoint,
+                                                     f"no reply to {type(req).__name__} within {timeout} s")
+                    pump(min(POLL_SLICE_MS, max(1, int(remaining * 1000))))
             finally:
                 self._awaiting.discard(req.id)
-
-    def _wait_reply(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
-                    handshake: bool) -> p.DaemonMessage:
-        conn = self.conn
-        try:
-            conn.send(codec.encode(req))
-        except ConnectionError as exc:
-            raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
-        deadline = time.monotonic() + timeout
-        while req.id not in self._replies:
-            if conn.closed_by_peer:
-                raise DaemonUnavailableError(self.endpoint, f"the daemon closed the connection before answering "
-                                             f"{type(req).__name__}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if handshake:
-                    raise HandshakeTimeoutError(
-                        self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
-                        f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
-                raise DaemonUnavailableError(self.endpoint, f"no reply to {type(req).__name__} within {timeout} s")
-            pump(min(POLL_SLICE_MS, max(1, int(remaining * 1000))))
-        reply = self._replies.pop(req.id)
+            reply = self._replies.pop(req.id)
         if isinstance(reply, p.Error):
             raise from_reply(reply.code, reply.message)
         return reply
@@ -180,13 +177,9 @@ def one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, tim
             conn.send(codec.encode(request), timeout)
             reply = None
             while reply is None:
-                left = deadline - time.monotonic()
-                frames = conn.recv(max(0.0, left))
-                for frame in frames:
-                    msg = codec.decode_reply(frame)
-                    if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0):
-                        reply = msg
-                        break
+                frames = conn.recv(max(0.0, deadline - time.monotonic()))
+                reply = next((msg for msg in map(codec.decode_reply, frames)
+                              if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0)), None)
                 if reply is None and not frames and time.monotonic() >= deadline:
                     raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s")
         except ConnectionError:
