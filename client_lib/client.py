@@ -5,6 +5,7 @@ Over a transport of its own (:mod:`client_lib.transport`). Usage: README.md and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -268,12 +269,10 @@ class Client:
         that said its queue at :meth:`request`; a pause held for them lasts until none waits)."""
         if self._grant is None:
             return
-        if self._transport.conn is None:
-            self._grant = None
-            self._yield_requested = False
-            return
         grant, self._grant = self._grant, None
         self._yield_requested = False
+        if self._transport.conn is None:
+            return
         # The daemon first, before reading anything: the next holder waits on its grant.
         transport = self._transport
         transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
@@ -324,7 +323,7 @@ class Client:
             return True
         if self._in_slice and self._grant is None and not self._unmanaged:
             # Revoked, or back from a daemon restart without the token: wait our turn.
-            if not self._waiting_since_connect():
+            if self._asked_in != self._generation:  # not asked on this connection yet
                 self.request()
             self._wait_for_grant(None)
             return True
@@ -465,8 +464,8 @@ class Client:
         self.release()
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
         host_bytes, host_pinned = self._host_held()
-        self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
-                                     host_bytes=host_bytes, host_pinned=host_pinned))
+        report = dict(bytes_parked=bytes_parked, suspend_ms=suspend_ms, host_bytes=host_bytes, host_pinned=host_pinned)
+        self._send_quiet(p.Suspended(id=self._take_id(), **report))
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
                  host_bytes)
         generation = self._generation
@@ -479,8 +478,7 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
-                                             host_bytes=host_bytes, host_pinned=host_pinned))
+                self._send_quiet(p.Suspended(id=self._take_id(), **report))
             if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -606,8 +604,9 @@ class Client:
         if old is None and welcome.env:
             try:
                 _apply_env(welcome.env)
-            except CudaTooEarlyError:
-                self._abandon()
+            except CudaTooEarlyError:  # close the session the daemon just opened: it cannot be used
+                self._say_goodbye()
+                self._closed = True
                 raise
         self.welcome = welcome
         self._open_pace(welcome.pace)
@@ -661,11 +660,6 @@ class Client:
                 self._io.release()
         return self._transport.healthy
 
-    def _abandon(self) -> None:
-        """Close the session the daemon just opened, when this client cannot use it."""
-        self._say_goodbye()
-        self._closed = True
-
     def _say_goodbye(self) -> None:
         """End the session with ``bye`` (if the daemon is there) and close the connection."""
         if self.daemon_healthy():
@@ -674,9 +668,6 @@ class Client:
             except (NodeAgentError, ConnectionError):
                 pass
         self._transport.close()
-
-    def _waiting_since_connect(self) -> bool:
-        return self._asked_in == self._generation
 
     def _wait_for_grant(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -715,10 +706,7 @@ class Client:
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
-        return self._transport.call(req, timeout, self._pump_for_reply, handshake)
-
-    def _pump_for_reply(self, timeout_ms: int) -> None:
-        self._pump(timeout_ms, raise_async=False)
+        return self._transport.call(req, timeout, functools.partial(self._pump, raise_async=False), handshake)
 
     def _pump(self, timeout_ms: int, raise_async: bool = True) -> bool:
         """Handle every message that arrives within ``timeout_ms``; True if any did."""
