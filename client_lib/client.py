@@ -373,8 +373,11 @@ class Client:
         tuple, run once to check the model and time its layers. Returns once every
         worker has it; :class:`ModelError` says what was wrong (nothing registered)."""
         self._check_open()
+        if weights is not None:
+            weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
         with serving.Packed(serving.as_list(example_input), self.endpoint) as packed:
-            req = serving.register_request(self._take_id(), name, factory, weights, packed.refs, device, replace)
+            req = p.RegisterModel(id=self._take_id(), name=name, factory=factory, weights=weights,
+                                  example_input=packed.refs, device=device, replace=replace)
             reply = self._call(req, timeout)
         return reply.model
 

@@ -13,7 +13,6 @@ is none).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from client_lib import protocol as p
@@ -54,14 +53,6 @@ class Packed:
         if self.segment is not None:
             self.segment.close()
             self.segment.unlink()
-
-
-def register_request(request_id: int, name: str, factory: str, weights: str | os.PathLike | None,
-                     example_refs: list[p.TensorRef], device: int | None, replace: bool) -> p.RegisterModel:
-    if weights is not None:
-        weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
-    return p.RegisterModel(id=request_id, name=name, factory=factory, weights=weights,
-                           example_input=example_refs, device=device, replace=replace)
 
 
 def take_outputs(reply: p.InferResult, like: str, single: bool) -> Any:
