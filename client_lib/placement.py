@@ -184,13 +184,12 @@ class PlacementClient:
     # ------------------------------------------------------------ sockets
 
     def _server_key(self, name: str) -> bytes:
-        keys = self._server_keys
-        if isinstance(keys, (bytes, str)):
-            return keys.encode() if isinstance(keys, str) else keys
-        if keys is None or name not in keys:
-            raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
-                             "see load_server_public) or keys=None for plain tcp")
-        key = keys[name]
+        key = self._server_keys
+        if not isinstance(key, (bytes, str)):
+            if key is None or name not in key:
+                raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
+                                 "see load_server_public) or keys=None for plain tcp")
+            key = key[name]
         return key.encode() if isinstance(key, str) else key
 
     def _socket(self, kind: int, name: str) -> zmq.Socket:
@@ -210,11 +209,9 @@ class PlacementClient:
             old.close(0)
         if ipc_path(self._nodes[name]) is not None:  # the node's local socket: framed, not ZeroMQ
             sock = _LocalDealer(self._nodes[name])
-            self._dealers[name] = sock
-            self._by_socket[sock] = name
-            return
-        sock = self._socket(zmq.DEALER, name)
-        sock.connect(self._nodes[name])
+        else:
+            sock = self._socket(zmq.DEALER, name)
+            sock.connect(self._nodes[name])
         self._dealers[name] = sock
         self._by_socket[sock] = name
 
@@ -247,16 +244,14 @@ class PlacementClient:
             try:
                 self._dealers[name].send(frame, zmq.NOBLOCK)
             except ConnectionError as exc:  # a local socket nobody listens on
-                results[name] = NodeResult(name, None, PlacementError(
-                    E_UNAVAILABLE, f"cannot reach {self._nodes[name]}: {exc.strerror or exc}", name))
-                self._connect(name)
-                continue
+                why = f"cannot reach {self._nodes[name]}: {exc.strerror or exc}"
             except zmq.Again:
-                results[name] = NodeResult(name, None, PlacementError(
-                    E_UNAVAILABLE, f"cannot queue a request to {self._nodes[name]} (send queue full)", name))
-                self._connect(name)
+                why = f"cannot queue a request to {self._nodes[name]} (send queue full)"
+            else:
+                pending[rid] = name
                 continue
-            pending[rid] = name
+            results[name] = NodeResult(name, None, PlacementError(E_UNAVAILABLE, why, name))
+            self._connect(name)
         deadline = time.monotonic() + timeout_ms / 1000.0
         poller = zmq.Poller()
         for rid, name in pending.items():
