@@ -1,11 +1,5 @@
-"""Encoding and decoding of protocol frames: the only place bytes become types.
-
-MessagePack via msgspec, typed by the Structs in :mod:`client_lib.protocol`.
-No pickle, ever. Decoding a request never raises anything but
-:class:`BadFrame`, which carries the best request id that could be read from
-the frame so that the daemon can still answer the sender. Size and nesting depth
-are checked before any decoding: msgspec recurses once per level, and a frame
-nested a thousand deep would otherwise raise ``RecursionError``.
+"""Encoding and decoding of protocol frames: the only place bytes become types (msgspec, never
+pickle). Decoding a request raises nothing but :class:`BadFrame`. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""The cluster-side client: one placement layer talking to many nodeagent daemons at once.
-
-One DEALER per node (a CURVE client: our key pair and that node's server public
-key), all polled together, so a request to N nodes costs one round trip and a
-dead or slow node costs its timeout without delaying the others' answers. One
-SUB per node for events, merged into one stream.
-
-A node that misses the timeout gets a fresh socket: whatever was still queued
-for it is dropped, so a stale ``lend`` or ``reclaim`` is never delivered when the
-node comes back. Such a request may or may not have run on the node; the
-operations are idempotent, so ask again (or read ``inventory``) to find out.
-
-Not thread-safe (ZeroMQ sockets are not): use one PlacementClient per thread.
-Imports nothing of the daemon.
+"""The cluster-side client: one placement layer talking to many nodeagent daemons at once, and
+their events as one stream. Not thread-safe (ZeroMQ sockets are not): use one PlacementClient
+per thread. Detail: docs/internals.md.
 """
 
 from __future__ import annotations

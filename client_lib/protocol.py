@@ -1,17 +1,6 @@
-"""Wire types of the nodeagent protocol: the one definition both sides import.
-
-Every frame is one MessagePack map with an ``op`` tag. Requests go client ->
-daemon and carry a request ``id`` (a positive integer chosen by the client);
-the daemon answers each with exactly one reply echoing that ``id``: ``ok``,
-``error``, or a reply that carries a body (``welcome``, ``status_reply``).
-Notices (``grant``, ``yield``, ``revoke``) are pushed by the daemon at any
-time on the same connection and carry ``id = 0``.
-
-Compatibility rules (the protocol version is separate from the package
-version): a new field goes at the end of its struct with a default, which is a
-minor bump; anything else is a major bump. A daemon answers a ``hello`` with a
-major it cannot speak with ``E_PROTOCOL`` naming both versions. Encoding and
-decoding live in :mod:`client_lib.codec`; nothing here touches a socket.
+"""Wire types of the nodeagent protocol: the one definition both sides import, with their bounds.
+A new field goes at the end of its struct with a default (a minor bump). Encoding and decoding
+live in :mod:`client_lib.codec`. Detail: docs/internals.md; the contract: docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The client's connection to the daemon: open it, number and send requests, wait for replies.
-
-A :class:`Transport` owns one :class:`client_lib.framing.Connection` at a time (a reattach
-opens a new one), the I/O lock under which the owner's thread and the liveness thread take
-turns on it, request ids, and the replies awaited. It knows nothing of sessions: what a
-notice means is the :class:`~client_lib.client.Client`'s to decide, and a wait for a reply
-hands every message that arrives meanwhile to the client's ``pump``.
+It knows nothing of sessions: what a notice means is the :class:`~client_lib.client.Client`'s
+to decide. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
