@@ -123,11 +123,9 @@ class Client:
 
     @property
     def cuda_device(self) -> str:
-        """The torch device of this session's GPU in this process: ``"cuda:N"`` (``"cpu"`` on a
-        cpu daemon). N is the welcome's ``cuda_ordinal`` where the daemon could tell (0 under MPS),
-        else found from the UUID (:func:`client_lib.device_id.cuda_ordinal`: from
-        ``CUDA_VISIBLE_DEVICES``, else by asking torch, which initialises CUDA).
-        DeviceNotVisibleError if this process cannot see the GPU."""
+        """The torch device of this session's GPU in this process: ``"cuda:N"`` (``"cpu"`` on a cpu
+        daemon), N from the welcome, else from the UUID (:func:`client_lib.device_id.cuda_ordinal`,
+        which may initialise CUDA). DeviceNotVisibleError if this process cannot see the GPU."""
         welcome = self.welcome
         if welcome.backend != "cuda":
             return "cpu"
@@ -192,12 +190,9 @@ class Client:
 
     def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None,
                              held: Callable[[], tuple[int, bool]] | None = None) -> None:
-        """What to do when the daemon asks for the whole device: ``park()`` moves
-        the state to host memory, frees device memory and returns the bytes
-        parked; ``unpark()`` brings it back; ``held()`` says how much host memory
-        is kept for the state and whether it is pinned (reported to the daemon, which
-        counts it: ``suspended.host_bytes``). (:class:`client_lib.torch.Yielder`
-        registers these for modules and optimizers.)"""
+        """What to do when the daemon asks for the whole device: ``park()`` moves the state to host
+        memory, frees device memory and returns the bytes parked; ``unpark()`` brings it back;
+        ``held()`` gives (host bytes kept for the state, pinned), reported as ``suspended.host_bytes``."""
         self._park = park
         self._unpark = unpark
         self._held = held
@@ -240,14 +235,11 @@ class Client:
         return self._wait_for_grant(timeout)
 
     def request(self, *, waiting: int | None = None, oldest_arrival: float | None = None) -> None:
-        """Ask for the token without waiting; the grant arrives as a notice
-        (see :attr:`holding`, :meth:`wait_event`).
+        """Ask for the token without waiting; the grant arrives as a notice (:attr:`holding`).
 
-        Co-run, a higher-class service (protocol 2.7): ``waiting``, how many of its requests
-        wait, the ones this slice is for included; ``oldest_arrival``, when the oldest of them
-        arrived (``time.monotonic()``). The daemon then pauses lower classes only while that
-        request's latency would pass its target (docs/architecture.md, Co-run). Saying
-        nothing: steered by slice lengths, as before."""
+        Co-run, a higher-class service (2.7): ``waiting``, how many of its requests wait, this
+        slice's included; ``oldest_arrival``, when the oldest arrived (``time.monotonic()``), so
+        that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
         transport = self._transport
         if self._grant is None and transport.conn is not None:
@@ -366,12 +358,9 @@ class Client:
     def register_model(self, name: str, factory: str, weights: str | os.PathLike | None = None,
                        example_input: Any = None, *, device: int | None = None, replace: bool = False,
                        timeout: float = 600.0) -> p.ModelInfo:
-        """Register a model with the daemon's warm workers: ``factory`` is
-        ``"package.module:callable"`` (importable by the daemon) returning the
-        ``torch.nn.Module``; ``weights`` a safetensors or torch state-dict file
-        (None: the factory's own initialisation); ``example_input`` one tensor or a
-        tuple, run once to check the model and time its layers. Returns once every
-        worker has it; :class:`ModelError` says what was wrong (nothing registered)."""
+        """Register a model with the daemon's warm workers (fields as docs/protocol.md, register_model,
+        says; ``example_input``: one tensor or a tuple). Returns once every worker has it;
+        :class:`ModelError` says what was wrong (nothing registered)."""
         self._check_open()
         if weights is not None:
             weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
@@ -382,12 +371,9 @@ class Client:
         return reply.model
 
     def infer(self, name: str, inputs: Any, *, timeout: float = 60.0) -> Any:
-        """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of
-        them) in the daemon, under this session's device token. Returns what the
-        model returned: one tensor, or a list. Raises :class:`InferenceError` if the
-        model raised, :class:`WorkerDeadError` if its worker died meanwhile, and
-        :class:`RequestTimeoutError` if it was not done within ``timeout`` seconds
-        (token wait included; the daemon answers then)."""
+        """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of them) in the
+        daemon, under this session's token; returns one tensor or a list. :class:`InferenceError`,
+        :class:`WorkerDeadError`, or :class:`RequestTimeoutError` past ``timeout`` (token wait included)."""
         self._check_open()
         values = serving.as_list(inputs)
         with serving.Packed(values, self.endpoint) as packed:
@@ -703,8 +689,7 @@ class Client:
             raise NodeAgentError("client is closed")
 
     def _send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting: only an error reply matters, and it is raised later.
-        A daemon that went away is noticed by the next :meth:`_check_daemon`."""
+        """Send without waiting (:meth:`client_lib.transport.Transport.send_quiet`)."""
         self._transport.send_quiet(req)
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
@@ -849,13 +834,9 @@ def reattach_delay_s(failures: int, rng: random.Random | None = None) -> float:
 
 
 def _apply_env(env: dict[str, str]) -> None:
-    """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the
-    environment, where CUDA reads them when it initialises (cuInit).
-
-    :class:`CudaTooEarlyError` (and nothing changed) if CUDA was initialised in
-    this process already and a setting differs from what it started with: it
-    would run outside its partition (:mod:`client_lib.cuda_probe` says how that is
-    detected without initialising anything)."""
+    """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the environment, where
+    CUDA reads them at cuInit. :class:`CudaTooEarlyError` (nothing changed) if CUDA started in this
+    process already and a setting differs: it would run outside its partition."""
     differing = {key: value for key, value in env.items() if os.environ.get(key) != value}
     if differing:
         detected_by = cuda_probe.cuda_initialised_by()

@@ -310,16 +310,10 @@ class PlacementClient:
              suspend: Sequence[str] = (), deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
              borrower_uids: Sequence[int] | None = None) -> p.LifecycleReply:
         """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was).
-
-        ``borrower_uids``: the users whose sessions may join as ``borrower`` (the node checks the
-        uid the kernel gives it); None: only the node's root may.
-
-        ``suspend``: sessions to put to sleep once the device is lent, each within ``deadline_ms``
-        (an inference service such as examples/llm_server.py parks its weights and KV cache in host
-        memory and frees the device); returns once they are off it. A refused lend suspends nothing.
-        A session that does not end ``suspended`` (stopped at the deadline, so still holding its
-        memory; gone; ...) raises :class:`PlacementError` ``E_NOT_SUSPENDED`` naming it, after the
-        others were asked; the device stays lent."""
+        ``borrower_uids``: the users whose sessions may join as ``borrower`` (the node checks the uid the
+        kernel gives it; None: only the node's root). ``suspend``: sessions to put to sleep once lent, each
+        within ``deadline_ms``; one that does not end ``suspended`` raises ``E_NOT_SUSPENDED`` naming it
+        after all were asked, the device left lent (docs/architecture.md, examples/llm_server.py)."""
         uids = None if borrower_uids is None else [int(uid) for uid in borrower_uids]
         reply = self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s,
                                                    borrower_uids=uids), p.LifecycleReply)
@@ -338,12 +332,9 @@ class PlacementClient:
 
     def reclaim(self, node: str, device: int, deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
                 timeout_ms: float | None = None, *, resume: Sequence[str] = ()) -> p.ReclaimReply:
-        """Take ``device`` back for inference. The node answers once the device is free, so the default
-        timeout is ``deadline_ms`` plus the client's timeout.
-
-        ``resume``: sessions to wake once the device is free of the borrower's (those a
-        ``lend(..., suspend=...)`` put to sleep), so that a sleeping service comes back in this one
-        call. Each is resumed even if an earlier one fails; the first failure is raised after."""
+        """Take ``device`` back for inference; the node answers once it is free (default timeout:
+        ``deadline_ms`` plus the client's). ``resume``: sessions to wake then (those a lend's ``suspend``
+        put to sleep), each even if an earlier one fails; the first failure is raised after."""
         timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
         reply = self._one(node, lambda id: p.Reclaim(id=id, device=device, deadline_ms=deadline_ms),
                           p.ReclaimReply, timeout_ms)
