@@ -190,13 +190,9 @@ class Connection:
                 n = self.sock.recv_into(self._rbuf)
             except BlockingIOError:
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout
+                deadline = deadline or now + timeout
                 left = deadline - now
-                if left <= 0:
-                    return []
-                ready = self._poll_in.poll(int(left * 1000 + 0.999))
-                if not ready:
+                if left <= 0 or not self._poll_in.poll(int(left * 1000 + 0.999)):
                     return []
                 continue
             except OSError as exc:
