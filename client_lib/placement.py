@@ -273,21 +273,18 @@ class PlacementClient:
             try:
                 reply = codec.decode_reply(frame)
             except codec.BadFrame as exc:
-                if pending.get(exc.request_id) == name:
-                    del pending[exc.request_id]
-                    results[name] = NodeResult(name, None, PlacementError(E_BAD_REPLY, str(exc), name))
-                    poller.unregister(sock)
-                else:
-                    log.warning("[placement] undecodable frame from node=%s: %s", name, exc)
+                reply, rid, error = None, exc.request_id, PlacementError(E_BAD_REPLY, str(exc), name)
+            else:
+                rid = reply.id
+                error = PlacementError(reply.code, reply.message, name) if isinstance(reply, p.Error) else None
+            if pending.get(rid) != name:
+                if reply is None:
+                    log.warning("[placement] undecodable frame from node=%s: %s", name, error.reason)
+                else:  # a late reply to a request that timed out, or a notice: not what anyone waits for
+                    log.debug("[placement] discarded reply id=%d op=%s from node=%s", rid, type(reply).__name__, name)
                 continue
-            if pending.get(reply.id) != name:
-                # A late reply to a request that timed out, or a notice: not what anyone waits for.
-                log.debug("[placement] discarded reply id=%d op=%s from node=%s", reply.id, type(reply).__name__,
-                          name)
-                continue
-            del pending[reply.id]
+            del pending[rid]
             poller.unregister(sock)
-            error = PlacementError(reply.code, reply.message, name) if isinstance(reply, p.Error) else None
             results[name] = NodeResult(name, reply, error)
 
     def _one(self, node: str, factory: Callable[..., p.Request], expected: type[R],
