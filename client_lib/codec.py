@@ -135,17 +135,10 @@ def _scan_id(frame: bytes) -> int:
     bytes, a bad byte or invalid UTF-8 further on, nested too deep): the ``id`` of its
     top-level map, read by walking the map's keys without decoding anything else, so
     that the error can still name the request. 0 when there is none to read."""
-    if not frame:
+    if not frame or not (0x80 <= frame[0] <= 0x8F or frame[0] in (0xDE, 0xDF)):  # not a map
         return 0
-    b = frame[0]
-    if 0x80 <= b <= 0x8F:
-        pairs, pos = b & 0x0F, 1
-    elif b in (0xDE, 0xDF):
-        width = 2 if b == 0xDE else 4
-        pairs, pos = int.from_bytes(frame[1:1 + width], "big"), 1 + width
-    else:
-        return 0
-    found, steps = 0, _SCAN_STEPS
+    pos, count = _header(frame, 0)
+    found, steps, pairs = 0, _SCAN_STEPS, count // 2
     for _ in range(min(pairs, _SCAN_STEPS)):
         is_id = frame[pos:pos + 3] == b"\xa2id"  # the key "id" as every encoder writes it (fixstr)
         key = _skip(frame, pos, steps)
