@@ -11,7 +11,7 @@ import os
 import random
 import select
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Iterator, Sequence
 
 from client_lib import cuda_probe, device_id, liveness
@@ -431,10 +431,8 @@ class Client:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------- whole device
 
@@ -652,10 +650,8 @@ class Client:
     def _say_goodbye(self) -> None:
         """End the session with ``bye`` (if the daemon is there) and close the connection."""
         if self.daemon_healthy():
-            try:
+            with suppress(NodeAgentError, ConnectionError):
                 self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-            except (NodeAgentError, ConnectionError):
-                pass
         self._transport.close()
 
     def _wait_for_grant(self, timeout: float | None) -> int:
@@ -711,11 +707,9 @@ class Client:
                 return False
         if raise_async:
             err, self._async_error = self._async_error, None
-            if err is None:
-                pass
-            elif isinstance(err, NoSessionError) and self.reconnect:
+            if isinstance(err, NoSessionError) and self.reconnect:
                 self._reattach(str(err), self.handshake_timeout_s)  # e.g. a restarted daemon
-            else:
+            elif err is not None:
                 raise err
         return True
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import suppress
 from typing import Any, Callable
 
 DRIVER_SONAME = "libcuda.so.1"
@@ -39,11 +40,9 @@ def cuda_initialised_by(load_driver: Callable[[], Any | None] | None = None) -> 
     ``load_driver`` (default :func:`loaded_driver`) is for tests."""
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None:
-        try:
+        with suppress(Exception):  # a half-imported torch: the driver probe still answers
             if cuda.is_initialized():
                 return "torch.cuda.is_initialized() is true"
-        except Exception:  # a half-imported torch: the driver probe still answers
-            pass
     if driver_initialised((load_driver or loaded_driver)()):
         return "the CUDA driver answers cuDeviceGetCount: cuInit has run, e.g. through torch.cuda.is_available()"
     return None

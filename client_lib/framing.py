@@ -10,6 +10,7 @@ import select
 import socket
 import struct
 import time
+from contextlib import suppress
 from typing import NamedTuple
 
 from client_lib.endpoint import ipc_path
@@ -206,10 +207,8 @@ class Connection:
                 return frames
 
     def close(self) -> None:
-        try:
+        with suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 def _connect(sock: socket.socket, address, endpoint: str, timeout_s: float) -> None:

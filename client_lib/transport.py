@@ -9,6 +9,7 @@ import errno
 import logging
 import threading
 import time
+from contextlib import suppress
 from typing import Callable
 
 from client_lib import codec, framing
@@ -67,10 +68,8 @@ class Transport:
             conn = self.conn
             if conn is None:
                 return
-            try:
+            with suppress(ConnectionError):  # then conn.closed_by_peer is set: the daemon is gone
                 conn.send(codec.encode(req))
-            except ConnectionError:
-                pass  # conn.closed_by_peer is set: the daemon is gone
 
     def call(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
              handshake: bool = False) -> p.DaemonMessage:
