@@ -5,12 +5,13 @@ Over a transport of its own (:mod:`client_lib.transport`). Usage: README.md and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import select
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Iterator, Sequence
 
 from client_lib import cuda_probe, device_id, liveness
@@ -73,6 +74,7 @@ class Client:
         # session: what the daemon's notices mean.
         self._transport = Transport(self.endpoint)
         self._io = self._transport.io  # held while this client reads or writes; the liveness thread only tries it
+        self._async_error: NodeAgentError | None = None  # error reply to a request sent without waiting
         self._grant: int | None = None
         self._yield_requested = False
         self._in_slice = False
@@ -121,11 +123,9 @@ class Client:
 
     @property
     def cuda_device(self) -> str:
-        """The torch device of this session's GPU in this process: ``"cuda:N"`` (``"cpu"`` on a
-        cpu daemon). N is the welcome's ``cuda_ordinal`` where the daemon could tell (0 under MPS),
-        else found from the UUID (:func:`client_lib.device_id.cuda_ordinal`: from
-        ``CUDA_VISIBLE_DEVICES``, else by asking torch, which initialises CUDA).
-        DeviceNotVisibleError if this process cannot see the GPU."""
+        """The torch device of this session's GPU in this process: ``"cuda:N"`` (``"cpu"`` on a cpu
+        daemon), N from the welcome, else from the UUID (:func:`client_lib.device_id.cuda_ordinal`,
+        which may initialise CUDA). DeviceNotVisibleError if this process cannot see the GPU."""
         welcome = self.welcome
         if welcome.backend != "cuda":
             return "cpu"
@@ -190,12 +190,9 @@ class Client:
 
     def set_suspend_handlers(self, park: Callable[[], int] | None, unpark: Callable[[], None] | None,
                              held: Callable[[], tuple[int, bool]] | None = None) -> None:
-        """What to do when the daemon asks for the whole device: ``park()`` moves
-        the state to host memory, frees device memory and returns the bytes
-        parked; ``unpark()`` brings it back; ``held()`` says how much host memory
-        is kept for the state and whether it is pinned (reported to the daemon, which
-        counts it: ``suspended.host_bytes``). (:class:`client_lib.torch.Yielder`
-        registers these for modules and optimizers.)"""
+        """What to do when the daemon asks for the whole device: ``park()`` moves the state to host
+        memory, frees device memory and returns the bytes parked; ``unpark()`` brings it back;
+        ``held()`` gives (host bytes kept for the state, pinned), reported as ``suspended.host_bytes``."""
         self._park = park
         self._unpark = unpark
         self._held = held
@@ -238,14 +235,11 @@ class Client:
         return self._wait_for_grant(timeout)
 
     def request(self, *, waiting: int | None = None, oldest_arrival: float | None = None) -> None:
-        """Ask for the token without waiting; the grant arrives as a notice
-        (see :attr:`holding`, :meth:`wait_event`).
+        """Ask for the token without waiting; the grant arrives as a notice (:attr:`holding`).
 
-        Co-run, a higher-class service (protocol 2.7): ``waiting``, how many of its requests
-        wait, the ones this slice is for included; ``oldest_arrival``, when the oldest of them
-        arrived (``time.monotonic()``). The daemon then pauses lower classes only while that
-        request's latency would pass its target (docs/architecture.md, Co-run). Saying
-        nothing: steered by slice lengths, as before."""
+        Co-run, a higher-class service (2.7): ``waiting``, how many of its requests wait, this
+        slice's included; ``oldest_arrival``, when the oldest arrived (``time.monotonic()``), so
+        that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
         transport = self._transport
         if self._grant is None and transport.conn is not None:
@@ -267,12 +261,10 @@ class Client:
         that said its queue at :meth:`request`; a pause held for them lasts until none waits)."""
         if self._grant is None:
             return
-        if self._transport.conn is None:
-            self._grant = None
-            self._yield_requested = False
-            return
         grant, self._grant = self._grant, None
         self._yield_requested = False
+        if self._transport.conn is None:
+            return
         # The daemon first, before reading anything: the next holder waits on its grant.
         transport = self._transport
         transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
@@ -323,7 +315,7 @@ class Client:
             return True
         if self._in_slice and self._grant is None and not self._unmanaged:
             # Revoked, or back from a daemon restart without the token: wait our turn.
-            if not self._waiting_since_connect():
+            if self._asked_in != self._generation:  # not asked on this connection yet
                 self.request()
             self._wait_for_grant(None)
             return True
@@ -366,25 +358,22 @@ class Client:
     def register_model(self, name: str, factory: str, weights: str | os.PathLike | None = None,
                        example_input: Any = None, *, device: int | None = None, replace: bool = False,
                        timeout: float = 600.0) -> p.ModelInfo:
-        """Register a model with the daemon's warm workers: ``factory`` is
-        ``"package.module:callable"`` (importable by the daemon) returning the
-        ``torch.nn.Module``; ``weights`` a safetensors or torch state-dict file
-        (None: the factory's own initialisation); ``example_input`` one tensor or a
-        tuple, run once to check the model and time its layers. Returns once every
-        worker has it; :class:`ModelError` says what was wrong (nothing registered)."""
+        """Register a model with the daemon's warm workers (fields as docs/protocol.md, register_model,
+        says; ``example_input``: one tensor or a tuple). Returns once every worker has it;
+        :class:`ModelError` says what was wrong (nothing registered)."""
         self._check_open()
+        if weights is not None:
+            weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
         with serving.Packed(serving.as_list(example_input), self.endpoint) as packed:
-            req = serving.register_request(self._take_id(), name, factory, weights, packed.refs, device, replace)
+            req = p.RegisterModel(id=self._take_id(), name=name, factory=factory, weights=weights,
+                                  example_input=packed.refs, device=device, replace=replace)
             reply = self._call(req, timeout)
         return reply.model
 
     def infer(self, name: str, inputs: Any, *, timeout: float = 60.0) -> Any:
-        """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of
-        them) in the daemon, under this session's device token. Returns what the
-        model returned: one tensor, or a list. Raises :class:`InferenceError` if the
-        model raised, :class:`WorkerDeadError` if its worker died meanwhile, and
-        :class:`RequestTimeoutError` if it was not done within ``timeout`` seconds
-        (token wait included; the daemon answers then)."""
+        """Run registered model ``name`` on ``inputs`` (a tensor/array or a tuple of them) in the
+        daemon, under this session's token; returns one tensor or a list. :class:`InferenceError`,
+        :class:`WorkerDeadError`, or :class:`RequestTimeoutError` past ``timeout`` (token wait included)."""
         self._check_open()
         values = serving.as_list(inputs)
         with serving.Packed(values, self.endpoint) as packed:
@@ -442,10 +431,8 @@ class Client:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------- whole device
 
@@ -464,8 +451,8 @@ class Client:
         self.release()
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
         host_bytes, host_pinned = self._host_held()
-        self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
-                                     host_bytes=host_bytes, host_pinned=host_pinned))
+        report = dict(bytes_parked=bytes_parked, suspend_ms=suspend_ms, host_bytes=host_bytes, host_pinned=host_pinned)
+        self._send_quiet(p.Suspended(id=self._take_id(), **report))
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
                  host_bytes)
         generation = self._generation
@@ -478,8 +465,7 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._send_quiet(p.Suspended(id=self._take_id(), bytes_parked=bytes_parked, suspend_ms=suspend_ms,
-                                             host_bytes=host_bytes, host_pinned=host_pinned))
+                self._send_quiet(p.Suspended(id=self._take_id(), **report))
             if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -565,10 +551,9 @@ class Client:
 
     def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
         log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        self._transport.close()
-        claim, self._grant = self._grant, None
+        claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
         self._yield_requested = False
-        self._transport.forget_requests()
+        self._async_error = None
         try:
             self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
         except DaemonUnavailableError:
@@ -606,8 +591,9 @@ class Client:
         if old is None and welcome.env:
             try:
                 _apply_env(welcome.env)
-            except CudaTooEarlyError:
-                self._abandon()
+            except CudaTooEarlyError:  # close the session the daemon just opened: it cannot be used
+                self._say_goodbye()
+                self._closed = True
                 raise
         self.welcome = welcome
         self._open_pace(welcome.pace)
@@ -661,22 +647,12 @@ class Client:
                 self._io.release()
         return self._transport.healthy
 
-    def _abandon(self) -> None:
-        """Close the session the daemon just opened, when this client cannot use it."""
-        self._say_goodbye()
-        self._closed = True
-
     def _say_goodbye(self) -> None:
         """End the session with ``bye`` (if the daemon is there) and close the connection."""
         if self.daemon_healthy():
-            try:
+            with suppress(NodeAgentError, ConnectionError):
                 self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
-            except (NodeAgentError, ConnectionError):
-                pass
         self._transport.close()
-
-    def _waiting_since_connect(self) -> bool:
-        return self._asked_in == self._generation
 
     def _wait_for_grant(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -709,16 +685,12 @@ class Client:
             raise NodeAgentError("client is closed")
 
     def _send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting: only an error reply matters, and it is raised later.
-        A daemon that went away is noticed by the next :meth:`_check_daemon`."""
+        """Send without waiting (:meth:`client_lib.transport.Transport.send_quiet`)."""
         self._transport.send_quiet(req)
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
-        return self._transport.call(req, timeout, self._pump_for_reply, handshake)
-
-    def _pump_for_reply(self, timeout_ms: int) -> None:
-        self._pump(timeout_ms, raise_async=False)
+        return self._transport.call(req, timeout, functools.partial(self._pump, raise_async=False), handshake)
 
     def _pump(self, timeout_ms: int, raise_async: bool = True) -> bool:
         """Handle every message that arrives within ``timeout_ms``; True if any did."""
@@ -734,12 +706,10 @@ class Client:
             if not messages:
                 return False
         if raise_async:
-            err = self._transport.take_async_error()
-            if err is None:
-                pass
-            elif isinstance(err, NoSessionError) and self.reconnect:
+            err, self._async_error = self._async_error, None
+            if isinstance(err, NoSessionError) and self.reconnect:
                 self._reattach(str(err), self.handshake_timeout_s)  # e.g. a restarted daemon
-            else:
+            elif err is not None:
                 raise err
         return True
 
@@ -774,7 +744,7 @@ class Client:
         elif kind is p.Error and msg.code != p.ErrorCode.NOT_HOLDER:
             # Error to a request sent without waiting. A release that raced a
             # revoke (E_NOT_HOLDER) is harmless; anything else is raised.
-            self._transport.fail_later(from_reply(msg.code, msg.message))
+            self._async_error = from_reply(msg.code, msg.message)  # raised by the next pump
 
 
     # -------------------------------------------------- liveness thread hooks
@@ -858,13 +828,9 @@ def reattach_delay_s(failures: int, rng: random.Random | None = None) -> float:
 
 
 def _apply_env(env: dict[str, str]) -> None:
-    """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the
-    environment, where CUDA reads them when it initialises (cuInit).
-
-    :class:`CudaTooEarlyError` (and nothing changed) if CUDA was initialised in
-    this process already and a setting differs from what it started with: it
-    would run outside its partition (:mod:`client_lib.cuda_probe` says how that is
-    detected without initialising anything)."""
+    """Put the daemon's settings (MPS pipe dir, SM share, memory limit) in the environment, where
+    CUDA reads them at cuInit. :class:`CudaTooEarlyError` (nothing changed) if CUDA started in this
+    process already and a setting differs: it would run outside its partition."""
     differing = {key: value for key, value in env.items() if os.environ.get(key) != value}
     if differing:
         detected_by = cuda_probe.cuda_initialised_by()

@@ -1,11 +1,5 @@
-"""Encoding and decoding of protocol frames: the only place bytes become types.
-
-MessagePack via msgspec, typed by the Structs in :mod:`client_lib.protocol`.
-No pickle, ever. Decoding a request never raises anything but
-:class:`BadFrame`, which carries the best request id that could be read from
-the frame so that the daemon can still answer the sender. Size and nesting depth
-are checked before any decoding: msgspec recurses once per level, and a frame
-nested a thousand deep would otherwise raise ``RecursionError``.
+"""Encoding and decoding of protocol frames: the only place bytes become types (msgspec, never
+pickle). Decoding a request raises nothing but :class:`BadFrame`. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,10 +12,11 @@ from msgspec import inspect as mi
 
 from client_lib import protocol as p
 
-_encoder = msgspec.msgpack.Encoder()
+encode = msgspec.msgpack.Encoder().encode
 _request_decoder = msgspec.msgpack.Decoder(p.ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(p.DaemonMessage)
 _loose_decoder = msgspec.msgpack.Decoder()
+_UNDECODABLE = (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError)
 
 
 class BadFrame(ValueError):
@@ -31,10 +26,6 @@ class BadFrame(ValueError):
     def __init__(self, message: str, request_id: int = 0, code: str = p.ErrorCode.BAD_REQUEST) -> None:
         super().__init__(message)
         self.request_id, self.code = request_id, code
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
 
 
 # Header bytes that open an array or a map: fixmap, fixarray, array16/32, map16/32.
@@ -109,7 +100,7 @@ def _salvage_id(frame: bytes) -> int:
     """Best effort: the ``id`` of a frame that failed typed decoding."""
     try:
         loose = _loose_decoder.decode(frame)
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
+    except _UNDECODABLE:
         return _scan_id(frame)  # malformed further on (an `op` of 0xC1): walk the keys for it
     if isinstance(loose, dict):
         rid = loose.get("id")
@@ -144,17 +135,10 @@ def _scan_id(frame: bytes) -> int:
     bytes, a bad byte or invalid UTF-8 further on, nested too deep): the ``id`` of its
     top-level map, read by walking the map's keys without decoding anything else, so
     that the error can still name the request. 0 when there is none to read."""
-    if not frame:
+    if not frame or not (0x80 <= frame[0] <= 0x8F or frame[0] in (0xDE, 0xDF)):  # not a map
         return 0
-    b = frame[0]
-    if 0x80 <= b <= 0x8F:
-        pairs, pos = b & 0x0F, 1
-    elif b in (0xDE, 0xDF):
-        width = 2 if b == 0xDE else 4
-        pairs, pos = int.from_bytes(frame[1:1 + width], "big"), 1 + width
-    else:
-        return 0
-    found, steps = 0, _SCAN_STEPS
+    pos, count = _header(frame, 0)
+    found, steps, pairs = 0, _SCAN_STEPS, count // 2
     for _ in range(min(pairs, _SCAN_STEPS)):
         is_id = frame[pos:pos + 3] == b"\xa2id"  # the key "id" as every encoder writes it (fixstr)
         key = _skip(frame, pos, steps)
@@ -189,19 +173,13 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     if nesting_depth_exceeds(frame, p.MAX_NESTING_DEPTH):
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels", _scan_id(frame))
     try:
-        msg = _request_decoder.decode(frame)
-    except msgspec.ValidationError as exc:
-        msg = _with_integral_floats(frame, exc)
-        if isinstance(msg, msgspec.ValidationError):
-            text, code = _invalid_text(msg, frame)
-            raise BadFrame(text, _salvage_id(frame), code) from None
-    except msgspec.DecodeError:
-        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
-    except (ValueError, TypeError, OverflowError):  # e.g. a str that is not UTF-8, on older msgspec
+        return _request_decoder.decode(frame)
+    except msgspec.ValidationError:
+        return _refused(frame)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError):  # ValueError: a str not UTF-8, older msgspec
         raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
-    return msg
 
 
 # JavaScript has one number type: its MessagePack encoders write an integer above 2^32 (every
@@ -219,21 +197,34 @@ def _exact_integer(value: object) -> int | None:
     return None
 
 
-def _with_integral_floats(frame: bytes, exc: msgspec.ValidationError) -> p.ClientMessage | msgspec.ValidationError:
-    """Decode ``frame`` again with each integral float where the wire type wants an integer
-    taken as that integer; the message, or the error that still stands."""
+def _refused(frame: bytes) -> p.ClientMessage:
+    """A frame the typed decoder refused: the message when taking each integral float where the
+    wire type wants an integer as that integer makes it one, else :class:`BadFrame` saying which
+    field is wrong and how (or that it is no map at all), with the code to answer it with."""
+    bad = p.ErrorCode.BAD_REQUEST
     try:
         value = _loose_decoder.decode(frame)
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
-        return exc
+    except _UNDECODABLE:  # not one MessagePack value at all (b"hello")
+        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+    if type(value) is not dict:
+        raise BadFrame(f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
+                       "a request is a map with 'op' and 'id'")
     try:
         value = _check(value, _CLIENT_TYPE, "")
-    except _Wrong:
-        return exc
+    except _Wrong as wrong:
+        code = p.ErrorCode.INVALID if wrong.bound and wrong.path != "id" else bad  # an id out of range is unreadable
+        if wrong.path == "op" and wrong.text == "unknown tag":
+            text, code = f"invalid request: unknown op {value['op']!r} (ops: {', '.join(_OPS)})", bad
+        elif wrong.path:
+            text = f"invalid request: field '{wrong.path}': {wrong.text}"
+        else:
+            text = f"invalid request: {wrong.text}"
+        raise BadFrame(text, _salvage_id(frame), code) from None
     try:
         return msgspec.convert(value, p.ClientMessage)
-    except msgspec.ValidationError as again:
-        return again
+    except msgspec.ValidationError:  # a check the wire types do not describe to inspect
+        raise BadFrame("invalid request: a field's value is not allowed by the protocol (docs/protocol.md lists "
+                       "each field)", _salvage_id(frame)) from None
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:
@@ -245,7 +236,7 @@ def decode_reply(frame: bytes) -> p.DaemonMessage:
     raises RecursionError, caught below."""
     try:
         return _reply_decoder.decode(frame)
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         raise BadFrame(f"invalid message from daemon: {exc}", _salvage_id(frame)) from None
 
 
@@ -261,8 +252,10 @@ _KIND_WORDS = {bool: "boolean", int: "integer", float: "float", str: "string", b
                dict: "map", type(None): "nil"}
 _TYPE_WORDS = {mi.IntType: "integer", mi.FloatType: "number", mi.StrType: "string", mi.BoolType: "boolean",
                mi.NoneType: "nil", mi.BytesType: "binary", mi.ListType: "array", mi.TupleType: "array",
-               mi.DictType: "map", mi.StructType: "map", mi.LiteralType: "one of its values",
-               mi.EnumType: "one of its values"}
+               mi.DictType: "map", mi.StructType: "map", mi.LiteralType: "one of its values"}
+# The Python type a loose decode gives a value of these wire types; any other value is of the wrong kind.
+_DECODED_AS = {mi.NoneType: type(None), mi.BoolType: bool, mi.StrType: str, mi.BytesType: bytes, mi.ListType: list,
+               mi.TupleType: list, mi.DictType: dict}
 
 
 class _Wrong(Exception):
@@ -300,18 +293,11 @@ def _at(path: str, key: str | int) -> str:
 
 def _check(value: typing.Any, t: mi.Type, path: str) -> typing.Any:
     """``value`` checked against wire type ``t``: returned with integral floats made integers
-    where ``t`` wants an integer, or :class:`_Wrong` naming the first place it departs."""
+    where ``t`` wants an integer, or :class:`_Wrong` naming the first place it departs. Only the
+    kinds of type :data:`client_lib.protocol.ClientMessage` holds are walked."""
     kind = type(t)
-    if kind is mi.AnyType:
-        return value
-    if kind is mi.NoneType:
-        if value is not None:
-            raise _Wrong(path, f"expected nil, got {_kind(value)}")
-        return value
-    if kind is mi.BoolType:
-        if type(value) is not bool:
-            raise _Wrong(path, f"expected boolean, got {_kind(value)}")
-        return value
+    if kind in _DECODED_AS and type(value) is not _DECODED_AS[kind]:
+        raise _Wrong(path, f"expected {_TYPE_WORDS[kind]}, got {_kind(value)}")
     if kind is mi.IntType:
         number = value if type(value) is int else _exact_integer(value)
         if number is None:
@@ -324,44 +310,33 @@ def _check(value: typing.Any, t: mi.Type, path: str) -> typing.Any:
         _bounds(value, t, path)
         return value
     if kind is mi.StrType:
-        if type(value) is not str:
-            raise _Wrong(path, f"expected string, got {_kind(value)}")
         _lengths(value, t, path, "characters")
         if t.pattern is not None and re.search(t.pattern, value) is None:
             raise _Wrong(path, f"expected a string matching {t.pattern!r}", bound=True)
         return value
     if kind is mi.BytesType:
-        if type(value) is not bytes:
-            raise _Wrong(path, f"expected binary, got {_kind(value)}")
         _lengths(value, t, path, "bytes")
         return value
-    if kind in (mi.LiteralType, mi.EnumType):
-        allowed = t.values if kind is mi.LiteralType else tuple(member.value for member in t.cls)
-        if type(value) not in (str, int) or value not in allowed:
+    if kind is mi.LiteralType:
+        if type(value) not in (str, int) or value not in t.values:
             shown = repr(value) if type(value) in (str, int) else _kind(value)
             raise _Wrong(path, f"{shown} is not one of its values")
         return value
-    if kind in (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType):
-        if type(value) is not list:
-            raise _Wrong(path, f"expected array, got {_kind(value)}")
+    if kind is mi.ListType:
         _lengths(value, t, path, "items")
         return [_check(item, t.item_type, _at(path, i)) for i, item in enumerate(value)]
     if kind is mi.TupleType:
-        if type(value) is not list:
-            raise _Wrong(path, f"expected array, got {_kind(value)}")
         if len(value) != len(t.item_types):
             raise _Wrong(path, f"expected an array of {len(t.item_types)} items, got {len(value)}")
         return [_check(item, it, _at(path, i)) for i, (item, it) in enumerate(zip(value, t.item_types))]
     if kind is mi.DictType:
-        if type(value) is not dict:
-            raise _Wrong(path, f"expected map, got {_kind(value)}")
         _lengths(value, t, path, "entries")
         return {_check(k, t.key_type, path): _check(v, t.value_type, _at(path, str(k))) for k, v in value.items()}
     if kind is mi.StructType:
         return _check_struct(value, t, path)
     if kind is mi.UnionType:
         return _check_union(value, t, path)
-    return value  # a type the wire does not use (datetime, ...): msgspec's to judge
+    return value  # nil and boolean, checked above
 
 
 def _check_struct(value: typing.Any, t: mi.StructType, path: str) -> dict:
@@ -397,36 +372,9 @@ def _check_union(value: typing.Any, t: mi.UnionType, path: str) -> typing.Any:
     raise _Wrong(path, f"expected {names}, got {_kind(value)}")
 
 
-def _invalid_text(exc: msgspec.ValidationError, frame: bytes) -> tuple[str, str]:
-    """A frame the typed decoder refused: which field is wrong and how (or that it is no map at
-    all), and the error code to answer it with."""
-    bad = p.ErrorCode.BAD_REQUEST
-    try:
-        value = _loose_decoder.decode(frame)
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
-        return _malformed_text(frame), bad  # not one MessagePack value at all (b"hello")
-    if type(value) is not dict:
-        return (f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
-                "a request is a map with 'op' and 'id'"), bad
-    try:
-        _check(value, _CLIENT_TYPE, "")
-    except _Wrong as wrong:
-        code = p.ErrorCode.INVALID if wrong.bound and wrong.path != "id" else bad  # an id out of range is unreadable
-        if wrong.path == "op" and wrong.text == "unknown tag":
-            return f"invalid request: unknown op {value['op']!r} (ops: {', '.join(_OPS)})", bad
-        if wrong.path:
-            return f"invalid request: field '{wrong.path}': {wrong.text}", code
-        return f"invalid request: {wrong.text}", code
-    # The decoder refused what the wire types allow: a check they do not describe to inspect.
-    return "invalid request: a field's value is not allowed by the protocol (docs/protocol.md lists each field)", bad
-
-
 def _malformed_text(frame: bytes) -> str:
     """A frame that is not (one whole value of) MessagePack: what our own walk of it finds."""
     return f"the frame is not a MessagePack map: {_malformed_reason(frame)}"
-
-
-_STR_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: the width of their length
 
 
 def _malformed_reason(frame: bytes) -> str:
@@ -440,8 +388,8 @@ def _malformed_reason(frame: bytes) -> str:
         if header is None:
             return f"byte 0x{b:02x} at offset {pos} is not MessagePack"
         after, count = header
-        if 0xA0 <= b <= 0xBF or b in _STR_HEADERS:
-            start = pos + 1 + _STR_HEADERS.get(b, 0)
+        if 0xA0 <= b <= 0xBF or 0xD9 <= b <= 0xDB:  # a fixstr, or str8/16/32 after its length
+            start = pos + 1 + _LENGTH_PREFIXED.get(b, (0, 0))[0]
             if after <= end:
                 try:
                     frame[start:after].decode("utf-8")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import suppress
 from typing import Any, Callable
 
 DRIVER_SONAME = "libcuda.so.1"
@@ -27,11 +28,8 @@ def loaded_driver(soname: str = DRIVER_SONAME) -> Any | None:
 
 def driver_initialised(driver: Any | None) -> bool:
     """Whether cuInit has run (or failed) in this process, given the loaded driver library."""
-    if driver is None:
-        return False
-    try:
-        get_count = driver.cuDeviceGetCount
-    except AttributeError:
+    get_count = getattr(driver, "cuDeviceGetCount", None)  # None: no driver loaded, or not one with it
+    if get_count is None:
         return False
     count = ctypes.c_int(0)
     return get_count(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
@@ -40,14 +38,11 @@ def driver_initialised(driver: Any | None) -> bool:
 def cuda_initialised_by(load_driver: Callable[[], Any | None] | None = None) -> str | None:
     """How CUDA was seen to be initialised in this process already, or None if it was not.
     ``load_driver`` (default :func:`loaded_driver`) is for tests."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None:
-        try:
+        with suppress(Exception):  # a half-imported torch: the driver probe still answers
             if cuda.is_initialized():
                 return "torch.cuda.is_initialized() is true"
-        except Exception:  # a half-imported torch: the driver probe still answers
-            pass
     if driver_initialised((load_driver or loaded_driver)()):
         return "the CUDA driver answers cuDeviceGetCount: cuInit has run, e.g. through torch.cuda.is_available()"
     return None

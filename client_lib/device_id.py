@@ -1,13 +1,5 @@
-"""Which CUDA device of this process is a session's GPU, which the daemon names by UUID.
-
-The daemon numbers devices as NVML does (``welcome.device``); a process's CUDA
-ordinals depend on its ``CUDA_VISIBLE_DEVICES`` and on the order CUDA enumerates
-in, so the two differ under systemd, Slurm or containers that set the variable.
-The welcome therefore carries the GPU's UUID (``device_uuid``) and, where the
-daemon can tell, the ordinal (``cuda_ordinal``: 0 when its ``env`` makes the GPU
-the only one visible, as under MPS). Otherwise :func:`cuda_ordinal` finds it:
-from ``CUDA_VISIBLE_DEVICES`` when that lists UUIDs, else by asking torch for
-each visible device's UUID (which initialises CUDA: do it when about to use it).
+"""Which CUDA device of this process is a session's GPU, which the daemon names by UUID
+(``welcome.device_uuid``). Detail: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -31,15 +31,12 @@ def daemon_endpoint() -> str:
 
 def client_endpoint() -> str:
     """The endpoint a client connects to when none is given: the environment,
-    else the system daemon's socket if one exists, else this user's."""
-    env = os.environ.get(ENV_ENDPOINT)
-    if env:
-        return env
+    else the system daemon's socket if one exists, else the one the daemon would bind."""
     # The directory, not the socket: a user outside group nodeagent cannot see
     # into it, and should get a permission error, not a silent per-user socket.
-    if os.geteuid() == 0 or os.path.isdir(os.path.dirname(SYSTEM_SOCKET)):
+    if not os.environ.get(ENV_ENDPOINT) and os.path.isdir(os.path.dirname(SYSTEM_SOCKET)):
         return "ipc://" + SYSTEM_SOCKET
-    return "ipc://" + user_socket_path()
+    return daemon_endpoint()
 
 
 def ipc_path(endpoint: str) -> str | None:

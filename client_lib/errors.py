@@ -107,16 +107,8 @@ class RequestTimeoutError(DaemonError):
     code = ErrorCode.TIMEOUT
 
 
-_BY_CODE = {
-    ErrorCode.PROTOCOL: ProtocolMismatchError,
-    ErrorCode.NO_SESSION: NoSessionError,
-    ErrorCode.MODEL: ModelError,
-    ErrorCode.NO_MODEL: NoModelError,
-    ErrorCode.INFERENCE: InferenceError,
-    ErrorCode.WORKER_DEAD: WorkerDeadError,
-    ErrorCode.UNAVAILABLE: ServingUnavailableError,
-    ErrorCode.TIMEOUT: RequestTimeoutError,
-}
+_BY_CODE = {cls.code: cls for cls in (ProtocolMismatchError, NoSessionError, ModelError, NoModelError, InferenceError,
+                                      WorkerDeadError, ServingUnavailableError, RequestTimeoutError)}
 
 
 def from_reply(code: str, message: str) -> DaemonError:

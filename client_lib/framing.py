@@ -10,6 +10,8 @@ import select
 import socket
 import struct
 import time
+from contextlib import suppress
+from typing import NamedTuple
 
 from client_lib.endpoint import ipc_path
 
@@ -31,8 +33,6 @@ class BacklogFull(ConnectionError):
     def __init__(self, tries: int, waited_s: float) -> None:
         super().__init__(errno.EAGAIN, f"the daemon's listen backlog stayed full for {waited_s:.1f} s "
                                        f"({tries} tries)")
-        self.tries = tries
-        self.waited_s = waited_s
 
 
 class FrameTooLarge(ValueError):
@@ -40,8 +40,6 @@ class FrameTooLarge(ValueError):
 
     def __init__(self, declared: int, limit: int) -> None:
         super().__init__(f"frame declares {declared} bytes, more than the {limit}-byte limit")
-        self.declared = declared
-        self.limit = limit
 
 
 def pack(body: bytes) -> bytes:
@@ -49,15 +47,12 @@ def pack(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-class Oversized:
+class Oversized(NamedTuple):
     """Stands, in :meth:`FrameBuffer.feed`'s output, for a frame longer than the
     buffer's bound but short enough to skip: its body is discarded unread."""
 
-    __slots__ = ("declared", "limit")
-
-    def __init__(self, declared: int, limit: int) -> None:
-        self.declared = declared
-        self.limit = limit
+    declared: int
+    limit: int
 
 
 class FrameBuffer:
@@ -171,7 +166,9 @@ class Connection:
             except BlockingIOError:
                 now = time.monotonic()
                 deadline = deadline or now + timeout
-                if now >= deadline or not _wait(self.sock, select.POLLOUT, deadline - now):
+                poller = select.poll()
+                poller.register(self.sock, select.POLLOUT)
+                if now >= deadline or not poller.poll(max(0, int((deadline - now) * 1000 + 0.999))):
                     raise ConnectionError(errno.ETIMEDOUT, "daemon is not reading") from None
                 continue
             except OSError as exc:
@@ -194,13 +191,9 @@ class Connection:
                 n = self.sock.recv_into(self._rbuf)
             except BlockingIOError:
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout
+                deadline = deadline or now + timeout
                 left = deadline - now
-                if left <= 0:
-                    return []
-                ready = self._poll_in.poll(int(left * 1000 + 0.999))
-                if not ready:
+                if left <= 0 or not self._poll_in.poll(int(left * 1000 + 0.999)):
                     return []
                 continue
             except OSError as exc:
@@ -214,10 +207,8 @@ class Connection:
                 return frames
 
     def close(self) -> None:
-        try:
+        with suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 def _connect(sock: socket.socket, address, endpoint: str, timeout_s: float) -> None:
@@ -243,18 +234,5 @@ def _connect(sock: socket.socket, address, endpoint: str, timeout_s: float) -> N
             delay = min(delay * 2, _CONNECT_RETRY_MAX_S)
 
 
-def _wait(sock: socket.socket, events: int, timeout_s: float) -> bool:
-    poller = select.poll()
-    poller.register(sock, events)
-    return bool(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
-
-
-def peer_hung_up(fd: int) -> bool:
-    """True if the other end of stream socket ``fd`` has closed (without reading from it)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLRDHUP)
-    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
-
-
-__all__ = ["BacklogFull", "Connection", "FrameBuffer", "FrameTooLarge", "HEADER_BYTES", "MAX_DAEMON_FRAME_BYTES", "Oversized", "pack",
-           "parse_endpoint", "peer_hung_up"]
+__all__ = ["BacklogFull", "Connection", "FrameBuffer", "FrameTooLarge", "HEADER_BYTES", "MAX_DAEMON_FRAME_BYTES",
+           "Oversized", "pack", "parse_endpoint"]

@@ -11,6 +11,7 @@ import select
 import threading
 import time
 import weakref
+from contextlib import suppress
 
 log = logging.getLogger("client_lib.liveness")
 
@@ -39,10 +40,8 @@ class Watcher(threading.Thread):
         self.wake()
 
     def wake(self) -> None:
-        try:
+        with suppress(OSError):  # BlockingIOError: a wake-up is pending already
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     def run(self) -> None:
         while True:
@@ -70,11 +69,9 @@ class Watcher(threading.Thread):
             hung_up = set()
             for fd, events in ready:
                 if fd == self._wake_r:
-                    try:
+                    with suppress(OSError):  # BlockingIOError once drained
                         while os.read(self._wake_r, 4096):
                             pass
-                    except (BlockingIOError, OSError):
-                        pass
                 elif events & _HANGUP and fd in by_fd:
                     hung_up.add(by_fd[fd])
             now = time.monotonic()

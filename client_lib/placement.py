@@ -1,17 +1,6 @@
-"""The cluster-side client: one placement layer talking to many nodeagent daemons at once.
-
-One DEALER per node (a CURVE client: our key pair and that node's server public
-key), all polled together, so a request to N nodes costs one round trip and a
-dead or slow node costs its timeout without delaying the others' answers. One
-SUB per node for events, merged into one stream.
-
-A node that misses the timeout gets a fresh socket: whatever was still queued
-for it is dropped, so a stale ``lend`` or ``reclaim`` is never delivered when the
-node comes back. Such a request may or may not have run on the node; the
-operations are idempotent, so ask again (or read ``inventory``) to find out.
-
-Not thread-safe (ZeroMQ sockets are not): use one PlacementClient per thread.
-Imports nothing of the daemon.
+"""The cluster-side client: one placement layer talking to many nodeagent daemons at once, and
+their events as one stream. Not thread-safe (ZeroMQ sockets are not): use one PlacementClient
+per thread. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -184,13 +173,12 @@ class PlacementClient:
     # ------------------------------------------------------------ sockets
 
     def _server_key(self, name: str) -> bytes:
-        keys = self._server_keys
-        if isinstance(keys, (bytes, str)):
-            return keys.encode() if isinstance(keys, str) else keys
-        if keys is None or name not in keys:
-            raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
-                             "see load_server_public) or keys=None for plain tcp")
-        key = keys[name]
+        key = self._server_keys
+        if not isinstance(key, (bytes, str)):
+            if key is None or name not in key:
+                raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
+                                 "see load_server_public) or keys=None for plain tcp")
+            key = key[name]
         return key.encode() if isinstance(key, str) else key
 
     def _socket(self, kind: int, name: str) -> zmq.Socket:
@@ -210,11 +198,9 @@ class PlacementClient:
             old.close(0)
         if ipc_path(self._nodes[name]) is not None:  # the node's local socket: framed, not ZeroMQ
             sock = _LocalDealer(self._nodes[name])
-            self._dealers[name] = sock
-            self._by_socket[sock] = name
-            return
-        sock = self._socket(zmq.DEALER, name)
-        sock.connect(self._nodes[name])
+        else:
+            sock = self._socket(zmq.DEALER, name)
+            sock.connect(self._nodes[name])
         self._dealers[name] = sock
         self._by_socket[sock] = name
 
@@ -247,16 +233,14 @@ class PlacementClient:
             try:
                 self._dealers[name].send(frame, zmq.NOBLOCK)
             except ConnectionError as exc:  # a local socket nobody listens on
-                results[name] = NodeResult(name, None, PlacementError(
-                    E_UNAVAILABLE, f"cannot reach {self._nodes[name]}: {exc.strerror or exc}", name))
-                self._connect(name)
-                continue
+                why = f"cannot reach {self._nodes[name]}: {exc.strerror or exc}"
             except zmq.Again:
-                results[name] = NodeResult(name, None, PlacementError(
-                    E_UNAVAILABLE, f"cannot queue a request to {self._nodes[name]} (send queue full)", name))
-                self._connect(name)
+                why = f"cannot queue a request to {self._nodes[name]} (send queue full)"
+            else:
+                pending[rid] = name
                 continue
-            pending[rid] = name
+            results[name] = NodeResult(name, None, PlacementError(E_UNAVAILABLE, why, name))
+            self._connect(name)
         deadline = time.monotonic() + timeout_ms / 1000.0
         poller = zmq.Poller()
         for rid, name in pending.items():
@@ -289,21 +273,18 @@ class PlacementClient:
             try:
                 reply = codec.decode_reply(frame)
             except codec.BadFrame as exc:
-                if pending.get(exc.request_id) == name:
-                    del pending[exc.request_id]
-                    results[name] = NodeResult(name, None, PlacementError(E_BAD_REPLY, str(exc), name))
-                    poller.unregister(sock)
-                else:
-                    log.warning("[placement] undecodable frame from node=%s: %s", name, exc)
+                reply, rid, error = None, exc.request_id, PlacementError(E_BAD_REPLY, str(exc), name)
+            else:
+                rid = reply.id
+                error = PlacementError(reply.code, reply.message, name) if isinstance(reply, p.Error) else None
+            if pending.get(rid) != name:
+                if reply is None:
+                    log.warning("[placement] undecodable frame from node=%s: %s", name, error.reason)
+                else:  # a late reply to a request that timed out, or a notice: not what anyone waits for
+                    log.debug("[placement] discarded reply id=%d op=%s from node=%s", rid, type(reply).__name__, name)
                 continue
-            if pending.get(reply.id) != name:
-                # A late reply to a request that timed out, or a notice: not what anyone waits for.
-                log.debug("[placement] discarded reply id=%d op=%s from node=%s", reply.id, type(reply).__name__,
-                          name)
-                continue
-            del pending[reply.id]
+            del pending[rid]
             poller.unregister(sock)
-            error = PlacementError(reply.code, reply.message, name) if isinstance(reply, p.Error) else None
             results[name] = NodeResult(name, reply, error)
 
     def _one(self, node: str, factory: Callable[..., p.Request], expected: type[R],
@@ -326,16 +307,10 @@ class PlacementClient:
              suspend: Sequence[str] = (), deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
              borrower_uids: Sequence[int] | None = None) -> p.LifecycleReply:
         """Lend ``device`` on ``node`` to ``borrower``'s training sessions (``changed`` False: it already was).
-
-        ``borrower_uids``: the users whose sessions may join as ``borrower`` (the node checks the
-        uid the kernel gives it); None: only the node's root may.
-
-        ``suspend``: sessions to put to sleep once the device is lent, each within ``deadline_ms``
-        (an inference service such as examples/llm_server.py parks its weights and KV cache in host
-        memory and frees the device); returns once they are off it. A refused lend suspends nothing.
-        A session that does not end ``suspended`` (stopped at the deadline, so still holding its
-        memory; gone; ...) raises :class:`PlacementError` ``E_NOT_SUSPENDED`` naming it, after the
-        others were asked; the device stays lent."""
+        ``borrower_uids``: the users whose sessions may join as ``borrower`` (the node checks the uid the
+        kernel gives it; None: only the node's root). ``suspend``: sessions to put to sleep once lent, each
+        within ``deadline_ms``; one that does not end ``suspended`` raises ``E_NOT_SUSPENDED`` naming it
+        after all were asked, the device left lent (docs/architecture.md, examples/llm_server.py)."""
         uids = None if borrower_uids is None else [int(uid) for uid in borrower_uids]
         reply = self._one(node, lambda id: p.Lend(id=id, device=device, borrower=borrower, max_s=max_s,
                                                    borrower_uids=uids), p.LifecycleReply)
@@ -354,12 +329,9 @@ class PlacementClient:
 
     def reclaim(self, node: str, device: int, deadline_ms: float = DEFAULT_SUSPEND_DEADLINE_MS,
                 timeout_ms: float | None = None, *, resume: Sequence[str] = ()) -> p.ReclaimReply:
-        """Take ``device`` back for inference. The node answers once the device is free, so the default
-        timeout is ``deadline_ms`` plus the client's timeout.
-
-        ``resume``: sessions to wake once the device is free of the borrower's (those a
-        ``lend(..., suspend=...)`` put to sleep), so that a sleeping service comes back in this one
-        call. Each is resumed even if an earlier one fails; the first failure is raised after."""
+        """Take ``device`` back for inference; the node answers once it is free (default timeout:
+        ``deadline_ms`` plus the client's). ``resume``: sessions to wake then (those a lend's ``suspend``
+        put to sleep), each even if an earlier one fails; the first failure is raised after."""
         timeout_ms = deadline_ms + self.timeout_ms if timeout_ms is None else timeout_ms
         reply = self._one(node, lambda id: p.Reclaim(id=id, device=device, deadline_ms=deadline_ms),
                           p.ReclaimReply, timeout_ms)

@@ -1,17 +1,6 @@
-"""Wire types of the nodeagent protocol: the one definition both sides import.
-
-Every frame is one MessagePack map with an ``op`` tag. Requests go client ->
-daemon and carry a request ``id`` (a positive integer chosen by the client);
-the daemon answers each with exactly one reply echoing that ``id``: ``ok``,
-``error``, or a reply that carries a body (``welcome``, ``status_reply``).
-Notices (``grant``, ``yield``, ``revoke``) are pushed by the daemon at any
-time on the same connection and carry ``id = 0``.
-
-Compatibility rules (the protocol version is separate from the package
-version): a new field goes at the end of its struct with a default, which is a
-minor bump; anything else is a major bump. A daemon answers a ``hello`` with a
-major it cannot speak with ``E_PROTOCOL`` naming both versions. Encoding and
-decoding live in :mod:`client_lib.codec`; nothing here touches a socket.
+"""Wire types of the nodeagent protocol: the one definition both sides import, with their bounds.
+A new field goes at the end of its struct with a default (a minor bump). Encoding and decoding
+live in :mod:`client_lib.codec`. Detail: docs/internals.md; the contract: docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -30,12 +19,11 @@ Workload = Literal["inference", "training", "best-effort"]
 WORKLOADS: tuple[str, ...] = ("inference", "training", "best-effort")
 """Workload classes, highest priority first."""
 
-RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # fits a signed 64-bit integer: every peer holds it
 HostBytes = Annotated[int, msgspec.Meta(ge=0, le=2**53)]  # bytes of host memory a client reports
 Waiting = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # 2.7: requests a service says wait
 WaitMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]  # 2.7: how long its oldest has waited
 Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]  # a user id ((uid_t) -1 is none)
-"""Request ids fit a signed 64-bit integer so every peer can hold them."""
 # Bounds a value of the right type must keep: a frame that breaks one is answered E_INVALID
 # (client_lib.codec), one of the wrong type or shape E_BAD_REQUEST.
 Weight = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_WEIGHT)]  # a fair-share weight
@@ -72,9 +60,7 @@ class ErrorCode:
     CUDA_TOO_EARLY = "E_CUDA_TOO_EARLY"  # raised by client_lib only (CudaTooEarlyError), never sent by a daemon
 
 
-# --------------------------------------------------------------------------
-# Client -> daemon requests
-# --------------------------------------------------------------------------
+# -- Client -> daemon requests ------------------------------------------------
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
@@ -328,9 +314,7 @@ ClientMessage = Union[Hello, Heartbeat, Acquire, Release, Cancel, StatusRequest,
                       Inventory, Lend, Reclaim, Drain, SetPolicy, SetWeight, Renew]
 
 
-# --------------------------------------------------------------------------
-# Daemon -> client replies and notices
-# --------------------------------------------------------------------------
+# -- Daemon -> client replies and notices -------------------------------------
 
 
 class Reply(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):

@@ -1,19 +1,9 @@
-"""Server-side models from the client's side: register a model with the
-daemon, run it there. Used through :class:`client_lib.Client`
-(``register_model``, ``infer``, ``models``, ``unregister_model``).
-
-Tensors cross in POSIX shared memory (:mod:`client_lib.tensors`): the client
-packs its inputs into a segment it owns and unlinks once answered, and takes
-ownership of the output segment the daemon's worker made for it (owned by the
-client's uid: copied out, then unlinked; the daemon unlinks what a client
-never read once its session ends). Inputs may be torch tensors or numpy
-arrays; outputs come back as the same kind as the first input (torch if there
-is none).
+"""Server-side models from the client's side, for :class:`client_lib.Client`'s ``register_model``
+and ``infer``: tensors in and out through shared memory. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from client_lib import protocol as p
@@ -54,14 +44,6 @@ class Packed:
         if self.segment is not None:
             self.segment.close()
             self.segment.unlink()
-
-
-def register_request(request_id: int, name: str, factory: str, weights: str | os.PathLike | None,
-                     example_refs: list[p.TensorRef], device: int | None, replace: bool) -> p.RegisterModel:
-    if weights is not None:
-        weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
-    return p.RegisterModel(id=request_id, name=name, factory=factory, weights=weights,
-                           example_input=example_refs, device=device, replace=replace)
 
 
 def take_outputs(reply: p.InferResult, like: str, single: bool) -> Any:

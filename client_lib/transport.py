@@ -1,10 +1,6 @@
 """The client's connection to the daemon: open it, number and send requests, wait for replies.
-
-A :class:`Transport` owns one :class:`client_lib.framing.Connection` at a time (a reattach
-opens a new one), the I/O lock under which the owner's thread and the liveness thread take
-turns on it, request ids, and the replies awaited. It knows nothing of sessions: what a
-notice means is the :class:`~client_lib.client.Client`'s to decide, and a wait for a reply
-hands every message that arrives meanwhile to the client's ``pump``.
+It knows nothing of sessions: what a notice means is the :class:`~client_lib.client.Client`'s
+to decide. Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -13,13 +9,13 @@ import errno
 import logging
 import threading
 import time
+from contextlib import suppress
 from typing import Callable
 
 from client_lib import codec, framing
 from client_lib import protocol as p
 from client_lib.endpoint import ENV_ENDPOINT, SOCKET_GROUP, client_endpoint, socket_group
-from client_lib.errors import (DaemonError, DaemonUnavailableError, HandshakeTimeoutError, NodeAgentError,
-                               from_reply)
+from client_lib.errors import DaemonUnavailableError, HandshakeTimeoutError, NodeAgentError, from_reply
 
 log = logging.getLogger("client_lib.client")
 
@@ -37,13 +33,14 @@ class Transport:
         self._next_id = 1
         self._replies: dict[int, p.DaemonMessage] = {}
         self._awaiting: set[int] = set()  # ids of requests a call() is waiting on
-        self._async_error: DaemonError | None = None  # error reply to a fire-and-forget request
 
     # ------------------------------------------------------------ connection
 
     def open(self, timeout: float) -> None:
-        """A new connection (the old one, if any, is closed first)."""
+        """A new connection (the old one, if any, is closed first); it answers nothing the old one asked."""
         self.close()
+        self._replies.clear()
+        self._awaiting.clear()
         self.conn = open_connection(self.endpoint, timeout)
 
     def close(self) -> None:
@@ -56,12 +53,6 @@ class Transport:
         """False once the daemon closed the connection (it went away or restarted), or none is open."""
         conn = self.conn
         return conn is not None and not conn.closed_by_peer
-
-    def forget_requests(self) -> None:
-        """A new connection answers nothing the old one asked."""
-        self._replies.clear()
-        self._awaiting.clear()
-        self._async_error = None
 
     # -------------------------------------------------------------- requests
 
@@ -77,43 +68,38 @@ class Transport:
             conn = self.conn
             if conn is None:
                 return
-            try:
+            with suppress(ConnectionError):  # then conn.closed_by_peer is set: the daemon is gone
                 conn.send(codec.encode(req))
-            except ConnectionError:
-                pass  # conn.closed_by_peer is set: the daemon is gone
 
     def call(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
              handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply; ``pump(ms)`` handles what arrives meanwhile
         (it hands replies back through :meth:`deliver`). An error reply is raised."""
         with self.io:
+            conn = self.conn
+            try:
+                conn.send(codec.encode(req))
+            except ConnectionError as exc:
+                raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
+            deadline = time.monotonic() + timeout
             self._awaiting.add(req.id)
             try:
-                return self._wait_reply(req, timeout, pump, handshake)
+                while req.id not in self._replies:
+                    if conn.closed_by_peer:
+                        raise DaemonUnavailableError(self.endpoint, "the daemon closed the connection before "
+                                                     f"answering {type(req).__name__}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and handshake:
+                        raise HandshakeTimeoutError(
+                            self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
+                            f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
+                    if remaining <= 0:
+                        raise DaemonUnavailableError(self.endpoint,
+                                                     f"no reply to {type(req).__name__} within {timeout} s")
+                    pump(min(POLL_SLICE_MS, max(1, int(remaining * 1000))))
             finally:
                 self._awaiting.discard(req.id)
-
-    def _wait_reply(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
-                    handshake: bool) -> p.DaemonMessage:
-        conn = self.conn
-        try:
-            conn.send(codec.encode(req))
-        except ConnectionError as exc:
-            raise DaemonUnavailableError(self.endpoint, f"connection lost ({exc.strerror or exc})") from None
-        deadline = time.monotonic() + timeout
-        while req.id not in self._replies:
-            if conn.closed_by_peer:
-                raise DaemonUnavailableError(self.endpoint, f"the daemon closed the connection before answering "
-                                             f"{type(req).__name__}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if handshake:
-                    raise HandshakeTimeoutError(
-                        self.endpoint, f"no welcome within {timeout} s (is `nodeagent serve` running? "
-                        f"raise handshake_timeout_s or {ENV_HANDSHAKE_TIMEOUT} if it is slow to answer)")
-                raise DaemonUnavailableError(self.endpoint, f"no reply to {type(req).__name__} within {timeout} s")
-            pump(min(POLL_SLICE_MS, max(1, int(remaining * 1000))))
-        reply = self._replies.pop(req.id)
+            reply = self._replies.pop(req.id)
         if isinstance(reply, p.Error):
             raise from_reply(reply.code, reply.message)
         return reply
@@ -144,14 +130,6 @@ class Transport:
             self._replies[msg.id] = msg
             return True
         return False
-
-    def fail_later(self, err: DaemonError) -> None:
-        """An error reply to a request sent without waiting: raised by the client's next pump."""
-        self._async_error = err
-
-    def take_async_error(self) -> DaemonError | None:
-        err, self._async_error = self._async_error, None
-        return err
 
 
 def open_connection(endpoint: str, timeout: float) -> framing.Connection:
@@ -194,13 +172,9 @@ def one_shot(request: p.ClientMessage, expected: type, endpoint: str | None, tim
             conn.send(codec.encode(request), timeout)
             reply = None
             while reply is None:
-                left = deadline - time.monotonic()
-                frames = conn.recv(max(0.0, left))
-                for frame in frames:
-                    msg = codec.decode_reply(frame)
-                    if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0):
-                        reply = msg
-                        break
+                frames = conn.recv(max(0.0, deadline - time.monotonic()))
+                reply = next((msg for msg in map(codec.decode_reply, frames)
+                              if msg.id == request.id or (isinstance(msg, p.Error) and msg.id == 0)), None)
                 if reply is None and not frames and time.monotonic() >= deadline:
                     raise DaemonUnavailableError(endpoint, f"no {what} reply within {timeout} s")
         except ConnectionError:

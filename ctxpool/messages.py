@@ -247,19 +247,7 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
 ToWorkerMessage = Union[Prepare, Attach, Drop, Run, Shutdown]
 FromWorkerMessage = Union[Ready, Prepared, Attached, Dropped, Rejected, Done, Failed, Dying]
 
-_encoder = msgspec.msgpack.Encoder()
-_to_worker = msgspec.msgpack.Decoder(ToWorkerMessage)
-_from_worker = msgspec.msgpack.Decoder(FromWorkerMessage)
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_to_worker(frame: bytes) -> ToWorkerMessage:
-    """Decode what the supervisor sent; msgspec.DecodeError / ValidationError if malformed."""
-    return _to_worker.decode(frame)
-
-
-def decode_from_worker(frame: bytes) -> FromWorkerMessage:
-    return _from_worker.decode(frame)
+# What each side encodes and decodes with (msgspec.DecodeError / ValidationError if malformed).
+encode = msgspec.msgpack.Encoder().encode
+decode_to_worker = msgspec.msgpack.Decoder(ToWorkerMessage).decode
+decode_from_worker = msgspec.msgpack.Decoder(FromWorkerMessage).decode

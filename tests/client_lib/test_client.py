@@ -92,6 +92,22 @@ def test_acquire_timeout_withdraws_the_request(inproc_daemon):
         assert dev.holder == holder.session_id
 
 
+def test_an_error_reply_to_a_request_sent_without_waiting_is_raised_at_the_next_call(inproc_daemon):
+    """A quiet request is not waited for: its error reply (here E_INVALID for a queue length out
+    of range) is kept and raised by the client's next call into the library, once."""
+    from client_lib import DaemonError
+    from client_lib import protocol as p
+    with Client("quiet", endpoint=inproc_daemon.endpoint) as client:
+        client._send_quiet(p.Acquire(id=client._take_id(), quiet=True, waiting=-1))
+        with pytest.raises(DaemonError, match="E_INVALID") as caught:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                client.holding  # pumps what arrived: the error is raised here
+                time.sleep(0.005)
+        assert caught.value.code == p.ErrorCode.INVALID
+        assert client.holding is False  # raised once
+
+
 def test_no_daemon_is_said_at_once_naming_the_endpoint(workdir):
     endpoint = f"ipc://{workdir}/nobody.sock"
     started = time.monotonic()

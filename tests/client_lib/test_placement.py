@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -273,6 +274,21 @@ def test_unexpected_reply_type_is_a_bad_reply(cluster):
     with pytest.raises(PlacementError, match="expected LifecycleReply, got Ok") as err:
         cluster.client([node]).lend("n", 0, "job-a")
     assert err.value.code == "E_BAD_REPLY"
+
+
+class _UnknownReply(msgspec.Struct, tag_field="op", tag="no_such_reply", kw_only=True):
+    """A reply a node may send that this client cannot decode (a newer daemon's, or a lying one)."""
+
+    id: int
+
+
+def test_an_undecodable_reply_answers_its_request_as_a_bad_reply(cluster):
+    """Undecodable frames are matched by the id read from them: one for no pending request is
+    skipped, the one for ours ends the call with E_BAD_REPLY (not a timeout)."""
+    node = cluster.node("n", lambda req: [(0.0, _UnknownReply(id=req.id + 1000)), (0.0, _UnknownReply(id=req.id))])
+    result = cluster.client([node]).call(p.Inventory)["n"]
+    assert result.reply is None and result.error.code == "E_BAD_REPLY"
+    assert "invalid message from daemon" in str(result.error)
 
 
 def test_reclaim_waits_for_its_deadline_beyond_the_client_timeout(cluster):

@@ -143,6 +143,10 @@ class _RewordedDecoder:
 @pytest.mark.parametrize("frame, text", [
     (b"\xa3ab\xff", "the frame is not a MessagePack map: the string at offset 0 is not valid UTF-8"),
     (b"\x92\x01", "the frame is not a MessagePack map: it ends inside a value (cut short)"),
+    # a whole string is read past its header, fixstr or str8 (whose length byte is no UTF-8)
+    (b"\x92\xa1a", "the frame is not a MessagePack map: it ends inside a value (cut short)"),
+    (b"\x92\xd9\xa0" + b"a" * 160, "the frame is not a MessagePack map: it ends inside a value (cut short)"),
+    (b"\x92\xd9\x02a\xff", "the frame is not a MessagePack map: the string at offset 1 is not valid UTF-8"),
     (b"\x01\x02", "the frame is not a MessagePack map: more bytes follow its first value, from offset 1"),
     (b"\x91\xc1", "the frame is not a MessagePack map: byte 0xc1 at offset 1 is not MessagePack"),
     (msgspec.msgpack.encode({"op": "release", "id": 3, "grant": "x"}),
