@@ -634,11 +634,15 @@ class Client:
         conn = self._transport.conn
         if conn is None or conn.closed_by_peer:
             return False
+        poller = select.poll()  # not select(): a process may hold descriptors above FD_SETSIZE (1024)
         try:
-            select_ready = select.select([conn.fileno()], [], [], 0)[0]
+            poller.register(conn.fileno(), select.POLLIN)
+            events = poller.poll(0)
         except (OSError, ValueError):
             return False
-        if select_ready and self._io.acquire(blocking=False):
+        if events and events[0][1] & select.POLLNVAL:
+            return False
+        if events and self._io.acquire(blocking=False):
             try:
                 self._pump(0, raise_async=False)
             except Exception:  # a reattach or an error is the owner's to see at its next call

@@ -324,6 +324,31 @@ for c in clients:
     assert "SERVED" in out.stdout
 
 
+def test_a_paced_client_with_descriptors_above_1024_still_sees_its_daemon(start_daemon):
+    """A co-run trainer waiting on the pace board asks whether its daemon is still there; in a
+    process holding more than FD_SETSIZE descriptors (a data loader's files), select() refuses the
+    connection's descriptor, and the trainer took the daemon for gone and ran through every pause."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard descriptor limit here is {hard}, under 1,200")
+    d = start_daemon("--sharing", "corun")
+    code = f"""
+import os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+from client_lib import Client
+with Client("t", workload="training", endpoint={d.endpoint!r}) as c:
+    assert c._transport.conn.fileno() > 1024, c._transport.conn.fileno()
+    assert c._pace is not None
+    print("THERE", c._daemon_there())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "THERE True" in out.stdout
+
+
 def test_the_reattach_backoff_doubles_to_its_bound_with_jitter():
     """Issue 32 item 7: a client waiting on a daemon that is away waits between attempts, from
     20 ms doubling to 250 ms, each wait drawn from the upper half so that clients spread out."""
