@@ -414,7 +414,9 @@ class ScriptedDaemon:
         from nodeagent.devices import CpuBackend
         config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/scripted.sock", state_dir=workdir)
         server = AgentServer(config, CpuBackend(2), metrics=Metrics(CollectorRegistry()))
-        self.status, self.inventory = server.status(), server._cluster.inventory()
+        now = server._clock()
+        self.status = server.status()
+        self.inventory = server._cluster.inventory_of(self.status, server._cluster.lifecycle_facts(now), now, 0)
         self.endpoint = config.endpoint
         self.refuse = threading.Event()
         self.refused = 0
