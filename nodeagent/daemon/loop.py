@@ -73,21 +73,18 @@ class EventLoopPoller:
                  where: str) -> None:
         """Watch ``target`` for ``events``; the loop runs ``on_ready(target, events)`` when it is
         ready, a bug in it counted under ``where``. Registering a plain descriptor again changes both."""
-        reader = Reader(where, on_ready)
         if isinstance(target, zmq.Socket):
             fd = target.getsockopt(zmq.FD)
             self._zmq[fd] = target
             self._epoll.register(fd, select.EPOLLIN)
-            self._readers[target] = reader
-            return
-        fd = int(target)
-        mask = _epoll_mask(events)
-        if fd in self._fds:
-            self._epoll.modify(fd, mask)
         else:
-            self._epoll.register(fd, mask)
-        self._fds[fd] = events
-        self._readers[fd] = reader
+            mask = _epoll_mask(events)
+            if target in self._fds:
+                self._epoll.modify(target, mask)
+            else:
+                self._epoll.register(target, mask)
+            self._fds[target] = events
+        self._readers[target] = Reader(where, on_ready)
 
     def reader(self, target: Target) -> Reader | None:
         """What runs when ``target`` is ready (None: not registered, or unregistered since the wait)."""
@@ -100,26 +97,22 @@ class EventLoopPoller:
             self._fds[fd] = events
 
     def unregister(self, target: Target) -> None:
+        """Stop watching ``target``; one not watched (unregistered already) is let be."""
+        if self._readers.pop(target, None) is None:
+            return
         if isinstance(target, zmq.Socket):
-            fd = next((f for f, s in self._zmq.items() if s is target), None)
-            if fd is None:
-                raise KeyError(target)
+            fd = next(f for f, s in self._zmq.items() if s is target)
             del self._zmq[fd]
-            del self._readers[target]
         else:
-            fd = int(target)
-            if self._fds.pop(fd, None) is None:
-                raise KeyError(target)
-            del self._readers[fd]
+            fd = target
+            del self._fds[fd]
         try:
             self._epoll.unregister(fd)
         except (OSError, ValueError):
             pass  # closed already: the kernel dropped it from the set
 
     def __contains__(self, target: Target) -> bool:
-        if isinstance(target, zmq.Socket):
-            return any(s is target for s in self._zmq.values())
-        return int(target) in self._fds
+        return target in self._readers
 
     def poll(self, timeout_ms: int | None = None) -> list[tuple[Target, int]]:
         """Ready targets: ``(fd, events)`` for descriptors (epoll bits, hang-ups
@@ -297,7 +290,7 @@ class LocalEndpoint:
     def close(self, flush_s: float = 0.2) -> None:
         """Stop listening; give queued notices ``flush_s`` to leave, then close every connection."""
         if self._listener is not None:
-            self._unwatch(self._listener.fileno())
+            self._poller.unregister(self._listener.fileno())
             self._listener.close()
             self._listener = None
         for peer in list(self._peers.values()):
@@ -312,7 +305,7 @@ class LocalEndpoint:
             os.close(self._reserve_fd)
             self._reserve_fd = None
         if self._more_fd is not None:
-            self._unwatch(self._more_fd)
+            self._poller.unregister(self._more_fd)
             os.close(self._more_fd)
             self._more_fd = None
 
@@ -520,7 +513,7 @@ class LocalEndpoint:
                 self._per_uid[uid] = left
             else:
                 self._per_uid.pop(uid, None)
-        self._unwatch(peer.fd)
+        self._poller.unregister(peer.fd)
         try:
             peer.sock.close()
         except OSError:
@@ -528,12 +521,6 @@ class LocalEndpoint:
         peer.out.clear()
         if notify:
             self._on_close(peer, reason)
-
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self._poller.unregister(fd)
-        except KeyError:
-            pass
 
 
 def _peer_credentials(conn: socket.socket) -> procwatch.PeerCredentials | None:

@@ -177,7 +177,7 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         if self._listener is not None:
-            self._unwatch(self._listener.fileno())
+            self._poller.unregister(self._listener.fileno())
             self._listener.close()
             self._listener = None
         for conn in list(self._conns.values()):
@@ -450,19 +450,13 @@ class MetricsEndpoint:
         if conn.state == WAITING and conn in self._waiting:
             self._waiting.remove(conn)  # at most max_connections long
         self._conns.pop(conn.fd, None)
-        self._unwatch(conn.fd)
+        self._poller.unregister(conn.fd)
         try:
             conn.sock.close()
         except OSError:
             pass
         conn.out = []
         conn.inbuf = bytearray()
-
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self._poller.unregister(fd)
-        except KeyError:
-            pass
 
 
 def _eviction_rank(conn: _Conn, settled: float) -> int:
