@@ -416,12 +416,7 @@ class LocalEndpoint:
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self._on_refused(why)
-        try:
-            conn.setblocking(False)
-            conn.send(framing.pack(codec.encode(p.Error(id=0, code=p.ErrorCode.UNAVAILABLE, message=why))))
-        except OSError:
-            pass
-        conn.close()
+        send_and_close(conn, framing.pack(codec.encode(p.Error(id=0, code=p.ErrorCode.UNAVAILABLE, message=why))))
 
     def _read(self, peer: Peer, frame_budget: int) -> None:
         """Read what ``peer`` sent and handle up to ``frame_budget`` frames of it. Reading stops
@@ -521,6 +516,16 @@ class LocalEndpoint:
         peer.out.clear()
         if notify:
             self._on_close(peer, reason)
+
+
+def send_and_close(sock: socket.socket, data: bytes) -> None:
+    """Tell a connection refused why, as much as the kernel takes at once, and close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _peer_credentials(conn: socket.socket) -> procwatch.PeerCredentials | None:

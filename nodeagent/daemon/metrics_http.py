@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Callable
 
-from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller
+from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller, send_and_close
 from nodeagent.metrics import CONTENT_TYPE, Exposition
 
 log = logging.getLogger("nodeagent.metrics")
@@ -270,7 +270,7 @@ class MetricsEndpoint:
             self._accepts_left -= 1.0
             if len(self._conns) >= self.max_connections and not self._evict_one():
                 self._on_drop("refused")
-                _send_and_close(sock, error_response(503, "every connection is busy; retry"))
+                send_and_close(sock, error_response(503, "every connection is busy; retry"))
                 continue
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
@@ -471,12 +471,3 @@ def _eviction_rank(conn: _Conn, settled: float) -> int:
     if conn.state == WRITING and conn.since <= settled:
         return 1
     return 2 if conn.inbuf or conn.served > 1 else 4
-
-
-def _send_and_close(sock: socket.socket, data: bytes) -> None:
-    try:
-        sock.setblocking(False)
-        sock.send(data)
-    except OSError:
-        pass
-    sock.close()
