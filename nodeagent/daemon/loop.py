@@ -284,9 +284,6 @@ class LocalEndpoint:
         self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._more_fd, POLLIN, on_ready=self.on_ready, where="serve")
 
-    def __len__(self) -> int:
-        return len(self._peers)
-
     def close(self, flush_s: float = 0.2) -> None:
         """Stop listening; give queued notices ``flush_s`` to leave, then close every connection."""
         if self._listener is not None:
@@ -490,10 +487,6 @@ class LocalEndpoint:
                 return
             del peer.out[:sent]
         self._poller.modify(peer.fd, POLLIN)
-
-    def drop(self, peer: Peer, reason: str) -> None:
-        """Close ``peer``'s connection (``on_close`` is called)."""
-        self._drop(peer, reason)
 
     def _drop(self, peer: Peer, reason: str, notify: bool = True) -> None:
         if peer.closed:
