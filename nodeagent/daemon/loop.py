@@ -121,14 +121,8 @@ class EventLoopPoller:
         if self._zmq and any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._zmq.values()):
             timeout_ms = 0  # a message is already waiting: do not sleep on the edge
         timeout_s = -1 if timeout_ms is None or timeout_ms < 0 else timeout_ms / 1000.0
-        while True:
-            try:
-                ready = self._epoll.poll(timeout_s)
-                break
-            except InterruptedError:
-                continue
         out: list[tuple[Target, int]] = []
-        for fd, ev in ready:
+        for fd, ev in self._epoll.poll(timeout_s):  # EINTR is retried for us (PEP 475)
             if fd in self._zmq:
                 continue  # read below, from EVENTS
             if ev & _HANGUP:
@@ -179,12 +173,8 @@ class Timers:
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest deadline of any of them (None: nothing pending)."""
-        soonest = None
-        for _, timed in self._timed:
-            at = timed.next_deadline(now)
-            if at is not None and (soonest is None or at < soonest):
-                soonest = at
-        return soonest
+        due = [timed.next_deadline(now) for _, timed in self._timed]
+        return min((at for at in due if at is not None), default=None)
 
 
 def _epoll_mask(events: int) -> int:

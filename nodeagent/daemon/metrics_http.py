@@ -192,16 +192,10 @@ class MetricsEndpoint:
         """When :meth:`on_timers` next has something to do (0.0, long past, while an exposition is under way)."""
         if self._exposition is not None:
             return 0.0
-        at = None
-        if self._conns:
-            at = next(iter(self._conns.values())).deadline
-        if self._waiting and (at is None or self._next_start < at):
-            at = self._next_start
-        if self._accept_paused_until is not None and (at is None or self._accept_paused_until < at):
-            at = self._accept_paused_until
-        if self._paused_reads and (at is None or self._paused_reads[0][0] < at):
-            at = self._paused_reads[0][0]
-        return at
+        due = (next(iter(self._conns.values())).deadline if self._conns else None,
+               self._next_start if self._waiting else None, self._accept_paused_until,
+               self._paused_reads[0][0] if self._paused_reads else None)
+        return min((at for at in due if at is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         while self._conns:
