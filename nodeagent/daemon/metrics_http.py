@@ -13,7 +13,8 @@ import re
 import select
 import socket
 import time
-from typing import Callable
+from http import HTTPStatus
+from typing import Callable, NamedTuple
 
 from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller, send_and_close
 from nodeagent.metrics import CONTENT_TYPE, Exposition
@@ -46,13 +47,10 @@ class HttpError(Exception):
         self.status = status
 
 
-class Request:
-    __slots__ = ("method", "path", "keep_alive")
-
-    def __init__(self, method: str, path: str, keep_alive: bool) -> None:
-        self.method = method
-        self.path = path
-        self.keep_alive = keep_alive
+class Request(NamedTuple):
+    method: str
+    path: str
+    keep_alive: bool
 
 
 def parse_head(head: bytes) -> Request:
@@ -85,20 +83,15 @@ def parse_head(head: bytes) -> Request:
     return Request(method, target.partition("?")[0], keep_alive)
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
-            505: "HTTP Version Not Supported"}
-
-
 def response_head(status: int, length: int, keep_alive: bool, content_type: str = "text/plain; charset=utf-8",
                   extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {length}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n"
             f"{extra}\r\n").encode("ascii")
 
 
 def error_response(status: int, why: str, extra: str = "") -> bytes:
-    body = f"{status} {_REASONS[status]}: {why}\n".encode("ascii", "replace")
+    body = f"{status} {HTTPStatus(status).phrase}: {why}\n".encode("ascii", "replace")
     return response_head(status, len(body), False, extra=extra) + body
 
 
