@@ -1,17 +1,8 @@
-"""The daemon's synchronous event bus, and the small handles components are given.
-
-When several components must react to one thing (a suspension finished, a device
-failed, a cluster event to publish), the owner publishes a typed event and the
-others subscribe, so that no component calls back into another through a lambda
-pointing at an object built later. The bus is synchronous on purpose: a
-subscriber runs inside ``publish``, in the same loop turn, so a grant is still
-written in the same wake-up as the release that caused it. Subscriptions are
-made by whoever wires the daemon (the server), so a component's constructor
-says what it publishes (it takes the bus) and not whom it notifies.
-
-The handles bundle what a component needs of the loop (:class:`LoopHandle`),
-of the peers (:class:`Replies`) and of the devices (:class:`DeviceFacts`):
-each one thing a component is given, read-only where it is state.
+"""The daemon's synchronous event bus (:class:`Bus`), its typed events, and the small handles
+components are given (:class:`LoopHandle`, :class:`Replies`, :class:`ServerView`, :class:`DeviceFacts`:
+read-only where they are state). A subscriber runs inside ``publish``, in the same loop turn, so a grant
+is still written in the same wake-up as the release that caused it; the server makes every
+subscription, so a component's constructor says what it publishes (it takes the bus), not whom it tells.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """The daemon's poller and timers: what the loop waits on and what it wakes for.
 
-:class:`EventLoopPoller` is one epoll set over plain descriptors and ZeroMQ
-sockets, and the one registry of readable sources: each target is registered
-with the :class:`Reader` the loop runs when it is readable (its handler and the
-place a bug in it is counted under), so the loop body is one lookup per ready
-target. It has the shape of :class:`zmq.Poller` (``register``, ``unregister``,
-``poll(timeout_ms)`` returning ``(target, events)``) but waits in epoll: a
-wake-up costs one system call whatever the number of connections, and the
-local endpoint's sockets are plain descriptors with no I/O thread in between.
-
-:class:`Timers` is the one list of timed components (:class:`Timed`): the
-poll timeout is the earliest of their deadlines, and their timers run in the
-list's order after every turn.
-
-ZeroMQ sockets are registered by their ``FD``, which only signals that the
-socket's state *may* have changed (edge-like); their readiness is read from
-``EVENTS`` after every wait, which also catches messages that arrived while
-the loop was busy with something else.
-
-:class:`LocalEndpoint` is the loop's own source of requests: a unix stream socket (or TCP,
-unverified) speaking :mod:`client_lib.framing`, with peer credentials and pidfds taken from the
-socket. It owns the listener and connections and bounds what a peer can make the daemon hold.
-Its bounds: docs/architecture.md; detail: docs/internals.md.
+:class:`EventLoopPoller` is one epoll set over plain descriptors and ZeroMQ sockets, shaped like
+:class:`zmq.Poller`, and the one registry of readable sources (each target with its :class:`Reader`);
+:class:`Timers` is the one list of timed components (:class:`Timed`). :class:`LocalEndpoint` is the
+loop's own source of requests: a unix stream socket (or TCP, unverified) speaking
+:mod:`client_lib.framing`; it owns the listener and connections and bounds what a peer can make the
+daemon hold. Its bounds: docs/architecture.md; detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -60,8 +44,8 @@ class Reader:
 
 
 class EventLoopPoller:
-    """Waits on descriptors (ints) and ZeroMQ sockets, each registered with its
-    :class:`Reader`; see the module docstring."""
+    """Waits on descriptors (ints) and ZeroMQ sockets, each registered with its :class:`Reader`,
+    what the loop runs when it is ready: one lookup per ready target."""
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
@@ -115,9 +99,10 @@ class EventLoopPoller:
         return target in self._readers
 
     def poll(self, timeout_ms: int | None = None) -> list[tuple[Target, int]]:
-        """Ready targets: ``(fd, events)`` for descriptors (epoll bits, hang-ups
-        reported as POLLIN so the owner reads the EOF), ``(socket, POLLIN)`` for
-        ZeroMQ sockets with a message waiting."""
+        """Ready targets: ``(fd, events)`` for descriptors (epoll bits, hang-ups reported as POLLIN so
+        the owner reads the EOF), ``(socket, POLLIN)`` for ZeroMQ sockets with a message waiting: their
+        ``FD`` only signals that their state may have changed (edge-like), so ``EVENTS`` is read after
+        every wait, which also finds a message that arrived while the loop was busy."""
         if self._zmq and any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._zmq.values()):
             timeout_ms = 0  # a message is already waiting: do not sleep on the edge
         timeout_s = -1 if timeout_ms is None or timeout_ms < 0 else timeout_ms / 1000.0
