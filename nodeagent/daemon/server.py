@@ -251,18 +251,14 @@ class AgentServer:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
             self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices' boards
-            try:
-                self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
-            except BaseException:
-                self._mps.stop()
-                raise
+            self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             try:
                 self._serving.start(self._suspensions.suspended_ids())
             except BaseException:
                 self._serving.stop()
-                self._mps.stop()
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
+            self._mps.stop()  # the control daemons it started, if it got so far (none: nothing to do)
             self._cluster.close()
             self._tokens.close_pace_boards()
             local.close()
