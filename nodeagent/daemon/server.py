@@ -585,10 +585,13 @@ class AgentServer:
             if cap and self._tokens.corun(s.device) and ACTIVE_THREADS_ENV not in env:
                 env[ACTIVE_THREADS_ENV] = str(cap)  # SMs left free for the higher class when it comes
         uuid = self._devices.info()[s.device].uuid
+        # No heartbeats (0) from a client whose process the daemon watches through a pidfd, and its
+        # connection: either going away ends the session at once.
+        heartbeat_ms = 0.0 if s.pidfd is not None else self.config.heartbeat_ms
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
-            grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
+            grace_ms=policy.grace_ms, heartbeat_ms=heartbeat_ms, resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
             pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
@@ -771,19 +774,10 @@ class AgentServer:
                 self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot,
                                                    durable=self._journal_writer.durable(s.id)))
 
-    def _heartbeat_ms(self, s: Session) -> float:
-        """How often ``s``'s client must send heartbeats: never (0) when the daemon
-        watches its process through a pidfd and its connection (either going away
-        ends the session at once); else ``heartbeat.interval_ms``."""
-        return 0.0 if s.pidfd is not None else self.config.heartbeat_ms
-
     def _check_liveness(self, now: float) -> None:
         """Every quarter heartbeat interval: drop the sessions whose heartbeats stopped."""
-        if now >= self._next_liveness_check:
-            self._check_heartbeats(now)
-            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
-
-    def _check_heartbeats(self, now: float) -> None:
+        if now < self._next_liveness_check:
+            return
         limit = self.config.heartbeat_timeout_s
         # Watched sessions (pidfd and a connection) need no heartbeat; a stopped
         # process cannot heartbeat: its pidfd says whether it lives. A restored
@@ -797,6 +791,7 @@ class AgentServer:
                 "heartbeat.interval_ms); send heartbeats every welcome.heartbeat_ms and open a new session "
                 "with hello")))
             self._drop(s, "heartbeat", now)
+        self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
 
     # ------------------------------------------------------------- sessions
 
