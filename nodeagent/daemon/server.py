@@ -14,7 +14,8 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Generator
 
 import zmq
 
@@ -1000,17 +1001,15 @@ class AgentServer:
                 for i in range(tokens.device_count)]
 
 
+@dataclass(slots=True, eq=False)
 class _ReadJob:
     """A status or inventory under way: who asked, and its steps once it has started."""
 
-    __slots__ = ("route", "request_id", "key", "kind", "steps")
-
-    def __init__(self, route, request_id: int, key, kind: str) -> None:
-        self.route = route
-        self.request_id = request_id
-        self.key = key  # whose share of the queue it takes (_read_key)
-        self.kind = kind  # "status" or "inventory"
-        self.steps = None  # the generator, made when the job reaches the front
+    route: object
+    request_id: int
+    key: object  # whose share of the queue it takes (_read_key)
+    kind: str  # "status" or "inventory"
+    steps: Generator | None = None  # made when the job reaches the front
 
 
 _ROOT_KEY = ("root",)  # the ROOT role's (authz.is_root): a container's root is ("uid", 0)
