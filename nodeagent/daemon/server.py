@@ -197,13 +197,11 @@ class AgentServer:
         bus.subscribe(Granted, self._cluster.on_granted)
         bus.subscribe(Granted, self._attained.on_granted)
         # Whose timers run after every turn, in this order; the poll timeout is their earliest deadline.
-        timers = self._timers = Timers()
-        timers.add("timers", self._tokens)
-        timers.add("timers", Timer(self._closing_deadline, self._drop_closed))
-        timers.add("timers", Timer(lambda now: self._next_liveness_check, self._check_liveness))
-        for component in (self._suspensions, self._cluster, self._gate, self._restorer, self._serving,
-                          self._attained):
-            timers.add("timers", component)
+        self._timers = Timers()
+        for timed in (self._tokens, Timer(self._closing_deadline, self._drop_closed),
+                      Timer(lambda now: self._next_liveness_check, self._check_liveness), self._suspensions,
+                      self._cluster, self._gate, self._restorer, self._serving, self._attained):
+            self._timers.add("timers", timed)
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""
@@ -768,12 +766,9 @@ class AgentServer:
         """Whether a session is journalled changed (None: for every session): tell its
         client with an unasked ``heartbeat_ack`` (id 0), since watched sessions send no
         heartbeats to be told in the answer to."""
-        targets = self._sessions.values() if session_id is None else \
-            [s for s in (self._sessions.get(session_id),) if s is not None]
-        for s in list(targets):
-            if s.route is not None:
-                self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot,
-                                                   durable=self._journal_writer.durable(s.id)))
+        for s in list(self._sessions.values()) if session_id is None else [self._sessions.get(session_id)]:
+            if s is not None:  # _send skips one with no connection (not reattached yet)
+                self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot, durable=self._journal_writer.durable(s.id)))
 
     def _check_liveness(self, now: float) -> None:
         """Every quarter heartbeat interval: drop the sessions whose heartbeats stopped."""
