@@ -108,40 +108,30 @@ class AgentServer:
         self._status_jobs_count = 0
 
         # What components are handed: the bus they publish on, the loop, how to answer peers,
-        # the devices. Each component below names in its constructor what it may touch, and
-        # every subscription is made here, after all of them exist: no component calls into
-        # one built after it.
+        # the devices. Each component below (what it owns: docs/architecture.md, in this order)
+        # names in its constructor what it may touch, and every subscription is made here, after
+        # all of them exist: no component calls into one built after it.
         bus = self._bus = Bus()
         loop = LoopHandle(self._poller, clock, self._wake)
         replies = Replies(self._send, self._error, self._bad, self._session_for)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: the gate writes it, the others read it
         devices = self._devices = DeviceFacts(backend, self._lost_devices)
         self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
-        # Every journal write goes through it: failures are counted, published, never fatal.
         self._journal_writer = JournalWriter(journal, self.metrics, bus)
-        # The schedulers and the carrying-out of their actions.
         self._tokens = Tokens(config=config, devices=devices, sessions=self._sessions, metrics=self.metrics,
                               journal=self._journal_writer.write, send=self._send, bus=bus, clock=clock)
-        # Each training job's attained GPU-seconds, over its sessions and restarts, journalled.
         self._attained = AttainedService(sessions=self._sessions, tokens=self._tokens, journal=self._journal_writer,
                                          clock=clock)
-        # MPS control daemons and SM shares.
         self._mps = MpsPartitions(config, devices.info(), self._poller, self._send, self._error,
                                   backend=backend.name)
-        # Memory readings against declarations, lost devices, token requests held on them.
         self._memory_policy = MemoryPolicy(config=config, devices=devices, loop=loop, sessions=self._sessions,
                                            tokens=self._tokens, metrics=self.metrics, send=self._send, bus=bus)
-        # Registered models, the worker pool and the serving sub-sessions.
         self._serving = Serving(config=config, devices=devices, loop=loop, sessions=self._sessions,
                                 tokens=self._tokens, mps=self._mps, journal=self._journal_writer, replies=replies)
-        # Whole-device suspensions, journalled.
         self._suspensions = Suspensions(sessions=self._sessions, tokens=self._tokens, metrics=self.metrics,
                                         replies=replies, bus=bus, journal=self._journal_writer)
-        # Every request for a session's token passes here, whoever makes it: it owns what keeps one
-        # back (make-room blocks, restore windows, lost devices).
         self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices,
                                suspensions=self._suspensions)
-        # Restore after a restart (its windows opened in the gate), and writing stale sessions again.
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
             mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
@@ -166,7 +156,6 @@ class AgentServer:
         }
         self.metrics.watch(backend.count(), self._device_rows, self._session_rows,  # read at scrape time
                            memory_policy=config.memory_policy)
-        # The cluster endpoint: its sockets, device lifecycles, placement operations, events.
         server_view = ServerView(self._ctx, self._handlers, self._dispatch, self.status, lambda: self.boot,
                                  self._started, self.metrics, replies, self._attained.snapshot)
         self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
@@ -176,7 +165,6 @@ class AgentServer:
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy, p.SetWeight: self._cluster.on_set_weight,
                                p.Renew: self._cluster.on_renew})
-        # Which device a new session joins, and whom to suspend to make room for it.
         self._admission = Admission(config=config, devices=devices, sessions=self._sessions, tokens=self._tokens,
                                     suspensions=self._suspensions, refusal=self._cluster.admission_refusal,
                                     workers_share=self._serving.workers_share)
