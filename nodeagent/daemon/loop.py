@@ -143,22 +143,13 @@ class Timer:
     on_timers: Callable[[float], None]
 
 
-class Timers:
-    """The one list of timed components, each with the place a bug in its timers is counted under."""
-
-    def __init__(self) -> None:
-        self._timed: list[tuple[str, Timed]] = []
-
-    def add(self, where: str, timed: Timed) -> None:
-        """``timed``'s timers run after those added before it."""
-        self._timed.append((where, timed))
-
-    def __iter__(self):
-        return iter(self._timed)
+class Timers(list[tuple[str, Timed]]):
+    """The one list of timed components, each with the place a bug in its timers is counted under:
+    pairs ``(where, timed)``, whose timers run in the list's order."""
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest deadline of any of them (None: nothing pending)."""
-        due = [timed.next_deadline(now) for _, timed in self._timed]
+        due = [timed.next_deadline(now) for _, timed in self]
         return min((at for at in due if at is not None), default=None)
 
 

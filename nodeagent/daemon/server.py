@@ -189,7 +189,7 @@ class AgentServer:
         for timed in (self._tokens, Timer(self._closing_deadline, self._drop_closed),
                       Timer(lambda now: self._next_liveness_check, self._check_liveness), self._suspensions,
                       self._cluster, self._gate, self._restorer, self._serving, self._attained):
-            self._timers.add("timers", timed)
+            self._timers.append(("timers", timed))
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""
@@ -303,7 +303,7 @@ class AgentServer:
             on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
         port = endpoint.bind(addr, port)
         self._metrics_http = endpoint
-        self._timers.add("metrics", endpoint)  # after the turn's handoffs: one step of an exposition at most
+        self._timers.append(("metrics", endpoint))  # after the turn's handoffs: one step of an exposition at most
         shown = f"[{addr}]" if ":" in addr else addr
         log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
                  shown, port, endpoint.max_connections, endpoint.timeout_s)
