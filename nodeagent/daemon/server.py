@@ -186,7 +186,7 @@ class AgentServer:
         bus.subscribe(Granted, self._attained.on_granted)
         # Whose timers run after every turn, in this order; the poll timeout is their earliest deadline.
         self._timers = Timers()
-        for timed in (self._tokens, Timer(self._closing_deadline, self._drop_closed),
+        for timed in (self._tokens, Timer(lambda now: min(self._closing.values(), default=None), self._drop_closed),
                       Timer(lambda now: self._next_liveness_check, self._check_liveness), self._suspensions,
                       self._cluster, self._gate, self._restorer, self._serving, self._attained):
             self._timers.append(("timers", timed))
@@ -850,10 +850,6 @@ class AgentServer:
                 and not self._suspensions.active(s) and self._tokens.grant_of(s) is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
-
-    def _closing_deadline(self, now: float) -> float | None:
-        """When the first session whose connection closed is called lost unless its process ends."""
-        return min(self._closing.values(), default=None)
 
     def _drop_closed(self, now: float) -> None:
         """Sessions whose connection closed and whose process lived on past ENDED_GRACE_S: lost."""
