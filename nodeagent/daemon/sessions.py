@@ -119,8 +119,7 @@ class SessionTable:
 
     def attach(self, session: Session, route) -> None:
         """``session``'s client now speaks on ``route`` (it reconnected)."""
-        if session.route is not None and self._by_route.get(session.route) is session:
-            del self._by_route[session.route]
+        self.detach(session)
         session.route = route
         self._by_route[route] = session
 
