@@ -203,12 +203,9 @@ class DeviceFacts:
 
     def __init__(self, backend, lost) -> None:
         self.backend = backend
+        self.name = backend.name
         self.lost = lost  # nodeagent.daemon.gate.LostDevices: written by the token gate alone
         self._info = backend.devices()
-
-    @property
-    def name(self) -> str:
-        return self.backend.name
 
     @property
     def count(self) -> int:
