@@ -13,6 +13,7 @@ import re
 import select
 import socket
 import time
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Callable, NamedTuple
 
@@ -95,24 +96,21 @@ def error_response(status: int, why: str, extra: str = "") -> bytes:
     return response_head(status, len(body), False, extra=extra) + body
 
 
+@dataclass(slots=True, eq=False)  # told apart by identity (the waiting list's remove)
 class _Conn:
-    __slots__ = ("sock", "fd", "state", "inbuf", "out", "keep_alive", "head_only", "served", "deadline", "closed",
-                 "read_paused", "accepted", "since")
-
-    def __init__(self, sock: socket.socket, deadline: float, accepted: int, since: float) -> None:
-        self.sock = sock
-        self.accepted = accepted  # the endpoint's count of accepts when it came: lower is older
-        self.since = since  # when it was accepted, last answered or began taking a response
-        self.fd = sock.fileno()
-        self.state = READING
-        self.inbuf = bytearray()
-        self.out: list[memoryview] = []  # head, then the shared body
-        self.keep_alive = False
-        self.head_only = False  # a HEAD: the response without its body
-        self.served = 0
-        self.deadline = deadline
-        self.closed = False
-        self.read_paused = False  # part of a head came: not watched for more until a timer says
+    sock: socket.socket
+    fd: int
+    deadline: float
+    accepted: int  # the endpoint's count of accepts when it came: lower is older
+    since: float  # when it was accepted, last answered or began taking a response
+    state: str = READING
+    inbuf: bytearray = field(default_factory=bytearray)
+    out: list[memoryview] = field(default_factory=list)  # head, then the shared body
+    keep_alive: bool = False
+    head_only: bool = False  # a HEAD: the response without its body
+    served: int = 0
+    closed: bool = False
+    read_paused: bool = False  # part of a head came: not watched for more until a timer says
 
 
 class MetricsEndpoint:
@@ -267,7 +265,7 @@ class MetricsEndpoint:
                     pass
             self._accepted += 1
             now = self._clock()
-            conn = _Conn(sock, now + self.timeout_s, self._accepted, now)
+            conn = _Conn(sock, sock.fileno(), now + self.timeout_s, self._accepted, now)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, POLLIN, on_ready=self.on_ready, where="metrics")
 
