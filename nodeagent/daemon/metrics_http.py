@@ -275,10 +275,8 @@ class MetricsEndpoint:
         self._poller.modify(self._listener.fileno(), 0)
 
     def _evict_one(self) -> bool:
-        """Free a slot, whatever the connections are doing, by :func:`_eviction_rank`, the
-        oldest of a rank first. A reader whose request has arrived but was not read yet (its
-        readiness comes later in this turn) is read first and kept if that makes it a scrape.
-        False only with no connection."""
+        """Free a slot by :func:`_eviction_rank`, the oldest of a rank first (False only with no connection);
+        a reader whose request arrived unread (readiness later this turn) is read first, kept if a scrape."""
         settled = self._clock() - _NEW_GRACE_S
         for _ in range(len(self._conns) + 1):
             open_conns = [c for c in self._conns.values() if not c.closed]
@@ -445,12 +443,9 @@ class MetricsEndpoint:
 
 
 def _eviction_rank(conn: _Conn, settled: float) -> int:
-    """Which connection gives its slot up first (lowest): one that has had ``_NEW_GRACE_S``
-    to send a whole request and has not (a slowloris, an idle keep-alive), then one that has
-    had as long to take its response (a peer that does not read), then one waiting for an
-    exposition or taking one that has sent more requests behind it (pipelining) or was
-    answered before on its connection (a keep-alive repeater), then one just connected,
-    then a lone first request: a real scrape goes last."""
+    """Which connection gives its slot up first (lowest): a slowloris or idle keep-alive, a peer
+    that does not read, a pipelining or keep-alive repeater, a newcomer, and a lone first request
+    last (the order and its reasons: docs/internals.md)."""
     if conn.state == READING:
         return 0 if conn.since <= settled else 3
     if conn.state == WRITING and conn.since <= settled:
