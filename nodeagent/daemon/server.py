@@ -105,7 +105,6 @@ class AgentServer:
         # Statuses and inventories under way: peer key (_read_key) -> its jobs in order; root's
         # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
         self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
-        self._status_jobs_count = 0
 
         # What components are handed: the bus they publish on, the loop, how to answer peers,
         # the devices. Each component below (what it owns: docs/architecture.md, in this order)
@@ -142,7 +141,7 @@ class AgentServer:
             p.Acquire: self._on_acquire,
             p.Release: self._on_release,
             p.Cancel: self._on_cancel,
-            p.StatusRequest: self._on_status,
+            p.StatusRequest: self._queue_read,
             p.Goodbye: self._on_bye,
             p.SuspendSession: self._suspensions.on_suspend_session,
             p.ResumeSession: self._suspensions.on_resume_session,
@@ -161,7 +160,7 @@ class AgentServer:
         self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
                                         sessions=self._sessions, journal=self._journal_writer,
                                         suspensions=self._suspensions, devices=devices)
-        self._handlers.update({p.Inventory: self._on_inventory, p.Lend: self._cluster.on_lend,
+        self._handlers.update({p.Inventory: self._queue_read, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy, p.SetWeight: self._cluster.on_set_weight,
                                p.Renew: self._cluster.on_renew})
@@ -665,30 +664,22 @@ class AgentServer:
             return
         self._mps.on_partition(route, msg)
 
-    def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
-        """Answer a status: at once when it is small, else built a chunk per loop turn."""
-        self._queue_read(route, msg.id, frame, "status")
-
-    def _on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
-        """Answer an inventory (a status with lifecycle states): in chunks, under status's caps."""
-        self._queue_read(route, msg.id, frame, "inventory")
-
-    def _queue_read(self, route, request_id: int, frame, kind: str) -> None:
-        """Queue a status or an inventory, bounded in total and per peer; the first in line
-        takes its first chunk at once."""
+    def _queue_read(self, route, msg: p.StatusRequest | p.Inventory, frame, now: float) -> None:
+        """Answer a status or an inventory (a status with lifecycle states), bounded in total and per
+        peer: at once when it is small, else built a chunk per loop turn."""
         key = _read_key(route, frame)
-        if self._status_jobs_count >= STATUS_JOBS_MAX:
-            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
-                        f"{self._status_jobs_count} status requests are being answered; retry in a moment")
+        under_way = sum(map(len, self._status_jobs.values()))
+        if under_way >= STATUS_JOBS_MAX:
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
+                        f"{under_way} status requests are being answered; retry in a moment")
             return
         mine = self._status_jobs.get(key)
         if mine is not None and len(mine) >= STATUS_JOBS_PER_PEER:
-            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
                         f"this peer has {STATUS_JOBS_PER_PEER} status requests being answered; "
                         "wait for their replies before asking again")
             return
-        job = _ReadJob(route, request_id, key, kind)
-        self._status_jobs_count += 1
+        job = _ReadJob(route, msg.id, key, "inventory" if type(msg) is p.Inventory else "status")
         if mine:
             mine.append(job)
             return
@@ -729,7 +720,6 @@ class AgentServer:
         """``job`` is answered: its peer's turn passes to the next peer in line."""
         mine = self._status_jobs.pop(job.key)
         mine.popleft()
-        self._status_jobs_count -= 1
         if mine:
             self._status_jobs[job.key] = mine  # to the back of the line
 
