@@ -107,9 +107,3 @@ def refusal(act: Act, peer: Peer) -> str | None:
         return None
     who = " or ".join(role.value for role in list(Role) if role in allowed)
     return f"{peer.label} may not {act.value}: only {who} may"
-
-
-def may_act_on_session(route, frame, owner_uid: int | None, act: Act = Act.SUSPEND,
-                       owner_namespaces: tuple | None = None) -> str | None:
-    """:func:`refusal` for an act on a session owned by ``owner_uid`` (opened from ``owner_namespaces``)."""
-    return refusal(act, peer_of(route, frame, owner_uid=owner_uid, owner_namespaces=owner_namespaces))
