@@ -225,26 +225,8 @@ class LocalEndpoint:
     # ------------------------------------------------------------------ life
 
     def bind(self) -> None:
-        """Bind and listen. For ``ipc://PATH`` the socket is born 0660 (group as
-        :func:`nodeagent.runtime.secure_socket` sets it); the caller holds the lock."""
-        family, address = framing.parse_endpoint(self.endpoint)
-        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        try:
-            if family == socket.AF_UNIX:
-                old_umask = os.umask(0o117)  # no window with looser modes
-                try:
-                    sock.bind(address)
-                finally:
-                    os.umask(old_umask)
-                runtime.secure_socket(address)
-            else:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(address)
-            sock.listen(1024)
-        except BaseException:
-            sock.close()
-            raise
-        self._listener = sock
+        """Bind and listen (:func:`listening_socket`); the caller holds the lock."""
+        self._listener = sock = listening_socket(*framing.parse_endpoint(self.endpoint))
         self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="serve")
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -475,6 +457,28 @@ class LocalEndpoint:
         peer.out.clear()
         if notify:
             self._on_close(peer, reason)
+
+
+def listening_socket(family: int, address) -> socket.socket:
+    """A non-blocking stream socket listening on ``address`` (backlog 1,024). A unix one is born 0660
+    (group as :func:`nodeagent.runtime.secure_socket` sets it)."""
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        if family == socket.AF_UNIX:
+            old_umask = os.umask(0o117)  # no window with looser modes
+            try:
+                sock.bind(address)
+            finally:
+                os.umask(old_umask)
+            runtime.secure_socket(address)
+        else:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def send_and_close(sock: socket.socket, data: bytes) -> None:

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Callable, NamedTuple
 
-from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller, send_and_close
+from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller, listening_socket, send_and_close
 from nodeagent.metrics import CONTENT_TYPE, Exposition
 
 log = logging.getLogger("nodeagent.metrics")
 
-_BACKLOG = 1024
 _MAX_HEAD_BYTES = 8 * 1024
 _READ_BYTES = 4096
 # Connections accepted per wake-up: at the cap each costs an eviction too (about 70 us together on 2
@@ -151,15 +150,7 @@ class MetricsEndpoint:
         """Listen on ``addr:port``; returns the port (``port`` 0 picks one). OSError as bind raises it."""
         family, _, _, _, sockaddr = socket.getaddrinfo(addr or None, port, 0, socket.SOCK_STREAM, 0,
                                                        socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        self._listener = sock
+        self._listener = sock = listening_socket(family, sockaddr)
         self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="metrics")
         return sock.getsockname()[1]
 
