@@ -154,12 +154,8 @@ class Timers(list[tuple[str, Timed]]):
 
 
 def _epoll_mask(events: int) -> int:
-    mask = 0
-    if events & POLLIN:
-        mask |= select.EPOLLIN | select.EPOLLRDHUP
-    if events & POLLOUT:
-        mask |= select.EPOLLOUT
-    return mask
+    """epoll's bits for ``events`` (POLLIN and POLLOUT are epoll's own), with the peer's hang-up where POLLIN is."""
+    return events & (POLLIN | POLLOUT) | (select.EPOLLRDHUP if events & POLLIN else 0)
 
 
 # ------------------------------------------------------------------ the local endpoint
