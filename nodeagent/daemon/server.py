@@ -30,11 +30,10 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.history import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DurabilityChanged, Granted,
-                                  LoopHandle, MakeRoomFinished, MayAsk, MpsFaulted, Published, Replies, ServerView,
-                                  SliceEnded, SuspendFinished)
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DeviceLost, DurabilityChanged,
+                                  Granted, LoopHandle, MakeRoomFinished, MayAsk, MpsFaulted, Published, Replies,
+                                  ServerView, SliceEnded, SuspendFinished)
 from nodeagent.daemon.gate import LostDevices, TokenGate
-from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
@@ -173,8 +172,8 @@ class AgentServer:
         # SuspendFinished (a reclaim waiting on it is answered): the order is the publisher's.
         bus.subscribe(MakeRoomFinished, self._gate.on_make_room_finished)
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)
-        bus.subscribe(BusDeviceLost, self._gate.on_device_lost)  # its waiters held first,
-        bus.subscribe(BusDeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
+        bus.subscribe(DeviceLost, self._gate.on_device_lost)  # its waiters held first,
+        bus.subscribe(DeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
         bus.subscribe(DeviceBack, self._gate.on_device_back)
         bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
@@ -480,11 +479,11 @@ class AgentServer:
             self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
             self._gate.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
+        workload = Workload.parse(msg.workload)
         device, code, problem = self._admission.pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
         if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
-            device, victims = self._admission.make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
-                                                   msg.borrower)
+            device, victims = self._admission.make_room_plan(msg.device, workload, msg.memory_mb, msg.borrower)
         if device is None:
             self._error(route, msg.id, code, problem)
             return
@@ -507,7 +506,6 @@ class AgentServer:
                 managed_cgroup, why = enforce.open_managed_cgroup(msg.managed_pgid, verified_pid, creds.uid)
                 if managed_cgroup is None:
                     log.info("[session] launched group %d is held by its process group: %s", msg.managed_pgid, why)
-        workload = Workload.parse(msg.workload)
         session_id = new_session_id()
         try:
             self._mps.join(session_id, device, msg.memory_mb, creds.uid if creds is not None else None)
