@@ -394,9 +394,8 @@ class LocalEndpoint:
     # ---------------------------------------------------------------- output
 
     def send(self, peer: Peer, body: bytes) -> bool:
-        """Queue one frame to ``peer`` and write what the kernel takes now. False
-        (and the peer dropped, as ``not_reading``) if it has more than
-        ``max_queued_bytes`` waiting: a peer that does not read cannot grow us."""
+        """Queue one frame to ``peer`` and write what the kernel takes now. False (and the peer dropped,
+        as ``not_reading``) past ``max_queued_bytes`` waiting: a peer that does not read cannot grow us."""
         if peer.closed:
             return False
         frame = framing.pack(body)

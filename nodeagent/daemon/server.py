@@ -204,10 +204,8 @@ class AgentServer:
     # ------------------------------------------------------------------ life
 
     def bind(self) -> str:
-        """Bind the endpoint; returns it. Refuses if another daemon serves it.
-
-        Every address is bound before the journal is opened and restored: a start that
-        cannot have its addresses leaves neither a socket file nor a journal behind."""
+        """Bind every address, then open and restore the journal (a start that cannot have its addresses
+        leaves no socket file and no journal behind); returns the endpoint. Refuses if another daemon serves it."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
         limits = self._connection_limits()
@@ -345,9 +343,8 @@ class AgentServer:
         return self._stop_reason or "requested"
 
     def _contain(self, where: str, step: Callable, *args) -> None:
-        """Run one step of the loop; an exception it raises is a bug that costs that
-        step, never the daemon: counted, logged (at most once a second per place),
-        and the loop carries on."""
+        """Run one step of the loop; an exception in it is a bug that costs that step, never the
+        daemon: counted, and logged at most once a second per place."""
         try:
             step(*args)
         except Exception:
@@ -415,10 +412,9 @@ class AgentServer:
 
     def _dispatch(self, route, body: bytes, frame, handlers: dict, where: str,
                   unhandled: Callable | None = None) -> None:
-        """Decode one request and run its handler; bad frames and handler bugs cost
-        that request an error reply, never the loop. ``frame`` is what handlers
-        read the sender's identity from (a :class:`Peer`, or a ZeroMQ frame on the
-        cluster endpoint)."""
+        """Decode one request and run its handler; bad frames and handler bugs cost that request an error
+        reply, never the loop. ``frame``: what handlers read the sender's identity from (a :class:`Peer`,
+        or a ZeroMQ frame on the cluster endpoint)."""
         now = self._clock()
         try:
             msg = codec.decode_request(body)
@@ -739,9 +735,8 @@ class AgentServer:
         return max(0, math.ceil((wake_at - now) * 1000.0))
 
     def _tell_durability(self, session_id: str | None) -> None:
-        """Whether a session is journalled changed (None: for every session): tell its
-        client with an unasked ``heartbeat_ack`` (id 0), since watched sessions send no
-        heartbeats to be told in the answer to."""
+        """Whether a session (None: every session) is journalled changed: tell its client with an unasked
+        ``heartbeat_ack`` (id 0), since watched sessions send no heartbeats to be told in the answer to."""
         for s in list(self._sessions.values()) if session_id is None else [self._sessions.get(session_id)]:
             if s is not None:  # _send skips one with no connection (not reattached yet)
                 self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot, durable=self._journal_writer.durable(s.id)))
@@ -831,9 +826,7 @@ class AgentServer:
             self._drop(s, reason, now)
 
     def _nothing_undone(self, s: Session) -> bool:
-        """Whether ``s`` left nothing undone: watched by a pidfd, holding no token and not in line
-        for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
-        ENDED, before the process has ended)."""
+        """Whether ``s`` left nothing undone (:meth:`_exit_reason`'s ENDED) before its process has ended."""
         return (s.pidfd is not None and s.managed_pidfd is None and not self._tokens.stopped(s)
                 and not self._suspensions.active(s) and self._tokens.grant_of(s) is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
