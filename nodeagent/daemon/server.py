@@ -1013,8 +1013,7 @@ def _check_hello(msg: p.Hello) -> str | None:
     (``client_lib/protocol.py``: a frame outside them is refused as it is decoded)."""
     # Names reach logs and terminals (status, top): a control character could forge a log line
     # or drive another user's terminal.
-    if not msg.name.isprintable():
-        return "name must be printable (no control characters)"
-    if msg.borrower is not None and not msg.borrower.isprintable():
-        return "borrower must be printable (no control characters)"
+    for field_name, text in (("name", msg.name), ("borrower", msg.borrower or "")):
+        if not text.isprintable():
+            return f"{field_name} must be printable (no control characters)"
     return None
