@@ -369,8 +369,7 @@ class LocalEndpoint:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                self._drop(peer, "closed")
-                return
+                n = 0  # reset, or any other error: closed, as an EOF is
             if not n:
                 self._drop(peer, "closed")
                 return

@@ -292,8 +292,7 @@ class MetricsEndpoint:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._close(conn)
-            return
+            data = b""  # reset, or any other error: closed, as an EOF is
         if not data:
             self._close(conn)
             return
