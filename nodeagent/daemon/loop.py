@@ -344,11 +344,9 @@ class LocalEndpoint:
         try:
             conn, _ = self._listener.accept()
         except OSError:
-            conn = None
-        if conn is not None:
-            self._refuse(conn, "the daemon is out of file descriptors; retry later (raise LimitNOFILE)")
-        else:
             self._on_refused("descriptors")
+        else:
+            self._refuse(conn, "the daemon is out of file descriptors; retry later (raise LimitNOFILE)")
         try:
             self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
