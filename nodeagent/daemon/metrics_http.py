@@ -249,11 +249,10 @@ class MetricsEndpoint:
                 send_and_close(sock, error_response(503, "every connection is busy; retry"))
                 continue
             sock.setblocking(False)
-            if sock.family != socket.AF_UNIX:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                except OSError:
-                    pass
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the listener is TCP (bind)
+            except OSError:
+                pass
             self._accepted += 1
             now = self._clock()
             conn = _Conn(sock, sock.fileno(), now + self.timeout_s, self._accepted, now)
