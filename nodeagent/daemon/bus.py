@@ -169,28 +169,23 @@ class LoopHandle:
 
 @dataclass(frozen=True, slots=True)
 class Replies:
-    """Answering peers: ``send(route, message)``, ``error(route, request id, code, text)``,
-    ``bad(route, request id, why)`` (E_BAD_REQUEST, counted), and ``session_for(route, request
-    id, now)``: the session of a connection, or None after answering E_NO_SESSION."""
+    """Answering peers."""
 
-    send: Callable[[object, object], None]
-    error: Callable[[object, int, str, str], None]
-    bad: Callable[[object, int, str], None]
-    session_for: Callable[[object, int, float], Any]
+    send: Callable[[object, object], None]  # (route, message)
+    error: Callable[[object, int, str, str], None]  # (route, request id, code, text)
+    bad: Callable[[object, int, str], None]  # (route, request id, why): E_BAD_REQUEST, counted
+    session_for: Callable[[object, int, float], Any]  # (route, request id, now): its session; None: E_NO_SESSION told
 
 
 @dataclass(frozen=True, slots=True)
 class ServerView:
-    """What another endpoint of the daemon (the cluster endpoint) needs of the server: the
-    ZeroMQ context, the request table it shares (``handlers``) and how a frame is dispatched
-    into it, a status snapshot, the incarnation (``boot()``, known once the journal is read),
-    the metrics, and how to answer peers."""
+    """What another endpoint of the daemon (the cluster endpoint) needs of the server."""
 
     context: Any  # zmq.Context
-    handlers: Any  # Mapping[type, handler]
+    handlers: Any  # Mapping[type, handler]: the request table the endpoints share
     dispatch: Callable[..., None]  # (route, body, frame, handlers, where, unhandled=None)
     status: Callable[[float], Any]  # (now) -> StatusReply
-    boot: Callable[[], int]
+    boot: Callable[[], int]  # the incarnation, known once the journal is read
     started: float  # the loop's clock when the daemon started
     metrics: Any  # nodeagent.metrics.Metrics
     replies: Replies
