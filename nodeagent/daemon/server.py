@@ -10,6 +10,7 @@ import hmac
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -43,7 +44,7 @@ from nodeagent.daemon.metrics_http import MetricsEndpoint
 from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
-from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
+from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.suspension import MAKE_ROOM, Suspensions
 from sharing import NotHolderError, SessionState, Workload
 from sharing.partition import ACTIVE_THREAD_PERCENTAGE_ENV as ACTIVE_THREADS_ENV, PartitionError
@@ -502,14 +503,14 @@ class AgentServer:
                 managed_cgroup, why = enforce.open_managed_cgroup(msg.managed_pgid, verified_pid, creds.uid)
                 if managed_cgroup is None:
                     log.info("[session] launched group %d is held by its process group: %s", msg.managed_pgid, why)
-        session_id = new_session_id()
+        session_id = "s-" + secrets.token_hex(6)  # public (status lists it); the key is the secret
         try:
             self._mps.join(session_id, device, msg.memory_mb, creds.uid if creds is not None else None)
         except PartitionError as exc:
             self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
             return
         session = Session(
-            id=session_id, key=new_session_key(), route=route, name=msg.name,
+            id=session_id, key=secrets.token_urlsafe(18), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
             uid=creds.uid if creds is not None else None, namespaces=creds.namespaces if creds is not None else None,

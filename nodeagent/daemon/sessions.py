@@ -8,21 +8,12 @@ whole-device suspension and the host memory kept for it :class:`nodeagent.daemon
 from __future__ import annotations
 
 import os
-import secrets
 import select
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nodeagent import procwatch
 from sharing import Workload
-
-
-def new_session_id() -> str:
-    return "s-" + secrets.token_hex(6)
-
-
-def new_session_key() -> str:
-    return secrets.token_urlsafe(18)
 
 
 @dataclass(slots=True, eq=False)
