@@ -12,7 +12,6 @@ import logging
 import re
 import select
 import socket
-import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Callable, NamedTuple
@@ -117,9 +116,9 @@ class MetricsEndpoint:
     loop hands it its descriptors' readiness (:meth:`on_ready`), runs
     :meth:`on_timers` every turn and waits no longer than :meth:`next_deadline`."""
 
-    def __init__(self, poller: EventLoopPoller, registry, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, poller: EventLoopPoller, registry, *, clock: Callable[[], float], on_drop: Callable[[str], None],
                  max_connections: int = 64, timeout_s: float = 10.0, min_interval_s: float = 0.1,
-                 accept_rate_per_s: float = 500.0, on_drop: Callable[[str], None] | None = None) -> None:
+                 accept_rate_per_s: float = 500.0) -> None:
         self._poller = poller
         self._registry = registry
         self._clock = clock
@@ -129,7 +128,7 @@ class MetricsEndpoint:
         self.accept_rate_per_s = accept_rate_per_s
         self._accepts_left = 2.0 * max_connections
         self._accepts_at = clock()
-        self._on_drop = on_drop or (lambda reason: None)
+        self._on_drop = on_drop
         self._listener: socket.socket | None = None
         # Ordered by deadline (each is set to now + timeout_s and moved to the end): the first
         # is the next to time out, and the oldest to evict.
