@@ -40,22 +40,13 @@ class Role(enum.Enum):
     UNVERIFIED = "an unverifiable peer"
 
 
-_PLACEMENT = frozenset({Role.CLUSTER, Role.ROOT})
-ALLOWED: dict[Act, frozenset[Role]] = {
-    Act.SUSPEND: frozenset({Role.CLUSTER, Role.ROOT, Role.OWNER}),
-    Act.RESUME: frozenset({Role.CLUSTER, Role.ROOT, Role.OWNER}),
-    Act.PARTITION: _PLACEMENT,
-    # A model's factory runs as the daemon's user in its workers: an operator's act, local only.
-    Act.REGISTER: frozenset({Role.ROOT, Role.DAEMON_USER, Role.REGISTRANT}),
-    Act.UNREGISTER: frozenset({Role.ROOT, Role.DAEMON_USER, Role.REGISTRANT}),
-    Act.LEND: _PLACEMENT,
-    Act.RECLAIM: _PLACEMENT,
-    Act.DRAIN: _PLACEMENT,
-    Act.SET_POLICY: _PLACEMENT,
-    # A session's owner may not raise its own share over its neighbours': the placement layer's lever.
-    Act.SET_WEIGHT: _PLACEMENT,
-    Act.RENEW: _PLACEMENT,
-}
+# Every act is the placement layer's (an authenticated placement client, or root) but these four. A
+# session's owner may not raise its own share over its neighbours' (SET_WEIGHT): the placement layer's lever.
+_SESSION_OWNERS = frozenset({Role.CLUSTER, Role.ROOT, Role.OWNER})
+# A model's factory runs as the daemon's user in its workers: an operator's act, local only.
+_OPERATORS = frozenset({Role.ROOT, Role.DAEMON_USER, Role.REGISTRANT})
+ALLOWED: dict[Act, frozenset[Role]] = {act: frozenset({Role.CLUSTER, Role.ROOT}) for act in Act} | {
+    Act.SUSPEND: _SESSION_OWNERS, Act.RESUME: _SESSION_OWNERS, Act.REGISTER: _OPERATORS, Act.UNREGISTER: _OPERATORS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +107,3 @@ def refusal(act: Act, peer: Peer) -> str | None:
         return None
     who = " or ".join(role.value for role in list(Role) if role in allowed)
     return f"{peer.label} may not {act.value}: only {who} may"
-
-
-def may_act_on_session(route, frame, owner_uid: int | None, act: Act = Act.SUSPEND,
-                       owner_namespaces: tuple | None = None) -> str | None:
-    """:func:`refusal` for an act on a session owned by ``owner_uid`` (opened from ``owner_namespaces``)."""
-    return refusal(act, peer_of(route, frame, owner_uid=owner_uid, owner_namespaces=owner_namespaces))

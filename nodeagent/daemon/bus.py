@@ -1,17 +1,8 @@
-"""The daemon's synchronous event bus, and the small handles components are given.
-
-When several components must react to one thing (a suspension finished, a device
-failed, a cluster event to publish), the owner publishes a typed event and the
-others subscribe, so that no component calls back into another through a lambda
-pointing at an object built later. The bus is synchronous on purpose: a
-subscriber runs inside ``publish``, in the same loop turn, so a grant is still
-written in the same wake-up as the release that caused it. Subscriptions are
-made by whoever wires the daemon (the server), so a component's constructor
-says what it publishes (it takes the bus) and not whom it notifies.
-
-The handles bundle what a component needs of the loop (:class:`LoopHandle`),
-of the peers (:class:`Replies`) and of the devices (:class:`DeviceFacts`):
-each one thing a component is given, read-only where it is state.
+"""The daemon's synchronous event bus (:class:`Bus`), its typed events, and the small handles
+components are given (:class:`LoopHandle`, :class:`Replies`, :class:`ServerView`, :class:`DeviceFacts`:
+read-only where they are state). A subscriber runs inside ``publish``, in the same loop turn, so a grant
+is still written in the same wake-up as the release that caused it; the server makes every
+subscription, so a component's constructor says what it publishes (it takes the bus), not whom it tells.
 """
 
 from __future__ import annotations
@@ -178,28 +169,23 @@ class LoopHandle:
 
 @dataclass(frozen=True, slots=True)
 class Replies:
-    """Answering peers: ``send(route, message)``, ``error(route, request id, code, text)``,
-    ``bad(route, request id, why)`` (E_BAD_REQUEST, counted), and ``session_for(route, request
-    id, now)``: the session of a connection, or None after answering E_NO_SESSION."""
+    """Answering peers."""
 
-    send: Callable[[object, object], None]
-    error: Callable[[object, int, str, str], None]
-    bad: Callable[[object, int, str], None]
-    session_for: Callable[[object, int, float], Any]
+    send: Callable[[object, object], None]  # (route, message)
+    error: Callable[[object, int, str, str], None]  # (route, request id, code, text)
+    bad: Callable[[object, int, str], None]  # (route, request id, why): E_BAD_REQUEST, counted
+    session_for: Callable[[object, int, float], Any]  # (route, request id, now): its session; None: E_NO_SESSION told
 
 
 @dataclass(frozen=True, slots=True)
 class ServerView:
-    """What another endpoint of the daemon (the cluster endpoint) needs of the server: the
-    ZeroMQ context, the request table it shares (``handlers``) and how a frame is dispatched
-    into it, a status snapshot, the incarnation (``boot()``, known once the journal is read),
-    the metrics, and how to answer peers."""
+    """What another endpoint of the daemon (the cluster endpoint) needs of the server."""
 
     context: Any  # zmq.Context
-    handlers: Any  # Mapping[type, handler]
+    handlers: Any  # Mapping[type, handler]: the request table the endpoints share
     dispatch: Callable[..., None]  # (route, body, frame, handlers, where, unhandled=None)
     status: Callable[[float], Any]  # (now) -> StatusReply
-    boot: Callable[[], int]
+    boot: Callable[[], int]  # the incarnation, known once the journal is read
     started: float  # the loop's clock when the daemon started
     metrics: Any  # nodeagent.metrics.Metrics
     replies: Replies
@@ -212,12 +198,9 @@ class DeviceFacts:
 
     def __init__(self, backend, lost) -> None:
         self.backend = backend
+        self.name = backend.name
         self.lost = lost  # nodeagent.daemon.gate.LostDevices: written by the token gate alone
         self._info = backend.devices()
-
-    @property
-    def name(self) -> str:
-        return self.backend.name
 
     @property
     def count(self) -> int:

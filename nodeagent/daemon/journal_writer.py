@@ -1,9 +1,5 @@
-"""Every journal write the daemon makes goes through :class:`JournalWriter`.
-
-A journal that fails to write (disk full, I/O error) never stops the loop: the
-writer logs and counts it, publishes a ``health`` event, and marks the sessions
-it concerned stale (not durable: their clients are told) until a later write
-succeeds. Writing stale sessions again is the restorer's timer
+"""Every journal write the daemon makes goes through :class:`JournalWriter`, which knows whether the
+journal keeps up; writing stale sessions again is the restorer's timer
 (:meth:`nodeagent.daemon.restore.Restorer.retry_journal`).
 """
 
@@ -22,18 +18,13 @@ log = logging.getLogger("nodeagent.restore")  # the name its log lines have alwa
 
 
 class JournalWriter:
-    """Runs the daemon's journal writes and knows whether the journal keeps up.
-
-    A failed write is logged and counted (``nodeagent_journal_write_failures``);
-    the first failure sets ``nodeagent_journal_ok`` to 0 and publishes a
-    ``health`` event with ``journal="failed"``. Only :meth:`probe` sets them back
-    (``journal="ok"``): a write that changes nothing succeeds even on a full disk.
-    A session a failed write concerned is stale (its row is missing or out of
-    date) until a write of it succeeds."""
+    """A failed write never stops the loop: it is logged and counted (``nodeagent_journal_write_failures``),
+    and the first sets ``nodeagent_journal_ok`` to 0 and publishes a ``health`` event (``journal="failed"``).
+    Only :meth:`probe` sets them back (``journal="ok"``): a write that changes nothing succeeds even on a
+    full disk. A session a failed write concerned is stale (not durable: its client is told, through
+    :class:`DurabilityChanged`) until a write of it succeeds."""
 
     def __init__(self, journal: Journal | None, metrics: Metrics, bus: Bus) -> None:
-        """``bus``: a failed or recovered journal is published (a cluster "health" event), and
-        so is a change in what :meth:`durable` says of a session (DurabilityChanged)."""
         self.journal = journal
         self._metrics = metrics
         self._bus = bus

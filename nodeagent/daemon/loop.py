@@ -1,27 +1,11 @@
 """The daemon's poller and timers: what the loop waits on and what it wakes for.
 
-:class:`EventLoopPoller` is one epoll set over plain descriptors and ZeroMQ
-sockets, and the one registry of readable sources: each target is registered
-with the :class:`Reader` the loop runs when it is readable (its handler and the
-place a bug in it is counted under), so the loop body is one lookup per ready
-target. It has the shape of :class:`zmq.Poller` (``register``, ``unregister``,
-``poll(timeout_ms)`` returning ``(target, events)``) but waits in epoll: a
-wake-up costs one system call whatever the number of connections, and the
-local endpoint's sockets are plain descriptors with no I/O thread in between.
-
-:class:`Timers` is the one list of timed components (:class:`Timed`): the
-poll timeout is the earliest of their deadlines, and their timers run in the
-list's order after every turn.
-
-ZeroMQ sockets are registered by their ``FD``, which only signals that the
-socket's state *may* have changed (edge-like); their readiness is read from
-``EVENTS`` after every wait, which also catches messages that arrived while
-the loop was busy with something else.
-
-:class:`LocalEndpoint` is the loop's own source of requests: a unix stream socket (or TCP,
-unverified) speaking :mod:`client_lib.framing`, with peer credentials and pidfds taken from the
-socket. It owns the listener and connections and bounds what a peer can make the daemon hold.
-Its bounds: docs/architecture.md; detail: docs/internals.md.
+:class:`EventLoopPoller` is one epoll set over plain descriptors and ZeroMQ sockets, shaped like
+:class:`zmq.Poller`, and the one registry of readable sources (each target with its :class:`Reader`);
+:class:`Timers` is the one list of timed components (:class:`Timed`). :class:`LocalEndpoint` is the
+loop's own source of requests: a unix stream socket (or TCP, unverified) speaking
+:mod:`client_lib.framing`; it owns the listener and connections and bounds what a peer can make the
+daemon hold. Its bounds: docs/architecture.md; detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -60,8 +44,8 @@ class Reader:
 
 
 class EventLoopPoller:
-    """Waits on descriptors (ints) and ZeroMQ sockets, each registered with its
-    :class:`Reader`; see the module docstring."""
+    """Waits on descriptors (ints) and ZeroMQ sockets, each registered with its :class:`Reader`,
+    what the loop runs when it is ready: one lookup per ready target."""
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
@@ -73,21 +57,18 @@ class EventLoopPoller:
                  where: str) -> None:
         """Watch ``target`` for ``events``; the loop runs ``on_ready(target, events)`` when it is
         ready, a bug in it counted under ``where``. Registering a plain descriptor again changes both."""
-        reader = Reader(where, on_ready)
         if isinstance(target, zmq.Socket):
             fd = target.getsockopt(zmq.FD)
             self._zmq[fd] = target
             self._epoll.register(fd, select.EPOLLIN)
-            self._readers[target] = reader
-            return
-        fd = int(target)
-        mask = _epoll_mask(events)
-        if fd in self._fds:
-            self._epoll.modify(fd, mask)
         else:
-            self._epoll.register(fd, mask)
-        self._fds[fd] = events
-        self._readers[fd] = reader
+            mask = _epoll_mask(events)
+            if target in self._fds:
+                self._epoll.modify(target, mask)
+            else:
+                self._epoll.register(target, mask)
+            self._fds[target] = events
+        self._readers[target] = Reader(where, on_ready)
 
     def reader(self, target: Target) -> Reader | None:
         """What runs when ``target`` is ready (None: not registered, or unregistered since the wait)."""
@@ -100,42 +81,33 @@ class EventLoopPoller:
             self._fds[fd] = events
 
     def unregister(self, target: Target) -> None:
+        """Stop watching ``target``; one not watched (unregistered already) is let be."""
+        if self._readers.pop(target, None) is None:
+            return
         if isinstance(target, zmq.Socket):
-            fd = next((f for f, s in self._zmq.items() if s is target), None)
-            if fd is None:
-                raise KeyError(target)
+            fd = next(f for f, s in self._zmq.items() if s is target)
             del self._zmq[fd]
-            del self._readers[target]
         else:
-            fd = int(target)
-            if self._fds.pop(fd, None) is None:
-                raise KeyError(target)
-            del self._readers[fd]
+            fd = target
+            del self._fds[fd]
         try:
             self._epoll.unregister(fd)
         except (OSError, ValueError):
             pass  # closed already: the kernel dropped it from the set
 
     def __contains__(self, target: Target) -> bool:
-        if isinstance(target, zmq.Socket):
-            return any(s is target for s in self._zmq.values())
-        return int(target) in self._fds
+        return target in self._readers
 
     def poll(self, timeout_ms: int | None = None) -> list[tuple[Target, int]]:
-        """Ready targets: ``(fd, events)`` for descriptors (epoll bits, hang-ups
-        reported as POLLIN so the owner reads the EOF), ``(socket, POLLIN)`` for
-        ZeroMQ sockets with a message waiting."""
+        """Ready targets: ``(fd, events)`` for descriptors (epoll bits, hang-ups reported as POLLIN so
+        the owner reads the EOF), ``(socket, POLLIN)`` for ZeroMQ sockets with a message waiting: their
+        ``FD`` only signals that their state may have changed (edge-like), so ``EVENTS`` is read after
+        every wait, which also finds a message that arrived while the loop was busy."""
         if self._zmq and any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._zmq.values()):
             timeout_ms = 0  # a message is already waiting: do not sleep on the edge
         timeout_s = -1 if timeout_ms is None or timeout_ms < 0 else timeout_ms / 1000.0
-        while True:
-            try:
-                ready = self._epoll.poll(timeout_s)
-                break
-            except InterruptedError:
-                continue
         out: list[tuple[Target, int]] = []
-        for fd, ev in ready:
+        for fd, ev in self._epoll.poll(timeout_s):  # EINTR is retried for us (PEP 475)
             if fd in self._zmq:
                 continue  # read below, from EVENTS
             if ev & _HANGUP:
@@ -171,36 +143,19 @@ class Timer:
     on_timers: Callable[[float], None]
 
 
-class Timers:
-    """The one list of timed components, each with the place a bug in its timers is counted under."""
-
-    def __init__(self) -> None:
-        self._timed: list[tuple[str, Timed]] = []
-
-    def add(self, where: str, timed: Timed) -> None:
-        """``timed``'s timers run after those added before it."""
-        self._timed.append((where, timed))
-
-    def __iter__(self):
-        return iter(self._timed)
+class Timers(list[tuple[str, Timed]]):
+    """The one list of timed components, each with the place a bug in its timers is counted under:
+    pairs ``(where, timed)``, whose timers run in the list's order."""
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest deadline of any of them (None: nothing pending)."""
-        soonest = None
-        for _, timed in self._timed:
-            at = timed.next_deadline(now)
-            if at is not None and (soonest is None or at < soonest):
-                soonest = at
-        return soonest
+        due = [timed.next_deadline(now) for _, timed in self]
+        return min((at for at in due if at is not None), default=None)
 
 
 def _epoll_mask(events: int) -> int:
-    mask = 0
-    if events & POLLIN:
-        mask |= select.EPOLLIN | select.EPOLLRDHUP
-    if events & POLLOUT:
-        mask |= select.EPOLLOUT
-    return mask
+    """epoll's bits for ``events`` (POLLIN and POLLOUT are epoll's own), with the peer's hang-up where POLLIN is."""
+    return events & (POLLIN | POLLOUT) | (select.EPOLLRDHUP if events & POLLIN else 0)
 
 
 # ------------------------------------------------------------------ the local endpoint
@@ -266,38 +221,17 @@ class LocalEndpoint:
     # ------------------------------------------------------------------ life
 
     def bind(self) -> None:
-        """Bind and listen. For ``ipc://PATH`` the socket is born 0660 (group as
-        :func:`nodeagent.runtime.secure_socket` sets it); the caller holds the lock."""
-        family, address = framing.parse_endpoint(self.endpoint)
-        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        try:
-            if family == socket.AF_UNIX:
-                old_umask = os.umask(0o117)  # no window with looser modes
-                try:
-                    sock.bind(address)
-                finally:
-                    os.umask(old_umask)
-                runtime.secure_socket(address)
-            else:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(address)
-            sock.listen(1024)
-        except BaseException:
-            sock.close()
-            raise
-        self._listener = sock
+        """Bind and listen (:func:`listening_socket`); the caller holds the lock."""
+        self._listener = sock = listening_socket(*framing.parse_endpoint(self.endpoint))
         self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="serve")
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._more_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._more_fd, POLLIN, on_ready=self.on_ready, where="serve")
 
-    def __len__(self) -> int:
-        return len(self._peers)
-
     def close(self, flush_s: float = 0.2) -> None:
         """Stop listening; give queued notices ``flush_s`` to leave, then close every connection."""
         if self._listener is not None:
-            self._unwatch(self._listener.fileno())
+            self._poller.unregister(self._listener.fileno())
             self._listener.close()
             self._listener = None
         for peer in list(self._peers.values()):
@@ -312,7 +246,7 @@ class LocalEndpoint:
             os.close(self._reserve_fd)
             self._reserve_fd = None
         if self._more_fd is not None:
-            self._unwatch(self._more_fd)
+            self._poller.unregister(self._more_fd)
             os.close(self._more_fd)
             self._more_fd = None
 
@@ -410,11 +344,9 @@ class LocalEndpoint:
         try:
             conn, _ = self._listener.accept()
         except OSError:
-            conn = None
-        if conn is not None:
-            self._refuse(conn, "the daemon is out of file descriptors; retry later (raise LimitNOFILE)")
-        else:
             self._on_refused("descriptors")
+        else:
+            self._refuse(conn, "the daemon is out of file descriptors; retry later (raise LimitNOFILE)")
         try:
             self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -423,12 +355,7 @@ class LocalEndpoint:
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self._on_refused(why)
-        try:
-            conn.setblocking(False)
-            conn.send(framing.pack(codec.encode(p.Error(id=0, code=p.ErrorCode.UNAVAILABLE, message=why))))
-        except OSError:
-            pass
-        conn.close()
+        send_and_close(conn, framing.pack(codec.encode(p.Error(id=0, code=p.ErrorCode.UNAVAILABLE, message=why))))
 
     def _read(self, peer: Peer, frame_budget: int) -> None:
         """Read what ``peer`` sent and handle up to ``frame_budget`` frames of it. Reading stops
@@ -440,8 +367,7 @@ class LocalEndpoint:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                self._drop(peer, "closed")
-                return
+                n = 0  # reset, or any other error: closed, as an EOF is
             if not n:
                 self._drop(peer, "closed")
                 return
@@ -465,9 +391,8 @@ class LocalEndpoint:
     # ---------------------------------------------------------------- output
 
     def send(self, peer: Peer, body: bytes) -> bool:
-        """Queue one frame to ``peer`` and write what the kernel takes now. False
-        (and the peer dropped, as ``not_reading``) if it has more than
-        ``max_queued_bytes`` waiting: a peer that does not read cannot grow us."""
+        """Queue one frame to ``peer`` and write what the kernel takes now. False (and the peer dropped,
+        as ``not_reading``) past ``max_queued_bytes`` waiting: a peer that does not read cannot grow us."""
         if peer.closed:
             return False
         frame = framing.pack(body)
@@ -503,10 +428,6 @@ class LocalEndpoint:
             del peer.out[:sent]
         self._poller.modify(peer.fd, POLLIN)
 
-    def drop(self, peer: Peer, reason: str) -> None:
-        """Close ``peer``'s connection (``on_close`` is called)."""
-        self._drop(peer, reason)
-
     def _drop(self, peer: Peer, reason: str, notify: bool = True) -> None:
         if peer.closed:
             return
@@ -520,7 +441,7 @@ class LocalEndpoint:
                 self._per_uid[uid] = left
             else:
                 self._per_uid.pop(uid, None)
-        self._unwatch(peer.fd)
+        self._poller.unregister(peer.fd)
         try:
             peer.sock.close()
         except OSError:
@@ -529,11 +450,37 @@ class LocalEndpoint:
         if notify:
             self._on_close(peer, reason)
 
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self._poller.unregister(fd)
-        except KeyError:
-            pass
+
+def listening_socket(family: int, address) -> socket.socket:
+    """A non-blocking stream socket listening on ``address`` (backlog 1,024). A unix one is born 0660
+    (group as :func:`nodeagent.runtime.secure_socket` sets it)."""
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        if family == socket.AF_UNIX:
+            old_umask = os.umask(0o117)  # no window with looser modes
+            try:
+                sock.bind(address)
+            finally:
+                os.umask(old_umask)
+            runtime.secure_socket(address)
+        else:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def send_and_close(sock: socket.socket, data: bytes) -> None:
+    """Tell a connection refused why, as much as the kernel takes at once, and close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _peer_credentials(conn: socket.socket) -> procwatch.PeerCredentials | None:

@@ -12,15 +12,15 @@ import logging
 import re
 import select
 import socket
-import time
-from typing import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Callable, NamedTuple
 
-from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller
+from nodeagent.daemon.loop import POLLIN, POLLOUT, EventLoopPoller, listening_socket, send_and_close
 from nodeagent.metrics import CONTENT_TYPE, Exposition
 
 log = logging.getLogger("nodeagent.metrics")
 
-_BACKLOG = 1024
 _MAX_HEAD_BYTES = 8 * 1024
 _READ_BYTES = 4096
 # Connections accepted per wake-up: at the cap each costs an eviction too (about 70 us together on 2
@@ -46,13 +46,10 @@ class HttpError(Exception):
         self.status = status
 
 
-class Request:
-    __slots__ = ("method", "path", "keep_alive")
-
-    def __init__(self, method: str, path: str, keep_alive: bool) -> None:
-        self.method = method
-        self.path = path
-        self.keep_alive = keep_alive
+class Request(NamedTuple):
+    method: str
+    path: str
+    keep_alive: bool
 
 
 def parse_head(head: bytes) -> Request:
@@ -85,41 +82,33 @@ def parse_head(head: bytes) -> Request:
     return Request(method, target.partition("?")[0], keep_alive)
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
-            505: "HTTP Version Not Supported"}
-
-
 def response_head(status: int, length: int, keep_alive: bool, content_type: str = "text/plain; charset=utf-8",
                   extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {length}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n"
             f"{extra}\r\n").encode("ascii")
 
 
 def error_response(status: int, why: str, extra: str = "") -> bytes:
-    body = f"{status} {_REASONS[status]}: {why}\n".encode("ascii", "replace")
+    body = f"{status} {HTTPStatus(status).phrase}: {why}\n".encode("ascii", "replace")
     return response_head(status, len(body), False, extra=extra) + body
 
 
+@dataclass(slots=True, eq=False)  # told apart by identity (the waiting list's remove)
 class _Conn:
-    __slots__ = ("sock", "fd", "state", "inbuf", "out", "keep_alive", "head_only", "served", "deadline", "closed",
-                 "read_paused", "accepted", "since")
-
-    def __init__(self, sock: socket.socket, deadline: float, accepted: int, since: float) -> None:
-        self.sock = sock
-        self.accepted = accepted  # the endpoint's count of accepts when it came: lower is older
-        self.since = since  # when it was accepted, last answered or began taking a response
-        self.fd = sock.fileno()
-        self.state = READING
-        self.inbuf = bytearray()
-        self.out: list[memoryview] = []  # head, then the shared body
-        self.keep_alive = False
-        self.head_only = False  # a HEAD: the response without its body
-        self.served = 0
-        self.deadline = deadline
-        self.closed = False
-        self.read_paused = False  # part of a head came: not watched for more until a timer says
+    sock: socket.socket
+    fd: int
+    deadline: float
+    accepted: int  # the endpoint's count of accepts when it came: lower is older
+    since: float  # when it was accepted, last answered or began taking a response
+    state: str = READING
+    inbuf: bytearray = field(default_factory=bytearray)
+    out: list[memoryview] = field(default_factory=list)  # head, then the shared body
+    keep_alive: bool = False
+    head_only: bool = False  # a HEAD: the response without its body
+    served: int = 0
+    closed: bool = False
+    read_paused: bool = False  # part of a head came: not watched for more until a timer says
 
 
 class MetricsEndpoint:
@@ -127,9 +116,9 @@ class MetricsEndpoint:
     loop hands it its descriptors' readiness (:meth:`on_ready`), runs
     :meth:`on_timers` every turn and waits no longer than :meth:`next_deadline`."""
 
-    def __init__(self, poller: EventLoopPoller, registry, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, poller: EventLoopPoller, registry, *, clock: Callable[[], float], on_drop: Callable[[str], None],
                  max_connections: int = 64, timeout_s: float = 10.0, min_interval_s: float = 0.1,
-                 accept_rate_per_s: float = 500.0, on_drop: Callable[[str], None] | None = None) -> None:
+                 accept_rate_per_s: float = 500.0) -> None:
         self._poller = poller
         self._registry = registry
         self._clock = clock
@@ -139,7 +128,7 @@ class MetricsEndpoint:
         self.accept_rate_per_s = accept_rate_per_s
         self._accepts_left = 2.0 * max_connections
         self._accepts_at = clock()
-        self._on_drop = on_drop or (lambda reason: None)
+        self._on_drop = on_drop
         self._listener: socket.socket | None = None
         # Ordered by deadline (each is set to now + timeout_s and moved to the end): the first
         # is the next to time out, and the oldest to evict.
@@ -160,15 +149,7 @@ class MetricsEndpoint:
         """Listen on ``addr:port``; returns the port (``port`` 0 picks one). OSError as bind raises it."""
         family, _, _, _, sockaddr = socket.getaddrinfo(addr or None, port, 0, socket.SOCK_STREAM, 0,
                                                        socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        self._listener = sock
+        self._listener = sock = listening_socket(family, sockaddr)
         self._poller.register(sock.fileno(), POLLIN, on_ready=self.on_ready, where="metrics")
         return sock.getsockname()[1]
 
@@ -177,7 +158,7 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         if self._listener is not None:
-            self._unwatch(self._listener.fileno())
+            self._poller.unregister(self._listener.fileno())
             self._listener.close()
             self._listener = None
         for conn in list(self._conns.values()):
@@ -192,16 +173,10 @@ class MetricsEndpoint:
         """When :meth:`on_timers` next has something to do (0.0, long past, while an exposition is under way)."""
         if self._exposition is not None:
             return 0.0
-        at = None
-        if self._conns:
-            at = next(iter(self._conns.values())).deadline
-        if self._waiting and (at is None or self._next_start < at):
-            at = self._next_start
-        if self._accept_paused_until is not None and (at is None or self._accept_paused_until < at):
-            at = self._accept_paused_until
-        if self._paused_reads and (at is None or self._paused_reads[0][0] < at):
-            at = self._paused_reads[0][0]
-        return at
+        due = (next(iter(self._conns.values())).deadline if self._conns else None,
+               self._next_start if self._waiting else None, self._accept_paused_until,
+               self._paused_reads[0][0] if self._paused_reads else None)
+        return min((at for at in due if at is not None), default=None)
 
     def on_timers(self, now: float) -> None:
         while self._conns:
@@ -270,17 +245,16 @@ class MetricsEndpoint:
             self._accepts_left -= 1.0
             if len(self._conns) >= self.max_connections and not self._evict_one():
                 self._on_drop("refused")
-                _send_and_close(sock, error_response(503, "every connection is busy; retry"))
+                send_and_close(sock, error_response(503, "every connection is busy; retry"))
                 continue
             sock.setblocking(False)
-            if sock.family != socket.AF_UNIX:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                except OSError:
-                    pass
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the listener is TCP (bind)
+            except OSError:
+                pass
             self._accepted += 1
             now = self._clock()
-            conn = _Conn(sock, now + self.timeout_s, self._accepted, now)
+            conn = _Conn(sock, sock.fileno(), now + self.timeout_s, self._accepted, now)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, POLLIN, on_ready=self.on_ready, where="metrics")
 
@@ -290,10 +264,8 @@ class MetricsEndpoint:
         self._poller.modify(self._listener.fileno(), 0)
 
     def _evict_one(self) -> bool:
-        """Free a slot, whatever the connections are doing, by :func:`_eviction_rank`, the
-        oldest of a rank first. A reader whose request has arrived but was not read yet (its
-        readiness comes later in this turn) is read first and kept if that makes it a scrape.
-        False only with no connection."""
+        """Free a slot by :func:`_eviction_rank`, the oldest of a rank first (False only with no connection);
+        a reader whose request arrived unread (readiness later this turn) is read first, kept if a scrape."""
         settled = self._clock() - _NEW_GRACE_S
         for _ in range(len(self._conns) + 1):
             open_conns = [c for c in self._conns.values() if not c.closed]
@@ -318,8 +290,7 @@ class MetricsEndpoint:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._close(conn)
-            return
+            data = b""  # reset, or any other error: closed, as an EOF is
         if not data:
             self._close(conn)
             return
@@ -450,7 +421,7 @@ class MetricsEndpoint:
         if conn.state == WAITING and conn in self._waiting:
             self._waiting.remove(conn)  # at most max_connections long
         self._conns.pop(conn.fd, None)
-        self._unwatch(conn.fd)
+        self._poller.unregister(conn.fd)
         try:
             conn.sock.close()
         except OSError:
@@ -458,31 +429,13 @@ class MetricsEndpoint:
         conn.out = []
         conn.inbuf = bytearray()
 
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self._poller.unregister(fd)
-        except KeyError:
-            pass
-
 
 def _eviction_rank(conn: _Conn, settled: float) -> int:
-    """Which connection gives its slot up first (lowest): one that has had ``_NEW_GRACE_S``
-    to send a whole request and has not (a slowloris, an idle keep-alive), then one that has
-    had as long to take its response (a peer that does not read), then one waiting for an
-    exposition or taking one that has sent more requests behind it (pipelining) or was
-    answered before on its connection (a keep-alive repeater), then one just connected,
-    then a lone first request: a real scrape goes last."""
+    """Which connection gives its slot up first (lowest): a slowloris or idle keep-alive, a peer
+    that does not read, a pipelining or keep-alive repeater, a newcomer, and a lone first request
+    last (the order and its reasons: docs/internals.md)."""
     if conn.state == READING:
         return 0 if conn.since <= settled else 3
     if conn.state == WRITING and conn.since <= settled:
         return 1
     return 2 if conn.inbuf or conn.served > 1 else 4
-
-
-def _send_and_close(sock: socket.socket, data: bytes) -> None:
-    try:
-        sock.setblocking(False)
-        sock.send(data)
-    except OSError:
-        pass
-    sock.close()

@@ -10,11 +10,13 @@ import hmac
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Generator
 
 import zmq
 
@@ -29,11 +31,10 @@ from nodeagent.daemon.mps import MpsPartitions
 from nodeagent.daemon.admission import Admission
 from nodeagent.daemon.authz import Act, is_root, peer_of, refusal
 from nodeagent.daemon.history import AttainedService, job_of
-from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DurabilityChanged, Granted,
-                                  LoopHandle, MakeRoomFinished, MayAsk, MpsFaulted, Published, Replies, ServerView,
-                                  SliceEnded, SuspendFinished)
+from nodeagent.daemon.bus import (Bus, DelegatedAction, DeviceBack, DeviceFacts, DeviceLost, DurabilityChanged,
+                                  Granted, LoopHandle, MakeRoomFinished, MayAsk, MpsFaulted, Published, Replies,
+                                  ServerView, SliceEnded, SuspendFinished)
 from nodeagent.daemon.gate import LostDevices, TokenGate
-from nodeagent.daemon.bus import DeviceLost as BusDeviceLost
 from nodeagent.daemon.tokens import Tokens
 from nodeagent.devices import DeviceBackend
 from nodeagent.journal import Journal
@@ -43,7 +44,7 @@ from nodeagent.daemon.metrics_http import MetricsEndpoint
 from nodeagent.metrics import DeviceRow, Metrics, SessionRow
 from nodeagent.daemon.restore import Restorer
 from nodeagent.daemon.serving import Serving
-from nodeagent.daemon.sessions import Session, SessionTable, new_session_id, new_session_key
+from nodeagent.daemon.sessions import Session, SessionTable
 from nodeagent.daemon.suspension import MAKE_ROOM, Suspensions
 from sharing import NotHolderError, SessionState, Workload
 from sharing.partition import ACTIVE_THREAD_PERCENTAGE_ENV as ACTIVE_THREADS_ENV, PartitionError
@@ -104,43 +105,32 @@ class AgentServer:
         # Statuses and inventories under way: peer key (_read_key) -> its jobs in order; root's
         # go first, the other peers take turns a chunk at a time, so a flood waits behind itself.
         self._status_jobs: dict[object, collections.deque[_ReadJob]] = {}
-        self._status_jobs_count = 0
 
         # What components are handed: the bus they publish on, the loop, how to answer peers,
-        # the devices. Each component below names in its constructor what it may touch, and
-        # every subscription is made here, after all of them exist: no component calls into
-        # one built after it.
+        # the devices. Each component below (what it owns: docs/architecture.md, in this order)
+        # names in its constructor what it may touch, and every subscription is made here, after
+        # all of them exist: no component calls into one built after it.
         bus = self._bus = Bus()
         loop = LoopHandle(self._poller, clock, self._wake)
         replies = Replies(self._send, self._error, self._bad, self._session_for)
         self._lost_devices = LostDevices()  # GPUs NVML reports lost: the gate writes it, the others read it
         devices = self._devices = DeviceFacts(backend, self._lost_devices)
         self._sessions = SessionTable()  # by id, by connection, by pidfd; owns the pidfds
-        # Every journal write goes through it: failures are counted, published, never fatal.
         self._journal_writer = JournalWriter(journal, self.metrics, bus)
-        # The schedulers and the carrying-out of their actions.
         self._tokens = Tokens(config=config, devices=devices, sessions=self._sessions, metrics=self.metrics,
                               journal=self._journal_writer.write, send=self._send, bus=bus, clock=clock)
-        # Each training job's attained GPU-seconds, over its sessions and restarts, journalled.
         self._attained = AttainedService(sessions=self._sessions, tokens=self._tokens, journal=self._journal_writer,
                                          clock=clock)
-        # MPS control daemons and SM shares.
         self._mps = MpsPartitions(config, devices.info(), self._poller, self._send, self._error,
                                   backend=backend.name)
-        # Memory readings against declarations, lost devices, token requests held on them.
         self._memory_policy = MemoryPolicy(config=config, devices=devices, loop=loop, sessions=self._sessions,
                                            tokens=self._tokens, metrics=self.metrics, send=self._send, bus=bus)
-        # Registered models, the worker pool and the serving sub-sessions.
         self._serving = Serving(config=config, devices=devices, loop=loop, sessions=self._sessions,
                                 tokens=self._tokens, mps=self._mps, journal=self._journal_writer, replies=replies)
-        # Whole-device suspensions, journalled.
         self._suspensions = Suspensions(sessions=self._sessions, tokens=self._tokens, metrics=self.metrics,
                                         replies=replies, bus=bus, journal=self._journal_writer)
-        # Every request for a session's token passes here, whoever makes it: it owns what keeps one
-        # back (make-room blocks, restore windows, lost devices).
         self._gate = TokenGate(sessions=self._sessions, tokens=self._tokens, devices=devices,
                                suspensions=self._suspensions)
-        # Restore after a restart (its windows opened in the gate), and writing stale sessions again.
         self._restorer = Restorer(
             config=config, journal=self._journal_writer, sessions=self._sessions, tokens=self._tokens,
             mps=self._mps, capacities_mb=[memory.capacity_mb(d, config.memory_reserve_mb) for d in devices.info()],
@@ -151,7 +141,7 @@ class AgentServer:
             p.Acquire: self._on_acquire,
             p.Release: self._on_release,
             p.Cancel: self._on_cancel,
-            p.StatusRequest: self._on_status,
+            p.StatusRequest: self._queue_read,
             p.Goodbye: self._on_bye,
             p.SuspendSession: self._suspensions.on_suspend_session,
             p.ResumeSession: self._suspensions.on_resume_session,
@@ -165,17 +155,15 @@ class AgentServer:
         }
         self.metrics.watch(backend.count(), self._device_rows, self._session_rows,  # read at scrape time
                            memory_policy=config.memory_policy)
-        # The cluster endpoint: its sockets, device lifecycles, placement operations, events.
         server_view = ServerView(self._ctx, self._handlers, self._dispatch, self.status, lambda: self.boot,
                                  self._started, self.metrics, replies, self._attained.snapshot)
         self._cluster = ClusterEndpoint(config=config, loop=loop, server=server_view, tokens=self._tokens,
                                         sessions=self._sessions, journal=self._journal_writer,
                                         suspensions=self._suspensions, devices=devices)
-        self._handlers.update({p.Inventory: self._on_inventory, p.Lend: self._cluster.on_lend,
+        self._handlers.update({p.Inventory: self._queue_read, p.Lend: self._cluster.on_lend,
                                p.Reclaim: self._cluster.on_reclaim, p.Drain: self._cluster.on_drain,
                                p.SetPolicy: self._cluster.on_set_policy, p.SetWeight: self._cluster.on_set_weight,
                                p.Renew: self._cluster.on_renew})
-        # Which device a new session joins, and whom to suspend to make room for it.
         self._admission = Admission(config=config, devices=devices, sessions=self._sessions, tokens=self._tokens,
                                     suspensions=self._suspensions, refusal=self._cluster.admission_refusal,
                                     workers_share=self._serving.workers_share)
@@ -185,8 +173,8 @@ class AgentServer:
         # SuspendFinished (a reclaim waiting on it is answered): the order is the publisher's.
         bus.subscribe(MakeRoomFinished, self._gate.on_make_room_finished)
         bus.subscribe(SuspendFinished, self._cluster.on_suspend_finished)
-        bus.subscribe(BusDeviceLost, self._gate.on_device_lost)  # its waiters held first,
-        bus.subscribe(BusDeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
+        bus.subscribe(DeviceLost, self._gate.on_device_lost)  # its waiters held first,
+        bus.subscribe(DeviceLost, self._serving.on_device_lost)  # then serving's queues on it fail
         bus.subscribe(DeviceBack, self._gate.on_device_back)
         bus.subscribe(DelegatedAction, self._serving.on_delegated)  # its queues' grants, yields and revokes
         bus.subscribe(DurabilityChanged, lambda e: self._tell_durability(e.session))
@@ -196,13 +184,11 @@ class AgentServer:
         bus.subscribe(Granted, self._cluster.on_granted)
         bus.subscribe(Granted, self._attained.on_granted)
         # Whose timers run after every turn, in this order; the poll timeout is their earliest deadline.
-        timers = self._timers = Timers()
-        timers.add("timers", self._tokens)
-        timers.add("timers", Timer(self._closing_deadline, self._drop_closed))
-        timers.add("timers", Timer(lambda now: self._next_liveness_check, self._check_liveness))
-        for component in (self._suspensions, self._cluster, self._gate, self._restorer, self._serving,
-                          self._attained):
-            timers.add("timers", component)
+        self._timers = Timers()
+        for timed in (self._tokens, Timer(lambda now: min(self._closing.values(), default=None), self._drop_closed),
+                      Timer(lambda now: self._next_liveness_check, self._check_liveness), self._suspensions,
+                      self._cluster, self._gate, self._restorer, self._serving, self._attained):
+            self._timers.append(("timers", timed))
 
     def _restore(self) -> None:
         """Open the journal if it is this daemon's to open, and take back what it holds."""
@@ -219,10 +205,8 @@ class AgentServer:
     # ------------------------------------------------------------------ life
 
     def bind(self) -> str:
-        """Bind the endpoint; returns it. Refuses if another daemon serves it.
-
-        Every address is bound before the journal is opened and restored: a start that
-        cannot have its addresses leaves neither a socket file nor a journal behind."""
+        """Bind every address, then open and restore the journal (a start that cannot have its addresses
+        leaves no socket file and no journal behind); returns the endpoint. Refuses if another daemon serves it."""
         endpoint = self.config.endpoint
         path = ipc_path(endpoint)
         limits = self._connection_limits()
@@ -251,18 +235,14 @@ class AgentServer:
             self._cluster.bind()
             self._restore()  # after the last address: a bind that fails has created no journal
             self._tokens.open_pace_boards(path, self.config.state_dir)  # the co-run devices' boards
-            try:
-                self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
-            except BaseException:
-                self._mps.stop()
-                raise
+            self._mps.start(os.path.dirname(path) if path is not None else self.config.state_dir)
             try:
                 self._serving.start(self._suspensions.suspended_ids())
             except BaseException:
                 self._serving.stop()
-                self._mps.stop()
                 raise
         except BaseException:  # a start that fails here leaves no socket file behind
+            self._mps.stop()  # the control daemons it started, if it got so far (none: nothing to do)
             self._cluster.close()
             self._tokens.close_pace_boards()
             local.close()
@@ -320,7 +300,7 @@ class AgentServer:
             on_drop=lambda reason: self.metrics.metrics_http_closed.labels(reason).inc())
         port = endpoint.bind(addr, port)
         self._metrics_http = endpoint
-        self._timers.add("metrics", endpoint)  # after the turn's handoffs: one step of an exposition at most
+        self._timers.append(("metrics", endpoint))  # after the turn's handoffs: one step of an exposition at most
         shown = f"[{addr}]" if ":" in addr else addr
         log.info("[metrics] serving http://%s:%d/metrics (in the loop; at most %d connections, %.1f s each)",
                  shown, port, endpoint.max_connections, endpoint.timeout_s)
@@ -364,9 +344,8 @@ class AgentServer:
         return self._stop_reason or "requested"
 
     def _contain(self, where: str, step: Callable, *args) -> None:
-        """Run one step of the loop; an exception it raises is a bug that costs that
-        step, never the daemon: counted, logged (at most once a second per place),
-        and the loop carries on."""
+        """Run one step of the loop; an exception in it is a bug that costs that step, never the
+        daemon: counted, and logged at most once a second per place."""
         try:
             step(*args)
         except Exception:
@@ -434,10 +413,9 @@ class AgentServer:
 
     def _dispatch(self, route, body: bytes, frame, handlers: dict, where: str,
                   unhandled: Callable | None = None) -> None:
-        """Decode one request and run its handler; bad frames and handler bugs cost
-        that request an error reply, never the loop. ``frame`` is what handlers
-        read the sender's identity from (a :class:`Peer`, or a ZeroMQ frame on the
-        cluster endpoint)."""
+        """Decode one request and run its handler; bad frames and handler bugs cost that request an error
+        reply, never the loop. ``frame``: what handlers read the sender's identity from (a :class:`Peer`,
+        or a ZeroMQ frame on the cluster endpoint)."""
         now = self._clock()
         try:
             msg = codec.decode_request(body)
@@ -498,11 +476,11 @@ class AgentServer:
             self._suspensions.reattached(resumed, now)  # a suspension not yet reported parked is asked again
             self._gate.honour_claim(resumed, msg.holding_grant, now)  # its slice in progress goes first
             return
+        workload = Workload.parse(msg.workload)
         device, code, problem = self._admission.pick_device(msg.device, msg.memory_mb, msg.workload, msg.borrower)
         victims: list[Session] = []
         if device is None and code == p.ErrorCode.NO_MEMORY and self.config.memory_make_room == "suspend":
-            device, victims = self._admission.make_room_plan(msg.device, Workload.parse(msg.workload), msg.memory_mb,
-                                                   msg.borrower)
+            device, victims = self._admission.make_room_plan(msg.device, workload, msg.memory_mb, msg.borrower)
         if device is None:
             self._error(route, msg.id, code, problem)
             return
@@ -525,15 +503,14 @@ class AgentServer:
                 managed_cgroup, why = enforce.open_managed_cgroup(msg.managed_pgid, verified_pid, creds.uid)
                 if managed_cgroup is None:
                     log.info("[session] launched group %d is held by its process group: %s", msg.managed_pgid, why)
-        workload = Workload.parse(msg.workload)
-        session_id = new_session_id()
+        session_id = "s-" + secrets.token_hex(6)  # public (status lists it); the key is the secret
         try:
             self._mps.join(session_id, device, msg.memory_mb, creds.uid if creds is not None else None)
         except PartitionError as exc:
             self._error(route, msg.id, p.ErrorCode.PARTITION, str(exc))
             return
         session = Session(
-            id=session_id, key=new_session_key(), route=route, name=msg.name,
+            id=session_id, key=secrets.token_urlsafe(18), route=route, name=msg.name,
             claimed_pid=msg.pid, verified_pid=verified_pid,
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
             uid=creds.uid if creds is not None else None, namespaces=creds.namespaces if creds is not None else None,
@@ -589,10 +566,13 @@ class AgentServer:
             if cap and self._tokens.corun(s.device) and ACTIVE_THREADS_ENV not in env:
                 env[ACTIVE_THREADS_ENV] = str(cap)  # SMs left free for the higher class when it comes
         uuid = self._devices.info()[s.device].uuid
+        # No heartbeats (0) from a client whose process the daemon watches through a pidfd, and its
+        # connection: either going away ends the session at once.
+        heartbeat_ms = 0.0 if s.pidfd is not None else self.config.heartbeat_ms
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
             backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
-            grace_ms=policy.grace_ms, heartbeat_ms=self._heartbeat_ms(s), resumed=resumed, boot=self.boot,
+            grace_ms=policy.grace_ms, heartbeat_ms=heartbeat_ms, resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
             pace=self._tokens.pace_board(s.device) if s.workload is not Workload.INFERENCE else "",
@@ -679,30 +659,22 @@ class AgentServer:
             return
         self._mps.on_partition(route, msg)
 
-    def _on_status(self, route: bytes, msg: p.StatusRequest, frame, now: float) -> None:
-        """Answer a status: at once when it is small, else built a chunk per loop turn."""
-        self._queue_read(route, msg.id, frame, "status")
-
-    def _on_inventory(self, route: bytes, msg: p.Inventory, frame, now: float) -> None:
-        """Answer an inventory (a status with lifecycle states): in chunks, under status's caps."""
-        self._queue_read(route, msg.id, frame, "inventory")
-
-    def _queue_read(self, route, request_id: int, frame, kind: str) -> None:
-        """Queue a status or an inventory, bounded in total and per peer; the first in line
-        takes its first chunk at once."""
+    def _queue_read(self, route, msg: p.StatusRequest | p.Inventory, frame, now: float) -> None:
+        """Answer a status or an inventory (a status with lifecycle states), bounded in total and per
+        peer: at once when it is small, else built a chunk per loop turn."""
         key = _read_key(route, frame)
-        if self._status_jobs_count >= STATUS_JOBS_MAX:
-            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
-                        f"{self._status_jobs_count} status requests are being answered; retry in a moment")
+        under_way = sum(map(len, self._status_jobs.values()))
+        if under_way >= STATUS_JOBS_MAX:
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
+                        f"{under_way} status requests are being answered; retry in a moment")
             return
         mine = self._status_jobs.get(key)
         if mine is not None and len(mine) >= STATUS_JOBS_PER_PEER:
-            self._error(route, request_id, p.ErrorCode.UNAVAILABLE,
+            self._error(route, msg.id, p.ErrorCode.UNAVAILABLE,
                         f"this peer has {STATUS_JOBS_PER_PEER} status requests being answered; "
                         "wait for their replies before asking again")
             return
-        job = _ReadJob(route, request_id, key, kind)
-        self._status_jobs_count += 1
+        job = _ReadJob(route, msg.id, key, "inventory" if type(msg) is p.Inventory else "status")
         if mine:
             mine.append(job)
             return
@@ -743,7 +715,6 @@ class AgentServer:
         """``job`` is answered: its peer's turn passes to the next peer in line."""
         mine = self._status_jobs.pop(job.key)
         mine.popleft()
-        self._status_jobs_count -= 1
         if mine:
             self._status_jobs[job.key] = mine  # to the back of the line
 
@@ -765,29 +736,16 @@ class AgentServer:
         return max(0, math.ceil((wake_at - now) * 1000.0))
 
     def _tell_durability(self, session_id: str | None) -> None:
-        """Whether a session is journalled changed (None: for every session): tell its
-        client with an unasked ``heartbeat_ack`` (id 0), since watched sessions send no
-        heartbeats to be told in the answer to."""
-        targets = self._sessions.values() if session_id is None else \
-            [s for s in (self._sessions.get(session_id),) if s is not None]
-        for s in list(targets):
-            if s.route is not None:
-                self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot,
-                                                   durable=self._journal_writer.durable(s.id)))
-
-    def _heartbeat_ms(self, s: Session) -> float:
-        """How often ``s``'s client must send heartbeats: never (0) when the daemon
-        watches its process through a pidfd and its connection (either going away
-        ends the session at once); else ``heartbeat.interval_ms``."""
-        return 0.0 if s.pidfd is not None else self.config.heartbeat_ms
+        """Whether a session (None: every session) is journalled changed: tell its client with an unasked
+        ``heartbeat_ack`` (id 0), since watched sessions send no heartbeats to be told in the answer to."""
+        for s in list(self._sessions.values()) if session_id is None else [self._sessions.get(session_id)]:
+            if s is not None:  # _send skips one with no connection (not reattached yet)
+                self._send(s.route, p.HeartbeatAck(id=0, boot=self.boot, durable=self._journal_writer.durable(s.id)))
 
     def _check_liveness(self, now: float) -> None:
         """Every quarter heartbeat interval: drop the sessions whose heartbeats stopped."""
-        if now >= self._next_liveness_check:
-            self._check_heartbeats(now)
-            self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
-
-    def _check_heartbeats(self, now: float) -> None:
+        if now < self._next_liveness_check:
+            return
         limit = self.config.heartbeat_timeout_s
         # Watched sessions (pidfd and a connection) need no heartbeat; a stopped
         # process cannot heartbeat: its pidfd says whether it lives. A restored
@@ -801,6 +759,7 @@ class AgentServer:
                 "heartbeat.interval_ms); send heartbeats every welcome.heartbeat_ms and open a new session "
                 "with hello")))
             self._drop(s, "heartbeat", now)
+        self._next_liveness_check = now + self.config.heartbeat_ms / 4000.0
 
     # ------------------------------------------------------------- sessions
 
@@ -868,17 +827,11 @@ class AgentServer:
             self._drop(s, reason, now)
 
     def _nothing_undone(self, s: Session) -> bool:
-        """Whether ``s`` left nothing undone: watched by a pidfd, holding no token and not in line
-        for one, not stopped, launched or suspended, no frame half-sent (``_exit_reason``'s
-        ENDED, before the process has ended)."""
+        """Whether ``s`` left nothing undone (:meth:`_exit_reason`'s ENDED) before its process has ended."""
         return (s.pidfd is not None and s.managed_pidfd is None and not self._tokens.stopped(s)
                 and not self._suspensions.active(s) and self._tokens.grant_of(s) is None and not self._gate.kept(s)
                 and self._tokens.state(s.device, s.id) is SessionState.IDLE
                 and self._exit_reason(s) == ENDED)
-
-    def _closing_deadline(self, now: float) -> float | None:
-        """When the first session whose connection closed is called lost unless its process ends."""
-        return min(self._closing.values(), default=None)
 
     def _drop_closed(self, now: float) -> None:
         """Sessions whose connection closed and whose process lived on past ENDED_GRACE_S: lost."""
@@ -1009,17 +962,15 @@ class AgentServer:
                 for i in range(tokens.device_count)]
 
 
+@dataclass(slots=True, eq=False)
 class _ReadJob:
     """A status or inventory under way: who asked, and its steps once it has started."""
 
-    __slots__ = ("route", "request_id", "key", "kind", "steps")
-
-    def __init__(self, route, request_id: int, key, kind: str) -> None:
-        self.route = route
-        self.request_id = request_id
-        self.key = key  # whose share of the queue it takes (_read_key)
-        self.kind = kind  # "status" or "inventory"
-        self.steps = None  # the generator, made when the job reaches the front
+    route: object
+    request_id: int
+    key: object  # whose share of the queue it takes (_read_key)
+    kind: str  # "status" or "inventory"
+    steps: Generator | None = None  # made when the job reaches the front
 
 
 _ROOT_KEY = ("root",)  # the ROOT role's (authz.is_root): a container's root is ("uid", 0)
@@ -1063,8 +1014,7 @@ def _check_hello(msg: p.Hello) -> str | None:
     (``client_lib/protocol.py``: a frame outside them is refused as it is decoded)."""
     # Names reach logs and terminals (status, top): a control character could forge a log line
     # or drive another user's terminal.
-    if not msg.name.isprintable():
-        return "name must be printable (no control characters)"
-    if msg.borrower is not None and not msg.borrower.isprintable():
-        return "borrower must be printable (no control characters)"
+    for field_name, text in (("name", msg.name), ("borrower", msg.borrower or "")):
+        if not text.isprintable():
+            return f"{field_name} must be printable (no control characters)"
     return None

@@ -1,32 +1,19 @@
-"""Sessions as the daemon sees them: who the client is and how to reach it.
-
-Token state (idle, waiting, holding, yielding) is owned by the device's
-:class:`sharing.TokenScheduler`, the grant held, the wait timed and a daemon's stop by
-:class:`nodeagent.daemon.tokens.Tokens`, a whole-device suspension and the host memory kept
-for it by :class:`nodeagent.daemon.suspension.Suspensions`; this record holds the rest. A session lives
-from a ``welcome`` until one of: ``bye``, its process exiting (pidfd), its
-connection closing, its heartbeats stopping (sessions the daemon cannot watch),
-or daemon shutdown. :class:`SessionTable` holds them.
+"""Sessions as the daemon sees them (:class:`Session`: who the client is and how to reach it), and
+:class:`SessionTable`, which holds them. A session lives from a ``welcome`` until ``bye``, its process
+exiting (pidfd), its connection closing, its heartbeats stopping (sessions the daemon cannot watch) or
+shutdown. Its token state is its scheduler's and :class:`nodeagent.daemon.tokens.Tokens`', a
+whole-device suspension and the host memory kept for it :class:`nodeagent.daemon.suspension.Suspensions`'.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import select
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nodeagent import procwatch
 from sharing import Workload
-
-
-def new_session_id() -> str:
-    return "s-" + secrets.token_hex(6)
-
-
-def new_session_key() -> str:
-    return secrets.token_urlsafe(18)
 
 
 @dataclass(slots=True, eq=False)
@@ -61,13 +48,9 @@ class Session:
 
 
 class SessionTable:
-    """The daemon's sessions, found by id, by connection (``route``) and by the
-    pidfd of their process; it owns those pidfds and the epoll set that holds
-    them (one descriptor in the loop's poller: :meth:`fileno`).
-
-    Reading it is a mapping by id (``get``, ``[id]``, ``in``, ``values``, ``len``);
-    changing it goes through :meth:`add`, :meth:`attach`, :meth:`remove` and
-    :meth:`close_pidfds`, which keep the indexes in step."""
+    """The daemon's sessions by id, by connection (``route``) and by the pidfd of their process; it
+    owns those pidfds and the epoll set of them (:meth:`fileno`). Read it as a mapping by id; change
+    it through :meth:`add`, :meth:`attach`, :meth:`detach`, :meth:`remove` and :meth:`close_pidfds`."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Session] = {}
@@ -127,8 +110,7 @@ class SessionTable:
 
     def attach(self, session: Session, route) -> None:
         """``session``'s client now speaks on ``route`` (it reconnected)."""
-        if session.route is not None and self._by_route.get(session.route) is session:
-            del self._by_route[session.route]
+        self.detach(session)
         session.route = route
         self._by_route[route] = session
 

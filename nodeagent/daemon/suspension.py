@@ -11,7 +11,8 @@ import time
 
 from client_lib import protocol as p
 from client_lib.limits import DEFAULT_SUSPEND_DEADLINE_MS
-from nodeagent.daemon.authz import Act, may_act_on_session
+from nodeagent.daemon.authz import Act, peer_of
+from nodeagent.daemon.authz import refusal as authz_refusal
 from nodeagent.daemon.bus import Bus, MakeRoomFinished, MayAsk, Replies, SuspendFinished
 from nodeagent.daemon.journal_writer import JournalWriter
 from nodeagent.daemon.sessions import Session, SessionTable
@@ -286,7 +287,7 @@ class Suspensions:
         if target is None:
             self._error(route, request_id, p.ErrorCode.NO_SESSION, f"no session {target_id}")
             return None
-        refusal = may_act_on_session(route, frame, target.uid, act, target.namespaces)
+        refusal = authz_refusal(act, peer_of(route, frame, owner_uid=target.uid, owner_namespaces=target.namespaces))
         if refusal is not None:
             self._error(route, request_id, p.ErrorCode.FORBIDDEN, f"session {target_id}: {refusal}")
             return None

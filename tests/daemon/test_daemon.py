@@ -394,6 +394,31 @@ def test_second_daemon_on_the_same_endpoint_is_refused(daemon):
     assert daemon.status().daemon_pid == daemon.proc.pid  # the first one is untouched
 
 
+@pytest.mark.parametrize("failing", ["mps", "serving"])
+def test_a_start_that_fails_once_bound_stops_what_it_started_and_leaves_no_socket(workdir, monkeypatch, failing):
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.config import ServeConfig
+    from nodeagent.daemon.server import AgentServer
+    from nodeagent.devices import CpuBackend
+    from nodeagent.metrics import Metrics
+
+    config = ServeConfig(backend="cpu", endpoint=f"ipc://{workdir}/start.sock", state_dir=workdir)
+    server = AgentServer(config, CpuBackend(1), metrics=Metrics(CollectorRegistry()))
+    stopped = []
+    monkeypatch.setattr(server._mps, "stop", lambda: stopped.append("mps"))
+    monkeypatch.setattr(server._serving, "stop", lambda: stopped.append("serving"))
+
+    def cannot_start(*args):
+        raise RuntimeError(f"{failing} cannot start")
+
+    monkeypatch.setattr(getattr(server, f"_{failing}"), "start", cannot_start)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        server.bind()
+    assert stopped == (["mps"] if failing == "mps" else ["serving", "mps"])
+    assert not os.path.exists(f"{workdir}/start.sock") and server.journal is None
+
+
 def test_stale_socket_from_a_killed_daemon_is_replaced(start_daemon):
     d = start_daemon()
     d.kill()  # SIGKILL: socket file left behind

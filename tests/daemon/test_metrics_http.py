@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Info, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nodeagent.daemon.loop import EventLoopPoller
-from nodeagent.daemon.metrics_http import HttpError, MetricsEndpoint, parse_head
+from nodeagent.daemon.metrics_http import HttpError, MetricsEndpoint, error_response, parse_head
 from nodeagent.metrics import CONTENT_TYPE, DeviceRow, Exposition, Metrics, SessionRow
 
 
@@ -214,6 +214,13 @@ def test_keep_alive_follows_the_version_connection_and_any_body():
     assert not parse_head(b"GET /metrics HTTP/1.1\r\nContent-Length: 5").keep_alive  # a body it will not read
     assert not parse_head(b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked").keep_alive
     assert parse_head(b"GET /metrics?name[]=x HTTP/1.1").path == "/metrics"
+
+
+def test_an_error_response_names_its_status_in_the_standard_words():
+    assert error_response(431, "too long") == (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Length: 46\r\nConnection: close\r\n\r\n431 Request Header Fields Too Large: too long\n")
+    assert error_response(505, "HTTP/2.0").startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n")
 
 
 def test_a_scrape_gets_the_exposition_with_its_type_length_and_keep_alive(harness):

@@ -54,7 +54,7 @@ def test_a_handoff_is_served_between_the_chunks_of_a_big_status(workdir):
     [grant_a] = local.of("route-a")
     assert isinstance(grant_a, p.Grant) and server._tokens.grant_of(b) is None
 
-    server._on_status("route-status", p.StatusRequest(id=7), None, now)
+    server._queue_read("route-status", p.StatusRequest(id=7), None, now)
     assert local.of("route-status") == []  # one chunk built, the rest waits for later turns
     assert server._poll_timeout_ms() == 0  # and the loop comes back for it at once
     server._on_release("route-a", p.Release(id=8, grant=grant_a.grant, quiet=True), None, now)
@@ -73,7 +73,7 @@ def test_a_handoff_is_served_between_the_chunks_of_a_big_status(workdir):
 
 def test_a_small_status_is_answered_at_once(workdir):
     server, local = _server(workdir, idle_sessions=10)
-    server._on_status("route-status", p.StatusRequest(id=3), None, time.monotonic())
+    server._queue_read("route-status", p.StatusRequest(id=3), None, time.monotonic())
     [reply] = local.of("route-status")
     assert isinstance(reply, p.StatusReply) and reply.id == 3 and not server._status_jobs
 
@@ -82,8 +82,8 @@ def test_statuses_under_way_are_bounded_and_a_bug_costs_only_its_own(workdir, mo
     server, local = _server(workdir, idle_sessions=2 * server_module.STATUS_CHUNK)
     now = time.monotonic()
     for i in range(server_module.STATUS_JOBS_MAX):
-        server._on_status(f"peer-{i}", p.StatusRequest(id=i + 1), None, now)
-    server._on_status("one-too-many", p.StatusRequest(id=99), None, now)
+        server._queue_read(f"peer-{i}", p.StatusRequest(id=i + 1), None, now)
+    server._queue_read("one-too-many", p.StatusRequest(id=99), None, now)
     [refusal] = local.of("one-too-many")
     assert isinstance(refusal, p.Error) and refusal.code == p.ErrorCode.UNAVAILABLE and refusal.id == 99
 
@@ -119,9 +119,9 @@ def test_a_queued_status_is_answered_after_the_schedulers_saw_a_later_time(workd
     server, local = _server(workdir, idle_sessions=1000)
     now = time.monotonic()
     user = _Frame(uid=1000)  # one peer's requests: the second and third wait for the first
-    server._on_status("route-big", p.StatusRequest(id=1), user, now)
-    server._on_status("route-queued", p.StatusRequest(id=2), user, now)
-    server._on_inventory("route-inventory", p.Inventory(id=3), user, now)
+    server._queue_read("route-big", p.StatusRequest(id=1), user, now)
+    server._queue_read("route-queued", p.StatusRequest(id=2), user, now)
+    server._queue_read("route-inventory", p.Inventory(id=3), user, now)
     later = _add(server, "later", "route-later", time.monotonic())
     server._gate.ask(later, time.monotonic())  # the scheduler sees a time after the requests'
     while server._status_jobs:
@@ -141,20 +141,20 @@ def test_one_peer_cannot_take_every_status_slot(workdir):
     now = time.monotonic()
     flooder = _Frame(uid=65534)
     for i in range(server_module.STATUS_JOBS_MAX):
-        server._on_status(f"flood-{i}", p.StatusRequest(id=i + 1), flooder, now)
+        server._queue_read(f"flood-{i}", p.StatusRequest(id=i + 1), flooder, now)
     taken = [r for r in range(server_module.STATUS_JOBS_MAX) if not local.of(f"flood-{r}")]
     assert len(taken) == server_module.STATUS_JOBS_PER_PEER
     refused = local.of(f"flood-{server_module.STATUS_JOBS_MAX - 1}")[0]
     assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.UNAVAILABLE
-    server._on_inventory("flood-inventory", p.Inventory(id=500), flooder, now)  # the same share
+    server._queue_read("flood-inventory", p.Inventory(id=500), flooder, now)  # the same share
     assert local.of("flood-inventory")[0].code == p.ErrorCode.UNAVAILABLE
-    server._on_status("root", p.StatusRequest(id=99), _Frame(uid=0), now)
+    server._queue_read("root", p.StatusRequest(id=99), _Frame(uid=0), now)
     assert local.of("root") == []  # queued, not refused
     while server._status_jobs:
         server._status_step()
     [reply] = local.of("root")
     assert isinstance(reply, p.StatusReply) and reply.id == 99
-    server._on_status("flood-again", p.StatusRequest(id=600), flooder, now)  # its share is back once answered
+    server._queue_read("flood-again", p.StatusRequest(id=600), flooder, now)  # its share is back once answered
     while server._status_jobs:
         server._status_step()
     assert isinstance(local.of("flood-again")[0], p.StatusReply)
@@ -166,8 +166,8 @@ def test_roots_status_is_built_before_the_chunks_of_another_users_flood(workdir)
     server, local = _server(workdir, idle_sessions=server_module.STATUS_CHUNK + 72)  # two chunks
     now = time.monotonic()
     for i in range(server_module.STATUS_JOBS_PER_PEER):
-        server._on_status(f"flood-{i}", p.StatusRequest(id=i + 1), _Frame(uid=65534), now)
-    server._on_status("root", p.StatusRequest(id=99), _Frame(uid=0), now)  # its first chunk at once
+        server._queue_read(f"flood-{i}", p.StatusRequest(id=i + 1), _Frame(uid=65534), now)
+    server._queue_read("root", p.StatusRequest(id=99), _Frame(uid=0), now)  # its first chunk at once
     server._status_step()  # and its second in the next turn, before the flood's
     assert [route for route, _ in local.sent] == ["root"]
     while server._status_jobs:
@@ -231,10 +231,10 @@ def test_a_containers_root_takes_no_place_of_roots_in_the_status_queue(workdir):
     try:
         assert container.creds.uid == 0 and not authz.is_root(container.creds), container.creds
         now = time.monotonic()
-        server._on_status("user", p.StatusRequest(id=1), _Frame(uid=65534), now)  # first in line
+        server._queue_read("user", p.StatusRequest(id=1), _Frame(uid=65534), now)  # first in line
         for i in range(server_module.STATUS_JOBS_PER_PEER):  # its whole share
-            server._on_status(f"container-{i}", p.StatusRequest(id=10 + i), container, now)
-        server._on_status("root", p.StatusRequest(id=99), _Frame(uid=0), now)
+            server._queue_read(f"container-{i}", p.StatusRequest(id=10 + i), container, now)
+        server._queue_read("root", p.StatusRequest(id=99), _Frame(uid=0), now)
         assert local.of("root") == []  # queued on its own share, not refused
         server._status_step()
         server._status_step()
@@ -255,7 +255,7 @@ def test_an_inventory_is_built_a_chunk_per_turn_and_a_handoff_goes_between(workd
     server._gate.ask(a, now)
     server._gate.ask(b, now)
     [grant_a] = local.of("route-a")
-    server._on_inventory("route-inventory", p.Inventory(id=7), None, now)
+    server._queue_read("route-inventory", p.Inventory(id=7), None, now)
     assert local.of("route-inventory") == []  # one chunk built, the rest waits for later turns
     server._on_release("route-a", p.Release(id=8, grant=grant_a.grant, quiet=True), None, now)
     while server._status_jobs:
