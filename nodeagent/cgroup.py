@@ -168,11 +168,7 @@ class Cgroup:
 
     def adopt(self, pid: int) -> None:
         """Move ``pid`` (all its threads) in; OSError as the kernel refuses it."""
-        fd = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
-        try:
-            os.write(fd, str(pid).encode())
-        finally:
-            os.close(fd)
+        _write_fd_at(self._dirfd, "cgroup.procs", str(pid))
 
     def eject(self, pid: int) -> None:
         """Move ``pid`` back to the parent cgroup (it was adopted, and must not stay)."""

@@ -109,9 +109,8 @@ class CudaUnavailable(DeviceError):
     """The cuda backend cannot start; `reason` is NVML's own explanation."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(
-            f"cuda backend: NVML unavailable: {reason}; install the NVIDIA driver or run with --backend cpu"
-        )
+        super().__init__(f"cuda backend: NVML unavailable: {reason}; "
+                         "install the NVIDIA driver or run with --backend cpu")
         self.reason = reason
 
 
@@ -207,22 +206,10 @@ class CpuBackend(DeviceBackend):
     def close(self) -> None:
         pass
 
-    def _info(
-        self,
-        index: int,
-        memory_total_bytes: int,
-        memory_used_bytes: int | None,
-        utilization_percent: float | None,
-    ) -> DeviceInfo:
-        return DeviceInfo(
-            index=index,
-            uuid=f"CPU-{self._host_id}-{index}",
-            name=f"cpu:{index} ({self._label})",
-            backend=self.name,
-            memory_total_bytes=memory_total_bytes,
-            memory_used_bytes=memory_used_bytes,
-            utilization_percent=utilization_percent,
-        )
+    def _info(self, index: int, memory_total_bytes: int, memory_used_bytes: int | None,
+              utilization_percent: float | None) -> DeviceInfo:
+        return DeviceInfo(index, f"CPU-{self._host_id}-{index}", f"cpu:{index} ({self._label})", self.name,
+                          memory_total_bytes, memory_used_bytes, utilization_percent)
 
     def _sample(self) -> tuple[int, int | None, float | None]:
         memory_total_bytes, memory_used_bytes = _read_host_memory()
@@ -348,10 +335,8 @@ class CudaBackend(DeviceBackend):
         for index in range(count):
             handle = self._query("nvmlDeviceGetHandleByIndex", index, device=index)
             if handle is NA:
-                raise DeviceError(
-                    f"cuda backend: GPU {index} is not accessible through NVML (no permission); "
-                    "check it with nvidia-smi or run with --backend cpu"
-                )
+                raise DeviceError(f"cuda backend: GPU {index} is not accessible through NVML (no permission); "
+                                  "check it with nvidia-smi or run with --backend cpu")
             uuid = self._query("nvmlDeviceGetUUID", handle, device=index)
             name = self._query("nvmlDeviceGetName", handle, device=index)
             memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
@@ -375,15 +360,10 @@ class CudaBackend(DeviceBackend):
         handle = self._handles[index]
         memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
         utilization = self._query("nvmlDeviceGetUtilizationRates", handle, device=index)
-        return DeviceInfo(
-            index=index,
-            uuid=self._uuids[index],
-            name=self._names[index],
-            backend=self.name,
-            memory_total_bytes=self._first_memory_total_bytes[index] if memory is NA else int(memory.total),
-            memory_used_bytes=None if memory is NA else int(memory.used),
-            utilization_percent=None if utilization is NA else float(utilization.gpu),
-        )
+        return DeviceInfo(index, self._uuids[index], self._names[index], self.name,
+                          self._first_memory_total_bytes[index] if memory is NA else int(memory.total),
+                          None if memory is NA else int(memory.used),
+                          None if utilization is NA else float(utilization.gpu))
 
     def processes(self, index: int) -> list[DeviceProcess]:
         """Compute processes NVML sees on the GPU, MPS clients included; [] where it cannot say.
@@ -488,9 +468,7 @@ class CudaBackend(DeviceBackend):
 # --- choosing a backend ------------------------------------------------------
 
 
-def open_backend(
-    kind: str = "auto", *, cpu_devices: int = 1, nvml: Nvml | None = None
-) -> tuple[DeviceBackend, str]:
+def open_backend(kind: str = "auto", *, cpu_devices: int = 1, nvml: Nvml | None = None) -> tuple[DeviceBackend, str]:
     """Open the backend `kind` names and return it with a sentence saying why it was chosen.
 
     "auto" takes cuda when NVML starts and sees at least one GPU, else cpu with `cpu_devices`.

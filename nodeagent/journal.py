@@ -246,28 +246,25 @@ class Journal:
 
     def set_stopped(self, session_id: str, stopped: bool) -> None:
         """Record that the daemon SIGSTOPped (or continued) a session; KeyError if it is not journaled."""
-        with self._write() as db:
-            changed = db.execute("UPDATE sessions SET stopped=? WHERE id=?", (int(stopped), session_id)).rowcount
-        if not changed:
-            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        self._update_session(session_id, "stopped", int(stopped))
         log.debug("[journal] stopped session=%s stopped=%s", session_id, stopped)
 
     def set_suspension(self, session_id: str, record: dict | None) -> None:
         """Record a session's suspension (None: none any more); KeyError if it is not journaled."""
         text = None if record is None else _to_json(record, f"suspension of session {session_id}")
-        with self._write() as db:
-            changed = db.execute("UPDATE sessions SET suspension=? WHERE id=?", (text, session_id)).rowcount
-        if not changed:
-            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        self._update_session(session_id, "suspension", text)
         log.debug("[journal] suspension session=%s state=%s", session_id, record and record.get("state"))
 
     def set_weight(self, session_id: str, weight: float) -> None:
         """Record a session's new weight; KeyError if it is not journaled."""
+        self._update_session(session_id, "weight", float(weight))
+        log.debug("[journal] weight session=%s weight=%g", session_id, weight)
+
+    def _update_session(self, session_id: str, column: str, value: object) -> None:
         with self._write() as db:
-            changed = db.execute("UPDATE sessions SET weight=? WHERE id=?", (float(weight), session_id)).rowcount
+            changed = db.execute(f"UPDATE sessions SET {column}=? WHERE id=?", (value, session_id)).rowcount
         if not changed:
             raise KeyError(f"no session {session_id!r} in the journal {self.path}")
-        log.debug("[journal] weight session=%s weight=%g", session_id, weight)
 
     def sessions(self) -> list[SessionRecord]:
         """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""

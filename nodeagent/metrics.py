@@ -339,18 +339,13 @@ class Metrics:
             "not durable), and without a journal")
         self._docs.extend(_STATE_DOCS)
         # Label values known from the start are exported at 0 from the first scrape (rates need a start).
-        for kind in ENFORCEMENT_KINDS:
-            self.enforcements.labels(kind)
-        for outcome in SUSPEND_OUTCOMES:
-            self.suspends.labels(outcome)
-        for reason in SESSION_LOST_REASONS:
-            self.sessions_lost.labels(reason)
-        for where in INTERNAL_ERROR_PLACES:
-            self.internal_errors.labels(where)
-        for reason in METRICS_HTTP_CLOSE_REASONS:
-            self.metrics_http_closed.labels(reason)
-        for claim in REFUSED_CLAIMS:
-            self.refused_claims.labels(claim)
+        for counter, values in ((self.enforcements, ENFORCEMENT_KINDS), (self.suspends, SUSPEND_OUTCOMES),
+                                (self.sessions_lost, SESSION_LOST_REASONS),
+                                (self.internal_errors, INTERNAL_ERROR_PLACES),
+                                (self.metrics_http_closed, METRICS_HTTP_CLOSE_REASONS),
+                                (self.refused_claims, REFUSED_CLAIMS)):
+            for value in values:
+                counter.labels(value)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = (), loop: bool = False) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
