@@ -38,18 +38,13 @@ def is_damage(exc: sqlite3.Error) -> bool:
 
 def parse_boot(value: object) -> int | None:
     """A stored boot counter as an int in [0, MAX_BOOT], or None if it is not one."""
-    if isinstance(value, bool):
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value.strip())  # ASCII only: "²".isdigit() holds, but int() refuses it
+    if not isinstance(value, int) or isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, (str, bytes)):
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        if not text.strip().isdigit():
-            return None
-        number = int(text.strip())
-    else:
-        return None
-    return number if 0 <= number <= MAX_BOOT else None
+    return value if 0 <= value <= MAX_BOOT else None
 
 
 def read_boot_file(path: str) -> int | None:
