@@ -71,32 +71,6 @@ def cgroup_of(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
     return None
 
 
-def probe() -> str | None:
-    """Why no cgroup can be made for a launched program here, or None if one can
-    (made and removed again: the check a test skips on)."""
-    try:
-        cg = create_child(f"nodeagent-probe.{os.getpid()}")
-    except Unavailable as exc:
-        return str(exc)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a process to move in and back: the moves the launcher needs
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    os.close(r)
-    try:
-        cg.adopt(pid)
-        cg.eject(pid)
-    except OSError as exc:
-        return f"cannot move a process into {cg.path}: {exc.strerror}"
-    finally:
-        os.close(w)
-        os.waitpid(pid, 0)
-        cg.remove()
-    return None
-
-
 class Cgroup:
     """One cgroup v2 directory, held open: its freeze and events files, and the
     directory itself for the rest (a rename cannot redirect what is open)."""
@@ -169,10 +143,6 @@ class Cgroup:
     def adopt(self, pid: int) -> None:
         """Move ``pid`` (all its threads) in; OSError as the kernel refuses it."""
         _write_fd_at(self._dirfd, "cgroup.procs", str(pid))
-
-    def eject(self, pid: int) -> None:
-        """Move ``pid`` back to the parent cgroup (it was adopted, and must not stay)."""
-        _write_at(os.path.dirname(self.path), "cgroup.procs", str(pid))
 
     def freeze(self) -> None:
         """Start freezing (every process, every thread); :meth:`stop` also waits for it."""
@@ -351,11 +321,6 @@ def act(cg: Cgroup, what: str) -> bool:
             return False
         raise
     return True
-
-
-def _write_at(directory: str, name: str, value: str) -> None:
-    with open(os.path.join(directory, name), "w") as f:
-        f.write(value)
 
 
 def _write_fd_at(dirfd: int, name: str, value: str) -> None:
