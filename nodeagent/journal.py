@@ -147,9 +147,6 @@ class Journal:
         """Open, migrate and check the file. Returns why it is damaged, or None; refusals and
         faults that are not damage (full, read-only, locked) raise JournalError."""
         try:
-            # isolation_level=None: no implicit transactions; each write opens its own below.
-            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
             self._open()
             problems = [row[0] for row in self._db.execute("PRAGMA quick_check(5)")]
         except sqlite3.Error as e:
@@ -174,8 +171,6 @@ class Journal:
                                f"{exc.strerror}; move it away by hand and start again") from None
         _create_private_file(self.path)
         try:
-            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
             self._open()
             with self._write() as db:
                 kept = repair.write_back(db, found)
@@ -187,8 +182,10 @@ class Journal:
                   self.path, damage, self.moved_aside, kept, read)
 
     def _open(self) -> None:
-        """Refuse files that are not ours or too new, then set durability and migrate."""
-        db = self._db
+        """Connect; refuse files that are not ours or too new, then set durability and migrate."""
+        # isolation_level=None: no implicit transactions; each write opens its own below.
+        self._db = db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                                        check_same_thread=False)
         app_id = db.execute("PRAGMA application_id").fetchone()[0]  # first read: garbage fails here
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if app_id not in (0, APPLICATION_ID) or (
@@ -212,11 +209,9 @@ class Journal:
         # One line at INFO: a new journal is made in every step from 0 and that is not news.
         if version == 0:
             log.info("[journal] created path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
-        elif version < SCHEMA_VERSION:
-            log.info("[journal] open path=%s schema=%d migrated_from=%d journal_mode=%s", self.path,
-                     SCHEMA_VERSION, version, journal_mode)
         else:
-            log.info("[journal] open path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
+            log.info("[journal] open path=%s schema=%d%s journal_mode=%s", self.path, SCHEMA_VERSION,
+                     f" migrated_from={version}" if version < SCHEMA_VERSION else "", journal_mode)
 
     # ------------------------------------------------------------ sessions
 
@@ -414,18 +409,24 @@ class Journal:
             kept = repair.read_boot_file(self.boot_path)
         except repair.RepairError as exc:
             raise JournalError(str(exc)) from None
-        with self._write_boot() as db:
-            row = db.execute("SELECT value FROM meta WHERE key='boot'").fetchone()
-            stored = repair.parse_boot(row[0]) if row else 0
-            if stored is None:
-                log.error("[journal] boot counter %s in %s is not a boot number; going on from the boot file's %s",
-                          _short(row[0]), self.path, kept)
-                stored = 0
-            boot = max(stored, kept or 0) + 1
-            if boot > repair.MAX_BOOT:
-                raise _BootUsedUp(f"boot counter of {self.path} is used up ({boot - 1}); "
-                                   "move the state dir aside to start again")
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+        try:
+            with self._write() as db:
+                row = db.execute("SELECT value FROM meta WHERE key='boot'").fetchone()
+                stored = repair.parse_boot(row[0]) if row else 0
+                if stored is None:
+                    log.error("[journal] boot counter %s in %s is not a boot number; going on from the boot "
+                              "file's %s", _short(row[0]), self.path, kept)
+                    stored = 0
+                boot = max(stored, kept or 0) + 1
+                if boot > repair.MAX_BOOT:
+                    raise _BootUsedUp(f"boot counter of {self.path} is used up ({boot - 1}); "
+                                      "move the state dir aside to start again")
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+        except _BootUsedUp:
+            raise
+        except JournalError as exc:  # the daemon cannot start: say why
+            advice = _what_to_do(self.path)
+            raise JournalError(f"cannot record the boot in the state journal: {exc}; {advice}") from None
         if kept is not None and kept > stored:
             log.error("[journal] journal %s lost writes: its boot counter is %d, the boot file says %d; "
                       "going on from %d so that grant ids never repeat", self.path, stored, kept, boot)
@@ -435,19 +436,6 @@ class Journal:
             raise JournalError(f"{exc}; free space or fix permissions there") from None
         log.log(logging.DEBUG if boot == 1 else logging.INFO, "[journal] boot=%d path=%s", boot, self.path)
         return boot
-
-    @contextlib.contextmanager
-    def _write_boot(self) -> Iterator[sqlite3.Connection]:
-        """The boot counter's transaction; a failure to write it says that the daemon cannot start and why."""
-        try:
-            with self._write() as db:
-                yield db
-        except _BootUsedUp:
-            raise
-        except JournalError as exc:
-            where = os.path.dirname(os.path.abspath(self.path))
-            raise JournalError(f"cannot record the boot in the state journal: {exc}; free space or fix permissions "
-                               f"in {where}, or point --state-dir elsewhere") from None
 
     # ------------------------------------------------------------ plumbing
 
@@ -588,15 +576,18 @@ def _cannot_use(path: str, exc: sqlite3.Error) -> str:
         full = os.statvfs(where).f_bavail == 0  # SQLite says "disk I/O error" when it cannot grow its index
     except OSError:
         full = False
-    return (f"cannot use the state journal {path}: {exc}{' (the disk is full)' if full else ''}; "
-            f"free space or fix permissions in {where}, or point --state-dir elsewhere")
+    return f"cannot use the state journal {path}: {exc}{' (the disk is full)' if full else ''}; {_what_to_do(path)}"
+
+
+def _what_to_do(path: str) -> str:
+    """The advice of every error that the journal's directory cannot be written."""
+    return f"free space or fix permissions in {os.path.dirname(os.path.abspath(path))}, or point --state-dir elsewhere"
 
 
 def _create_private_file(path: str) -> None:
     """Create the parent directory (0700) and the file (0600) if missing; tighten a looser file to 0600."""
-    parent = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
@@ -606,5 +597,4 @@ def _create_private_file(path: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise JournalError(f"cannot open the state journal {path}: {e.strerror}; free space or fix permissions "
-                           f"in {parent}, or point --state-dir elsewhere") from None
+        raise JournalError(f"cannot open the state journal {path}: {e.strerror}; {_what_to_do(path)}") from None
