@@ -67,13 +67,8 @@ class DeviceFault:
 
     @property
     def ends_contexts(self) -> bool:
-        """Whether the Xid is a fault of the work on the GPU that ends the CUDA context it
-        happened in (NVIDIA's Xid catalogue: 13 graphics engine exception, e.g. an illegal
-        instruction or a device-side assert; 31 memory page fault, an illegal address; 43 the
-        GPU stopped processing a channel, the user application faulted; 45 preemptive cleanup
-        after an earlier error; 94 a contained ECC error). Under MPS every client of the
-        faulting server gets that fault. Device-level Xids (79, fallen off the bus) show as a
-        lost device instead."""
+        """Whether the Xid is a fault of the work on the GPU that ends the CUDA context it happened
+        in (under MPS: every client's of the faulting server). Which Xids: docs/internals.md."""
         return self.xid in CONTEXT_FAULT_XIDS
 
 
@@ -455,13 +450,11 @@ class CudaBackend(DeviceBackend):
         (DeviceLostError when NVML says GPU ``device`` has failed)."""
         try:
             return self._nvml.query(func_name, *args)
-        except NvmlGpuLost as exc:
-            if device is None:
-                raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
-            uuids = getattr(self, "_uuids", None)  # not yet known while discovering
-            uuid = uuids[device] if uuids is not None and device < len(uuids) else "UUID not read yet"
-            raise DeviceLostError(device, uuid, str(exc)) from exc
         except NvmlError as exc:
+            if isinstance(exc, NvmlGpuLost) and device is not None:
+                uuids = getattr(self, "_uuids", None)  # not yet known while discovering
+                uuid = uuids[device] if uuids is not None and device < len(uuids) else "UUID not read yet"
+                raise DeviceLostError(device, uuid, str(exc)) from exc
             raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
 
 
