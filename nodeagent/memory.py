@@ -51,28 +51,15 @@ def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int
 RESIDENT_FRACTION = 0.5  # of the memory free when workers start, what their resident models may take
 
 
-def auto_resident_mb(capacity_mb: int, workers: int, context_mb: int, pool_mb: int, declared_mb: int,
-                     fraction: float = RESIDENT_FRACTION) -> int:
-    """``ctxpool.resident_mb = "auto"``: each worker's budget for resident models, in MiB::
-
-        max(0, capacity - workers * (context + pool) - declared) * fraction // workers
-
-    ``capacity`` is the device's memory less ``memory.reserve_mb``, ``context`` the
-    context allowance of a process (``memory.context_allowance_mb``: 512 on cuda),
-    ``pool`` each worker's ``ctxpool.pool_mb`` and ``declared`` what sessions had
-    declared when the workers started (restored sessions). Half of what is left
-    (``fraction``) goes to the workers because nodeagent exists to share a GPU
-    between served models and sessions: the other half stays for sessions'
-    declarations and for what no budget bounds (the activations of a forward pass,
-    the allocator's fragmentation). Split evenly: any worker may be asked for any
-    model. A node that only serves models sets ``ctxpool.resident_mb`` itself; one
-    that serves none sets ``ctxpool.enabled = "off"``."""
+def auto_resident_mb(capacity_mb: int, workers: int, context_mb: int, pool_mb: int, declared_mb: int) -> int:
+    """``ctxpool.resident_mb = "auto"``: each worker's budget for resident models, in MiB:
+    ``RESIDENT_FRACTION`` of what the device's ``capacity_mb`` (less ``memory.reserve_mb``) leaves
+    after each worker's context and pool and what sessions had ``declared_mb`` when the workers
+    started, split evenly between them. Why half, why even: docs/internals.md."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     free_mb = capacity_mb - workers * (context_mb + pool_mb) - declared_mb
-    return max(0, int(free_mb * fraction)) // workers
+    return max(0, int(free_mb * RESIDENT_FRACTION)) // workers
 
 
 @dataclass(frozen=True, slots=True)
