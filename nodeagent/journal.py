@@ -261,10 +261,6 @@ class Journal:
         if not changed:
             raise KeyError(f"no session {session_id!r} in the journal {self.path}")
 
-    def sessions(self) -> list[SessionRecord]:
-        """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""
-        return self.read_sessions()[0]
-
     def read_sessions(self) -> tuple[list[SessionRecord], list[BadSessionRow]]:
         """(good records in creation order, rows with a bad value). A bad row is logged
         and kept out of the records; its raw values still say which process it stopped."""
