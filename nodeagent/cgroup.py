@@ -75,26 +75,16 @@ class Cgroup:
     """One cgroup v2 directory, held open: its freeze and events files, and the
     directory itself for the rest (a rename cannot redirect what is open)."""
 
-    def __init__(self, path: str, name: str, dirfd: int) -> None:
+    def __init__(self, path: str, name: str) -> None:
         self.path = path  # where it is in this process's filesystem
         self.name = name  # its cgroup path, as /proc/PID/cgroup shows it
-        self._dirfd = dirfd
-        self._freeze_fd: int | None = None
-        self._events_fd: int | None = None
+        self._dirfd = self._freeze_fd = self._events_fd = None
         try:
-            self._freeze_fd = os.open("cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC, dir_fd=dirfd)
-            self._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+            self._dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._freeze_fd = os.open("cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+            self._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
         except OSError:
             self.close()
-            raise
-
-    @classmethod
-    def open(cls, path: str, name: str) -> "Cgroup":
-        dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            return cls(path, name, dirfd)
-        except OSError:
-            os.close(dirfd)
             raise
 
     def fds(self) -> tuple[int, ...]:
@@ -181,7 +171,7 @@ class Cgroup:
         path = os.path.join(self.path, name)
         os.mkdir(path)
         try:
-            return Cgroup.open(path, self.name.rstrip("/") + "/" + name)
+            return Cgroup(path, self.name.rstrip("/") + "/" + name)
         except OSError:
             os.rmdir(path)
             raise
@@ -194,21 +184,15 @@ class Cgroup:
         except OSError:
             pass
         self.close()
+        inside = [os.path.join(below, name) for below, dirs, _ in os.walk(self.path, topdown=False) for name in dirs]
         removed = True
-        for below, dirs, _ in os.walk(self.path, topdown=False):
-            for name in dirs:
-                try:
-                    os.rmdir(os.path.join(below, name))
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    removed = False
-        try:
-            os.rmdir(self.path)
-        except FileNotFoundError:
-            return removed
-        except OSError:
-            return False
+        for path in (*inside, self.path):  # the deepest first
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                removed = False
         return removed
 
     def close(self) -> None:
@@ -242,7 +226,7 @@ def create_child(name: str, hierarchy: Hierarchy | None = None) -> Cgroup:
         raise Unavailable(f"cannot create {path}: {exc.strerror} (cgroup v2 delegation: the launcher "
                           f"needs write access to its own cgroup {parent})") from None
     try:
-        return Cgroup.open(path, own.rstrip("/") + "/" + name)
+        return Cgroup(path, own.rstrip("/") + "/" + name)
     except FileNotFoundError:
         os.rmdir(path)
         raise Unavailable("the kernel has no cgroup.freeze (cgroup v2 freezer: Linux 5.2)") from None
@@ -295,7 +279,7 @@ def open_verified(child_pid: int, launcher_pid: int, launcher_uid: int | None,
     if path is None:
         return None, f"cgroup {held} is not under {hierarchy.mount}"
     try:
-        cg = Cgroup.open(path, held)
+        cg = Cgroup(path, held)
     except OSError as exc:
         return None, f"cannot open {path}: {exc.strerror}"
     try:
