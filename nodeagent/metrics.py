@@ -151,11 +151,14 @@ class _LoopInstrument(Collector):
 
     _family_type: type
 
-    def __init__(self, name: str, help: str, labelnames: tuple[str, ...]) -> None:
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...],
+                 registry: CollectorRegistry | None = None) -> None:
         self._name = name
         self._help = help
         self._labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], object] = {}
+        if registry is not None:
+            registry.register(self)
 
     def labels(self, *values):
         """The child for these label values (made on first use, exported from then on, at 0)."""
@@ -224,11 +227,12 @@ class LoopHistogram(_LoopInstrument):
 
     _family_type = HistogramMetricFamily
 
-    def __init__(self, name: str, help: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
-        super().__init__(name, help, labelnames)
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
+                 registry: CollectorRegistry | None = None) -> None:
         bounds = tuple(sorted(float(b) for b in buckets))
         self._bounds = bounds if bounds and bounds[-1] == math.inf else (*bounds, math.inf)
         self._le = tuple(floatToGoString(b) for b in self._bounds)
+        super().__init__(name, help, labelnames, registry)
 
     def _new_child(self) -> _HistogramChild:
         return _HistogramChild(self._bounds, self._le)
@@ -338,11 +342,7 @@ class Metrics:
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = (), loop: bool = False) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
-        if loop:
-            counter = LoopCounter(name, help, labels)
-            self.registry.register(counter)
-            return counter
-        return Counter(name, help, labels, registry=self.registry)
+        return (LoopCounter if loop else Counter)(name, help, labels, registry=self.registry)
 
     def _gauge(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Gauge:
         self._docs.append(MetricDoc(name, "gauge", labels, help))
@@ -351,11 +351,7 @@ class Metrics:
     def _histogram(self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...],
                    loop: bool = False) -> Histogram:
         self._docs.append(MetricDoc(name, "histogram", labels, help))
-        if loop:
-            histogram = LoopHistogram(name, help, labels, buckets)
-            self.registry.register(histogram)
-            return histogram
-        return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
+        return (LoopHistogram if loop else Histogram)(name, help, labels, buckets=buckets, registry=self.registry)
 
     def catalogue(self) -> list[MetricDoc]:
         """Every metric the daemon exports, in README's order."""
