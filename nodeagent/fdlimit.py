@@ -1,12 +1,6 @@
-"""Descriptors: the daemon's RLIMIT_NOFILE, and the connection limits that fit in it.
-
-Outside systemd (whose unit sets ``LimitNOFILE=65536``) a daemon starts with
-the shell's soft limit, often 1,024, while local connections cost two
-descriptors each (the socket and the pidfd of the client's process). So the
-daemon raises its soft limit to the hard limit at start, and if what is left
-still cannot hold ``local.max_connections``, it lowers that limit to what fits
-and ``local.max_connections_per_uid`` in the same proportion, so that one user
-can never hold every descriptor there is and lock the others out.
+"""Descriptors: the daemon's RLIMIT_NOFILE, raised to the hard limit at start, and the connection
+limits that fit in it (``local.max_connections`` and, in the same proportion so that one user can
+never lock the others out, ``local.max_connections_per_uid``). Why: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Device memory: admission by declaration, and measured use against it.
-
-A session declares ``memory_mb`` in its hello. It is admitted to a device only
-if every declaration on that device still fits its capacity (total memory less
-the configured reserve) beside what the device's ctxpool workers may hold
-(:class:`WorkerShare`: their contexts, pools and resident-model budgets, a
-standing declaration made when they start). On ``cuda`` the watcher reads each process's device
-memory through NVML and flags sessions using more than they declared; on
-``cpu`` nothing is measurable per process, so the declarations are the account.
+"""Device memory: admission by declaration (``hello.memory_mb``, beside the ctxpool workers'
+:class:`WorkerShare`), and measured use against it (:func:`measure`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations

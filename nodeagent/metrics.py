@@ -1,17 +1,7 @@
-"""Prometheus metrics of the daemon.
-
-The registry is injected so tests use a fresh one. Gauges that describe the
-current state (sessions per device, workload and state; each device's token,
-lifecycle and health) are read at scrape time by a custom collector instead of
-being kept in step by hand, and every label set of a state gauge is exported on
-every scrape: a state that empties reads 0, it never vanishes.
-
-Every label has a bounded set of values (devices, workloads, states, reasons);
-nothing is labelled by session, process or request id, since each new id would
-be a new series for Prometheus to keep. Per-session figures are in
-``nodeagent status``. :meth:`Metrics.catalogue` lists every metric; README's
-table is generated from it (``python -m nodeagent.metrics``) and a test checks
-both against a real daemon's scrape.
+"""Prometheus metrics of the daemon, in an injected registry: counters, histograms, and the state
+gauges a custom collector reads at scrape time, every label set on every scrape. Labels take bounded
+values, never a session, process or request id (why: docs/internals.md). :meth:`Metrics.catalogue`
+lists every metric; README's table is generated from it (``python -m nodeagent.metrics``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""Verified identities of local peers and event-driven watching of their processes.
-
-A pid claimed in ``hello`` is never trusted. On the local unix socket the
-daemon reads the peer's credentials with SO_PEERCRED when it connects
-(:mod:`nodeagent.daemon.loop`); that pid is verified.
-A verified process is watched through a pidfd, which becomes readable the
-moment the process exits, so a dead client loses its token without waiting
-for missed heartbeats.
-
-The memory watcher also reads process trees here: NVML's pids are mapped into
-the daemon's pid namespace (:class:`PidTranslator`), then walked up their
-parents to the session that owns them (:func:`ancestors`).
+"""Verified identities of local peers (never a pid claimed in ``hello``) and their processes
+watched through pidfds; the process trees the memory watcher reads (:class:`PidTranslator`,
+:func:`ancestors`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
