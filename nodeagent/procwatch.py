@@ -163,20 +163,16 @@ def pid_namespace(pid: int | str = "self", proc_root: str = "/proc") -> str | No
         return None
 
 
-def ancestors(pid: int, proc_root: str = "/proc", limit: int = MAX_ANCESTRY) -> tuple[int, ...]:
-    """Parent, grandparent, ... of ``pid`` up to the namespace's root (pid 1, included);
-    () when ``pid`` is gone. A parent that exits while we read cuts the chain there."""
-    chain: list[int] = []
-    seen = {pid}
-    current = pid
-    while len(chain) < limit:
-        stat = read_stat(current, proc_root)
-        if stat is None or stat.ppid <= 0 or stat.ppid in seen:  # a loop: pids reused while we read
+def ancestors(pid: int, proc_root: str = "/proc") -> tuple[int, ...]:
+    """Parent, grandparent, ... of ``pid`` up to the namespace's root (pid 1, included), at most
+    MAX_ANCESTRY; () when ``pid`` is gone. A parent that exits while we read cuts the chain there."""
+    chain = [pid]
+    while len(chain) <= MAX_ANCESTRY:
+        stat = read_stat(chain[-1], proc_root)
+        if stat is None or stat.ppid <= 0 or stat.ppid in chain:  # a loop: pids reused while we read
             break
         chain.append(stat.ppid)
-        seen.add(stat.ppid)
-        current = stat.ppid
-    return tuple(chain)
+    return tuple(chain[1:])
 
 
 class PidTranslator:
