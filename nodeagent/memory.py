@@ -105,8 +105,7 @@ def class_cap_problem(info: DeviceInfo, reserve_mb: int, sessions: Iterable[Sess
     if cap_percent is None or cap_percent >= 100:
         return None
     cap_mb = int(capacity_mb(info, reserve_mb) * cap_percent / 100)
-    ours = sum(s.memory_mb for s in sessions
-               if s.device == info.index and s.workload == workload and s.id not in suspended)
+    ours = declared_mb((s for s in sessions if s.workload == workload), info.index, suspended)
     if ours + want_mb <= cap_mb:
         return None
     return (f"device {info.index}: {workload.wire} sessions may declare at most {cap_mb} MiB "
