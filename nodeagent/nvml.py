@@ -87,7 +87,13 @@ class Nvml:
         with self._lock:
             if self._initialized:
                 return
-            lib = self._load_lib()
+            if self._lib is None:
+                try:
+                    import pynvml
+                except ImportError as exc:
+                    raise NvmlUnavailable(f"pynvml is not importable ({exc}); pip install nvidia-ml-py") from exc
+                self._lib = pynvml
+            lib = self._lib
             try:
                 lib.nvmlInit()
             except (lib.NVMLError, OSError) as exc:
@@ -157,15 +163,6 @@ class Nvml:
         """NVML's error ``exc`` as NvmlGpuLost (the GPU has failed) or NvmlError."""
         code = getattr(exc, "value", None)
         return (NvmlGpuLost if code in self._lost_codes else NvmlError)(func_name, code, str(exc))
-
-    def _load_lib(self) -> Any:
-        if self._lib is None:
-            try:
-                import pynvml
-            except ImportError as exc:
-                raise NvmlUnavailable(f"pynvml is not importable ({exc}); pip install nvidia-ml-py") from exc
-            self._lib = pynvml
-        return self._lib
 
     def _log_not_available_once(self, func_name: str, error: object) -> None:
         key = (func_name, getattr(error, "value", str(error)))
