@@ -55,8 +55,7 @@ def v2_hierarchy(mountinfo: str = "/proc/self/mountinfo") -> Hierarchy | None:
         if not sep or len(fields) < 5 or right.split()[:1] != ["cgroup2"]:
             continue
         found.append(Hierarchy(mount=_unescape(fields[4]), root=_unescape(fields[3])))
-    found.sort(key=lambda h: h.root != "/")  # the whole hierarchy before a bind mount of part of it
-    return found[0] if found else None
+    return min(found, key=lambda h: h.root != "/", default=None)  # the whole tree before a bind mount of part of it
 
 
 def cgroup_of(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
