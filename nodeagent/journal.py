@@ -136,11 +136,10 @@ class Journal:
             damage = self._connect()
             if damage is not None:
                 self._repair(damage)
-        except repair.RepairError as exc:
+        except BaseException as exc:
             self.close()
-            raise JournalError(str(exc)) from None
-        except BaseException:
-            self.close()
+            if isinstance(exc, repair.RepairError):
+                raise JournalError(str(exc)) from None
             raise
 
     def _connect(self) -> str | None:
@@ -222,21 +221,18 @@ class Journal:
         values = tuple(_to_json(rec.suspension, f"suspension of session {rec.id}") if c == "suspension"
                        and rec.suspension is not None else getattr(rec, c) for c in _SESSION_COLUMNS)
         updates = ", ".join(f"{c}=excluded.{c}" for c in _SESSION_COLUMNS[1:])
-        with self._write() as db:
-            db.execute(f"INSERT INTO sessions ({', '.join(_SESSION_COLUMNS)}) "
-                       f"VALUES ({', '.join('?' * len(values))}) ON CONFLICT(id) DO UPDATE SET {updates}", values)
+        self._write_one(f"INSERT INTO sessions ({', '.join(_SESSION_COLUMNS)}) "
+                        f"VALUES ({', '.join('?' * len(values))}) ON CONFLICT(id) DO UPDATE SET {updates}", values)
         log.debug("[journal] put session=%s", rec.id)
 
     def delete_session(self, session_id: str) -> None:
         """Forget a session; no error if it is absent."""
-        with self._write() as db:
-            db.execute("DELETE FROM sessions WHERE id=?", (session_id,))
+        self._write_one("DELETE FROM sessions WHERE id=?", (session_id,))
         log.debug("[journal] delete session=%s", session_id)
 
     def delete_session_row(self, seq: int) -> None:
         """Forget a session row by its place in creation order (a bad row, whose id may be garbage)."""
-        with self._write() as db:
-            db.execute("DELETE FROM sessions WHERE seq=?", (seq,))
+        self._write_one("DELETE FROM sessions WHERE seq=?", (seq,))
         log.debug("[journal] delete session row seq=%d", seq)
 
     def set_stopped(self, session_id: str, stopped: bool) -> None:
@@ -256,8 +252,7 @@ class Journal:
         log.debug("[journal] weight session=%s weight=%g", session_id, weight)
 
     def _update_session(self, session_id: str, column: str, value: object) -> None:
-        with self._write() as db:
-            changed = db.execute(f"UPDATE sessions SET {column}=? WHERE id=?", (value, session_id)).rowcount
+        changed = self._write_one(f"UPDATE sessions SET {column}=? WHERE id=?", (value, session_id))
         if not changed:
             raise KeyError(f"no session {session_id!r} in the journal {self.path}")
 
@@ -274,7 +269,7 @@ class Journal:
                 bad.append(BadSessionRow(seq, problem, values))
                 continue
             values["stopped"] = bool(values["stopped"])  # stored as 0/1
-            values["suspension"] = _json_object(values["suspension"]) if values["suspension"] is not None else None
+            values["suspension"] = _json_object(values["suspension"])  # checked above: a JSON object or None
             values["weight"] = float(values["weight"])
             values["created_unix"] = float(values["created_unix"])
             records.append(SessionRecord(**values))
@@ -285,8 +280,7 @@ class Journal:
     def put_policy(self, device: int, policy: dict) -> None:
         """Journal a device's scheduler policy; TypeError unless it round-trips through JSON."""
         text = _to_json(policy, f"policy for device {device}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO policies (device, policy) VALUES (?, ?)", (device, text))
+        self._write_one("INSERT OR REPLACE INTO policies (device, policy) VALUES (?, ?)", (device, text))
         log.debug("[journal] put policy device=%d", device)
 
     def policies(self) -> dict[int, dict]:
@@ -304,9 +298,8 @@ class Journal:
     def put_device_state(self, device: int, state: str, detail: dict | None = None) -> None:
         """Journal a device's lifecycle state with JSON-able details (None means none)."""
         text = _to_json({} if detail is None else detail, f"detail for device {device}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO device_states (device, state, detail) VALUES (?, ?, ?)",
-                       (device, state, text))
+        self._write_one("INSERT OR REPLACE INTO device_states (device, state, detail) VALUES (?, ?, ?)",
+                        (device, state, text))
         log.debug("[journal] put device state device=%d state=%s", device, state)
 
     def device_states(self) -> dict[int, tuple[str, dict]]:
@@ -354,16 +347,14 @@ class Journal:
         registrant = None if rec.registrant is None else _to_json(
             {"uid": rec.registrant.uid, "gid": rec.registrant.gid, "groups": list(rec.registrant.groups)},
             f"registrant of model {rec.name}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
-                       "created_unix, registrant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix,
-                        registrant))
+        self._write_one("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
+                        "created_unix, registrant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix,
+                         registrant))
         log.debug("[journal] put model name=%s", rec.name)
 
     def delete_model(self, name: str) -> None:
-        with self._write() as db:
-            db.execute("DELETE FROM models WHERE name=?", (name,))
+        self._write_one("DELETE FROM models WHERE name=?", (name,))
         log.debug("[journal] delete model name=%s", name)
 
     def models(self) -> list[ModelRecord]:
@@ -372,8 +363,7 @@ class Journal:
                           "registrant FROM models ORDER BY created_unix")
         records = []
         for name, factory, weights, device, refs, blob, created, registrant_text in rows:
-            doc = _json_object(refs)
-            example_refs = doc.get("refs") if doc is not None else None
+            example_refs = (_json_object(refs) or {}).get("refs")
             registrant = None if registrant_text is None else _registrant(registrant_text)
             if not (isinstance(name, str) and isinstance(factory, str) and isinstance(weights, (str, type(None)))
                     and (device is None or _is_int(device)) and isinstance(example_refs, list)
@@ -394,8 +384,7 @@ class Journal:
     def put_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
             raise TypeError(f"meta value for {key!r} must be str, not {type(value).__name__}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._write_one("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def next_boot(self) -> int:
         """Increment and return the boot counter (1 on a fresh journal). It never goes back: the
@@ -450,6 +439,11 @@ class Journal:
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._locked() as db:
             return db.execute(sql, params).fetchall()
+
+    def _write_one(self, sql: str, params: tuple) -> int:
+        """One statement in a write transaction of its own; returns the rows it changed."""
+        with self._write() as db:
+            return db.execute(sql, params).rowcount
 
     def _write(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """One write transaction. BEGIN IMMEDIATE takes the write lock up front, so a
