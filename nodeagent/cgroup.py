@@ -5,6 +5,7 @@ The two freezers, the delegation rules and how the hierarchy is found: docs/inte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -158,10 +159,8 @@ class Cgroup:
                 if not pids:
                     break
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 self.wait(lambda: not self.populated(), 0.05)
         self.thaw()
 
@@ -178,10 +177,8 @@ class Cgroup:
     def remove(self) -> bool:
         """Thaw, close and remove the directory, and every cgroup made inside it (a program may
         make its own); False if processes are still in one."""
-        try:
+        with contextlib.suppress(OSError):
             self.thaw()
-        except OSError:
-            pass
         self.close()
         inside = [os.path.join(below, name) for below, dirs, _ in os.walk(self.path, topdown=False) for name in dirs]
         removed = True
