@@ -5,6 +5,7 @@ The two freezers, the delegation rules and how the hierarchy is found: docs/inte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -55,8 +56,7 @@ def v2_hierarchy(mountinfo: str = "/proc/self/mountinfo") -> Hierarchy | None:
         if not sep or len(fields) < 5 or right.split()[:1] != ["cgroup2"]:
             continue
         found.append(Hierarchy(mount=_unescape(fields[4]), root=_unescape(fields[3])))
-    found.sort(key=lambda h: h.root != "/")  # the whole hierarchy before a bind mount of part of it
-    return found[0] if found else None
+    return min(found, key=lambda h: h.root != "/", default=None)  # the whole tree before a bind mount of part of it
 
 
 def cgroup_of(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
@@ -71,56 +71,20 @@ def cgroup_of(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
     return None
 
 
-def probe() -> str | None:
-    """Why no cgroup can be made for a launched program here, or None if one can
-    (made and removed again: the check a test skips on)."""
-    try:
-        cg = create_child(f"nodeagent-probe.{os.getpid()}")
-    except Unavailable as exc:
-        return str(exc)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a process to move in and back: the moves the launcher needs
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    os.close(r)
-    try:
-        cg.adopt(pid)
-        cg.eject(pid)
-    except OSError as exc:
-        return f"cannot move a process into {cg.path}: {exc.strerror}"
-    finally:
-        os.close(w)
-        os.waitpid(pid, 0)
-        cg.remove()
-    return None
-
-
 class Cgroup:
     """One cgroup v2 directory, held open: its freeze and events files, and the
     directory itself for the rest (a rename cannot redirect what is open)."""
 
-    def __init__(self, path: str, name: str, dirfd: int) -> None:
+    def __init__(self, path: str, name: str) -> None:
         self.path = path  # where it is in this process's filesystem
         self.name = name  # its cgroup path, as /proc/PID/cgroup shows it
-        self._dirfd = dirfd
-        self._freeze_fd: int | None = None
-        self._events_fd: int | None = None
+        self._dirfd = self._freeze_fd = self._events_fd = None
         try:
-            self._freeze_fd = os.open("cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC, dir_fd=dirfd)
-            self._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+            self._dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._freeze_fd = os.open("cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+            self._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
         except OSError:
             self.close()
-            raise
-
-    @classmethod
-    def open(cls, path: str, name: str) -> "Cgroup":
-        dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            return cls(path, name, dirfd)
-        except OSError:
-            os.close(dirfd)
             raise
 
     def fds(self) -> tuple[int, ...]:
@@ -168,15 +132,7 @@ class Cgroup:
 
     def adopt(self, pid: int) -> None:
         """Move ``pid`` (all its threads) in; OSError as the kernel refuses it."""
-        fd = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
-        try:
-            os.write(fd, str(pid).encode())
-        finally:
-            os.close(fd)
-
-    def eject(self, pid: int) -> None:
-        """Move ``pid`` back to the parent cgroup (it was adopted, and must not stay)."""
-        _write_at(os.path.dirname(self.path), "cgroup.procs", str(pid))
+        _write_fd_at(self._dirfd, "cgroup.procs", str(pid))
 
     def freeze(self) -> None:
         """Start freezing (every process, every thread); :meth:`stop` also waits for it."""
@@ -203,10 +159,8 @@ class Cgroup:
                 if not pids:
                     break
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 self.wait(lambda: not self.populated(), 0.05)
         self.thaw()
 
@@ -215,7 +169,7 @@ class Cgroup:
         path = os.path.join(self.path, name)
         os.mkdir(path)
         try:
-            return Cgroup.open(path, self.name.rstrip("/") + "/" + name)
+            return Cgroup(path, self.name.rstrip("/") + "/" + name)
         except OSError:
             os.rmdir(path)
             raise
@@ -223,26 +177,18 @@ class Cgroup:
     def remove(self) -> bool:
         """Thaw, close and remove the directory, and every cgroup made inside it (a program may
         make its own); False if processes are still in one."""
-        try:
+        with contextlib.suppress(OSError):
             self.thaw()
-        except OSError:
-            pass
         self.close()
+        inside = [os.path.join(below, name) for below, dirs, _ in os.walk(self.path, topdown=False) for name in dirs]
         removed = True
-        for below, dirs, _ in os.walk(self.path, topdown=False):
-            for name in dirs:
-                try:
-                    os.rmdir(os.path.join(below, name))
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    removed = False
-        try:
-            os.rmdir(self.path)
-        except FileNotFoundError:
-            return removed
-        except OSError:
-            return False
+        for path in (*inside, self.path):  # the deepest first
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                removed = False
         return removed
 
     def close(self) -> None:
@@ -276,7 +222,7 @@ def create_child(name: str, hierarchy: Hierarchy | None = None) -> Cgroup:
         raise Unavailable(f"cannot create {path}: {exc.strerror} (cgroup v2 delegation: the launcher "
                           f"needs write access to its own cgroup {parent})") from None
     try:
-        return Cgroup.open(path, own.rstrip("/") + "/" + name)
+        return Cgroup(path, own.rstrip("/") + "/" + name)
     except FileNotFoundError:
         os.rmdir(path)
         raise Unavailable("the kernel has no cgroup.freeze (cgroup v2 freezer: Linux 5.2)") from None
@@ -329,7 +275,7 @@ def open_verified(child_pid: int, launcher_pid: int, launcher_uid: int | None,
     if path is None:
         return None, f"cgroup {held} is not under {hierarchy.mount}"
     try:
-        cg = Cgroup.open(path, held)
+        cg = Cgroup(path, held)
     except OSError as exc:
         return None, f"cannot open {path}: {exc.strerror}"
     try:
@@ -355,11 +301,6 @@ def act(cg: Cgroup, what: str) -> bool:
             return False
         raise
     return True
-
-
-def _write_at(directory: str, name: str, value: str) -> None:
-    with open(os.path.join(directory, name), "w") as f:
-        f.write(value)
 
 
 def _write_fd_at(dirfd: int, name: str, value: str) -> None:

@@ -455,7 +455,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_SETTING
     _setup_logging(config.log_level)
     from nodeagent import fdlimit
-    fdlimit.log_raise(fdlimit.raise_soft_limit())  # before anything opens descriptors; local.* limits fit in it
+    fdlimit.raise_soft_limit()  # before anything opens descriptors; local.* limits fit in it
     try:
         backend, reason = open_backend(config.backend, cpu_devices=config.cpu_devices)
     except DeviceError as exc:

@@ -67,13 +67,8 @@ class DeviceFault:
 
     @property
     def ends_contexts(self) -> bool:
-        """Whether the Xid is a fault of the work on the GPU that ends the CUDA context it
-        happened in (NVIDIA's Xid catalogue: 13 graphics engine exception, e.g. an illegal
-        instruction or a device-side assert; 31 memory page fault, an illegal address; 43 the
-        GPU stopped processing a channel, the user application faulted; 45 preemptive cleanup
-        after an earlier error; 94 a contained ECC error). Under MPS every client of the
-        faulting server gets that fault. Device-level Xids (79, fallen off the bus) show as a
-        lost device instead."""
+        """Whether the Xid is a fault of the work on the GPU that ends the CUDA context it happened
+        in (under MPS: every client's of the faulting server). Which Xids: docs/internals.md."""
         return self.xid in CONTEXT_FAULT_XIDS
 
 
@@ -109,9 +104,8 @@ class CudaUnavailable(DeviceError):
     """The cuda backend cannot start; `reason` is NVML's own explanation."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(
-            f"cuda backend: NVML unavailable: {reason}; install the NVIDIA driver or run with --backend cpu"
-        )
+        super().__init__(f"cuda backend: NVML unavailable: {reason}; "
+                         "install the NVIDIA driver or run with --backend cpu")
         self.reason = reason
 
 
@@ -207,22 +201,10 @@ class CpuBackend(DeviceBackend):
     def close(self) -> None:
         pass
 
-    def _info(
-        self,
-        index: int,
-        memory_total_bytes: int,
-        memory_used_bytes: int | None,
-        utilization_percent: float | None,
-    ) -> DeviceInfo:
-        return DeviceInfo(
-            index=index,
-            uuid=f"CPU-{self._host_id}-{index}",
-            name=f"cpu:{index} ({self._label})",
-            backend=self.name,
-            memory_total_bytes=memory_total_bytes,
-            memory_used_bytes=memory_used_bytes,
-            utilization_percent=utilization_percent,
-        )
+    def _info(self, index: int, memory_total_bytes: int, memory_used_bytes: int | None,
+              utilization_percent: float | None) -> DeviceInfo:
+        return DeviceInfo(index, f"CPU-{self._host_id}-{index}", f"cpu:{index} ({self._label})", self.name,
+                          memory_total_bytes, memory_used_bytes, utilization_percent)
 
     def _sample(self) -> tuple[int, int | None, float | None]:
         memory_total_bytes, memory_used_bytes = _read_host_memory()
@@ -348,10 +330,8 @@ class CudaBackend(DeviceBackend):
         for index in range(count):
             handle = self._query("nvmlDeviceGetHandleByIndex", index, device=index)
             if handle is NA:
-                raise DeviceError(
-                    f"cuda backend: GPU {index} is not accessible through NVML (no permission); "
-                    "check it with nvidia-smi or run with --backend cpu"
-                )
+                raise DeviceError(f"cuda backend: GPU {index} is not accessible through NVML (no permission); "
+                                  "check it with nvidia-smi or run with --backend cpu")
             uuid = self._query("nvmlDeviceGetUUID", handle, device=index)
             name = self._query("nvmlDeviceGetName", handle, device=index)
             memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
@@ -375,15 +355,10 @@ class CudaBackend(DeviceBackend):
         handle = self._handles[index]
         memory = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
         utilization = self._query("nvmlDeviceGetUtilizationRates", handle, device=index)
-        return DeviceInfo(
-            index=index,
-            uuid=self._uuids[index],
-            name=self._names[index],
-            backend=self.name,
-            memory_total_bytes=self._first_memory_total_bytes[index] if memory is NA else int(memory.total),
-            memory_used_bytes=None if memory is NA else int(memory.used),
-            utilization_percent=None if utilization is NA else float(utilization.gpu),
-        )
+        return DeviceInfo(index, self._uuids[index], self._names[index], self.name,
+                          self._first_memory_total_bytes[index] if memory is NA else int(memory.total),
+                          None if memory is NA else int(memory.used),
+                          None if utilization is NA else float(utilization.gpu))
 
     def processes(self, index: int) -> list[DeviceProcess]:
         """Compute processes NVML sees on the GPU, MPS clients included; [] where it cannot say.
@@ -475,22 +450,18 @@ class CudaBackend(DeviceBackend):
         (DeviceLostError when NVML says GPU ``device`` has failed)."""
         try:
             return self._nvml.query(func_name, *args)
-        except NvmlGpuLost as exc:
-            if device is None:
-                raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
-            uuids = getattr(self, "_uuids", None)  # not yet known while discovering
-            uuid = uuids[device] if uuids is not None and device < len(uuids) else "UUID not read yet"
-            raise DeviceLostError(device, uuid, str(exc)) from exc
         except NvmlError as exc:
+            if isinstance(exc, NvmlGpuLost) and device is not None:
+                uuids = getattr(self, "_uuids", None)  # not yet known while discovering
+                uuid = uuids[device] if uuids is not None and device < len(uuids) else "UUID not read yet"
+                raise DeviceLostError(device, uuid, str(exc)) from exc
             raise DeviceError(f"cuda backend: {exc}; check the GPU with nvidia-smi") from exc
 
 
 # --- choosing a backend ------------------------------------------------------
 
 
-def open_backend(
-    kind: str = "auto", *, cpu_devices: int = 1, nvml: Nvml | None = None
-) -> tuple[DeviceBackend, str]:
+def open_backend(kind: str = "auto", *, cpu_devices: int = 1, nvml: Nvml | None = None) -> tuple[DeviceBackend, str]:
     """Open the backend `kind` names and return it with a sentence saying why it was chosen.
 
     "auto" takes cuda when NVML starts and sees at least one GPU, else cpu with `cpu_devices`.

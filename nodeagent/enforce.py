@@ -60,15 +60,14 @@ def send(s: Session, sig: int) -> bool:
             # The daemon's own freezer (the launcher's is below it): a thaw leaves the launcher's hold.
             if not cgroup.act(s.managed_cgroup, "freeze" if sig == signal.SIGSTOP else "thaw"):
                 return False
-        elif s.managed_pidfd is not None and sig == signal.SIGCONT:
-            # A process group has one stop for two holders: a SIGCONT here would run what its
-            # launcher stopped. The launcher continues it when it may (a grant, back to unmanaged).
-            signal.pidfd_send_signal(s.managed_pidfd, 0)
-            log.debug("[enforce] SIGCONT session=%s left to its launcher (pgroup)", s.id)
-            return True
         elif s.managed_pidfd is not None:
             # The leader's pidfd proves the group is still the one we verified.
             signal.pidfd_send_signal(s.managed_pidfd, 0)
+            if sig == signal.SIGCONT:
+                # A process group has one stop for two holders: a SIGCONT here would run what its
+                # launcher stopped. The launcher continues it when it may (a grant, back to unmanaged).
+                log.debug("[enforce] SIGCONT session=%s left to its launcher (pgroup)", s.id)
+                return True
             os.killpg(s.managed_pgid, sig)
         elif s.pidfd is not None:
             signal.pidfd_send_signal(s.pidfd, sig)

@@ -1,12 +1,6 @@
-"""Descriptors: the daemon's RLIMIT_NOFILE, and the connection limits that fit in it.
-
-Outside systemd (whose unit sets ``LimitNOFILE=65536``) a daemon starts with
-the shell's soft limit, often 1,024, while local connections cost two
-descriptors each (the socket and the pidfd of the client's process). So the
-daemon raises its soft limit to the hard limit at start, and if what is left
-still cannot hold ``local.max_connections``, it lowers that limit to what fits
-and ``local.max_connections_per_uid`` in the same proportion, so that one user
-can never hold every descriptor there is and lock the others out.
+"""Descriptors: the daemon's RLIMIT_NOFILE, raised to the hard limit at start, and the connection
+limits that fit in it (``local.max_connections`` and, in the same proportion so that one user can
+never lock the others out, ``local.max_connections_per_uid``). Why: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -25,35 +19,20 @@ SPARE_FDS = 128  # the journal, worker pipes, MPS daemons, ZeroMQ, one-shot stat
 MAX_SOFT_LIMIT = 1 << 20
 
 
-class RaisedLimit(NamedTuple):
-    before: int
-    after: int
-    hard: int
-    error: str | None  # why it could not be raised, None if it was (or needed not be)
-
-
-def raise_soft_limit() -> RaisedLimit:
-    """Raise RLIMIT_NOFILE's soft limit to its hard limit (at most :data:`MAX_SOFT_LIMIT`)."""
+def raise_soft_limit() -> None:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit (at most :data:`MAX_SOFT_LIMIT`), and log it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = MAX_SOFT_LIMIT if hard == resource.RLIM_INFINITY else min(hard, MAX_SOFT_LIMIT)
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     if soft != resource.RLIM_INFINITY and soft >= target:
-        return RaisedLimit(soft, soft, hard, None)
+        log.debug("[serve] RLIMIT_NOFILE soft limit %d (hard %s)", soft, hard_text)  # unchanged: not news
+        return
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (OSError, ValueError) as exc:
-        return RaisedLimit(soft, soft, hard, str(exc))
-    return RaisedLimit(soft, target, hard, None)
-
-
-def log_raise(raised: RaisedLimit) -> None:
-    hard = "unlimited" if raised.hard == resource.RLIM_INFINITY else str(raised.hard)
-    if raised.error is not None:
-        log.warning("[serve] RLIMIT_NOFILE soft limit stays %d (hard %s): cannot raise it (%s)",
-                    raised.before, hard, raised.error)
-    elif raised.after != raised.before:
-        log.info("[serve] RLIMIT_NOFILE soft limit raised from %d to %d (hard %s)", raised.before, raised.after, hard)
-    else:
-        log.debug("[serve] RLIMIT_NOFILE soft limit %d (hard %s)", raised.before, hard)  # unchanged: not news
+        log.warning("[serve] RLIMIT_NOFILE soft limit stays %d (hard %s): cannot raise it (%s)", soft, hard_text, exc)
+        return
+    log.info("[serve] RLIMIT_NOFILE soft limit raised from %d to %d (hard %s)", soft, target, hard_text)
 
 
 def soft_limit() -> int | None:

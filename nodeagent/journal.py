@@ -136,20 +136,16 @@ class Journal:
             damage = self._connect()
             if damage is not None:
                 self._repair(damage)
-        except repair.RepairError as exc:
+        except BaseException as exc:
             self.close()
-            raise JournalError(str(exc)) from None
-        except BaseException:
-            self.close()
+            if isinstance(exc, repair.RepairError):
+                raise JournalError(str(exc)) from None
             raise
 
     def _connect(self) -> str | None:
         """Open, migrate and check the file. Returns why it is damaged, or None; refusals and
         faults that are not damage (full, read-only, locked) raise JournalError."""
         try:
-            # isolation_level=None: no implicit transactions; each write opens its own below.
-            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
             self._open()
             problems = [row[0] for row in self._db.execute("PRAGMA quick_check(5)")]
         except sqlite3.Error as e:
@@ -174,8 +170,6 @@ class Journal:
                                f"{exc.strerror}; move it away by hand and start again") from None
         _create_private_file(self.path)
         try:
-            self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
             self._open()
             with self._write() as db:
                 kept = repair.write_back(db, found)
@@ -187,8 +181,10 @@ class Journal:
                   self.path, damage, self.moved_aside, kept, read)
 
     def _open(self) -> None:
-        """Refuse files that are not ours or too new, then set durability and migrate."""
-        db = self._db
+        """Connect; refuse files that are not ours or too new, then set durability and migrate."""
+        # isolation_level=None: no implicit transactions; each write opens its own below.
+        self._db = db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                                        check_same_thread=False)
         app_id = db.execute("PRAGMA application_id").fetchone()[0]  # first read: garbage fails here
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if app_id not in (0, APPLICATION_ID) or (
@@ -212,11 +208,9 @@ class Journal:
         # One line at INFO: a new journal is made in every step from 0 and that is not news.
         if version == 0:
             log.info("[journal] created path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
-        elif version < SCHEMA_VERSION:
-            log.info("[journal] open path=%s schema=%d migrated_from=%d journal_mode=%s", self.path,
-                     SCHEMA_VERSION, version, journal_mode)
         else:
-            log.info("[journal] open path=%s schema=%d journal_mode=%s", self.path, SCHEMA_VERSION, journal_mode)
+            log.info("[journal] open path=%s schema=%d%s journal_mode=%s", self.path, SCHEMA_VERSION,
+                     f" migrated_from={version}" if version < SCHEMA_VERSION else "", journal_mode)
 
     # ------------------------------------------------------------ sessions
 
@@ -227,51 +221,40 @@ class Journal:
         values = tuple(_to_json(rec.suspension, f"suspension of session {rec.id}") if c == "suspension"
                        and rec.suspension is not None else getattr(rec, c) for c in _SESSION_COLUMNS)
         updates = ", ".join(f"{c}=excluded.{c}" for c in _SESSION_COLUMNS[1:])
-        with self._write() as db:
-            db.execute(f"INSERT INTO sessions ({', '.join(_SESSION_COLUMNS)}) "
-                       f"VALUES ({', '.join('?' * len(values))}) ON CONFLICT(id) DO UPDATE SET {updates}", values)
+        self._write_one(f"INSERT INTO sessions ({', '.join(_SESSION_COLUMNS)}) "
+                        f"VALUES ({', '.join('?' * len(values))}) ON CONFLICT(id) DO UPDATE SET {updates}", values)
         log.debug("[journal] put session=%s", rec.id)
 
     def delete_session(self, session_id: str) -> None:
         """Forget a session; no error if it is absent."""
-        with self._write() as db:
-            db.execute("DELETE FROM sessions WHERE id=?", (session_id,))
+        self._write_one("DELETE FROM sessions WHERE id=?", (session_id,))
         log.debug("[journal] delete session=%s", session_id)
 
     def delete_session_row(self, seq: int) -> None:
         """Forget a session row by its place in creation order (a bad row, whose id may be garbage)."""
-        with self._write() as db:
-            db.execute("DELETE FROM sessions WHERE seq=?", (seq,))
+        self._write_one("DELETE FROM sessions WHERE seq=?", (seq,))
         log.debug("[journal] delete session row seq=%d", seq)
 
     def set_stopped(self, session_id: str, stopped: bool) -> None:
         """Record that the daemon SIGSTOPped (or continued) a session; KeyError if it is not journaled."""
-        with self._write() as db:
-            changed = db.execute("UPDATE sessions SET stopped=? WHERE id=?", (int(stopped), session_id)).rowcount
-        if not changed:
-            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        self._update_session(session_id, "stopped", int(stopped))
         log.debug("[journal] stopped session=%s stopped=%s", session_id, stopped)
 
     def set_suspension(self, session_id: str, record: dict | None) -> None:
         """Record a session's suspension (None: none any more); KeyError if it is not journaled."""
         text = None if record is None else _to_json(record, f"suspension of session {session_id}")
-        with self._write() as db:
-            changed = db.execute("UPDATE sessions SET suspension=? WHERE id=?", (text, session_id)).rowcount
-        if not changed:
-            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        self._update_session(session_id, "suspension", text)
         log.debug("[journal] suspension session=%s state=%s", session_id, record and record.get("state"))
 
     def set_weight(self, session_id: str, weight: float) -> None:
         """Record a session's new weight; KeyError if it is not journaled."""
-        with self._write() as db:
-            changed = db.execute("UPDATE sessions SET weight=? WHERE id=?", (float(weight), session_id)).rowcount
-        if not changed:
-            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
+        self._update_session(session_id, "weight", float(weight))
         log.debug("[journal] weight session=%s weight=%g", session_id, weight)
 
-    def sessions(self) -> list[SessionRecord]:
-        """All readable journaled sessions, in creation order (bad rows are skipped and logged)."""
-        return self.read_sessions()[0]
+    def _update_session(self, session_id: str, column: str, value: object) -> None:
+        changed = self._write_one(f"UPDATE sessions SET {column}=? WHERE id=?", (value, session_id))
+        if not changed:
+            raise KeyError(f"no session {session_id!r} in the journal {self.path}")
 
     def read_sessions(self) -> tuple[list[SessionRecord], list[BadSessionRow]]:
         """(good records in creation order, rows with a bad value). A bad row is logged
@@ -286,7 +269,7 @@ class Journal:
                 bad.append(BadSessionRow(seq, problem, values))
                 continue
             values["stopped"] = bool(values["stopped"])  # stored as 0/1
-            values["suspension"] = _json_object(values["suspension"]) if values["suspension"] is not None else None
+            values["suspension"] = _json_object(values["suspension"])  # checked above: a JSON object or None
             values["weight"] = float(values["weight"])
             values["created_unix"] = float(values["created_unix"])
             records.append(SessionRecord(**values))
@@ -297,8 +280,7 @@ class Journal:
     def put_policy(self, device: int, policy: dict) -> None:
         """Journal a device's scheduler policy; TypeError unless it round-trips through JSON."""
         text = _to_json(policy, f"policy for device {device}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO policies (device, policy) VALUES (?, ?)", (device, text))
+        self._write_one("INSERT OR REPLACE INTO policies (device, policy) VALUES (?, ?)", (device, text))
         log.debug("[journal] put policy device=%d", device)
 
     def policies(self) -> dict[int, dict]:
@@ -316,9 +298,8 @@ class Journal:
     def put_device_state(self, device: int, state: str, detail: dict | None = None) -> None:
         """Journal a device's lifecycle state with JSON-able details (None means none)."""
         text = _to_json({} if detail is None else detail, f"detail for device {device}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO device_states (device, state, detail) VALUES (?, ?, ?)",
-                       (device, state, text))
+        self._write_one("INSERT OR REPLACE INTO device_states (device, state, detail) VALUES (?, ?, ?)",
+                        (device, state, text))
         log.debug("[journal] put device state device=%d state=%s", device, state)
 
     def device_states(self) -> dict[int, tuple[str, dict]]:
@@ -366,16 +347,14 @@ class Journal:
         registrant = None if rec.registrant is None else _to_json(
             {"uid": rec.registrant.uid, "gid": rec.registrant.gid, "groups": list(rec.registrant.groups)},
             f"registrant of model {rec.name}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
-                       "created_unix, registrant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix,
-                        registrant))
+        self._write_one("INSERT OR REPLACE INTO models (name, factory, weights, device, example_refs, example_bytes, "
+                        "created_unix, registrant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (rec.name, rec.factory, rec.weights, rec.device, refs, rec.example_bytes, rec.created_unix,
+                         registrant))
         log.debug("[journal] put model name=%s", rec.name)
 
     def delete_model(self, name: str) -> None:
-        with self._write() as db:
-            db.execute("DELETE FROM models WHERE name=?", (name,))
+        self._write_one("DELETE FROM models WHERE name=?", (name,))
         log.debug("[journal] delete model name=%s", name)
 
     def models(self) -> list[ModelRecord]:
@@ -384,8 +363,7 @@ class Journal:
                           "registrant FROM models ORDER BY created_unix")
         records = []
         for name, factory, weights, device, refs, blob, created, registrant_text in rows:
-            doc = _json_object(refs)
-            example_refs = doc.get("refs") if doc is not None else None
+            example_refs = (_json_object(refs) or {}).get("refs")
             registrant = None if registrant_text is None else _registrant(registrant_text)
             if not (isinstance(name, str) and isinstance(factory, str) and isinstance(weights, (str, type(None)))
                     and (device is None or _is_int(device)) and isinstance(example_refs, list)
@@ -406,8 +384,7 @@ class Journal:
     def put_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
             raise TypeError(f"meta value for {key!r} must be str, not {type(value).__name__}")
-        with self._write() as db:
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._write_one("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def next_boot(self) -> int:
         """Increment and return the boot counter (1 on a fresh journal). It never goes back: the
@@ -417,18 +394,24 @@ class Journal:
             kept = repair.read_boot_file(self.boot_path)
         except repair.RepairError as exc:
             raise JournalError(str(exc)) from None
-        with self._write_boot() as db:
-            row = db.execute("SELECT value FROM meta WHERE key='boot'").fetchone()
-            stored = repair.parse_boot(row[0]) if row else 0
-            if stored is None:
-                log.error("[journal] boot counter %s in %s is not a boot number; going on from the boot file's %s",
-                          _short(row[0]), self.path, kept)
-                stored = 0
-            boot = max(stored, kept or 0) + 1
-            if boot > repair.MAX_BOOT:
-                raise _BootUsedUp(f"boot counter of {self.path} is used up ({boot - 1}); "
-                                   "move the state dir aside to start again")
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+        try:
+            with self._write() as db:
+                row = db.execute("SELECT value FROM meta WHERE key='boot'").fetchone()
+                stored = repair.parse_boot(row[0]) if row else 0
+                if stored is None:
+                    log.error("[journal] boot counter %s in %s is not a boot number; going on from the boot "
+                              "file's %s", _short(row[0]), self.path, kept)
+                    stored = 0
+                boot = max(stored, kept or 0) + 1
+                if boot > repair.MAX_BOOT:
+                    raise _BootUsedUp(f"boot counter of {self.path} is used up ({boot - 1}); "
+                                      "move the state dir aside to start again")
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+        except _BootUsedUp:
+            raise
+        except JournalError as exc:  # the daemon cannot start: say why
+            advice = _what_to_do(self.path)
+            raise JournalError(f"cannot record the boot in the state journal: {exc}; {advice}") from None
         if kept is not None and kept > stored:
             log.error("[journal] journal %s lost writes: its boot counter is %d, the boot file says %d; "
                       "going on from %d so that grant ids never repeat", self.path, stored, kept, boot)
@@ -438,19 +421,6 @@ class Journal:
             raise JournalError(f"{exc}; free space or fix permissions there") from None
         log.log(logging.DEBUG if boot == 1 else logging.INFO, "[journal] boot=%d path=%s", boot, self.path)
         return boot
-
-    @contextlib.contextmanager
-    def _write_boot(self) -> Iterator[sqlite3.Connection]:
-        """The boot counter's transaction; a failure to write it says that the daemon cannot start and why."""
-        try:
-            with self._write() as db:
-                yield db
-        except _BootUsedUp:
-            raise
-        except JournalError as exc:
-            where = os.path.dirname(os.path.abspath(self.path))
-            raise JournalError(f"cannot record the boot in the state journal: {exc}; free space or fix permissions "
-                               f"in {where}, or point --state-dir elsewhere") from None
 
     # ------------------------------------------------------------ plumbing
 
@@ -469,6 +439,11 @@ class Journal:
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._locked() as db:
             return db.execute(sql, params).fetchall()
+
+    def _write_one(self, sql: str, params: tuple) -> int:
+        """One statement in a write transaction of its own; returns the rows it changed."""
+        with self._write() as db:
+            return db.execute(sql, params).rowcount
 
     def _write(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """One write transaction. BEGIN IMMEDIATE takes the write lock up front, so a
@@ -591,15 +566,18 @@ def _cannot_use(path: str, exc: sqlite3.Error) -> str:
         full = os.statvfs(where).f_bavail == 0  # SQLite says "disk I/O error" when it cannot grow its index
     except OSError:
         full = False
-    return (f"cannot use the state journal {path}: {exc}{' (the disk is full)' if full else ''}; "
-            f"free space or fix permissions in {where}, or point --state-dir elsewhere")
+    return f"cannot use the state journal {path}: {exc}{' (the disk is full)' if full else ''}; {_what_to_do(path)}"
+
+
+def _what_to_do(path: str) -> str:
+    """The advice of every error that the journal's directory cannot be written."""
+    return f"free space or fix permissions in {os.path.dirname(os.path.abspath(path))}, or point --state-dir elsewhere"
 
 
 def _create_private_file(path: str) -> None:
     """Create the parent directory (0700) and the file (0600) if missing; tighten a looser file to 0600."""
-    parent = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
@@ -609,5 +587,4 @@ def _create_private_file(path: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise JournalError(f"cannot open the state journal {path}: {e.strerror}; free space or fix permissions "
-                           f"in {parent}, or point --state-dir elsewhere") from None
+        raise JournalError(f"cannot open the state journal {path}: {e.strerror}; {_what_to_do(path)}") from None

@@ -4,6 +4,7 @@ daemon with a traceback and never makes grant ids repeat. Detail: docs/internals
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -38,18 +39,13 @@ def is_damage(exc: sqlite3.Error) -> bool:
 
 def parse_boot(value: object) -> int | None:
     """A stored boot counter as an int in [0, MAX_BOOT], or None if it is not one."""
-    if isinstance(value, bool):
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value.strip())  # ASCII only: "²".isdigit() holds, but int() refuses it
+    if not isinstance(value, int) or isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, (str, bytes)):
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        if not text.strip().isdigit():
-            return None
-        number = int(text.strip())
-    else:
-        return None
-    return number if 0 <= number <= MAX_BOOT else None
+    return value if 0 <= value <= MAX_BOOT else None
 
 
 def read_boot_file(path: str) -> int | None:
@@ -80,10 +76,8 @@ def write_boot_file(path: str, boot: int) -> None:
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise RepairError(f"cannot write the boot counter file {path}: {exc.strerror}") from None
 
 
@@ -136,10 +130,8 @@ def set_aside_bad_wal(db_path: str) -> str | None:
     dest = _aside_name(wal, "bad")
     try:
         os.rename(wal, dest)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(db_path + "-shm")
-        except FileNotFoundError:
-            pass
     except OSError as exc:
         raise RepairError(f"the journal's WAL {wal} is damaged and cannot be moved aside: {exc.strerror}") from None
     log.error("[journal] WAL %s is not a valid SQLite WAL (header %s...); moved it to %s: the changes it held "
@@ -197,10 +189,8 @@ def move_aside(db_path: str) -> str:
     """Rename the database and its ``-wal``/``-shm`` to ``<db>.damaged-<time>``; returns the new name."""
     dest = _aside_name(db_path, "damaged")
     for suffix in ("", "-wal", "-shm"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.rename(db_path + suffix, dest + suffix)
-        except FileNotFoundError:
-            pass
     return dest
 
 

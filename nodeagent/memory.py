@@ -1,12 +1,5 @@
-"""Device memory: admission by declaration, and measured use against it.
-
-A session declares ``memory_mb`` in its hello. It is admitted to a device only
-if every declaration on that device still fits its capacity (total memory less
-the configured reserve) beside what the device's ctxpool workers may hold
-(:class:`WorkerShare`: their contexts, pools and resident-model budgets, a
-standing declaration made when they start). On ``cuda`` the watcher reads each process's device
-memory through NVML and flags sessions using more than they declared; on
-``cpu`` nothing is measurable per process, so the declarations are the account.
+"""Device memory: admission by declaration (``hello.memory_mb``, beside the ctxpool workers'
+:class:`WorkerShare`), and measured use against it (:func:`measure`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -51,28 +44,15 @@ def room_makers(sessions: Iterable[Session], device: int, workload, need_mb: int
 RESIDENT_FRACTION = 0.5  # of the memory free when workers start, what their resident models may take
 
 
-def auto_resident_mb(capacity_mb: int, workers: int, context_mb: int, pool_mb: int, declared_mb: int,
-                     fraction: float = RESIDENT_FRACTION) -> int:
-    """``ctxpool.resident_mb = "auto"``: each worker's budget for resident models, in MiB::
-
-        max(0, capacity - workers * (context + pool) - declared) * fraction // workers
-
-    ``capacity`` is the device's memory less ``memory.reserve_mb``, ``context`` the
-    context allowance of a process (``memory.context_allowance_mb``: 512 on cuda),
-    ``pool`` each worker's ``ctxpool.pool_mb`` and ``declared`` what sessions had
-    declared when the workers started (restored sessions). Half of what is left
-    (``fraction``) goes to the workers because nodeagent exists to share a GPU
-    between served models and sessions: the other half stays for sessions'
-    declarations and for what no budget bounds (the activations of a forward pass,
-    the allocator's fragmentation). Split evenly: any worker may be asked for any
-    model. A node that only serves models sets ``ctxpool.resident_mb`` itself; one
-    that serves none sets ``ctxpool.enabled = "off"``."""
+def auto_resident_mb(capacity_mb: int, workers: int, context_mb: int, pool_mb: int, declared_mb: int) -> int:
+    """``ctxpool.resident_mb = "auto"``: each worker's budget for resident models, in MiB:
+    ``RESIDENT_FRACTION`` of what the device's ``capacity_mb`` (less ``memory.reserve_mb``) leaves
+    after each worker's context and pool and what sessions had ``declared_mb`` when the workers
+    started, split evenly between them. Why half, why even: docs/internals.md."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     free_mb = capacity_mb - workers * (context_mb + pool_mb) - declared_mb
-    return max(0, int(free_mb * fraction)) // workers
+    return max(0, int(free_mb * RESIDENT_FRACTION)) // workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +105,7 @@ def class_cap_problem(info: DeviceInfo, reserve_mb: int, sessions: Iterable[Sess
     if cap_percent is None or cap_percent >= 100:
         return None
     cap_mb = int(capacity_mb(info, reserve_mb) * cap_percent / 100)
-    ours = sum(s.memory_mb for s in sessions
-               if s.device == info.index and s.workload == workload and s.id not in suspended)
+    ours = declared_mb((s for s in sessions if s.workload == workload), info.index, suspended)
     if ours + want_mb <= cap_mb:
         return None
     return (f"device {info.index}: {workload.wire} sessions may declare at most {cap_mb} MiB "

@@ -1,25 +1,17 @@
-"""Prometheus metrics of the daemon.
-
-The registry is injected so tests use a fresh one. Gauges that describe the
-current state (sessions per device, workload and state; each device's token,
-lifecycle and health) are read at scrape time by a custom collector instead of
-being kept in step by hand, and every label set of a state gauge is exported on
-every scrape: a state that empties reads 0, it never vanishes.
-
-Every label has a bounded set of values (devices, workloads, states, reasons);
-nothing is labelled by session, process or request id, since each new id would
-be a new series for Prometheus to keep. Per-session figures are in
-``nodeagent status``. :meth:`Metrics.catalogue` lists every metric; README's
-table is generated from it (``python -m nodeagent.metrics``) and a test checks
-both against a real daemon's scrape.
+"""Prometheus metrics of the daemon, in an injected registry: counters, histograms, and the state
+gauges a custom collector reads at scrape time, every label set on every scrape. Labels take bounded
+values, never a session, process or request id (why: docs/internals.md). :meth:`Metrics.catalogue`
+lists every metric; README's table is generated from it (``python -m nodeagent.metrics``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
 from bisect import bisect_left
+from itertools import accumulate
 from typing import Callable, Iterable, NamedTuple
 
 import prometheus_client
@@ -122,18 +114,15 @@ class _StateCollector(Collector):
             key = (row.device, row.workload, row.state)
             counts[key] = counts.get(key, 0) + 1
             used[(row.device, row.workload)] = used.get((row.device, row.workload), 0) + row.memory_bytes
-        for key, n in counts.items():
-            sessions.add_metric(list(key), n)
-        for key, n in used.items():
-            memory.add_metric(list(key), n)
+        for family, values in ((sessions, counts), (memory, used), (host, kept)):
+            for key, n in values.items():
+                family.add_metric(list(key), n)
         for d in devices:
             held.add_metric([d.device], 1 if d.token_held else 0)
             queue.add_metric([d.device], d.waiting)
             lost.add_metric([d.device], 1 if d.lost else 0)
             for name in DEVICE_STATES:
                 state.add_metric([d.device, name], 1 if d.lifecycle == name else 0)
-        for key, n in kept.items():
-            host.add_metric(list(key), n)
         return [sessions, memory, held, queue, state, lost, host]
 
 
@@ -144,18 +133,22 @@ class _LoopInstrument(Collector):
     """A labelled counter or histogram written by the daemon's loop alone, on every handoff.
 
     ``prometheus_client``'s instruments take a lock per write and look a histogram's bucket
-    up in a Python loop: about 6 us of every handoff on 2 shared cores, more than the
-    daemon's own work on the path. These keep plain floats (the loop is the only writer,
-    and the metrics endpoint reads them between two of its steps) and are exported the
-    way ``prometheus_client`` exports its own: the same families, samples and order, byte
-    for byte in the text format (a test holds it). ``labels(...)``'s child is kept by the
-    caller; a write is an addition."""
+    up in a Python loop, which costs more than the daemon's own work on the path
+    (docs/architecture.md, metrics). These keep plain floats (the loop is the only writer, and the metrics
+    endpoint reads them between two of its steps) and export what ``prometheus_client`` does:
+    the same families, samples and order, byte for byte in the text format (a test holds it).
+    ``labels(...)``'s child is kept by the caller; a write is an addition."""
 
-    def __init__(self, name: str, help: str, labelnames: tuple[str, ...]) -> None:
+    _family_type: type
+
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...],
+                 registry: CollectorRegistry | None = None) -> None:
         self._name = name
         self._help = help
         self._labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], object] = {}
+        if registry is not None:
+            registry.register(self)
 
     def labels(self, *values):
         """The child for these label values (made on first use, exported from then on, at 0)."""
@@ -168,13 +161,13 @@ class _LoopInstrument(Collector):
         return child
 
     def describe(self):
-        return [self._family()]
+        return [self._family_type(self._name, self._help, labels=self._labelnames)]
 
-    def _new_child(self):
-        raise NotImplementedError
-
-    def _family(self):
-        raise NotImplementedError
+    def collect(self):
+        [family] = self.describe()
+        for key, child in list(self._children.items()):
+            family.add_metric(list(key), *child.sample())
+        return [family]
 
 
 class _CounterChild:
@@ -188,28 +181,25 @@ class _CounterChild:
             raise ValueError("counters can only be incremented by non-negative amounts")
         self.value += amount
 
+    def sample(self) -> tuple[float]:
+        return (self.value,)
+
 
 class LoopCounter(_LoopInstrument):
     """A counter the loop writes (see :class:`_LoopInstrument`); exported as ``<name>_total``."""
 
+    _family_type = CounterMetricFamily
+
     def _new_child(self) -> _CounterChild:
         return _CounterChild()
 
-    def _family(self) -> CounterMetricFamily:
-        return CounterMetricFamily(self._name, self._help, labels=self._labelnames)
-
-    def collect(self):
-        family = self._family()
-        for key, child in list(self._children.items()):
-            family.add_metric(list(key), child.value)
-        return [family]
-
 
 class _HistogramChild:
-    __slots__ = ("_bounds", "counts", "sum")
+    __slots__ = ("_bounds", "_le", "counts", "sum")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], le: tuple[str, ...]) -> None:
         self._bounds = bounds
+        self._le = le  # the bounds as the text format writes them
         self.counts = [0.0] * len(bounds)  # per bucket, not cumulative (the last is +Inf's)
         self.sum = 0.0
 
@@ -217,32 +207,25 @@ class _HistogramChild:
         self.counts[bisect_left(self._bounds, amount)] += 1.0
         self.sum += amount
 
+    def sample(self) -> tuple[list[tuple[str, float]], float]:
+        return list(zip(self._le, accumulate(list(self.counts)))), self.sum
+
 
 class LoopHistogram(_LoopInstrument):
     """A histogram the loop writes (see :class:`_LoopInstrument`): ``buckets`` are the upper
     bounds, ``+Inf`` added, a value counted in the first bucket it is not above."""
 
-    def __init__(self, name: str, help: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
-        super().__init__(name, help, labelnames)
+    _family_type = HistogramMetricFamily
+
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
+                 registry: CollectorRegistry | None = None) -> None:
         bounds = tuple(sorted(float(b) for b in buckets))
         self._bounds = bounds if bounds and bounds[-1] == math.inf else (*bounds, math.inf)
         self._le = tuple(floatToGoString(b) for b in self._bounds)
+        super().__init__(name, help, labelnames, registry)
 
     def _new_child(self) -> _HistogramChild:
-        return _HistogramChild(self._bounds)
-
-    def _family(self) -> HistogramMetricFamily:
-        return HistogramMetricFamily(self._name, self._help, labels=self._labelnames)
-
-    def collect(self):
-        family = self._family()
-        for key, child in list(self._children.items()):
-            total, buckets = 0.0, []
-            for le, n in zip(self._le, list(child.counts)):
-                total += n
-                buckets.append((le, total))
-            family.add_metric(list(key), buckets, child.sum)
-        return [family]
+        return _HistogramChild(self._bounds, self._le)
 
 
 class Metrics:
@@ -339,26 +322,17 @@ class Metrics:
             "not durable), and without a journal")
         self._docs.extend(_STATE_DOCS)
         # Label values known from the start are exported at 0 from the first scrape (rates need a start).
-        for kind in ENFORCEMENT_KINDS:
-            self.enforcements.labels(kind)
-        for outcome in SUSPEND_OUTCOMES:
-            self.suspends.labels(outcome)
-        for reason in SESSION_LOST_REASONS:
-            self.sessions_lost.labels(reason)
-        for where in INTERNAL_ERROR_PLACES:
-            self.internal_errors.labels(where)
-        for reason in METRICS_HTTP_CLOSE_REASONS:
-            self.metrics_http_closed.labels(reason)
-        for claim in REFUSED_CLAIMS:
-            self.refused_claims.labels(claim)
+        for counter, values in ((self.enforcements, ENFORCEMENT_KINDS), (self.suspends, SUSPEND_OUTCOMES),
+                                (self.sessions_lost, SESSION_LOST_REASONS),
+                                (self.internal_errors, INTERNAL_ERROR_PLACES),
+                                (self.metrics_http_closed, METRICS_HTTP_CLOSE_REASONS),
+                                (self.refused_claims, REFUSED_CLAIMS)):
+            for value in values:
+                counter.labels(value)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = (), loop: bool = False) -> Counter:
         self._docs.append(MetricDoc(name + "_total", "counter", labels, help))
-        if loop:
-            counter = LoopCounter(name, help, labels)
-            self.registry.register(counter)
-            return counter
-        return Counter(name, help, labels, registry=self.registry)
+        return (LoopCounter if loop else Counter)(name, help, labels, registry=self.registry)
 
     def _gauge(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Gauge:
         self._docs.append(MetricDoc(name, "gauge", labels, help))
@@ -367,11 +341,7 @@ class Metrics:
     def _histogram(self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...],
                    loop: bool = False) -> Histogram:
         self._docs.append(MetricDoc(name, "histogram", labels, help))
-        if loop:
-            histogram = LoopHistogram(name, help, labels, buckets)
-            self.registry.register(histogram)
-            return histogram
-        return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
+        return (LoopHistogram if loop else Histogram)(name, help, labels, buckets=buckets, registry=self.registry)
 
     def catalogue(self) -> list[MetricDoc]:
         """Every metric the daemon exports, in README's order."""
@@ -404,6 +374,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LEGACY_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 _TYPE_SHOWN = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+_NAME_SUFFIX = {"counter": "_total", "info": "_info"}  # what a family's name takes in HELP and TYPE
 _CHECK_EVERY = 32  # samples between looks at the clock
 
 
@@ -432,7 +403,6 @@ class Exposition:
         self._family = None  # the family being written, its samples' iterator, and its lines so far
         self._samples = None
         self._lines: list[str] = []
-        self._names_ok: dict[tuple[str, bool], bool] = {}  # (name, is a label) -> in the legacy set
         self.cpu_s = 0.0  # spent in step() so far
         self.result: bytes | None = None  # set once every family is written
 
@@ -462,27 +432,28 @@ class Exposition:
         self._family = family
         self._samples = iter(family.samples)
         self._lines = []
-        if not self._legacy(family.name):
-            self._samples = iter(())
-            self._lines = [generate_latest(_OneFamily(family)).decode("utf-8")]
+        if not _legacy(family.name):
+            self._write_whole()
             return
-        name, kind = family.name, family.type
-        if kind == "counter":
-            name += "_total"
-        elif kind == "info":
-            name += "_info"
+        kind = family.type
+        name = family.name + _NAME_SUFFIX.get(kind, "")
         doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
         self._lines.append(f"# HELP {name} {doc}\n# TYPE {name} {_TYPE_SHOWN.get(kind, kind)}\n")
 
+    def _write_whole(self) -> None:
+        """Let ``generate_latest`` write the family, which it moves or quotes."""
+        self._samples = iter(())
+        self._lines[:] = [generate_latest(_OneFamily(self._family)).decode("utf-8")]
+
     def _write_samples(self, deadline: float) -> bool:
         """Lines of the family's samples until the deadline; True when it has no more."""
-        lines, legacy, special = self._lines, self._legacy, self._special_names(self._family.name)
+        lines, base = self._lines, self._family.name
+        special = (base + "_created", base + "_gsum", base + "_gcount")
         n = 0
         for s in self._samples:
-            if s.timestamp is not None or s.name in special or not legacy(s.name) or \
-                    not all(legacy(k, True) for k in s.labels):
-                self._samples = iter(())  # generate_latest moves or quotes these: let it write the family
-                self._lines[:] = [generate_latest(_OneFamily(self._family)).decode("utf-8")]
+            if s.timestamp is not None or s.name in special or not _legacy(s.name) or \
+                    not all(_legacy(k, True) for k in s.labels):
+                self._write_whole()
                 return True
             value = floatToGoString(s.value)
             if s.labels:
@@ -495,17 +466,11 @@ class Exposition:
                 return False
         return True
 
-    def _legacy(self, name: str, label: bool = False) -> bool:
-        """Whether generate_latest writes ``name`` as it is (no escaping, no quotes)."""
-        ok = self._names_ok.get((name, label))
-        if ok is None:
-            ok = (_LEGACY_LABEL if label else _LEGACY_METRIC).match(name) is not None
-            self._names_ok[(name, label)] = ok
-        return ok
 
-    @staticmethod
-    def _special_names(name: str) -> tuple[str, ...]:
-        return (name + "_created", name + "_gsum", name + "_gcount")
+@functools.lru_cache(maxsize=4096)
+def _legacy(name: str, label: bool = False) -> bool:
+    """Whether generate_latest writes ``name`` as it is (no escaping, no quotes)."""
+    return (_LEGACY_LABEL if label else _LEGACY_METRIC).match(name) is not None
 
 
 def _escape(value: str) -> str:

@@ -19,19 +19,11 @@ log = logging.getLogger("nodeagent.nvml")
 # NVML error codes that mean "this device or driver cannot answer this query",
 # not "something broke". Looked up by name on the injected library so a fake
 # only needs the constants it uses.
-_NOT_AVAILABLE_ERRORS: Final = (
-    "NVML_ERROR_NOT_SUPPORTED",
-    "NVML_ERROR_NO_PERMISSION",
-    "NVML_ERROR_FUNCTION_NOT_FOUND",
-    "NVML_ERROR_NOT_FOUND",
-    "NVML_ERROR_NO_DATA",
-)
+_NOT_AVAILABLE_ERRORS: Final = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND",
+                                 "NVML_ERROR_NOT_FOUND", "NVML_ERROR_NO_DATA")
 # NVML error codes that mean the GPU itself has failed (fell off the bus, needs a
 # reset): a device failure to report, never "this GPU cannot answer that".
-_LOST_ERRORS: Final = (
-    "NVML_ERROR_GPU_IS_LOST",
-    "NVML_ERROR_RESET_REQUIRED",
-)
+_LOST_ERRORS: Final = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_RESET_REQUIRED")
 
 
 class _NotAvailable(enum.Enum):
@@ -95,17 +87,19 @@ class Nvml:
         with self._lock:
             if self._initialized:
                 return
-            lib = self._load_lib()
+            if self._lib is None:
+                try:
+                    import pynvml
+                except ImportError as exc:
+                    raise NvmlUnavailable(f"pynvml is not importable ({exc}); pip install nvidia-ml-py") from exc
+                self._lib = pynvml
+            lib = self._lib
             try:
                 lib.nvmlInit()
             except (lib.NVMLError, OSError) as exc:
                 raise NvmlUnavailable(f"nvmlInit failed: {exc}") from exc
-            self._not_available_codes = frozenset(
-                code for name in _NOT_AVAILABLE_ERRORS if (code := getattr(lib, name, None)) is not None
-            )
-            self._lost_codes = frozenset(
-                code for name in _LOST_ERRORS if (code := getattr(lib, name, None)) is not None
-            )
+            self._not_available_codes = _codes(lib, _NOT_AVAILABLE_ERRORS)
+            self._lost_codes = _codes(lib, _LOST_ERRORS)
             self._initialized = True
             log.debug("[nvml] initialised lib=%s", getattr(lib, "__name__", type(lib).__name__))
 
@@ -140,9 +134,7 @@ class Nvml:
             if code in self._not_available_codes:
                 self._log_not_available_once(func_name, exc)
                 return NA
-            if code in self._lost_codes:
-                raise NvmlGpuLost(func_name, code, str(exc)) from exc
-            raise NvmlError(func_name, code, str(exc)) from exc
+            raise self._failure(func_name, exc) from exc
         if isinstance(result, bytes):
             return result.decode("utf-8", errors="replace")
         return result
@@ -163,21 +155,14 @@ class Nvml:
         try:
             return func(event_set, 0)
         except lib.NVMLError as exc:
-            code = getattr(exc, "value", None)
-            if code == getattr(lib, "NVML_ERROR_TIMEOUT", object()):
+            if getattr(exc, "value", None) == getattr(lib, "NVML_ERROR_TIMEOUT", object()):
                 return None
-            if code in self._lost_codes:
-                raise NvmlGpuLost("nvmlEventSetWait_v2", code, str(exc)) from exc
-            raise NvmlError("nvmlEventSetWait_v2", code, str(exc)) from exc
+            raise self._failure("nvmlEventSetWait_v2", exc) from exc
 
-    def _load_lib(self) -> Any:
-        if self._lib is None:
-            try:
-                import pynvml
-            except ImportError as exc:
-                raise NvmlUnavailable(f"pynvml is not importable ({exc}); pip install nvidia-ml-py") from exc
-            self._lib = pynvml
-        return self._lib
+    def _failure(self, func_name: str, exc: Exception) -> NvmlError:
+        """NVML's error ``exc`` as NvmlGpuLost (the GPU has failed) or NvmlError."""
+        code = getattr(exc, "value", None)
+        return (NvmlGpuLost if code in self._lost_codes else NvmlError)(func_name, code, str(exc))
 
     def _log_not_available_once(self, func_name: str, error: object) -> None:
         key = (func_name, getattr(error, "value", str(error)))
@@ -186,3 +171,8 @@ class Nvml:
                 return
             self._logged_not_available.add(key)
         log.debug("[nvml] not available func=%s error=%s", func_name, error)
+
+
+def _codes(lib: Any, names: tuple[str, ...]) -> frozenset[int]:
+    """The values of the error constants ``names`` that ``lib`` has."""
+    return frozenset(code for name in names if (code := getattr(lib, name, None)) is not None)

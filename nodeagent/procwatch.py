@@ -1,19 +1,11 @@
-"""Verified identities of local peers and event-driven watching of their processes.
-
-A pid claimed in ``hello`` is never trusted. On the local unix socket the
-daemon reads the peer's credentials with SO_PEERCRED when it connects
-(:mod:`nodeagent.daemon.loop`); that pid is verified.
-A verified process is watched through a pidfd, which becomes readable the
-moment the process exits, so a dead client loses its token without waiting
-for missed heartbeats.
-
-The memory watcher also reads process trees here: NVML's pids are mapped into
-the daemon's pid namespace (:class:`PidTranslator`), then walked up their
-parents to the session that owns them (:func:`ancestors`).
+"""Verified identities of local peers (never a pid claimed in ``hello``) and their processes
+watched through pidfds; the process trees the memory watcher reads (:class:`PidTranslator`,
+:func:`ancestors`). Detail: docs/internals.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -71,6 +63,7 @@ class ProcStat:
     state: str
     ppid: int
     pgrp: int
+    flags: int  # the kernel's PF_* flags of the process
     start_ticks: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
 
 
@@ -84,7 +77,7 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2:].split()
     try:
-        return ProcStat(state=fields[0].decode(), ppid=int(fields[1]), pgrp=int(fields[2]),
+        return ProcStat(state=fields[0].decode(), ppid=int(fields[1]), pgrp=int(fields[2]), flags=int(fields[6]),
                         start_ticks=int(fields[19]))
     except (IndexError, ValueError):
         return None
@@ -149,21 +142,17 @@ def namespaces_of(pid: int | str, pidfd: int | None = None, proc_root: str = "/p
     return (len(nspid) - 1, uid_map, root_mount)
 
 
-_HOME_NAMESPACES: list[frozenset[tuple]] = []
-
-
 def own_namespaces() -> tuple | None:
     """This process's namespaces (:func:`namespaces_of`)."""
     return namespaces_of("self")
 
 
+@functools.cache
 def home_namespaces() -> frozenset[tuple]:
     """The namespaces a local root is at home in, read once: this process's own and those of its
     pid namespace's init (pid 1: the host's, where systemd gave the daemon private mounts or a
     DaemonSet its own container)."""
-    if not _HOME_NAMESPACES:
-        _HOME_NAMESPACES.append(frozenset(ns for ns in (own_namespaces(), namespaces_of(1)) if ns is not None))
-    return _HOME_NAMESPACES[0]
+    return frozenset(ns for ns in (own_namespaces(), namespaces_of(1)) if ns is not None)
 
 
 def pid_namespace(pid: int | str = "self", proc_root: str = "/proc") -> str | None:
@@ -174,52 +163,29 @@ def pid_namespace(pid: int | str = "self", proc_root: str = "/proc") -> str | No
         return None
 
 
-def ancestors(pid: int, proc_root: str = "/proc", limit: int = MAX_ANCESTRY) -> tuple[int, ...]:
-    """Parent, grandparent, ... of ``pid`` up to the namespace's root (pid 1, included);
-    () when ``pid`` is gone. A parent that exits while we read cuts the chain there."""
-    chain: list[int] = []
-    seen = {pid}
-    current = pid
-    while len(chain) < limit:
-        stat = read_stat(current, proc_root)
-        if stat is None or stat.ppid <= 0 or stat.ppid in seen:  # a loop: pids reused while we read
+def ancestors(pid: int, proc_root: str = "/proc") -> tuple[int, ...]:
+    """Parent, grandparent, ... of ``pid`` up to the namespace's root (pid 1, included), at most
+    MAX_ANCESTRY; () when ``pid`` is gone. A parent that exits while we read cuts the chain there."""
+    chain = [pid]
+    while len(chain) <= MAX_ANCESTRY:
+        stat = read_stat(chain[-1], proc_root)
+        if stat is None or stat.ppid <= 0 or stat.ppid in chain:  # a loop: pids reused while we read
             break
         chain.append(stat.ppid)
-        seen.add(stat.ppid)
-        current = stat.ppid
-    return tuple(chain)
+    return tuple(chain[1:])
 
 
 class PidTranslator:
-    """NVML's process ids in the daemon's pid namespace.
-
-    Most NVIDIA drivers know nothing of pid namespaces and report the host's
-    pids; newer ones translate them into the caller's namespace. Sessions hold
-    pids in the daemon's namespace (SO_PEERCRED translates into the reader's).
-
-    * The daemon in the host's namespace (systemd, ``hostPID``): both agree, no
-      translation.
-    * Elsewhere, with ``host_proc_root`` (the host's /proc mounted in the
-      daemon's container, ``memory.host_proc``): NVML's pids are taken as the
-      host's, and a process in the daemon's namespace is found by the last
-      entry of its ``NSpid:`` read there (host pid first, ours last).
-    * Elsewhere without it: NVML's pids are taken as the daemon's (drivers that
-      translate); with a driver that does not, nothing matches, which
-      :meth:`describe` says at start.
-    """
+    """NVML's process ids in the daemon's pid namespace, where sessions' pids are (``mode``:
+    host, host_proc or same, as :meth:`describe` says; why three: docs/internals.md)."""
 
     def __init__(self, proc_root: str = "/proc", host_proc_root: str | None = None,
                  own_namespace: str | None = None) -> None:
         self._proc = proc_root
         self._host_proc = host_proc_root or None
         self.own_namespace = own_namespace if own_namespace is not None else pid_namespace("self", proc_root)
-        self.in_host_namespace = self.own_namespace == INIT_PID_NAMESPACE
-        if self.in_host_namespace:
-            self.mode = "host"
-        elif self._host_proc is not None:
-            self.mode = "host_proc"
-        else:
-            self.mode = "same"
+        self.mode = ("host" if self.own_namespace == INIT_PID_NAMESPACE
+                     else "host_proc" if self._host_proc is not None else "same")
 
     def describe(self) -> str:
         """One sentence for the log: how NVML's pids are read, and what to do if that is wrong."""
@@ -263,13 +229,8 @@ def exiting(pidfd: int | None, pid: int | None) -> bool:
         return False
     if pidfd_exited(pidfd):
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        flags = int(stat[stat.rfind(b")") + 2:].split()[6])
-    except (OSError, IndexError, ValueError):
-        return pidfd_exited(pidfd)
-    return bool(flags & _PF_EXITING) or pidfd_exited(pidfd)
+    stat = read_stat(pid)
+    return (stat is not None and bool(stat.flags & _PF_EXITING)) or pidfd_exited(pidfd)
 
 
 def pidfd_exited(pidfd: int | None) -> bool:

@@ -200,3 +200,25 @@ def test_memory_over_declaration_is_flagged_and_policed(inproc_server, policy, k
         # Flagged once per episode, not at every reading.
         time.sleep(0.1)
         assert registry.get_sample_value("nodeagent_memory_violations_total", labels) == 1
+
+
+def test_a_launched_process_group_is_stopped_by_the_daemon_but_continued_only_by_its_launcher():
+    import signal
+    from types import SimpleNamespace
+
+    from nodeagent import enforce
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    pidfd = os.pidfd_open(child.pid)
+    s = SimpleNamespace(id="s-1", managed_cgroup=None, managed_pidfd=pidfd, managed_pgid=child.pid, pidfd=None,
+                        pid=child.pid)
+    try:
+        assert enforce.send(s, signal.SIGSTOP)
+        wait_for(lambda: proc_state(child.pid) == "T")
+        assert enforce.send(s, signal.SIGCONT)  # one stop for two holders: a SIGCONT would undo the launcher's
+        time.sleep(0.1)
+        assert proc_state(child.pid) == "T"
+    finally:
+        child.kill()
+        child.wait()
+        os.close(pidfd)

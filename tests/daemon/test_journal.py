@@ -48,7 +48,7 @@ def test_session_round_trip_every_field_survives_reopen(db_path: str) -> None:
         j.put_session(full)
         j.put_session(sparse)
     with Journal(db_path) as j:
-        got = j.sessions()
+        got = j.read_sessions()[0]
     assert got == [full, sparse]
     assert got[0].stopped is True and got[1].stopped is False
     assert got[1].managed_pgid is None
@@ -59,7 +59,7 @@ def test_replace_keeps_creation_order_and_takes_new_values(db_path: str) -> None
         for i, sid in enumerate(["s-a", "s-b", "s-c"]):
             j.put_session(record(sid, created_unix=1000.0 + i))
         j.put_session(record("s-b", created_unix=1001.0, name="renamed", weight=7.0))
-        got = j.sessions()
+        got = j.read_sessions()[0]
     assert [r.id for r in got] == ["s-a", "s-b", "s-c"]
     assert (got[1].name, got[1].weight) == ("renamed", 7.0)
 
@@ -72,7 +72,7 @@ def test_delete_session_and_deleting_an_absent_one_is_quiet(db_path: str) -> Non
         j.delete_session("s-a")
         j.delete_session("s-never")
     with Journal(db_path) as j:
-        assert [r.id for r in j.sessions()] == ["s-b"]
+        assert [r.id for r in j.read_sessions()[0]] == ["s-b"]
 
 
 def test_set_stopped_persists_and_unknown_session_is_a_key_error(db_path: str) -> None:
@@ -80,9 +80,9 @@ def test_set_stopped_persists_and_unknown_session_is_a_key_error(db_path: str) -
         j.put_session(record("s-a"))
         j.set_stopped("s-a", True)
     with Journal(db_path) as j:
-        assert j.sessions()[0].stopped is True
+        assert j.read_sessions()[0][0].stopped is True
         j.set_stopped("s-a", False)
-        assert j.sessions()[0].stopped is False
+        assert j.read_sessions()[0][0].stopped is False
         with pytest.raises(KeyError, match="s-gone"):
             j.set_stopped("s-gone", True)
 
@@ -167,7 +167,7 @@ def test_committed_writes_survive_sigkill_of_the_writer(db_path: str) -> None:
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL  # killed with the journal open, not a clean exit
     with Journal(db_path) as j:
-        assert [r.id for r in j.sessions()] == [f"s-{i}" for i in range(n)]
+        assert [r.id for r in j.read_sessions()[0]] == [f"s-{i}" for i in range(n)]
         assert j.policies() == {0: {"quantum_ms": 25}}
 
 
@@ -206,7 +206,7 @@ def test_garbage_file_is_moved_aside_and_a_fresh_journal_started(db_path: str, c
     with open(db_path, "wb") as f:
         f.write(garbage)
     with Journal(db_path) as j:
-        assert j.sessions() == [] and j.moved_aside is not None
+        assert j.read_sessions()[0] == [] and j.moved_aside is not None
         assert Path(j.moved_aside).read_bytes() == garbage
         assert os.path.dirname(j.moved_aside) == os.path.dirname(db_path)
     assert "DAMAGED journal" in caplog.text and j.moved_aside in caplog.text
@@ -288,7 +288,7 @@ def test_closed_journal_raises_journal_error(db_path: str) -> None:
     j.close()
     j.close()
     with pytest.raises(JournalError, match="closed"):
-        j.sessions()
+        j.read_sessions()[0]
 
 
 def test_file_and_its_wal_are_0600_even_with_a_permissive_umask(db_path: str) -> None:
@@ -334,7 +334,7 @@ def test_workload_enum_instead_of_wire_name_is_refused(db_path: str) -> None:
     with Journal(db_path) as j:
         with pytest.raises(TypeError, match="wire name"):
             j.put_session(record(workload=Workload.TRAINING))
-        assert j.sessions() == []
+        assert j.read_sessions()[0] == []
 
 
 def test_models_round_trip(tmp_path):

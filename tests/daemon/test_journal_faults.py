@@ -362,3 +362,15 @@ def test_a_boot_counter_that_cannot_be_saved_refuses_the_boot(tmp_path):
     with Journal(path) as j:
         with pytest.raises(Exception, match="boot counter file"):
             j.next_boot()
+
+
+@pytest.mark.parametrize("stored", ["²", "١٢", " 3x", "-1"])
+def test_a_boot_counter_of_digits_int_cannot_read_is_not_a_boot_number(tmp_path, stored):
+    # "²".isdigit() holds but int("²") raises: such a hand-edited row must be logged, not crash the start
+    path = str(tmp_path / "state.db")
+    with Journal(path) as j:
+        assert j.next_boot() == 1
+        j.put_meta("boot", stored)
+    os.unlink(path + ".boot")
+    with Journal(path) as j:
+        assert j.next_boot() == 1

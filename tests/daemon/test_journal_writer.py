@@ -132,7 +132,7 @@ def test_put_session_writes_the_sessions_row_as_it_is_now(disk):
     assert w.writer.put_session(s)
     s.weight, s.memory_mb = 4.0, 500
     assert w.writer.put_session(s)
-    [row] = disk.sessions()
+    [row] = disk.read_sessions()[0]
     assert (row.id, row.key, row.name, row.claimed_pid, row.uid, row.workload, row.device, row.borrower) == (
         "s-a", "k", "job-s-a", 7, 1000, "inference", 0, "job-7")
     assert (row.weight, row.memory_mb) == (4.0, 500)

@@ -38,11 +38,11 @@ OURS, OTHER = "pid:[4026532999]", "pid:[4026533111]"  # a container's pid namesp
 
 
 def write_proc(root, pid: int, *, ppid: int = 1, pgrp: int | None = None, start: int = 1000,
-               nspid: tuple[int, ...] | None = None, ns: str | None = None) -> None:
+               nspid: tuple[int, ...] | None = None, ns: str | None = None, flags: int = 0) -> None:
     """One process's stat, status (NSpid) and ns/pid link, as the kernel writes them."""
     d = root / str(pid)
     (d / "ns").mkdir(parents=True, exist_ok=True)
-    rest = ["S", ppid, pgrp if pgrp is not None else pid] + [0] * 16 + [start] + [0] * 30
+    rest = ["S", ppid, pgrp if pgrp is not None else pid, 0, 0, 0, flags] + [0] * 12 + [start] + [0] * 30
     (d / "stat").write_text(f"{pid} (python3 (x)) " + " ".join(map(str, rest)) + "\n")
     (d / "status").write_text(f"Name:\tpython3\nTgid:\t{pid}\nNSpid:\t{' '.join(map(str, nspid or (pid,)))}\n"
                               "VmRSS:\t1 kB\n")
@@ -51,11 +51,24 @@ def write_proc(root, pid: int, *, ppid: int = 1, pgrp: int | None = None, start:
 
 
 def test_stat_and_nspid_are_read_from_the_proc_root_given(tmp_path):
-    write_proc(tmp_path, 4711, ppid=42, pgrp=40, start=123, nspid=(4711, 7))
+    write_proc(tmp_path, 4711, ppid=42, pgrp=40, start=123, nspid=(4711, 7), flags=0x404)
     stat = procwatch.read_stat(4711, str(tmp_path))
-    assert (stat.ppid, stat.pgrp, stat.start_ticks) == (42, 40, 123)  # a ')' in the name does not confuse it
+    # a ')' in the name does not confuse it; flags: PF_EXITING (0x4), which procwatch.exiting reads
+    assert (stat.ppid, stat.pgrp, stat.flags, stat.start_ticks) == (42, 40, 0x404, 123)
     assert procwatch.read_nspid(4711, str(tmp_path)) == (4711, 7)
     assert procwatch.read_nspid(4712, str(tmp_path)) is None
+
+
+def test_a_live_process_is_not_exiting_and_a_dead_one_is():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        assert procwatch.exiting(pidfd, child.pid) is False  # its stat's flags read, PF_EXITING not set
+        child.kill()
+        child.wait()
+        assert procwatch.exiting(pidfd, child.pid) is True
+    finally:
+        os.close(pidfd)
 
 
 def test_ancestors_walk_up_to_the_root_and_stop_at_gaps_and_loops(tmp_path):

@@ -22,7 +22,35 @@ from nodeagent.launcher import Hold, choose_hold
 from tests.conftest import wait_for
 from tests.proc_tools import gone
 
-NO_CGROUP = cgroup.probe()
+
+def _probe() -> str | None:
+    """Why no cgroup can be made for a launched program here, or None if one can
+    (made, a process moved in and out, and removed again)."""
+    try:
+        cg = cgroup.create_child(f"nodeagent-probe.{os.getpid()}")
+    except cgroup.Unavailable as exc:
+        return str(exc)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a process to move in and back: the moves the launcher needs
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        cg.adopt(pid)
+        with open(os.path.join(os.path.dirname(cg.path), "cgroup.procs"), "w") as f:
+            f.write(str(pid))  # and back to the parent: it must not stay
+    except OSError as exc:
+        return f"cannot move a process into {cg.path}: {exc.strerror}"
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+        cg.remove()
+    return None
+
+
+NO_CGROUP = _probe()
 needs_cgroup = pytest.mark.skipif(NO_CGROUP is not None, reason=f"no cgroup v2 for a launched program here: "
                                                                  f"{NO_CGROUP}")
 

@@ -104,13 +104,11 @@ def test_auto_budget_is_half_of_what_contexts_pools_and_sessions_leave_split_bet
     # an H100 (81559 MiB), two workers with 512 MiB contexts, nothing declared
     assert memory.auto_resident_mb(81559, 2, 512, 0, 0) == (81559 - 1024) // 2 // 2 == 20133
     assert memory.auto_resident_mb(81559, 2, 512, 1024, 30000) == (81559 - 2 * 1536 - 30000) // 2 // 2
-    assert memory.auto_resident_mb(81559, 1, 512, 0, 0, fraction=1.0) == 81559 - 512
+    assert memory.auto_resident_mb(81559, 1, 512, 0, 0) == (81559 - 512) // 2
     assert memory.auto_resident_mb(1000, 2, 512, 0, 0) == 0  # the contexts take it all: never negative
     assert memory.auto_resident_mb(81559, 2, 512, 0, 90000) == 0
     with pytest.raises(ValueError):
         memory.auto_resident_mb(81559, 0, 512, 0, 0)
-    with pytest.raises(ValueError):
-        memory.auto_resident_mb(81559, 2, 512, 0, 0, fraction=0)
 
 
 def test_each_device_gets_its_own_budget_from_its_capacity_and_its_sessions():
