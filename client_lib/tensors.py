@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -268,12 +269,9 @@ def _is_torch(x: Any) -> bool:
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        if d < 0:
-            raise TensorTransportError(f"negative dimension in shape {list(shape)}")
-        n *= d
-    return n
+    if any(d < 0 for d in shape):
+        raise TensorTransportError(f"negative dimension in shape {list(shape)}")
+    return DTYPE_BYTES[dtype] * math.prod(shape)
 
 
 def _align(n: int) -> int:
