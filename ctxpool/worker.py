@@ -167,7 +167,7 @@ class _Worker:
         try:
             module = store.build_module(request.factory)
             segment = store.attach_module(module, request.manifest)
-            example = _read_inputs(request.example_input)
+            example = tuple(tensors.take(request.example_input, unlink=False))  # private copies: the engine keeps them
             plan = self.engine.add_model(request.model, module, example)
         except Exception as exc:
             if segment is not None:
@@ -253,16 +253,6 @@ class _Worker:
         return msg.Done(request_id=request.request_id, outputs=refs, swap=stats.swap,
                         run_ms=(time.perf_counter() - started) * 1000.0, resident=list(self.engine.resident()),
                         single=single)
-
-
-def _read_inputs(refs: Sequence[p.TensorRef]) -> tuple:
-    """Private copies of tensors the daemon keeps in shared memory (the engine may hold on to them)."""
-    segments = tensors.attach_all(refs)
-    try:
-        return tuple(t.clone() for t in tensors.views(refs, segments))
-    finally:
-        for seg in segments.values():
-            seg.close()
 
 
 def _flatten(outputs: Any) -> list | None:
