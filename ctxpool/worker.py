@@ -5,6 +5,7 @@ Detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -57,10 +58,8 @@ def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: i
     except BaseException as exc:  # noqa: BLE001 - the last word goes to the daemon, then we exit
         reason = f"{type(exc).__name__}: {exc}"
         log.error("[worker] dying device=%d reason=%s", device_index, reason, exc_info=True)
-        try:
+        with contextlib.suppress(OSError):
             conn.send_bytes(msg.encode(msg.Dying(reason=reason)))
-        except OSError:
-            pass
     finally:
         conn.close()
     os._exit(code)  # skip atexit and finalizers: nothing of ours needs them, and a wedged one would hang
@@ -193,10 +192,8 @@ class _Worker:
 
     def _drop(self, name: str) -> None:
         segment = self.segments.pop(name, None)
-        try:
+        with contextlib.suppress(KeyError):  # the engine never added it
             self.engine.remove_model(name)
-        except KeyError:
-            pass
         if segment is not None:
             gc.collect()  # the module's views must go before the mapping can
             segment.close()
