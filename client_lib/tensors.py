@@ -142,12 +142,10 @@ def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, 
         if reserve:
             _reserve(fd, name, size)
         if owner is not None:
-            try:
+            with contextlib.suppress(PermissionError):  # not root: share it through the group, if any
                 if owner != os.geteuid():
                     os.fchown(fd, owner, -1)
                 group = None  # the owner reads it; nobody else needs to
-            except PermissionError:
-                pass  # not root: share it through the group, if any
         if group is not None and group != os.getegid():
             try:
                 os.fchown(fd, -1, group)
