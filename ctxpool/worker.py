@@ -102,6 +102,7 @@ class _Worker:
         self.conn.send_bytes(msg.encode(reply))
 
     def serve(self) -> int:
+        answer = {msg.Run: self._run, msg.Prepare: self._prepare, msg.Attach: self._attach, msg.Drop: self._drop}
         while True:
             request = msg.decode_to_worker(self.conn.recv_bytes())  # malformed: a bug, die with Dying
             if isinstance(request, msg.Shutdown):
@@ -111,15 +112,7 @@ class _Worker:
                 log.info("[worker] shutdown device=%d", self.device_index)
                 self.engine.close()  # unpins host memory, stops the copy thread
                 return 0
-            if isinstance(request, msg.Run):
-                self._send(self._run(request))
-            elif isinstance(request, msg.Prepare):
-                self._send(self._prepare(request))
-            elif isinstance(request, msg.Attach):
-                self._send(self._attach(request))
-            elif isinstance(request, msg.Drop):
-                self._drop(request.model)
-                self._send(msg.Dropped(model=request.model))
+            self._send(answer[type(request)](request))  # every other ToWorkerMessage has its handler
             self._release_cached()  # after the reply, so that no request waits for it
 
     def _release_cached(self) -> None:
@@ -190,7 +183,8 @@ class _Worker:
         return msg.Attached(model=request.model, model_bytes=plan.model_bytes, layers=len(plan.layers),
                             groups=len(plan.groups), resident=list(self.engine.resident()))
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, request: msg.Drop) -> msg.Dropped:
+        name = request.model
         segment = self.segments.pop(name, None)
         with contextlib.suppress(KeyError):  # the engine never added it
             self.engine.remove_model(name)
@@ -198,6 +192,7 @@ class _Worker:
             gc.collect()  # the module's views must go before the mapping can
             segment.close()
         log.info("[worker] dropped model=%s", name)
+        return msg.Dropped(model=name)
 
     # ------------------------------------------------------------ requests
 
