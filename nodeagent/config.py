@@ -461,10 +461,10 @@ def _file_types(hint: Any) -> tuple[type, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def example_toml(cls: type | None = None) -> str:
+def example_toml() -> str:
     """The commented example file, every setting at its default: what `nodeagent config-example` prints."""
     blocks: dict[str, list[str]] = {"": [f"# {DEFAULT_CONFIG_PATH}: every key is optional; these are the defaults."]}
-    for s in settings(cls):
+    for s in settings():
         shown = s.example if s.example is not None else s.default_value()
         off = "# " if s.example is not None else ""  # a default the file cannot hold: shown, not set
         if dict in s.types:
