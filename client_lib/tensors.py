@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -141,12 +142,10 @@ def create_segment(nbytes: int, prefix: str = "na", *, name: str | None = None, 
         if reserve:
             _reserve(fd, name, size)
         if owner is not None:
-            try:
+            with contextlib.suppress(PermissionError):  # not root: share it through the group, if any
                 if owner != os.geteuid():
                     os.fchown(fd, owner, -1)
                 group = None  # the owner reads it; nobody else needs to
-            except PermissionError:
-                pass  # not root: share it through the group, if any
         if group is not None and group != os.getegid():
             try:
                 os.fchown(fd, -1, group)
@@ -268,12 +267,9 @@ def _is_torch(x: Any) -> bool:
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        if d < 0:
-            raise TensorTransportError(f"negative dimension in shape {list(shape)}")
-        n *= d
-    return n
+    if any(d < 0 for d in shape):
+        raise TensorTransportError(f"negative dimension in shape {list(shape)}")
+    return DTYPE_BYTES[dtype] * math.prod(shape)
 
 
 def _align(n: int) -> int:

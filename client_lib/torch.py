@@ -198,15 +198,15 @@ class Yielder:
             storages, _ = self._plan()
         except ParkError as exc:  # raised again, with the same words, by park()
             log.warning("[park] this state cannot be parked: %s", exc)
-            storages = None
-        if storages is not None and self._keeping(storages):
-            self._adopt()  # before any graph is captured: from here on the state's addresses stay
-        elif storages is not None and self._pin_for(storages):
-            # Pinning takes seconds for tens of GB: now, not inside a suspend deadline.
-            self._reserve(storages, prefault=True)
-        if storages is not None and (self._keep or self._pin_for(storages)):
-            self._first_step_hooks = [opt.register_step_post_hook(self._after_first_step)
-                                      for opt in self._optimizers]
+        else:
+            if self._keeping(storages):
+                self._adopt()  # before any graph is captured: from here on the state's addresses stay
+            elif self._pin_for(storages):
+                # Pinning takes seconds for tens of GB: now, not inside a suspend deadline.
+                self._reserve(storages, prefault=True)
+            if self._keep or self._pin_for(storages):
+                self._first_step_hooks = [opt.register_step_post_hook(self._after_first_step)
+                                          for opt in self._optimizers]
         if client is not None:
             client.set_suspend_handlers(self.park, self.unpark, held=lambda: (self._host.nbytes, self._host.pinned))
 
@@ -464,7 +464,7 @@ class Yielder:
         for (device, _), indices in groups.items():
             starts, end = [], 0
             for i in indices:
-                start = _aligned(end)
+                start = round_up(end, _ALIGN_BYTES)
                 starts.append(start)
                 end = start + storages[i].nbytes
             try:
@@ -637,7 +637,7 @@ def _layout(storages: list[_ParkedStorage]) -> None:
     offset = 0
     for s in storages:
         s.offset = offset
-        offset = _aligned(offset + s.nbytes)
+        offset = round_up(offset + s.nbytes, _ALIGN_BYTES)
 
 
 def _subset(storages: list[_ParkedStorage], tensors: list[_ParkedTensor],
@@ -725,10 +725,6 @@ def _first_mismatch(storages: list[_ParkedStorage], parked: list[torch.Tensor],
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """The whole storage as a flat uint8 tensor (shares its memory)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _aligned(nbytes: int) -> int:
-    return round_up(nbytes, _ALIGN_BYTES)
 
 
 def _needed(storages: list[_ParkedStorage]) -> int:

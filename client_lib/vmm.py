@@ -84,23 +84,21 @@ class CudaDriver:
 
     def __init__(self, lib: Any = None) -> None:
         self._lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
-        self._fns: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)  # AttributeError: a driver without VMM (older than CUDA 10.2)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            self._fns[name] = fn
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int  # kept: a CDLL caches each function it looked up
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self.call("cuInit", 0)
 
     def call(self, name: str, *args: Any, what: str = "") -> None:
-        rc = self._fns[name](*args)
+        rc = getattr(self._lib, name)(*args)
         if rc != 0:
             raise DriverError(f"{name}({what})" if what else name, rc, self._error_text("cuGetErrorName", rc),
                               self._error_text("cuGetErrorString", rc))
 
     def _error_text(self, name: str, rc: int) -> str:
         text = ctypes.c_char_p()
-        if self._fns[name](rc, ctypes.byref(text)) != 0 or not text.value:
+        if getattr(self._lib, name)(rc, ctypes.byref(text)) != 0 or not text.value:
             return "unknown CUresult"
         return text.value.decode(errors="replace")
 

@@ -380,8 +380,7 @@ class Engine:
         model.dev_buf = None
 
     def _make_resident(self, model: _Model) -> None:
-        self._lru[model.name] = None
-        self._lru.move_to_end(model.name)
+        self._lru[model.name] = None  # last: it was not resident (it was swapped in)
         self._resident_bytes += model.plan.device_bytes
 
     def _evict(self, model: _Model) -> None:

@@ -607,10 +607,9 @@ class WorkerPool:
         self._close_conn(worker)
         self._by_fd.pop(worker.sentinel, None)
         self._fds_changed([], [worker.sentinel])
-        pid = worker.pid
         worker.process.join(0)
         worker.process.close()  # releases the sentinel fd, unregistered above
-        self._resources.processes.pop(pid, None)
+        self._resources.processes.pop(worker.pid, None)
         self._workers[worker.device].remove(worker)
         log.warning("[ctxpool] worker-dead device=%d pid=%d %s", worker.device, worker.pid, reason)
         lost: list[int] = []
@@ -734,8 +733,7 @@ class WorkerPool:
             self._close_conn(worker)
             if self._by_fd.pop(worker.sentinel, None) is not None:
                 self._fds_changed([], [worker.sentinel])
-        for model in self._models.values():
-            self._resources.segments.add(model.segment)
+        self._resources.segments.update(model.segment for model in self._models.values())
         self._finalizer()  # reaps, closes, unlinks every segment
         self._workers = {d: [] for d in self.devices}
         self._models.clear(), self._requests.clear()

@@ -5,6 +5,7 @@ Detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -57,10 +58,8 @@ def worker_main(conn: Connection, backend: str, device_index: int, pool_bytes: i
     except BaseException as exc:  # noqa: BLE001 - the last word goes to the daemon, then we exit
         reason = f"{type(exc).__name__}: {exc}"
         log.error("[worker] dying device=%d reason=%s", device_index, reason, exc_info=True)
-        try:
+        with contextlib.suppress(OSError):
             conn.send_bytes(msg.encode(msg.Dying(reason=reason)))
-        except OSError:
-            pass
     finally:
         conn.close()
     os._exit(code)  # skip atexit and finalizers: nothing of ours needs them, and a wedged one would hang
@@ -103,6 +102,7 @@ class _Worker:
         self.conn.send_bytes(msg.encode(reply))
 
     def serve(self) -> int:
+        answer = {msg.Run: self._run, msg.Prepare: self._prepare, msg.Attach: self._attach, msg.Drop: self._drop}
         while True:
             request = msg.decode_to_worker(self.conn.recv_bytes())  # malformed: a bug, die with Dying
             if isinstance(request, msg.Shutdown):
@@ -112,15 +112,7 @@ class _Worker:
                 log.info("[worker] shutdown device=%d", self.device_index)
                 self.engine.close()  # unpins host memory, stops the copy thread
                 return 0
-            if isinstance(request, msg.Run):
-                self._send(self._run(request))
-            elif isinstance(request, msg.Prepare):
-                self._send(self._prepare(request))
-            elif isinstance(request, msg.Attach):
-                self._send(self._attach(request))
-            elif isinstance(request, msg.Drop):
-                self._drop(request.model)
-                self._send(msg.Dropped(model=request.model))
+            self._send(answer[type(request)](request))  # every other ToWorkerMessage has its handler
             self._release_cached()  # after the reply, so that no request waits for it
 
     def _release_cached(self) -> None:
@@ -167,7 +159,7 @@ class _Worker:
         try:
             module = store.build_module(request.factory)
             segment = store.attach_module(module, request.manifest)
-            example = _read_inputs(request.example_input)
+            example = tuple(tensors.take(request.example_input, unlink=False))  # private copies: the engine keeps them
             plan = self.engine.add_model(request.model, module, example)
         except Exception as exc:
             if segment is not None:
@@ -191,16 +183,16 @@ class _Worker:
         return msg.Attached(model=request.model, model_bytes=plan.model_bytes, layers=len(plan.layers),
                             groups=len(plan.groups), resident=list(self.engine.resident()))
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, request: msg.Drop) -> msg.Dropped:
+        name = request.model
         segment = self.segments.pop(name, None)
-        try:
+        with contextlib.suppress(KeyError):  # the engine never added it
             self.engine.remove_model(name)
-        except KeyError:
-            pass
         if segment is not None:
             gc.collect()  # the module's views must go before the mapping can
             segment.close()
         log.info("[worker] dropped model=%s", name)
+        return msg.Dropped(model=name)
 
     # ------------------------------------------------------------ requests
 
@@ -253,16 +245,6 @@ class _Worker:
         return msg.Done(request_id=request.request_id, outputs=refs, swap=stats.swap,
                         run_ms=(time.perf_counter() - started) * 1000.0, resident=list(self.engine.resident()),
                         single=single)
-
-
-def _read_inputs(refs: Sequence[p.TensorRef]) -> tuple:
-    """Private copies of tensors the daemon keeps in shared memory (the engine may hold on to them)."""
-    segments = tensors.attach_all(refs)
-    try:
-        return tuple(t.clone() for t in tensors.views(refs, segments))
-    finally:
-        for seg in segments.values():
-            seg.close()
 
 
 def _flatten(outputs: Any) -> list | None:

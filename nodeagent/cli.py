@@ -551,8 +551,10 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from client_lib import DaemonUnavailableError, NodeAgentError, query_status
+    from client_lib import DaemonUnavailableError, NodeAgentError
+    from client_lib.endpoint import client_endpoint
     from nodeagent.config import client_endpoint_problem
+    from nodeagent.top import fetch  # a garbled reply too is one line
     problem = client_endpoint_problem(args.endpoint)
     if problem is not None:  # as `serve` refuses it: a typo, not a daemon that is away
         print(f"nodeagent: error: {problem}", file=sys.stderr)
@@ -560,7 +562,7 @@ def _status(args: argparse.Namespace) -> int:
     give_up = time.monotonic() + (args.wait or 0.0)
     while True:
         try:
-            status = query_status(args.endpoint, timeout=args.timeout)
+            status = fetch(args.endpoint or client_endpoint(), args.timeout)
             break
         except NodeAgentError as exc:  # nothing listens yet: try again while --wait lasts
             if not isinstance(exc, DaemonUnavailableError) or time.monotonic() >= give_up:

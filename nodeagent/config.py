@@ -47,12 +47,9 @@ _NAMED_DUTIES = {"adaptive": None, "pause": 0, "free": 1000}  # corun.duty's wor
 
 
 class ConfigError(ValueError):
-    """A setting with a bad value; the message names the setting.
-
-    ``key`` is the setting's dotted name in the file (``scheduler.grace_ms``;
-    None where no one setting is at fault) and ``problem`` the message without
-    its subject, so that the command line can name the flag or the environment
-    variable the value came from instead of the file's key."""
+    """A setting with a bad value, named in the message. ``key``: its dotted name in the file (None where
+    no one setting is at fault); ``problem``: the message without its subject, so that the command line
+    can name the flag or the environment variable the value came from instead."""
 
     def __init__(self, message: str, key: str | None = None, problem: str | None = None) -> None:
         super().__init__(message)
@@ -464,10 +461,10 @@ def _file_types(hint: Any) -> tuple[type, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def example_toml(cls: type | None = None) -> str:
+def example_toml() -> str:
     """The commented example file, every setting at its default: what `nodeagent config-example` prints."""
     blocks: dict[str, list[str]] = {"": [f"# {DEFAULT_CONFIG_PATH}: every key is optional; these are the defaults."]}
-    for s in settings(cls):
+    for s in settings():
         shown = s.example if s.example is not None else s.default_value()
         off = "# " if s.example is not None else ""  # a default the file cannot hold: shown, not set
         if dict in s.types:

@@ -99,7 +99,7 @@ class Launcher:
         self._saved_handlers: dict[int, object] = {}
         self._next_attach = 0.0
         self._env_w: int | None = None  # write end of the pipe CMD reads its extra environment from
-        self._was_paced = False  # co-run: CMD was last stopped for pacing (logged at debug: it is frequent)
+        self._was_paced = False  # co-run: CMD was last stopped for pacing (its continue is at debug too: frequent)
         self._keeper_pid: int | None = None
         self._keeper_w: int | None = None  # its end-of-file, without _KEEPER_DONE first, makes the keeper end CMD
 
@@ -387,14 +387,14 @@ class Launcher:
         if pacing is None:
             return False
         pace = pacing.pace()
-        self._was_paced = pace.throttled and not in_on_phase(pace, time.monotonic())
-        return self._was_paced
+        return pace.throttled and not in_on_phase(pace, time.monotonic())
 
     def _stop_cmd(self, why: str, quiet: bool = False, force: bool = False) -> None:
         """Stop CMD if it runs (``force``: whatever we last did: the daemon may have acted since)."""
         if (self._cmd_running or force) and self.exit_code is None:
             self.hold.stop()
             self._cmd_running = False
+            self._was_paced = quiet  # only a pacing stop is quiet
             (log.debug if quiet else log.info)("CMD stopped (%s)", why)
 
     def _continue_cmd(self, why: str, quiet: bool = False, force: bool = False) -> None:

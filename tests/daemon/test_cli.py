@@ -200,6 +200,28 @@ def test_status_wait_tries_again_until_its_time_is_up_then_says_why(tmp_path, ca
     assert time.monotonic() - start < 0.4
 
 
+def test_status_says_a_garbled_reply_in_one_line(tmp_path, capsys):
+    """A peer at the endpoint that answers with bytes that are not MessagePack: one line, exit 1."""
+    from nodeagent.cli import main
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "garbled.sock"))
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(len(b"\xc1").to_bytes(4, "big") + b"\xc1")  # 0xc1: never valid MessagePack
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        assert main(["status", "--endpoint", f"ipc://{tmp_path}/garbled.sock"]) == 1
+    finally:
+        listener.close()
+    err = capsys.readouterr().err
+    assert err.startswith("nodeagent: error: bad status reply from ipc://") and err.count("\n") == 1, err
+
+
 # --- the first hour: what a newcomer types, answered in one line -----------------------------
 
 def test_version_names_the_package_and_the_protocol():

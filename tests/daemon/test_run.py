@@ -4,6 +4,7 @@ cgroup where one can be made, else its process group; tests/daemon/test_run_cgro
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from client_lib import Client
+from client_lib.pace import Pace
 from tests.conftest import REPO, wait_for
 from tests.proc_tools import gone
 from tests.daemon.run_counter import COUNTER
@@ -191,3 +193,53 @@ def test_usage_errors_exit_like_a_shell(workdir):
     for fragment in ("SIGSTOP", "cgroup.freeze", "--cgroup", "SIGTERM", "--fail-closed", "fail-open", "128+N",
                      "127", "launcher killed"):
         assert fragment in helped.stdout
+
+
+class _Board:
+    """A pace board read by hand: ``now`` is what the next read says."""
+
+    def __init__(self) -> None:
+        self.now = Pace(0, False, 1000, 10_000)
+
+    def pace(self) -> Pace:
+        return self.now
+
+
+class _HeldClient:
+    """A session that holds one grant, never asked to yield, with a pace board."""
+
+    holding, grant_id, yield_requested = True, 1, False
+
+    def __init__(self) -> None:
+        self.pacing = _Board()
+
+    def daemon_healthy(self) -> bool:
+        return True
+
+
+class _RecordedHold:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def cont(self) -> None:
+        self.calls.append("cont")
+
+
+def test_a_continue_after_a_pacing_stop_is_logged_as_quietly_as_the_stop(caplog):
+    from nodeagent.launcher import Launcher
+    launcher = Launcher(["true"])
+    launcher.client, launcher.hold = _HeldClient(), _RecordedHold()
+    caplog.set_level(logging.DEBUG, logger="nodeagent.launcher")
+    launcher._step_managed()  # the grant: CMD continued, at info
+    launcher.client.pacing.now = Pace(1, True, 0, 10_000)  # a higher class holds, duty pause
+    launcher._step_managed()
+    launcher.client.pacing.now = Pace(0, False, 1000, 10_000)  # it left
+    launcher._step_managed()
+    assert launcher.hold.calls == ["cont", "stop", "cont"]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "nodeagent.launcher"]
+    assert said == [(logging.INFO, "CMD continued (granted)"),
+                    (logging.DEBUG, "CMD stopped (paced: a higher class holds the device)"),
+                    (logging.DEBUG, "CMD continued (granted)")]  # each pause and resume: -v stays readable
