@@ -537,9 +537,13 @@ class WorkerPool:
 
     @staticmethod
     def _has_attach(worker: _Worker, name: str) -> bool:
-        """Whether ``worker`` holds model ``name`` or has its Attach queued or in flight."""
-        return name in worker.attached or any(
-            isinstance(op, msg.Attach) and op.model == name for op in (*worker.ops, worker.inflight))
+        """Whether ``worker`` will hold model ``name`` once what it was sent lands: the latest Attach
+        or Drop of it queued or in flight says (a Drop of a model since registered again), else
+        whether it holds it now."""
+        for op in (*reversed(worker.ops), worker.inflight):
+            if isinstance(op, (msg.Attach, msg.Drop)) and op.model == name:
+                return isinstance(op, msg.Attach)
+        return name in worker.attached
 
     def _maybe_ready(self, model: _Model, events: list[PoolEvent]) -> None:
         if model.state == "attaching" and not model.pending:

@@ -304,6 +304,27 @@ def test_a_worker_gives_cached_device_memory_back_after_each_reply_not_before():
     assert order == ["Failed", "release", "Dropped", "release"]
 
 
+def test_a_model_registered_again_while_a_busy_worker_still_drops_it_is_attached_there_too(loop, examples):
+    """Unregistered while one worker runs its request, the model's Drop waits behind it there; the
+    model registered again meanwhile must be attached on that worker after the Drop, not taken as
+    attached already (it would serve on one worker of two, and on none of a device where that
+    worker was the only one)."""
+    pool = start_pool(loop)
+    loop.wait_ready(pool, 2)
+    spec = ModelSpec(name="sleeps", factory="tests.serving_models:sleeps_for_input",
+                     example_input=examples(torch.zeros(1, 1)))
+    assert isinstance(loop.register(pool, spec), ModelReady)
+    pool.submit(1, 0, "sleeps", examples(torch.full((1, 1), 1.0)))
+    [busy] = [w.pid for w in pool.snapshot()[0] if w.request_id == 1]
+    pool.unregister_model("sleeps")
+    assert isinstance(loop.register(pool, spec), ModelReady)
+    tensors.discard(loop.wait(RequestDone, request_id=1, timeout_s=10).outputs)
+    deadline = time.monotonic() + 1.0  # the busy worker's Drop, then whatever follows it, land
+    while time.monotonic() < deadline:
+        loop.step(0.05)
+    assert {w.pid: w.models for w in pool.snapshot()[0]}[busy] == ["sleeps"]
+
+
 def test_requests_queue_fifo_and_unregister_fails_the_queued_ones(shared, examples):
     loop, pool = shared
     assert isinstance(loop.register(pool, ModelSpec(name="mlp", factory=MLP,
