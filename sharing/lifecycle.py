@@ -91,24 +91,15 @@ class ReclaimDue:
 LifecycleEvent = Union[Transition, ReclaimDue]
 
 
-def _check_max_s(max_s: object) -> float:
-    if isinstance(max_s, bool) or not isinstance(max_s, (int, float)) or not math.isfinite(max_s) or max_s <= 0:
-        raise ValueError(f"max_s must be a finite number of seconds > 0, got {max_s!r}")
-    return float(max_s)
+_BOUNDS = {"": lambda seconds: True, " >= 0": lambda seconds: seconds >= 0, " > 0": lambda seconds: seconds > 0}
 
 
-def _check_now(now: object) -> float:
-    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-        raise ValueError(f"now must be a finite number of seconds, got {now!r}")
-    return float(now)
-
-
-def _check_protect_s(protect_s: object) -> float:
-    if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)):
-        raise ValueError(f"protect_s must be a number of seconds, got {protect_s!r}")
-    if not math.isfinite(protect_s) or protect_s < 0:
-        raise ValueError(f"protect_s must be finite and >= 0, got {protect_s!r}")
-    return float(protect_s)
+def _seconds(name: str, value: object, bound: str = "") -> float:
+    """``value`` as float seconds; ValueError naming ``name`` unless it is a finite number within ``bound``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not _BOUNDS[bound](value):
+        raise ValueError(f"{name} must be a finite number of seconds{bound}, got {value!r}")
+    return float(value)
 
 
 class DeviceLifecycle:
@@ -123,7 +114,7 @@ class DeviceLifecycle:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ValueError(f"device must be an index >= 0, got {device!r}")
         self.device = device
-        self._protect_s = _check_protect_s(protect_s)
+        self._protect_s = _seconds("protect_s", protect_s, " >= 0")
         self._state = DeviceState.FREE
         self._borrower: str | None = None
         self._lent_until: float | None = None
@@ -155,9 +146,9 @@ class DeviceLifecycle:
         if borrower is not None:
             life._borrower = _check_borrower(borrower)
         if lent_until is not None:
-            life._lent_until = _check_now(lent_until)
+            life._lent_until = _seconds("lent_until", lent_until)
         if protect_until is not None:
-            life._protect_since = _check_now(protect_until) - life._protect_s
+            life._protect_since = _seconds("protect_until", protect_until) - life._protect_s
         life._state = state
         life._inference_active = state is DeviceState.RUN
         return life
@@ -199,7 +190,7 @@ class DeviceLifecycle:
 
     def observe(self, inference_active: bool, now: float) -> list[Transition]:
         """Record whether inference wants the device (holds or waits). Cheap when nothing changes."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         self._inference_active = bool(inference_active)
         self._settle(now, out)
@@ -215,10 +206,9 @@ class DeviceLifecycle:
         A repeated lend keeps the first one's ``lent_until`` (a retried request must not extend it).
         Raises :class:`LifecycleError` when the state refuses, ValueError for a bad argument.
         """
-        now = _check_now(now)
+        now = _seconds("now", now)
         borrower = _check_borrower(borrower)
-        if max_s is not None:
-            _check_max_s(max_s)
+        max_s = None if max_s is None else _seconds("max_s", max_s, " > 0")
         out: list[Transition] = []
         # A protect window that ran out but was not ticked yet must not refuse the lend.
         self._settle(now, out)
@@ -243,9 +233,9 @@ class DeviceLifecycle:
             raise LifecycleError(
                 f"device {self.device} is DRAINING; cancel the drain before lending it", state=state)
         self._borrower = borrower
-        self._lent_until = None if max_s is None else now + float(max_s)
+        self._lent_until = None if max_s is None else now + max_s
         self._reclaim_reported = False
-        reason = f"lent to {borrower}" + ("" if max_s is None else f" for {float(max_s):g}s")
+        reason = f"lent to {borrower}" + ("" if max_s is None else f" for {max_s:g}s")
         self._move(DeviceState.LENT, reason, now, out)
         return out
 
@@ -257,9 +247,9 @@ class DeviceLifecycle:
         lease that ran out is being reclaimed, and a renewal from a controller that has not
         seen a reclaim and a new lend must not extend another job's lease (LifecycleError).
         """
-        now = _check_now(now)
+        now = _seconds("now", now)
         borrower = _check_borrower(borrower)
-        _check_max_s(max_s)
+        max_s = _seconds("max_s", max_s, " > 0")
         if self._state is not DeviceState.LENT:
             raise LifecycleError(f"device {self.device} is {self._state.value}, not lent: nothing to renew; "
                                  f"lend it to {borrower!r} instead", state=self._state)
@@ -269,12 +259,12 @@ class DeviceLifecycle:
         if self._reclaim_reported or (self._lent_until is not None and now >= self._lent_until):
             raise LifecycleError(f"the lend of device {self.device} to {borrower!r} ran out and is being "
                                  "reclaimed; lend it again once it is FREE", state=self._state)
-        self._lent_until = now + float(max_s)
+        self._lent_until = now + max_s
         return self._lent_until
 
     def reclaim(self, now: float) -> list[Transition]:
         """LENT -> PROTECT, so inference gets the protect window; [] when not LENT (idempotent)."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is DeviceState.LENT:
             self._enter_protect(now, f"reclaimed from {self._borrower}", out)
@@ -282,7 +272,7 @@ class DeviceLifecycle:
 
     def drain(self, now: float) -> list[Transition]:
         """Any state -> DRAINING (a lend ends with it); [] when already DRAINING."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is not DeviceState.DRAINING:
             reason = "drain" if self._borrower is None else f"drain (lend to {self._borrower} ended)"
@@ -291,7 +281,7 @@ class DeviceLifecycle:
 
     def undrain(self, now: float) -> list[Transition]:
         """DRAINING -> RUN or FREE, by the last inference observation; [] when not DRAINING."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is DeviceState.DRAINING:
             new = DeviceState.RUN if self._inference_active else DeviceState.FREE
@@ -301,11 +291,11 @@ class DeviceLifecycle:
     def set_protect_s(self, protect_s: float) -> None:
         """Change the protect window. A window in progress is measured from its start with the new
         length; if that makes it over, the next ``tick`` moves to FREE (``next_deadline`` says so)."""
-        self._protect_s = _check_protect_s(protect_s)
+        self._protect_s = _seconds("protect_s", protect_s, " >= 0")
 
     def tick(self, now: float) -> list[LifecycleEvent]:
         """Apply the deadlines that passed: protect window over (-> FREE), lend expired (ReclaimDue, once)."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[LifecycleEvent] = []
         self._settle(now, out)  # type: ignore[arg-type]
         if (self._state is DeviceState.LENT and self._lent_until is not None

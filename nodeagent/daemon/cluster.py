@@ -696,12 +696,8 @@ class ClusterEndpoint:
         quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
         quanta.update(quanta_ms or {})
         policy = SchedulerPolicy(quantum_ms=quanta, grace_ms=current.grace_ms if grace_ms is None else grace_ms)
-        if protect_s is None:
-            protect_s = self._lifecycles[device].protect_s
-        if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)) \
-                or not math.isfinite(protect_s) or protect_s < 0:
-            raise ValueError(f"protect_s must be a number of seconds >= 0, got {protect_s!r}")
-        self._lifecycles[device].set_protect_s(float(protect_s))
+        life = self._lifecycles[device]
+        life.set_protect_s(life.protect_s if protect_s is None else protect_s)  # ValueError before any change
         self._tokens.set_policy(device, policy, now)
 
     def _policy_info(self, device: int) -> p.PolicyInfo:
