@@ -119,7 +119,7 @@ class DeviceLifecycle:
         self._borrower: str | None = None
         self._lent_until: float | None = None
         self._protect_since: float | None = None
-        self._inference_active = False
+        self._inference_active: bool | None = None  # the last observation; None: none yet
         self._reclaim_reported = False
 
     @classmethod
@@ -150,7 +150,7 @@ class DeviceLifecycle:
         if protect_until is not None:
             life._protect_since = _seconds("protect_until", protect_until) - life._protect_s
         life._state = state
-        life._inference_active = state is DeviceState.RUN
+        life._inference_active = True if state is DeviceState.RUN else None
         return life
 
     # ------------------------------------------------------------ read-only view
@@ -178,8 +178,8 @@ class DeviceLifecycle:
         return self._protect_s
 
     @property
-    def inference_active(self) -> bool:
-        """The last observation: does an inference session hold or wait for the device?"""
+    def inference_active(self) -> bool | None:
+        """The last observation: does an inference session hold or wait for the device? None: not told yet."""
         return self._inference_active
 
     def __repr__(self) -> str:

@@ -164,10 +164,8 @@ class ClusterEndpoint:
         self._wake = loop.wake
         self._lost_devices = devices.lost
         self._server_handlers = server.handlers  # complete once bind() is called (the server adds inventory's)
-        count = tokens.device_count
-        self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
+        self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(tokens.device_count)]
         self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
-        self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
         self._node = config.cluster_node or socket.gethostname()
         self._router: zmq.Socket | None = None
         self._events_sock: zmq.Socket | None = None
@@ -396,8 +394,7 @@ class ClusterEndpoint:
         this loop turn (an operation must not act on the state of the turn before)."""
         life = self._lifecycles[device]
         active = self._tokens.wanted_by(device, Workload.INFERENCE)
-        if active is not self._inference_seen[device]:
-            self._inference_seen[device] = active
+        if active is not life.inference_active:  # None before the first: told then
             self._moved(life.observe(active, now), op=False)
         return life
 
