@@ -6,7 +6,7 @@ Anything that does not fit raises :class:`PartitionError`. The rules of a plan: 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -17,7 +17,6 @@ __all__ = [
     "PartitionPlan",
     "PartitionTable",
     "plan_partition",
-    "replan",
 ]
 
 ACTIVE_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -115,20 +114,6 @@ def plan_partition(
     shares = _largest_remainder(exact)
     limits = _plan_memory(list(requested), memory_total_mb, memory_requests_mb or {})
     return PartitionPlan(shares, limits, total)
-
-
-def replan(
-    requests: Mapping[str, float | None],
-    sessions_present: Iterable[str],
-    *,
-    memory_requests_mb: Mapping[str, int] | None = None,
-    **options,
-) -> PartitionPlan:
-    """The plan for the sessions present now: requests of sessions that left drop out, a present
-    session without one shares the remainder. ``options`` are those of :func:`plan_partition`."""
-    present = list(dict.fromkeys(sessions_present))
-    memory = {s: mb for s, mb in (memory_requests_mb or {}).items() if s in present}
-    return plan_partition({s: requests.get(s) for s in present}, memory_requests_mb=memory, **options)
 
 
 class PartitionTable:

@@ -15,7 +15,6 @@ from sharing.partition import (
     PartitionPlan,
     PartitionTable,
     plan_partition,
-    replan,
 )
 
 
@@ -192,15 +191,6 @@ def test_plan_is_read_only():
 
 
 # ---------------------------------------------------------------- re-planning
-
-
-def test_replan_drops_sessions_that_left_and_shares_with_newcomers():
-    requests = {"train": 40, "infer": None, "gone": 30}
-    plan = replan(requests, ["train", "infer"])
-    assert dict(plan.shares) == {"train": 40, "infer": 60}
-    plan = replan(requests, ["train", "infer", "new"], memory_requests_mb={"gone": 5, "train": 1000})
-    assert dict(plan.shares) == {"train": 40, "infer": 30, "new": 30}
-    assert dict(plan.memory_limits_mb) == {"train": 1000}
 
 
 def test_table_join_leave_partition():
