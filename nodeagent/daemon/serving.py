@@ -454,7 +454,8 @@ class Serving:
                 self._tokens.request(q.device, q.sid, now)
 
     def _serve_next(self, q: _ServeQueue, now: float) -> None:
-        while q.pending and q.running is None:
+        """Run what waits while the queue holds its grant; give the token back once nothing runs."""
+        while q.pending and q.running is None and not (q.yield_asked or q.owner_gone):
             job = q.pending.popleft()
             if now >= job.deadline:
                 self._answer_timed_out(job, now)
@@ -637,14 +638,11 @@ class Serving:
 
     def _job_finished(self, q: _ServeQueue, now: float) -> None:
         q.running = None
-        if q.owner_gone or q.yield_asked or q.grant is None:
-            if q.grant is not None or q.owner_gone:
-                self._serve_release(q, now)
-            elif q.pending and not q.waiting:
-                q.waiting = True
-                self._tokens.request(q.device, q.sid, now)
-            return
-        self._serve_next(q, now)
+        if q.grant is not None or q.owner_gone:
+            self._serve_next(q, now)
+        elif q.pending and not q.waiting:
+            q.waiting = True
+            self._tokens.request(q.device, q.sid, now)
 
     def _sweep_orphan_outputs(self, worker_pid: int) -> None:
         """Outputs a dead worker made but never reported (killed between the two)."""

@@ -81,6 +81,18 @@ def test_a_granted_queue_runs_its_requests_one_by_one_and_answers_each():
     assert tokens.schedulers[0].holder() is None  # the queue is empty: its token went back
 
 
+def test_a_queue_asked_to_yield_gives_the_token_back_when_its_running_request_ends():
+    serving, pool, tokens, sessions, sent, _ = _serving()
+    a, b = _client(sessions, tokens, "s-a", "inference"), _client(sessions, tokens, "s-b", "inference")
+    _infer(serving, a, 1, 0.0)
+    _infer(serving, a, 2, 0.0)  # queued behind request 1
+    _infer(serving, b, 3, 0.01)  # waits for the same class's token
+    tokens.on_timers(1.0)  # a's quantum is over and b waits: a's queue is asked to yield
+    serving._on_pool_event(RequestDone(request_id=1, device=0, outputs=[], swap="warm", run_ms=2.0), 1.0)
+    assert pool.submitted == [1, 3]  # b is served next; a's request 2 waits for a new grant
+    assert tokens.schedulers[0].holder() == "s-b:serve" and tokens.state(0, "s-a:serve").value == "waiting"
+
+
 def test_requests_waiting_for_a_lost_devices_token_are_answered_and_leave_the_line():
     serving, pool, tokens, sessions, sent, bus = _serving()
     trainer = _client(sessions, tokens, "s-t", "training")
