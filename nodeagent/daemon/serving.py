@@ -131,7 +131,6 @@ class Serving:
         self._why_off = "not started"
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
-        self._unjournalled: set[str] = set()  # ready models whose journal write failed
 
     # ---------------------------------------------------------------- life
 
@@ -536,7 +535,7 @@ class Serving:
         replaces a worker still running one after the grace), here for those waiting for the token."""
         if self._pool is None:
             return
-        if self._unjournalled and self._journal.ok:
+        if self._journal.ok and any(m.ready and not m.journalled for m in self._models.values()):
             self._journal_models_again()
         pool_at = self._pool.next_deadline()
         if pool_at is not None and pool_at <= now:
@@ -551,14 +550,12 @@ class Serving:
 
     def _journal_models_again(self) -> None:
         """Write the ready models whose journal write failed, now that the journal takes writes again."""
-        for name in sorted(self._unjournalled):
-            model = self._models.get(name)
-            if model is not None and model.ready and not model.journalled:
+        for name, model in sorted(self._models.items()):
+            if model.ready and not model.journalled:
                 model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
                     return  # failing again: the next successful probe brings us back
                 log.warning("[ctxpool] model name=%s journalled now", name)
-            self._unjournalled.discard(name)
 
     def _answer_timed_out(self, job: _Job, now: float) -> None:
         log.warning("[ctxpool] timeout request=%d model=%s waited_ms=%.0f (for the device token)", job.request_id,
@@ -608,7 +605,6 @@ class Serving:
             if not model.journalled:
                 model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
-                    self._unjournalled.add(event.name)
                     log.error("[ctxpool] model name=%s is registered but not journalled (the journal write "
                               "failed): a restarted daemon will not know it; it is written again once the "
                               "journal takes writes", event.name)

@@ -3,10 +3,12 @@ sockets (tests/daemon/test_serving.py drives the same paths through a daemon and
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry
 
 from client_lib import protocol as p
-from ctxpool.messages import RequestDone, RequestFailed
+from ctxpool.messages import ModelReady, RequestDone, RequestFailed
 from nodeagent.config import ServeConfig
 from nodeagent.daemon.bus import Bus, DelegatedAction, DeviceLost
 from nodeagent.daemon.journal_writer import JournalWriter
@@ -32,6 +34,21 @@ class ScriptedPool:
 
     def shutdown(self, timeout_s: float) -> dict:
         return {}  # worker pid -> the step that stopped it: none here
+
+
+class FlakyJournal:
+    """Stands in for the JournalWriter: writes fail while ``ok`` is False; records the models written."""
+
+    def __init__(self) -> None:
+        self.ok, self.journal, self.models = True, None, []
+
+    def write(self, fn, session=None) -> bool:
+        if self.ok:
+            fn(self)
+        return self.ok
+
+    def put_model(self, record: ModelRecord) -> None:
+        self.models.append(record.name)
 
 
 def _serving():
@@ -141,3 +158,20 @@ def test_shutdown_answers_the_running_the_queued_and_the_registering_at_once(cap
     assert answered == [(s.route, 1, p.ErrorCode.SHUTTING_DOWN), (s.route, 2, p.ErrorCode.SHUTTING_DOWN),
                         ("conn-r", 9, p.ErrorCode.SHUTTING_DOWN)]
     assert "[shutdown] step=serving answered running=1 queued=1 registering=1" in caplog.text
+
+
+def test_a_ready_model_whose_journal_write_failed_is_written_once_the_journal_takes_writes():
+    serving, *_ = _serving()
+    serving._models["m"].journalled = True  # as ready models are once their ModelReady wrote them
+    journal = serving._journal = FlakyJournal()
+    record = dataclasses.replace(serving._models["m"].record, name="m2")
+    serving._models["m2"] = _Model(record=record, segment=None, example=[])
+    journal.ok = False
+    info = p.ModelInfo(name="m2", factory="x:y", weights=None, model_bytes=4, layers=1, groups=1, devices=[0])
+    serving._on_pool_event(ModelReady(name="m2", info=info), 0.0)
+    serving.on_timers(1.0)  # the journal still fails: not tried again
+    assert journal.models == [] and serving._models["m2"].ready
+    journal.ok = True
+    serving.on_timers(2.0)
+    serving.on_timers(3.0)
+    assert journal.models == ["m2"]  # written once, and only the model that was not
