@@ -44,11 +44,6 @@ class PartitionPlan:
         object.__setattr__(self, "shares", MappingProxyType(dict(self.shares)))
         object.__setattr__(self, "memory_limits_mb", MappingProxyType(dict(self.memory_limits_mb)))
 
-    @property
-    def free_percent(self) -> int:
-        """Percent of ``total`` that no session holds."""
-        return self.total - sum(self.shares.values())
-
     def env_for(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
         """The variables ``session`` must have set before it initialises CUDA. ``device_ordinal``
         is the device as the client enumerates it: 0 under a per-GPU control daemon started with
