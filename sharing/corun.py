@@ -350,11 +350,8 @@ class PaceController:
     def expected_service_s(self) -> float | None:
         """A request's expected time on the device with the lower classes running beside it (the
         paused one until such a slice was seen; None before any)."""
-        if self._service_free:
-            return _median(self._service_free)
-        if self._service_paused:
-            return _median(self._service_paused)
-        return None
+        samples = self._service_free or self._service_paused
+        return _median(samples) if samples else None
 
     def set_slo(self, slo_s: float | None) -> None:
         self.slo_s = slo_s if slo_s is not None and math.isfinite(slo_s) and slo_s > 0 else None
