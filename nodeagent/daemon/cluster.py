@@ -8,6 +8,7 @@ detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -311,10 +312,8 @@ class ClusterEndpoint:
         """Stop polling ``sock`` and close it (None: nothing to do); whether it was open."""
         if sock is None:
             return False
-        try:
+        with contextlib.suppress(KeyError):  # unregistered already
             self._poller.unregister(sock)
-        except KeyError:
-            pass
         sock.close(linger=_SHUTDOWN_LINGER_MS)
         return True
 
