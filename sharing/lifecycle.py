@@ -51,11 +51,8 @@ class DeviceState(str, enum.Enum):
 
 
 class LifecycleError(Exception):
-    """The device's state does not allow the call; it changed nothing.
-
-    ``code`` is the wire error code; ``state`` the state that refused; for a
-    refusal in PROTECT, ``retry_at`` is when the window ends (caller's clock).
-    """
+    """The device's ``state`` refuses the call, which changed nothing; ``retry_at``, for a refusal in
+    PROTECT, is when the window ends (caller's clock); ``code`` is the wire error code."""
 
     code = "E_STATE"
 
@@ -78,10 +75,8 @@ class Transition:
 
 @dataclass(frozen=True, slots=True)
 class ReclaimDue:
-    """The lend of ``device`` to ``borrower`` ran out at ``at`` (its ``lent_until``); reclaim it.
-
-    Returned by one ``tick`` only: the server is expected to start a reclaim.
-    """
+    """The lend of ``device`` to ``borrower`` ran out at ``at`` (its ``lent_until``): the server is to
+    reclaim it. Returned by one ``tick`` only."""
 
     device: int
     borrower: str
@@ -103,12 +98,8 @@ def _seconds(name: str, value: object, bound: str = "") -> float:
 
 
 class DeviceLifecycle:
-    """The lifecycle state machine of one device (see :class:`DeviceState`).
-
-    Invariants, kept by every call: ``borrower`` is set iff LENT; ``lent_until``
-    only while LENT (and only with a ``max_s``); ``protect_until`` iff PROTECT.
-    Each call is O(1).
-    """
+    """The lifecycle of one device (:class:`DeviceState`). Every call is O(1) and keeps: ``borrower`` set
+    iff LENT; ``lent_until`` only while LENT (and only with a ``max_s``); ``protect_until`` iff PROTECT."""
 
     def __init__(self, device: int, protect_s: float = 60.0) -> None:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
@@ -126,11 +117,8 @@ class DeviceLifecycle:
     def restore(cls, device: int, state: DeviceState | str, *, borrower: str | None = None,
                 lent_until: float | None = None, protect_until: float | None = None,
                 protect_s: float = 60.0) -> DeviceLifecycle:
-        """A lifecycle in ``state`` as journalled (times already on the caller's clock).
-
-        RUN is taken to mean inference is active, until ``observe`` says otherwise.
-        Raises ValueError when the fields break an invariant (borrower without LENT, ...).
-        """
+        """A lifecycle in ``state`` as journalled (times on the caller's clock; RUN: inference taken as
+        active until ``observe`` says otherwise); ValueError if the fields break an invariant."""
         life = cls(device, protect_s)
         try:
             state = DeviceState(state)
@@ -201,11 +189,9 @@ class DeviceLifecycle:
         return out
 
     def lend(self, borrower: str, now: float, max_s: float | None = None) -> list[Transition]:
-        """FREE -> LENT(borrower), for at most ``max_s`` seconds. [] when already lent to ``borrower``.
-
-        A repeated lend keeps the first one's ``lent_until`` (a retried request must not extend it).
-        Raises :class:`LifecycleError` when the state refuses, ValueError for a bad argument.
-        """
+        """FREE -> LENT(borrower), for at most ``max_s`` seconds; [] when already lent to ``borrower``, whose
+        ``lent_until`` stays (a retried request must not extend it). LifecycleError if the state refuses,
+        ValueError for a bad argument."""
         now = _seconds("now", now)
         borrower = _check_borrower(borrower)
         max_s = None if max_s is None else _seconds("max_s", max_s, " > 0")
@@ -240,13 +226,10 @@ class DeviceLifecycle:
         return out
 
     def renew(self, borrower: str, now: float, max_s: float) -> float:
-        """A new term for the lend to ``borrower``: it now ends ``max_s`` seconds from ``now``
-        (sooner or later than before; a lend without an end gets one). Returns ``lent_until``.
-
-        Only a device LENT to ``borrower`` whose end has not been reached can be renewed: a
-        lease that ran out is being reclaimed, and a renewal from a controller that has not
-        seen a reclaim and a new lend must not extend another job's lease (LifecycleError).
-        """
+        """A new term for the lend to ``borrower``: it ends ``max_s`` seconds from ``now`` (sooner or later
+        than before; a lend without an end gets one); returns ``lent_until``. Only a lend not yet run out
+        is renewed (LifecycleError): a lease that ran out is being reclaimed, and a controller that has
+        not seen the reclaim and a new lend must not extend another job's lease."""
         now = _seconds("now", now)
         borrower = _check_borrower(borrower)
         max_s = _seconds("max_s", max_s, " > 0")
@@ -313,11 +296,9 @@ class DeviceLifecycle:
         return None
 
     def admits(self, workload: str | Workload, borrower: str | None) -> str | None:
-        """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not.
-
-        A LENT device admits inference and its borrower's sessions only (docs/cluster.md): a local
-        job would take the lent job's time; a session with a borrower joins only a device lent to it.
-        """
+        """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not. A
+        LENT device admits inference and its borrower's sessions only (a local job would take the lent
+        job's time; docs/cluster.md); a session with a borrower joins only a device lent to it."""
         if not isinstance(workload, Workload):
             workload = Workload.parse(workload)  # ValueError naming the valid ones
         if self._state is DeviceState.DRAINING:
