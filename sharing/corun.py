@@ -205,20 +205,15 @@ FREE_WANT = PaceWant(1000, False)
 
 
 class PaceController:
-    """Picks how hard lower classes are paced for one higher-class session, from its own slices.
-
-    One controller per higher-class session (an inference service, or a trainer for the
-    best-effort class below it), fed by that session's slices only, so that one service's
-    ``slo_ms`` and reference are never another's; :func:`board_slot` combines the wants of every
-    higher-class session on a device. A session that says its queue is steered by it, one that
-    does not by its slice lengths (how each steers: docs/internals.md). ``fixed_duty_permille``
-    pins the duty (observations are then only counted); ``changes`` counts duty changes.
-
-    Driven, all times in seconds on one clock, by :meth:`tell_queue` at each slice request and
-    release (or never, for slice-length steering), :meth:`slice_started` at the grant and
-    :meth:`slice_ended` at the release; :meth:`want` says what the lower classes are told now,
-    :meth:`next_deadline` when to ask again with nothing said.
-    """
+    """Picks how hard lower classes are paced for one higher-class session (an inference service, or a
+    trainer for the best-effort class below it), from that session's slices only, so that one service's
+    ``slo_ms`` and reference are never another's (:func:`board_slot` combines a device's sessions). A
+    session that says its queue is steered by it, one that does not by its slice lengths (how each:
+    docs/internals.md). ``fixed_duty_permille`` pins the duty (observations are then only counted);
+    ``changes`` counts duty changes. Driven, all times in seconds on one clock, by :meth:`tell_queue` at
+    each slice request and release (never, for slice-length steering), :meth:`slice_started` at the
+    grant and :meth:`slice_ended` at the release; :meth:`want` says what the lower classes are told
+    now, :meth:`next_deadline` when to ask again with nothing said."""
 
     # Knobs no setting exposes (what each does: docs/internals.md).
     noise_z = 3.0  # standard errors of the difference past which a window counts as slower

@@ -67,12 +67,9 @@ def plan_partition(
     memory_total_mb: int | None = None,
     memory_requests_mb: Mapping[str, int] | None = None,
 ) -> PartitionPlan:
-    """Plan shares for every session in ``requested`` (``None``: no explicit request).
-
-    ``memory_total_mb`` is the memory the device has for MPS clients; when it is
-    known the explicit memory requests must fit it. Only explicit requests become
-    limits: a session without one is left uncapped.
-    """
+    """Plan shares for every session in ``requested`` (``None``: no explicit request). The explicit
+    memory requests, the only ones that become limits, must fit ``memory_total_mb`` (the memory the
+    device has for MPS clients) when it is known; a session without one is left uncapped."""
     total = _int_in_range("total", total, 1, 100)
     min_percent = _int_in_range("min_percent", min_percent, 1, total)
     explicit: dict[str, float] = {}
@@ -113,12 +110,10 @@ def plan_partition(
 
 class PartitionTable:
     """The partition of one MPS device as sessions come and go. Every change re-plans all present
-    sessions and is atomic: an infeasible one raises :class:`PartitionError` and changes nothing.
-
-    A client reads its share once, at context creation (the MPS docs), so a share handed out with
+    sessions and is atomic: an infeasible one raises :class:`PartitionError` and changes nothing. A
+    client reads its share once, at context creation (the MPS docs), so a share handed out with
     :meth:`issue` stays with that process; :meth:`stale` lists sessions whose issued share differs
-    from the plan now that others came or went (they get the new one only with a new context).
-    """
+    from the plan now that others came or went (they get the new one only with a new context)."""
 
     def __init__(self, device: int, *, min_percent: int = 5, total: int = 100,
                  memory_total_mb: int | None = None) -> None:
@@ -158,11 +153,8 @@ class PartitionTable:
 
     def partition(self, percents: Mapping[str, float | None],
                   memory_mb: Mapping[str, int] | None = None) -> PartitionPlan:
-        """Set the whole partition: named sessions get their percent, the others none.
-
-        ``memory_mb``, if given, replaces every memory request the same way.
-        Every named session must be present.
-        """
+        """Set the whole partition: named sessions (all present) get their percent, the others none;
+        ``memory_mb``, if given, replaces every memory request the same way."""
         unknown = sorted(set(percents) - set(self._percent)) + sorted(set(memory_mb or {}) - set(self._percent))
         if unknown:
             raise PartitionError(f"no session(s) {', '.join(map(repr, dict.fromkeys(unknown)))} "
@@ -202,11 +194,8 @@ class PartitionTable:
 
 
 def _largest_remainder(exact: Mapping[str, float]) -> dict[str, int]:
-    """Integers that sum to floor(sum(exact)); each is its value rounded down or up.
-
-    Units left after flooring go to the largest fractional parts, ties to the
-    smaller session id (Hamilton's method), so the result is deterministic.
-    """
+    """Integers that sum to floor(sum(exact)), each its value rounded down or up: the units left after
+    flooring go to the largest fractional parts, ties to the smaller id (Hamilton's method)."""
     floors = {s: math.floor(v + _EPS) for s, v in exact.items()}
     target = math.floor(sum(exact.values()) + _EPS)
     spare = target - sum(floors.values())
