@@ -37,18 +37,16 @@ class CoRunScheduler:
     """A device's lanes, one :class:`TokenScheduler` per class, behind the
     TokenScheduler interface the daemon speaks (see docs/internals.md)."""
 
-    __slots__ = ("_device", "_policy", "_lanes", "_lane_of")
+    __slots__ = ("_device", "_lanes")
 
     def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
                  grant_stride: int = 1) -> None:
         if isinstance(grant_stride, bool) or not isinstance(grant_stride, int) or grant_stride < 1:
             raise ValueError(f"grant_stride must be an int >= 1, got {grant_stride!r}")
         self._device = device
-        self._policy = SchedulerPolicy() if policy is None else policy
-        self._lanes = tuple(TokenScheduler(device, self._policy, first_grant=first_grant + w,
-                                           grant_step=_LANES * grant_stride)
+        step = _LANES * grant_stride
+        self._lanes = tuple(TokenScheduler(device, policy, first_grant=first_grant + w, grant_step=step)
                             for w in range(_LANES))
-        self._lane_of: dict[str, TokenScheduler] = {}
 
     # ---------------------------------------------------------------- shape
 
@@ -58,26 +56,26 @@ class CoRunScheduler:
 
     @property
     def policy(self) -> SchedulerPolicy:
-        return self._policy
+        return self._lanes[0].policy  # every lane's
 
     corun = True  # the shape TokenScheduler has too (False there)
 
     def lane_of(self, session: str) -> TokenScheduler:
         """The lane ``session`` is on; UnknownSessionError if it is on none."""
-        try:
-            return self._lane_of[session]
-        except KeyError:
-            raise UnknownSessionError(f"no session {session!r} on device {self._device}") from None
+        for lane in self._lanes:
+            if session in lane:
+                return lane
+        raise UnknownSessionError(f"no session {session!r} on device {self._device}")
 
     def workload_of(self, session: str) -> Workload:
         """The class whose lane ``session`` is on; UnknownSessionError if it is on none."""
         return Workload(self._lanes.index(self.lane_of(session)))
 
     def __len__(self) -> int:
-        return len(self._lane_of)
+        return sum(len(lane) for lane in self._lanes)
 
     def __contains__(self, session: object) -> bool:
-        return session in self._lane_of
+        return any(session in lane for lane in self._lanes)
 
     def __repr__(self) -> str:
         return f"CoRunScheduler(device={self._device}, sessions={len(self)}, holders={self.holders()!r})"
@@ -87,18 +85,12 @@ class CoRunScheduler:
     def add_session(self, session: str, workload: Workload, weight: float, now: float) -> None:
         if not isinstance(workload, Workload):
             raise TypeError(f"workload must be a Workload, got {workload!r}; use Workload.parse()")
-        if session in self._lane_of:
-            # The lane would say the same; said here so that no lane is touched.
+        if session in self:  # on another lane: its own lane would not see it
             raise DuplicateSessionError(f"session {session!r} is already on device {self._device}")
-        lane = self._lanes[workload]
-        lane.add_session(session, workload, weight, now)
-        self._lane_of[session] = lane
+        self._lanes[workload].add_session(session, workload, weight, now)
 
     def remove_session(self, session: str, now: float) -> list[Action]:
-        lane = self.lane_of(session)
-        actions = lane.remove_session(session, now)
-        del self._lane_of[session]
-        return actions
+        return self.lane_of(session).remove_session(session, now)
 
     def request(self, session: str, now: float, waiting_since: float | None = None) -> list[Action]:
         return self.lane_of(session).request(session, now, waiting_since)
@@ -129,7 +121,6 @@ class CoRunScheduler:
         actions: list[Action] = []
         for lane in self._lanes:
             actions += lane.set_policy(policy, now)
-        self._policy = policy
         return actions
 
     def tick(self, now: float) -> list[Action]:
