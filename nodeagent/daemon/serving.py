@@ -482,8 +482,8 @@ class Serving:
             requeue = bool(q.pending) and not q.owner_gone
             q.waiting = requeue
             self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
-        if q.owner_gone and q.running is None:
-            self._remove_queue(q, now)
+        if q.owner_gone and q.running is None and self._queues.pop(q.sid, None) is not None:
+            self._tokens.remove(q.device, q.sid, now)
 
     def forget(self, session_id: str, now: float) -> None:
         """The client session ended: its queued requests go; a running one finishes first."""
@@ -510,11 +510,6 @@ class Serving:
             if q.waiting:
                 q.waiting = False
                 self._tokens.cancel(q.device, q.sid, event.now)
-
-    def _remove_queue(self, q: _ServeQueue, now: float) -> None:
-        if self._queues.pop(q.sid, None) is None:
-            return
-        self._tokens.remove(q.device, q.sid, now)
 
     # ------------------------------------------------------- the workers
 
