@@ -360,17 +360,15 @@ class Serving:
         log.info("[ctxpool] unregister name=%s", name)
 
     def on_models(self, route: bytes, msg: p.ModelsRequest, frame, now: float) -> None:
-        self._send(route, p.ModelsReply(id=msg.id, models=self._model_infos()))
-
-    def _model_infos(self) -> list[p.ModelInfo]:
-        resident: dict[str, set[int]] = {}
+        resident: dict[str, set[int]] = {}  # model -> the devices where a worker holds it now
         if self._pool is not None:
             for device, workers in self._pool.snapshot().items():
                 for w in workers:
                     for name in w.resident:
                         resident.setdefault(name, set()).add(device)
-        return [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
-                for name, m in sorted(self._models.items()) if m.info is not None]
+        models = [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
+                  for name, m in sorted(self._models.items()) if m.info is not None]
+        self._send(route, p.ModelsReply(id=msg.id, models=models))
 
     def on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)

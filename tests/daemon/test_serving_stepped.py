@@ -4,7 +4,9 @@ sockets (tests/daemon/test_serving.py drives the same paths through a daemon and
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from client_lib import protocol as p
@@ -31,6 +33,10 @@ class ScriptedPool:
 
     def next_deadline(self):
         return None
+
+    def snapshot(self) -> dict:
+        """Device -> its workers, each with the models resident on it: model ``m`` on device 0."""
+        return {0: [SimpleNamespace(resident=["m"])]}
 
     def shutdown(self, timeout_s: float) -> dict:
         return {}  # worker pid -> the step that stopped it: none here
@@ -175,3 +181,12 @@ def test_a_ready_model_whose_journal_write_failed_is_written_once_the_journal_ta
     serving.on_timers(2.0)
     serving.on_timers(3.0)
     assert journal.models == ["m2"]  # written once, and only the model that was not
+
+
+def test_models_lists_the_ready_ones_with_the_devices_they_are_resident_on():
+    serving, _, _, _, sent, _ = _serving()
+    info = p.ModelInfo(name="m", factory="x:y", weights=None, model_bytes=4, layers=1, groups=1, devices=[0])
+    serving._models["m"].info = info
+    serving._models["m2"] = _Model(record=serving._models["m"].record, segment=None, example=[])  # registering
+    serving.on_models("conn-x", p.ModelsRequest(id=5), None, 0.0)
+    assert sent == [("conn-x", p.ModelsReply(id=5, models=[msgspec.structs.replace(info, resident=[0])]))]
