@@ -115,13 +115,12 @@ class PartitionTable:
     :meth:`issue` stays with that process; :meth:`stale` lists sessions whose issued share differs
     from the plan now that others came or went (they get the new one only with a new context)."""
 
-    def __init__(self, device: int, *, min_percent: int = 5, total: int = 100,
-                 memory_total_mb: int | None = None) -> None:
+    def __init__(self, device: int, *, min_percent: int = 5, memory_total_mb: int | None = None) -> None:
         self.device = device
-        self._options = {"min_percent": min_percent, "total": total, "memory_total_mb": memory_total_mb}
+        self._options = {"min_percent": min_percent, "memory_total_mb": memory_total_mb}
         self._percent: dict[str, float | None] = {}
         self._memory_mb: dict[str, int] = {}
-        self._issued: dict[str, tuple[int, bool, dict[str, str]]] = {}  # session -> (ordinal, uncapped, env)
+        self._issued: dict[str, tuple[bool, dict[str, str]]] = {}  # session -> (uncapped, env)
         self._plan = plan_partition({}, **self._options)  # also validates the options
 
     @property
@@ -163,21 +162,20 @@ class PartitionTable:
         memory_by = dict(memory_mb) if memory_mb is not None else dict(self._memory_mb)
         return self._commit(percent_by, memory_by)
 
-    def issue(self, session: str, device_ordinal: int = 0, uncapped: bool = False) -> dict[str, str]:
-        """The environment to give ``session`` now; remembered as what it runs with.
-        ``uncapped``: a session whose share nobody set explicitly gets no SM cap (co-run,
-        where MPS client priority rather than a split decides who runs)."""
-        env = self._env(session, device_ordinal, uncapped)
-        self._issued[session] = (device_ordinal, uncapped, env)
+    def issue(self, session: str, uncapped: bool = False) -> dict[str, str]:
+        """The environment to give ``session`` now (as device 0: see :meth:`PartitionPlan.env_for`);
+        remembered as what it runs with. ``uncapped``: a session whose share nobody set explicitly gets
+        no SM cap (co-run, where MPS client priority rather than a split decides who runs)."""
+        env = self._env(session, uncapped)
+        self._issued[session] = (uncapped, env)
         return dict(env)
 
     def stale(self) -> list[str]:
         """Sessions whose issued environment differs from what the plan gives them now."""
-        return sorted(s for s, (ordinal, uncapped, env) in self._issued.items()
-                      if self._env(s, ordinal, uncapped) != env)
+        return sorted(s for s, (uncapped, env) in self._issued.items() if self._env(s, uncapped) != env)
 
-    def _env(self, session: str, device_ordinal: int, uncapped: bool) -> dict[str, str]:
-        env = self._plan.env_for(session, device_ordinal)
+    def _env(self, session: str, uncapped: bool) -> dict[str, str]:
+        env = self._plan.env_for(session)
         if uncapped and self._percent.get(session) is None:
             env.pop(ACTIVE_THREAD_PERCENTAGE_ENV, None)
         return env
