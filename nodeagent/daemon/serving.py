@@ -73,15 +73,14 @@ class _ServeQueue:
     device: int
     name: str
     weight: float
+    root: bool  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
+    outputs: output_segments.OutputSegments  # .uid: the client's verified uid, whose segments it may name
     pending: deque = field(default_factory=deque)
     running: _Job | None = None
     grant: int | None = None
     waiting: bool = False
     yield_asked: bool = False
     owner_gone: bool = False
-    uid: int | None = None  # the client's verified uid: whose segments its requests may name
-    root: bool = False  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
-    outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
 
 
 @dataclass
@@ -410,7 +409,7 @@ class Serving:
             return
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, device=s.device, name=s.name, weight=s.weight,
-                            uid=s.uid, root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
+                            root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
             self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now, delegated=True)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
@@ -457,7 +456,7 @@ class Serving:
                 self._answer_timed_out(job, now)
                 continue
             try:
-                self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.uid,
+                self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.outputs.uid,
                                   any_inputs=q.root, deadline=job.deadline)
             except PoolError as exc:
                 self._error(job.route, job.request_id, exc.code, exc.message)
@@ -490,7 +489,7 @@ class Serving:
             return
         q.owner_gone = True
         for job in q.pending:
-            _discard_inputs(job.inputs, q.uid, q.root)  # the client is gone; nobody else will unlink them
+            _discard_inputs(job.inputs, q.outputs.uid, q.root)  # the client is gone; nobody else will unlink them
         q.pending.clear()
         q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
@@ -578,7 +577,7 @@ class Serving:
             if job is None:
                 return
             if q.owner_gone:
-                _discard_inputs(job.inputs, q.uid, q.root)
+                _discard_inputs(job.inputs, q.outputs.uid, q.root)
             elif done:
                 q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(

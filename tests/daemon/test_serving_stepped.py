@@ -27,9 +27,11 @@ class ScriptedPool:
 
     def __init__(self) -> None:
         self.submitted: list[int] = []  # job ids
+        self.owner_uids: list[int | None] = []  # whose input segments each job may read
 
     def submit(self, job_id, device, model, inputs, *, owner_uid, any_inputs, deadline) -> None:
         self.submitted.append(job_id)
+        self.owner_uids.append(owner_uid)
 
     def next_deadline(self):
         return None
@@ -74,9 +76,9 @@ def _serving():
     return serving, pool, tokens, sessions, sent, bus
 
 
-def _client(sessions: SessionTable, tokens, sid: str, workload: str) -> Session:
+def _client(sessions: SessionTable, tokens, sid: str, workload: str, uid: int | None = None) -> Session:
     s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=None, workload=Workload.parse(workload), weight=1.0, device=0, memory_mb=0, created=0.0,
+                uid=uid, workload=Workload.parse(workload), weight=1.0, device=0, memory_mb=0, created=0.0,
                 last_seen=0.0)
     sessions.add(s)
     tokens.add(0, sid, s.workload, s.weight, 0.0)
@@ -190,3 +192,9 @@ def test_models_lists_the_ready_ones_with_the_devices_they_are_resident_on():
     serving._models["m2"] = _Model(record=serving._models["m"].record, segment=None, example=[])  # registering
     serving.on_models("conn-x", p.ModelsRequest(id=5), None, 0.0)
     assert sent == [("conn-x", p.ModelsReply(id=5, models=[msgspec.structs.replace(info, resident=[0])]))]
+
+
+def test_a_request_runs_with_its_clients_verified_uid_as_the_owner_of_its_inputs():
+    serving, pool, tokens, sessions, _, _ = _serving()
+    _infer(serving, _client(sessions, tokens, "s-a", "inference", uid=4242), 1, 0.0)
+    assert pool.submitted == [1] and pool.owner_uids == [4242]
