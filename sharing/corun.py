@@ -118,22 +118,15 @@ class CoRunScheduler:
         # refuses a policy that is none before it changes).
         for lane in self._lanes:
             lane._check_now(now)
-        actions: list[Action] = []
-        for lane in self._lanes:
-            actions += lane.set_policy(policy, now)
-        return actions
+        return [action for lane in self._lanes for action in lane.set_policy(policy, now)]
 
     def tick(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for lane in self._lanes:
-            actions += lane.tick(now)
-        return actions
+        return [action for lane in self._lanes for action in lane.tick(now)]
 
     # --------------------------------------------------------------- queries
 
     def next_deadline(self) -> float | None:
-        deadlines = [d for d in (lane.next_deadline() for lane in self._lanes) if d is not None]
-        return min(deadlines) if deadlines else None
+        return min((d for d in (lane.next_deadline() for lane in self._lanes) if d is not None), default=None)
 
     def holder(self) -> str | None:
         """The highest class's holder (the one the others are paced for); None if no lane has one."""
