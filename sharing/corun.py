@@ -201,7 +201,8 @@ class PaceController:
 
     # Knobs no setting exposes (what each does: docs/internals.md).
     noise_z = 3.0  # standard errors of the difference past which a window counts as slower
-    latency_quantile, latency_margin = 0.9, 0.25  # the learned target: that quantile of paused latencies, + 25%
+    latency_quantile = 0.9  # the learned target: this quantile of the latencies measured paused,
+    latency_margin = 0.25  # times 1 + this
     max_gap_s = 0.05  # how long past a release a pause is held for requests said to wait
     reference_window = 64  # slices kept in each reference
     max_backoff = 64  # windows held after failures, at most
