@@ -37,18 +37,16 @@ class CoRunScheduler:
     """A device's lanes, one :class:`TokenScheduler` per class, behind the
     TokenScheduler interface the daemon speaks (see docs/internals.md)."""
 
-    __slots__ = ("_device", "_policy", "_lanes", "_lane_of")
+    __slots__ = ("_device", "_lanes")
 
     def __init__(self, device: int, policy: SchedulerPolicy | None = None, *, first_grant: int = 1,
                  grant_stride: int = 1) -> None:
         if isinstance(grant_stride, bool) or not isinstance(grant_stride, int) or grant_stride < 1:
             raise ValueError(f"grant_stride must be an int >= 1, got {grant_stride!r}")
         self._device = device
-        self._policy = SchedulerPolicy() if policy is None else policy
-        self._lanes = tuple(TokenScheduler(device, self._policy, first_grant=first_grant + w,
-                                           grant_step=_LANES * grant_stride)
+        step = _LANES * grant_stride
+        self._lanes = tuple(TokenScheduler(device, policy, first_grant=first_grant + w, grant_step=step)
                             for w in range(_LANES))
-        self._lane_of: dict[str, TokenScheduler] = {}
 
     # ---------------------------------------------------------------- shape
 
@@ -58,26 +56,26 @@ class CoRunScheduler:
 
     @property
     def policy(self) -> SchedulerPolicy:
-        return self._policy
+        return self._lanes[0].policy  # every lane's
 
     corun = True  # the shape TokenScheduler has too (False there)
 
     def lane_of(self, session: str) -> TokenScheduler:
         """The lane ``session`` is on; UnknownSessionError if it is on none."""
-        try:
-            return self._lane_of[session]
-        except KeyError:
-            raise UnknownSessionError(f"no session {session!r} on device {self._device}") from None
+        for lane in self._lanes:
+            if session in lane:
+                return lane
+        raise UnknownSessionError(f"no session {session!r} on device {self._device}")
 
     def workload_of(self, session: str) -> Workload:
         """The class whose lane ``session`` is on; UnknownSessionError if it is on none."""
         return Workload(self._lanes.index(self.lane_of(session)))
 
     def __len__(self) -> int:
-        return len(self._lane_of)
+        return sum(len(lane) for lane in self._lanes)
 
     def __contains__(self, session: object) -> bool:
-        return session in self._lane_of
+        return any(session in lane for lane in self._lanes)
 
     def __repr__(self) -> str:
         return f"CoRunScheduler(device={self._device}, sessions={len(self)}, holders={self.holders()!r})"
@@ -87,18 +85,12 @@ class CoRunScheduler:
     def add_session(self, session: str, workload: Workload, weight: float, now: float) -> None:
         if not isinstance(workload, Workload):
             raise TypeError(f"workload must be a Workload, got {workload!r}; use Workload.parse()")
-        if session in self._lane_of:
-            # The lane would say the same; said here so that no lane is touched.
+        if session in self:  # on another lane: its own lane would not see it
             raise DuplicateSessionError(f"session {session!r} is already on device {self._device}")
-        lane = self._lanes[workload]
-        lane.add_session(session, workload, weight, now)
-        self._lane_of[session] = lane
+        self._lanes[workload].add_session(session, workload, weight, now)
 
     def remove_session(self, session: str, now: float) -> list[Action]:
-        lane = self.lane_of(session)
-        actions = lane.remove_session(session, now)
-        del self._lane_of[session]
-        return actions
+        return self.lane_of(session).remove_session(session, now)
 
     def request(self, session: str, now: float, waiting_since: float | None = None) -> list[Action]:
         return self.lane_of(session).request(session, now, waiting_since)
@@ -126,23 +118,15 @@ class CoRunScheduler:
         # refuses a policy that is none before it changes).
         for lane in self._lanes:
             lane._check_now(now)
-        actions: list[Action] = []
-        for lane in self._lanes:
-            actions += lane.set_policy(policy, now)
-        self._policy = policy
-        return actions
+        return [action for lane in self._lanes for action in lane.set_policy(policy, now)]
 
     def tick(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for lane in self._lanes:
-            actions += lane.tick(now)
-        return actions
+        return [action for lane in self._lanes for action in lane.tick(now)]
 
     # --------------------------------------------------------------- queries
 
     def next_deadline(self) -> float | None:
-        deadlines = [d for d in (lane.next_deadline() for lane in self._lanes) if d is not None]
-        return min(deadlines) if deadlines else None
+        return min((d for d in (lane.next_deadline() for lane in self._lanes) if d is not None), default=None)
 
     def holder(self) -> str | None:
         """The highest class's holder (the one the others are paced for); None if no lane has one."""
@@ -205,55 +189,48 @@ FREE_WANT = PaceWant(1000, False)
 
 
 class PaceController:
-    """Picks how hard lower classes are paced for one higher-class session, from its own slices.
+    """Picks how hard lower classes are paced for one higher-class session (an inference service, or a
+    trainer for the best-effort class below it), from that session's slices only, so that one service's
+    ``slo_ms`` and reference are never another's (:func:`board_slot` combines a device's sessions). A
+    session that says its queue is steered by it, one that does not by its slice lengths (how each:
+    docs/internals.md). ``fixed_duty_permille`` pins the duty (observations are then only counted);
+    ``changes`` counts duty changes. Driven, all times in seconds on one clock, by :meth:`tell_queue` at
+    each slice request and release (never, for slice-length steering), :meth:`slice_started` at the
+    grant and :meth:`slice_ended` at the release; :meth:`want` says what the lower classes are told
+    now, :meth:`next_deadline` when to ask again with nothing said."""
 
-    One controller per higher-class session (an inference service, or a trainer for the
-    best-effort class below it), fed by that session's slices only, so that one service's
-    ``slo_ms`` and reference are never another's; :func:`board_slot` combines the wants of every
-    higher-class session on a device. A session that says its queue is steered by it, one that
-    does not by its slice lengths (how each steers: docs/internals.md). ``fixed_duty_permille``
-    pins the duty (observations are then only counted); ``changes`` counts duty changes.
-
-    Driven, all times in seconds on one clock, by :meth:`tell_queue` at each slice request and
-    release (or never, for slice-length steering), :meth:`slice_started` at the grant and
-    :meth:`slice_ended` at the release; :meth:`want` says what the lower classes are told now,
-    :meth:`next_deadline` when to ask again with nothing said.
-    """
+    # Knobs no setting exposes (what each does: docs/internals.md).
+    noise_z = 3.0  # standard errors of the difference past which a window counts as slower
+    latency_quantile = 0.9  # the learned target: this quantile of the latencies measured paused,
+    latency_margin = 0.25  # times 1 + this
+    max_gap_s = 0.05  # how long past a release a pause is held for requests said to wait
+    reference_window = 64  # slices kept in each reference
+    max_backoff = 64  # windows held after failures, at most
 
     def __init__(self, *, tolerance: float = 0.05, window: int = 16, probe_every: int = 1024,
                  fixed_duty_permille: int | None = None, period_us: int = 10_000,
-                 reference_window: int = 64, steps: tuple[int, ...] = DUTY_STEPS_PERMILLE,
-                 noise_z: float = 3.0, latency_quantile: float = 0.9, latency_margin: float = 0.25,
-                 max_gap_s: float = 0.05) -> None:
+                 steps: tuple[int, ...] = DUTY_STEPS_PERMILLE) -> None:
         if not 0 < tolerance < 10:
             raise ValueError(f"tolerance must be in (0, 10), got {tolerance!r}")
-        if window < 1 or probe_every < window or reference_window < 1:
-            raise ValueError("window >= 1, probe_every >= window and reference_window >= 1 are needed")
+        if window < 1 or probe_every < window:
+            raise ValueError("window >= 1 and probe_every >= window are needed")
         if fixed_duty_permille is not None and not 0 <= fixed_duty_permille <= 1000:
             raise ValueError(f"fixed_duty_permille must be in 0..1000, got {fixed_duty_permille!r}")
         if not 1000 <= period_us <= 1_000_000:
             raise ValueError(f"period_us must be in 1000..1000000, got {period_us!r}")
         if not steps or steps[0] != 0 or list(steps) != sorted(set(steps)) or steps[-1] > 1000:
             raise ValueError(f"steps must rise from 0 to at most 1000, got {steps!r}")
-        if not (0 <= noise_z <= 10 and 0 < latency_quantile <= 1 and 0 <= latency_margin <= 10
-                and 0 < max_gap_s <= 10):
-            raise ValueError("noise_z in 0..10, latency_quantile in (0, 1], latency_margin in 0..10 and "
-                             "max_gap_s in (0, 10] are needed")
         self.steps = tuple(int(step) for step in steps)
         self.tolerance = float(tolerance)
         self.window = int(window)
         self.probe_every = int(probe_every)
         self.period_us = int(period_us)
         self.fixed = fixed_duty_permille
-        self.noise_z = float(noise_z)
-        self.latency_quantile = float(latency_quantile)
-        self.latency_margin = float(latency_margin)
-        self.max_gap_s = float(max_gap_s)
         self.slo_s: float | None = None
         self.changes = 0  # duty changes made (either steering), for metrics
         # Slice-length steering.
         self._step = 0  # index into steps; starts paused: the safe side for the higher class
-        self._reference: deque[float] = deque(maxlen=reference_window)
+        self._reference: deque[float] = deque(maxlen=self.reference_window)
         self._current: list[float] = []
         self._since_probe = 0
         self._probing = False
@@ -265,8 +242,7 @@ class PaceController:
         self._hold = 0  # windows left before the next try
         self._passes = 0  # windows in a row that held at a step above 0
         self._failed: list[float] | None = None  # the window that made the last pause, to check it
-        self._at_step: deque[float] = deque(maxlen=4 * reference_window)  # slices since the last step change
-        self.max_backoff = 64
+        self._at_step: deque[float] = deque(maxlen=4 * self.reference_window)  # slices since the last step change
         # Queue steering (tell_queue); off until the session says its queue.
         self._queue_said = False
         self._waiting = 0
@@ -277,9 +253,9 @@ class PaceController:
         self._serving_duty = 1000
         self._serving_lower = False
         self._served_arrival: float | None = None  # the slice in progress serves a request that arrived then
-        self._service_free: deque[float] = deque(maxlen=reference_window)  # slices with lower classes running
-        self._service_paused: deque[float] = deque(maxlen=reference_window)
-        self._latency_paused: deque[float] = deque(maxlen=reference_window)  # arrival to release, paused
+        self._service_free: deque[float] = deque(maxlen=self.reference_window)  # slices with lower classes running
+        self._service_paused: deque[float] = deque(maxlen=self.reference_window)
+        self._latency_paused: deque[float] = deque(maxlen=self.reference_window)  # arrival to release, paused
         self._queue_since_probe = 0
         self._queue_probe_left = 0
 
@@ -354,11 +330,8 @@ class PaceController:
     def expected_service_s(self) -> float | None:
         """A request's expected time on the device with the lower classes running beside it (the
         paused one until such a slice was seen; None before any)."""
-        if self._service_free:
-            return _median(self._service_free)
-        if self._service_paused:
-            return _median(self._service_paused)
-        return None
+        samples = self._service_free or self._service_paused
+        return _median(samples) if samples else None
 
     def set_slo(self, slo_s: float | None) -> None:
         self.slo_s = slo_s if slo_s is not None and math.isfinite(slo_s) and slo_s > 0 else None

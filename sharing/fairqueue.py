@@ -48,9 +48,6 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._members)
 
-    def __bool__(self) -> bool:
-        return bool(self._members)
-
     def __contains__(self, member_id: object) -> bool:
         return member_id in self._members
 

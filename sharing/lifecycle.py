@@ -51,11 +51,8 @@ class DeviceState(str, enum.Enum):
 
 
 class LifecycleError(Exception):
-    """The device's state does not allow the call; it changed nothing.
-
-    ``code`` is the wire error code; ``state`` the state that refused; for a
-    refusal in PROTECT, ``retry_at`` is when the window ends (caller's clock).
-    """
+    """The device's ``state`` refuses the call, which changed nothing; ``retry_at``, for a refusal in
+    PROTECT, is when the window ends (caller's clock); ``code`` is the wire error code."""
 
     code = "E_STATE"
 
@@ -78,10 +75,8 @@ class Transition:
 
 @dataclass(frozen=True, slots=True)
 class ReclaimDue:
-    """The lend of ``device`` to ``borrower`` ran out at ``at`` (its ``lent_until``); reclaim it.
-
-    Returned by one ``tick`` only: the server is expected to start a reclaim.
-    """
+    """The lend of ``device`` to ``borrower`` ran out at ``at`` (its ``lent_until``): the server is to
+    reclaim it. Returned by one ``tick`` only."""
 
     device: int
     borrower: str
@@ -91,55 +86,39 @@ class ReclaimDue:
 LifecycleEvent = Union[Transition, ReclaimDue]
 
 
-def _check_max_s(max_s: object) -> float:
-    if isinstance(max_s, bool) or not isinstance(max_s, (int, float)) or not math.isfinite(max_s) or max_s <= 0:
-        raise ValueError(f"max_s must be a finite number of seconds > 0, got {max_s!r}")
-    return float(max_s)
+_BOUNDS = {"": lambda seconds: True, " >= 0": lambda seconds: seconds >= 0, " > 0": lambda seconds: seconds > 0}
 
 
-def _check_now(now: object) -> float:
-    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-        raise ValueError(f"now must be a finite number of seconds, got {now!r}")
-    return float(now)
-
-
-def _check_protect_s(protect_s: object) -> float:
-    if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)):
-        raise ValueError(f"protect_s must be a number of seconds, got {protect_s!r}")
-    if not math.isfinite(protect_s) or protect_s < 0:
-        raise ValueError(f"protect_s must be finite and >= 0, got {protect_s!r}")
-    return float(protect_s)
+def _seconds(name: str, value: object, bound: str = "") -> float:
+    """``value`` as float seconds; ValueError naming ``name`` unless it is a finite number within ``bound``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not _BOUNDS[bound](value):
+        raise ValueError(f"{name} must be a finite number of seconds{bound}, got {value!r}")
+    return float(value)
 
 
 class DeviceLifecycle:
-    """The lifecycle state machine of one device (see :class:`DeviceState`).
-
-    Invariants, kept by every call: ``borrower`` is set iff LENT; ``lent_until``
-    only while LENT (and only with a ``max_s``); ``protect_until`` iff PROTECT.
-    Each call is O(1).
-    """
+    """The lifecycle of one device (:class:`DeviceState`). Every call is O(1) and keeps: ``borrower`` set
+    iff LENT; ``lent_until`` only while LENT (and only with a ``max_s``); ``protect_until`` iff PROTECT."""
 
     def __init__(self, device: int, protect_s: float = 60.0) -> None:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ValueError(f"device must be an index >= 0, got {device!r}")
         self.device = device
-        self._protect_s = _check_protect_s(protect_s)
+        self._protect_s = _seconds("protect_s", protect_s, " >= 0")
         self._state = DeviceState.FREE
         self._borrower: str | None = None
         self._lent_until: float | None = None
         self._protect_since: float | None = None
-        self._inference_active = False
+        self._inference_active: bool | None = None  # the last observation; None: none yet
         self._reclaim_reported = False
 
     @classmethod
     def restore(cls, device: int, state: DeviceState | str, *, borrower: str | None = None,
                 lent_until: float | None = None, protect_until: float | None = None,
                 protect_s: float = 60.0) -> DeviceLifecycle:
-        """A lifecycle in ``state`` as journalled (times already on the caller's clock).
-
-        RUN is taken to mean inference is active, until ``observe`` says otherwise.
-        Raises ValueError when the fields break an invariant (borrower without LENT, ...).
-        """
+        """A lifecycle in ``state`` as journalled (times on the caller's clock; RUN: inference taken as
+        active until ``observe`` says otherwise); ValueError if the fields break an invariant."""
         life = cls(device, protect_s)
         try:
             state = DeviceState(state)
@@ -155,11 +134,11 @@ class DeviceLifecycle:
         if borrower is not None:
             life._borrower = _check_borrower(borrower)
         if lent_until is not None:
-            life._lent_until = _check_now(lent_until)
+            life._lent_until = _seconds("lent_until", lent_until)
         if protect_until is not None:
-            life._protect_since = _check_now(protect_until) - life._protect_s
+            life._protect_since = _seconds("protect_until", protect_until) - life._protect_s
         life._state = state
-        life._inference_active = state is DeviceState.RUN
+        life._inference_active = True if state is DeviceState.RUN else None
         return life
 
     # ------------------------------------------------------------ read-only view
@@ -187,8 +166,8 @@ class DeviceLifecycle:
         return self._protect_s
 
     @property
-    def inference_active(self) -> bool:
-        """The last observation: does an inference session hold or wait for the device?"""
+    def inference_active(self) -> bool | None:
+        """The last observation: does an inference session hold or wait for the device? None: not told yet."""
         return self._inference_active
 
     def __repr__(self) -> str:
@@ -199,7 +178,7 @@ class DeviceLifecycle:
 
     def observe(self, inference_active: bool, now: float) -> list[Transition]:
         """Record whether inference wants the device (holds or waits). Cheap when nothing changes."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         self._inference_active = bool(inference_active)
         self._settle(now, out)
@@ -210,15 +189,12 @@ class DeviceLifecycle:
         return out
 
     def lend(self, borrower: str, now: float, max_s: float | None = None) -> list[Transition]:
-        """FREE -> LENT(borrower), for at most ``max_s`` seconds. [] when already lent to ``borrower``.
-
-        A repeated lend keeps the first one's ``lent_until`` (a retried request must not extend it).
-        Raises :class:`LifecycleError` when the state refuses, ValueError for a bad argument.
-        """
-        now = _check_now(now)
+        """FREE -> LENT(borrower), for at most ``max_s`` seconds; [] when already lent to ``borrower``, whose
+        ``lent_until`` stays (a retried request must not extend it). LifecycleError if the state refuses,
+        ValueError for a bad argument."""
+        now = _seconds("now", now)
         borrower = _check_borrower(borrower)
-        if max_s is not None:
-            _check_max_s(max_s)
+        max_s = None if max_s is None else _seconds("max_s", max_s, " > 0")
         out: list[Transition] = []
         # A protect window that ran out but was not ticked yet must not refuse the lend.
         self._settle(now, out)
@@ -243,23 +219,20 @@ class DeviceLifecycle:
             raise LifecycleError(
                 f"device {self.device} is DRAINING; cancel the drain before lending it", state=state)
         self._borrower = borrower
-        self._lent_until = None if max_s is None else now + float(max_s)
+        self._lent_until = None if max_s is None else now + max_s
         self._reclaim_reported = False
-        reason = f"lent to {borrower}" + ("" if max_s is None else f" for {float(max_s):g}s")
+        reason = f"lent to {borrower}" + ("" if max_s is None else f" for {max_s:g}s")
         self._move(DeviceState.LENT, reason, now, out)
         return out
 
     def renew(self, borrower: str, now: float, max_s: float) -> float:
-        """A new term for the lend to ``borrower``: it now ends ``max_s`` seconds from ``now``
-        (sooner or later than before; a lend without an end gets one). Returns ``lent_until``.
-
-        Only a device LENT to ``borrower`` whose end has not been reached can be renewed: a
-        lease that ran out is being reclaimed, and a renewal from a controller that has not
-        seen a reclaim and a new lend must not extend another job's lease (LifecycleError).
-        """
-        now = _check_now(now)
+        """A new term for the lend to ``borrower``: it ends ``max_s`` seconds from ``now`` (sooner or later
+        than before; a lend without an end gets one); returns ``lent_until``. Only a lend not yet run out
+        is renewed (LifecycleError): a lease that ran out is being reclaimed, and a controller that has
+        not seen the reclaim and a new lend must not extend another job's lease."""
+        now = _seconds("now", now)
         borrower = _check_borrower(borrower)
-        _check_max_s(max_s)
+        max_s = _seconds("max_s", max_s, " > 0")
         if self._state is not DeviceState.LENT:
             raise LifecycleError(f"device {self.device} is {self._state.value}, not lent: nothing to renew; "
                                  f"lend it to {borrower!r} instead", state=self._state)
@@ -269,12 +242,12 @@ class DeviceLifecycle:
         if self._reclaim_reported or (self._lent_until is not None and now >= self._lent_until):
             raise LifecycleError(f"the lend of device {self.device} to {borrower!r} ran out and is being "
                                  "reclaimed; lend it again once it is FREE", state=self._state)
-        self._lent_until = now + float(max_s)
+        self._lent_until = now + max_s
         return self._lent_until
 
     def reclaim(self, now: float) -> list[Transition]:
         """LENT -> PROTECT, so inference gets the protect window; [] when not LENT (idempotent)."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is DeviceState.LENT:
             self._enter_protect(now, f"reclaimed from {self._borrower}", out)
@@ -282,7 +255,7 @@ class DeviceLifecycle:
 
     def drain(self, now: float) -> list[Transition]:
         """Any state -> DRAINING (a lend ends with it); [] when already DRAINING."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is not DeviceState.DRAINING:
             reason = "drain" if self._borrower is None else f"drain (lend to {self._borrower} ended)"
@@ -291,7 +264,7 @@ class DeviceLifecycle:
 
     def undrain(self, now: float) -> list[Transition]:
         """DRAINING -> RUN or FREE, by the last inference observation; [] when not DRAINING."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[Transition] = []
         if self._state is DeviceState.DRAINING:
             new = DeviceState.RUN if self._inference_active else DeviceState.FREE
@@ -301,11 +274,11 @@ class DeviceLifecycle:
     def set_protect_s(self, protect_s: float) -> None:
         """Change the protect window. A window in progress is measured from its start with the new
         length; if that makes it over, the next ``tick`` moves to FREE (``next_deadline`` says so)."""
-        self._protect_s = _check_protect_s(protect_s)
+        self._protect_s = _seconds("protect_s", protect_s, " >= 0")
 
     def tick(self, now: float) -> list[LifecycleEvent]:
         """Apply the deadlines that passed: protect window over (-> FREE), lend expired (ReclaimDue, once)."""
-        now = _check_now(now)
+        now = _seconds("now", now)
         out: list[LifecycleEvent] = []
         self._settle(now, out)  # type: ignore[arg-type]
         if (self._state is DeviceState.LENT and self._lent_until is not None
@@ -323,11 +296,9 @@ class DeviceLifecycle:
         return None
 
     def admits(self, workload: str | Workload, borrower: str | None) -> str | None:
-        """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not.
-
-        A LENT device admits inference and its borrower's sessions only (docs/cluster.md): a local
-        job would take the lent job's time; a session with a borrower joins only a device lent to it.
-        """
+        """None when a new session of ``workload`` (for ``borrower``) may join this device, else why not. A
+        LENT device admits inference and its borrower's sessions only (a local job would take the lent
+        job's time; docs/cluster.md); a session with a borrower joins only a device lent to it."""
         if not isinstance(workload, Workload):
             workload = Workload.parse(workload)  # ValueError naming the valid ones
         if self._state is DeviceState.DRAINING:

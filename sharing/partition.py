@@ -6,7 +6,7 @@ Anything that does not fit raises :class:`PartitionError`. The rules of a plan: 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -17,7 +17,6 @@ __all__ = [
     "PartitionPlan",
     "PartitionTable",
     "plan_partition",
-    "replan",
 ]
 
 ACTIVE_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -45,11 +44,6 @@ class PartitionPlan:
         object.__setattr__(self, "shares", MappingProxyType(dict(self.shares)))
         object.__setattr__(self, "memory_limits_mb", MappingProxyType(dict(self.memory_limits_mb)))
 
-    @property
-    def free_percent(self) -> int:
-        """Percent of ``total`` that no session holds."""
-        return self.total - sum(self.shares.values())
-
     def env_for(self, session: str, device_ordinal: int = 0) -> dict[str, str]:
         """The variables ``session`` must have set before it initialises CUDA. ``device_ordinal``
         is the device as the client enumerates it: 0 under a per-GPU control daemon started with
@@ -73,12 +67,9 @@ def plan_partition(
     memory_total_mb: int | None = None,
     memory_requests_mb: Mapping[str, int] | None = None,
 ) -> PartitionPlan:
-    """Plan shares for every session in ``requested`` (``None``: no explicit request).
-
-    ``memory_total_mb`` is the memory the device has for MPS clients; when it is
-    known the explicit memory requests must fit it. Only explicit requests become
-    limits: a session without one is left uncapped.
-    """
+    """Plan shares for every session in ``requested`` (``None``: no explicit request). The explicit
+    memory requests, the only ones that become limits, must fit ``memory_total_mb`` (the memory the
+    device has for MPS clients) when it is known; a session without one is left uncapped."""
     total = _int_in_range("total", total, 1, 100)
     min_percent = _int_in_range("min_percent", min_percent, 1, total)
     explicit: dict[str, float] = {}
@@ -117,36 +108,19 @@ def plan_partition(
     return PartitionPlan(shares, limits, total)
 
 
-def replan(
-    requests: Mapping[str, float | None],
-    sessions_present: Iterable[str],
-    *,
-    memory_requests_mb: Mapping[str, int] | None = None,
-    **options,
-) -> PartitionPlan:
-    """The plan for the sessions present now: requests of sessions that left drop out, a present
-    session without one shares the remainder. ``options`` are those of :func:`plan_partition`."""
-    present = list(dict.fromkeys(sessions_present))
-    memory = {s: mb for s, mb in (memory_requests_mb or {}).items() if s in present}
-    return plan_partition({s: requests.get(s) for s in present}, memory_requests_mb=memory, **options)
-
-
 class PartitionTable:
     """The partition of one MPS device as sessions come and go. Every change re-plans all present
-    sessions and is atomic: an infeasible one raises :class:`PartitionError` and changes nothing.
-
-    A client reads its share once, at context creation (the MPS docs), so a share handed out with
+    sessions and is atomic: an infeasible one raises :class:`PartitionError` and changes nothing. A
+    client reads its share once, at context creation (the MPS docs), so a share handed out with
     :meth:`issue` stays with that process; :meth:`stale` lists sessions whose issued share differs
-    from the plan now that others came or went (they get the new one only with a new context).
-    """
+    from the plan now that others came or went (they get the new one only with a new context)."""
 
-    def __init__(self, device: int, *, min_percent: int = 5, total: int = 100,
-                 memory_total_mb: int | None = None) -> None:
+    def __init__(self, device: int, *, min_percent: int = 5, memory_total_mb: int | None = None) -> None:
         self.device = device
-        self._options = {"min_percent": min_percent, "total": total, "memory_total_mb": memory_total_mb}
+        self._options = {"min_percent": min_percent, "memory_total_mb": memory_total_mb}
         self._percent: dict[str, float | None] = {}
         self._memory_mb: dict[str, int] = {}
-        self._issued: dict[str, tuple[int, bool, dict[str, str]]] = {}  # session -> (ordinal, uncapped, env)
+        self._issued: dict[str, tuple[bool, dict[str, str]]] = {}  # session -> (uncapped, env)
         self._plan = plan_partition({}, **self._options)  # also validates the options
 
     @property
@@ -178,11 +152,8 @@ class PartitionTable:
 
     def partition(self, percents: Mapping[str, float | None],
                   memory_mb: Mapping[str, int] | None = None) -> PartitionPlan:
-        """Set the whole partition: named sessions get their percent, the others none.
-
-        ``memory_mb``, if given, replaces every memory request the same way.
-        Every named session must be present.
-        """
+        """Set the whole partition: named sessions (all present) get their percent, the others none;
+        ``memory_mb``, if given, replaces every memory request the same way."""
         unknown = sorted(set(percents) - set(self._percent)) + sorted(set(memory_mb or {}) - set(self._percent))
         if unknown:
             raise PartitionError(f"no session(s) {', '.join(map(repr, dict.fromkeys(unknown)))} "
@@ -191,21 +162,20 @@ class PartitionTable:
         memory_by = dict(memory_mb) if memory_mb is not None else dict(self._memory_mb)
         return self._commit(percent_by, memory_by)
 
-    def issue(self, session: str, device_ordinal: int = 0, uncapped: bool = False) -> dict[str, str]:
-        """The environment to give ``session`` now; remembered as what it runs with.
-        ``uncapped``: a session whose share nobody set explicitly gets no SM cap (co-run,
-        where MPS client priority rather than a split decides who runs)."""
-        env = self._env(session, device_ordinal, uncapped)
-        self._issued[session] = (device_ordinal, uncapped, env)
+    def issue(self, session: str, uncapped: bool = False) -> dict[str, str]:
+        """The environment to give ``session`` now (as device 0: see :meth:`PartitionPlan.env_for`);
+        remembered as what it runs with. ``uncapped``: a session whose share nobody set explicitly gets
+        no SM cap (co-run, where MPS client priority rather than a split decides who runs)."""
+        env = self._env(session, uncapped)
+        self._issued[session] = (uncapped, env)
         return dict(env)
 
     def stale(self) -> list[str]:
         """Sessions whose issued environment differs from what the plan gives them now."""
-        return sorted(s for s, (ordinal, uncapped, env) in self._issued.items()
-                      if self._env(s, ordinal, uncapped) != env)
+        return sorted(s for s, (uncapped, env) in self._issued.items() if self._env(s, uncapped) != env)
 
-    def _env(self, session: str, device_ordinal: int, uncapped: bool) -> dict[str, str]:
-        env = self._plan.env_for(session, device_ordinal)
+    def _env(self, session: str, uncapped: bool) -> dict[str, str]:
+        env = self._plan.env_for(session)
         if uncapped and self._percent.get(session) is None:
             env.pop(ACTIVE_THREAD_PERCENTAGE_ENV, None)
         return env
@@ -222,11 +192,8 @@ class PartitionTable:
 
 
 def _largest_remainder(exact: Mapping[str, float]) -> dict[str, int]:
-    """Integers that sum to floor(sum(exact)); each is its value rounded down or up.
-
-    Units left after flooring go to the largest fractional parts, ties to the
-    smaller session id (Hamilton's method), so the result is deterministic.
-    """
+    """Integers that sum to floor(sum(exact)), each its value rounded down or up: the units left after
+    flooring go to the largest fractional parts, ties to the smaller id (Hamilton's method)."""
     floors = {s: math.floor(v + _EPS) for s, v in exact.items()}
     target = math.floor(sum(exact.values()) + _EPS)
     spare = target - sum(floors.values())

@@ -80,12 +80,9 @@ def _default_quantum_ms() -> Mapping[Workload, float]:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerPolicy:
-    """The token policy's knobs: slice length per class and grace before enforcement.
-
-    ``quantum_ms`` keys may be :class:`Workload` members or their wire names; it is
-    stored as a read-only mapping in class order. Invalid values raise ValueError
-    naming the field.
-    """
+    """The token policy's knobs: slice length per class and grace before enforcement. ``quantum_ms`` keys
+    may be :class:`Workload` members or their wire names (stored read-only, in class order); an invalid
+    value raises ValueError naming the field."""
 
     quantum_ms: Mapping[Workload, float] = field(default_factory=_default_quantum_ms, hash=False)
     grace_ms: float = 100.0
@@ -383,10 +380,8 @@ class TokenScheduler:
 
     def request(self, session: str, now: float, waiting_since: float | None = None) -> list[Action]:
         """IDLE -> WAITING (a no-op in any other state); grants at once if the token is free.
-
-        ``waiting_since``: the request was made earlier and held back by the
-        caller (a restart's restore window). It keeps its place in line and,
-        having waited rather than slept, gets no sleeper clamp."""
+        ``waiting_since``: made then and held back by the caller (a restart's restore window): it keeps
+        its place in line and, having waited rather than slept, gets no sleeper clamp."""
         s = self._get(session)
         self._advance(now)
         if s.state is not SessionState.IDLE:
@@ -559,10 +554,8 @@ class TokenScheduler:
         return self._get(session).state
 
     def snapshot(self, now: float) -> SchedulerSnapshot:
-        """A frozen copy of every session, with the running slice counted up to ``now``.
-
-        O(sessions): views of sessions unchanged since the last snapshot are reused,
-        and each class's line is merged from its last listing."""
+        """A frozen copy of every session, with the running slice counted up to ``now``. O(sessions): views
+        of sessions unchanged since the last snapshot are reused, each class's line merged from its last."""
         self._check_now(now)
         holder = self._holder
         views = []

@@ -8,6 +8,7 @@ detail: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -164,10 +165,8 @@ class ClusterEndpoint:
         self._wake = loop.wake
         self._lost_devices = devices.lost
         self._server_handlers = server.handlers  # complete once bind() is called (the server adds inventory's)
-        count = tokens.device_count
-        self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(count)]
+        self._lifecycles = [DeviceLifecycle(i, config.cluster_protect_s) for i in range(tokens.device_count)]
         self._borrower_uids: dict[int, frozenset[int]] = {}  # device -> the uids its lend names (lend.borrower_uids)
-        self._inference_seen: list[bool | None] = [None] * count  # last value given to observe()
         self._node = config.cluster_node or socket.gethostname()
         self._router: zmq.Socket | None = None
         self._events_sock: zmq.Socket | None = None
@@ -313,10 +312,8 @@ class ClusterEndpoint:
         """Stop polling ``sock`` and close it (None: nothing to do); whether it was open."""
         if sock is None:
             return False
-        try:
+        with contextlib.suppress(KeyError):  # unregistered already
             self._poller.unregister(sock)
-        except KeyError:
-            pass
         sock.close(linger=_SHUTDOWN_LINGER_MS)
         return True
 
@@ -396,8 +393,7 @@ class ClusterEndpoint:
         this loop turn (an operation must not act on the state of the turn before)."""
         life = self._lifecycles[device]
         active = self._tokens.wanted_by(device, Workload.INFERENCE)
-        if active is not self._inference_seen[device]:
-            self._inference_seen[device] = active
+        if active is not life.inference_active:  # None before the first: told then
             self._moved(life.observe(active, now), op=False)
         return life
 
@@ -696,12 +692,8 @@ class ClusterEndpoint:
         quanta = {w.wire: ms for w, ms in current.quantum_ms.items()}
         quanta.update(quanta_ms or {})
         policy = SchedulerPolicy(quantum_ms=quanta, grace_ms=current.grace_ms if grace_ms is None else grace_ms)
-        if protect_s is None:
-            protect_s = self._lifecycles[device].protect_s
-        if isinstance(protect_s, bool) or not isinstance(protect_s, (int, float)) \
-                or not math.isfinite(protect_s) or protect_s < 0:
-            raise ValueError(f"protect_s must be a number of seconds >= 0, got {protect_s!r}")
-        self._lifecycles[device].set_protect_s(float(protect_s))
+        life = self._lifecycles[device]
+        life.set_protect_s(life.protect_s if protect_s is None else protect_s)  # ValueError before any change
         self._tokens.set_policy(device, policy, now)
 
     def _policy_info(self, device: int) -> p.PolicyInfo:

@@ -6,6 +6,7 @@ token actions come to it as :class:`nodeagent.daemon.bus.DelegatedAction` events
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -72,15 +73,14 @@ class _ServeQueue:
     device: int
     name: str
     weight: float
+    root: bool  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
+    outputs: output_segments.OutputSegments  # .uid: the client's verified uid, whose segments it may name
     pending: deque = field(default_factory=deque)
     running: _Job | None = None
     grant: int | None = None
     waiting: bool = False
     yield_asked: bool = False
     owner_gone: bool = False
-    uid: int | None = None  # the client's verified uid: whose segments its requests may name
-    root: bool = False  # the client is ROOT (authz.is_root): it may name any segment; a container's root may not
-    outputs: output_segments.OutputSegments = field(default_factory=lambda: output_segments.OutputSegments(None))
 
 
 @dataclass
@@ -131,7 +131,6 @@ class Serving:
         self._why_off = "not started"
         self._poll_fds_of_pool: set[int] = set()
         self._worker_shares: dict[int, memory.WorkerShare] = {}  # device -> what admission holds for its workers
-        self._unjournalled: set[str] = set()  # ready models whose journal write failed
 
     # ---------------------------------------------------------------- life
 
@@ -227,10 +226,8 @@ class Serving:
         for fd in removed:
             if fd in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.discard(fd)
-                try:
+                with contextlib.suppress(KeyError):  # unregistered already
                     self._poller.unregister(fd)
-                except KeyError:
-                    pass
         for fd in added:
             if fd not in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.add(fd)
@@ -362,17 +359,15 @@ class Serving:
         log.info("[ctxpool] unregister name=%s", name)
 
     def on_models(self, route: bytes, msg: p.ModelsRequest, frame, now: float) -> None:
-        self._send(route, p.ModelsReply(id=msg.id, models=self._model_infos()))
-
-    def _model_infos(self) -> list[p.ModelInfo]:
-        resident: dict[str, set[int]] = {}
+        resident: dict[str, set[int]] = {}  # model -> the devices where a worker holds it now
         if self._pool is not None:
             for device, workers in self._pool.snapshot().items():
                 for w in workers:
                     for name in w.resident:
                         resident.setdefault(name, set()).add(device)
-        return [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
-                for name, m in sorted(self._models.items()) if m.info is not None]
+        models = [msgspec.structs.replace(m.info, resident=sorted(resident.get(name, ())))
+                  for name, m in sorted(self._models.items()) if m.info is not None]
+        self._send(route, p.ModelsReply(id=msg.id, models=models))
 
     def on_infer(self, route: bytes, msg: p.Infer, frame, now: float) -> None:
         s = self._session_for(route, msg.id, now)
@@ -414,7 +409,7 @@ class Serving:
             return
         if q is None:
             q = _ServeQueue(sid=s.id + SERVE_SUFFIX, device=s.device, name=s.name, weight=s.weight,
-                            uid=s.uid, root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
+                            root=is_root(s), outputs=output_segments.OutputSegments(s.uid))
             self._tokens.add(s.device, q.sid, Workload.INFERENCE, s.weight, now, delegated=True)
             self._queues[q.sid] = q
         q.pending.append(_Job(job_id=next(self._job_ids), route=route, request_id=msg.id, model=msg.model,
@@ -454,13 +449,14 @@ class Serving:
                 self._tokens.request(q.device, q.sid, now)
 
     def _serve_next(self, q: _ServeQueue, now: float) -> None:
-        while q.pending and q.running is None:
+        """Run what waits while the queue holds its grant; give the token back once nothing runs."""
+        while q.pending and q.running is None and not (q.yield_asked or q.owner_gone):
             job = q.pending.popleft()
             if now >= job.deadline:
                 self._answer_timed_out(job, now)
                 continue
             try:
-                self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.uid,
+                self._pool.submit(job.job_id, q.device, job.model, job.inputs, owner_uid=q.outputs.uid,
                                   any_inputs=q.root, deadline=job.deadline)
             except PoolError as exc:
                 self._error(job.route, job.request_id, exc.code, exc.message)
@@ -483,8 +479,8 @@ class Serving:
             requeue = bool(q.pending) and not q.owner_gone
             q.waiting = requeue
             self._tokens.release(q.device, q.sid, grant, now, requeue=requeue)
-        if q.owner_gone and q.running is None:
-            self._remove_queue(q, now)
+        if q.owner_gone and q.running is None and self._queues.pop(q.sid, None) is not None:
+            self._tokens.remove(q.device, q.sid, now)
 
     def forget(self, session_id: str, now: float) -> None:
         """The client session ended: its queued requests go; a running one finishes first."""
@@ -493,7 +489,7 @@ class Serving:
             return
         q.owner_gone = True
         for job in q.pending:
-            _discard_inputs(job.inputs, q.uid, q.root)  # the client is gone; nobody else will unlink them
+            _discard_inputs(job.inputs, q.outputs.uid, q.root)  # the client is gone; nobody else will unlink them
         q.pending.clear()
         q.outputs.release()  # outputs it was handed and never read
         if q.running is None:
@@ -511,11 +507,6 @@ class Serving:
             if q.waiting:
                 q.waiting = False
                 self._tokens.cancel(q.device, q.sid, event.now)
-
-    def _remove_queue(self, q: _ServeQueue, now: float) -> None:
-        if self._queues.pop(q.sid, None) is None:
-            return
-        self._tokens.remove(q.device, q.sid, now)
 
     # ------------------------------------------------------- the workers
 
@@ -535,7 +526,7 @@ class Serving:
         replaces a worker still running one after the grace), here for those waiting for the token."""
         if self._pool is None:
             return
-        if self._unjournalled and self._journal.ok:
+        if self._journal.ok and any(m.ready and not m.journalled for m in self._models.values()):
             self._journal_models_again()
         pool_at = self._pool.next_deadline()
         if pool_at is not None and pool_at <= now:
@@ -550,14 +541,12 @@ class Serving:
 
     def _journal_models_again(self) -> None:
         """Write the ready models whose journal write failed, now that the journal takes writes again."""
-        for name in sorted(self._unjournalled):
-            model = self._models.get(name)
-            if model is not None and model.ready and not model.journalled:
+        for name, model in sorted(self._models.items()):
+            if model.ready and not model.journalled:
                 model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
                     return  # failing again: the next successful probe brings us back
                 log.warning("[ctxpool] model name=%s journalled now", name)
-            self._unjournalled.discard(name)
 
     def _answer_timed_out(self, job: _Job, now: float) -> None:
         log.warning("[ctxpool] timeout request=%d model=%s waited_ms=%.0f (for the device token)", job.request_id,
@@ -588,7 +577,7 @@ class Serving:
             if job is None:
                 return
             if q.owner_gone:
-                _discard_inputs(job.inputs, q.uid, q.root)
+                _discard_inputs(job.inputs, q.outputs.uid, q.root)
             elif done:
                 q.outputs.handed(event.outputs)
                 self._send(job.route, p.InferResult(
@@ -607,7 +596,6 @@ class Serving:
             if not model.journalled:
                 model.journalled = self._journal.write(lambda j, rec=model.record: j.put_model(rec))
                 if not model.journalled:
-                    self._unjournalled.add(event.name)
                     log.error("[ctxpool] model name=%s is registered but not journalled (the journal write "
                               "failed): a restarted daemon will not know it; it is written again once the "
                               "journal takes writes", event.name)
@@ -637,14 +625,11 @@ class Serving:
 
     def _job_finished(self, q: _ServeQueue, now: float) -> None:
         q.running = None
-        if q.owner_gone or q.yield_asked or q.grant is None:
-            if q.grant is not None or q.owner_gone:
-                self._serve_release(q, now)
-            elif q.pending and not q.waiting:
-                q.waiting = True
-                self._tokens.request(q.device, q.sid, now)
-            return
-        self._serve_next(q, now)
+        if q.grant is not None or q.owner_gone:
+            self._serve_next(q, now)
+        elif q.pending and not q.waiting:
+            q.waiting = True
+            self._tokens.request(q.device, q.sid, now)
 
     def _sweep_orphan_outputs(self, worker_pid: int) -> None:
         """Outputs a dead worker made but never reported (killed between the two)."""

@@ -369,7 +369,7 @@ def test_a_request_whose_projected_latency_passes_the_target_pauses_until_the_qu
 
 
 def test_a_pause_held_for_requests_that_never_come_ends_after_the_gap():
-    c = _queue_controller(max_gap_s=0.05)
+    c = _queue_controller()  # max_gap_s 0.05
     c.tell_queue(0.0, 5, 1.0)  # five wait, the oldest for a second: paused at once
     c.slice_started(0.0, True)
     assert c.want(0.0) == PaceWant(0, True)
@@ -386,7 +386,7 @@ def test_a_pause_held_for_requests_that_never_come_ends_after_the_gap():
 
 
 def test_without_a_declared_slo_the_target_is_learned_with_the_trainer_paused():
-    c = PaceController(latency_quantile=0.9, latency_margin=0.25)
+    c = PaceController()  # latency_quantile 0.9, latency_margin 0.25
     c.tell_queue(0.0, 1, 0.0)
     assert c.target_s() is None and c.want(0.0) == PaceWant(0, True, True)  # nothing learned: the safe side
     for n in range(10):
