@@ -1,17 +1,8 @@
-"""The kubelet-facing half of the device plugin: the ``DevicePlugin`` gRPC service, its
-socket, registration, and staying registered across kubelet restarts.
-
-    kubelet ──Register──► (its kubelet.sock)            we ask once per kubelet
-    kubelet ◄─dials─── our socket, same directory       :class:`PluginServer`
-       GetDevicePluginOptions, ListAndWatch (a stream), GetPreferredAllocation,
-       Allocate, PreStartContainer                      :class:`DevicePluginService`
-
-:class:`PluginRunner` is the loop: wait for ``kubelet.sock``, serve on a fresh socket,
-register; when ``kubelet.sock`` is made anew (a kubelet restart, which also removes our
-socket) or our socket goes, serve and register again. It waits on an inotify watch of
-the directory, so a restart is answered at once; without one it looks every
-``check_interval_s``. What to advertise comes from a :class:`~nodeagent.k8s.watch.ViewBoard`;
-the decisions are :mod:`nodeagent.k8s.shares`.
+"""The kubelet-facing half of the device plugin: the ``DevicePlugin`` gRPC service
+(:class:`DevicePluginService`) on our socket (:class:`PluginServer`), registration, and
+:class:`PluginRunner`, which serves and registers again when ``kubelet.sock`` is made anew
+or our socket goes (docs/kubernetes.md, Restarts). What to advertise comes from a
+:class:`~nodeagent.k8s.watch.ViewBoard`; the decisions are :mod:`nodeagent.k8s.shares`.
 """
 
 from __future__ import annotations
