@@ -151,13 +151,11 @@ class PluginServer:
                              maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         api_grpc.add_servicer(server, "DevicePlugin", self.service)
+        detail = "the address could not be bound"
         try:
             bound = server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
-            bound = 0
-            detail = str(exc)
-        else:
-            detail = "the address could not be bound"
+            bound, detail = 0, str(exc)
         if not bound:
             server.stop(None)
             raise PluginError(f"cannot serve on {self.path}: {detail}")
