@@ -524,6 +524,18 @@ def test_pin_registry_locks_each_page_once_and_unlocks_when_its_last_model_leave
     assert rt.registered == {} and pins.pinned_bytes() == 0
 
 
+def test_pin_registry_keeps_ranges_locked_out_of_address_order_apart():
+    from ctxpool.hostmem import PinRegistry
+    page = 4096
+    rt = FakeCudart()
+    pins = PinRegistry(rt)
+    base = 0x100000
+    pins.pin("high", [(base + 4 * page, base + 5 * page)])
+    pins.pin("low", [(base, base + page)])
+    assert pins.pin("all", [(base, base + 5 * page)]) == 3 * page  # only the gap between them
+    assert rt.registered == {base: page, base + page: 3 * page, base + 4 * page: page}
+
+
 def test_pin_registry_failure_names_the_error_and_leaves_nothing_locked():
     from ctxpool.hostmem import PinRegistry
     rt = FakeCudart(fail_call=2)
