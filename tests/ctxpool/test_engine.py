@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 from ctxpool import hostmem, streams
 from ctxpool.engine import BudgetError, CopyError, DeviceLost, Engine
-from ctxpool.layout import Layout, unique_tensors
+from bench.switch import unique_tensors
+from ctxpool.layout import Layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
