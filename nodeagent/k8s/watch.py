@@ -51,13 +51,11 @@ class ViewBoard:
         with self._cond:
             return self._view, self._version
 
-    def wait_newer(self, version: int, timeout: float,
-                   unless: Callable[[], bool] | None = None) -> tuple[NodeView, int]:
+    def wait_newer(self, version: int, timeout: float, unless: Callable[[], bool]) -> tuple[NodeView, int]:
         """The view once its version is past ``version``, or as it is after ``timeout`` s, a
         close, or a :meth:`wake` that finds ``unless()`` true."""
         with self._cond:
-            self._cond.wait_for(lambda: self._version > version or self._closed or (unless is not None and unless()),
-                                timeout)
+            self._cond.wait_for(lambda: self._version > version or self._closed or unless(), timeout)
             return self._view, self._version
 
     def wake(self) -> None:
