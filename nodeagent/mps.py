@@ -155,10 +155,8 @@ class MpsControl:
         self._state = MpsState.STOPPED
         self._failure = ""
         self._proc: _DaemonProcess | None = None
-        base = dict(os.environ if env is None else env)
-        for name in _CLIENT_ONLY_VARS:
-            base.pop(name, None)
-        self._env = {**base, **self.client_env()}
+        base = os.environ if env is None else env
+        self._env = {**{k: v for k, v in base.items() if k not in _CLIENT_ONLY_VARS}, **self.client_env()}
 
     # ------------------------------------------------------------- lifecycle
 
