@@ -66,7 +66,6 @@ import torch
 
 from bench import common, models
 from ctxpool.engine import Engine
-from ctxpool.layout import unique_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 _CHILD_TIMEOUT_S = 300.0
@@ -80,6 +79,16 @@ CPU_GOAL_NOTE = ("the 50x goal (cold over pipelined) is a GPU goal and is not ju
                  "compute the way a GPU's copy engine does beside its SMs, while cold is mostly starting Python "
                  "and importing torch; overhead_ratio and the *_over_* ratios say what the switch costs")
 _ALIGN_BYTES = 512
+
+
+def unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer object of ``module`` once (tied weights are one), in registration order."""
+    seen, out = set(), []
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def _as_tuple(x) -> tuple:

@@ -6,6 +6,7 @@ Why pages must hold nothing but the model: docs/internals.md.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -35,10 +36,8 @@ class HostArena:
         self.nbytes = align_up(nbytes, mmap.PAGESIZE)
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
+            with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses; harmless where THP is off
-            except OSError:
-                pass
         base = torch.frombuffer(self._map, dtype=torch.uint8)
         base.fill_(0)  # fault every page in now, not during a swap-in
         self.base_address = base.data_ptr()
@@ -179,7 +178,7 @@ class PinRegistry:
                             + ("the memory is already page-locked by someone else (another engine "
                                "in this process?)" if rc == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
                                else "is the host memory still mapped?"))
-                    self._insert(_PinnedRange(gap_start, gap_end))
+                    bisect.insort(self._ranges, _PinnedRange(gap_start, gap_end), key=lambda r: r.start)
                     newly += gap_end - gap_start
                 for r in self._ranges:
                     if r.start < end and start < r.end:
@@ -221,10 +220,6 @@ class PinRegistry:
         if cursor < end:
             gaps.append((cursor, end))
         return gaps
-
-    def _insert(self, r: _PinnedRange) -> None:
-        starts = [x.start for x in self._ranges]
-        self._ranges.insert(bisect.bisect_left(starts, r.start), r)
 
 
 # ------------------------------------------------------------------ pages that hold only a model

@@ -50,16 +50,6 @@ class Placement:
     copy_bytes: int  # bytes copied (atoms plus the small gaps merged between them)
 
 
-def unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer object of ``module`` once (tied weights are one), in registration order."""
-    seen, out = set(), []
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
 def _extent_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0

@@ -51,8 +51,12 @@ class CpuBackend:
         self.arena: HostArena | None = None
         self._warned_fresh = False
 
-    def thread_init(self) -> None:
-        pass
+    def _nothing(self, *_: object) -> None:
+        """A hook with nothing to do on the cpu: the copy thread's event already means the bytes are
+        there, and its copies write only blocks no compute uses (so they need no ordering after it)."""
+
+    thread_init = prepare = synchronize = synchronize_device = _nothing
+    wait_copied = block_until_copied = order_after_compute = _nothing
 
     def reserve(self, pool_bytes: int) -> None:
         """Fault in a pool of ``pool_bytes`` that later swap-ins copy into (replaces an idle one)."""
@@ -74,9 +78,6 @@ class CpuBackend:
                         self.arena.free_bytes() if self.arena else 0)
         return torch.empty(max(1, nbytes), dtype=torch.uint8)
 
-    def prepare(self, dev_buf: torch.Tensor) -> None:
-        pass
-
     def copy_group(self, spans: list[Span], dev_buf: torch.Tensor) -> tuple[float, float]:
         base = dev_buf.data_ptr()
         start = time.perf_counter()
@@ -84,26 +85,11 @@ class CpuBackend:
             ctypes.memmove(base + s.dev_offset, s.host_ptr, s.nbytes)
         return start, time.perf_counter()
 
-    def wait_copied(self, marks: tuple[float, float]) -> None:
-        pass  # the thread event already means the bytes are there
-
     def mark(self) -> float:
         return time.perf_counter()
 
     def elapsed_s(self, begin: Any, end: Any) -> float:
         return end - begin
-
-    def synchronize(self) -> None:
-        pass
-
-    def order_after_compute(self) -> None:
-        pass  # the copy thread writes only blocks no compute uses
-
-    def block_until_copied(self, marks: tuple[float, float]) -> None:
-        pass  # the thread event already means the bytes are there
-
-    def synchronize_device(self) -> None:
-        pass
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -6,6 +6,7 @@ docs/internals.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import os
@@ -154,10 +155,8 @@ class MpsControl:
         self._state = MpsState.STOPPED
         self._failure = ""
         self._proc: _DaemonProcess | None = None
-        base = dict(os.environ if env is None else env)
-        for name in _CLIENT_ONLY_VARS:
-            base.pop(name, None)
-        self._env = {**base, **self.client_env()}
+        base = os.environ if env is None else env
+        self._env = {**{k: v for k, v in base.items() if k not in _CLIENT_ONLY_VARS}, **self.client_env()}
 
     # ------------------------------------------------------------- lifecycle
 
@@ -312,10 +311,8 @@ class MpsControl:
     def _launch(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pid_file = os.path.join(self.pipe_dir, PID_FILE)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(pid_file)  # a stale one would name a dead (or reused) pid
-        except FileNotFoundError:
-            pass
         # Output goes to a file, never a pipe: a daemonized grandchild holding a pipe open
         # would keep us waiting for EOF.
         launch_log = os.path.join(self.log_dir, LAUNCH_LOG)
@@ -364,11 +361,8 @@ class MpsControl:
     def _start_failure(self, what: str) -> str:
         tail = []
         for name in (LAUNCH_LOG, "control.log"):
-            try:
-                with open(os.path.join(self.log_dir, name), errors="replace") as f:
-                    tail += [f"{name}: {line.rstrip()}" for line in f.readlines()[-3:]]
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(os.path.join(self.log_dir, name), errors="replace") as f:
+                tail += [f"{name}: {line.rstrip()}" for line in f.readlines()[-3:]]
         detail = ("; last log lines: " + " | ".join(tail)) if tail else ""
         return f"MPS for device {self.device_index}: {what}; see the logs in {self.log_dir}{detail}"
 

@@ -6,6 +6,7 @@ control daemons (:class:`nodeagent.mps.MpsControl`) and the partition tables
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Callable
@@ -105,10 +106,8 @@ class MpsPartitions:
 
     def _unwatch(self, fd: int) -> None:
         self._by_fd.pop(fd, None)
-        try:
+        with contextlib.suppress(KeyError):
             self._poller.unregister(fd)
-        except KeyError:
-            pass
 
     # -------------------------------------------------------------- sessions
 

@@ -22,7 +22,6 @@ class DevicePlugin:
         self.stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.board = ViewBoard()
-        self.policy = policy
         self.watcher = DaemonWatcher(endpoint, self.board, policy, poll_interval_s=poll_interval_s, events=events)
         self.service = DevicePluginService(self.board, policy, allocation, self.stopping)
         self.runner = PluginRunner(runner, self.service)

@@ -1,17 +1,8 @@
-"""The kubelet-facing half of the device plugin: the ``DevicePlugin`` gRPC service, its
-socket, registration, and staying registered across kubelet restarts.
-
-    kubelet ──Register──► (its kubelet.sock)            we ask once per kubelet
-    kubelet ◄─dials─── our socket, same directory       :class:`PluginServer`
-       GetDevicePluginOptions, ListAndWatch (a stream), GetPreferredAllocation,
-       Allocate, PreStartContainer                      :class:`DevicePluginService`
-
-:class:`PluginRunner` is the loop: wait for ``kubelet.sock``, serve on a fresh socket,
-register; when ``kubelet.sock`` is made anew (a kubelet restart, which also removes our
-socket) or our socket goes, serve and register again. It waits on an inotify watch of
-the directory, so a restart is answered at once; without one it looks every
-``check_interval_s``. What to advertise comes from a :class:`~nodeagent.k8s.watch.ViewBoard`;
-the decisions are :mod:`nodeagent.k8s.shares`.
+"""The kubelet-facing half of the device plugin: the ``DevicePlugin`` gRPC service
+(:class:`DevicePluginService`) on our socket (:class:`PluginServer`), registration, and
+:class:`PluginRunner`, which serves and registers again when ``kubelet.sock`` is made anew
+or our socket goes (docs/kubernetes.md, Restarts). What to advertise comes from a
+:class:`~nodeagent.k8s.watch.ViewBoard`; the decisions are :mod:`nodeagent.k8s.shares`.
 """
 
 from __future__ import annotations
@@ -160,13 +151,11 @@ class PluginServer:
                              maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         api_grpc.add_servicer(server, "DevicePlugin", self.service)
+        detail = "the address could not be bound"
         try:
             bound = server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
-            bound = 0
-            detail = str(exc)
-        else:
-            detail = "the address could not be bound"
+            bound, detail = 0, str(exc)
         if not bound:
             server.stop(None)
             raise PluginError(f"cannot serve on {self.path}: {detail}")

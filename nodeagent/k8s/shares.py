@@ -6,7 +6,7 @@ docs/internals.md.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -64,9 +64,9 @@ class ContainerAllocation:
     """What one container gets: environment, a bind mount of the daemon's socket directory,
     and CDI device names (``gpu_access="cdi"``)."""
 
-    envs: dict[str, str] = field(default_factory=dict)
-    mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (container_path, host_path, read_only)
-    cdi_devices: list[str] = field(default_factory=list)
+    envs: dict[str, str]
+    mounts: list[tuple[str, str, bool]]  # (container_path, host_path, read_only)
+    cdi_devices: list[str]
 
 
 def share_id(uuid: str, n: int) -> str:
@@ -185,8 +185,7 @@ def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy,
         counts[uuid] = counts.get(uuid, 0) + 1
     order = sorted(counts, key=lambda u: (-counts[u], by_uuid[u].index))
     first = by_uuid[order[0]]
-    out = ContainerAllocation()
-    out.envs = {
+    envs = {
         "NODEAGENT_ENDPOINT": settings.endpoint,
         "CUDA_VISIBLE_DEVICES": ",".join(order),
         "NODEAGENT_DEVICE": str(first.index),
@@ -196,11 +195,9 @@ def allocate(device_ids: list[str], view: NodeView, policy: SharePolicy,
     }
     gpus = [u for u in order if by_uuid[u].backend == "cuda"]
     if gpus and settings.gpu_access == "env":
-        out.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(gpus)
-    elif gpus and settings.gpu_access == "cdi":
-        out.cdi_devices = [f"nvidia.com/gpu={u}" for u in gpus]
-    out.mounts = [(settings.container_socket_dir, settings.host_socket_dir, True)]
-    return out
+        envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(gpus)
+    cdi_devices = [f"nvidia.com/gpu={u}" for u in gpus] if settings.gpu_access == "cdi" else []
+    return ContainerAllocation(envs, [(settings.container_socket_dir, settings.host_socket_dir, True)], cdi_devices)
 
 
 def describe(view: NodeView, policy: SharePolicy) -> dict[int, str]:

@@ -1,17 +1,7 @@
-"""What the daemon reports, kept current for the device plugin.
-
-One thread (:class:`DaemonWatcher`) asks the daemon for ``status`` (devices, UUIDs,
-admission capacity) and ``inventory`` (lifecycle states, borrowers) over its local
-socket every ``poll_interval_s``, and publishes a :class:`~nodeagent.k8s.shares.NodeView`
-on a :class:`ViewBoard` when it changed. Neither reply says whether NVML lost a GPU: that
-is told only by the cluster events (a ``health`` event with ``device_state`` ``lost`` or
-``ok``), so with ``events`` configured the same thread also subscribes to the kinds that
-matter here (``health``, ``device_state``, ``lend``, ``reclaim``) and polls at once after
-each, so a loss, a lend or a drain reaches the kubelet within milliseconds, not a poll.
-
-Without events a lost GPU is not seen. With events, a plugin started after the loss
-does not see it either until the daemon says so again (it repeats nothing): see
-docs/kubernetes.md.
+"""What the daemon reports, kept current for the device plugin: :class:`DaemonWatcher` polls
+``status`` and ``inventory`` (and, with ``events``, acts at once on the event kinds that can
+change the list) and publishes a :class:`~nodeagent.k8s.shares.NodeView` on a :class:`ViewBoard`.
+A lost GPU is told only by the events: docs/kubernetes.md (What the plugin advertises).
 """
 
 from __future__ import annotations
@@ -61,13 +51,11 @@ class ViewBoard:
         with self._cond:
             return self._view, self._version
 
-    def wait_newer(self, version: int, timeout: float,
-                   unless: Callable[[], bool] | None = None) -> tuple[NodeView, int]:
+    def wait_newer(self, version: int, timeout: float, unless: Callable[[], bool]) -> tuple[NodeView, int]:
         """The view once its version is past ``version``, or as it is after ``timeout`` s, a
         close, or a :meth:`wake` that finds ``unless()`` true."""
         with self._cond:
-            self._cond.wait_for(lambda: self._version > version or self._closed or (unless is not None and unless()),
-                                timeout)
+            self._cond.wait_for(lambda: self._version > version or self._closed or unless(), timeout)
             return self._view, self._version
 
     def wake(self) -> None:

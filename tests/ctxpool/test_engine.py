@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 from ctxpool import hostmem, streams
 from ctxpool.engine import BudgetError, CopyError, DeviceLost, Engine
-from ctxpool.layout import Layout, unique_tensors
+from bench.switch import unique_tensors
+from ctxpool.layout import Layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -522,6 +523,18 @@ def test_pin_registry_locks_each_page_once_and_unlocks_when_its_last_model_leave
     assert pins.unpin("a") == 0  # b still uses a's second page, which lies in a's range
     assert pins.unpin("b") == 3 * page
     assert rt.registered == {} and pins.pinned_bytes() == 0
+
+
+def test_pin_registry_keeps_ranges_locked_out_of_address_order_apart():
+    from ctxpool.hostmem import PinRegistry
+    page = 4096
+    rt = FakeCudart()
+    pins = PinRegistry(rt)
+    base = 0x100000
+    pins.pin("high", [(base + 4 * page, base + 5 * page)])
+    pins.pin("low", [(base, base + page)])
+    assert pins.pin("all", [(base, base + 5 * page)]) == 3 * page  # only the gap between them
+    assert rt.registered == {base: page, base + page: 3 * page, base + 4 * page: page}
 
 
 def test_pin_registry_failure_names_the_error_and_leaves_nothing_locked():
