@@ -1,4 +1,4 @@
-"""A reader (and a small writer) for the safetensors format, without the package. The format: 8 bytes
+"""A reader for the safetensors format, without the package. The format: 8 bytes
 little-endian header length N, N bytes of JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets":
 [begin, end]}, "__metadata__": {..}}``, then the raw little-endian tensor bytes, offsets counted from the
 header's end. The file is mapped copy-on-write: reading copies nothing until the caller copies the tensors.
@@ -22,7 +22,6 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
 }
-_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class SafetensorsError(ValueError):
@@ -103,26 +102,3 @@ def _entry(name: str, key: str, info: object) -> tuple[torch.dtype, list[int], i
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
         raise SafetensorsError(f"{name}: tensor {_shown(key)} has bad data_offsets")
     return DTYPES[code], shape, offsets[0], offsets[1]
-
-
-def save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` as a safetensors file (for tests, benchmarks and tools)."""
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    blobs = []
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _CODES:
-            raise SafetensorsError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors code here")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
-            if tensor.numel() else b""
-        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # as the reference writer does: data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)

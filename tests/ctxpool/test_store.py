@@ -14,7 +14,8 @@ import torch
 
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import hostmem, peer_open, safetensors, store
+from ctxpool import hostmem, peer_open, store
+from tests import safetensors_files as safetensors
 from ctxpool.messages import PeerIdentity
 from ctxpool.store import ModelError
 from tests import models_for_tests as m

@@ -18,7 +18,7 @@ import torch
 
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import safetensors
+from tests import safetensors_files as safetensors
 from ctxpool.messages import ModelSpec
 from ctxpool.pool import (ModelFailed, ModelReady, PoolError, RequestDone, RequestFailed, ShutdownStep,
                           WorkerPool, WorkerReady, WorkerReplaced, WorkerSetup, WorkerState, sweep_stale_segments)

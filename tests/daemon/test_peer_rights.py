@@ -20,7 +20,7 @@ import torch
 from client_lib import Client
 from client_lib import protocol as p
 from client_lib import tensors
-from ctxpool import safetensors
+from tests import safetensors_files as safetensors
 from tests import serving_models
 from tests.conftest import wait_for
 from tests.nonroot import (NOBODY_UID, SOCKET_GID, popen_as_nobody, reachable_daemon, require_root,

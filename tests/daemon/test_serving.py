@@ -403,7 +403,7 @@ def test_a_restarted_daemon_reads_a_models_weights_with_its_registrants_rights(t
     a row from before registrants were journalled is not restored if it names a file."""
     import dataclasses
 
-    from ctxpool import safetensors
+    from tests import safetensors_files as safetensors
     from nodeagent.journal import Journal
     from tests.nonroot import (NOBODY_GID, NOBODY_UID, SOCKET_GID, require_root, run_as_nobody,
                                share_with_socket_group)

@@ -470,7 +470,7 @@ def test_inside_the_units_sandbox_a_root_daemon_serves_signals_and_opens_files_f
     import numpy as np
     import torch
 
-    from ctxpool import safetensors
+    from tests import safetensors_files as safetensors
     from tests import serving_models
     from tests.nonroot import SOCKET_GID, popen_as_nobody, require_root, run_as_nobody, share_with_socket_group
 
