@@ -67,10 +67,6 @@ class CoRunScheduler:
                 return lane
         raise UnknownSessionError(f"no session {session!r} on device {self._device}")
 
-    def workload_of(self, session: str) -> Workload:
-        """The class whose lane ``session`` is on; UnknownSessionError if it is on none."""
-        return Workload(self._lanes.index(self.lane_of(session)))
-
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes)
 
