@@ -241,17 +241,15 @@ class Client:
         slice's included; ``oldest_arrival``, when the oldest arrived (``time.monotonic()``), so
         that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
-        transport = self._transport
-        if self._grant is None and transport.conn is not None:
-            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True,
-                                           **_queue_fields(waiting, oldest_arrival)))
+        if self._grant is None and self._transport.conn is not None:
+            self._transport.send_quiet(p.Acquire, quiet=True, **_queue_fields(waiting, oldest_arrival))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting)."""
         self._check_open()
         if self._grant is not None or self._transport.conn is None:
             return
-        self._send_quiet(p.Cancel(id=self._take_id()))
+        self._transport.send_quiet(p.Cancel)
 
     def release(self, requeue: bool = False, *, waiting: int | None = None,
                 oldest_arrival: float | None = None) -> None:
@@ -266,9 +264,8 @@ class Client:
         if self._transport.conn is None:
             return
         # The daemon first, before reading anything: the next holder waits on its grant.
-        transport = self._transport
-        transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
-                                       **_queue_fields(waiting, oldest_arrival)))
+        self._transport.send_quiet(p.Release, grant=grant, requeue=requeue, quiet=True,
+                                   **_queue_fields(waiting, oldest_arrival))
         self._pump(0)
 
     @contextmanager
@@ -351,7 +348,7 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> p.StatusReply:
         """The daemon's status snapshot."""
-        return self._call(p.StatusRequest(id=self._take_id()), timeout)
+        return self._call(p.StatusRequest(id=self._transport.take_id()), timeout)
 
     # ------------------------------------------------------ server-side models
 
@@ -365,7 +362,7 @@ class Client:
         if weights is not None:
             weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
         with serving.Packed(serving.as_list(example_input), self.endpoint) as packed:
-            req = p.RegisterModel(id=self._take_id(), name=name, factory=factory, weights=weights,
+            req = p.RegisterModel(id=self._transport.take_id(), name=name, factory=factory, weights=weights,
                                   example_input=packed.refs, device=device, replace=replace)
             reply = self._call(req, timeout)
         return reply.model
@@ -377,7 +374,7 @@ class Client:
         self._check_open()
         values = serving.as_list(inputs)
         with serving.Packed(values, self.endpoint) as packed:
-            req = p.Infer(id=self._take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
+            req = p.Infer(id=self._transport.take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
             try:
                 # The daemon answers E_TIMEOUT at ``timeout``; the margin lets that answer arrive first.
                 reply = self._call(req, timeout + serving.REPLY_MARGIN_S)
@@ -391,10 +388,10 @@ class Client:
 
     def models(self, timeout: float = 5.0) -> list[p.ModelInfo]:
         """Models registered with the daemon."""
-        return self._call(p.ModelsRequest(id=self._take_id()), timeout).models
+        return self._call(p.ModelsRequest(id=self._transport.take_id()), timeout).models
 
     def unregister_model(self, name: str, timeout: float = 30.0) -> None:
-        self._call(p.UnregisterModel(id=self._take_id(), name=name), timeout)
+        self._call(p.UnregisterModel(id=self._transport.take_id(), name=name), timeout)
 
     def daemon_healthy(self) -> bool:
         """False once the daemon closed this client's connection (it went away or restarted)."""
@@ -452,7 +449,7 @@ class Client:
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
         host_bytes, host_pinned = self._host_held()
         report = dict(bytes_parked=bytes_parked, suspend_ms=suspend_ms, host_bytes=host_bytes, host_pinned=host_pinned)
-        self._send_quiet(p.Suspended(id=self._take_id(), **report))
+        self._transport.send_quiet(p.Suspended, **report)
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
                  host_bytes)
         generation = self._generation
@@ -465,7 +462,7 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._send_quiet(p.Suspended(id=self._take_id(), **report))
+                self._transport.send_quiet(p.Suspended, **report)
             if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -475,7 +472,7 @@ class Client:
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
         if self._transport.conn is not None:
-            self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms, host_bytes=self._host_held()[0]))
+            self._transport.send_quiet(p.Resumed, resume_ms=resume_ms, host_bytes=self._host_held()[0])
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
             self.request()
@@ -573,7 +570,7 @@ class Client:
         self._transport.open(timeout)
         old = self.welcome
         hello = p.Hello(
-            id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
+            id=self._transport.take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
@@ -655,7 +652,7 @@ class Client:
         """End the session with ``bye`` (if the daemon is there) and close the connection."""
         if self.daemon_healthy():
             with suppress(NodeAgentError, ConnectionError):
-                self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+                self._call(p.Goodbye(id=self._transport.take_id()), timeout=1.0)
         self._transport.close()
 
     def _wait_for_grant(self, timeout: float | None) -> int:
@@ -674,23 +671,16 @@ class Client:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._send_quiet(p.Cancel(id=self._take_id()))
+                    self._transport.send_quiet(p.Cancel)
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
             if not self._pump(remaining_ms):
                 self._check_daemon()
         return self._grant
 
-    def _take_id(self) -> int:
-        return self._transport.take_id()
-
     def _check_open(self) -> None:
         if self._closed:
             raise NodeAgentError("client is closed")
-
-    def _send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting (:meth:`client_lib.transport.Transport.send_quiet`)."""
-        self._transport.send_quiet(req)
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
@@ -810,7 +800,7 @@ class Client:
     def _heartbeat_if_due(self, now: float) -> None:
         """Under the I/O lock: the heartbeat an unwatched session owes, if it is due."""
         if self._next_heartbeat is not None and self._next_heartbeat <= now and self.welcome is not None:
-            self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session, key=self.welcome.key))
+            self._transport.send_quiet(p.Heartbeat, session=self.welcome.session, key=self.welcome.key)
             self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
 
 

@@ -61,15 +61,15 @@ class Transport:
         self._next_id += 1
         return rid
 
-    def send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting: only an error reply matters, and the client raises it later.
-        A daemon that went away is noticed by the client's next check."""
+    def send_quiet(self, kind: type[p.Request], **fields: object) -> None:
+        """Send a ``kind`` request with the next id, without waiting: only an error reply matters, and
+        the client raises it later. A daemon that went away is noticed by the client's next check."""
         with self.io:
             conn = self.conn
             if conn is None:
                 return
             with suppress(ConnectionError):  # then conn.closed_by_peer is set: the daemon is gone
-                conn.send(codec.encode(req))
+                conn.send(codec.encode(kind(id=self.take_id(), **fields)))
 
     def call(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
              handshake: bool = False) -> p.DaemonMessage:
