@@ -152,7 +152,6 @@ class PlacementClient:
         self._ctx = zmq.Context()
         self._dealers: dict[str, zmq.Socket] = {}
         self._subs: dict[str, zmq.Socket] = {}
-        self._by_socket: dict[zmq.Socket, str] = {}
         self._last_seq: dict[str, tuple[int, int]] = {}
         self.event_gaps: dict[str, int] = {name: 0 for name in self._events_at}
         """Events a node published that this client never saw (PUB drops when we are slow or reconnecting)."""
@@ -194,7 +193,6 @@ class PlacementClient:
         """A fresh DEALER for ``name``; the old one (and what was queued on it) is dropped."""
         old = self._dealers.pop(name, None)
         if old is not None:
-            self._by_socket.pop(old, None)
             old.close(0)
         if ipc_path(self._nodes[name]) is not None:  # the node's local socket: framed, not ZeroMQ
             sock = _LocalDealer(self._nodes[name])
@@ -202,7 +200,6 @@ class PlacementClient:
             sock = self._socket(zmq.DEALER, name)
             sock.connect(self._nodes[name])
         self._dealers[name] = sock
-        self._by_socket[sock] = name
 
     @property
     def nodes(self) -> list[str]:
@@ -243,8 +240,9 @@ class PlacementClient:
             self._connect(name)
         deadline = time.monotonic() + timeout_ms / 1000.0
         poller = zmq.Poller()
-        for rid, name in pending.items():
-            poller.register(self._dealers[name], zmq.POLLIN)
+        by_socket = {self._dealers[name]: name for name in pending.values()}
+        for sock in by_socket:
+            poller.register(sock, zmq.POLLIN)
         while pending:
             remaining_ms = (deadline - time.monotonic()) * 1000.0
             if remaining_ms <= 0:
@@ -253,7 +251,7 @@ class PlacementClient:
             for sock, _ in poller.poll(math.ceil(remaining_ms)):
                 if isinstance(sock, int):  # pyzmq names a plain descriptor by its number
                     sock = local[sock]
-                self._drain(sock, pending, results, poller)
+                self._drain(sock, by_socket[sock], pending, results, poller)
         for rid, name in pending.items():
             results[name] = NodeResult(name, None, NodeTimeoutError(name, self._nodes[name], timeout_ms))
             log.warning("[placement] timeout node=%s endpoint=%s timeout_ms=%.0f", name, self._nodes[name],
@@ -261,10 +259,9 @@ class PlacementClient:
             self._connect(name)  # drop the queued request: it must not run when the node comes back
         return {name: results[name] for name in dict.fromkeys(names)}
 
-    def _drain(self, sock: zmq.Socket, pending: dict[int, str], results: dict[str, NodeResult],
+    def _drain(self, sock: zmq.Socket, name: str, pending: dict[int, str], results: dict[str, NodeResult],
                poller: zmq.Poller) -> None:
-        """Read every frame waiting on ``sock``; keep the ones answering a pending request."""
-        name = self._by_socket[sock]
+        """Read every frame waiting on node ``name``'s ``sock``; keep the ones answering a pending request."""
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
