@@ -543,24 +543,21 @@ class Client:
 
     def _reattach(self, cause: str, handshake_timeout_s: float) -> None:
         """New sockets and a hello that resumes the session, claiming the slice we hold."""
-        with self._io:
-            self._reattach_locked(cause, handshake_timeout_s)
-
-    def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
-        log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
-        self._yield_requested = False
-        self._async_error = None
-        try:
-            self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
-        except DaemonUnavailableError:
-            self._grant = claim  # still ours for the rest of the lease
-            raise
-        self._lost_at = None
-        self._unmanaged = False
-        self._resume_failures, self._next_resume_try = 0, 0.0
-        if claim is not None:
-            self._pump(100)  # the daemon answers a claim with a grant right after the welcome
+        with self._io:  # reentrant: the liveness thread calls this holding it
+            log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
+            claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
+            self._yield_requested = False
+            self._async_error = None
+            try:
+                self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
+            except DaemonUnavailableError:
+                self._grant = claim  # still ours for the rest of the lease
+                raise
+            self._lost_at = None
+            self._unmanaged = False
+            self._resume_failures, self._next_resume_try = 0, 0.0
+            if claim is not None:
+                self._pump(100)  # the daemon answers a claim with a grant right after the welcome
 
     # ------------------------------------------------------------ internals
 
@@ -785,7 +782,7 @@ class Client:
                     self._next_background_retry = self._next_resume_try
                     return
                 try:
-                    self._reattach_locked("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
+                    self._reattach("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
                 except DaemonUnavailableError:
                     if now - self._lost_at > self.reconnect_timeout_s:
                         self._next_background_retry = None  # the owner raises when it next calls in
