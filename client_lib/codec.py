@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import typing
+from contextlib import suppress
 
 import msgspec
 from msgspec import inspect as mi
@@ -145,22 +146,17 @@ def _scan_id(frame: bytes) -> int:
         if key is None:
             break
         pos, steps = key
-        if is_id and pos < len(frame):
-            b = frame[pos]
-            if b <= 0x7F:
-                found = b
-            elif b in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
-                width = 1 << ((b - 0xCC) & 3)
-                raw = frame[pos + 1:pos + 1 + width]
-                value = int.from_bytes(raw, "big", signed=b >= 0xD0)
-                if len(raw) == width and 0 <= value < 2**63:
-                    found = value  # a later "id" wins, as when decoding
         if pos < len(frame) and frame[pos] == 0xC1:  # a value MessagePack never uses: one byte, as msgspec reads it
             pos += 1
             continue
         value = _skip(frame, pos, steps)
         if value is None:
             break
+        if is_id:
+            with suppress(*_UNDECODABLE):
+                rid = _loose_decoder.decode(frame[pos:value[0]])
+                if type(rid) is int and 0 <= rid < 2**63:
+                    found = rid  # a later "id" wins, as when decoding
         pos, steps = value
     return found
 
@@ -177,7 +173,7 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     except msgspec.ValidationError:
         return _refused(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError):  # ValueError: a str not UTF-8, older msgspec
-        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+        raise _malformed(frame) from None
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
 
@@ -205,7 +201,7 @@ def _refused(frame: bytes) -> p.ClientMessage:
     try:
         value = _loose_decoder.decode(frame)
     except _UNDECODABLE:  # not one MessagePack value at all (b"hello")
-        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+        raise _malformed(frame) from None
     if type(value) is not dict:
         raise BadFrame(f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
                        "a request is a map with 'op' and 'id'")
@@ -372,9 +368,9 @@ def _check_union(value: typing.Any, t: mi.UnionType, path: str) -> typing.Any:
     raise _Wrong(path, f"expected {names}, got {_kind(value)}")
 
 
-def _malformed_text(frame: bytes) -> str:
+def _malformed(frame: bytes) -> BadFrame:
     """A frame that is not (one whole value of) MessagePack: what our own walk of it finds."""
-    return f"the frame is not a MessagePack map: {_malformed_reason(frame)}"
+    return BadFrame(f"the frame is not a MessagePack map: {_malformed_reason(frame)}", _scan_id(frame))
 
 
 def _malformed_reason(frame: bytes) -> str:
