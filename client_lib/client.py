@@ -241,15 +241,14 @@ class Client:
         slice's included; ``oldest_arrival``, when the oldest arrived (``time.monotonic()``), so
         that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
-        if self._grant is None and self._transport.conn is not None:
+        if self._grant is None:
             self._transport.send_quiet(p.Acquire, quiet=True, **_queue_fields(waiting, oldest_arrival))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting)."""
         self._check_open()
-        if self._grant is not None or self._transport.conn is None:
-            return
-        self._transport.send_quiet(p.Cancel)
+        if self._grant is None:
+            self._transport.send_quiet(p.Cancel)
 
     def release(self, requeue: bool = False, *, waiting: int | None = None,
                 oldest_arrival: float | None = None) -> None:
@@ -261,8 +260,6 @@ class Client:
             return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        if self._transport.conn is None:
-            return
         # The daemon first, before reading anything: the next holder waits on its grant.
         self._transport.send_quiet(p.Release, grant=grant, requeue=requeue, quiet=True,
                                    **_queue_fields(waiting, oldest_arrival))
@@ -326,8 +323,7 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             poller = select.poll()
-            conn = self._transport.conn
-            conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
+            conn_fd = self._watch_fd()
             if conn_fd is not None:
                 poller.register(conn_fd, select.POLLIN)
             for fd in fds:
@@ -415,10 +411,8 @@ class Client:
             self._pace.reader.close()
             self._pace = None
         with self._io:
-            if self._transport.conn is not None:
-                # Wait for the bye's answer, so the daemon hears it as a goodbye and
-                # not as a vanished client.
-                self._say_goodbye()
+            # Wait for the bye's answer, so the daemon hears it as a goodbye and not as a vanished client.
+            self._say_goodbye()
         self._grant = None
 
     def __enter__(self) -> "Client":
