@@ -6,6 +6,7 @@ to decide. Detail: docs/internals.md.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ class Transport:
         self.endpoint = endpoint
         self.conn: framing.Connection | None = None
         self.io = threading.RLock()  # held while the client reads or writes; the liveness thread only tries it
-        self._next_id = 1
+        self._ids = itertools.count(1)
         self._replies: dict[int, p.DaemonMessage] = {}
         self._awaiting: set[int] = set()  # ids of requests a call() is waiting on
 
@@ -57,9 +58,7 @@ class Transport:
     # -------------------------------------------------------------- requests
 
     def take_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+        return next(self._ids)
 
     def send_quiet(self, kind: type[p.Request], **fields: object) -> None:
         """Send a ``kind`` request with the next id, without waiting: only an error reply matters, and
