@@ -743,11 +743,9 @@ class Client:
 
     def _watch_due(self) -> float | None:
         """When the liveness thread must next act for this client without a hang-up."""
-        due = self._next_heartbeat
         retry = None if self._owner_reattaching else self._next_background_retry
-        if retry is not None and (due is None or retry < due):
-            due = retry
-        return None if due is None else max(due, self._watch_again)
+        dues = [due for due in (self._next_heartbeat, retry) if due is not None]
+        return max(min(dues), self._watch_again) if dues else None
 
     def _on_watch(self, now: float, hung_up: bool) -> None:
         """Called by the liveness thread: the daemon hung up, a heartbeat is due, or a
