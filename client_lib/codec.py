@@ -69,12 +69,9 @@ def _header(frame: bytes, pos: int) -> tuple[int, int] | None:
 
 
 def nesting_depth_exceeds(frame: bytes, limit: int) -> bool:
-    """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut
-    short inside a container deeper than that.
-
-    Iterative and linear in the frame's size. A frame has at most as many
-    levels as it has container-opening bytes, so the common case (a small
-    request) is settled by one C-speed count and never walked."""
+    """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut short inside a
+    container deeper than that. Iterative and linear; a frame has at most as many levels as
+    container-opening bytes, so a small request is settled by one C-speed count, never walked."""
     if len(frame.translate(None, _NOT_OPENERS)) <= limit:
         return False
     pending: list[int] = []  # elements still to read, per open container
@@ -224,12 +221,9 @@ def _refused(frame: bytes) -> p.ClientMessage:
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:
-    """Decode one daemon message (client side). Raises :class:`BadFrame`.
-
-    No depth walk here: a status of thousands of sessions is a large frame with
-    many containers, and walking it in Python costs more than decoding it. A
-    daemon cannot crash its client either way: msgspec's own recursion guard
-    raises RecursionError, caught below."""
+    """Decode one daemon message (client side); :class:`BadFrame` if it is none. No depth walk: on a
+    status of thousands of sessions it costs more than decoding, and msgspec's own recursion guard
+    raises RecursionError, caught below, so a daemon cannot crash its client either way."""
     try:
         return _reply_decoder.decode(frame)
     except _UNDECODABLE as exc:
