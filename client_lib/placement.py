@@ -100,6 +100,15 @@ class NodeResult:
         return self.error is None
 
 
+def _server_key(key: Mapping[str, bytes] | bytes | None, name: str) -> bytes:
+    if not isinstance(key, (bytes, str)):
+        if key is None or name not in key:
+            raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
+                             "see load_server_public) or keys=None for plain tcp")
+        key = key[name]
+    return key.encode() if isinstance(key, str) else key
+
+
 def _named(what: str, endpoints: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     if isinstance(endpoints, str):
         raise ValueError(f"{what} must be a list of endpoints or a mapping of name to endpoint, not a string")
@@ -131,10 +140,9 @@ class PlacementClient:
             raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
         self.timeout_ms = float(timeout_ms)
         self._keys = keys
-        self._server_keys = server_keys
-        if keys is not None:
-            for name in self._nodes:
-                self._server_key(name)  # fail now, naming the node, rather than at the first call
+        # each node's server key, found now to fail naming the node rather than at the first call
+        self._server_public = ({name: _server_key(server_keys, name) for name in self._nodes}
+                               if keys is not None else {})
         self._events_at: dict[str, str] = {}
         if events is not None:
             if isinstance(events, Mapping):
@@ -171,22 +179,13 @@ class PlacementClient:
 
     # ------------------------------------------------------------ sockets
 
-    def _server_key(self, name: str) -> bytes:
-        key = self._server_keys
-        if not isinstance(key, (bytes, str)):
-            if key is None or name not in key:
-                raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
-                                 "see load_server_public) or keys=None for plain tcp")
-            key = key[name]
-        return key.encode() if isinstance(key, str) else key
-
     def _socket(self, kind: int, name: str) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.linger = 0
         if self._keys is not None:
             sock.curve_publickey = self._keys.public
             sock.curve_secretkey = self._keys.secret
-            sock.curve_serverkey = self._server_key(name)
+            sock.curve_serverkey = self._server_public[name]
         return sock
 
     def _connect(self, name: str) -> None:
