@@ -407,9 +407,7 @@ class Client:
             return
         self._closed = True
         liveness.forget(self)
-        if self._pace is not None:
-            self._pace.reader.close()
-            self._pace = None
+        self._open_pace("")  # unmap the pace board, if any
         with self._io:
             # Wait for the bye's answer, so the daemon hears it as a goodbye and not as a vanished client.
             self._say_goodbye()
