@@ -76,6 +76,8 @@ class Transport:
         (it hands replies back through :meth:`deliver`). An error reply is raised."""
         with self.io:
             conn = self.conn
+            if conn is None:  # the last attempt to (re)connect failed
+                raise DaemonUnavailableError(self.endpoint, "no connection (the last attempt to connect failed)")
             try:
                 conn.send(codec.encode(req))
             except ConnectionError as exc:

@@ -146,6 +146,15 @@ def test_daemon_killed_while_waiting_raises_unavailable(start_daemon):
             holder.yield_point()
 
 
+def test_a_request_after_a_failed_reattach_says_the_daemon_is_unavailable(start_daemon):
+    d = start_daemon()
+    with Client("orphan", endpoint=d.endpoint, reconnect=False) as client:
+        d.kill()
+        assert not client.try_resume()  # the failed attempt leaves no connection open
+        with pytest.raises(DaemonUnavailableError, match="no connection"):
+            client.status(timeout=1)
+
+
 def test_reconnecting_client_carries_on_after_a_daemon_restart(start_daemon):
     d = start_daemon("--heartbeat-ms", "100")
     client = Client("phoenix", endpoint=d.endpoint, reconnect=True, reconnect_timeout_s=20)
