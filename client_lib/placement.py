@@ -29,8 +29,6 @@ log = logging.getLogger("client_lib.placement")
 __all__ = ["ClientKeys", "NodeResult", "NodeTimeoutError", "PlacementClient", "PlacementError",
            "load_server_public"]
 
-E_TIMEOUT = "E_TIMEOUT"
-E_UNAVAILABLE = "E_UNAVAILABLE"
 E_BAD_REPLY = "E_BAD_REPLY"
 E_NOT_SUSPENDED = "E_NOT_SUSPENDED"  # lend(..., suspend=...): a session did not end suspended
 
@@ -51,8 +49,8 @@ class NodeTimeoutError(PlacementError, TimeoutError):
     """No reply from ``node`` within the timeout (down, unreachable, a key it does not allow, or slow)."""
 
     def __init__(self, node: str, endpoint: str, timeout_ms: float) -> None:
-        super().__init__(E_TIMEOUT, f"no reply from {endpoint} within {timeout_ms:g} ms (daemon down, "
-                                    "unreachable, or our key not in its allowed/ directory?)", node)
+        super().__init__(p.ErrorCode.TIMEOUT, f"no reply from {endpoint} within {timeout_ms:g} ms (daemon "
+                         "down, unreachable, or our key not in its allowed/ directory?)", node)
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
 
@@ -235,7 +233,7 @@ class PlacementClient:
             else:
                 pending[rid] = name
                 continue
-            results[name] = NodeResult(name, None, PlacementError(E_UNAVAILABLE, why, name))
+            results[name] = NodeResult(name, None, PlacementError(p.ErrorCode.UNAVAILABLE, why, name))
             self._connect(name)
         deadline = time.monotonic() + timeout_ms / 1000.0
         poller = zmq.Poller()
