@@ -298,8 +298,7 @@ class Client:
         if self._suspend_requested:
             self._suspend_in_place()
             return True
-        if self._pace is not None:
-            self._pace.wait()
+        self.pace_point()
         if self._yield_requested and self._grant is not None:
             if self._fence is not None:
                 self._fence()  # the next holder gets the device, not a queue of our work

@@ -41,7 +41,6 @@ class Transport:
         """A new connection (the old one, if any, is closed first); it answers nothing the old one asked."""
         self.close()
         self._replies.clear()
-        self._awaiting.clear()
         self.conn = open_connection(self.endpoint, timeout)
 
     def close(self) -> None:
