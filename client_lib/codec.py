@@ -240,12 +240,11 @@ _CLIENT_TYPE = msgspec.inspect.type_info(p.ClientMessage)
 _OPS = tuple(cls.__struct_config__.tag for cls in typing.get_args(p.ClientMessage))
 _KIND_WORDS = {bool: "boolean", int: "integer", float: "float", str: "string", bytes: "binary", list: "array",
                dict: "map", type(None): "nil"}
-_TYPE_WORDS = {mi.IntType: "integer", mi.FloatType: "number", mi.StrType: "string", mi.BoolType: "boolean",
-               mi.NoneType: "nil", mi.BytesType: "binary", mi.ListType: "array", mi.TupleType: "array",
-               mi.DictType: "map", mi.StructType: "map", mi.LiteralType: "one of its values"}
 # The Python type a loose decode gives a value of these wire types; any other value is of the wrong kind.
 _DECODED_AS = {mi.NoneType: type(None), mi.BoolType: bool, mi.StrType: str, mi.BytesType: bytes, mi.ListType: list,
                mi.TupleType: list, mi.DictType: dict}
+_TYPE_WORDS = {**{t: _KIND_WORDS[kind] for t, kind in _DECODED_AS.items()}, mi.IntType: "integer",
+               mi.FloatType: "number", mi.StructType: "map", mi.LiteralType: "one of its values"}
 
 
 class _Wrong(Exception):
