@@ -66,9 +66,8 @@ class Client:
         if borrower is None and workload != "inference":  # inference has no borrower
             borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
-        if handshake_timeout_s is None:
-            handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
-        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_timeout_s = (float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5")) if handshake_timeout_s is None
+                                    else handshake_timeout_s)
         self._wanted_device = device
         # The connection (framing, ids, replies awaited, the I/O lock); this class keeps the
         # session: what the daemon's notices mean.
