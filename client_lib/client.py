@@ -66,9 +66,8 @@ class Client:
         if borrower is None and workload != "inference":  # inference has no borrower
             borrower = os.environ.get(ENV_BORROWER) or None
         self.borrower = borrower  # the training job this session belongs to (a device lent to it)
-        if handshake_timeout_s is None:
-            handshake_timeout_s = float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5"))
-        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_timeout_s = (float(os.environ.get(ENV_HANDSHAKE_TIMEOUT, "5")) if handshake_timeout_s is None
+                                    else handshake_timeout_s)
         self._wanted_device = device
         # The connection (framing, ids, replies awaited, the I/O lock); this class keeps the
         # session: what the daemon's notices mean.
@@ -241,17 +240,14 @@ class Client:
         slice's included; ``oldest_arrival``, when the oldest arrived (``time.monotonic()``), so
         that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
-        transport = self._transport
-        if self._grant is None and transport.conn is not None:
-            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True,
-                                           **_queue_fields(waiting, oldest_arrival)))
+        if self._grant is None:
+            self._transport.send_quiet(p.Acquire, quiet=True, **_queue_fields(waiting, oldest_arrival))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting)."""
         self._check_open()
-        if self._grant is not None or self._transport.conn is None:
-            return
-        self._send_quiet(p.Cancel(id=self._take_id()))
+        if self._grant is None:
+            self._transport.send_quiet(p.Cancel)
 
     def release(self, requeue: bool = False, *, waiting: int | None = None,
                 oldest_arrival: float | None = None) -> None:
@@ -263,12 +259,9 @@ class Client:
             return
         grant, self._grant = self._grant, None
         self._yield_requested = False
-        if self._transport.conn is None:
-            return
         # The daemon first, before reading anything: the next holder waits on its grant.
-        transport = self._transport
-        transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
-                                       **_queue_fields(waiting, oldest_arrival)))
+        self._transport.send_quiet(p.Release, grant=grant, requeue=requeue, quiet=True,
+                                   **_queue_fields(waiting, oldest_arrival))
         self._pump(0)
 
     @contextmanager
@@ -304,8 +297,7 @@ class Client:
         if self._suspend_requested:
             self._suspend_in_place()
             return True
-        if self._pace is not None:
-            self._pace.wait()
+        self.pace_point()
         if self._yield_requested and self._grant is not None:
             if self._fence is not None:
                 self._fence()  # the next holder gets the device, not a queue of our work
@@ -329,8 +321,7 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             poller = select.poll()
-            conn = self._transport.conn
-            conn_fd = conn.fileno() if conn is not None and not conn.closed_by_peer else None
+            conn_fd = self._watch_fd()
             if conn_fd is not None:
                 poller.register(conn_fd, select.POLLIN)
             for fd in fds:
@@ -351,7 +342,7 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> p.StatusReply:
         """The daemon's status snapshot."""
-        return self._call(p.StatusRequest(id=self._take_id()), timeout)
+        return self._call(p.StatusRequest(id=self._transport.take_id()), timeout)
 
     # ------------------------------------------------------ server-side models
 
@@ -365,7 +356,7 @@ class Client:
         if weights is not None:
             weights = os.path.abspath(os.fspath(weights))  # the daemon runs elsewhere
         with serving.Packed(serving.as_list(example_input), self.endpoint) as packed:
-            req = p.RegisterModel(id=self._take_id(), name=name, factory=factory, weights=weights,
+            req = p.RegisterModel(id=self._transport.take_id(), name=name, factory=factory, weights=weights,
                                   example_input=packed.refs, device=device, replace=replace)
             reply = self._call(req, timeout)
         return reply.model
@@ -377,7 +368,7 @@ class Client:
         self._check_open()
         values = serving.as_list(inputs)
         with serving.Packed(values, self.endpoint) as packed:
-            req = p.Infer(id=self._take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
+            req = p.Infer(id=self._transport.take_id(), model=name, inputs=packed.refs, timeout_ms=timeout * 1000.0)
             try:
                 # The daemon answers E_TIMEOUT at ``timeout``; the margin lets that answer arrive first.
                 reply = self._call(req, timeout + serving.REPLY_MARGIN_S)
@@ -391,10 +382,10 @@ class Client:
 
     def models(self, timeout: float = 5.0) -> list[p.ModelInfo]:
         """Models registered with the daemon."""
-        return self._call(p.ModelsRequest(id=self._take_id()), timeout).models
+        return self._call(p.ModelsRequest(id=self._transport.take_id()), timeout).models
 
     def unregister_model(self, name: str, timeout: float = 30.0) -> None:
-        self._call(p.UnregisterModel(id=self._take_id(), name=name), timeout)
+        self._call(p.UnregisterModel(id=self._transport.take_id(), name=name), timeout)
 
     def daemon_healthy(self) -> bool:
         """False once the daemon closed this client's connection (it went away or restarted)."""
@@ -414,14 +405,10 @@ class Client:
             return
         self._closed = True
         liveness.forget(self)
-        if self._pace is not None:
-            self._pace.reader.close()
-            self._pace = None
+        self._open_pace("")  # unmap the pace board, if any
         with self._io:
-            if self._transport.conn is not None:
-                # Wait for the bye's answer, so the daemon hears it as a goodbye and
-                # not as a vanished client.
-                self._say_goodbye()
+            # Wait for the bye's answer, so the daemon hears it as a goodbye and not as a vanished client.
+            self._say_goodbye()
         self._grant = None
 
     def __enter__(self) -> "Client":
@@ -452,7 +439,7 @@ class Client:
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
         host_bytes, host_pinned = self._host_held()
         report = dict(bytes_parked=bytes_parked, suspend_ms=suspend_ms, host_bytes=host_bytes, host_pinned=host_pinned)
-        self._send_quiet(p.Suspended(id=self._take_id(), **report))
+        self._transport.send_quiet(p.Suspended, **report)
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
                  host_bytes)
         generation = self._generation
@@ -465,7 +452,7 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._send_quiet(p.Suspended(id=self._take_id(), **report))
+                self._transport.send_quiet(p.Suspended, **report)
             if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -475,7 +462,7 @@ class Client:
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
         if self._transport.conn is not None:
-            self._send_quiet(p.Resumed(id=self._take_id(), resume_ms=resume_ms, host_bytes=self._host_held()[0]))
+            self._transport.send_quiet(p.Resumed, resume_ms=resume_ms, host_bytes=self._host_held()[0])
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
             self.request()
@@ -546,24 +533,21 @@ class Client:
 
     def _reattach(self, cause: str, handshake_timeout_s: float) -> None:
         """New sockets and a hello that resumes the session, claiming the slice we hold."""
-        with self._io:
-            self._reattach_locked(cause, handshake_timeout_s)
-
-    def _reattach_locked(self, cause: str, handshake_timeout_s: float) -> None:
-        log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
-        claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
-        self._yield_requested = False
-        self._async_error = None
-        try:
-            self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
-        except DaemonUnavailableError:
-            self._grant = claim  # still ours for the rest of the lease
-            raise
-        self._lost_at = None
-        self._unmanaged = False
-        self._resume_failures, self._next_resume_try = 0, 0.0
-        if claim is not None:
-            self._pump(100)  # the daemon answers a claim with a grant right after the welcome
+        with self._io:  # reentrant: the liveness thread calls this holding it
+            log.info("[client] reattaching to %s (%s)", self.endpoint, cause)
+            claim, self._grant = self._grant, None  # _connect opens a new connection, closing this one
+            self._yield_requested = False
+            self._async_error = None
+            try:
+                self._connect(claim=claim, handshake_timeout_s=handshake_timeout_s)
+            except DaemonUnavailableError:
+                self._grant = claim  # still ours for the rest of the lease
+                raise
+            self._lost_at = None
+            self._unmanaged = False
+            self._resume_failures, self._next_resume_try = 0, 0.0
+            if claim is not None:
+                self._pump(100)  # the daemon answers a claim with a grant right after the welcome
 
     # ------------------------------------------------------------ internals
 
@@ -573,7 +557,7 @@ class Client:
         self._transport.open(timeout)
         old = self.welcome
         hello = p.Hello(
-            id=self._take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
+            id=self._transport.take_id(), protocol=p.PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
             workload=self.workload, weight=self.weight, device=self._wanted_device,
             memory_mb=self.memory_mb, resume_session=old.session if old else None,
             resume_key=old.key if old else None, managed_pgid=self.managed_pgid, holding_grant=claim,
@@ -655,7 +639,7 @@ class Client:
         """End the session with ``bye`` (if the daemon is there) and close the connection."""
         if self.daemon_healthy():
             with suppress(NodeAgentError, ConnectionError):
-                self._call(p.Goodbye(id=self._take_id()), timeout=1.0)
+                self._call(p.Goodbye(id=self._transport.take_id()), timeout=1.0)
         self._transport.close()
 
     def _wait_for_grant(self, timeout: float | None) -> int:
@@ -674,23 +658,16 @@ class Client:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._send_quiet(p.Cancel(id=self._take_id()))
+                    self._transport.send_quiet(p.Cancel)
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
             if not self._pump(remaining_ms):
                 self._check_daemon()
         return self._grant
 
-    def _take_id(self) -> int:
-        return self._transport.take_id()
-
     def _check_open(self) -> None:
         if self._closed:
             raise NodeAgentError("client is closed")
-
-    def _send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting (:meth:`client_lib.transport.Transport.send_quiet`)."""
-        self._transport.send_quiet(req)
 
     def _call(self, req: p.ClientMessage, timeout: float, handshake: bool = False) -> p.DaemonMessage:
         """Send ``req`` and wait for its reply, handling notices meanwhile."""
@@ -762,11 +739,9 @@ class Client:
 
     def _watch_due(self) -> float | None:
         """When the liveness thread must next act for this client without a hang-up."""
-        due = self._next_heartbeat
         retry = None if self._owner_reattaching else self._next_background_retry
-        if retry is not None and (due is None or retry < due):
-            due = retry
-        return None if due is None else max(due, self._watch_again)
+        dues = [due for due in (self._next_heartbeat, retry) if due is not None]
+        return max(min(dues), self._watch_again) if dues else None
 
     def _on_watch(self, now: float, hung_up: bool) -> None:
         """Called by the liveness thread: the daemon hung up, a heartbeat is due, or a
@@ -795,7 +770,7 @@ class Client:
                     self._next_background_retry = self._next_resume_try
                     return
                 try:
-                    self._reattach_locked("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
+                    self._reattach("the daemon closed the connection", _UNMANAGED_HANDSHAKE_S)
                 except DaemonUnavailableError:
                     if now - self._lost_at > self.reconnect_timeout_s:
                         self._next_background_retry = None  # the owner raises when it next calls in
@@ -810,7 +785,7 @@ class Client:
     def _heartbeat_if_due(self, now: float) -> None:
         """Under the I/O lock: the heartbeat an unwatched session owes, if it is due."""
         if self._next_heartbeat is not None and self._next_heartbeat <= now and self.welcome is not None:
-            self._send_quiet(p.Heartbeat(id=self._take_id(), session=self.welcome.session, key=self.welcome.key))
+            self._transport.send_quiet(p.Heartbeat, session=self.welcome.session, key=self.welcome.key)
             self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
 
 

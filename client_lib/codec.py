@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import typing
+from contextlib import suppress
 
 import msgspec
 from msgspec import inspect as mi
@@ -68,12 +69,9 @@ def _header(frame: bytes, pos: int) -> tuple[int, int] | None:
 
 
 def nesting_depth_exceeds(frame: bytes, limit: int) -> bool:
-    """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut
-    short inside a container deeper than that.
-
-    Iterative and linear in the frame's size. A frame has at most as many
-    levels as it has container-opening bytes, so the common case (a small
-    request) is settled by one C-speed count and never walked."""
+    """True if ``frame`` nests arrays and maps deeper than ``limit``, or is cut short inside a
+    container deeper than that. Iterative and linear; a frame has at most as many levels as
+    container-opening bytes, so a small request is settled by one C-speed count, never walked."""
     if len(frame.translate(None, _NOT_OPENERS)) <= limit:
         return False
     pending: list[int] = []  # elements still to read, per open container
@@ -145,22 +143,17 @@ def _scan_id(frame: bytes) -> int:
         if key is None:
             break
         pos, steps = key
-        if is_id and pos < len(frame):
-            b = frame[pos]
-            if b <= 0x7F:
-                found = b
-            elif b in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
-                width = 1 << ((b - 0xCC) & 3)
-                raw = frame[pos + 1:pos + 1 + width]
-                value = int.from_bytes(raw, "big", signed=b >= 0xD0)
-                if len(raw) == width and 0 <= value < 2**63:
-                    found = value  # a later "id" wins, as when decoding
         if pos < len(frame) and frame[pos] == 0xC1:  # a value MessagePack never uses: one byte, as msgspec reads it
             pos += 1
             continue
         value = _skip(frame, pos, steps)
         if value is None:
             break
+        if is_id:
+            with suppress(*_UNDECODABLE):
+                rid = _loose_decoder.decode(frame[pos:value[0]])
+                if type(rid) is int and 0 <= rid < 2**63:
+                    found = rid  # a later "id" wins, as when decoding
         pos, steps = value
     return found
 
@@ -177,7 +170,7 @@ def decode_request(frame: bytes, max_bytes: int = p.MAX_REQUEST_BYTES) -> p.Clie
     except msgspec.ValidationError:
         return _refused(frame)
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError):  # ValueError: a str not UTF-8, older msgspec
-        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+        raise _malformed(frame) from None
     except RecursionError:  # unreachable after the depth check; kept so no frame can raise it
         raise BadFrame(f"frame nests arrays or maps deeper than {p.MAX_NESTING_DEPTH} levels") from None
 
@@ -205,7 +198,7 @@ def _refused(frame: bytes) -> p.ClientMessage:
     try:
         value = _loose_decoder.decode(frame)
     except _UNDECODABLE:  # not one MessagePack value at all (b"hello")
-        raise BadFrame(_malformed_text(frame), _scan_id(frame)) from None
+        raise _malformed(frame) from None
     if type(value) is not dict:
         raise BadFrame(f"invalid request: the frame is a MessagePack {_kind(value)}, not a map; "
                        "a request is a map with 'op' and 'id'")
@@ -228,12 +221,9 @@ def _refused(frame: bytes) -> p.ClientMessage:
 
 
 def decode_reply(frame: bytes) -> p.DaemonMessage:
-    """Decode one daemon message (client side). Raises :class:`BadFrame`.
-
-    No depth walk here: a status of thousands of sessions is a large frame with
-    many containers, and walking it in Python costs more than decoding it. A
-    daemon cannot crash its client either way: msgspec's own recursion guard
-    raises RecursionError, caught below."""
+    """Decode one daemon message (client side); :class:`BadFrame` if it is none. No depth walk: on a
+    status of thousands of sessions it costs more than decoding, and msgspec's own recursion guard
+    raises RecursionError, caught below, so a daemon cannot crash its client either way."""
     try:
         return _reply_decoder.decode(frame)
     except _UNDECODABLE as exc:
@@ -250,12 +240,11 @@ _CLIENT_TYPE = msgspec.inspect.type_info(p.ClientMessage)
 _OPS = tuple(cls.__struct_config__.tag for cls in typing.get_args(p.ClientMessage))
 _KIND_WORDS = {bool: "boolean", int: "integer", float: "float", str: "string", bytes: "binary", list: "array",
                dict: "map", type(None): "nil"}
-_TYPE_WORDS = {mi.IntType: "integer", mi.FloatType: "number", mi.StrType: "string", mi.BoolType: "boolean",
-               mi.NoneType: "nil", mi.BytesType: "binary", mi.ListType: "array", mi.TupleType: "array",
-               mi.DictType: "map", mi.StructType: "map", mi.LiteralType: "one of its values"}
 # The Python type a loose decode gives a value of these wire types; any other value is of the wrong kind.
 _DECODED_AS = {mi.NoneType: type(None), mi.BoolType: bool, mi.StrType: str, mi.BytesType: bytes, mi.ListType: list,
                mi.TupleType: list, mi.DictType: dict}
+_TYPE_WORDS = {**{t: _KIND_WORDS[kind] for t, kind in _DECODED_AS.items()}, mi.IntType: "integer",
+               mi.FloatType: "number", mi.StructType: "map", mi.LiteralType: "one of its values"}
 
 
 class _Wrong(Exception):
@@ -372,9 +361,9 @@ def _check_union(value: typing.Any, t: mi.UnionType, path: str) -> typing.Any:
     raise _Wrong(path, f"expected {names}, got {_kind(value)}")
 
 
-def _malformed_text(frame: bytes) -> str:
+def _malformed(frame: bytes) -> BadFrame:
     """A frame that is not (one whole value of) MessagePack: what our own walk of it finds."""
-    return f"the frame is not a MessagePack map: {_malformed_reason(frame)}"
+    return BadFrame(f"the frame is not a MessagePack map: {_malformed_reason(frame)}", _scan_id(frame))
 
 
 def _malformed_reason(frame: bytes) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grp
 import os
 import tempfile
+from contextlib import suppress
 
 ENV_ENDPOINT = "NODEAGENT_ENDPOINT"
 SYSTEM_SOCKET = "/run/nodeagent/agent.sock"
@@ -21,12 +22,7 @@ def user_socket_path() -> str:
 
 def daemon_endpoint() -> str:
     """The endpoint ``nodeagent serve`` binds when none is given."""
-    env = os.environ.get(ENV_ENDPOINT)
-    if env:
-        return env
-    if os.geteuid() == 0:
-        return "ipc://" + SYSTEM_SOCKET
-    return "ipc://" + user_socket_path()
+    return os.environ.get(ENV_ENDPOINT) or "ipc://" + (SYSTEM_SOCKET if os.geteuid() == 0 else user_socket_path())
 
 
 def client_endpoint() -> str:
@@ -41,9 +37,7 @@ def client_endpoint() -> str:
 
 def ipc_path(endpoint: str) -> str | None:
     """Filesystem path of an ``ipc://`` endpoint, else None."""
-    if endpoint.startswith("ipc://"):
-        return endpoint[len("ipc://"):]
-    return None
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
 def socket_group(endpoint: str) -> str | None:
@@ -52,15 +46,11 @@ def socket_group(endpoint: str) -> str | None:
     socket's, else that of its directory (which a user outside the group may not look
     into), else the one a root daemon gives it."""
     path = ipc_path(endpoint)
-    gid = None
-    for candidate in (path, os.path.dirname(path or "")):
-        if candidate:
-            try:
-                gid = os.stat(candidate).st_gid
-                break
-            except OSError:
-                continue
-    if gid is None:
+    for candidate in filter(None, (path, os.path.dirname(path or ""))):
+        with suppress(OSError):
+            gid = os.stat(candidate).st_gid
+            break
+    else:
         return f"group {SOCKET_GROUP!r}"
     if gid == 0:
         return None

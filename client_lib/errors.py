@@ -52,11 +52,9 @@ class GrantTimeoutError(NodeAgentError):
 
 
 class CudaTooEarlyError(NodeAgentError):
-    """CUDA was initialised in this process before its session's welcome, whose
-    settings (an MPS share: ``CUDA_MPS_*``, ``CUDA_VISIBLE_DEVICES``) CUDA reads only
-    then: the process would run outside its partition. ``variables`` holds the
-    settings it did not get; ``detected_by`` says how the early start was seen.
-    The session was closed again."""
+    """CUDA started in this process before its session's welcome, whose settings it reads only at start (the
+    message says which and what to do); the session was closed again. ``variables``: the settings it did not
+    get; ``detected_by``: how the early start was seen."""
 
     code = "E_CUDA_TOO_EARLY"
 

@@ -5,6 +5,7 @@ docs/protocol.md specifies it.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import select
 import socket
@@ -132,7 +133,6 @@ class Connection:
 
     def __init__(self, endpoint: str, timeout: float) -> None:
         family, address = parse_endpoint(endpoint)
-        self.endpoint = endpoint
         sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(max(timeout, 0.001))
@@ -217,13 +217,11 @@ def _connect(sock: socket.socket, address, endpoint: str, timeout_s: float) -> N
     twice as long each try up to 50 ms, until ``timeout_s`` has passed: :class:`BacklogFull`."""
     start = time.monotonic()
     delay = _CONNECT_RETRY_FIRST_S
-    tries = 0
-    while True:
+    for tries in itertools.count(1):
         try:
             sock.connect(address)
             return
         except BlockingIOError:
-            tries += 1
             waited = time.monotonic() - start
             if tries == 1:
                 log.debug("[client] %s: the daemon's listen backlog is full; connecting again for up to %.1f s",

@@ -50,17 +50,13 @@ class Watcher(threading.Thread):
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             by_fd = {}
-            now = time.monotonic()
-            wake_at = None
             for client in clients:
                 fd = client._watch_fd()
                 if fd is not None:
                     by_fd[fd] = client
                     poller.register(fd, select.POLLRDHUP)
-                due = client._watch_due()
-                if due is not None and (wake_at is None or due < wake_at):
-                    wake_at = due
-            timeout_ms = -1 if wake_at is None else max(0, int((wake_at - now) * 1000) + 1)
+            dues = [due for due in (client._watch_due() for client in clients) if due is not None]
+            timeout_ms = max(0, int((min(dues) - time.monotonic()) * 1000) + 1) if dues else -1
             del clients
             try:
                 ready = poller.poll(timeout_ms)

@@ -29,8 +29,6 @@ log = logging.getLogger("client_lib.placement")
 __all__ = ["ClientKeys", "NodeResult", "NodeTimeoutError", "PlacementClient", "PlacementError",
            "load_server_public"]
 
-E_TIMEOUT = "E_TIMEOUT"
-E_UNAVAILABLE = "E_UNAVAILABLE"
 E_BAD_REPLY = "E_BAD_REPLY"
 E_NOT_SUSPENDED = "E_NOT_SUSPENDED"  # lend(..., suspend=...): a session did not end suspended
 
@@ -51,8 +49,8 @@ class NodeTimeoutError(PlacementError, TimeoutError):
     """No reply from ``node`` within the timeout (down, unreachable, a key it does not allow, or slow)."""
 
     def __init__(self, node: str, endpoint: str, timeout_ms: float) -> None:
-        super().__init__(E_TIMEOUT, f"no reply from {endpoint} within {timeout_ms:g} ms (daemon down, "
-                                    "unreachable, or our key not in its allowed/ directory?)", node)
+        super().__init__(p.ErrorCode.TIMEOUT, f"no reply from {endpoint} within {timeout_ms:g} ms (daemon "
+                         "down, unreachable, or our key not in its allowed/ directory?)", node)
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
 
@@ -100,6 +98,15 @@ class NodeResult:
         return self.error is None
 
 
+def _server_key(key: Mapping[str, bytes] | bytes | None, name: str) -> bytes:
+    if not isinstance(key, (bytes, str)):
+        if key is None or name not in key:
+            raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
+                             "see load_server_public) or keys=None for plain tcp")
+        key = key[name]
+    return key.encode() if isinstance(key, str) else key
+
+
 def _named(what: str, endpoints: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     if isinstance(endpoints, str):
         raise ValueError(f"{what} must be a list of endpoints or a mapping of name to endpoint, not a string")
@@ -131,10 +138,9 @@ class PlacementClient:
             raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
         self.timeout_ms = float(timeout_ms)
         self._keys = keys
-        self._server_keys = server_keys
-        if keys is not None:
-            for name in self._nodes:
-                self._server_key(name)  # fail now, naming the node, rather than at the first call
+        # each node's server key, found now to fail naming the node rather than at the first call
+        self._server_public = ({name: _server_key(server_keys, name) for name in self._nodes}
+                               if keys is not None else {})
         self._events_at: dict[str, str] = {}
         if events is not None:
             if isinstance(events, Mapping):
@@ -152,7 +158,6 @@ class PlacementClient:
         self._ctx = zmq.Context()
         self._dealers: dict[str, zmq.Socket] = {}
         self._subs: dict[str, zmq.Socket] = {}
-        self._by_socket: dict[zmq.Socket, str] = {}
         self._last_seq: dict[str, tuple[int, int]] = {}
         self.event_gaps: dict[str, int] = {name: 0 for name in self._events_at}
         """Events a node published that this client never saw (PUB drops when we are slow or reconnecting)."""
@@ -172,29 +177,19 @@ class PlacementClient:
 
     # ------------------------------------------------------------ sockets
 
-    def _server_key(self, name: str) -> bytes:
-        key = self._server_keys
-        if not isinstance(key, (bytes, str)):
-            if key is None or name not in key:
-                raise ValueError(f"no server public key for node {name!r}: pass server_keys (its server.key, "
-                                 "see load_server_public) or keys=None for plain tcp")
-            key = key[name]
-        return key.encode() if isinstance(key, str) else key
-
     def _socket(self, kind: int, name: str) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.linger = 0
         if self._keys is not None:
             sock.curve_publickey = self._keys.public
             sock.curve_secretkey = self._keys.secret
-            sock.curve_serverkey = self._server_key(name)
+            sock.curve_serverkey = self._server_public[name]
         return sock
 
     def _connect(self, name: str) -> None:
         """A fresh DEALER for ``name``; the old one (and what was queued on it) is dropped."""
         old = self._dealers.pop(name, None)
         if old is not None:
-            self._by_socket.pop(old, None)
             old.close(0)
         if ipc_path(self._nodes[name]) is not None:  # the node's local socket: framed, not ZeroMQ
             sock = _LocalDealer(self._nodes[name])
@@ -202,7 +197,6 @@ class PlacementClient:
             sock = self._socket(zmq.DEALER, name)
             sock.connect(self._nodes[name])
         self._dealers[name] = sock
-        self._by_socket[sock] = name
 
     @property
     def nodes(self) -> list[str]:
@@ -239,12 +233,13 @@ class PlacementClient:
             else:
                 pending[rid] = name
                 continue
-            results[name] = NodeResult(name, None, PlacementError(E_UNAVAILABLE, why, name))
+            results[name] = NodeResult(name, None, PlacementError(p.ErrorCode.UNAVAILABLE, why, name))
             self._connect(name)
         deadline = time.monotonic() + timeout_ms / 1000.0
         poller = zmq.Poller()
-        for rid, name in pending.items():
-            poller.register(self._dealers[name], zmq.POLLIN)
+        by_socket = {self._dealers[name]: name for name in pending.values()}
+        for sock in by_socket:
+            poller.register(sock, zmq.POLLIN)
         while pending:
             remaining_ms = (deadline - time.monotonic()) * 1000.0
             if remaining_ms <= 0:
@@ -253,7 +248,7 @@ class PlacementClient:
             for sock, _ in poller.poll(math.ceil(remaining_ms)):
                 if isinstance(sock, int):  # pyzmq names a plain descriptor by its number
                     sock = local[sock]
-                self._drain(sock, pending, results, poller)
+                self._drain(sock, by_socket[sock], pending, results, poller)
         for rid, name in pending.items():
             results[name] = NodeResult(name, None, NodeTimeoutError(name, self._nodes[name], timeout_ms))
             log.warning("[placement] timeout node=%s endpoint=%s timeout_ms=%.0f", name, self._nodes[name],
@@ -261,10 +256,9 @@ class PlacementClient:
             self._connect(name)  # drop the queued request: it must not run when the node comes back
         return {name: results[name] for name in dict.fromkeys(names)}
 
-    def _drain(self, sock: zmq.Socket, pending: dict[int, str], results: dict[str, NodeResult],
+    def _drain(self, sock: zmq.Socket, name: str, pending: dict[int, str], results: dict[str, NodeResult],
                poller: zmq.Poller) -> None:
-        """Read every frame waiting on ``sock``; keep the ones answering a pending request."""
-        name = self._by_socket[sock]
+        """Read every frame waiting on node ``name``'s ``sock``; keep the ones answering a pending request."""
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)

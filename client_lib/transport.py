@@ -6,6 +6,7 @@ to decide. Detail: docs/internals.md.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ class Transport:
         self.endpoint = endpoint
         self.conn: framing.Connection | None = None
         self.io = threading.RLock()  # held while the client reads or writes; the liveness thread only tries it
-        self._next_id = 1
+        self._ids = itertools.count(1)
         self._replies: dict[int, p.DaemonMessage] = {}
         self._awaiting: set[int] = set()  # ids of requests a call() is waiting on
 
@@ -40,7 +41,6 @@ class Transport:
         """A new connection (the old one, if any, is closed first); it answers nothing the old one asked."""
         self.close()
         self._replies.clear()
-        self._awaiting.clear()
         self.conn = open_connection(self.endpoint, timeout)
 
     def close(self) -> None:
@@ -57,19 +57,17 @@ class Transport:
     # -------------------------------------------------------------- requests
 
     def take_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+        return next(self._ids)
 
-    def send_quiet(self, req: p.ClientMessage) -> None:
-        """Send without waiting: only an error reply matters, and the client raises it later.
-        A daemon that went away is noticed by the client's next check."""
+    def send_quiet(self, kind: type[p.Request], **fields: object) -> None:
+        """Send a ``kind`` request with the next id, without waiting: only an error reply matters, and
+        the client raises it later. A daemon that went away is noticed by the client's next check."""
         with self.io:
             conn = self.conn
             if conn is None:
                 return
             with suppress(ConnectionError):  # then conn.closed_by_peer is set: the daemon is gone
-                conn.send(codec.encode(req))
+                conn.send(codec.encode(kind(id=self.take_id(), **fields)))
 
     def call(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
              handshake: bool = False) -> p.DaemonMessage:
@@ -77,6 +75,8 @@ class Transport:
         (it hands replies back through :meth:`deliver`). An error reply is raised."""
         with self.io:
             conn = self.conn
+            if conn is None:  # the last attempt to (re)connect failed
+                raise DaemonUnavailableError(self.endpoint, "no connection (the last attempt to connect failed)")
             try:
                 conn.send(codec.encode(req))
             except ConnectionError as exc:

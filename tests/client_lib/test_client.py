@@ -98,7 +98,7 @@ def test_an_error_reply_to_a_request_sent_without_waiting_is_raised_at_the_next_
     from client_lib import DaemonError
     from client_lib import protocol as p
     with Client("quiet", endpoint=inproc_daemon.endpoint) as client:
-        client._send_quiet(p.Acquire(id=client._take_id(), quiet=True, waiting=-1))
+        client._transport.send_quiet(p.Acquire, quiet=True, waiting=-1)
         with pytest.raises(DaemonError, match="E_INVALID") as caught:
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
@@ -144,6 +144,15 @@ def test_daemon_killed_while_waiting_raises_unavailable(start_daemon):
         assert d.endpoint in str(info.value)
         with pytest.raises(DaemonUnavailableError):
             holder.yield_point()
+
+
+def test_a_request_after_a_failed_reattach_says_the_daemon_is_unavailable(start_daemon):
+    d = start_daemon()
+    with Client("orphan", endpoint=d.endpoint, reconnect=False) as client:
+        d.kill()
+        assert not client.try_resume()  # the failed attempt leaves no connection open
+        with pytest.raises(DaemonUnavailableError, match="no connection"):
+            client.status(timeout=1)
 
 
 def test_reconnecting_client_carries_on_after_a_daemon_restart(start_daemon):

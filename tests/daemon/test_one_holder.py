@@ -126,7 +126,7 @@ class OneHolder(RuleBasedStateMachine):
         self.liar._yield_requested = False
         top = max(self.seen)
         for g in sorted(self.seen | {top + 1, top + 2, top + 3}):  # E_NOT_HOLDER for all but its own
-            self.liar._send_quiet(p.Release(id=self.liar._take_id(), grant=g, quiet=True))
+            self.liar._transport.send_quiet(p.Release, grant=g, quiet=True)
 
     # ------------------------------------------------------------ the invariant
 
@@ -140,7 +140,8 @@ class OneHolder(RuleBasedStateMachine):
             changed = False
             for name, c in self.clients.items():
                 before = (c._grant, c._yield_requested)
-                c._call(p.Heartbeat(id=c._take_id(), session=c.welcome.session, key=c.welcome.key), timeout=10)
+                c._call(p.Heartbeat(id=c._transport.take_id(), session=c.welcome.session, key=c.welcome.key),
+                        timeout=10)
                 changed |= (c._grant, c._yield_requested) != before
                 if c.holding and c.yield_requested:
                     c.release(requeue=name in self.wanting)

@@ -121,13 +121,13 @@ try:
         for label, name in (("root", root_name), ("symlink", link)):
             ref = p.TensorRef(dtype="float32", shape=[1, 16], shm=name, nbytes=64)
             try:
-                reply = c._call(p.Infer(id=c._take_id(), model=model, inputs=[ref]), 30.0)
+                reply = c._call(p.Infer(id=c._transport.take_id(), model=model, inputs=[ref]), 30.0)
                 data = tensors.take(reply.outputs, like="numpy", unlink=False)[0].tobytes().hex()
                 results[label] = {"data": data}
             except DaemonError as exc:
                 results[label] = {"code": exc.code, "message": str(exc)}
         try:  # the example input of a registration is copied out of the segment it names
-            c._call(p.RegisterModel(id=c._take_id(), name="stolen-example", factory="torch.nn:Flatten",
+            c._call(p.RegisterModel(id=c._transport.take_id(), name="stolen-example", factory="torch.nn:Flatten",
                                     example_input=[p.TensorRef(dtype="float32", shape=[1, 16], shm=root_name,
                                                                nbytes=64)]), 60.0)
             results["example"] = {"registered": True}
@@ -229,7 +229,7 @@ try:
         for label, name in (("theirs", theirs), ("own", own.name)):
             ref = p.TensorRef(dtype="float32", shape=[1, 16], shm=name, nbytes=64)
             try:
-                reply = c._call(p.Infer(id=c._take_id(), model=model, inputs=[ref]), 30.0)
+                reply = c._call(p.Infer(id=c._transport.take_id(), model=model, inputs=[ref]), 30.0)
                 results[label] = {"data": tensors.take(reply.outputs, like="numpy")[0].tobytes().hex()}
             except DaemonError as exc:
                 results[label] = {"code": exc.code, "message": str(exc)}
@@ -269,7 +269,7 @@ def test_a_containers_root_may_name_only_uid_0s_segments_and_host_root_any(serve
         assert _holds(seg.name, SECRET)  # and nothing unlinked it
         with Client("host-root", workload="inference", endpoint=served.endpoint) as c:  # ROOT: any segment
             ref = p.TensorRef(dtype="float32", shape=[1, 16], shm=seg.name, nbytes=64)
-            reply = c._call(p.Infer(id=c._take_id(), model="flat", inputs=[ref]), 30.0)
+            reply = c._call(p.Infer(id=c._transport.take_id(), model="flat", inputs=[ref]), 30.0)
             assert tensors.take(reply.outputs, like="numpy")[0].tobytes() == SECRET
     finally:
         tensors.unlink_segment(seg.name)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def _infer_reply(c: Client, d: Daemon, name: str, x: torch.Tensor) -> p.InferResult:
     """The whole reply (swap, queue_ms), not only the outputs ``Client.infer`` returns."""
     with serving.Packed([x], d.endpoint) as packed:
-        return c._call(p.Infer(id=c._take_id(), model=name, inputs=packed.refs), 30.0)
+        return c._call(p.Infer(id=c._transport.take_id(), model=name, inputs=packed.refs), 30.0)
 
 
 def _shm_names(*pids: int) -> set[str]:
