@@ -63,10 +63,10 @@ class Tokens:
         self._journal = journal
         self._send = send
         self._bus = bus
-        # Sub-sessions another component holds the token for (serving's queues): their actions
-        # are published (DelegatedAction) for it to carry out.
-        self._delegated: set[str] = set()
-        self._holds: dict[str, TokenHold] = {}  # client sessions' token state, by session id
+        # Client sessions' token state, by session id. A session on a scheduler without one is a
+        # sub-session another component holds the token for (serving's queues): its actions are
+        # published (DelegatedAction) for that component to carry out.
+        self._holds: dict[str, TokenHold] = {}
         self._clock = clock
         self._children: dict[tuple, object] = {}  # (family, device, class) -> its child, kept: no lookup per grant
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
@@ -98,16 +98,13 @@ class Tokens:
         out (published as :class:`DelegatedAction`), not a client session; ``stopped``: the journal
         says the daemon before this one left it stopped (a restored session: :meth:`cont` it)."""
         self.schedulers[device].add_session(sid, workload, weight, now)
-        if delegated:
-            self._delegated.add(sid)
-        else:
+        if not delegated:
             self._holds[sid] = TokenHold(stopped=stopped)
         self._pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
         self._late.forget(sid)
-        self._delegated.discard(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
         self._pacing.drop(sid)
         self._holds.pop(sid, None)
@@ -274,7 +271,7 @@ class Tokens:
     def apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
-            if action.session in self._delegated:  # a client's server-side inference queue
+            if action.session not in self._holds:  # delegated: a client's server-side inference queue
                 self._note_delegated(action, now)
                 self._bus.publish(DelegatedAction(action, now))
                 continue
