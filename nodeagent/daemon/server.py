@@ -349,11 +349,15 @@ class AgentServer:
         try:
             step(*args)
         except Exception:
-            self.metrics.internal_errors.labels(where).inc()
-            now = time.monotonic()
-            if now - self._last_bug_log.get(where, -math.inf) >= 1.0:
-                self._last_bug_log[where] = now
-                log.exception("[%s] internal error; the daemon carries on", where)
+            self._count_bug(where, "[%s] internal error; the daemon carries on", where)
+
+    def _count_bug(self, where: str, message: str, *args) -> None:
+        """Count the exception being handled under ``where``; log it at most once a second per place."""
+        self.metrics.internal_errors.labels(where).inc()
+        now = time.monotonic()
+        if now - self._last_bug_log.get(where, -math.inf) >= 1.0:
+            self._last_bug_log[where] = now
+            log.exception(message, *args)
 
     def _shutdown(self) -> None:
         reason = self._stop_reason or "error"
@@ -704,11 +708,7 @@ class AgentServer:
             self._send(job.route, done.value)
         except Exception:
             self._end_read(job)
-            self.metrics.internal_errors.labels("status").inc()
-            now = time.monotonic()
-            if now - self._last_bug_log.get("status", -math.inf) >= 1.0:  # a flood must not flood the log
-                self._last_bug_log["status"] = now
-                log.exception("[status] building a %s failed id=%d", job.kind, job.request_id)
+            self._count_bug("status", "[status] building a %s failed id=%d", job.kind, job.request_id)
             self._error(job.route, job.request_id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
     def _end_read(self, job: _ReadJob) -> None:
