@@ -151,9 +151,10 @@ class Tokens:
     def revoke(self, device: int, sid: str, now: float, reason: str) -> None:
         self.apply(self.schedulers[device].revoke(sid, now, reason), now, handoff_from=now)
 
-    def preempt(self, device: int, sid: str, now: float) -> None:
-        """Put the holder ``sid`` back in line without its consent (the daemon stopped it)."""
-        self.apply(self.schedulers[device].preempt(sid, now), now, handoff_from=now)
+    def preempt(self, s: Session, now: float) -> None:
+        """Put the holder ``s`` back in line without its consent (the daemon stopped it); its slice ends first."""
+        self.end_slice(s, now)
+        self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
 
     def set_weight(self, s: Session, weight: float, now: float) -> bool:
         """Client session ``s``'s share within its class is ``weight`` from now (a holder's time so
@@ -321,8 +322,7 @@ class Tokens:
         self.stats[s.device].enforced()
         if self._enforce_mode == "stop" and self.stop(s):
             self._late.stopped(s.id)
-            self.end_slice(s, now)
-            self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
+            self.preempt(s, now)
             self._metrics.enforcements.labels("stop").inc()
             self._bus.event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",
