@@ -51,9 +51,8 @@ class Tokens:
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, metrics: Metrics,
                  journal: JournalWrite, send: Send, bus: Bus, clock: Callable[[], float]) -> None:
         device_count = devices.count
-        policy = config.policy()
         self.sharing = config.sharing_for(devices.name)
-        self._policy = policy
+        self._policy = config.policy()
         self._device_total = device_count  # grant ids interleave across devices (new_scheduler)
         self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
         self._enforce_mode = config.enforce  # "stop" (SIGSTOP a verified overrunner) or "revoke"
