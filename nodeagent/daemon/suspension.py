@@ -241,10 +241,8 @@ class Suspensions:
     # ------------------------------------------------------------------ restart
 
     def restored(self, s: Session, machine: Suspension, now: float) -> None:
-        """``s`` came back from the journal with a suspension, ``machine`` (what the journal kept):
-        it is ``s``'s from now on. A request whose deadline was pending is pending again (what is
-        left of it), and one the old daemon had stopped is asked again (the restarted daemon
-        continued every process it finds stopped)."""
+        """``s`` came back from the journal with ``machine``, its suspension from now on (a deadline pending
+        stays pending); one the old daemon had stopped is asked again: this daemon continued its process."""
         if not machine.active:
             return
         self._machines[s.id] = machine
