@@ -108,7 +108,8 @@ class TokenGate:
         or held (a failed device) is forgotten too."""
         self._pending.discard(s.id)
         self._suspensions.drop_request(s)
-        self._unpark(s.id)
+        for parked in self._parked.values():
+            parked.pop(s.id, None)
         self._lost.forget(s.id)
 
     def forget(self, s: Session, now: float) -> None:
@@ -208,10 +209,6 @@ class TokenGate:
             restoring.discard(s.id)
             if not restoring:
                 self._end_restore(s.device, now)
-
-    def _unpark(self, sid: str) -> None:
-        for parked in self._parked.values():
-            parked.pop(sid, None)
 
     def _end_restore(self, device: int, now: float) -> None:
         """Close a device's restore window and make its parked requests."""

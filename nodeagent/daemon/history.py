@@ -137,12 +137,9 @@ class DeviceStats:
 
     # ------------------------------------------------------------ bucket arithmetic
 
-    def _close(self, lane: int, now: float) -> None:
-        session, name, since = self._open.pop(lane)
-        self._spread(session, name, since, now)
-
-    def _spread(self, session: str, name: str, start: float, end: float) -> None:
-        """Add the held time ``start..end`` to the buckets it covers (at most ``buckets`` of them)."""
+    def _close(self, lane: int, end: float) -> None:
+        """End ``lane``'s open slice: add its held time to the buckets it covers (at most ``buckets`` of them)."""
+        session, name, start = self._open.pop(lane)
         bs = self.bucket_s
         b = int(start // bs)
         if end <= (b + 1) * bs:  # the usual slice: within one bucket

@@ -137,8 +137,7 @@ class MemoryPolicy:
         if self._tokens.grant_of(s) is None or policy == "warn":
             return
         if policy == "stop" and self._tokens.stop(s):
-            self._tokens.end_slice(s, now)
-            self._tokens.preempt(s.device, s.id, now)
+            self._tokens.preempt(s, now)
             self._metrics.enforcements.labels("stop").inc()
         else:
             self._metrics.enforcements.labels("revoke").inc()

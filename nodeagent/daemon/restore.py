@@ -108,9 +108,6 @@ class Restorer:
         """When the journal is probed again (None: it is not pending)."""
         return self._next_retry
 
-    def on_timers(self, now: float) -> None:
-        self.retry_journal(now)
-
     # ---------------------------------------------------------- journal retry
 
     def retry_journal(self, now: float) -> None:
@@ -131,6 +128,8 @@ class Restorer:
                 writer.write(lambda j, sid=sid: j.delete_session(sid), session=sid)
             if not done:
                 return
+
+    on_timers = retry_journal  # the retry is this component's one timer
 
 
 def unrestorable(rec: SessionRecord, capacities_mb: list[int]) -> str | None:

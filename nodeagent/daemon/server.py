@@ -349,11 +349,15 @@ class AgentServer:
         try:
             step(*args)
         except Exception:
-            self.metrics.internal_errors.labels(where).inc()
-            now = time.monotonic()
-            if now - self._last_bug_log.get(where, -math.inf) >= 1.0:
-                self._last_bug_log[where] = now
-                log.exception("[%s] internal error; the daemon carries on", where)
+            self._count_bug(where, "[%s] internal error; the daemon carries on", where)
+
+    def _count_bug(self, where: str, message: str, *args) -> None:
+        """Count the exception being handled under ``where``; log it at most once a second per place."""
+        self.metrics.internal_errors.labels(where).inc()
+        now = time.monotonic()
+        if now - self._last_bug_log.get(where, -math.inf) >= 1.0:
+            self._last_bug_log[where] = now
+            log.exception(message, *args)
 
     def _shutdown(self) -> None:
         reason = self._stop_reason or "error"
@@ -556,6 +560,7 @@ class AgentServer:
     def _welcome(self, route: bytes, request_id: int, s: Session, *, resumed: bool, minor: int = 0) -> None:
         """``minor``: the client's protocol minor; fields it cannot know (``suspended`` before 2.3) stay unset."""
         policy = self._tokens.policy(s.device)
+        slice_ms = policy.quantum_s(s.workload) * 1000.0
         env = self._mps.client_env(s.id, s.device, uncapped=self._tokens.corun(s.device))
         s.mps = bool(env)  # on the device's MPS server: in its fault domain (memory_watch's Xid handling)
         if env and s.workload is not Workload.INFERENCE:
@@ -571,7 +576,7 @@ class AgentServer:
         heartbeat_ms = 0.0 if s.pidfd is not None else self.config.heartbeat_ms
         self._send(route, p.Welcome(
             id=request_id, protocol=p.PROTOCOL_VERSION, session=s.id, key=s.key, device=s.device,
-            backend=self.backend.name, slice_ms=policy.quantum_s(s.workload) * 1000.0,
+            backend=self.backend.name, slice_ms=slice_ms,
             grace_ms=policy.grace_ms, heartbeat_ms=heartbeat_ms, resumed=resumed, boot=self.boot,
             env=env, durable=self._journal_writer.durable(s.id), device_uuid=uuid,
             cuda_ordinal=welcome_ordinal(self.backend.name, uuid, env),
@@ -579,8 +584,7 @@ class AgentServer:
             suspended=resumed and self._suspensions.active(s) and minor >= 3))
         grant = self._tokens.grant_of(s) if resumed else None
         if grant is not None:
-            self._send(route, p.Grant(grant=grant, device=s.device,
-                                      slice_ms=policy.quantum_s(s.workload) * 1000.0))
+            self._send(route, p.Grant(grant=grant, device=s.device, slice_ms=slice_ms))
 
     def _on_heartbeat(self, route: bytes, msg: p.Heartbeat, frame, now: float) -> None:
         session = self._sessions.get(msg.session)
@@ -684,11 +688,9 @@ class AgentServer:
         self._status_step(job)
 
     def _status_step(self, job: _ReadJob | None = None) -> None:
-        """Build the next chunk of a status under way (``job``, else the oldest of the peer
-        whose turn it is: root's first, the others in turn a chunk at a time); send it when whole.
-        A job's time is read when it starts, not when it was queued: the schedulers refuse a
-        time older than one they have seen, and the whole reply is as of that one moment.
-        A bug costs that status (``E_INTERNAL`` with its id), never the ones behind it."""
+        """Build the next chunk of ``job``, else of the peer whose turn it is, and send the reply when whole. Its
+        time is read when it starts, not when queued: the schedulers refuse a time older than one they have seen,
+        and the reply is as of that one moment. A bug costs that status (``E_INTERNAL``), never the ones behind it."""
         if job is None:  # root's (an operator's, the device plugin's) first, then the peers in turn
             mine = self._status_jobs.get(_ROOT_KEY) or next(iter(self._status_jobs.values()))
             job = mine[0]
@@ -704,11 +706,7 @@ class AgentServer:
             self._send(job.route, done.value)
         except Exception:
             self._end_read(job)
-            self.metrics.internal_errors.labels("status").inc()
-            now = time.monotonic()
-            if now - self._last_bug_log.get("status", -math.inf) >= 1.0:  # a flood must not flood the log
-                self._last_bug_log["status"] = now
-                log.exception("[status] building a %s failed id=%d", job.kind, job.request_id)
+            self._count_bug("status", "[status] building a %s failed id=%d", job.kind, job.request_id)
             self._error(job.route, job.request_id, p.ErrorCode.INTERNAL, "internal error; see the daemon log")
 
     def _end_read(self, job: _ReadJob) -> None:

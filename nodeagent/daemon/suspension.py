@@ -53,7 +53,6 @@ class Suspensions:
         self._session_for = replies.session_for
         self._bus = bus
         self._journal = journal
-        self._pending: set[Session] = set()  # requested, deadline not yet acted on
         self._waiters: dict[str, list[tuple]] = {}  # session -> (route, request id) awaiting suspend_result
         # Sessions sent a suspend notice with no resumed report since: only their suspended and
         # resumed reports (and the host bytes they carry) are believed.
@@ -129,18 +128,16 @@ class Suspensions:
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest suspend deadline pending, or None."""
-        deadlines = (self._machine_of(s).deadline for s in self._pending)
-        return min((d for d in deadlines if d is not None), default=None)
+        return min((machine.deadline for machine in self._machines.values() if machine.pending_deadline),
+                   default=None)
 
     def on_timers(self, now: float) -> None:
         """Act on the suspend deadlines that have passed: stop verified sessions, report the rest."""
-        for s in [s for s in self._pending if self._machine_of(s).due(now)]:
-            self._pending.discard(s)
-            self._carry_out(s, self._machine(s).expire(now), now)
+        for s in [self._sessions[sid] for sid, machine in self._machines.items() if machine.due(now)]:
+            self._carry_out(s, self._machine_of(s).expire(now), now)
 
     def forget(self, s: Session, now: float) -> None:
         """``s`` ended: a suspension under way is reported ``gone`` to whoever waits on it."""
-        self._pending.discard(s)
         if s.id in self._machines:
             self._carry_out(s, self._machines[s.id].gone(now), now, journal=False)
         self._machines.pop(s.id, None)
@@ -160,7 +157,6 @@ class Suspensions:
                             "(retry when it is back)")
                 answered += 1
         self._waiters.clear()
-        self._pending.clear()
         if answered:
             log.info("[shutdown] step=suspend-requests answered=%d", answered)
 
@@ -183,7 +179,6 @@ class Suspensions:
         """Ask ``s`` to suspend within ``deadline_ms`` (requested, made room, reclaim)."""
         waiting = self._tokens.state(s.device, s.id) is SessionState.WAITING
         actions = self._machine(s).request(now, deadline_ms, reason, waiting)
-        self._pending.add(s)
         self._asked_per_device[s.device] = self._asked_per_device.get(s.device, 0) + 1
         self._carry_out(s, actions, now)
         self._bus.event("suspend", s.device, s.id, outcome="requested", reason=reason, deadline_ms=deadline_ms)
@@ -206,7 +201,6 @@ class Suspensions:
         actions = self._machine(s).suspended(now, msg.bytes_parked)
         if not actions:
             return  # resumed (or stopped, or already suspended) meanwhile
-        self._pending.discard(s)
         self._metrics.parked_bytes.inc(max(0, msg.bytes_parked))
         self._metrics.suspend_seconds.observe(max(0.0, msg.suspend_ms) / 1000.0)
         self._carry_out(s, actions, now, suspend_ms=msg.suspend_ms)
@@ -218,7 +212,6 @@ class Suspensions:
         state = self.state(s)
         if state is not SuspendState.RUNNING:
             machine = self._machine(s)
-            self._pending.discard(s)
             log.info("[suspend] resume session=%s was=%s asked=%s", s.id, state.value, machine.keep_request)
             self._carry_out(s, machine.resume(now), now)
             self._metrics.resumes.inc()
@@ -248,10 +241,8 @@ class Suspensions:
     # ------------------------------------------------------------------ restart
 
     def restored(self, s: Session, machine: Suspension, now: float) -> None:
-        """``s`` came back from the journal with a suspension, ``machine`` (what the journal kept):
-        it is ``s``'s from now on. A request whose deadline was pending is pending again (what is
-        left of it), and one the old daemon had stopped is asked again (the restarted daemon
-        continued every process it finds stopped)."""
+        """``s`` came back from the journal with ``machine``, its suspension from now on (a deadline pending
+        stays pending); one the old daemon had stopped is asked again: this daemon continued its process."""
         if not machine.active:
             return
         self._machines[s.id] = machine
@@ -259,8 +250,6 @@ class Suspensions:
         if machine.state is SuspendState.STOPPED:
             machine.state = SuspendState.RUNNING
             machine.request(now, DEFAULT_SUSPEND_DEADLINE_MS, "restart", waiting=False)
-        if machine.pending_deadline:
-            self._pending.add(s)
 
     def reattached(self, s: Session, now: float) -> None:
         """A restored session's client is back: a suspension not yet reported parked is asked of it

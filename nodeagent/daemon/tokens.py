@@ -51,9 +51,8 @@ class Tokens:
     def __init__(self, *, config: ServeConfig, devices: DeviceFacts, sessions: SessionTable, metrics: Metrics,
                  journal: JournalWrite, send: Send, bus: Bus, clock: Callable[[], float]) -> None:
         device_count = devices.count
-        policy = config.policy()
         self.sharing = config.sharing_for(devices.name)
-        self._policy = policy
+        self._policy = config.policy()
         self._device_total = device_count  # grant ids interleave across devices (new_scheduler)
         self.schedulers = [self.new_scheduler(i) for i in range(device_count)]
         self._enforce_mode = config.enforce  # "stop" (SIGSTOP a verified overrunner) or "revoke"
@@ -63,10 +62,10 @@ class Tokens:
         self._journal = journal
         self._send = send
         self._bus = bus
-        # Sub-sessions another component holds the token for (serving's queues): their actions
-        # are published (DelegatedAction) for it to carry out.
-        self._delegated: set[str] = set()
-        self._holds: dict[str, TokenHold] = {}  # client sessions' token state, by session id
+        # Client sessions' token state, by session id. A session on a scheduler without one is a
+        # sub-session another component holds the token for (serving's queues): its actions are
+        # published (DelegatedAction) for that component to carry out.
+        self._holds: dict[str, TokenHold] = {}
         self._clock = clock
         self._children: dict[tuple, object] = {}  # (family, device, class) -> its child, kept: no lookup per grant
         self._handoff_hist = [metrics.token_handoff.labels(str(i)) for i in range(device_count)]
@@ -98,16 +97,13 @@ class Tokens:
         out (published as :class:`DelegatedAction`), not a client session; ``stopped``: the journal
         says the daemon before this one left it stopped (a restored session: :meth:`cont` it)."""
         self.schedulers[device].add_session(sid, workload, weight, now)
-        if delegated:
-            self._delegated.add(sid)
-        else:
+        if not delegated:
             self._holds[sid] = TokenHold(stopped=stopped)
         self._pacing.joined(device, sid, workload)
 
     def remove(self, device: int, sid: str, now: float) -> None:
         """``sid`` left the device: a token it held passes on at once."""
         self._late.forget(sid)
-        self._delegated.discard(sid)
         self.apply(self.schedulers[device].remove_session(sid, now), now, handoff_from=now)
         self._pacing.drop(sid)
         self._holds.pop(sid, None)
@@ -154,9 +150,10 @@ class Tokens:
     def revoke(self, device: int, sid: str, now: float, reason: str) -> None:
         self.apply(self.schedulers[device].revoke(sid, now, reason), now, handoff_from=now)
 
-    def preempt(self, device: int, sid: str, now: float) -> None:
-        """Put the holder ``sid`` back in line without its consent (the daemon stopped it)."""
-        self.apply(self.schedulers[device].preempt(sid, now), now, handoff_from=now)
+    def preempt(self, s: Session, now: float) -> None:
+        """Put the holder ``s`` back in line without its consent (the daemon stopped it); its slice ends first."""
+        self.end_slice(s, now)
+        self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
 
     def set_weight(self, s: Session, weight: float, now: float) -> bool:
         """Client session ``s``'s share within its class is ``weight`` from now (a holder's time so
@@ -274,7 +271,7 @@ class Tokens:
     def apply(self, actions: list, now: float, handoff_from: float | None = None) -> None:
         """Carry out scheduler actions: notices to clients, metrics, enforcement."""
         for action in actions:
-            if action.session in self._delegated:  # a client's server-side inference queue
+            if action.session not in self._holds:  # delegated: a client's server-side inference queue
                 self._note_delegated(action, now)
                 self._bus.publish(DelegatedAction(action, now))
                 continue
@@ -324,8 +321,7 @@ class Tokens:
         self.stats[s.device].enforced()
         if self._enforce_mode == "stop" and self.stop(s):
             self._late.stopped(s.id)
-            self.end_slice(s, now)
-            self.apply(self.schedulers[s.device].preempt(s.id, now), now, handoff_from=now)
+            self.preempt(s, now)
             self._metrics.enforcements.labels("stop").inc()
             self._bus.event("preempt", s.device, s.id, grant=action.grant, reason="overrun", action="stop")
             log.warning("[token] enforce session=%s grant=%d overrun_ms=%.1f action=stop pid=%s pgid=%s",

@@ -74,8 +74,9 @@ class RecordingTokens:
     def revoke(self, device, sid, now, reason):
         self.h._apply(self.schedulers[device].revoke(sid, now, reason), now)
 
-    def preempt(self, device, sid, now):
-        self.h._apply(self.schedulers[device].preempt(sid, now), now)
+    def preempt(self, s, now):
+        self.end_slice(s, now)
+        self.h._apply(self.schedulers[s.device].preempt(s.id, now), now)
 
     def request(self, device, sid, now, waiting_since=None):
         self.h._apply(self.schedulers[device].request(sid, now, waiting_since=waiting_since), now)

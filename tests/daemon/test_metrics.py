@@ -309,7 +309,7 @@ def test_the_label_values_started_at_0_are_those_the_daemon_uses():
 
     daemon = REPO / "nodeagent" / "daemon"
     code = "\n".join(path.read_text() for path in daemon.glob("*.py"))
-    places = set(re.findall(r'_contain\("([\w-]+)"', code)) | set(
+    places = set(re.findall(r'_(?:contain|count_bug)\("([\w-]+)"', code)) | set(
         re.findall(r'internal_errors\.labels\("([\w-]+)"\)', code)) | set(
         re.findall(r'_dispatch\([^)]*?"([\w-]+)",', code))
     assert places and places <= set(metrics.INTERNAL_ERROR_PLACES), sorted(places - set(metrics.INTERNAL_ERROR_PLACES))

@@ -172,3 +172,25 @@ def test_a_wait_kept_through_a_make_room_block_is_the_one_the_tokens_component_t
         assert granted == [("i", pytest.approx(2000.0))]
     finally:
         sessions.close()
+
+
+def test_a_preempted_holder_holds_no_grant_and_its_slice_is_counted():
+    """``Tokens.preempt`` (a stop for memory or an overrun) ends the holder's slice before it goes
+    back in line: the next session is granted, and the stopped one holds nothing."""
+    from nodeagent.daemon.bus import Bus, SliceEnded
+    from nodeagent.daemon.sessions import SessionTable
+    from tests.daemon_parts import make_tokens
+
+    sessions, bus, ended = SessionTable(), Bus(), []
+    bus.subscribe(SliceEnded, ended.append)
+    tokens = make_tokens(sessions=sessions, bus=bus, clock=lambda: 1.0)
+    a, b = _session("a", Workload.TRAINING), _session("b", Workload.TRAINING)
+    for s in (a, b):
+        tokens.add(0, s.id, s.workload, s.weight, 0.0)
+        sessions.add(s)
+    tokens.request(0, "a", 0.0)
+    tokens.request(0, "b", 0.1)
+    assert tokens.grant_of(a) is not None and tokens.grant_of(b) is None
+    tokens.preempt(a, 2.0)
+    assert tokens.grant_of(a) is None and tokens.grant_of(b) is not None
+    assert [(event.session.id, event.held_s) for event in ended] == [("a", 2.0)]
