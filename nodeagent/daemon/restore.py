@@ -73,7 +73,7 @@ class Restorer:
                 id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
                 verified_pid=rec.verified_pid, start_ticks=rec.start_ticks, uid=rec.uid,
                 workload=Workload.parse(rec.workload), weight=rec.weight, device=rec.device,
-                memory_mb=rec.memory_mb, created=now, last_seen=now, borrower=rec.borrower)
+                memory_mb=rec.memory_mb, last_seen=now, borrower=rec.borrower)
             if rec.managed_pgid is not None and rec.verified_pid is not None and \
                     enforce.verify_managed_pgid(rec.managed_pgid, rec.verified_pid) is None:
                 session.managed_pgid = rec.managed_pgid

@@ -519,7 +519,7 @@ class AgentServer:
             start_ticks=procwatch.process_start_ticks(verified_pid) if verified_pid else None,
             uid=creds.uid if creds is not None else None, namespaces=creds.namespaces if creds is not None else None,
             workload=workload, weight=float(msg.weight), device=device, memory_mb=msg.memory_mb,
-            created=now, last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
+            last_seen=now, managed_pgid=msg.managed_pgid if managed_pidfd else None,
             managed_pidfd=managed_pidfd, managed_cgroup=managed_cgroup, borrower=msg.borrower, slo_ms=msg.slo_ms)
         self._add_session(session, now)
         if verified_pid is not None and verified_pid != msg.pid:

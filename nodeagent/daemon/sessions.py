@@ -30,7 +30,6 @@ class Session:
     weight: float
     device: int
     memory_mb: int
-    created: float
     last_seen: float
     namespaces: tuple | None = None  # its peer's, at hello (procwatch.PeerCredentials.namespaces)
     pidfd: int | None = None

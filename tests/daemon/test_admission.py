@@ -49,8 +49,7 @@ class Node:
     def join(self, sid: str, device: int, workload: Workload = Workload.TRAINING, memory_mb: int = 0,
              suspending: bool = False) -> Session:
         s = Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                    uid=0, workload=workload, weight=1.0, device=device, memory_mb=memory_mb, created=NOW,
-                    last_seen=NOW)
+                    uid=0, workload=workload, weight=1.0, device=device, memory_mb=memory_mb, last_seen=NOW)
         self.sessions.add(s)
         self.tokens.add(device, sid, workload, 1.0, NOW)
         if suspending:  # asked to suspend: its state is about to be in host memory

@@ -45,7 +45,7 @@ class Clock:
 def _session(sid: str, *, borrower: str | None, workload: str = "training", device: int = 0) -> Session:
     return Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None,
                    start_ticks=None, uid=None, workload=Workload.parse(workload), weight=1.0, device=device,
-                   memory_mb=0, created=0.0, last_seen=0.0, borrower=borrower)
+                   memory_mb=0, last_seen=0.0, borrower=borrower)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from tests.daemon.cluster_stepped import PLACEMENT
 
 def _borrower_session(sessions: SessionTable, schedulers, sid: str, borrower: str, device: int = 0) -> Session:
     s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=None, workload=Workload.parse("training"), weight=1.0, device=device, memory_mb=0, created=0.0,
+                uid=None, workload=Workload.parse("training"), weight=1.0, device=device, memory_mb=0,
                 last_seen=0.0, borrower=borrower)
     schedulers[device].add_session(s.id, s.workload, s.weight, 0.0)
     sessions.add(s)

@@ -41,7 +41,7 @@ def sessions():
 
 def add(sessions: SessionTable, sid: str, workload: Workload = Workload.TRAINING) -> Session:
     s = Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None, uid=None,
-                workload=workload, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+                workload=workload, weight=1.0, device=0, memory_mb=0, last_seen=0.0)
     sessions.add(s)
     return s
 

@@ -213,7 +213,7 @@ class Clock:
 
 def job_session(sid: str, job: str | None, workload: Workload = Workload.TRAINING) -> Session:
     return Session(id=sid, key="k", route=None, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                   uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0,
+                   uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, last_seen=0.0,
                    borrower=job)
 
 

@@ -52,7 +52,7 @@ def disk(tmp_path):
 def _session(sid: str) -> Session:
     return Session(id=sid, key="k", route=None, name=f"job-{sid}", claimed_pid=7, verified_pid=None,
                    start_ticks=None, uid=1000, workload=Workload.INFERENCE, weight=2.5, device=0, memory_mb=300,
-                   created=0.0, last_seen=0.0, borrower="job-7")
+                   last_seen=0.0, borrower="job-7")
 
 
 def _health(event) -> dict | None:

@@ -150,7 +150,7 @@ class Harness:
     def add(self, sid: str, device: int = 0, *, memory_mb: int = 100, pid: int | None = None) -> Session:
         s = Session(id=sid, key="k", route=f"route-{sid}", name=sid, claimed_pid=pid or 1, verified_pid=pid,
                     start_ticks=None, uid=0, workload=Workload.TRAINING, weight=1.0, device=device,
-                    memory_mb=memory_mb, created=0.0, last_seen=0.0)
+                    memory_mb=memory_mb, last_seen=0.0)
         self.schedulers[device].add_session(sid, s.workload, s.weight, 0.0)
         self.sessions.add(s)
         return s

@@ -122,7 +122,7 @@ def test_this_host_is_read_as_it_is():
 
 def session(sid: str, pid: int | None, memory_mb: int = 100, managed_pgid: int | None = None) -> Session:
     return Session(id=sid, key="k", route=None, name=sid, claimed_pid=pid or 1, verified_pid=pid, start_ticks=None,
-                   uid=0, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=memory_mb, created=0.0,
+                   uid=0, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=memory_mb,
                    last_seen=0.0, managed_pgid=managed_pgid)
 
 

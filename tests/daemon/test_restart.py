@@ -422,7 +422,7 @@ class _StaleRow:
                                  suspensions=self.suspensions, gate=gate)
         self.s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None,
                          start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0,
-                         created=0.0, last_seen=0.0)
+                         last_seen=0.0)
         self.tokens.add(0, self.s.id, self.s.workload, self.s.weight, 0.0, stopped=stopped)
         self.sessions.add(self.s)
 

@@ -140,7 +140,7 @@ def test_each_boot_counts_up_and_grant_ids_continue_above_the_old_daemons(daemon
         assert d.restorer.restore(0.0) == boot
         d.add_session(Session(id=f"s-{boot}", key="k", route=None, name="n", claimed_pid=1, verified_pid=None,
                               start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=1,
-                              memory_mb=0, created=0.0, last_seen=0.0), 0.0)
+                              memory_mb=0, last_seen=0.0), 0.0)
         d.tokens.request(1, f"s-{boot}", 0.0)
         assert boot << 32 < d.tokens.grant_of(d.sessions[f"s-{boot}"]) < (boot << 32) + 16  # above every older boot's
 
@@ -157,7 +157,7 @@ def test_a_journalled_session_comes_back_as_it_was_written_and_joins_mps(daemons
     assert (s.route, s.name, s.key, s.verified_pid, s.start_ticks, s.uid) == (None, "name-s-live", "key-s-live",
                                                                              pid, ticks, os.getuid())
     assert (s.workload, s.weight, s.device, s.memory_mb, s.borrower) == (Workload.INFERENCE, 2.5, 1, 300, "job-7")
-    assert (s.created, s.last_seen, new.tokens.stopped(s)) == (50.0, 50.0, False)
+    assert (s.last_seen, new.tokens.stopped(s)) == (50.0, False)
     assert s.pidfd is not None  # watched again: its exit ends it
     assert "s-unverified" in new.sessions  # a claimed pid alone is restored too (nothing to check)
     assert new.tokens.state(1, "s-live") is SessionState.IDLE and new.tokens.on_device(0, "s-unverified")
@@ -295,7 +295,7 @@ def stale_world(daemons):
         d.journal.put_session(rec)
         d.add_session(Session(id=rec.id, key=rec.key, route=None, name=rec.name, claimed_pid=rec.claimed_pid,
                               verified_pid=None, start_ticks=None, uid=None, workload=Workload.TRAINING,
-                              weight=1.0, device=0, memory_mb=100, created=0.0, last_seen=0.0), 0.0)
+                              weight=1.0, device=0, memory_mb=100, last_seen=0.0), 0.0)
     d.journal.full = True
     d.sessions["s-kept"].weight = 3.0
     assert not d.writer.put_session(d.sessions["s-kept"])

@@ -78,8 +78,7 @@ def _serving():
 
 def _client(sessions: SessionTable, tokens, sid: str, workload: str, uid: int | None = None) -> Session:
     s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=uid, workload=Workload.parse(workload), weight=1.0, device=0, memory_mb=0, created=0.0,
-                last_seen=0.0)
+                uid=uid, workload=Workload.parse(workload), weight=1.0, device=0, memory_mb=0, last_seen=0.0)
     sessions.add(s)
     tokens.add(0, sid, s.workload, s.weight, 0.0)
     return s

@@ -13,8 +13,7 @@ from tests.conftest import wait_for
 
 def _session(sid: str, pid: int | None, route=None) -> Session:
     return Session(id=sid, key="k", route=route, name=sid, claimed_pid=pid or 1, verified_pid=pid, start_ticks=None,
-                   uid=0, workload=Workload.parse("training"), weight=1.0, device=0, memory_mb=0, created=0.0,
-                   last_seen=0.0)
+                   uid=0, workload=Workload.parse("training"), weight=1.0, device=0, memory_mb=0, last_seen=0.0)
 
 
 def test_sessions_are_found_by_id_route_and_exited_process():

@@ -40,7 +40,7 @@ def _server(workdir: str, idle_sessions: int) -> tuple[AgentServer, RecordingLoc
 
 def _add(server: AgentServer, sid: str, route, now: float) -> Session:
     s = Session(id=sid, key="k", route=route, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=0, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=now, last_seen=now)
+                uid=0, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, last_seen=now)
     server._add_session(s, now)
     return s
 

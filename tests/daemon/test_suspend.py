@@ -210,7 +210,7 @@ def test_suspensions_can_be_stepped_by_hand_and_a_missed_deadline_of_an_unverifi
     scheduler = TokenScheduler(0, config.policy())
     sessions = SessionTable()
     s = Session(id="s-t", key="k", route="trainer", name="t", claimed_pid=1, verified_pid=None, start_ticks=None,
-                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+                uid=None, workload=Workload.TRAINING, weight=1.0, device=0, memory_mb=0, last_seen=0.0)
     scheduler.add_session(s.id, s.workload, s.weight, 0.0)
     sessions.add(s)
     sent, finished, stop_asked = [], [], []
@@ -314,7 +314,7 @@ def test_sessions_a_make_room_suspension_blocked_ask_before_its_end_reaches_a_re
 
     def add(sid, workload):
         s = Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                    uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, created=0.0, last_seen=0.0)
+                    uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, last_seen=0.0)
         sessions.add(s)
         return s
 
@@ -467,7 +467,7 @@ def test_a_waiting_session_asked_to_suspend_leaves_the_line_and_its_wait_is_no_l
         suspensions = make_suspensions(sessions=sessions, tokens=tokens)
         holder, waiter = (Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None,
                                   start_ticks=None, uid=None, workload=Workload.TRAINING, weight=1.0, device=0,
-                                  memory_mb=0, created=0.0, last_seen=0.0) for sid in ("s-hold", "s-wait"))
+                                  memory_mb=0, last_seen=0.0) for sid in ("s-hold", "s-wait"))
         for s in (holder, waiter):
             sessions.add(s)
             tokens.add(0, s.id, s.workload, s.weight, 0.5)

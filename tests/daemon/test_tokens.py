@@ -36,7 +36,7 @@ def test_grant_ids_are_unique_per_boot_across_devices(workdir, sharing):
         for workload in (Workload.TRAINING, Workload.INFERENCE, Workload.TRAINING):
             sid = f"s{device}-{len(sessions)}"
             s = Session(id=sid, key="k", route=sid, name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                        uid=0, workload=workload, weight=1.0, device=device, memory_mb=0, created=now, last_seen=now)
+                        uid=0, workload=workload, weight=1.0, device=device, memory_mb=0, last_seen=now)
             server._add_session(s, now)
             sessions.append(s)
     for _ in range(20):  # every session asks, is granted in turn and releases, over and over
@@ -59,7 +59,7 @@ def test_grant_ids_are_unique_per_boot_across_devices(workdir, sharing):
 
 def _session(sid: str, workload: Workload, now: float = 0.0) -> Session:
     return Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None, start_ticks=None,
-                   uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, created=now, last_seen=now)
+                   uid=None, workload=workload, weight=1.0, device=0, memory_mb=0, last_seen=now)
 
 
 def test_a_best_effort_holder_on_a_corun_device_leaves_the_pace_board_written(tmp_path):

@@ -123,7 +123,7 @@ def test_a_serving_queue_counts_in_its_devices_history():
     try:
         owner = Session(id="s-owner", key="k", route="r", name="ranker", claimed_pid=1, verified_pid=None,
                         start_ticks=None, uid=0, workload=Workload.INFERENCE, weight=1.0, device=0, memory_mb=0,
-                        created=0.0, last_seen=0.0)
+                        last_seen=0.0)
         sessions.add(owner)
         scheduler = tokens.schedulers[0]
         tokens.add(0, "s-owner:serve", Workload.INFERENCE, 1.0, 0.0, delegated=True)

@@ -426,7 +426,7 @@ def _tokens_with(*specs, duty: str = "adaptive"):
     for sid, workload, slo_ms in specs:
         s = Session(id=sid, key="k", route=f"conn-{sid}", name=sid, claimed_pid=1, verified_pid=None,
                     start_ticks=None, uid=None, workload=Workload.parse(workload), weight=1.0, device=0,
-                    memory_mb=0, created=0.0, last_seen=0.0, slo_ms=slo_ms)
+                    memory_mb=0, last_seen=0.0, slo_ms=slo_ms)
         sessions.add(s)
         tokens.add(0, sid, s.workload, 1.0, 0.0)
         made[sid] = s
