@@ -10,7 +10,6 @@ import itertools
 import logging
 import threading
 import time
-from contextlib import suppress
 from typing import Callable
 
 from client_lib import codec, framing
@@ -66,8 +65,10 @@ class Transport:
             conn = self.conn
             if conn is None:
                 return
-            with suppress(ConnectionError):  # then conn.closed_by_peer is set: the daemon is gone
+            try:  # not contextlib.suppress: 0.3 us more on every release and request
                 conn.send(codec.encode(kind(id=self.take_id(), **fields)))
+            except ConnectionError:
+                pass  # conn.closed_by_peer is set: the daemon is gone
 
     def call(self, req: p.ClientMessage, timeout: float, pump: Callable[[int], object],
              handshake: bool = False) -> p.DaemonMessage:
