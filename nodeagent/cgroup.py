@@ -134,6 +134,11 @@ class Cgroup:
         """Move ``pid`` (all its threads) in; OSError as the kernel refuses it."""
         _write_fd_at(self._dirfd, "cgroup.procs", str(pid))
 
+    def eject(self, pid: int) -> None:
+        """Move ``pid`` back to the parent cgroup (it was adopted, and must not stay)."""
+        with open(os.path.join(os.path.dirname(self.path), "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
     def freeze(self) -> None:
         """Start freezing (every process, every thread); :meth:`stop` also waits for it."""
         os.write(self._freeze_fd, b"1")

@@ -8,6 +8,7 @@ v1 only, no permission to create one or move a process into it, no freezer).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -39,8 +40,7 @@ def _probe() -> str | None:
     os.close(r)
     try:
         cg.adopt(pid)
-        with open(os.path.join(os.path.dirname(cg.path), "cgroup.procs"), "w") as f:
-            f.write(str(pid))  # and back to the parent: it must not stay
+        cg.eject(pid)  # and back to the parent: it must not stay
     except OSError as exc:
         return f"cannot move a process into {cg.path}: {exc.strerror}"
     finally:
@@ -208,6 +208,46 @@ def test_without_a_cgroup_auto_falls_back_to_the_group_and_require_refuses(monke
     assert type(hold) is Hold and hold.pgid == 4321 and "cgroup v1 only" in hold.describe()
     assert choose_hold(4321, "require") is None
     assert "--cgroup off" in choose_hold(4321, "off").describe()
+
+
+def test_a_cgroup_that_cannot_freeze_gives_cmd_back_and_falls_back_to_the_group(monkeypatch, tmp_path):
+    """CMD adopted, then the freeze refused: the launcher moves CMD back to its own cgroup (the
+    real Cgroup.eject, writing the parent's cgroup.procs), closes and removes what it made, and
+    holds CMD by its process group (auto) or refuses (require), with no traceback."""
+    parent = tmp_path / "launcher"
+    (parent / "nodeagent-run").mkdir(parents=True)
+    (parent / "cgroup.procs").write_text("")
+    done = []
+
+    class Outer(cgroup.Cgroup):
+        def __init__(self) -> None:  # no files opened: only eject's write is real
+            self.path, self.name = str(parent / "nodeagent-run"), "/launcher/nodeagent-run"
+
+        def sub(self, name):
+            return Inner()
+
+        def remove(self):
+            done.append("outer removed")
+            return True
+
+    class Inner:
+        path = str(parent / "nodeagent-run" / "cmd")
+
+        def adopt(self, pid):
+            done.append(f"adopted {pid}")
+
+        def stop(self, timeout_s):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+
+        def close(self):
+            done.append("inner closed")
+
+    monkeypatch.setattr(cgroup, "create_child", lambda name, hierarchy=None: Outer())
+    hold = choose_hold(4321, "auto")
+    assert type(hold) is Hold and hold.pgid == 4321 and "cannot freeze" in hold.describe()
+    assert (parent / "cgroup.procs").read_text() == "4321"  # given back before the directory goes
+    assert done == ["adopted 4321", "inner closed", "outer removed"]
+    assert choose_hold(4321, "require") is None
 
 
 # ------------------------------------------------------------- the daemon's check
