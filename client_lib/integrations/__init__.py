@@ -12,12 +12,14 @@ class TrainingTurns:
     """What every callback does, apart from its framework's hook names (:meth:`start`, :meth:`step_end`,
     :meth:`end`). ``hold_token``: hold the token for the whole fit (as ``with client.slice():`` does),
     so ``yield_point()`` also hands it over in turns. ``park_state``: on a suspend, park the model and
-    optimizers in host memory (otherwise only the token is given up and the memory stays)."""
+    optimizers in host memory (otherwise only the token is given up and the memory stays). ``pace``:
+    place a :class:`client_lib.torch.Pacer` on the modules (co-run pause points)."""
 
-    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True) -> None:
+    def __init__(self, client, *, hold_token: bool = True, park_state: bool = True, pace: bool = True) -> None:
         self.client = client
         self.hold_token = hold_token
         self.park_state = park_state
+        self.pace = pace
         self.yielder = None
         self.pacer = None
         self._slice = None
@@ -32,7 +34,7 @@ class TrainingTurns:
         if self.park_state and self.yielder is None:
             from client_lib.torch import Yielder  # torch only once a framework runs
             self.yielder = Yielder(self.client, modules=modules, optimizers=self._optimizers)
-        if self.pacer is None:
+        if self.pace and self.pacer is None:
             from client_lib.torch import Pacer
             self.pacer = Pacer(self.client, modules, self._optimizers)
         if self.hold_token:
