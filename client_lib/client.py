@@ -241,13 +241,15 @@ class Client:
         that lower classes pause only while it would miss its target (docs/architecture.md, Co-run)."""
         self._check_open()
         if self._grant is None:
-            self._transport.send_quiet(p.Acquire, quiet=True, **_queue_fields(waiting, oldest_arrival))
+            transport = self._transport
+            transport.send_quiet(p.Acquire(id=transport.take_id(), quiet=True,
+                                           **_queue_fields(waiting, oldest_arrival)))
 
     def cancel(self) -> None:
         """Withdraw a request made with :meth:`request` (a no-op when holding or not waiting)."""
         self._check_open()
         if self._grant is None:
-            self._transport.send_quiet(p.Cancel)
+            self._transport.send_quiet(p.Cancel(id=self._transport.take_id()))
 
     def release(self, requeue: bool = False, *, waiting: int | None = None,
                 oldest_arrival: float | None = None) -> None:
@@ -260,8 +262,9 @@ class Client:
         grant, self._grant = self._grant, None
         self._yield_requested = False
         # The daemon first, before reading anything: the next holder waits on its grant.
-        self._transport.send_quiet(p.Release, grant=grant, requeue=requeue, quiet=True,
-                                   **_queue_fields(waiting, oldest_arrival))
+        transport = self._transport
+        transport.send_quiet(p.Release(id=transport.take_id(), grant=grant, requeue=requeue, quiet=True,
+                                       **_queue_fields(waiting, oldest_arrival)))
         self._pump(0)
 
     @contextmanager
@@ -439,7 +442,7 @@ class Client:
         self._suspend_requested = False  # a resume that already came stays noted: no wait then
         host_bytes, host_pinned = self._host_held()
         report = dict(bytes_parked=bytes_parked, suspend_ms=suspend_ms, host_bytes=host_bytes, host_pinned=host_pinned)
-        self._transport.send_quiet(p.Suspended, **report)
+        self._transport.send_quiet(p.Suspended(id=self._transport.take_id(), **report))
         log.info("[client] suspended bytes_parked=%d suspend_ms=%.1f host_bytes=%d", bytes_parked, suspend_ms,
                  host_bytes)
         generation = self._generation
@@ -452,7 +455,7 @@ class Client:
                     break
                 generation = self._generation
                 self._suspend_requested = False
-                self._transport.send_quiet(p.Suspended, **report)
+                self._transport.send_quiet(p.Suspended(id=self._transport.take_id(), **report))
             if not self._pump(POLL_SLICE_MS):
                 self._check_daemon()
         started = time.perf_counter()
@@ -462,7 +465,8 @@ class Client:
         self._resume_received = False
         self.last_suspend = (bytes_parked, suspend_ms, resume_ms)
         if self._transport.conn is not None:
-            self._transport.send_quiet(p.Resumed, resume_ms=resume_ms, host_bytes=self._host_held()[0])
+            self._transport.send_quiet(p.Resumed(id=self._transport.take_id(), resume_ms=resume_ms,
+                                                 host_bytes=self._host_held()[0]))
         log.info("[client] resumed resume_ms=%.1f", resume_ms)
         if was_in_slice and not self._unmanaged:
             self.request()
@@ -658,7 +662,7 @@ class Client:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._transport.send_quiet(p.Cancel)
+                    self._transport.send_quiet(p.Cancel(id=self._transport.take_id()))
                     raise GrantTimeoutError(f"no grant within {timeout} s on device {self.device}")
                 remaining_ms = min(remaining_ms, max(1, int(remaining * 1000)))
             if not self._pump(remaining_ms):
@@ -785,7 +789,8 @@ class Client:
     def _heartbeat_if_due(self, now: float) -> None:
         """Under the I/O lock: the heartbeat an unwatched session owes, if it is due."""
         if self._next_heartbeat is not None and self._next_heartbeat <= now and self.welcome is not None:
-            self._transport.send_quiet(p.Heartbeat, session=self.welcome.session, key=self.welcome.key)
+            self._transport.send_quiet(p.Heartbeat(id=self._transport.take_id(), session=self.welcome.session,
+                                                   key=self.welcome.key))
             self._next_heartbeat = now + self.welcome.heartbeat_ms / 1000.0
 
 

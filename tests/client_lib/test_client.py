@@ -98,7 +98,7 @@ def test_an_error_reply_to_a_request_sent_without_waiting_is_raised_at_the_next_
     from client_lib import DaemonError
     from client_lib import protocol as p
     with Client("quiet", endpoint=inproc_daemon.endpoint) as client:
-        client._transport.send_quiet(p.Acquire, quiet=True, waiting=-1)
+        client._transport.send_quiet(p.Acquire(id=client._transport.take_id(), quiet=True, waiting=-1))
         with pytest.raises(DaemonError, match="E_INVALID") as caught:
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:

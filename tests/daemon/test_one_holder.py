@@ -126,7 +126,7 @@ class OneHolder(RuleBasedStateMachine):
         self.liar._yield_requested = False
         top = max(self.seen)
         for g in sorted(self.seen | {top + 1, top + 2, top + 3}):  # E_NOT_HOLDER for all but its own
-            self.liar._transport.send_quiet(p.Release, grant=g, quiet=True)
+            self.liar._transport.send_quiet(p.Release(id=self.liar._transport.take_id(), grant=g, quiet=True))
 
     # ------------------------------------------------------------ the invariant
 
