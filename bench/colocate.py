@@ -64,7 +64,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from bench.common import log, percentile, positive_float, positive_int, rounded, stop_process, wait_for_daemon
+from bench.common import (interrupts_held, log, percentile, positive_float, positive_int, rounded, stop_process,
+                          wait_for_daemon)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bench/models.py's names (tests/bench/test_bench_colocate.py keeps them equal): the driver imports no torch.
@@ -226,9 +227,11 @@ class Child:
         argv = [sys.executable, "-m", "bench.colocate", "--worker", role, "--spec", json.dumps(spec)]
         # Its own session: a Ctrl-C reaches only the driver, which stops the children in order.
         self._threads: list[threading.Thread] = []
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env, cwd=REPO, text=True, bufsize=1, start_new_session=True)
-        LIVE.add(self)
+        with interrupts_held():  # a Ctrl-C inside Popen would leave a process LIVE does not hold
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1,
+                                         start_new_session=True)
+            LIVE.add(self)
         self._threads = [threading.Thread(target=fn, daemon=True, name=f"colocate-{role}-{what}")
                          for what, fn in (("out", self._read_out), ("err", self._read_err))]
         for t in self._threads:
@@ -433,10 +436,11 @@ def nodeagent_daemon(mode: Mode, run: Run) -> Iterator[tuple[str, str]]:
     endpoint = f"ipc://{workdir}/agent.sock"
     args = daemon_args(mode, run, workdir, endpoint)
     log_path = os.path.join(workdir, "daemon.log")
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_env(), cwd=REPO, start_new_session=True)
+    proc = None
     try:
+        with open(log_path, "ab") as out, interrupts_held():  # a Ctrl-C inside Popen would lose the daemon
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=child_env(), cwd=REPO, start_new_session=True)
         try:
             wait_for_daemon(endpoint, _DAEMON_START_S, proc)
         except RuntimeError as exc:
@@ -444,7 +448,7 @@ def nodeagent_daemon(mode: Mode, run: Run) -> Iterator[tuple[str, str]]:
         yield endpoint, log_path
     finally:
         stop_process(proc)
-        if proc.returncode not in (0, -signal.SIGTERM):
+        if proc is not None and proc.returncode not in (0, -signal.SIGTERM):
             log(f"[colocate] {mode.name}: the daemon exited {proc.returncode}: {_last_line(log_path)}")
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -167,6 +167,28 @@ def _stop_daemon(handle: DaemonHandle) -> None:
     stop_process(handle.proc)
 
 
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a child process starts and is recorded; they land after.
+
+    A signal caught inside ``subprocess.Popen``, after the fork and before it returns, leaves a
+    process no one holds: one started in its own session never sees the Ctrl-C and outlives the
+    driver. Only the main thread handles signals, so elsewhere this holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)  # to the handler it would have reached
+
+
 def stop_process(proc: subprocess.Popen | None, timeout_s: float = _STOP_TIMEOUT_S) -> None:
     """SIGTERM, then SIGKILL if it is still there after ``timeout_s``."""
     if proc is None or proc.poll() is not None:

@@ -302,6 +302,55 @@ def test_a_child_interrupted_while_its_readers_start_is_still_stopped():
         colocate.LIVE.discard(child)
 
 
+def _popen_then_ctrl_c(made: list):
+    """A Popen that starts a process which waits on stdin, then takes a Ctrl-C before it returns."""
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        proc = real([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        made.append(proc)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.05)  # the handler runs here, inside Popen, as a Ctrl-C at that moment does
+        return proc
+    return popen
+
+
+def test_a_ctrl_c_inside_a_childs_popen_still_leaves_it_for_close_live_to_stop(monkeypatch):
+    """CI caught a corun-free inference worker alive after the driver said it had stopped
+    everything: the Ctrl-C had landed inside Popen, after the fork, before the child was in LIVE."""
+    made: list[subprocess.Popen] = []
+    monkeypatch.setattr(subprocess, "Popen", _popen_then_ctrl_c(made))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            colocate.Child("corun-free", "inference", {}, {})
+        assert [c.proc for c in colocate.LIVE] == made
+        colocate.close_live()
+        assert made[0].poll() is not None and not colocate.LIVE
+    finally:
+        for proc in made:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        colocate.LIVE.clear()
+
+
+def test_a_ctrl_c_inside_the_daemons_popen_still_stops_the_daemon(monkeypatch):
+    made: list[subprocess.Popen] = []
+    monkeypatch.setattr(subprocess, "Popen", _popen_then_ctrl_c(made))
+    monkeypatch.setattr(colocate, "daemon_args", lambda *args: ["unused"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with colocate.nodeagent_daemon(None, None):
+                pytest.fail("the Ctrl-C came before the daemon was up")
+        assert len(made) == 1 and made[0].poll() is not None
+    finally:
+        for proc in made:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
 def test_a_worker_told_to_stop_before_it_is_ready_exits_without_starting_up():
     """A mode that fails (its other worker killed) or is interrupted closes a worker that may
     still be importing torch: it exits then, and never builds, warms up and says ready."""
