@@ -8,7 +8,6 @@ detail: docs/internals.md.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -312,8 +311,7 @@ class ClusterEndpoint:
         """Stop polling ``sock`` and close it (None: nothing to do); whether it was open."""
         if sock is None:
             return False
-        with contextlib.suppress(KeyError):  # unregistered already
-            self._poller.unregister(sock)
+        self._poller.unregister(sock)  # one unregistered already is let be
         sock.close(linger=_SHUTDOWN_LINGER_MS)
         return True
 

@@ -6,7 +6,6 @@ control daemons (:class:`nodeagent.mps.MpsControl`) and the partition tables
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Callable
@@ -106,8 +105,7 @@ class MpsPartitions:
 
     def _unwatch(self, fd: int) -> None:
         self._by_fd.pop(fd, None)
-        with contextlib.suppress(KeyError):
-            self._poller.unregister(fd)
+        self._poller.unregister(fd)  # one not watched is let be
 
     # -------------------------------------------------------------- sessions
 

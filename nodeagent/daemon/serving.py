@@ -6,7 +6,6 @@ token actions come to it as :class:`nodeagent.daemon.bus.DelegatedAction` events
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -226,8 +225,7 @@ class Serving:
         for fd in removed:
             if fd in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.discard(fd)
-                with contextlib.suppress(KeyError):  # unregistered already
-                    self._poller.unregister(fd)
+                self._poller.unregister(fd)  # one unregistered already is let be
         for fd in added:
             if fd not in self._poll_fds_of_pool:
                 self._poll_fds_of_pool.add(fd)
