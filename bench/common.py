@@ -174,11 +174,12 @@ def interrupts_held() -> Iterator[None]:
     A signal caught inside ``subprocess.Popen``, after the fork and before it returns, leaves a
     process no one holds: one started in its own session never sees the Ctrl-C and outlives the
     driver. Only the main thread handles signals, so elsewhere this holds nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    held = (signal.SIGINT, signal.SIGTERM)
+    # None: a handler set outside Python, which signal.signal could not put back.
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, held):
         yield
         return
     caught: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
     before = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum)) for signum in held}
     try:
         yield

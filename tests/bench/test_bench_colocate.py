@@ -310,8 +310,7 @@ def _popen_then_ctrl_c(made: list):
         proc = real([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         made.append(proc)
-        signal.raise_signal(signal.SIGINT)
-        time.sleep(0.05)  # the handler runs here, inside Popen, as a Ctrl-C at that moment does
+        signal.raise_signal(signal.SIGINT)  # its handler runs before this returns: inside Popen
         return proc
     return popen
 
